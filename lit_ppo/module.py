@@ -1,0 +1,406 @@
+"""PPOModule: actor, critic and reference model trained with manual optimization.
+
+One `training_step` is one rollout step:
+  1. pull the rollout batch from the data module (vLLM generates it with the current weights),
+  2. experience: old log-probs, reference log-probs and values, computed once, then advantages,
+  3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
+     each accumulated over micro-batches of `micro_train_batch_size`, one optimizer step each,
+  4. check that the actor and the critic took exactly the optimizer steps the plan says,
+  5. push the actor's weights into vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from lit_ppo import algorithms as algo
+from lit_ppo.plan import PPOConfig, StepPlan
+
+
+class StepAccountingError(RuntimeError):
+    """The run did something other than what the plan said."""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [B, P+T] prompt left-padded, response right-padded
+    attention_mask: Tensor  # [B, P+T]
+    position_ids: Tensor  # [B, P+T]
+    response_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int  # P
+
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device) -> MicroBatch:
+    """Left-pad prompts and right-pad responses so every response starts at column P."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(r) for r in response_ids))
+    B = len(prompt_ids)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[b, P - len(p):P] = torch.tensor(p)
+        input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[b, P - len(p):P + len(r)] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention[:, P:].float()
+    return MicroBatch(input_ids.to(device), attention.to(device), position_ids.to(device),
+                      input_ids[:, P:].to(device), response_mask.to(device), P)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[target] without materialising the full log-softmax; [B, T]."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "cosine":
+            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return factor
+
+
+def global_sum(x: Tensor) -> Tensor:
+    """Sum over data-parallel ranks (identity on one process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class PPOModule(L.LightningModule):
+    def __init__(self, *, model_dir: str, ppo: PPOConfig, plan: StepPlan, max_response_length: int, pad_token_id: int,
+                 gradient_checkpointing: bool = False, eval_every: int = 0):
+        super().__init__()
+        self.automatic_optimization = False
+        self.ppo = ppo
+        self.plan = plan
+        self.max_response_length = max_response_length
+        self.pad_token_id = pad_token_id
+        self.eval_every = eval_every
+        self.actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.critic = None
+        if plan.critic_enabled:
+            self.critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        self.reference = None
+        if plan.reference_enabled:
+            self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        if gradient_checkpointing:
+            self.actor.gradient_checkpointing_enable()
+            if self.critic is not None:
+                self.critic.gradient_checkpointing_enable()
+        # The project's own counters; Lightning's global_step counts both optimizers' steps.
+        self.rollout_step = 0
+        self.actor_optimizer_steps = 0
+        self.critic_optimizer_steps = 0
+        self.samples_seen = 0
+        self.kl_coef = ppo.kl_coef
+        self.skipped_updates = 0
+        self.shuffle_generator = torch.Generator().manual_seed(ppo.shuffle_seed)
+        self.history: list[dict[str, Any]] = []  # one row per rollout step
+        self.eval_history: list[dict[str, Any]] = []
+        self.last_sample_use_counts: Tensor | None = None  # [ppo_epochs, N] for the accounting test
+
+    # ------------------------------------------------------------ optimizers
+
+    def configure_optimizers(self):
+        def make(model, lr):
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=self.ppo.weight_decay)
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, lr_lambda(self.plan.lr_warmup_steps, self.plan.lr_total_steps, self.ppo.lr_schedule))
+            return opt, {"scheduler": sched, "interval": "step"}
+
+        actor_opt, actor_sched = make(self.actor, self.ppo.actor_lr)
+        if self.critic is None:
+            return [actor_opt], [actor_sched]
+        critic_opt, critic_sched = make(self.critic, self.ppo.critic_lr)
+        return [actor_opt, critic_opt], [actor_sched, critic_sched]
+
+    # ------------------------------------------------------------ forward helpers
+
+    def _logits(self, model, mb: MicroBatch) -> Tensor:
+        T = mb.response_ids.shape[1]
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+        return out.logits[:, mb.prompt_width - 1:mb.prompt_width - 1 + T]  # predicts each response token
+
+    def _values(self, mb: MicroBatch) -> Tensor:
+        return self._logits(self.critic, mb)[..., 0].float()
+
+    def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
+        return token_logprobs(self._logits(model, mb), mb.response_ids)
+
+    def _micro_batches(self, batch, indices: list[int]):
+        size = self.ppo.micro_train_batch_size
+        for start in range(0, len(indices), size):
+            idx = indices[start:start + size]
+            yield idx, pack([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
+                            self.pad_token_id, self.device)
+
+    # ------------------------------------------------------------ experience
+
+    @torch.no_grad()
+    def make_experience(self, batch) -> dict[str, Tensor]:
+        """Old log-probs, reference log-probs and values (once per rollout step), then advantages."""
+        N = len(batch.response_ids)
+        T = max(1, max(len(r) for r in batch.response_ids))
+        exp = {k: torch.zeros(N, T, device=self.device) for k in ("old_logp", "ref_logp", "values", "mask")}
+        for idx, mb in self._micro_batches(batch, list(range(N))):
+            t = mb.response_ids.shape[1]
+            exp["mask"][idx, :t] = mb.response_mask
+            exp["old_logp"][idx, :t] = self.response_logprobs(self.actor, mb)
+            if self.reference is not None:
+                exp["ref_logp"][idx, :t] = self.response_logprobs(self.reference, mb)
+            if self.critic is not None:
+                exp["values"][idx, :t] = self._values(mb)
+        mask = exp["mask"]
+        rewards = batch.rewards.to(self.device)
+        kl = algo.KL_ESTIMATORS[self.ppo.kl_estimator](exp["old_logp"] - exp["ref_logp"]) * mask
+        kl_penalty = self.kl_coef * kl if (self.reference is not None and self.ppo.kl_mode == "reward") else None
+        estimator = algo.ADVANTAGE_ESTIMATORS[self.ppo.advantage_estimator]
+        advantages, returns = estimator(
+            rewards, mask, values=exp["values"], kl_penalty=kl_penalty, gamma=self.ppo.gamma, lam=self.ppo.lam,
+            group_size=self.plan.n_samples_per_prompt, global_sum=global_sum, normalize=self.ppo.normalize_advantages,
+        )
+        exp.update(advantages=advantages, returns=returns, kl=kl, rewards=rewards)
+        return exp
+
+    # ------------------------------------------------------------ PPO updates
+
+    def train_on_experience(self, batch, exp: dict[str, Tensor]) -> dict[str, float]:
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        schedulers = self.lr_schedulers()
+        schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
+        actor_opt, actor_sched = optimizers[0], schedulers[0]
+        critic_opt = optimizers[1] if self.critic is not None else None
+        critic_sched = schedulers[1] if self.critic is not None else None
+
+        N = len(batch.response_ids)
+        world = self.plan.data_parallel_size
+        per_rank_minibatch = self.plan.train_batch_size // world
+        use_counts = torch.zeros(self.plan.ppo_epochs, N, dtype=torch.long)
+        sums: dict[str, float] = {}
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value
+
+        for epoch in range(self.plan.ppo_epochs):
+            order = torch.randperm(N, generator=self.shuffle_generator).tolist()  # reshuffled every PPO epoch
+            for start in range(0, N, per_rank_minibatch):
+                indices = order[start:start + per_rank_minibatch]
+                use_counts[epoch, indices] += 1
+                mask = exp["mask"][indices]
+                # Denominators of the whole mini-batch over micro-batches and ranks, so that
+                # accumulation and data parallelism do not change the loss (REFERENCE section 3).
+                num_tokens, num_seqs = global_sum(torch.stack([mask.sum(), torch.tensor(float(len(indices)), device=mask.device)]))
+                for idx, mb in self._micro_batches(batch, indices):
+                    t = mb.response_ids.shape[1]
+                    stats = self._actor_backward(mb, {k: v[idx, :t] for k, v in exp.items() if v.dim() == 2}, num_tokens, num_seqs, world)
+                    for k, v in stats.items():
+                        add(k, v)
+                    if self.critic is not None:
+                        add("critic/value_loss", self._critic_backward(mb, exp, idx, t, num_tokens, world))
+                add("actor/grad_norm", self._step(self.actor, actor_opt, actor_sched))
+                self.actor_optimizer_steps += 1
+                if self.critic is not None:
+                    add("critic/grad_norm", self._step(self.critic, critic_opt, critic_sched))
+                    self.critic_optimizer_steps += 1
+        self.last_sample_use_counts = use_counts
+        updates = self.plan.optimizer_steps_per_rollout_step
+        micro_per_update = math.ceil(per_rank_minibatch / self.ppo.micro_train_batch_size)
+        metrics = {}
+        for k, v in sums.items():
+            metrics[k] = v / updates if k.endswith("grad_norm") or k.startswith("critic/value_loss") else v / (updates * micro_per_update)
+        metrics["actor/lr"] = actor_sched.get_last_lr()[0]
+        if critic_sched is not None:
+            metrics["critic/lr"] = critic_sched.get_last_lr()[0]
+        return metrics
+
+    def _actor_backward(self, mb: MicroBatch, e: dict[str, Tensor], num_tokens, num_seqs, world: int) -> dict[str, float]:
+        logits = self._logits(self.actor, mb)
+        logp = token_logprobs(logits, mb.response_ids)
+        mask = mb.response_mask
+        loss_tok, clipped = algo.policy_loss(
+            logp, e["old_logp"], e["advantages"], clip_ratio_low=self.ppo.clip_ratio_low,
+            clip_ratio_high=self.ppo.clip_ratio_high, dual_clip=self.ppo.dual_clip)
+        entropy = algo.entropy_from_logits(logits.detach() if not self.ppo.entropy_coef else logits)
+        if self.ppo.entropy_coef:
+            loss_tok = loss_tok - self.ppo.entropy_coef * entropy
+        if self.reference is not None and self.ppo.kl_mode == "loss":
+            kl = algo.KL_ESTIMATORS[self.ppo.kl_estimator](logp - e["ref_logp"])
+            loss_tok = loss_tok + self.kl_coef * kl
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_length)
+        # Scaled by the world size because DDP averages gradients over ranks.
+        loss = algo.aggregate_loss(loss_tok, mask, self.ppo.loss_agg_mode, **agg) * world
+        self.manual_backward(loss)
+        with torch.no_grad():
+            log_ratio = (logp - e["old_logp"]) * mask
+            denominator = mask.sum().clamp(min=1)
+            return {
+                "actor/policy_loss": float((algo.policy_loss(logp, e["old_logp"], e["advantages"], clip_ratio_low=self.ppo.clip_ratio_low, clip_ratio_high=self.ppo.clip_ratio_high, dual_clip=self.ppo.dual_clip)[0] * mask).sum() / denominator),
+                "actor/clip_fraction": float((clipped * mask).sum() / denominator),
+                "actor/approx_kl": float((0.5 * log_ratio**2).sum() / denominator),
+                "actor/entropy": float((entropy.detach() * mask).sum() / denominator),
+            }
+
+    def _critic_backward(self, mb: MicroBatch, exp, idx, t, num_tokens, world: int) -> float:
+        values = self._values(mb)
+        loss_tok, _ = algo.value_loss(values, exp["values"][idx, :t], exp["returns"][idx, :t], value_clip=self.ppo.value_clip)
+        loss = algo.aggregate_loss(loss_tok, mb.response_mask, "token-mean", num_tokens=num_tokens) * world
+        self.manual_backward(self.ppo.value_loss_coef * loss)
+        return float(loss) / world
+
+    def _step(self, model, optimizer, scheduler) -> float:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return float(grad_norm)
+
+    # ------------------------------------------------------------ the rollout step
+
+    def on_train_start(self) -> None:
+        # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
+        self.sync_weights(self.trainer.datamodule.start_engine())
+        if not self.eval_history:
+            self._evaluate()
+
+    def training_step(self, dataloader_iter):
+        batch, _, _ = next(dataloader_iter)  # generation happens here, with the current weights
+        datamodule = self.trainer.datamodule
+        datamodule.engine.sleep()
+        started = time.perf_counter()
+        exp = self.make_experience(batch)
+        experience_seconds = time.perf_counter() - started
+
+        started = time.perf_counter()
+        actor_before, critic_before = self.actor_optimizer_steps, self.critic_optimizer_steps
+        train_metrics = self.train_on_experience(batch, exp)
+        self.check_step_accounting(self.actor_optimizer_steps - actor_before, self.critic_optimizer_steps - critic_before)
+        train_seconds = time.perf_counter() - started
+
+        started = time.perf_counter()
+        self.sync_weights(datamodule.engine)
+        sync_seconds = time.perf_counter() - started
+
+        self.rollout_step = batch.rollout_step + 1
+        self.samples_seen += self.plan.samples_per_rollout_step
+        self._update_kl_coef(exp)
+        row = self._rollout_metrics(batch, exp)
+        row.update(train_metrics)
+        row.update({
+            "timing/generate_s": batch.generate_seconds, "timing/reward_s": batch.reward_seconds,
+            "timing/experience_s": experience_seconds, "timing/train_s": train_seconds, "timing/weight_sync_s": sync_seconds,
+        })
+        step_seconds = sum(v for k, v in row.items() if k.startswith("timing/"))
+        row["timing/rollout_step_s"] = step_seconds
+        row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(batch.generate_seconds, 1e-9)
+        if self.eval_every and self.rollout_step % self.eval_every == 0 and self.rollout_step < self.plan.total_rollout_steps:
+            row.update(self._evaluate())
+        if self.rollout_step == self.plan.total_rollout_steps:
+            row.update(self._evaluate())
+        self._log_row(row)
+
+    def check_step_accounting(self, actor_steps: int, critic_steps: int) -> None:
+        expected = self.plan.optimizer_steps_per_rollout_step
+        expected_critic = expected if self.critic is not None else 0
+        if actor_steps != expected or critic_steps != expected_critic:
+            raise StepAccountingError(
+                f"rollout step {self.rollout_step}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
+                f"but the plan says {expected} each (ppo_epochs={self.plan.ppo_epochs} x {self.plan.mini_batches_per_ppo_epoch} "
+                "mini-batches); the update loop is not doing what the configuration says"
+            )
+
+    @torch.no_grad()
+    def sync_weights(self, engine) -> None:
+        engine.wake_up()
+        engine.sync_weights(self.actor.state_dict().items())
+
+    def _update_kl_coef(self, exp) -> None:
+        if self.ppo.adaptive_kl_target is None or self.reference is None:
+            return
+        mask = exp["mask"]
+        observed = float(global_sum((exp["kl"] * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]))))
+        self.kl_coef = algo.adaptive_kl_coef(self.kl_coef, observed, self.ppo.adaptive_kl_target,
+                                             self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
+
+    def _rollout_metrics(self, batch, exp) -> dict[str, Any]:
+        mask = exp["mask"]
+        lengths = mask.sum(-1)
+        rewards = exp["rewards"]
+        row = {
+            "rollout_step": self.rollout_step,
+            "optimizer_step": self.actor_optimizer_steps,
+            "data_epoch": batch.data_epoch,
+            "samples_seen": self.samples_seen,
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "rollout/response_length_mean": float(lengths.mean()),
+            "rollout/response_length_max": float(lengths.max()),
+            "rollout/truncated_fraction": float(batch.truncated.float().mean()),
+            "rollout/generated_tokens": float(lengths.sum()),
+            "rollout/kl_to_reference": float((exp["kl"] * mask).sum() / mask.sum().clamp(min=1)),
+            "rollout/kl_coef": self.kl_coef,
+            "rollout/advantage_mean": float((exp["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+        }
+        if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS:
+            row["rollout/uniform_reward_groups"] = algo.count_uniform_groups(rewards, self.plan.n_samples_per_prompt)
+        if self.critic is not None:
+            valid = mask.bool()
+            returns, values = exp["returns"][valid], exp["values"][valid]
+            row["critic/explained_variance"] = float(1 - (returns - values).var() / returns.var().clamp(min=1e-8))
+        for k, v in batch.reward_metrics.items():
+            row[f"rollout/reward_{k}"] = v
+        return row
+
+    def _evaluate(self) -> dict[str, Any]:
+        result = self.trainer.datamodule.evaluate()
+        if not result:
+            return {}
+        samples = result.pop("eval/samples")
+        self.eval_history.append({"rollout_step": self.rollout_step, **result, "samples": samples})
+        return result
+
+    def _log_row(self, row: dict[str, Any]) -> None:
+        self.history.append(row)
+        numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+        for logger in self.loggers:
+            logger.log_metrics(numeric, step=self.rollout_step)
+
+    # ------------------------------------------------------------ checkpoint extras
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_ppo"] = {
+            "rollout_step": self.rollout_step,
+            "actor_optimizer_steps": self.actor_optimizer_steps,
+            "critic_optimizer_steps": self.critic_optimizer_steps,
+            "samples_seen": self.samples_seen,
+            "kl_coef": self.kl_coef,
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            "plan": self.plan.to_dict(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["lit_ppo"]
+        self.rollout_step = state["rollout_step"]
+        self.actor_optimizer_steps = state["actor_optimizer_steps"]
+        self.critic_optimizer_steps = state["critic_optimizer_steps"]
+        self.samples_seen = state["samples_seen"]
+        self.kl_coef = state["kl_coef"]
+        self.shuffle_generator.set_state(state["shuffle_generator"])

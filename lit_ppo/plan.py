@@ -1,0 +1,321 @@
+"""The step plan: every count the run will perform, computed once from the config.
+
+Vocabulary (README "Glossary of steps"):
+- rollout step: generate responses for one rollout batch of prompts, then train on them.
+- optimizer step: one `optimizer.step()` of the actor (the critic takes the same number).
+- data epoch: one pass over the prompt dataset.
+
+`compute_plan` is the only place these numbers are derived. The data module, the PPO
+loops, the LR schedulers, the logs and the runtime check all read the `StepPlan` it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lit_ppo.algorithms import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+
+
+class ConfigError(ValueError):
+    """A setting the user can fix; the message is one line naming the keys, values and fix."""
+
+
+@dataclass
+class PPOConfig:
+    """The `ppo` config group. Batch sizes carry their unit in the docstring."""
+
+    rollout_batch_size: int = 32
+    """Prompts per rollout step (global, over all data-parallel ranks)."""
+    n_samples_per_prompt: int = 4
+    """Responses generated per prompt."""
+    ppo_epochs: int = 1
+    """Passes over one rollout batch; each pass reshuffles the mini-batches."""
+    train_batch_size: int = 64
+    """Samples (responses) per optimizer step (global)."""
+    micro_train_batch_size: int = 16
+    """Samples per forward/backward on one device."""
+    advantage_estimator: str = "gae"
+    """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo."""
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    normalize_advantages: bool = True
+    """Whiten GAE advantages over the whole rollout batch (global statistics)."""
+    clip_ratio_low: float = 0.2
+    """Policy ratio may fall to 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Policy ratio may rise to 1 + clip_ratio_high (DAPO clip-higher when > low)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative advantages; null disables."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the actor loss."""
+    value_clip: float | None = 0.2
+    """Clip range of the new value around the old one; null disables."""
+    value_loss_coef: float = 0.5
+    """Weight of the value loss (the critic has its own optimizer, so this scales its LR)."""
+    kl_coef: float = 0.01
+    """KL coefficient; 0 removes the reference model."""
+    kl_estimator: str = "k1"
+    """k1, k2 or k3."""
+    kl_mode: str = "reward"
+    """reward: subtract kl_coef * KL from each token's reward; loss: add kl_coef * KL to the actor loss."""
+    adaptive_kl_target: float | None = None
+    """Target KL per sequence for the adaptive controller; null keeps kl_coef fixed."""
+    adaptive_kl_horizon: int = 10000
+    """Horizon (samples) of the adaptive KL controller."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    actor_lr: float = 1e-5
+    """Peak learning rate of the actor."""
+    critic_lr: float = 5e-5
+    """Peak learning rate of the critic."""
+    lr_warmup_ratio: float = 0.0
+    """Share of the total optimizer steps spent warming up the LR linearly."""
+    lr_schedule: str = "constant"
+    """constant or cosine (after warm-up), stepped once per optimizer step."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by total norm, per optimizer step."""
+    shuffle_seed: int = 0
+    """Seed of the mini-batch order (reshuffled every PPO epoch)."""
+
+
+@dataclass
+class RunLengthConfig:
+    """The `trainer` section: how long the run is. Exactly one of the two is set."""
+
+    total_rollout_steps: int | None = None
+    data_epochs: float | None = None
+
+
+@dataclass
+class StepPlan:
+    """What the run will do, in numbers. Every loop and scheduler reads this."""
+
+    data_parallel_size: int
+    dataset_prompts: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    samples_per_rollout_step: int
+    rollout_steps_per_data_epoch: int
+    prompts_dropped_per_data_epoch: int
+    total_rollout_steps: int
+    data_epochs: float
+    ppo_epochs: int
+    train_batch_size: int
+    micro_train_batch_size: int
+    mini_batches_per_ppo_epoch: int
+    optimizer_steps_per_rollout_step: int
+    total_optimizer_steps: int
+    grad_accumulation_steps: int
+    samples_per_rank_per_rollout_step: int
+    total_samples_generated: int
+    max_response_tokens: int
+    max_tokens_generated: int
+    lr_scheduler_unit: str
+    lr_warmup_steps: int
+    lr_total_steps: int
+    critic_enabled: bool
+    reference_enabled: bool
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """A human-readable table, one line per number, with its unit."""
+        rows = [
+            ("data-parallel size", self.data_parallel_size, "ranks"),
+            ("dataset", self.dataset_prompts, "prompts"),
+            ("rollout batch", self.rollout_batch_size, "prompts / rollout step"),
+            ("samples per prompt", self.n_samples_per_prompt, "responses"),
+            ("samples per rollout step", self.samples_per_rollout_step, "responses"),
+            ("rollout steps per data epoch", self.rollout_steps_per_data_epoch, "rollout steps"),
+            ("prompts dropped per data epoch", self.prompts_dropped_per_data_epoch,
+             "prompts (last partial rollout batch; reshuffled each data epoch)"),
+            ("total rollout steps", self.total_rollout_steps, "rollout steps"),
+            ("data epochs", round(self.data_epochs, 3), "passes over the prompts"),
+            ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
+            ("train batch", self.train_batch_size, "samples / optimizer step"),
+            ("mini-batches per PPO epoch", self.mini_batches_per_ppo_epoch, "optimizer steps"),
+            ("optimizer steps per rollout step", self.optimizer_steps_per_rollout_step,
+             "per optimizer (actor; critic the same)"),
+            ("total optimizer steps", self.total_optimizer_steps, "per optimizer"),
+            ("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
+            ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank"),
+            ("samples generated", self.total_samples_generated, "responses"),
+            ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
+            ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
+            ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
+            ("critic", "yes" if self.critic_enabled else "no", ""),
+            ("reference model", "yes" if self.reference_enabled else "no", ""),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = ["Step plan", "-" * (width + 30)]
+        lines += [f"{name:<{width}}  {value!s:>10}  {unit}" for name, value, unit in rows]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def parse_section(cls: type, values: Mapping[str, Any], section: str):
+    """Build a config dataclass, refusing unknown keys with a one-line message."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"{section}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
+            f"fix: remove them or use one of {', '.join(names)}"
+        )
+    return cls(**dict(values))
+
+
+def _positive(section: str, **values: Any) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more")
+
+
+def validate_ppo(ppo: PPOConfig) -> None:
+    """Checks that do not need the dataset size."""
+    _positive(
+        "ppo",
+        rollout_batch_size=ppo.rollout_batch_size,
+        n_samples_per_prompt=ppo.n_samples_per_prompt,
+        ppo_epochs=ppo.ppo_epochs,
+        train_batch_size=ppo.train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size,
+    )
+    if ppo.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(
+            f"ppo.advantage_estimator={ppo.advantage_estimator!r} is unknown; fix: use one of {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
+    if ppo.advantage_estimator in GROUP_ESTIMATORS and ppo.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"ppo.advantage_estimator={ppo.advantage_estimator} compares samples of one prompt but "
+            f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set ppo.n_samples_per_prompt to 2 or more"
+        )
+    if ppo.kl_estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"ppo.kl_estimator={ppo.kl_estimator!r} is unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
+    if ppo.kl_mode not in ("reward", "loss"):
+        raise ConfigError(f"ppo.kl_mode={ppo.kl_mode!r} is unknown; fix: use 'reward' or 'loss'")
+    if ppo.kl_coef < 0:
+        raise ConfigError(f"ppo.kl_coef={ppo.kl_coef} is negative; fix: use 0 (no KL) or a positive value")
+    if ppo.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ConfigError(f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}")
+    if not (0 < ppo.clip_ratio_low < 1) or ppo.clip_ratio_high <= 0:
+        raise ConfigError(
+            f"ppo.clip_ratio_low={ppo.clip_ratio_low}, ppo.clip_ratio_high={ppo.clip_ratio_high}: need 0 < low < 1 and high > 0; "
+            "fix: e.g. clip_ratio_low=0.2 clip_ratio_high=0.28"
+        )
+    if ppo.dual_clip is not None and ppo.dual_clip <= 1:
+        raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} must be > 1 (e.g. 3.0); fix: set it above 1 or to null")
+    if ppo.lr_schedule not in ("constant", "cosine"):
+        raise ConfigError(f"ppo.lr_schedule={ppo.lr_schedule!r} is unknown; fix: use 'constant' or 'cosine'")
+    if not 0 <= ppo.lr_warmup_ratio < 1:
+        raise ConfigError(f"ppo.lr_warmup_ratio={ppo.lr_warmup_ratio} must be in [0, 1); fix: e.g. 0.03")
+    if ppo.actor_lr <= 0 or ppo.critic_lr <= 0:
+        raise ConfigError(f"ppo.actor_lr={ppo.actor_lr}, ppo.critic_lr={ppo.critic_lr} must be positive; fix: e.g. 1e-6")
+
+
+def compute_plan(
+    ppo: PPOConfig,
+    run: RunLengthConfig,
+    dataset_prompts: int,
+    data_parallel_size: int = 1,
+    max_response_tokens: int = 0,
+) -> StepPlan:
+    """Derive every count of the run, or raise ConfigError naming the inconsistent keys."""
+    validate_ppo(ppo)
+    _positive("strategy", data_parallel_size=data_parallel_size)
+    if dataset_prompts <= 0:
+        raise ConfigError(f"data: the prompt dataset is empty ({dataset_prompts} prompts); fix: point data at a file with prompts")
+    samples_per_rollout_step = ppo.rollout_batch_size * ppo.n_samples_per_prompt
+    if samples_per_rollout_step % ppo.train_batch_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size={ppo.rollout_batch_size} x ppo.n_samples_per_prompt={ppo.n_samples_per_prompt} "
+            f"= {samples_per_rollout_step} samples is not a multiple of ppo.train_batch_size={ppo.train_batch_size}; "
+            f"fix: make train_batch_size a divisor of {samples_per_rollout_step}"
+        )
+    per_update_per_rank = ppo.micro_train_batch_size * data_parallel_size
+    if ppo.train_batch_size % per_update_per_rank:
+        raise ConfigError(
+            f"ppo.train_batch_size={ppo.train_batch_size} is not a multiple of ppo.micro_train_batch_size={ppo.micro_train_batch_size} "
+            f"x data-parallel size {data_parallel_size} = {per_update_per_rank}; fix: choose micro_train_batch_size dividing "
+            f"{ppo.train_batch_size // data_parallel_size if ppo.train_batch_size % data_parallel_size == 0 else 'train_batch_size / ranks'}"
+        )
+    if ppo.rollout_batch_size % data_parallel_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size={ppo.rollout_batch_size} prompts cannot be split evenly over {data_parallel_size} ranks; "
+            f"fix: use a multiple of {data_parallel_size}"
+        )
+    if ppo.rollout_batch_size > dataset_prompts:
+        raise ConfigError(
+            f"ppo.rollout_batch_size={ppo.rollout_batch_size} prompts is larger than the dataset ({dataset_prompts} prompts); "
+            f"fix: set ppo.rollout_batch_size to at most {dataset_prompts} or use more data"
+        )
+
+    rollout_steps_per_data_epoch = dataset_prompts // ppo.rollout_batch_size
+    dropped = dataset_prompts - rollout_steps_per_data_epoch * ppo.rollout_batch_size
+    if (run.total_rollout_steps is None) == (run.data_epochs is None):
+        raise ConfigError(
+            f"trainer.total_rollout_steps={run.total_rollout_steps} and trainer.data_epochs={run.data_epochs}: "
+            "set exactly one of the two; fix: e.g. trainer.total_rollout_steps=100 trainer.data_epochs=null"
+        )
+    if run.total_rollout_steps is not None:
+        _positive("trainer", total_rollout_steps=run.total_rollout_steps)
+        total_rollout_steps = run.total_rollout_steps
+    else:
+        if run.data_epochs <= 0:
+            raise ConfigError(f"trainer.data_epochs={run.data_epochs} must be positive; fix: e.g. trainer.data_epochs=1")
+        total_rollout_steps = max(1, math.ceil(run.data_epochs * rollout_steps_per_data_epoch - 1e-9))
+    data_epochs = total_rollout_steps / rollout_steps_per_data_epoch
+
+    mini_batches = samples_per_rollout_step // ppo.train_batch_size
+    optimizer_steps_per_rollout_step = mini_batches * ppo.ppo_epochs
+    total_optimizer_steps = optimizer_steps_per_rollout_step * total_rollout_steps
+    samples = samples_per_rollout_step * total_rollout_steps
+    notes = []
+    if dropped:
+        notes.append(
+            f"each data epoch uses {rollout_steps_per_data_epoch * ppo.rollout_batch_size} of {dataset_prompts} prompts; "
+            f"the last {dropped} (a partial rollout batch) are dropped and the order is reshuffled every data epoch"
+        )
+    if abs(data_epochs - round(data_epochs)) > 1e-9:
+        notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
+    return StepPlan(
+        data_parallel_size=data_parallel_size,
+        dataset_prompts=dataset_prompts,
+        rollout_batch_size=ppo.rollout_batch_size,
+        n_samples_per_prompt=ppo.n_samples_per_prompt,
+        samples_per_rollout_step=samples_per_rollout_step,
+        rollout_steps_per_data_epoch=rollout_steps_per_data_epoch,
+        prompts_dropped_per_data_epoch=dropped,
+        total_rollout_steps=total_rollout_steps,
+        data_epochs=data_epochs,
+        ppo_epochs=ppo.ppo_epochs,
+        train_batch_size=ppo.train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size,
+        mini_batches_per_ppo_epoch=mini_batches,
+        optimizer_steps_per_rollout_step=optimizer_steps_per_rollout_step,
+        total_optimizer_steps=total_optimizer_steps,
+        grad_accumulation_steps=ppo.train_batch_size // per_update_per_rank,
+        samples_per_rank_per_rollout_step=samples_per_rollout_step // data_parallel_size,
+        total_samples_generated=samples,
+        max_response_tokens=max_response_tokens,
+        max_tokens_generated=samples * max_response_tokens,
+        lr_scheduler_unit="optimizer_step",
+        lr_warmup_steps=math.ceil(ppo.lr_warmup_ratio * total_optimizer_steps),
+        lr_total_steps=total_optimizer_steps,
+        critic_enabled=ppo.advantage_estimator == "gae",
+        reference_enabled=ppo.kl_coef > 0,
+        notes=notes,
+    )

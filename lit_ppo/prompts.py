@@ -1,0 +1,112 @@
+"""Prompt datasets: local JSONL, Parquet or `datasets.save_to_disk` folders, tokenized once.
+
+Bad records (empty prompt, missing key, prompt longer than `max_prompt_length` tokens) follow the
+user's policy: `error` stops with the file and line, `skip` drops them and counts each reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from lit_ppo.plan import ConfigError
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file and the line or record."""
+
+
+@dataclass
+class Prompt:
+    prompt_ids: list[int]
+    text: str  # the prompt as the model sees it (after the chat template)
+    reference: str | None
+    extras: dict[str, Any]
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    source: str
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield (location, record); location names the file and line (or row) for messages."""
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError as e:
+            raise ConfigError(f"data: {path} is a directory (a saved `datasets` dataset) but `datasets` is not installed; fix: pip install datasets") from e
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            raise ConfigError(f"data: {path} holds splits {list(ds)}; fix: point at one split's folder, e.g. {path}/train")
+        for i, record in enumerate(ds):
+            yield f"{path} row {i}", record
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, record in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", record
+    elif path.suffix in (".jsonl", ".json"):
+        with open(path) as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg}); fix: one JSON object per line") from e
+                if not isinstance(record, dict):
+                    raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line")
+                yield f"{path}:{line_no}", record
+    else:
+        raise ConfigError(f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder")
+
+
+def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: str | None) -> str:
+    if not chat_template:
+        return text
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_prompts(path: str | Path, tokenizer, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
+                 extra_keys: list[str] = (), chat_template: bool = False, system_prompt: str | None = None,
+                 max_prompt_length: int = 512, bad_records: str = "error") -> PromptSet:
+    if bad_records not in ("error", "skip"):
+        raise ConfigError(f"data.bad_records={bad_records!r}; fix: use 'error' or 'skip'")
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file")
+    result = PromptSet(prompts=[], source=str(path))
+
+    def reject(location: str, reason: str, detail: str) -> None:
+        if bad_records == "error":
+            raise DataError(f"{location}: {detail}; fix: repair the record or set data.bad_records=skip")
+        result.skipped[reason] += 1
+
+    for location, record in _read_records(path):
+        missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
+        if missing:
+            reject(location, "missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
+            continue
+        raw = record[prompt_key]
+        if not isinstance(raw, str) or not raw.strip():
+            reject(location, "empty_prompt", f"prompt {prompt_key!r} is empty or not text")
+            continue
+        text = format_prompt(raw, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > max_prompt_length:
+            reject(location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
+            continue
+        reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
+        extras = {k: record[k] for k in extra_keys}
+        result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras))
+    return result

@@ -1,0 +1,113 @@
+"""The vLLM engine that lives in the training process: generation and in-place weight sync."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Generation:
+    """One sampled response."""
+
+    prompt_index: int  # index into the prompts passed to generate()
+    token_ids: list[int]
+    truncated: bool  # stopped by the length limit, not by end-of-sequence
+    text: str
+
+
+def configure_vllm_environment(kv_cache_gib: float) -> None:
+    """Settings vLLM needs to run inside this process (REFERENCE.md section 4)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VLLMEngine:
+    """A vLLM `LLM` colocated with the trainer.
+
+    The engine loads the initial weights from `model_dir` once; afterwards `sync_weights`
+    pushes the actor's tensors into it in place, without touching the disk."""
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 256,
+                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1, seed: int = 0,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True, distributed: bool = False,
+                 enable_sleep_mode: bool = False):
+        configure_vllm_environment(kv_cache_gib)
+        from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
+
+        kwargs = {}
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            **kwargs,
+        )
+        self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
+        if enable_sleep_mode and not self.sleep_supported:
+            log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
+
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int | None) -> list[Generation]:
+        """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ..."""
+        from vllm import SamplingParams
+
+        # One seed per prompt (vLLM gives the n children seed + 0..n-1), so no two samples share randomness.
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           seed=None if seed is None else seed + i * n)
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        generations = []
+        for i, request in enumerate(outputs):
+            for completion in request.outputs:
+                generations.append(
+                    Generation(
+                        prompt_index=i,
+                        token_ids=list(completion.token_ids),
+                        truncated=completion.finish_reason == "length",
+                        text=completion.text,
+                    )
+                )
+        return generations
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the given Hugging Face-named tensors into the running engine, then drop stale cache."""
+        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
+        """vLLM's log-probability of each response token given the prompt (teacher-forced)."""
+        from vllm import SamplingParams
+
+        ids = list(prompt_token_ids) + list(response_token_ids)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        per_position = out.prompt_logprobs  # list (None for the first token) of {token_id: Logprob}
+        return [per_position[j][ids[j]].logprob for j in range(len(prompt_token_ids), len(ids))]
+
+    def sleep(self) -> None:
+        if self.sleep_supported:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_supported:
+            self.llm.wake_up()

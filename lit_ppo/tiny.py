@@ -1,0 +1,70 @@
+"""A tiny Qwen2-architecture model and a character tokenizer, built locally (no hub).
+
+The embedded default experiment trains this model; it has the same architecture as
+Qwen2.5 so the same loading, training and vLLM code paths run as for a real model.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, decoders
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+# Chat template in Qwen's shape, so chat-formatted prompts work with the tiny tokenizer too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus Qwen-style special tokens."""
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    # BPE without merges splits text into single characters from the vocabulary.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    core.add_special_tokens(SPECIAL_TOKENS)
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="right"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
+                     num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, seed: int):
+    vocab_size = 64 * ((len(tokenizer) + 63) // 64)  # padded like real vocabularies
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_model_dir(model, tokenizer, path: str | Path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

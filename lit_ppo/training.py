@@ -1,0 +1,164 @@
+"""The training run: model and data preparation, the Lightning trainer, and the run's output files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from lit_ppo.arithmetic import make_problems, write_jsonl
+from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.module import PPOModule
+from lit_ppo.plan import ConfigError, parse_section
+from lit_ppo.prompts import load_prompts
+from lit_ppo.report import write_curves, write_summary
+from lit_ppo.rewards import RewardScorer
+from lit_ppo.run import make_plan, parse_config, write_plan
+from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_start
+
+log = logging.getLogger("lit_ppo")
+
+
+def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
+    """The directory of the initial policy: a given model, or the tiny model (warm-started), cached."""
+    model = cfg.model
+    if model.path:
+        return str(model.path)
+    from lit_ppo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    cache = Path(cfg.cache_dir)
+    tiny = OmegaConf.to_container(model.tiny, resolve=True)
+    base_dir = cache / f"tiny-{cache_key(tiny, cfg.seed)}"
+    if not (base_dir / "config.json").exists():
+        tokenizer = build_char_tokenizer()
+        tmp = base_dir.with_name(base_dir.name + ".tmp")
+        save_model_dir(build_tiny_model(tokenizer, seed=cfg.seed, **tiny), tokenizer, tmp)
+        tmp.rename(base_dir)
+    warm = model.warm_start
+    if not warm.enabled:
+        return str(base_dir)
+    if train_records is None:
+        raise ConfigError("model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false")
+    key = cache_key(tiny, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
+    out = supervised_warm_start(str(base_dir), cache / f"warm-{key}", demos, tokenizer, steps=warm.steps,
+                                batch_size=warm.batch_size, lr=warm.lr, seed=cfg.seed)
+    return str(out)
+
+
+def prepare_data(cfg: DictConfig, output_dir: Path):
+    """Train/eval prompt files: generated for the arithmetic task, else the user's files."""
+    data = cfg.data
+    if data.source == "arithmetic":
+        train, evaluation = make_problems(seed=data.seed, max_operand=data.max_operand, n_train=data.n_train, n_eval=data.n_eval)
+        return write_jsonl(train, output_dir / "data" / "train.jsonl"), write_jsonl(evaluation, output_dir / "data" / "eval.jsonl"), train
+    if data.source != "file":
+        raise ConfigError(f"data.source={data.source!r}; fix: use 'arithmetic' or 'file'")
+    return Path(data.path), (Path(data.eval_path) if data.get("eval_path") else None), None
+
+
+def load_prompt_sets(cfg: DictConfig, train_path: Path, eval_path: Path | None, tokenizer):
+    data = cfg.data
+    kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, extra_keys=list(data.extra_keys),
+                  chat_template=data.chat_template, system_prompt=data.system_prompt,
+                  max_prompt_length=data.max_prompt_length, bad_records=data.bad_records)
+    train = load_prompts(train_path, tokenizer, **kwargs)
+    evaluation = load_prompts(eval_path, tokenizer, **kwargs) if eval_path else None
+    for name, prompt_set in (("train", train), ("eval", evaluation)):
+        if prompt_set is not None and prompt_set.skipped:
+            log.warning("data: skipped %s %s prompts (%s)", sum(prompt_set.skipped.values()), name, dict(prompt_set.skipped))
+    return train, evaluation
+
+
+class RolloutProgressBar(L.Callback):
+    """A progress bar over rollout steps with the reward and seconds per step."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.bar = None
+
+    def on_train_start(self, trainer, module) -> None:
+        if trainer.is_global_zero:
+            self.bar = tqdm(total=self.total, initial=module.rollout_step, desc="rollout steps", unit="step", dynamic_ncols=True)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.bar is None or self.bar.n >= module.rollout_step:  # nothing new (e.g. the call that ends the stream)
+            return
+        row = module.history[-1]
+        postfix = {"reward": f"{row['rollout/reward_mean']:.3f}", "s/step": f"{row['timing/rollout_step_s']:.1f}"}
+        if "eval/reward" in row:
+            postfix["eval"] = f"{row['eval/reward']:.3f}"
+        self.bar.set_postfix(postfix)
+        self.bar.update(module.rollout_step - self.bar.n)
+
+    def on_train_end(self, trainer, module) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Trainer:
+    strategy = cfg.strategy
+    loggers = [CSVLogger(save_dir=str(output_dir), name="", version="")]  # -> output_dir/metrics.csv
+    if cfg.logger.get("extra"):
+        loggers.append(hydra.utils.instantiate(cfg.logger.extra, save_dir=str(output_dir)))
+    return L.Trainer(
+        accelerator=strategy.accelerator, devices=strategy.devices, num_nodes=strategy.num_nodes,
+        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
+        precision=strategy.precision, max_epochs=1, logger=loggers, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(output_dir),
+    )
+
+
+def train(cfg: DictConfig, output_dir: Path) -> dict:
+    started = time.perf_counter()
+    L.seed_everything(cfg.seed, workers=True)
+    ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    train_path, eval_path, train_records = prepare_data(cfg, output_dir)
+    started_model = time.perf_counter()
+    model_dir = prepare_model(cfg, train_records)
+    warm_start_seconds = time.perf_counter() - started_model
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
+    plan = make_plan(cfg, len(train_prompts))
+    write_plan(plan, output_dir, f"{len(train_prompts)} prompts from {train_prompts.source}")
+
+    rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
+    reward_cfg = cfg.reward
+    scorer = RewardScorer(fn=hydra.utils.instantiate(reward_cfg.fn), on_error=reward_cfg.on_error,
+                          overlong_penalty=reward_cfg.overlong_penalty)
+    datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
+                                   scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed)
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
+                       pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       eval_every=cfg.trainer.eval_every)
+    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps)])
+    started_engine = time.perf_counter()
+    datamodule.start_engine()
+    engine_start_seconds = time.perf_counter() - started_engine
+    trainer.fit(module, datamodule=datamodule)
+
+    checkpoint = output_dir / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    if trainer.is_global_zero:
+        module.actor.save_pretrained(output_dir / "actor")
+        tokenizer.save_pretrained(output_dir / "actor")
+    extra = {"warm_start_seconds": warm_start_seconds, "engine_start_seconds": engine_start_seconds,
+             "wall_seconds": time.perf_counter() - started, "skipped_prompts": dict(train_prompts.skipped)}
+    summary = write_summary(output_dir, module, plan, extra)
+    write_curves(output_dir, module.history, module.eval_history)
+    print(f"run finished: eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f} "
+          f"in {summary['wall_seconds']:.0f}s; outputs in {output_dir}", flush=True)
+    return summary

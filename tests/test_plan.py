@@ -1,0 +1,346 @@
+"""Tests of the step plan (lit_ppo.plan) and of how `train.py` states it.
+
+Expected numbers are written out by hand with their derivation in a comment, or come from the
+independent formula of REFERENCE section 1 (OpenRLHF): updates per rollout step =
+rollout_batch_size x n_samples_per_prompt x ppo_epochs / train_batch_size.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lit_ppo import run as run_module
+from lit_ppo.plan import ConfigError, PPOConfig, RunLengthConfig, compute_plan, parse_section
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+PLAN_KEYS = (
+    "rollout_steps_per_data_epoch",
+    "total_rollout_steps",
+    "optimizer_steps_per_rollout_step",
+    "total_optimizer_steps",
+    "grad_accumulation_steps",
+    "data_epochs",
+)
+
+
+def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2000, dp: int = 1, tokens: int = 0):
+    """compute_plan on a small valid base config (32 prompts x 4 samples, train batch 64, micro 16)."""
+    base = dict(rollout_batch_size=32, n_samples_per_prompt=4, ppo_epochs=1, train_batch_size=64, micro_train_batch_size=16)
+    base.update(ppo or {})
+    length = dict(total_rollout_steps=10, data_epochs=None) if run is None else run
+    return compute_plan(PPOConfig(**base), RunLengthConfig(**length), dataset, dp, tokens)
+
+
+# ---------------------------------------------------------------- REFERENCE section 1 examples
+
+
+def test_openrlhf_updates_per_rollout_step():
+    # 256 prompts x 16 samples = 4096 samples; / 128 per update = 32 mini-batches; x 1 epoch = 32.
+    plan = make_plan(
+        dict(rollout_batch_size=256, n_samples_per_prompt=16, ppo_epochs=1, train_batch_size=128, micro_train_batch_size=8),
+        dataset=2560,
+    )
+    assert plan.samples_per_rollout_step == 4096
+    assert plan.mini_batches_per_ppo_epoch == 32
+    assert plan.optimizer_steps_per_rollout_step == 32
+    assert plan.grad_accumulation_steps == 16  # 128 samples / 8 per micro-batch on one rank
+    assert plan.total_optimizer_steps == 32 * plan.total_rollout_steps
+
+
+def test_simple_rl_step_is_a_rollout_step():
+    # 8,532 prompts, rollout batch 1,024 prompts, mini-batch 256 prompts (x 8 samples = 2,048 samples),
+    # one PPO epoch, 100 (rollout) steps.
+    n = 8
+    plan = make_plan(
+        dict(rollout_batch_size=1024, n_samples_per_prompt=n, ppo_epochs=1, train_batch_size=256 * n, micro_train_batch_size=16),
+        run=dict(total_rollout_steps=100, data_epochs=None),
+        dataset=8532,
+    )
+    # The plan's definition: a data epoch is the full rollout batches that fit in the dataset
+    # (8532 // 1024 = 8; the last 8532 - 8192 = 340 prompts are dropped and reshuffled), so
+    # data_epochs = total_rollout_steps / rollout_steps_per_data_epoch = 100 / 8 = 12.5.
+    assert plan.rollout_steps_per_data_epoch == 8
+    assert plan.prompts_dropped_per_data_epoch == 340
+    assert plan.total_rollout_steps == 100
+    assert plan.data_epochs == pytest.approx(12.5)
+    # Counting prompts instead: 100 x 1024 = 102,400 prompts consumed over 8,532 = 12.002 passes
+    # (REFERENCE's 100 / (8532 / 1024); the "(≈12)" holds, its "11.7" is an arithmetic slip).
+    prompts_consumed = plan.total_samples_generated / plan.n_samples_per_prompt
+    assert prompts_consumed == 102_400
+    assert prompts_consumed / plan.dataset_prompts == pytest.approx(100 * 1024 / 8532)
+    assert round(prompts_consumed / plan.dataset_prompts) == 12
+    # Mini-batch of 256 prompts: 1024 / 256 = 4 updates per rollout step, 400 in all.
+    assert plan.optimizer_steps_per_rollout_step == 4
+    assert plan.total_optimizer_steps == 400
+    assert plan.lr_total_steps == 400  # the LR schedule runs in optimizer steps, not rollout steps
+
+
+def test_simple_rl_misreading_steps_as_updates():
+    # Reading "100 steps" as 100 optimizer steps: 100 / 4 = 25 rollout steps, about 3 passes over
+    # the prompts (25 x 1024 / 8532 = 3.0), the figure REFERENCE warns against.
+    n = 8
+    plan = make_plan(
+        dict(rollout_batch_size=1024, n_samples_per_prompt=n, train_batch_size=256 * n, micro_train_batch_size=16),
+        run=dict(total_rollout_steps=25, data_epochs=None),
+        dataset=8532,
+    )
+    assert plan.total_optimizer_steps == 100
+    assert plan.total_samples_generated / n / plan.dataset_prompts == pytest.approx(25 * 1024 / 8532)
+    assert plan.data_epochs == pytest.approx(25 / 8)
+
+
+def test_simple_rl_run_length_in_data_epochs():
+    # trainer.data_epochs=12.5 with 8 rollout steps per data epoch -> 100 rollout steps.
+    n = 8
+    plan = make_plan(
+        dict(rollout_batch_size=1024, n_samples_per_prompt=n, train_batch_size=256 * n, micro_train_batch_size=16),
+        run=dict(total_rollout_steps=None, data_epochs=12.5),
+        dataset=8532,
+    )
+    assert plan.total_rollout_steps == 100
+    assert plan.total_optimizer_steps == 400
+
+
+def test_openai_baselines_sample_reuse():
+    # N.T = 1024 samples per iteration (1024 prompts x 1 response), minibatch N.T/4 = 256,
+    # K = 3 epochs: 4 mini-batches x 3 = 12 updates per iteration.
+    plan = make_plan(
+        dict(rollout_batch_size=1024, n_samples_per_prompt=1, ppo_epochs=3, train_batch_size=256, micro_train_batch_size=64),
+        dataset=1024,
+    )
+    assert plan.samples_per_rollout_step == 1024
+    assert plan.mini_batches_per_ppo_epoch == 4
+    assert plan.optimizer_steps_per_rollout_step == 12
+    # K = 1 with a single minibatch of all N.T samples: one update, fully on-policy.
+    on_policy = make_plan(
+        dict(rollout_batch_size=1024, n_samples_per_prompt=1, ppo_epochs=1, train_batch_size=1024, micro_train_batch_size=64),
+        dataset=1024,
+    )
+    assert on_policy.optimizer_steps_per_rollout_step == 1
+
+
+@pytest.mark.parametrize(
+    "rollout, n, epochs, train, micro",
+    [(32, 4, 1, 64, 16), (32, 4, 2, 64, 16), (32, 4, 4, 32, 8), (64, 8, 3, 128, 32), (16, 2, 2, 32, 32)],
+)
+def test_updates_formula(rollout, n, epochs, train, micro):
+    plan = make_plan(dict(rollout_batch_size=rollout, n_samples_per_prompt=n, ppo_epochs=epochs,
+                          train_batch_size=train, micro_train_batch_size=micro),
+                     run=dict(total_rollout_steps=7, data_epochs=None))
+    assert plan.optimizer_steps_per_rollout_step == rollout * n * epochs // train
+    assert plan.total_optimizer_steps == 7 * rollout * n * epochs // train
+    assert plan.grad_accumulation_steps == train // micro
+
+
+def test_ppo_epochs_takes_effect():
+    # The verl bug of REFERENCE 1.4: ppo_epochs silently ignored. Here it must scale the updates.
+    one = make_plan(dict(ppo_epochs=1))
+    three = make_plan(dict(ppo_epochs=3))
+    assert three.optimizer_steps_per_rollout_step == 3 * one.optimizer_steps_per_rollout_step
+    assert three.total_optimizer_steps == 3 * one.total_optimizer_steps
+
+
+def test_data_epochs_round_up_to_whole_rollout_steps():
+    # 2000 // 32 = 62 rollout steps per data epoch; 0.5 data epochs = 31; 0.51 -> ceil(31.62) = 32.
+    assert make_plan(run=dict(total_rollout_steps=None, data_epochs=0.5)).total_rollout_steps == 31
+    plan = make_plan(run=dict(total_rollout_steps=None, data_epochs=0.51))
+    assert plan.total_rollout_steps == 32
+    assert plan.data_epochs == pytest.approx(32 / 62)
+
+
+def test_table_and_json_carry_the_numbers():
+    plan = make_plan()
+    table = plan.table()
+    assert "optimizer steps per rollout step" in table and "rollout steps per data epoch" in table
+    data = json.loads(plan.to_json())
+    for key in PLAN_KEYS:
+        assert data[key] == getattr(plan, key)
+
+
+# ---------------------------------------------------------------- inconsistent configurations
+
+BAD_CONFIGS = [
+    # id, kwargs of make_plan, key names the message must contain
+    ("samples_not_multiple_of_train_batch", dict(ppo=dict(train_batch_size=48)),
+     ["ppo.train_batch_size", "ppo.rollout_batch_size", "ppo.n_samples_per_prompt"]),
+    ("train_batch_not_multiple_of_micro", dict(ppo=dict(micro_train_batch_size=24)),
+     ["ppo.train_batch_size", "ppo.micro_train_batch_size"]),
+    ("train_batch_not_multiple_of_micro_x_ranks", dict(ppo=dict(micro_train_batch_size=16), dp=8),
+     ["ppo.train_batch_size", "ppo.micro_train_batch_size"]),
+    ("rollout_batch_larger_than_dataset", dict(dataset=16), ["ppo.rollout_batch_size"]),
+    ("rollout_batch_not_divisible_by_ranks",
+     dict(ppo=dict(rollout_batch_size=32, n_samples_per_prompt=3, train_batch_size=48, micro_train_batch_size=16), dp=3),
+     ["ppo.rollout_batch_size"]),
+    ("zero_rollout_batch_size", dict(ppo=dict(rollout_batch_size=0)), ["ppo.rollout_batch_size"]),
+    ("negative_n_samples", dict(ppo=dict(n_samples_per_prompt=-4)), ["ppo.n_samples_per_prompt"]),
+    ("zero_ppo_epochs", dict(ppo=dict(ppo_epochs=0)), ["ppo.ppo_epochs"]),
+    ("zero_train_batch_size", dict(ppo=dict(train_batch_size=0)), ["ppo.train_batch_size"]),
+    ("negative_micro_batch", dict(ppo=dict(micro_train_batch_size=-16)), ["ppo.micro_train_batch_size"]),
+    ("bool_rollout_batch_size", dict(ppo=dict(rollout_batch_size=True)), ["ppo.rollout_batch_size"]),
+    ("float_train_batch_size", dict(ppo=dict(train_batch_size=64.0)), ["ppo.train_batch_size"]),
+    ("zero_total_rollout_steps", dict(run=dict(total_rollout_steps=0, data_epochs=None)), ["trainer.total_rollout_steps"]),
+    ("negative_data_epochs", dict(run=dict(total_rollout_steps=None, data_epochs=-1.0)), ["trainer.data_epochs"]),
+    ("zero_data_parallel_size", dict(dp=0), ["data_parallel_size"]),
+    ("empty_dataset", dict(dataset=0), ["data"]),
+    ("both_run_lengths", dict(run=dict(total_rollout_steps=10, data_epochs=1.0)),
+     ["trainer.total_rollout_steps", "trainer.data_epochs"]),
+    ("neither_run_length", dict(run=dict(total_rollout_steps=None, data_epochs=None)),
+     ["trainer.total_rollout_steps", "trainer.data_epochs"]),
+    ("unknown_advantage_estimator", dict(ppo=dict(advantage_estimator="ppo2")), ["ppo.advantage_estimator"]),
+    *[
+        (f"{est}_with_one_sample",
+         dict(ppo=dict(advantage_estimator=est, n_samples_per_prompt=1, train_batch_size=32)),
+         ["ppo.advantage_estimator", "ppo.n_samples_per_prompt"])
+        for est in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+    ],
+    ("bad_kl_estimator", dict(ppo=dict(kl_estimator="k4")), ["ppo.kl_estimator"]),
+    ("bad_kl_mode", dict(ppo=dict(kl_mode="advantage")), ["ppo.kl_mode"]),
+    ("negative_kl_coef", dict(ppo=dict(kl_coef=-0.1)), ["ppo.kl_coef"]),
+    ("bad_loss_agg_mode", dict(ppo=dict(loss_agg_mode="sum")), ["ppo.loss_agg_mode"]),
+    ("dual_clip_equal_1", dict(ppo=dict(dual_clip=1.0)), ["ppo.dual_clip"]),
+    ("dual_clip_below_1", dict(ppo=dict(dual_clip=0.5)), ["ppo.dual_clip"]),
+    ("clip_ratio_low_ge_1", dict(ppo=dict(clip_ratio_low=1.0)), ["ppo.clip_ratio_low"]),
+    ("bad_lr_schedule", dict(ppo=dict(lr_schedule="linear")), ["ppo.lr_schedule"]),
+    ("warmup_ratio_1", dict(ppo=dict(lr_warmup_ratio=1.0)), ["ppo.lr_warmup_ratio"]),
+    ("zero_actor_lr", dict(ppo=dict(actor_lr=0.0)), ["ppo.actor_lr"]),
+]
+
+
+def assert_one_line_naming(error: ConfigError, keys: list[str]) -> None:
+    message = str(error)
+    assert "\n" not in message, message
+    for key in keys:
+        assert key in message, f"{key!r} not named in: {message}"
+
+
+@pytest.mark.parametrize("kwargs, keys", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_inconsistent_config_raises(kwargs, keys):
+    with pytest.raises(ConfigError) as info:
+        make_plan(**kwargs)
+    assert_one_line_naming(info.value, keys)
+
+
+def test_unknown_ppo_key_is_refused():
+    with pytest.raises(ConfigError) as info:
+        parse_section(PPOConfig, {"rollout_batch_size": 32, "rollout_batchsize": 32}, "ppo")
+    assert_one_line_naming(info.value, ["ppo.rollout_batchsize"])
+
+
+def test_known_ppo_keys_are_accepted():
+    ppo = parse_section(PPOConfig, {"rollout_batch_size": 8, "ppo_epochs": 2}, "ppo")
+    assert (ppo.rollout_batch_size, ppo.ppo_epochs) == (8, 2)
+
+
+# ---------------------------------------------------------------- through the Hydra configs
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Replace lit_ppo.training so that a test can never start a real run; records calls instead."""
+    calls = []
+    fake = types.ModuleType("lit_ppo.training")
+    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
+    monkeypatch.setitem(sys.modules, "lit_ppo.training", fake)
+    return calls
+
+
+def test_hydra_plan_mode_default_config(tmp_path, capsys):
+    cfg = composed("mode=plan", f"output_dir={tmp_path}")
+    assert run_module.main(cfg) is None
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # conf defaults: 2000 arithmetic prompts, rollout 32 x 4 samples, train batch 64, micro 32, 30 rollout steps.
+    assert plan["rollout_steps_per_data_epoch"] == 62  # 2000 // 32
+    assert plan["total_rollout_steps"] == 30
+    assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 / 64
+    assert plan["total_optimizer_steps"] == 60
+    assert plan["grad_accumulation_steps"] == 2  # 64 / 32
+    assert plan["data_epochs"] == pytest.approx(30 / 62)
+    assert "plan written to" in capsys.readouterr().out
+
+
+def test_hydra_plan_mode_with_overrides(tmp_path):
+    cfg = composed(
+        "mode=plan", f"output_dir={tmp_path}", "ppo.ppo_epochs=3", "strategy.devices=2",
+        "trainer.total_rollout_steps=null", "trainer.data_epochs=2",
+    )
+    run_module.main(cfg)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["rollout_steps_per_data_epoch"] == 62
+    assert plan["total_rollout_steps"] == 124  # 2 x 62
+    assert plan["data_epochs"] == pytest.approx(2.0)
+    assert plan["optimizer_steps_per_rollout_step"] == 6  # 2 mini-batches x 3 epochs
+    assert plan["total_optimizer_steps"] == 744  # 6 x 124
+    assert plan["grad_accumulation_steps"] == 1  # 64 / (32 micro x 2 ranks)
+    assert plan["data_parallel_size"] == 2
+
+
+def test_hydra_train_mode_reaches_training_when_valid(tmp_path, no_training):
+    # Shows the `no_training` guard intercepts the run: the bad-config tests below rely on it.
+    cfg = composed("mode=train", f"output_dir={tmp_path}")
+    assert run_module.main(cfg) == {"fake": True}
+    assert no_training == [tmp_path]
+
+
+BAD_OVERRIDES = [
+    ("train_batch_7", ["ppo.train_batch_size=7"], ["ppo.train_batch_size"]),
+    ("rollout_batch_over_dataset", ["ppo.rollout_batch_size=4096", "ppo.train_batch_size=128"], ["ppo.rollout_batch_size"]),
+    ("both_run_lengths", ["trainer.data_epochs=1"], ["trainer.total_rollout_steps", "trainer.data_epochs"]),
+    ("unknown_ppo_key", ["+ppo.rollout_batchsize=16"], ["ppo.rollout_batchsize"]),
+    ("grpo_one_sample", ["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=1"], ["ppo.n_samples_per_prompt"]),
+    ("micro_x_ranks", ["strategy.devices=4"], ["ppo.micro_train_batch_size"]),
+    ("bad_mode", ["mode=dry"], ["mode"]),
+]
+
+
+@pytest.mark.parametrize("overrides, keys", [c[1:] for c in BAD_OVERRIDES], ids=[c[0] for c in BAD_OVERRIDES])
+def test_hydra_bad_override_fails_before_training(tmp_path, no_training, overrides, keys):
+    cfg = composed("mode=train", f"output_dir={tmp_path / 'out'}", *overrides)
+    with pytest.raises(ConfigError) as info:
+        run_module.main(cfg)
+    assert_one_line_naming(info.value, keys)
+    assert no_training == []
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def train_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_cli_plan_mode(tmp_path):
+    out = tmp_path / "run"
+    proc = train_py(tmp_path, "mode=plan", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    for key in PLAN_KEYS:
+        assert key in plan
+    assert "optimizer steps per rollout step" in proc.stdout
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = train_py(tmp_path, "mode=plan", "ppo.train_batch_size=7", f"output_dir={out}")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "ppo.train_batch_size" in errors[0]
+    assert not (out / "plan.json").exists()
