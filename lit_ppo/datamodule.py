@@ -74,7 +74,7 @@ class _RolloutStream(IterableDataset):
 class RolloutDataModule(L.LightningDataModule):
     def __init__(self, *, plan: StepPlan, train_prompts: PromptSet, eval_prompts: PromptSet | None,
                  rollout: RolloutConfig, scorer: RewardScorer, tokenizer, model_dir: str, seed: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, engine: VLLMEngine | None = None):
         super().__init__()
         self.plan = plan
         self.train_prompts = train_prompts
@@ -87,7 +87,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.rank = rank
         self.world_size = world_size
         self.next_rollout_step = 0  # position in the prompt stream; restored on resume
-        self.engine: VLLMEngine | None = None
+        self.engine = engine  # built on first use unless one is given (tests share one per process)
 
     # ------------------------------------------------------------ engine
 

@@ -180,6 +180,15 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------ PPO updates
 
+    def minibatch_schedule(self, num_samples: int) -> list[list[list[int]]]:
+        """Per PPO epoch, this rank's mini-batches of sample indices; reshuffled every epoch."""
+        size = self.plan.train_batch_size // self.plan.data_parallel_size
+        schedule = []
+        for _ in range(self.plan.ppo_epochs):
+            order = torch.randperm(num_samples, generator=self.shuffle_generator).tolist()
+            schedule.append([order[start:start + size] for start in range(0, num_samples, size)])
+        return schedule
+
     def train_on_experience(self, batch, exp: dict[str, Tensor]) -> dict[str, float]:
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
@@ -191,17 +200,15 @@ class PPOModule(L.LightningModule):
 
         N = len(batch.response_ids)
         world = self.plan.data_parallel_size
-        per_rank_minibatch = self.plan.train_batch_size // world
         use_counts = torch.zeros(self.plan.ppo_epochs, N, dtype=torch.long)
         sums: dict[str, float] = {}
+        micro_batches = updates = 0
 
         def add(key: str, value: float) -> None:
             sums[key] = sums.get(key, 0.0) + value
 
-        for epoch in range(self.plan.ppo_epochs):
-            order = torch.randperm(N, generator=self.shuffle_generator).tolist()  # reshuffled every PPO epoch
-            for start in range(0, N, per_rank_minibatch):
-                indices = order[start:start + per_rank_minibatch]
+        for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
+            for indices in minibatches:
                 use_counts[epoch, indices] += 1
                 mask = exp["mask"][indices]
                 # Denominators of the whole mini-batch over micro-batches and ranks, so that
@@ -212,19 +219,20 @@ class PPOModule(L.LightningModule):
                     stats = self._actor_backward(mb, {k: v[idx, :t] for k, v in exp.items() if v.dim() == 2}, num_tokens, num_seqs, world)
                     for k, v in stats.items():
                         add(k, v)
+                    micro_batches += 1
                     if self.critic is not None:
                         add("critic/value_loss", self._critic_backward(mb, exp, idx, t, num_tokens, world))
                 add("actor/grad_norm", self._step(self.actor, actor_opt, actor_sched))
                 self.actor_optimizer_steps += 1
+                updates += 1
                 if self.critic is not None:
                     add("critic/grad_norm", self._step(self.critic, critic_opt, critic_sched))
                     self.critic_optimizer_steps += 1
         self.last_sample_use_counts = use_counts
-        updates = self.plan.optimizer_steps_per_rollout_step
-        micro_per_update = math.ceil(per_rank_minibatch / self.ppo.micro_train_batch_size)
-        metrics = {}
-        for k, v in sums.items():
-            metrics[k] = v / updates if k.endswith("grad_norm") or k.startswith("critic/value_loss") else v / (updates * micro_per_update)
+        # Per-update quantities (grad norms, the value loss summed over micro-batches) average over
+        # updates; the actor's per-micro-batch statistics over micro-batches.
+        metrics = {k: v / max(1, updates if k.startswith("critic/") or k.endswith("grad_norm") else micro_batches)
+                   for k, v in sums.items()}
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         if critic_sched is not None:
             metrics["critic/lr"] = critic_sched.get_last_lr()[0]
@@ -234,9 +242,10 @@ class PPOModule(L.LightningModule):
         logits = self._logits(self.actor, mb)
         logp = token_logprobs(logits, mb.response_ids)
         mask = mb.response_mask
-        loss_tok, clipped = algo.policy_loss(
+        pg_tok, clipped = algo.policy_loss(
             logp, e["old_logp"], e["advantages"], clip_ratio_low=self.ppo.clip_ratio_low,
             clip_ratio_high=self.ppo.clip_ratio_high, dual_clip=self.ppo.dual_clip)
+        loss_tok = pg_tok
         entropy = algo.entropy_from_logits(logits.detach() if not self.ppo.entropy_coef else logits)
         if self.ppo.entropy_coef:
             loss_tok = loss_tok - self.ppo.entropy_coef * entropy
@@ -251,7 +260,7 @@ class PPOModule(L.LightningModule):
             log_ratio = (logp - e["old_logp"]) * mask
             denominator = mask.sum().clamp(min=1)
             return {
-                "actor/policy_loss": float((algo.policy_loss(logp, e["old_logp"], e["advantages"], clip_ratio_low=self.ppo.clip_ratio_low, clip_ratio_high=self.ppo.clip_ratio_high, dual_clip=self.ppo.dual_clip)[0] * mask).sum() / denominator),
+                "actor/policy_loss": float((pg_tok * mask).sum() / denominator),
                 "actor/clip_fraction": float((clipped * mask).sum() / denominator),
                 "actor/approx_kl": float((0.5 * log_ratio**2).sum() / denominator),
                 "actor/entropy": float((entropy.detach() * mask).sum() / denominator),
@@ -262,7 +271,7 @@ class PPOModule(L.LightningModule):
         loss_tok, _ = algo.value_loss(values, exp["values"][idx, :t], exp["returns"][idx, :t], value_clip=self.ppo.value_clip)
         loss = algo.aggregate_loss(loss_tok, mb.response_mask, "token-mean", num_tokens=num_tokens) * world
         self.manual_backward(self.ppo.value_loss_coef * loss)
-        return float(loss) / world
+        return float(loss.detach()) / world
 
     def _step(self, model, optimizer, scheduler) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)

@@ -107,6 +107,7 @@ class StepPlan:
     prompts_dropped_per_data_epoch: int
     total_rollout_steps: int
     data_epochs: float
+    prompt_passes: float
     ppo_epochs: int
     train_batch_size: int
     micro_train_batch_size: int
@@ -143,7 +144,8 @@ class StepPlan:
             ("prompts dropped per data epoch", self.prompts_dropped_per_data_epoch,
              "prompts (last partial rollout batch; reshuffled each data epoch)"),
             ("total rollout steps", self.total_rollout_steps, "rollout steps"),
-            ("data epochs", round(self.data_epochs, 3), "passes over the prompts"),
+            ("data epochs", round(self.data_epochs, 3), "rollout steps / rollout steps per data epoch"),
+            ("prompt passes", round(self.prompt_passes, 3), "prompts generated for / dataset prompts"),
             ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
             ("train batch", self.train_batch_size, "samples / optimizer step"),
             ("mini-batches per PPO epoch", self.mini_batches_per_ppo_epoch, "optimizer steps"),
@@ -235,7 +237,8 @@ def compute_plan(
 ) -> StepPlan:
     """Derive every count of the run, or raise ConfigError naming the inconsistent keys."""
     validate_ppo(ppo)
-    _positive("strategy", data_parallel_size=data_parallel_size)
+    if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
+        raise ConfigError(f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node")
     if dataset_prompts <= 0:
         raise ConfigError(f"data: the prompt dataset is empty ({dataset_prompts} prompts); fix: point data at a file with prompts")
     samples_per_rollout_step = ppo.rollout_batch_size * ppo.n_samples_per_prompt
@@ -301,6 +304,7 @@ def compute_plan(
         prompts_dropped_per_data_epoch=dropped,
         total_rollout_steps=total_rollout_steps,
         data_epochs=data_epochs,
+        prompt_passes=total_rollout_steps * ppo.rollout_batch_size / dataset_prompts,
         ppo_epochs=ppo.ppo_epochs,
         train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size,

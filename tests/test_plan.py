@@ -188,7 +188,7 @@ BAD_CONFIGS = [
     ("float_train_batch_size", dict(ppo=dict(train_batch_size=64.0)), ["ppo.train_batch_size"]),
     ("zero_total_rollout_steps", dict(run=dict(total_rollout_steps=0, data_epochs=None)), ["trainer.total_rollout_steps"]),
     ("negative_data_epochs", dict(run=dict(total_rollout_steps=None, data_epochs=-1.0)), ["trainer.data_epochs"]),
-    ("zero_data_parallel_size", dict(dp=0), ["data_parallel_size"]),
+    ("zero_data_parallel_size", dict(dp=0), ["strategy.devices"]),
     ("empty_dataset", dict(dataset=0), ["data"]),
     ("both_run_lengths", dict(run=dict(total_rollout_steps=10, data_epochs=1.0)),
      ["trainer.total_rollout_steps", "trainer.data_epochs"]),

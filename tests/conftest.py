@@ -1,0 +1,40 @@
+"""Shared fixtures: one tiny model and one vLLM engine per test process (vLLM is heavy to start)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from lit_ppo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                             intermediate_size=128, max_position_embeddings=128, seed=0)
+    return str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir):
+    from lit_ppo.rollout import VLLMEngine
+
+    return VLLMEngine(tiny_model_dir, max_model_len=128, seed=0)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_files(tmp_path_factory):
+    from lit_ppo.arithmetic import make_problems, write_jsonl
+
+    train, evaluation = make_problems(seed=0, max_operand=20, n_train=64, n_eval=16)
+    root = tmp_path_factory.mktemp("data")
+    return write_jsonl(train, root / "train.jsonl"), write_jsonl(evaluation, root / "eval.jsonl")

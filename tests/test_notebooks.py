@@ -1,0 +1,50 @@
+"""The notebooks run top to bottom in a fresh kernel of this environment's Python."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def python3_kernel_of_this_python(tmp_path: Path, monkeypatch) -> None:
+    """Point the kernel name "python3" at sys.executable (JUPYTER_PATH is searched first)."""
+    spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (lit-ppo tests)",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+
+
+def run_notebook(path: Path, workdir: Path, parameters: dict) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4)
+    tagged = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1, "the notebook needs exactly one cell tagged 'parameters'"
+    tagged[0].source += "\n" + "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable)"))
+    NotebookClient(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(workdir)}}).execute()
+    return nb
+
+
+def test_step_accounting_notebook(tmp_path, monkeypatch):
+    python3_kernel_of_this_python(tmp_path, monkeypatch)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    figure = workdir / "figure.png"
+    nb = run_notebook(
+        REPO / "notebooks" / "step_accounting.ipynb", workdir,
+        {"figure_path": str(figure), "repo_root": str(REPO)},
+    )
+    assert figure.exists() and figure.stat().st_size > 1000
+    assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "optimizer steps per rollout step" in printed

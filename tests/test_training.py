@@ -1,0 +1,79 @@
+"""The PPO loop on the real Lightning trainer and the real vLLM engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_ppo.module import StepAccountingError
+from tests.helpers import build_run
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2, 4])
+def test_ppo_epochs_and_batch_sizes_take_effect(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs):
+    # 8 prompts x 4 samples = 32 samples per rollout step; train batch 8 -> 4 mini-batches per epoch.
+    trainer, module, datamodule, plan = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path,
+                                                  total_rollout_steps=2, ppo_epochs=ppo_epochs)
+    expected_per_rollout_step = 8 * 4 * ppo_epochs // 8
+    assert plan.optimizer_steps_per_rollout_step == expected_per_rollout_step
+    assert plan.grad_accumulation_steps == 2
+    trainer.fit(module, datamodule=datamodule)
+    assert module.rollout_step == 2
+    assert module.actor_optimizer_steps == 2 * expected_per_rollout_step
+    assert module.critic_optimizer_steps == 2 * expected_per_rollout_step
+    # Every sample of the last rollout batch was used exactly once in each PPO epoch.
+    assert module.last_sample_use_counts.shape == (ppo_epochs, 32)
+    assert torch.equal(module.last_sample_use_counts, torch.ones(ppo_epochs, 32, dtype=torch.long))
+    # The LR schedulers stepped once per optimizer step, as the plan says.
+    actor_sched = module.lr_schedulers()[0]
+    assert actor_sched.last_epoch == plan.total_optimizer_steps
+
+
+def test_minibatch_order_is_reshuffled_every_epoch(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    _, module, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs=3)
+    schedule = module.minibatch_schedule(32)
+    orders = [sum(epoch, []) for epoch in schedule]
+    assert all(sorted(order) == list(range(32)) for order in orders)
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_broken_epoch_loop_is_caught(tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch):
+    """The verl bug: an update loop that silently runs one PPO epoch instead of ppo_epochs."""
+    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs=2)
+    original = type(module).minibatch_schedule
+    monkeypatch.setattr(type(module), "minibatch_schedule", lambda self, n: original(self, n)[:1])
+    with pytest.raises(StepAccountingError, match="the plan says 8 each"):
+        trainer.fit(module, datamodule=datamodule)
+
+
+def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    _, grpo, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="grpo", kl_coef=0.0)
+    assert grpo.critic is None and grpo.reference is None
+    assert len(grpo.configure_optimizers()[0]) == 1
+    _, ppo, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="gae", kl_coef=0.05)
+    assert ppo.critic is not None and ppo.reference is not None
+    assert not any(p.requires_grad for p in ppo.reference.parameters())
+
+
+def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
+    from lit_ppo.module import pack, token_logprobs
+
+    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3)
+    prompt = datamodule.train_prompts.prompts[0].prompt_ids
+    response = datamodule.tokenizer("123", add_special_tokens=False).input_ids + [datamodule.tokenizer.eos_token_id]
+
+    def actor_logprobs():
+        mb = pack([prompt], [response], module.pad_token_id, module.device)
+        with torch.no_grad():
+            return token_logprobs(module._logits(module.actor, mb), mb.response_ids)[0]
+
+    module.sync_weights(engine)
+    before_vllm = torch.tensor(engine.sequence_logprobs(prompt, response))
+    assert torch.allclose(before_vllm, actor_logprobs(), atol=1e-3)
+    trainer.fit(module, datamodule=datamodule)  # one rollout step: updates, then the in-place sync
+    assert module.actor_optimizer_steps > 0
+    after_vllm = torch.tensor(engine.sequence_logprobs(prompt, response))
+    after_actor = actor_logprobs()
+    assert torch.allclose(after_vllm, after_actor, atol=1e-3), (after_vllm, after_actor)
+    assert (after_vllm - before_vllm).abs().max() > 1e-2
