@@ -120,7 +120,8 @@ def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Traine
     )
 
 
-def train(cfg: DictConfig, output_dir: Path) -> dict:
+def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
+    """Run the experiment; `engine` lets a caller share one vLLM engine between runs of the same architecture."""
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
@@ -140,7 +141,8 @@ def train(cfg: DictConfig, output_dir: Path) -> dict:
     scorer = RewardScorer(fn=hydra.utils.instantiate(reward_cfg.fn), on_error=reward_cfg.on_error,
                           overlong_penalty=reward_cfg.overlong_penalty)
     datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
-                                   scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed)
+                                   scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
+                                   engine=engine)
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
                        pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
                        eval_every=cfg.trainer.eval_every)
