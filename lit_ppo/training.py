@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -120,8 +121,25 @@ def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Traine
     )
 
 
+QUIET_WARNINGS = [
+    ".*dataloader_iter.*",  # we use that step flavor on purpose: generation must see the latest weights
+    ".*does not have many workers.*",
+    ".*exists and is not empty.*",
+    ".*module\\(s\\) in eval mode.*",  # the frozen reference model
+    ".*LeafSpec.*",
+    ".*weights_only.*",
+]
+
+
 def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
     """Run the experiment; `engine` lets a caller share one vLLM engine between runs of the same architecture."""
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if cfg.strategy.name != "single":
+        raise ConfigError(
+            f"strategy={cfg.strategy.name}: multi-process training is not available yet (only mode=plan is); "
+            "fix: use strategy=single"
+        )
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
