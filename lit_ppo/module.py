@@ -12,22 +12,24 @@ One `training_step` is one rollout step:
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo import algorithms as algo
+from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
 from lit_ppo.plan import PPOConfig, StepPlan
+from lit_ppo.report import write_metrics_csv
 
 
-class StepAccountingError(RuntimeError):
-    """The run did something other than what the plan said."""
 
 
 @dataclass
@@ -84,7 +86,8 @@ def global_sum(x: Tensor) -> Tensor:
 
 class PPOModule(L.LightningModule):
     def __init__(self, *, model_dir: str, ppo: PPOConfig, plan: StepPlan, max_response_length: int, pad_token_id: int,
-                 gradient_checkpointing: bool = False, eval_every: int = 0):
+                 gradient_checkpointing: bool = False, eval_every: int = 0, max_consecutive_skipped_updates: int = 3,
+                 metrics_path: str | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.ppo = ppo
@@ -92,10 +95,16 @@ class PPOModule(L.LightningModule):
         self.max_response_length = max_response_length
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
+        self.max_consecutive_skipped_updates = max_consecutive_skipped_updates
+        self.metrics_path = metrics_path
         self.actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.critic = None
         if plan.critic_enabled:
             self.critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+            # A zero value head: the critic starts at V = 0 everywhere, the same in every run and on every rank.
+            torch.nn.init.zeros_(self.critic.score.weight)
+            if self.critic.score.bias is not None:
+                torch.nn.init.zeros_(self.critic.score.bias)
         self.reference = None
         if plan.reference_enabled:
             self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
@@ -109,7 +118,8 @@ class PPOModule(L.LightningModule):
         self.critic_optimizer_steps = 0
         self.samples_seen = 0
         self.kl_coef = ppo.kl_coef
-        self.skipped_updates = 0
+        self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient
+        self.consecutive_skipped_updates = 0
         self.shuffle_generator = torch.Generator().manual_seed(ppo.shuffle_seed)
         self.history: list[dict[str, Any]] = []  # one row per rollout step
         self.eval_history: list[dict[str, Any]] = []
@@ -229,6 +239,8 @@ class PPOModule(L.LightningModule):
                     add("critic/grad_norm", self._step(self.critic, critic_opt, critic_sched))
                     self.critic_optimizer_steps += 1
         self.last_sample_use_counts = use_counts
+        if "critic/value_loss" in sums and world > 1:  # each rank's share is over the global token count
+            sums["critic/value_loss"] = float(global_sum(torch.tensor(sums["critic/value_loss"], device=self.device)))
         # Per-update quantities (grad norms, the value loss summed over micro-batches) average over
         # updates; the actor's per-micro-batch statistics over micro-batches.
         metrics = {k: v / max(1, updates if k.startswith("critic/") or k.endswith("grad_norm") else micro_batches)
@@ -274,13 +286,28 @@ class PPOModule(L.LightningModule):
         return float(loss.detach()) / world
 
     def _step(self, model, optimizer, scheduler) -> float:
+        """Clip and apply one update; a non-finite gradient skips it (counted) instead of corrupting the weights.
+
+        The scheduler steps either way: its length is the plan's number of optimizer steps."""
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        optimizer.step()
+        grad_norm = float(grad_norm)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            self.consecutive_skipped_updates = 0
+        else:
+            self.skipped_updates += 1
+            self.consecutive_skipped_updates += 1
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        return float(grad_norm)
+        if self.consecutive_skipped_updates >= self.max_consecutive_skipped_updates:
+            raise NonFiniteUpdatesError(
+                f"rollout step {self.rollout_step}: {self.consecutive_skipped_updates} optimizer steps in a row had a "
+                f"non-finite loss or gradient ({self.skipped_updates} skipped in all); a checkpoint was saved; fix: lower "
+                "ppo.actor_lr/critic_lr or check the rewards, then resume=auto"
+            )
+        return grad_norm if math.isfinite(grad_norm) else float("nan")
 
     # ------------------------------------------------------------ the rollout step
 
@@ -345,7 +372,7 @@ class PPOModule(L.LightningModule):
         if self.ppo.adaptive_kl_target is None or self.reference is None:
             return
         mask = exp["mask"]
-        observed = float(global_sum((exp["kl"] * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]))))
+        observed = float(global_sum((exp["kl"] * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]), device=mask.device)))
         self.kl_coef = algo.adaptive_kl_coef(self.kl_coef, observed, self.ppo.adaptive_kl_target,
                                              self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
 
@@ -387,7 +414,10 @@ class PPOModule(L.LightningModule):
         return result
 
     def _log_row(self, row: dict[str, Any]) -> None:
+        row["actor/skipped_updates"] = self.skipped_updates
         self.history.append(row)
+        if self.metrics_path and self.trainer.is_global_zero:
+            write_metrics_csv(self.metrics_path, self.history)
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=self.rollout_step)
@@ -402,6 +432,10 @@ class PPOModule(L.LightningModule):
             "samples_seen": self.samples_seen,
             "kl_coef": self.kl_coef,
             "shuffle_generator": self.shuffle_generator.get_state(),
+            "skipped_updates": self.skipped_updates,
+            "history": self.history,
+            "eval_history": self.eval_history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "plan": self.plan.to_dict(),
         }
 
@@ -413,3 +447,15 @@ class PPOModule(L.LightningModule):
         self.samples_seen = state["samples_seen"]
         self.kl_coef = state["kl_coef"]
         self.shuffle_generator.set_state(state["shuffle_generator"])
+        self.skipped_updates = state["skipped_updates"]
+        self.history = state["history"]
+        self.eval_history = state["eval_history"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        # A resumed run may be longer or shorter, but each rollout step must keep its shape.
+        planned = {k: state["plan"][k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
+        now = {k: getattr(self.plan, k) for k in planned}
+        if planned != now:
+            raise StepAccountingError(f"the checkpoint was written under another plan {planned}, this run plans {now}; "
+                                      "fix: resume with the same ppo batch sizes and ppo_epochs")

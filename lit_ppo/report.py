@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 from pathlib import Path
 
 TIMING_KEYS = {
@@ -12,6 +14,21 @@ TIMING_KEYS = {
     "train_seconds": "timing/train_s",
     "weight_sync_seconds": "timing/weight_sync_s",
 }
+
+
+def write_metrics_csv(path: str | Path, history: list[dict]) -> None:
+    """metrics.csv, one row per rollout step, rewritten whole (atomically) so a resumed run has no gaps or repeats."""
+    columns = ["rollout_step", "optimizer_step", "data_epoch", "samples_seen"]
+    for row in history:
+        columns += [k for k in row if k not in columns]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(history)
+    os.replace(tmp, path)
 
 
 def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -11,12 +12,12 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from lit_ppo.arithmetic import make_problems, write_jsonl
+from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
 from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
 from lit_ppo.module import PPOModule
 from lit_ppo.plan import ConfigError, parse_section
@@ -109,13 +110,17 @@ class RolloutProgressBar(L.Callback):
 
 def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Trainer:
     strategy = cfg.strategy
-    loggers = [CSVLogger(save_dir=str(output_dir), name="", version="")]  # -> output_dir/metrics.csv
+    loggers = []  # metrics.csv is written by the module itself (resume-safe); these are additional
     if cfg.logger.get("extra"):
-        loggers.append(hydra.utils.instantiate(cfg.logger.extra, save_dir=str(output_dir)))
+        extra = {"save_dir": str(output_dir)}
+        if "run_config" in inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters:
+            # The run config, for trackers that record it; not instantiated recursively: its _target_ nodes are data here.
+            extra.update(run_config=OmegaConf.to_container(cfg, resolve=True), _recursive_=False, _convert_="all")
+        loggers.append(hydra.utils.instantiate(cfg.logger.extra, **extra))
     return L.Trainer(
         accelerator=strategy.accelerator, devices=strategy.devices, num_nodes=strategy.num_nodes,
         strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
-        precision=strategy.precision, max_epochs=1, logger=loggers, callbacks=callbacks,
+        precision=strategy.precision, max_epochs=1, logger=loggers or False, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(output_dir),
     )
@@ -152,26 +157,29 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
     plan = make_plan(cfg, len(train_prompts))
-    write_plan(plan, output_dir, f"{len(train_prompts)} prompts from {train_prompts.source}")
+    write_plan(plan, output_dir, train_prompts.describe())
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    reward_cfg = cfg.reward
-    scorer = RewardScorer(fn=hydra.utils.instantiate(reward_cfg.fn), on_error=reward_cfg.on_error,
-                          overlong_penalty=reward_cfg.overlong_penalty)
+    scorer = RewardScorer.from_config(cfg.reward)
     datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                                    scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
                                    engine=engine)
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
                        pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                       eval_every=cfg.trainer.eval_every)
-    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps)])
+                       eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),
+                       max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates)
+    checkpoints = RolloutCheckpoint(output_dir / "checkpoints", every=cfg.trainer.checkpoint_every,
+                                    keep=cfg.trainer.keep_checkpoints)
+    resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
+    if resume_from:
+        log.info("resuming from %s", resume_from)
+    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints])
     started_engine = time.perf_counter()
     datamodule.start_engine()
     engine_start_seconds = time.perf_counter() - started_engine
-    trainer.fit(module, datamodule=datamodule)
+    # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
 
-    checkpoint = output_dir / "checkpoints" / "last.ckpt"
-    trainer.save_checkpoint(checkpoint)
     if trainer.is_global_zero:
         module.actor.save_pretrained(output_dir / "actor")
         tokenizer.save_pretrained(output_dir / "actor")
@@ -179,6 +187,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
              "wall_seconds": time.perf_counter() - started, "skipped_prompts": dict(train_prompts.skipped)}
     summary = write_summary(output_dir, module, plan, extra)
     write_curves(output_dir, module.history, module.eval_history)
-    print(f"run finished: eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f} "
-          f"in {summary['wall_seconds']:.0f}s; outputs in {output_dir}", flush=True)
+    evaluated = (f"eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f}"
+                 if summary["eval_reward_final"] is not None else "no evaluation (no data.eval_path)")
+    print(f"run finished: {evaluated} in {summary['wall_seconds']:.0f}s; outputs in {output_dir}", flush=True)
     return summary

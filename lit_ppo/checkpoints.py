@@ -1,0 +1,93 @@
+"""Checkpoints every `checkpoint_every` rollout steps, written atomically, keeping the last K.
+
+A checkpoint is written to `<name>.tmp` and renamed into place, so a crash during the write
+(out of memory, SIGKILL, a preempted node) leaves the previous checkpoints intact; stale
+`.tmp` files are never read back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import lightning as L
+
+from lit_ppo.errors import NonFiniteUpdatesError
+from lit_ppo.plan import ConfigError
+
+_NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
+
+
+def checkpoint_path(directory: Path, rollout_step: int) -> Path:
+    return Path(directory) / f"rollout_step={rollout_step:06d}.ckpt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_atomic(trainer: L.Trainer, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    trainer.save_checkpoint(tmp)
+    if trainer.is_global_zero:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    trainer.strategy.barrier("lit_ppo_checkpoint")
+    return path
+
+
+def prune(directory: Path, keep: int) -> None:
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+
+
+def resolve_resume(resume: str | None, directory: Path) -> Path | None:
+    """`null`: start fresh; `auto`: the latest checkpoint in the run's directory, if any; else a path."""
+    if resume in (None, "", "none"):
+        return None
+    if resume == "auto":
+        found = list_checkpoints(directory)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_file():
+        raise ConfigError(f"resume={resume}: no such checkpoint file; fix: give a .ckpt path or resume=auto")
+    return path
+
+
+class RolloutCheckpoint(L.Callback):
+    """Saves after every `every` rollout steps and at the end of training."""
+
+    def __init__(self, directory: Path, every: int, keep: int):
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+        self.last_saved = -1
+
+    def save(self, trainer: L.Trainer, module) -> Path | None:
+        if module.rollout_step == self.last_saved:
+            return None
+        path = save_atomic(trainer, checkpoint_path(self.directory, module.rollout_step))
+        self.last_saved = module.rollout_step
+        if trainer.is_global_zero:
+            prune(self.directory, self.keep)
+        return path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.every and module.rollout_step % self.every == 0:
+            self.save(trainer, module)
+
+    def on_train_end(self, trainer, module) -> None:
+        self.save(trainer, module)
+
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteUpdatesError):  # keep what was learned before the divergence
+            self.save(trainer, module)

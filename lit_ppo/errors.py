@@ -1,0 +1,9 @@
+"""Errors raised while training that the user can act on; `train.py` prints them as one line."""
+
+
+class StepAccountingError(RuntimeError):
+    """The run did something other than what the plan said."""
+
+
+class NonFiniteUpdatesError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""

@@ -1,0 +1,293 @@
+"""Two real processes (torch.distributed, gloo, CPU) against one process on the whole batch.
+
+What must not depend on how a batch is split over data-parallel ranks (REFERENCE sections 1.5 and 3):
+- advantages: every estimator, called with `lit_ppo.module.global_sum`, gives on each rank's half of
+  the batch exactly the rows the single process gives on the whole batch;
+- gradients: each rank runs its half of one mini-batch in micro-batches, aggregates the policy loss
+  with the mini-batch's GLOBAL token and sequence counts and multiplies it by the world size (as
+  `PPOModule._actor_backward` does); after DDP averages the gradients over ranks they equal the
+  single-process gradient of the whole mini-batch, for every loss aggregation mode.
+
+The test file is also the worker: the parent runs `python tests/test_distributed.py` twice with
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (as torchrun would), each rank saves its tensors
+with torch.save, and the tests compare them with a single-process computation done here.
+Negative controls check that the comparison can fail: per-rank statistics or per-micro-batch
+token counts do give different numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # when run as the worker script, not through pytest's conftest
+    sys.path.insert(0, str(ROOT))
+
+from lit_ppo import algorithms as alg  # noqa: E402
+
+F64 = torch.float64
+WORLD = 2
+GROUP_SIZE = 4
+# Response lengths of 16 samples (4 groups of 4). Rank 0 gets rows 0-7 (31 tokens, width 7),
+# rank 1 rows 8-15 (28 tokens, width 6): unequal counts and widths, so any local statistic shows.
+LENGTHS = [3, 7, 1, 5, 2, 4, 6, 3, 5, 1, 2, 4, 6, 3, 2, 5]
+MAX_LEN = 8  # generation budget: the constant divisor of seq-mean-token-sum-norm
+FEATURES, VOCAB = 6, 5
+MICRO_BATCH = 3  # per rank: 8 samples -> micro-batches of 3, 3, 2
+CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0)
+ESTIMATOR_KWARGS = dict(gamma=0.95, lam=0.9, group_size=GROUP_SIZE, normalize=True)
+WHITENING_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
+TIMEOUT_S = 180
+
+
+# ------------------------------------------------------------------ shared data (parent and workers)
+
+def make_batch() -> dict[str, torch.Tensor]:
+    """The same rollout batch in every process: seeded generator, CPU, float64."""
+    g = torch.Generator().manual_seed(0)
+    n, width = len(LENGTHS), max(LENGTHS)
+    mask = (torch.arange(width)[None, :] < torch.tensor(LENGTHS)[:, None]).to(F64)  # [N, T]
+    rewards = torch.randn(n, generator=g, dtype=F64)
+    kl_penalty = 0.05 * torch.rand(n, width, generator=g, dtype=F64) * mask
+    rewards[8:12], kl_penalty[8:12] = 1.0, 0.0  # one group of equal outcomes: its grpo std is 0
+    batch = dict(
+        mask=mask,
+        rewards=rewards,  # [N]
+        values=torch.randn(n, width, generator=g, dtype=F64) * mask,
+        kl_penalty=kl_penalty,  # [N, T] already multiplied by the KL coefficient
+        features=torch.randn(n, width, FEATURES, generator=g, dtype=F64),  # [N, T, D]
+        targets=torch.randint(0, VOCAB, (n, width), generator=g),  # [N, T] sampled token ids
+        policy_advantages=torch.randn(n, width, generator=g, dtype=F64) * mask,
+        weight=0.5 * torch.randn(VOCAB, FEATURES, generator=g, dtype=F64),
+        bias=0.1 * torch.randn(VOCAB, generator=g, dtype=F64),
+    )
+    with torch.no_grad():
+        logp = token_logprobs(make_policy(batch), batch["features"], batch["targets"])
+    # The behaviour policy differs from the current one, so low, high and dual clip all occur.
+    batch["old_logp"] = (logp + 0.6 * torch.randn(n, width, generator=g, dtype=F64)) * mask
+    return batch
+
+
+def make_policy(batch) -> torch.nn.Linear:
+    """A per-token policy over a vocabulary of 5: logits = Linear(features)."""
+    model = torch.nn.Linear(FEATURES, VOCAB, dtype=F64)
+    with torch.no_grad():
+        model.weight.copy_(batch["weight"])
+        model.bias.copy_(batch["bias"])
+    return model
+
+
+def token_logprobs(model, features, targets) -> torch.Tensor:
+    # Not lit_ppo.module.token_logprobs: that one casts to float32, and this test compares in float64.
+    return model(features).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
+
+
+def rows(batch, idx: list[int]) -> dict[str, torch.Tensor]:
+    """Samples `idx`, trimmed to their own longest response (as `pack` builds a micro-batch)."""
+    width = max(1, int(batch["mask"][idx].sum(-1).max()))
+    return {k: (v[idx] if v.dim() == 1 else v[idx, :width]) for k, v in batch.items() if k not in ("weight", "bias")}
+
+
+def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def advantages(name: str, b, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
+    return alg.ADVANTAGE_ESTIMATORS[name](b["rewards"], b["mask"], values=b["values"], kl_penalty=b["kl_penalty"],
+                                          global_sum=global_sum, **ESTIMATOR_KWARGS)
+
+
+def policy_loss_terms(model, b) -> torch.Tensor:
+    logp = token_logprobs(model, b["features"], b["targets"])
+    loss, _ = alg.policy_loss(logp, b["old_logp"], b["policy_advantages"], **CLIP)
+    return loss  # [B, T]
+
+
+# ------------------------------------------------------------------ worker (one process per rank)
+
+def run_rank(rank: int, world: int) -> dict:
+    """This rank's advantages and mini-batch gradients, padded to the whole batch's width."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lit_ppo.module import global_sum
+
+    batch = make_batch()
+    n_local = len(LENGTHS) // world
+    local = rows(batch, list(range(rank * n_local, (rank + 1) * n_local)))  # whole groups of 4
+    width = batch["mask"].shape[1]
+    out: dict = {"advantages": {}, "returns": {}, "local_only_advantages": {}, "grads": {}}
+
+    for name in alg.ADVANTAGE_ESTIMATORS:
+        adv, ret = advantages(name, local, global_sum)
+        out["advantages"][name], out["returns"][name] = pad_to(adv, width), pad_to(ret, width)
+        if name in WHITENING_ESTIMATORS:  # control: this rank's statistics only
+            out["local_only_advantages"][name] = pad_to(advantages(name, local, alg.local_sum)[0], width)
+
+    # One mini-batch of all 16 samples: this rank's 8 in shuffled micro-batches of 3, 3, 2.
+    order = torch.randperm(n_local, generator=torch.Generator().manual_seed(rank)).tolist()
+    micro = [rows(local, order[s:s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
+    mask = local["mask"]
+    num_tokens, num_seqs = global_sum(torch.stack([mask.sum(), torch.tensor(float(n_local), dtype=F64)]))
+    model = DDP(make_policy(batch))
+
+    def minibatch_grad(mode: str, accumulate: str, counts: dict) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for i, mb in enumerate(micro):
+            # "sync": all-reduce after every backward (Lightning's manual_backward under DDP);
+            # "no_sync": accumulate locally, all-reduce once on the last micro-batch.
+            last = i == len(micro) - 1
+            ctx = model.no_sync() if accumulate == "no_sync" and not last else contextlib.nullcontext()
+            with ctx:
+                loss = alg.aggregate_loss(policy_loss_terms(model, mb), mb["mask"], mode, max_len=MAX_LEN, **counts)
+                (loss * world).backward()  # DDP averages gradients over ranks
+        return torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]).clone()
+
+    for mode in alg.LOSS_AGG_MODES:
+        for accumulate in ("sync", "no_sync"):
+            counts = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+            out["grads"][mode, accumulate] = minibatch_grad(mode, accumulate, counts)
+    # Control: token-mean over each micro-batch's own tokens (the mis-weighting of verl #5625).
+    out["grads"]["token-mean", "per-micro-batch"] = minibatch_grad("token-mean", "sync", {})
+    out["num_tokens"], out["num_seqs"] = num_tokens, num_seqs
+    return out
+
+
+def worker_main() -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        out = run_rank(rank, world)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # at once: an orderly shutdown would wait for the peer that is still in a collective
+    torch.save(out, Path(os.environ["LIT_PPO_DIST_OUT"]) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ tests (parent process)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out_dir: Path) -> tuple[bool, str]:
+    """Start the ranks as separate processes; (all exited 0, what went wrong)."""
+    env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               LIT_PPO_DIST_OUT=str(out_dir), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    logs = [out_dir / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r)), cwd=ROOT,
+                                          stdout=f, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        # A rank that fails leaves its peer waiting in a collective: stop at the first failure.
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if time.monotonic() > deadline:
+                return False, f"the {WORLD} ranks did not finish within {TIMEOUT_S} s (a collective waits for a peer)"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode]
+    report = "".join(f"rank {r} exited with {procs[r].returncode}:\n{logs[r].read_text()[-4000:]}\n" for r in failed)
+    return not failed, report
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Run the two ranks once; each test reads their saved tensors."""
+    for _ in range(2):  # the free port can be taken between choosing it and binding it
+        out_dir = tmp_path_factory.mktemp("dist")
+        ok, why = launch(out_dir)
+        if ok or "address already in use" not in why.lower():
+            break
+    assert ok, why
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def single_process_grad(mode: str) -> torch.Tensor:
+    batch = make_batch()
+    model = make_policy(batch)
+    whole = rows(batch, list(range(len(LENGTHS))))
+    alg.aggregate_loss(policy_loss_terms(model, whole), whole["mask"], mode, max_len=MAX_LEN).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_global_counts_are_the_whole_minibatch(ranks):
+    for r in ranks:
+        assert float(r["num_tokens"]) == sum(LENGTHS) == 59
+        assert float(r["num_seqs"]) == len(LENGTHS)
+
+
+@pytest.mark.parametrize("name", list(alg.ADVANTAGE_ESTIMATORS))
+def test_advantages_split_over_two_ranks_equal_one_process(ranks, name):
+    batch = make_batch()
+    expected_adv, expected_ret = advantages(name, batch, alg.local_sum)
+    close(torch.cat([r["advantages"][name] for r in ranks]), expected_adv, f"{name} advantages")
+    close(torch.cat([r["returns"][name] for r in ranks]), expected_ret, f"{name} returns")
+
+
+@pytest.mark.parametrize("name", WHITENING_ESTIMATORS)
+def test_control_per_rank_statistics_differ(ranks, name):
+    """Whitening with each rank's own mean and std would not match: the global sum is what does it."""
+    expected, _ = advantages(name, make_batch(), alg.local_sum)
+    local_only = torch.cat([r["local_only_advantages"][name] for r in ranks])
+    assert (local_only - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("accumulate", ["sync", "no_sync"])
+@pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
+def test_ddp_gradient_equals_single_process_gradient(ranks, mode, accumulate):
+    expected = single_process_grad(mode)
+    assert expected.abs().max() > 1e-3  # the loss really reaches the parameters
+    for r, result in enumerate(ranks):
+        close(result["grads"][mode, accumulate], expected, f"rank {r}, {mode}, {accumulate}")
+
+
+def test_policy_batch_exercises_every_clip():
+    """Make sure the gradient tests cover low clip, high clip and dual clip, not just the plain ratio."""
+    b = make_batch()
+    valid = b["mask"].bool()
+    ratio = (token_logprobs(make_policy(b), b["features"], b["targets"]) - b["old_logp"]).exp()[valid]
+    adv = b["policy_advantages"][valid]
+    assert ((adv > 0) & (ratio > 1 + CLIP["clip_ratio_high"])).any()
+    assert ((adv < 0) & (ratio < 1 - CLIP["clip_ratio_low"])).any()
+    assert ((adv < 0) & (ratio > CLIP["dual_clip"])).any()
+    assert ((ratio > 1 - CLIP["clip_ratio_low"]) & (ratio < 1 + CLIP["clip_ratio_high"])).any()
+
+
+def test_control_per_micro_batch_token_mean_differs(ranks):
+    """Dividing each micro-batch by its own tokens mis-weights the gradient (verl #5625)."""
+    expected = single_process_grad("token-mean")
+    assert (ranks[0]["grads"]["token-mean", "per-micro-batch"] - expected).abs().max() > 1e-3
+
+
+if __name__ == "__main__":
+    worker_main()

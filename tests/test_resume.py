@@ -1,0 +1,193 @@
+"""Checkpoints, resume after a crash, and non-finite updates."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints, resolve_resume, save_atomic
+from lit_ppo.errors import NonFiniteUpdatesError
+from tests.helpers import build_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def counters(module) -> dict:
+    return {"rollout_step": module.rollout_step, "actor": module.actor_optimizer_steps,
+            "critic": module.critic_optimizer_steps, "samples": module.samples_seen}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        # CPU, fixed seeds, one process and the same thread count: the runs are bitwise identical.
+        assert torch.equal(a[name], b[name]), name
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter(L.Callback):
+    """Ends the process's training abruptly after a given rollout step, as a crash would."""
+
+    def __init__(self, rollout_step: int):
+        self.rollout_step = rollout_step
+
+    def on_train_batch_end(self, trainer, module, *args) -> None:
+        if module.rollout_step == self.rollout_step:
+            raise Crash()
+
+
+def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, crash_after=None):
+    # 64 prompts, rollout batch 16 -> 4 rollout steps per data epoch; ppo_epochs 2 exercises the shuffle state.
+    callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=every, keep=2)]
+    callbacks += [CrashAfter(crash_after)] if crash_after else []
+    trainer, module, datamodule, plan = build_run(
+        paths[0], engine, paths[1], tmp_path, total_rollout_steps=steps, ppo_epochs=2, kl_coef=0.05, callbacks=callbacks,
+        rollout_batch_size=16, train_batch_size=16, micro_train_batch_size=8)
+    torch.manual_seed(0)
+    ckpt = str(resume_from) if resume_from else None
+    if crash_after:
+        with pytest.raises(Crash):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    else:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    return module, datamodule
+
+
+@pytest.fixture
+def paths(tiny_model_dir, arithmetic_files):
+    return tiny_model_dir, arithmetic_files
+
+
+def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, engine, tmp_path):
+    full, _ = run_in_process(paths, engine, tmp_path / "full", steps=6)
+    run_in_process(paths, engine, tmp_path / "split", steps=6, every=4, crash_after=5)  # crashes inside data epoch 1
+    # Resumed from the checkpoint at rollout step 4: exactly the data-epoch boundary.
+    boundary = checkpoint_path(tmp_path / "split" / "checkpoints", 4)
+    assert boundary.exists()
+    resumed, datamodule = run_in_process(paths, engine, tmp_path / "split", steps=6, resume_from=boundary)
+    assert datamodule.data_epoch(resumed.rollout_step - 1) == 1
+    # 16 prompts x 4 samples x 2 epochs / 16 = 8 optimizer steps per rollout step.
+    assert counters(resumed) == counters(full) == {"rollout_step": 6, "actor": 48, "critic": 48, "samples": 384}
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+    assert [r["rollout/reward_mean"] for r in resumed.history] == [r["rollout/reward_mean"] for r in full.history]
+
+
+def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
+    common = ["trainer.total_rollout_steps=6", "trainer.checkpoint_every=1", "trainer.eval_every=0",
+              "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8", f"cache_dir={tmp_path / 'cache'}",
+              "ppo.ppo_epochs=2"]
+
+    def command(out: Path, *extra: str) -> list[str]:
+        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
+
+    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    crashed = tmp_path / "crashed"
+    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not checkpoint_path(crashed / "checkpoints", 2).exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
+    assert killed_at.name != "rollout_step=000006.ckpt", "killed too late to test anything"
+
+    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(checkpoint_path(tmp_path / "full" / "checkpoints", 6), weights_only=False)["lit_ppo"]
+    b = torch.load(checkpoint_path(crashed / "checkpoints", 6), weights_only=False)["lit_ppo"]
+    for key in ("rollout_step", "actor_optimizer_steps", "critic_optimizer_steps", "samples_seen"):
+        assert a[key] == b[key], key
+    assert_same_weights(load_file(tmp_path / "full" / "actor" / "model.safetensors"),
+                        load_file(crashed / "actor" / "model.safetensors"))
+    rows = (crashed / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 6  # header + one row per rollout step: no gap, no repeat
+
+
+KILL_DURING_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from lit_ppo.checkpoints import save_atomic
+
+class Strategy:
+    def barrier(self, name): pass
+
+class CrashingTrainer:
+    is_global_zero = True
+    strategy = Strategy()
+    def save_checkpoint(self, path):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # dies in the middle of the write
+
+save_atomic(CrashingTrainer(), Path(sys.argv[1]))
+"""
+
+
+def test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable(paths, engine, tmp_path):
+    module, _ = run_in_process(paths, engine, tmp_path, steps=2)
+    directory = tmp_path / "checkpoints"
+    before = list_checkpoints(directory)
+    assert [p.name for p in before] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
+    size = before[-1].stat().st_size
+    result = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, str(checkpoint_path(directory, 3))], cwd=ROOT)
+    assert result.returncode == -signal.SIGKILL
+    assert (directory / "rollout_step=000003.ckpt.tmp").exists()  # the torn write ...
+    assert list_checkpoints(directory) == before and before[-1].stat().st_size == size  # ... is never picked up
+    assert resolve_resume("auto", directory) == before[-1]
+    resumed, _ = run_in_process(paths, engine, tmp_path, steps=3, resume_from=resolve_resume("auto", directory))
+    assert resumed.rollout_step == 3 and resumed.actor_optimizer_steps == 3 * 8  # 16 x 4 x 2 / 16 per step
+
+
+def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypatch):
+    import lit_ppo.module as module_code
+
+    original = module_code.algo.aggregate_loss
+    calls = {"n": 0}
+
+    def nan_once(loss, *args, **kwargs):
+        calls["n"] += 1
+        value = original(loss, *args, **kwargs)
+        return value * float("nan") if calls["n"] == 1 else value  # the first micro-batch's loss is NaN
+
+    monkeypatch.setattr(module_code.algo, "aggregate_loss", nan_once)
+    # A reward that varies between samples, so a random policy gets non-zero advantages and gradients.
+    trainer, module, datamodule, plan = build_run(paths[0], engine, paths[1], tmp_path, total_rollout_steps=1,
+                                                  reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses])
+    before = {k: v.clone() for k, v in module.actor.state_dict().items()}
+    trainer.fit(module, datamodule=datamodule)
+    assert module.skipped_updates == 1
+    assert module.actor_optimizer_steps == plan.optimizer_steps_per_rollout_step  # planned steps still accounted
+    assert module.history[-1]["actor/skipped_updates"] == 1
+    assert all(torch.isfinite(v).all() for v in module.actor.state_dict().values())
+    assert any(not torch.equal(before[k], v) for k, v in module.actor.state_dict().items())  # later updates applied
+
+
+def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine, tmp_path, monkeypatch):
+    import lit_ppo.module as module_code
+
+    original = module_code.algo.aggregate_loss
+    monkeypatch.setattr(module_code.algo, "aggregate_loss", lambda *a, **k: original(*a, **k) * float("nan"))
+    trainer, module, datamodule, _ = build_run(
+        paths[0], engine, paths[1], tmp_path, total_rollout_steps=3, advantage_estimator="grpo", kl_coef=0.0,
+        callbacks=[RolloutCheckpoint(tmp_path / "checkpoints", every=0, keep=2)])
+    with pytest.raises(NonFiniteUpdatesError, match="3 optimizer steps in a row"):
+        trainer.fit(module, datamodule=datamodule)
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert len(saved) == 1
+    state = torch.load(saved[0], weights_only=False)["lit_ppo"]
+    assert state["skipped_updates"] == 3
