@@ -344,3 +344,16 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     assert len(errors) == 1, proc.stderr
     assert "ppo.train_batch_size" in errors[0]
     assert not (out / "plan.json").exists()
+
+
+@pytest.mark.parametrize("experiment,prompts,updates", [("qwen7b", 8532, 4), ("qwen1.5b", 8532, 4), ("qwen0.5b", 8532, 4)])
+def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updates, tmp_path):
+    """`python train.py +experiment=<name> mode=plan` on a machine with no GPU, no weights and no data."""
+    result = subprocess.run([sys.executable, "train.py", f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["dataset_prompts"] == prompts
+    assert plan["optimizer_steps_per_rollout_step"] == updates
+    assert plan["total_rollout_steps"] == 100 and plan["total_optimizer_steps"] == 100 * updates
+    assert "torch" not in result.stdout  # nothing heavy was loaded or reported
