@@ -145,10 +145,7 @@ class RolloutDataModule(L.LightningDataModule):
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
         sample_prompts = [prompts[g.prompt_index] for g in generations]
-        rewards = self.scorer(
-            [p.text for p in sample_prompts], [g.text for g in generations], [p.reference for p in sample_prompts],
-            [p.extras for p in sample_prompts], [g.truncated for g in generations],
-        )
+        rewards = self.score(prompts, generations)
         reward_seconds = time.perf_counter() - started
         self.next_rollout_step = rollout_step + 1
         return RolloutBatch(
@@ -166,6 +163,12 @@ class RolloutDataModule(L.LightningDataModule):
             reward_metrics=dict(self.scorer.metrics),
         )
 
+    def score(self, prompts: list, generations: list) -> list[float]:
+        """Rewards of generations; `g.prompt_index` points into `prompts`."""
+        of = [prompts[g.prompt_index] for g in generations]
+        return self.scorer([p.text for p in of], [g.text for g in generations], [p.reference for p in of],
+                           [p.extras for p in of], [g.truncated for g in generations])
+
     # ------------------------------------------------------------ evaluation
 
     def evaluate(self, k: int | None = None) -> dict:
@@ -177,9 +180,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = self.eval_prompts.prompts
         ids = [p.prompt_ids for p in prompts]
         greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length, seed=self.seed)
-        score_args = ([p.text for p in prompts], [g.text for g in greedy], [p.reference for p in prompts],
-                      [p.extras for p in prompts], [g.truncated for g in greedy])
-        greedy_rewards = self.scorer(*score_args)
+        greedy_rewards = self.score(prompts, greedy)
         result = {
             "eval/reward": sum(greedy_rewards) / len(greedy_rewards),
             "eval/response_length": sum(len(g.token_ids) for g in greedy) / len(greedy),
@@ -188,9 +189,7 @@ class RolloutDataModule(L.LightningDataModule):
         if k > 1:
             sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
                                       max_tokens=self.rollout.max_response_length, seed=self.seed + 1)
-            rep = [prompts[g.prompt_index] for g in sampled]
-            scores = self.scorer([p.text for p in rep], [g.text for g in sampled], [p.reference for p in rep],
-                                 [p.extras for p in rep], [g.truncated for g in sampled])
+            scores = self.score(prompts, sampled)
             solved = [max(scores[i * k:(i + 1) * k]) > 0 for i in range(len(prompts))]
             result[f"eval/pass@{k}"] = sum(solved) / len(solved)
         result["eval/samples"] = [

@@ -59,7 +59,9 @@ def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmet
     """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
     from lit_ppo.module import pack, token_logprobs
 
-    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3)
+    # A reward that varies between samples, so the random policy gets a learning signal.
+    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3,
+                                               reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses])
     prompt = datamodule.train_prompts.prompts[0].prompt_ids
     response = datamodule.tokenizer("123", add_special_tokens=False).input_ids + [datamodule.tokenizer.eos_token_id]
 
