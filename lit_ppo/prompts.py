@@ -36,6 +36,14 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def describe(self) -> str:
+        """`120 prompts from train.jsonl (skipped 3: too_long=2, missing_key=1)`, for the plan and the log."""
+        text = f"{len(self.prompts)} prompts from {self.source}"
+        if self.skipped:
+            reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(self.skipped.items()))
+            text += f" (skipped {sum(self.skipped.values())}: {reasons})"
+        return text
+
 
 def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (location, record); location names the file and line (or row) for messages."""
@@ -44,7 +52,11 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
             import datasets
         except ImportError as e:
             raise ConfigError(f"data: {path} is a directory (a saved `datasets` dataset) but `datasets` is not installed; fix: pip install datasets") from e
-        ds = datasets.load_from_disk(str(path))
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise ConfigError(f"data: {path} is a directory but not a `datasets` save_to_disk folder ({e}); "
+                              "fix: point at a .jsonl or .parquet file or a folder written by Dataset.save_to_disk") from e
         if isinstance(ds, datasets.DatasetDict):
             raise ConfigError(f"data: {path} holds splits {list(ds)}; fix: point at one split's folder, e.g. {path}/train")
         for i, record in enumerate(ds):
@@ -71,8 +83,13 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
 
 
 def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: str | None) -> str:
+    """The prompt as the model sees it: the raw text, or a user turn (after an optional system turn) in
+    the tokenizer's chat template, ending where the assistant's reply starts."""
     if not chat_template:
         return text
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.chat_template=true but the tokenizer of {tokenizer.name_or_path} has no chat template; "
+                          "fix: set data.chat_template=false (plain text prompts) or use a chat model")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -102,11 +119,14 @@ def load_prompts(path: str | Path, tokenizer, *, prompt_key: str = "prompt", ans
             reject(location, "empty_prompt", f"prompt {prompt_key!r} is empty or not text")
             continue
         text = format_prompt(raw, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        # A chat template writes its own special tokens (BOS included); plain text gets the tokenizer's.
+        ids = tokenizer(text, add_special_tokens=not chat_template).input_ids
         if len(ids) > max_prompt_length:
             reject(location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
             continue
         reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
         extras = {k: record[k] for k in extra_keys}
         result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras))
+    if not result.prompts:
+        raise DataError(f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents")
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -111,3 +112,13 @@ class VLLMEngine:
     def wake_up(self) -> None:
         if self.sleep_supported:
             self.llm.wake_up()
+
+    def close(self) -> None:
+        """Release the engine (weights, KV cache, vLLM's distributed state) so that another can start in this
+        process, as the jobs of a Hydra sweep do. Dropping the last reference is not enough: vLLM gc.freeze()s
+        the heap after startup, so the engine's reference cycles are never collected until shutdown unfreezes it."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()

@@ -10,7 +10,7 @@ import string
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
 EOS_TOKEN = "<|endoftext|>"
@@ -23,14 +23,27 @@ CHAT_TEMPLATE = (
 )
 
 
+TOKENIZER_VERSION = 2  # part of the cache key of models built with it
+
+
+def _byte_level_symbol(char: str) -> str:
+    """GPT-2's byte-to-unicode map for ASCII: printable characters stand for themselves, bytes 0-32 move to 256+."""
+    code = ord(char)
+    return char if 33 <= code <= 126 else chr(256 + code)
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character, plus Qwen-style special tokens."""
+    """One token per printable ASCII character, plus Qwen-style special tokens.
+
+    It is a byte-level BPE without merges, the same pipeline as Qwen2's tokenizer, so loading the
+    saved directory with AutoTokenizer (which picks Qwen2Tokenizer from config.json) and with vLLM
+    gives exactly the same ids, spaces and newlines included."""
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
-    # BPE without merges splits text into single characters from the vocabulary.
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_level_symbol(c) for c in chars])}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     core.add_special_tokens(SPECIAL_TOKENS)
-    core.decoder = decoders.Fuse()
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="right"
     )

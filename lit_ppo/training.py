@@ -35,11 +35,11 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
     model = cfg.model
     if model.path:
         return str(model.path)
-    from lit_ppo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.tiny import TOKENIZER_VERSION, build_char_tokenizer, build_tiny_model, save_model_dir
 
     cache = Path(cfg.cache_dir)
     tiny = OmegaConf.to_container(model.tiny, resolve=True)
-    base_dir = cache / f"tiny-{cache_key(tiny, cfg.seed)}"
+    base_dir = cache / f"tiny-{cache_key(tiny, cfg.seed, TOKENIZER_VERSION)}"
     if not (base_dir / "config.json").exists():
         tokenizer = build_char_tokenizer()
         tmp = base_dir.with_name(base_dir.name + ".tmp")
@@ -50,7 +50,7 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         return str(base_dir)
     if train_records is None:
         raise ConfigError("model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false")
-    key = cache_key(tiny, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed)
+    key = cache_key(base_dir.name, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
     out = supervised_warm_start(str(base_dir), cache / f"warm-{key}", demos, tokenizer, steps=warm.steps,

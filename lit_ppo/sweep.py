@@ -1,0 +1,110 @@
+"""After a Hydra sweep (`python train.py -m ppo=grpo,ppo seed=0,1`): one table of every job's overrides and results.
+
+Registered in conf/config.yaml under hydra.callbacks; writes sweep_summary.csv and sweep_summary.md
+into the sweep directory. Imports nothing heavy: Hydra instantiates it for single runs too.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from lit_ppo.plan import ConfigError
+
+log = logging.getLogger("lit_ppo")
+
+SUMMARY_METRICS = ["eval_reward_initial", "eval_reward_final", "reward_final", "rollout_steps",
+                   "optimizer_steps_actor", "wall_seconds"]
+
+
+def find_job_dirs(sweep_dir: Path) -> list[Path]:
+    """Directories under sweep_dir holding a Hydra job (.hydra/overrides.yaml) or a run's summary.json."""
+    found = {p.parent.parent for p in sweep_dir.rglob(".hydra/overrides.yaml")}
+    found |= {p.parent for p in sweep_dir.rglob("summary.json")}
+    found.discard(sweep_dir)  # the sweep's own multirun.yaml lives there, not a job
+
+    def order(path: Path):  # job numbers numerically: 2 before 10
+        name = str(path.relative_to(sweep_dir))
+        return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+    return sorted(found, key=order)
+
+
+def read_job(job_dir: Path, sweep_dir: Path) -> dict:
+    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
+    summary_file = job_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    return {
+        "job": str(job_dir.relative_to(sweep_dir)),
+        "overrides": list(overrides or []),
+        "status": "done" if summary else "no summary.json",
+        **{key: summary.get(key) for key in SUMMARY_METRICS},
+    }
+
+
+def override_columns(jobs: list[dict]) -> list[str]:
+    """The overridden keys, in order of first appearance (`ppo=grpo` -> column `ppo`)."""
+    columns: list[str] = []
+    for job in jobs:
+        for override in job["overrides"]:
+            key = override.split("=", 1)[0].lstrip("+")
+            if key not in columns:
+                columns.append(key)
+    return columns
+
+
+def override_values(job: dict) -> dict[str, str]:
+    return {o.split("=", 1)[0].lstrip("+"): (o.split("=", 1)[1] if "=" in o else "") for o in job["overrides"]}
+
+
+def write_sweep_summary(sweep_dir: Path) -> list[dict]:
+    """sweep_summary.csv (one column per overridden key, then the results) and sweep_summary.md."""
+    jobs = [read_job(d, sweep_dir) for d in find_job_dirs(sweep_dir)]
+    keys = override_columns(jobs)
+    columns = ["job", *keys, "overrides", "status", *SUMMARY_METRICS]
+    with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for job in jobs:
+            values = override_values(job)
+            writer.writerow({**job, **{k: values.get(k, "") for k in keys}, "overrides": " ".join(job["overrides"])})
+
+    def cell(value) -> str:
+        if value is None:
+            return ""
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    header = ["job", "overrides", "status", *SUMMARY_METRICS]
+    lines = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for job in jobs:
+        row = [job["job"], " ".join(f"`{o}`" for o in job["overrides"]), job["status"], *(cell(job[k]) for k in SUMMARY_METRICS)]
+        lines.append("| " + " | ".join(row) + " |")
+    (sweep_dir / "sweep_summary.md").write_text("\n".join(lines) + "\n")
+    return jobs
+
+
+class SweepSummary(Callback):
+    """Hydra callback: checks that a sweep's jobs write to distinct directories, summarizes the sweep at its end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if not OmegaConf.is_interpolation(config, "output_dir") and config.get("output_dir"):
+            raise ConfigError(
+                f"output_dir={config.output_dir} would be shared by every job of this sweep, each overwriting the last; "
+                "fix: leave output_dir unset so each job writes to its own directory under hydra.sweep.dir"
+            )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            log.warning("sweep summary: %s does not exist; nothing to summarize", sweep_dir)
+            return
+        jobs = write_sweep_summary(sweep_dir)
+        print(f"sweep summary of {len(jobs)} jobs: {sweep_dir / 'sweep_summary.md'} (and .csv)", flush=True)

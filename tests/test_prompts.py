@@ -1,0 +1,245 @@
+"""Prompt datasets: each file format, plain and chat-formatted, down to the token ids vLLM receives; bad records."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from lit_ppo.plan import ConfigError
+from lit_ppo.prompts import DataError, load_prompts
+
+RECORDS = [
+    {"prompt": "What is 2+3?", "answer": 5, "topic": "add"},
+    {"prompt": "What is 7-4?", "answer": "3", "topic": "sub"},
+    {"prompt": "Compute 6*7.", "answer": 42, "topic": "mul"},
+    {"prompt": "What is 9/3?", "answer": "3", "topic": "div"},
+]
+SYSTEM = "Answer with a number."
+
+
+def chat_text(prompt: str, system: str | None) -> str:
+    """The tiny tokenizer's (Qwen-shaped) chat format, written out by hand."""
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_jsonl(records: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def write_parquet_raw(records: list[dict], path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+def write_parquet(records: list[dict], path: Path) -> Path:
+    # Mixed int/str answers are not one Arrow type: store them as text, as a real dataset would.
+    return write_parquet_raw([{**r, "answer": str(r["answer"])} for r in records], path)
+
+
+def write_saved_dataset(records: list[dict], path: Path) -> Path:
+    import datasets
+
+    datasets.Dataset.from_list([{**r, "answer": str(r["answer"])} for r in records]).save_to_disk(str(path))
+    return path
+
+
+WRITERS = {"jsonl": (write_jsonl, "train.jsonl"), "parquet": (write_parquet, "train.parquet"),
+           "save_to_disk": (write_saved_dataset, "train_ds")}
+
+
+def write(fmt: str, records: list[dict], root: Path) -> Path:
+    writer, name = WRITERS[fmt]
+    return writer(records, root / name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# ------------------------------------------------------------------ formats and templates
+
+
+@pytest.mark.parametrize("fmt", list(WRITERS))
+@pytest.mark.parametrize("chat, system", [(False, None), (True, None), (True, SYSTEM)], ids=["plain", "chat", "chat+system"])
+def test_each_format_gives_the_formatted_prompt_token_ids(fmt, chat, system, tokenizer, tmp_path):
+    path = write(fmt, RECORDS, tmp_path)
+    prompts = load_prompts(path, tokenizer, prompt_key="prompt", answer_key="answer", extra_keys=["topic"],
+                           chat_template=chat, system_prompt=system, max_prompt_length=128)
+    assert len(prompts) == len(RECORDS) and not prompts.skipped
+    for prompt, record in zip(prompts.prompts, RECORDS):
+        expected = chat_text(record["prompt"], system) if chat else record["prompt"]
+        assert prompt.text == expected
+        assert prompt.prompt_ids == tokenizer(expected, add_special_tokens=False).input_ids
+        assert prompt.reference == str(record["answer"])
+        assert prompt.extras == {"topic": record["topic"]}
+    first = prompts.prompts[0].prompt_ids
+    if chat:  # the template's markers are single special tokens, not spelled out character by character
+        assert first[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert first.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == (2 if system else 1)
+
+
+def test_tiny_tokenizer_keeps_spaces_and_newlines(tokenizer):
+    # Reloaded from disk, AutoTokenizer picks Qwen2Tokenizer (config.json says qwen2): same ids, nothing dropped.
+    text = "What is 2+3?\nA: 5"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text)  # one id per character
+    assert tokenizer.decode(ids) == text
+
+
+def test_custom_keys_and_no_reference(tokenizer, tmp_path):
+    path = write_jsonl([{"question": "Q one?", "meta": {"level": 2}}, {"question": "Q two?", "meta": None}], tmp_path / "q.jsonl")
+    prompts = load_prompts(path, tokenizer, prompt_key="question", answer_key=None, extra_keys=["meta"])
+    assert [p.text for p in prompts.prompts] == ["Q one?", "Q two?"]
+    assert [p.reference for p in prompts.prompts] == [None, None]
+    assert [p.extras for p in prompts.prompts] == [{"meta": {"level": 2}}, {"meta": None}]
+
+
+def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokenizer, tmp_path, monkeypatch):
+    """A chat-formatted JSONL prompt set through a real rollout: vLLM is asked with exactly the expected ids."""
+    from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.rewards import RewardScorer, integer_match
+
+    prompts = load_prompts(write_jsonl(RECORDS, tmp_path / "train.jsonl"), tokenizer, chat_template=True,
+                           system_prompt=SYSTEM, max_prompt_length=100)
+    ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
+    rollout = RolloutConfig(max_response_length=4)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, rollout.max_response_length)
+    datamodule = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
+                                   scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=tiny_model_dir,
+                                   seed=0, engine=engine)
+    sent, received = [], []
+    original = engine.llm.generate
+
+    def spy(requests, *args, **kwargs):
+        outputs = original(requests, *args, **kwargs)
+        sent.extend(r["prompt_token_ids"] for r in requests)
+        received.extend(o.prompt_token_ids for o in outputs)
+        return outputs
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
+    batch = datamodule.produce_rollout(0)
+
+    expected = {tuple(tokenizer(chat_text(r["prompt"], SYSTEM), add_special_tokens=False).input_ids) for r in RECORDS}
+    assert {tuple(ids) for ids in sent} == {tuple(ids) for ids in received} == expected
+    assert len(batch.prompt_ids) == 8 and {tuple(ids) for ids in batch.prompt_ids} == expected
+    for ids, text in zip(batch.prompt_ids, batch.prompts):
+        assert ids == tokenizer(text, add_special_tokens=False).input_ids
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_malformed_jsonl_line_names_file_and_line(tokenizer, tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n\n{"prompt": "b", "answer": 2\n')
+    with pytest.raises(DataError, match=rf"{path}:3: malformed JSON"):
+        load_prompts(path, tokenizer, bad_records="skip")  # malformed files are never skipped
+
+
+def test_non_object_line_names_file_and_line(tokenizer, tmp_path):
+    path = tmp_path / "list.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=rf"{path}:2: expected a JSON object, got list"):
+        load_prompts(path, tokenizer)
+
+
+GOOD = {"prompt": "1+1=", "answer": "2"}
+BAD_CASES = {
+    # name: (bad record, skip reason, what the error says)
+    "missing_prompt": ({"answer": "2"}, "missing_key", r"no key\(s\) \['prompt'\]"),
+    "missing_answer": ({"prompt": "1+1="}, "missing_key", r"no key\(s\) \['answer'\]"),
+    "missing_extra": ({"prompt": "1+1=", "answer": "2"}, "missing_key", r"no key\(s\) \['topic'\]"),
+    "empty_prompt": ({"prompt": "   ", "answer": "2"}, "empty_prompt", "'prompt' is empty"),
+    "too_long": ({"prompt": "9" * 40, "answer": "2"}, "too_long", "40 tokens > data.max_prompt_length=32"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_record_error_names_file_and_line(case, tokenizer, tmp_path):
+    record, _, message = BAD_CASES[case]
+    good = {**GOOD, "topic": "t"}
+    path = write_jsonl([good, good, {**record, **({"topic": "t"} if case != "missing_extra" else {})}, good], tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=rf"{path}:3: .*{message}.*fix: .*data.bad_records=skip"):
+        load_prompts(path, tokenizer, extra_keys=["topic"], max_prompt_length=32, bad_records="error")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk"])
+def test_bad_record_error_names_the_row(fmt, tokenizer, tmp_path):
+    path = write(fmt, [GOOD, {"prompt": "", "answer": "2"}], tmp_path)
+    with pytest.raises(DataError, match=rf"{path} row 1: prompt 'prompt' is empty"):
+        load_prompts(path, tokenizer)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_skip_counts_each_reason_exactly(fmt, tokenizer, tmp_path):
+    records = ([GOOD] * 3 + [{"prompt": "", "answer": "1"}, {"prompt": "  \n", "answer": "1"}]
+               + [{"prompt": "7" * 33, "answer": "1"}] * 4 + [{"prompt": "2+2=", "answer": None}])
+    if fmt == "jsonl":
+        records.append({"answer": "1"})  # a column missing in some rows only exists in JSONL
+    path = write_jsonl(records, tmp_path / "d.jsonl") if fmt == "jsonl" else write_parquet_raw(records, tmp_path / "d.parquet")
+    prompts = load_prompts(path, tokenizer, max_prompt_length=32, bad_records="skip")
+    expected = Counter(empty_prompt=2, too_long=4, **({"missing_key": 1} if fmt == "jsonl" else {}))
+    assert prompts.skipped == expected
+    assert len(prompts) == 4 and [p.reference for p in prompts.prompts] == ["2", "2", "2", None]
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(expected.items()))
+    assert prompts.describe() == f"4 prompts from {path} (skipped {sum(expected.values())}: {reasons})"
+
+
+def test_skip_counts_reach_the_log(tokenizer, tmp_path, caplog):
+    from lit_ppo.training import load_prompt_sets
+    from tests.test_end_to_end import compose_config
+
+    train = write_jsonl([GOOD, GOOD, {"prompt": ""}, {"prompt": "x" * 50, "answer": "1"}], tmp_path / "train.jsonl")
+    evaluation = write_jsonl([GOOD, {"answer": "1"}], tmp_path / "eval.jsonl")
+    cfg = compose_config("data=file", f"data.path={train}", f"data.eval_path={evaluation}", "data.bad_records=skip",
+                         "data.max_prompt_length=32")
+    with caplog.at_level(logging.WARNING, logger="lit_ppo"):
+        train_set, eval_set = load_prompt_sets(cfg, train, evaluation, tokenizer)
+    assert train_set.skipped == Counter(missing_key=1, too_long=1) and eval_set.skipped == Counter(missing_key=1)
+    assert "skipped 2 train prompts ({'missing_key': 1, 'too_long': 1})" in caplog.text
+    assert "skipped 1 eval prompts ({'missing_key': 1})" in caplog.text
+
+
+def test_only_bad_records_is_an_error(tokenizer, tmp_path):
+    path = write_jsonl([{"prompt": ""}, {"text": "x"}], tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=r"no usable prompts .*skipped 2: empty_prompt=1, missing_key=1"):
+        load_prompts(path, tokenizer, answer_key=None, bad_records="skip")
+
+
+def test_configuration_mistakes(tokenizer, tmp_path):
+    path = write_jsonl([GOOD], tmp_path / "d.jsonl")
+    with pytest.raises(ConfigError, match="data.bad_records='drop'"):
+        load_prompts(path, tokenizer, bad_records="drop")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl", tokenizer)
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(ConfigError, match="suffix '.csv'"):
+        load_prompts(tmp_path / "d.csv", tokenizer)
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ConfigError, match="not a `datasets` save_to_disk folder"):
+        load_prompts(tmp_path / "empty_dir", tokenizer)
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = None
+    with pytest.raises(ConfigError, match="has no chat template; fix: set data.chat_template=false"):
+        load_prompts(path, plain, chat_template=True)
+
+
+def test_dataset_dict_folder_asks_for_one_split(tokenizer, tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD])}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"holds splits \['train'\]; fix: point at one split's folder"):
+        load_prompts(tmp_path / "dd", tokenizer)
+    assert len(load_prompts(tmp_path / "dd" / "train", tokenizer)) == 1
