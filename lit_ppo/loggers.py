@@ -74,6 +74,8 @@ class RolloutWandbLogger(WandbLogger):
     def __init__(self, *args, fallback_offline: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._fallback_offline = fallback_offline
+        if self._wandb_init.get("anonymous") is None:  # wandb warns about the setting even when it is None
+            self._wandb_init.pop("anonymous", None)
 
     @property
     def experiment(self):
@@ -88,8 +90,8 @@ class RolloutWandbLogger(WandbLogger):
             self._wandb_init["mode"] = "offline"
             run = WandbLogger.experiment.fget(self)
         if starting and callable(getattr(run, "define_metric", None)):
-            # WandbLogger plots against `trainer/global_step` (our step= argument, the rollout step too);
-            # the metric the rows themselves carry is the honest x-axis.
+            # WandbLogger plots against `trainer/global_step` (our step= argument); every row also carries
+            # rollout_step itself, so W&B charts read exactly like metrics.csv, whoever logs in between.
             run.define_metric("rollout_step")
             run.define_metric("*", step_metric="rollout_step", step_sync=True)
         return run
@@ -113,6 +115,8 @@ def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None 
     without secret-looking keys. Other keyword arguments go to `wandb.init`."""
     import wandb
 
+    # vLLM imports openai, and wandb then advertises its LLM-tracing product on every run; the user can opt back in.
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
     resolved = resolve_wandb_mode(mode)
     settings = kwargs.pop("settings", None) or wandb.Settings(init_timeout=init_timeout)
     return RolloutWandbLogger(
@@ -142,6 +146,11 @@ class SampleTableLogger(L.Callback):
     def __init__(self, max_console_rows: int = 4):
         self.max_console_rows = max_console_rows
         self.logged = 0  # entries of module.eval_history already shown
+
+    def on_train_start(self, trainer, module) -> None:
+        # Runs before the module's own on_train_start (the first evaluation); what is already in the history
+        # here was restored from a checkpoint and shown by the run that made it.
+        self.logged = len(module.eval_history)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._log_new(trainer, module)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from lit_ppo.arithmetic import make_problems, write_jsonl
 from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
 from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.module import PPOModule
 from lit_ppo.plan import ConfigError, parse_section
 from lit_ppo.prompts import load_prompts
@@ -173,12 +174,16 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints])
+    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
     started_engine = time.perf_counter()
     datamodule.start_engine()
     engine_start_seconds = time.perf_counter() - started_engine
     # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+    finally:
+        if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
+            datamodule.engine.close()
 
     if trainer.is_global_zero:
         module.actor.save_pretrained(output_dir / "actor")

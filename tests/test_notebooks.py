@@ -48,3 +48,35 @@ def test_step_accounting_notebook(tmp_path, monkeypatch):
     assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "optimizer steps per rollout step" in printed
+
+
+def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypatch):
+    import shutil
+
+    import yaml
+
+    from lit_ppo.training import train
+    from test_end_to_end import FIXTURE_MODEL, compose_config
+
+    run = tmp_path / "run"
+    cfg = compose_config("trainer.total_rollout_steps=2", "trainer.eval_every=1", "model.warm_start.enabled=false",
+                         "data.n_train=64", "data.n_eval=8", f"output_dir={run}", f"cache_dir={tmp_path / 'cache'}",
+                         *FIXTURE_MODEL)
+    train(cfg, run, engine=engine)
+    sweep = tmp_path / "sweep"  # laid out as `train.py -m ppo=ppo seed=0,1` would, from the one run's files
+    for job in ("0", "1"):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["ppo=ppo", f"seed={job}"]))
+        for name in ("metrics.csv", "summary.json"):
+            shutil.copy(run / name, sweep / job / name)
+
+    python3_kernel_of_this_python(tmp_path, monkeypatch)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    figures = tmp_path / "figures"
+    nb = run_notebook(REPO / "notebooks" / "analyze_run.ipynb", workdir,
+                      {"run_dirs": [str(sweep), str(run)], "figure_dir": str(figures), "repo_root": str(REPO)})
+    for name in ("curves.png", "timings.png"):
+        assert (figures / name).stat().st_size > 10_000, name
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "3 run(s)" in printed and "ppo=ppo seed=0:" in printed and "ppo=ppo seed=1:" in printed and "  run:" in printed
