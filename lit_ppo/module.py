@@ -143,9 +143,13 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ forward helpers
 
     def _logits(self, model, mb: MicroBatch) -> Tensor:
+        """Outputs at the positions that predict each response token: [B, T, V] (or [B, T, 1] for the critic)."""
         T = mb.response_ids.shape[1]
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-        return out.logits[:, mb.prompt_width - 1:mb.prompt_width - 1 + T]  # predicts each response token
+        kwargs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+        if model is not self.critic:
+            # Responses end the row, so only the last T + 1 positions need the LM head (vocab-sized).
+            return model(**kwargs, logits_to_keep=T + 1).logits[:, :T]
+        return model(**kwargs).logits[:, mb.prompt_width - 1:mb.prompt_width - 1 + T]
 
     def _values(self, mb: MicroBatch) -> Tensor:
         return self._logits(self.critic, mb)[..., 0].float()
