@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VLLM_EXTRA ?= cpu
 
-.PHONY: train test test-slow plan install clean
+.PHONY: train test test-slow plan install clean bench bench-smoke
 
 .venv/installed: pyproject.toml
 	python3 -m venv .venv
@@ -26,6 +26,20 @@ test: .venv/installed
 
 test-slow: .venv/installed
 	$(PY) -m pytest -m slow $(ARGS)
+
+# Benchmarks (BENCHMARKS.md): TRL is an optional extra, installed only for them.
+BENCHES := vs_trl train_phase weight_sync generation scaling
+
+.venv/bench-installed: .venv/installed
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test,bench]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch .venv/bench-installed
+
+bench: .venv/bench-installed
+	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py $(ARGS); done
+
+bench-smoke: .venv/bench-installed
+	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py --smoke; done
 
 clean:
 	rm -rf outputs multirun .pytest_cache

