@@ -5,10 +5,17 @@ Each item of the training stream is one rollout batch: this rank's share of the 
 current policy, and their rewards. Items are produced lazily when the module asks for them
 (`training_step(dataloader_iter)`), so generation always sees the weights synced after the
 previous rollout step's updates.
+
+Under data parallelism every rank holds its own vLLM engine (colocated, vLLM's `external_launcher`
+backend) and generates for a contiguous share of each rollout batch, whole prompt groups only.
+The engine starts in `setup()`, once the trainer has set up the process group and knows this
+rank; each prompt's sampling seed depends on its position in the global rollout batch, so the
+samples do not depend on the number of ranks.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -17,10 +24,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ppo.plan import StepPlan
+from lit_ppo.distributed import global_sum
+from lit_ppo.plan import ConfigError, StepPlan
 from lit_ppo.prompts import PromptSet
 from lit_ppo.rewards import RewardScorer
-from lit_ppo.rollout import VLLMEngine
+from lit_ppo.rollout import VLLMEngine, sampling_seeds
 
 
 @dataclass
@@ -49,6 +57,8 @@ class RolloutBatch:
 
     rollout_step: int
     data_epoch: int
+    prompt_positions: list[int]  # per sample: its prompt's position in the GLOBAL rollout batch
+    dataset_indices: list[int]  # per sample: its prompt's index in the training prompts
     prompt_ids: list[list[int]]  # per sample
     response_ids: list[list[int]]  # per sample
     rewards: torch.Tensor  # [N]
@@ -87,12 +97,31 @@ class RolloutDataModule(L.LightningDataModule):
         self.rank = rank
         self.world_size = world_size
         self.next_rollout_step = 0  # position in the prompt stream; restored on resume
-        self.engine = engine  # built on first use unless one is given (tests share one per process)
+        self.engine = engine  # built in setup() unless one is given (tests share one per process)
+        self.engine_start_seconds = 0.0
 
     # ------------------------------------------------------------ engine
 
+    def setup(self, stage: str) -> None:
+        """Learn this rank from the trainer (its process group is up by now), then start the engine."""
+        if self.trainer is not None:
+            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+        if self.world_size != self.plan.data_parallel_size:
+            raise ConfigError(
+                f"the trainer runs {self.world_size} data-parallel ranks but the step plan was made for "
+                f"{self.plan.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
+            )
+        if self.world_size > 1:
+            # vLLM's external_launcher backend reads these and joins the process group the trainer set up.
+            os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.trainer.local_rank), WORLD_SIZE=str(self.world_size))
+        self.start_engine()
+
     def start_engine(self) -> VLLMEngine:
         if self.engine is None:
+            if self.world_size > 1 and "RANK" not in os.environ:
+                raise RuntimeError("start_engine: a data-parallel engine starts in setup(), after the trainer set up "
+                                   "the process group; call trainer.fit instead of starting it by hand")
+            started = time.perf_counter()
             self.engine = VLLMEngine(
                 self.model_dir,
                 dtype=self.rollout.dtype,
@@ -105,6 +134,7 @@ class RolloutDataModule(L.LightningDataModule):
                 distributed=self.world_size > 1,
                 enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
             )
+            self.engine_start_seconds = time.perf_counter() - started
         return self.engine
 
     def train_dataloader(self) -> DataLoader:
@@ -113,8 +143,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ prompt order
 
+    def rank_positions(self, size: int) -> range:
+        """This rank's contiguous share of `size` global positions (shares differ by at most one)."""
+        return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
+
     def prompt_indices(self, rollout_step: int) -> list[int]:
-        """The dataset indices of this rank's prompts at `rollout_step`.
+        """The dataset indices of this rank's prompts at `rollout_step`, in global rollout-batch order.
 
         Data epoch e visits a permutation seeded by (seed, e); the last partial rollout batch of
         each data epoch is dropped (the plan reports how many prompts that is)."""
@@ -123,8 +157,8 @@ class RolloutDataModule(L.LightningDataModule):
         order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch))
         size = self.plan.rollout_batch_size
         batch = order[offset * size:(offset + 1) * size]
-        share = size // self.world_size
-        return batch[self.rank * share:(self.rank + 1) * share].tolist()
+        positions = self.rank_positions(size)
+        return batch[positions.start:positions.stop].tolist()
 
     def data_epoch(self, rollout_step: int) -> int:
         return rollout_step // self.plan.rollout_steps_per_data_epoch
@@ -133,14 +167,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def produce_rollout(self, rollout_step: int) -> RolloutBatch:
         engine = self.start_engine()
-        prompts = [self.train_prompts.prompts[i] for i in self.prompt_indices(rollout_step)]
+        indices = self.prompt_indices(rollout_step)
+        positions = list(self.rank_positions(self.plan.rollout_batch_size))
+        prompts = [self.train_prompts.prompts[i] for i in indices]
         n = self.plan.n_samples_per_prompt
         started = time.perf_counter()
         engine.wake_up()
         generations = engine.generate(
             [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_length,
-            seed=self.seed + 7919 * (rollout_step * self.world_size + self.rank),
+            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
         )
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
@@ -151,6 +187,8 @@ class RolloutDataModule(L.LightningDataModule):
         return RolloutBatch(
             rollout_step=rollout_step,
             data_epoch=self.data_epoch(rollout_step),
+            prompt_positions=[positions[g.prompt_index] for g in generations],
+            dataset_indices=[indices[g.prompt_index] for g in generations],
             prompt_ids=[p.prompt_ids for p in sample_prompts],
             response_ids=[g.token_ids for g in generations],
             rewards=torch.tensor(rewards, dtype=torch.float32),
@@ -172,26 +210,34 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ evaluation
 
     def evaluate(self, k: int | None = None) -> dict:
-        """Greedy accuracy (mean reward at temperature 0) and pass@k on the held-out prompts."""
+        """Greedy accuracy (mean reward at temperature 0) and pass@k on the held-out prompts.
+
+        Each rank evaluates its contiguous share of the prompts and the sums are all-reduced, so every
+        rank returns the same numbers; `eval/samples` are the first greedy samples of rank 0's share."""
         if not self.eval_prompts:
             return {}
         engine = self.start_engine()
         engine.wake_up()
-        prompts = self.eval_prompts.prompts
+        positions = self.rank_positions(len(self.eval_prompts))
+        prompts = self.eval_prompts.prompts[positions.start:positions.stop]
         ids = [p.prompt_ids for p in prompts]
-        greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length, seed=self.seed)
-        greedy_rewards = self.score(prompts, greedy)
-        result = {
-            "eval/reward": sum(greedy_rewards) / len(greedy_rewards),
-            "eval/response_length": sum(len(g.token_ids) for g in greedy) / len(greedy),
-        }
         k = k or self.rollout.eval_samples_per_prompt
+        greedy, greedy_rewards, solved = [], [], []
+        if prompts:  # a rank can have none when there are fewer eval prompts than ranks
+            greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length,
+                                     seeds=None)
+            greedy_rewards = self.score(prompts, greedy)
+            if k > 1:
+                sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
+                                          max_tokens=self.rollout.max_response_length,
+                                          seeds=sampling_seeds(self.seed, "eval", positions, k))
+                scores = self.score(prompts, sampled)
+                solved = [max(scores[i * k:(i + 1) * k]) > 0 for i in range(len(prompts))]
+        reward_sum, length_sum, solved_sum, count = global_sum(torch.tensor(
+            [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)], dtype=torch.float64)).tolist()
+        result = {"eval/reward": reward_sum / count, "eval/response_length": length_sum / count}
         if k > 1:
-            sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
-                                      max_tokens=self.rollout.max_response_length, seed=self.seed + 1)
-            scores = self.score(prompts, sampled)
-            solved = [max(scores[i * k:(i + 1) * k]) > 0 for i in range(len(prompts))]
-            result[f"eval/pass@{k}"] = sum(solved) / len(solved)
+            result[f"eval/pass@{k}"] = solved_sum / count
         result["eval/samples"] = [
             {"prompt": p.text, "response": g.text, "reward": r} for p, g, r in list(zip(prompts, greedy, greedy_rewards))[:8]
         ]

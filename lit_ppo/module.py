@@ -7,29 +7,36 @@ One `training_step` is one rollout step:
      each accumulated over micro-batches of `micro_train_batch_size`, one optimizer step each,
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
   5. push the actor's weights into vLLM.
+
+Under data parallelism (DDP) each rank trains on its share of the rollout batch; advantage
+statistics, loss denominators and the logged metrics are global (all-reduced over ranks).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo import algorithms as algo
+from lit_ppo.distributed import global_max, global_sum
 from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
 from lit_ppo.plan import PPOConfig, StepPlan
 from lit_ppo.report import write_metrics_csv
 
-
+# Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
+# (with the samples' global positions), e.g. to check that they do not depend on the number of ranks.
+DUMP_ADVANTAGES_ENV = "LIT_PPO_DUMP_ADVANTAGES"
 
 
 @dataclass
@@ -74,14 +81,6 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
     return factor
-
-
-def global_sum(x: Tensor) -> Tensor:
-    """Sum over data-parallel ranks (identity on one process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
 
 
 class PPOModule(L.LightningModule):
@@ -190,7 +189,18 @@ class PPOModule(L.LightningModule):
             group_size=self.plan.n_samples_per_prompt, global_sum=global_sum, normalize=self.ppo.normalize_advantages,
         )
         exp.update(advantages=advantages, returns=returns, kl=kl, rewards=rewards)
+        if os.environ.get(DUMP_ADVANTAGES_ENV):
+            self._dump_experience(Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp)
         return exp
+
+    def _dump_experience(self, directory: Path, batch, exp: dict[str, Tensor]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save({
+            "rollout_step": batch.rollout_step, "rank": self.global_rank, "world_size": self.plan.data_parallel_size,
+            "prompt_positions": batch.prompt_positions, "dataset_indices": batch.dataset_indices,
+            "response_ids": batch.response_ids,
+            **{k: exp[k].cpu() for k in ("rewards", "mask", "advantages", "returns", "values")},
+        }, directory / f"rollout_step={batch.rollout_step:06d}.rank{self.global_rank}.pt")
 
     # ------------------------------------------------------------ PPO updates
 
@@ -249,6 +259,10 @@ class PPOModule(L.LightningModule):
         # updates; the actor's per-micro-batch statistics over micro-batches.
         metrics = {k: v / max(1, updates if k.startswith("critic/") or k.endswith("grad_norm") else micro_batches)
                    for k, v in sums.items()}
+        if world > 1:  # the actor's per-micro-batch means: every rank ran as many micro-batches, so average the ranks
+            keys = [k for k in metrics if k.startswith("actor/") and not k.endswith("grad_norm")]
+            means = global_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)) / world
+            metrics.update(zip(keys, means.tolist()))
         metrics["actor/lr"] = actor_sched.get_last_lr()[0]
         if critic_sched is not None:
             metrics["critic/lr"] = critic_sched.get_last_lr()[0]
@@ -344,13 +358,14 @@ class PPOModule(L.LightningModule):
         self._update_kl_coef(exp)
         row = self._rollout_metrics(batch, exp)
         row.update(train_metrics)
-        row.update({
+        timings = {
             "timing/generate_s": batch.generate_seconds, "timing/reward_s": batch.reward_seconds,
             "timing/experience_s": experience_seconds, "timing/train_s": train_seconds, "timing/weight_sync_s": sync_seconds,
-        })
-        step_seconds = sum(v for k, v in row.items() if k.startswith("timing/"))
-        row["timing/rollout_step_s"] = step_seconds
-        row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(batch.generate_seconds, 1e-9)
+        }
+        timings["timing/rollout_step_s"] = sum(timings.values())
+        # The slowest rank's, which is what the run waits for.
+        row.update(zip(timings, global_max(torch.tensor(list(timings.values()), dtype=torch.float64, device=self.device)).tolist()))
+        row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(row["timing/generate_s"], 1e-9)
         if self.eval_every and self.rollout_step % self.eval_every == 0 and self.rollout_step < self.plan.total_rollout_steps:
             row.update(self._evaluate())
         if self.rollout_step == self.plan.total_rollout_steps:
@@ -381,32 +396,52 @@ class PPOModule(L.LightningModule):
                                              self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
 
     def _rollout_metrics(self, batch, exp) -> dict[str, Any]:
+        """Statistics of the global rollout batch: every rank adds its samples' sums (one all-reduce)."""
         mask = exp["mask"]
-        lengths = mask.sum(-1)
+        lengths = mask.sum(-1)  # [N]
         rewards = exp["rewards"]
+        valid = mask.bool()
+        returns, values = exp["returns"][valid], exp["values"][valid]  # [tokens]
+        local = {
+            "samples": len(rewards), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+            "tokens": lengths.sum(), "truncated": batch.truncated.sum(), "kl": (exp["kl"] * mask).sum(),
+            "advantage": (exp["advantages"] * mask).sum(),
+            "returns": returns.sum(), "returns_sq": (returns ** 2).sum(),
+            "residual": (returns - values).sum(), "residual_sq": ((returns - values) ** 2).sum(),
+        }
+        if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS:
+            local["uniform_groups"] = algo.count_uniform_groups(rewards, self.plan.n_samples_per_prompt)
+        for k, v in batch.reward_metrics.items():  # per-rank means over equally many samples
+            local[f"reward_{k}"] = v / self.plan.data_parallel_size
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in local.values()])
+        total = dict(zip(local, global_sum(stacked).tolist()))
+        n, tokens = total["samples"], total["tokens"]
+
+        def variance(sum_: float, sum_sq: float, count: float) -> float:  # unbiased, as Tensor.var()
+            return (sum_sq - sum_ ** 2 / count) / (count - 1) if count > 1 else 0.0
+
         row = {
             "rollout_step": self.rollout_step,
             "optimizer_step": self.actor_optimizer_steps,
             "data_epoch": batch.data_epoch,
             "samples_seen": self.samples_seen,
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "rollout/response_length_mean": float(lengths.mean()),
-            "rollout/response_length_max": float(lengths.max()),
-            "rollout/truncated_fraction": float(batch.truncated.float().mean()),
-            "rollout/generated_tokens": float(lengths.sum()),
-            "rollout/kl_to_reference": float((exp["kl"] * mask).sum() / mask.sum().clamp(min=1)),
+            "rollout/reward_mean": total["reward"] / n,
+            "rollout/reward_std": max(0.0, variance(total["reward"], total["reward_sq"], n)) ** 0.5,
+            "rollout/response_length_mean": tokens / n,
+            "rollout/response_length_max": float(global_max(lengths.max().double())),
+            "rollout/truncated_fraction": total["truncated"] / n,
+            "rollout/generated_tokens": tokens,
+            "rollout/kl_to_reference": total["kl"] / max(tokens, 1.0),
             "rollout/kl_coef": self.kl_coef,
-            "rollout/advantage_mean": float((exp["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+            "rollout/advantage_mean": total["advantage"] / max(tokens, 1.0),
         }
-        if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS:
-            row["rollout/uniform_reward_groups"] = algo.count_uniform_groups(rewards, self.plan.n_samples_per_prompt)
+        if "uniform_groups" in total:
+            row["rollout/uniform_reward_groups"] = int(total["uniform_groups"])
         if self.critic is not None:
-            valid = mask.bool()
-            returns, values = exp["returns"][valid], exp["values"][valid]
-            row["critic/explained_variance"] = float(1 - (returns - values).var() / returns.var().clamp(min=1e-8))
-        for k, v in batch.reward_metrics.items():
-            row[f"rollout/reward_{k}"] = v
+            explained = variance(total["residual"], total["residual_sq"], tokens)
+            row["critic/explained_variance"] = 1 - explained / max(variance(total["returns"], total["returns_sq"], tokens), 1e-8)
+        for k in batch.reward_metrics:
+            row[f"rollout/reward_{k}"] = total[f"reward_{k}"]
         return row
 
     def _evaluate(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ class Generation:
     token_ids: list[int]
     truncated: bool  # stopped by the length limit, not by end-of-sequence
     text: str
+
+
+def sampling_seeds(seed: int, purpose: str, positions: Iterable[int], n: int) -> list[int]:
+    """One vLLM seed per prompt, from the run's seed, what is being generated (e.g. `rollout_step=3`, `eval`)
+    and the prompt's position in the GLOBAL batch: a sample's randomness is then the same however the batch
+    is split over data-parallel ranks. vLLM seeds a prompt's n samples seed, seed + 1, ..., seed + n - 1,
+    hence prompts n apart; the base is a hash below 2**56, so seeds stay below 2**63."""
+    base = int.from_bytes(hashlib.sha256(f"{seed}/{purpose}".encode()).digest()[:7], "little")
+    return [base + position * n for position in positions]
 
 
 def configure_vllm_environment(kv_cache_gib: float) -> None:
@@ -63,14 +73,17 @@ class VLLMEngine:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int | None) -> list[Generation]:
-        """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ..."""
+                 max_tokens: int, seeds: list[int] | None) -> list[Generation]:
+        """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ...
+
+        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling."""
         from vllm import SamplingParams
 
-        # One seed per prompt (vLLM gives the n children seed + 0..n-1), so no two samples share randomness.
+        if seeds is not None and len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt")
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                           seed=None if seed is None else seed + i * n)
+                           seed=None if seeds is None else seeds[i])
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]

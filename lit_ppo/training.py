@@ -1,4 +1,9 @@
-"""The training run: model and data preparation, the Lightning trainer, and the run's output files."""
+"""The training run: model and data preparation, the Lightning trainer, and the run's output files.
+
+Under data parallelism (strategy=ddp) every rank runs `train`: Lightning's launcher starts ranks > 0
+as copies of the command when rank 0 reaches `trainer.fit`, so by then rank 0 has written the data
+files and the model caches, which the other ranks only read. Rank 0 alone writes the run's files.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -59,12 +65,17 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
     return str(out)
 
 
-def prepare_data(cfg: DictConfig, output_dir: Path):
-    """Train/eval prompt files: generated for the arithmetic task, else the user's files."""
+def prepare_data(cfg: DictConfig, output_dir: Path, write: bool = True):
+    """Train/eval prompt files: generated for the arithmetic task (written when `write`, else only
+    named: rank 0 wrote them), else the user's files."""
     data = cfg.data
     if data.source == "arithmetic":
         train, evaluation = make_problems(seed=data.seed, max_operand=data.max_operand, n_train=data.n_train, n_eval=data.n_eval)
-        return write_jsonl(train, output_dir / "data" / "train.jsonl"), write_jsonl(evaluation, output_dir / "data" / "eval.jsonl"), train
+        train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
+        if write:
+            write_jsonl(train, train_path)
+            write_jsonl(evaluation, eval_path)
+        return train_path, eval_path, train
     if data.source != "file":
         raise ConfigError(f"data.source={data.source!r}; fix: use 'arithmetic' or 'file'")
     return Path(data.path), (Path(data.eval_path) if data.get("eval_path") else None), None
@@ -137,28 +148,35 @@ QUIET_WARNINGS = [
 ]
 
 
-def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
-    """Run the experiment; `engine` lets a caller share one vLLM engine between runs of the same architecture."""
+def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
+    """Run the experiment and return its summary (None on ranks > 0, which write no files).
+
+    `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    if cfg.strategy.name != "single":
+    if cfg.strategy.name not in ("single", "ddp"):
         raise ConfigError(
-            f"strategy={cfg.strategy.name}: multi-process training is not available yet (only mode=plan is); "
-            "fix: use strategy=single"
+            f"strategy={cfg.strategy.name}: training with it is not available yet (only mode=plan is); "
+            "fix: use strategy=single or strategy=ddp"
         )
+    if engine is not None and cfg.strategy.name != "single":
+        raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    train_path, eval_path, train_records = prepare_data(cfg, output_dir)
+    rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
+    if rank_zero:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    train_path, eval_path, train_records = prepare_data(cfg, output_dir, write=rank_zero)
     started_model = time.perf_counter()
     model_dir = prepare_model(cfg, train_records)
     warm_start_seconds = time.perf_counter() - started_model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
     plan = make_plan(cfg, len(train_prompts))
-    write_plan(plan, output_dir, train_prompts.describe())
+    if rank_zero:
+        write_plan(plan, output_dir, train_prompts.describe())
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     scorer = RewardScorer.from_config(cfg.reward)
@@ -175,9 +193,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
     if resume_from:
         log.info("resuming from %s", resume_from)
     trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
-    started_engine = time.perf_counter()
-    datamodule.start_engine()
-    engine_start_seconds = time.perf_counter() - started_engine
+    # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
@@ -185,11 +201,13 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
             datamodule.engine.close()
 
-    if trainer.is_global_zero:
-        module.actor.save_pretrained(output_dir / "actor")
-        tokenizer.save_pretrained(output_dir / "actor")
-    extra = {"warm_start_seconds": warm_start_seconds, "engine_start_seconds": engine_start_seconds,
-             "wall_seconds": time.perf_counter() - started, "skipped_prompts": dict(train_prompts.skipped)}
+    if not trainer.is_global_zero:
+        return None
+    module.actor.save_pretrained(output_dir / "actor")
+    tokenizer.save_pretrained(output_dir / "actor")
+    extra = {"warm_start_seconds": warm_start_seconds, "engine_start_seconds": datamodule.engine_start_seconds,
+             "data_parallel_size": plan.data_parallel_size, "wall_seconds": time.perf_counter() - started,
+             "skipped_prompts": dict(train_prompts.skipped)}
     summary = write_summary(output_dir, module, plan, extra)
     write_curves(output_dir, module.history, module.eval_history)
     evaluated = (f"eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f}"

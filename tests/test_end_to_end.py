@@ -70,7 +70,7 @@ def test_final_actor_loads_in_transformers_and_vllm(cli_run):
     code = ("from lit_ppo.rollout import VLLMEngine; from transformers import AutoTokenizer; import sys; "
             f"e = VLLMEngine({str(cli_run / 'actor')!r}, max_model_len=64); "
             f"t = AutoTokenizer.from_pretrained({str(cli_run / 'actor')!r}); "
-            "g = e.generate([t('3+4=').input_ids], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0); "
+            "g = e.generate([t('3+4=').input_ids], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0]); "
             "print('GENERATED', len(g))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "GENERATED 2" in result.stdout, result.stderr[-3000:]

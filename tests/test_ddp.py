@@ -1,0 +1,174 @@
+"""Data parallelism on CPU: `python train.py strategy=ddp strategy.devices=2 strategy.accelerator=cpu`.
+
+Lightning starts the second process itself (gloo); each rank holds its own vLLM engine (colocated,
+vLLM's external_launcher backend), generates for its half of every rollout batch and receives the
+updated weights after each rollout step. Compared with one process on the same settings:
+- the samples, rewards and advantages of every rollout step are the same (the sampling seeds follow
+  a prompt's global position; advantage statistics are all-reduced);
+- the logged rollout metrics are those of the whole rollout batch, not of rank 0's half;
+- a run resumed from a DDP checkpoint continues exactly as the uninterrupted run.
+
+Settings that make the comparison meaningful: `reward.overlong_penalty=1` gives rewards that vary
+(a 20-step warm start solves no problem yet, so the task reward alone would be 0 everywhere and
+every advantage 0), and a mini-batch of the whole rollout batch (`ppo.train_batch_size=128`) makes
+the update independent of how the samples are split over ranks, so the second rollout step's
+samples match too. (With several mini-batches each rank shuffles its own half, so later rollout
+steps train on other mini-batches than one process does; the first step still matches.)
+
+The debug variable LIT_PPO_DUMP_ADVANTAGES makes every rank save its experience per rollout step.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ppo.module import DUMP_ADVANTAGES_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 420
+DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
+SETTINGS = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
+            "trainer.eval_every=0", "trainer.checkpoint_every=1", "reward.overlong_penalty=1.0",
+            "ppo.train_batch_size=128", "ppo.ppo_epochs=2"]
+# The sweep-summary callback named in conf/config.yaml may not be in this checkout yet.
+SWEEP = [] if importlib.util.find_spec("lit_ppo.sweep") else ["~hydra.callbacks.sweep_summary"]
+ROLLOUT_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
+                   "rollout/response_length_max", "rollout/truncated_fraction", "rollout/generated_tokens",
+                   "rollout/kl_to_reference", "rollout/advantage_mean", "critic/explained_variance"]
+
+
+def train_cli(out: Path, cache: Path, *overrides: str) -> Path:
+    """`python train.py` in its own process group (so a hung rank can be killed with its parent)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
+    cmd = [sys.executable, "train.py", *SWEEP, *SETTINGS, f"output_dir={out}", f"cache_dir={cache}",
+           f"hydra.run.dir={out / 'hydra'}", *overrides]
+    started = time.monotonic()
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 is in rank 0's process group
+            proc.wait()
+    tail = (out / "train.log").read_text()[-5000:]
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, cache) -> Path:
+    return train_cli(tmp_path_factory.mktemp("single"), cache)  # also fills the model cache for the others
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, cache, single_run) -> Path:
+    return train_cli(tmp_path_factory.mktemp("ddp"), cache, *DDP)
+
+
+@pytest.fixture(scope="module")
+def resumed_ddp_run(tmp_path_factory, cache, ddp_run) -> Path:
+    """A fresh output directory resuming from the DDP run's checkpoint after rollout step 1."""
+    out = tmp_path_factory.mktemp("resumed")
+    checkpoint = shutil.copy(ddp_run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
+    return train_cli(out, cache, *DDP, f"resume={checkpoint}")
+
+
+def experience(run: Path, rollout_step: int, world: int) -> dict:
+    """The ranks' dumped experience of one rollout step, concatenated in rank order and padded to one width."""
+    shards = [torch.load(run / "dump" / f"rollout_step={rollout_step:06d}.rank{r}.pt", weights_only=False) for r in range(world)]
+    assert [s["rank"] for s in shards] == list(range(world)) and all(s["world_size"] == world for s in shards)
+    width = max(s["mask"].shape[1] for s in shards)
+    joined = {k: sum((s[k] for s in shards), []) for k in ("prompt_positions", "dataset_indices", "response_ids")}
+    joined["rewards"] = torch.cat([s["rewards"] for s in shards])
+    for k in ("mask", "advantages", "returns", "values"):
+        joined[k] = torch.cat([torch.nn.functional.pad(s[k], (0, width - s[k].shape[1])) for s in shards])
+    joined["shard_sizes"] = [len(s["rewards"]) for s in shards]
+    return joined
+
+
+def metrics(run: Path) -> list[dict]:
+    return list(csv.DictReader(open(run / "metrics.csv")))
+
+
+def test_ddp_run_trains_with_an_engine_per_rank(ddp_run):
+    log = (ddp_run / "train.log").read_text()
+    assert "Starting with 2 processes" in log and "distributed_backend=gloo" in log
+    plan = json.loads((ddp_run / "plan.json").read_text())
+    assert plan["data_parallel_size"] == 2 and plan["samples_per_rank_per_rollout_step"] == 64
+    assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 samples / 128 per update x 2 PPO epochs
+    assert plan["grad_accumulation_steps"] == 2  # 128 / (32 per micro-batch x 2 ranks)
+    summary = json.loads((ddp_run / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 2 and summary["rollout_steps"] == 2
+    assert summary["optimizer_steps_actor"] == summary["optimizer_steps_critic"] == summary["expected_optimizer_steps"] == 4
+    assert summary["samples_generated"] == 2 * 32 * 4
+    rows = metrics(ddp_run)
+    assert [int(r["rollout_step"]) for r in rows] == [1, 2] and [int(r["optimizer_step"]) for r in rows] == [2, 4]
+    assert {"eval/reward", "timing/weight_sync_s"} <= set(rows[-1])
+    for step in range(2):
+        # Each rank generated its own half of the rollout batch with its own engine: 16 prompts x 4 samples.
+        exp = experience(ddp_run, step, world=2)
+        assert exp["shard_sizes"] == [64, 64]
+        assert exp["prompt_positions"] == [p for p in range(32) for _ in range(4)]
+        assert all(len(r) > 0 for r in exp["response_ids"])
+    assert [p.name for p in sorted((ddp_run / "checkpoints").iterdir())] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
+    assert (ddp_run / "actor" / "config.json").exists()
+
+
+@pytest.mark.parametrize("rollout_step", [0, 1])
+def test_samples_and_advantages_do_not_depend_on_the_number_of_ranks(single_run, ddp_run, rollout_step):
+    one, two = experience(single_run, rollout_step, world=1), experience(ddp_run, rollout_step, world=2)
+    assert two["prompt_positions"] == one["prompt_positions"]
+    assert two["dataset_indices"] == one["dataset_indices"]
+    assert two["response_ids"] == one["response_ids"]
+    assert torch.equal(two["rewards"], one["rewards"]) and two["rewards"].std() > 0
+    width = one["mask"].shape[1]
+    assert torch.equal(two["mask"][:, :width], one["mask"])
+    assert one["advantages"].abs().max() > 0.1  # a real signal, not zeros compared with zeros
+    for key in ("advantages", "returns", "values"):
+        torch.testing.assert_close(two[key][:, :width], one[key], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_logged_rollout_metrics_are_those_of_the_whole_batch(single_run, ddp_run):
+    for one, two in zip(metrics(single_run), metrics(ddp_run), strict=True):
+        for key in ROLLOUT_METRICS + ["actor/grad_norm", "critic/grad_norm"]:
+            assert float(two[key]) == pytest.approx(float(one[key]), abs=1e-4), key
+    # Evaluation is split over the ranks and all-reduced: the same numbers as on one process.
+    single, ddp = (json.loads((run / "summary.json").read_text()) for run in (single_run, ddp_run))
+    for key in ("eval_reward_initial", "eval_reward_final", "eval_final/response_length", "eval_final/pass@4", "tokens_generated"):
+        assert ddp[key] == pytest.approx(single[key], abs=1e-6), key
+
+
+def test_resumed_ddp_run_continues_exactly(ddp_run, resumed_ddp_run):
+    full, resumed = (json.loads((run / "summary.json").read_text()) for run in (ddp_run, resumed_ddp_run))
+    for key in ("rollout_steps", "optimizer_steps_actor", "optimizer_steps_critic", "samples_generated", "tokens_generated"):
+        assert resumed[key] == full[key], key
+    assert [r["rollout_step"] for r in metrics(resumed_ddp_run)] == ["1", "2"]  # history restored, no repeats
+    assert not (resumed_ddp_run / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
+    a, b = experience(ddp_run, 1, world=2), experience(resumed_ddp_run, 1, world=2)
+    assert b["response_ids"] == a["response_ids"]
+    torch.testing.assert_close(b["advantages"], a["advantages"], atol=1e-5, rtol=0)
+    from safetensors.torch import load_file
+
+    final, final_resumed = (load_file(run / "actor" / "model.safetensors") for run in (ddp_run, resumed_ddp_run))
+    assert final.keys() == final_resumed.keys()
+    for name in final:
+        torch.testing.assert_close(final_resumed[name], final[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
