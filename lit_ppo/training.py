@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -194,9 +195,16 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         log.info("resuming from %s", resume_from)
     trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
-    # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
     try:
+        # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+    except Exception:
+        # After an error on rank 0 the ranks it started would wait in their next collective (with NCCL,
+        # until the process-group timeout); Lightning stops them only on Ctrl-C. (An error on another
+        # rank makes Lightning kill rank 0.)
+        if trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signal.SIGKILL)
+        raise
     finally:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
             datamodule.engine.close()

@@ -6,7 +6,8 @@ updated weights after each rollout step. Compared with one process on the same s
 - the samples, rewards and advantages of every rollout step are the same (the sampling seeds follow
   a prompt's global position; advantage statistics are all-reduced);
 - the logged rollout metrics are those of the whole rollout batch, not of rank 0's half;
-- a run resumed from a DDP checkpoint continues exactly as the uninterrupted run.
+- a run resumed from a DDP checkpoint continues exactly as the uninterrupted run;
+- an error on one rank stops every rank.
 
 Settings that make the comparison meaningful: `reward.overlong_penalty=1` gives rewards that vary
 (a 20-step warm start solves no problem yet, so the task reward alone would be 0 everywhere and
@@ -49,11 +50,11 @@ ROLLOUT_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/respons
                    "rollout/kl_to_reference", "rollout/advantage_mean", "critic/explained_variance"]
 
 
-def train_cli(out: Path, cache: Path, *overrides: str) -> Path:
+def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:
     """`python train.py` in its own process group (so a hung rank can be killed with its parent)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
+    paths = [str(ROOT), *pythonpath, os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
     cmd = [sys.executable, "train.py", *SWEEP, *SETTINGS, f"output_dir={out}", f"cache_dir={cache}",
            f"hydra.run.dir={out / 'hydra'}", *overrides]
     started = time.monotonic()
@@ -65,8 +66,22 @@ def train_cli(out: Path, cache: Path, *overrides: str) -> Path:
             os.killpg(proc.pid, signal.SIGKILL)  # rank 1 is in rank 0's process group
             proc.wait()
     tail = (out / "train.log").read_text()[-5000:]
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    assert proc.returncode == returncode, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    out.joinpath("pgid").write_text(str(proc.pid))
     return out
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Processes of a process group that are still running (zombies waiting to be reaped do not count)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +187,28 @@ def test_resumed_ddp_run_continues_exactly(ddp_run, resumed_ddp_run):
     assert final.keys() == final_resumed.keys()
     for name in final:
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+FAILING_REWARD = """
+import os
+
+def fail_on_rank_0(prompts, responses, references, extras):
+    if os.environ["RANK"] == "0":
+        raise ValueError("this reward fails on rank 0")
+    return [0.0] * len(responses)
+"""
+
+
+def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
+    """Rank 0 stops with the one-line error; rank 1, which it started, does not wait on in a collective."""
+    (tmp_path / "rank_reward.py").write_text(FAILING_REWARD)
+    out = train_cli(tmp_path / "run", cache, *DDP, "reward.fn._target_=rank_reward.fail_on_rank_0", returncode=2,
+                    pythonpath=(str(tmp_path),))
+    log = (out / "train.log").read_text()
+    assert "error: reward function rank_reward.fail_on_rank_0 raised on sample 0" in log
+    assert "Connection closed by peer" not in log  # rank 1 was stopped, not left to fail in its next all-reduce
+    pgid = int((out / "pgid").read_text())
+    deadline = time.monotonic() + 10
+    while live_processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not live_processes_in_group(pgid), "a rank outlived the failed run"
