@@ -8,8 +8,9 @@ One `training_step` is one rollout step:
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
   5. push the actor's weights into vLLM.
 
-Under data parallelism (DDP) each rank trains on its share of the rollout batch; advantage
-statistics, loss denominators and the logged metrics are global (all-reduced over ranks).
+Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
+on its share of the rollout batch; advantage statistics, loss denominators and the logged metrics
+are global (all-reduced over ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,6 +28,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo import algorithms as algo
@@ -96,6 +99,7 @@ class PPOModule(L.LightningModule):
         self.eval_every = eval_every
         self.max_consecutive_skipped_updates = max_consecutive_skipped_updates
         self.metrics_path = metrics_path
+        self.sharded = False  # FSDP2, set by configure_model
         self.actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.critic = None
         if plan.critic_enabled:
@@ -123,6 +127,48 @@ class PPOModule(L.LightningModule):
         self.history: list[dict[str, Any]] = []  # one row per rollout step
         self.eval_history: list[dict[str, Any]] = []
         self.last_sample_use_counts: Tensor | None = None  # [ppo_epochs, N] for the accounting test
+
+    # ------------------------------------------------------------ sharding (FSDP2)
+
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy: FSDP2 `fully_shard` on every decoder layer, then on the rest, of each model.
+
+        Other strategies have no device mesh and keep whole models."""
+        if self.device_mesh is None or self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for model in (self.actor, self.critic, self.reference):
+            if model is None:
+                continue
+            layer_classes = set(model._no_split_modules or ())  # Hugging Face's name for its decoder layer class
+            for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.sharded = True
+
+    def full_actor_tensors(self):
+        """The actor's tensors by Hugging Face name, sharded ones gathered one at a time.
+
+        Gathering is a collective under FSDP: every rank must iterate, in the same order. A parameter
+        listed under two names (tied embeddings) is gathered once and given under both, as one tensor,
+        so that `save_pretrained` still sees the tie."""
+        state = self.actor.state_dict()
+        # state_dict() gives each name its own tensor object; the parameters tell which names are one.
+        parameter = {name: id(p) for name, p in self.actor.named_parameters(remove_duplicate=False)}
+        key = {name: parameter.get(name, id(tensor)) for name, tensor in state.items()}
+        listed = Counter(key.values())
+        gathered: dict[int, Tensor] = {}
+        for name, tensor in state.items():
+            if not isinstance(tensor, DTensor):
+                yield name, tensor
+            elif listed[key[name]] == 1:
+                yield name, tensor.full_tensor()
+            else:
+                if key[name] not in gathered:
+                    gathered[key[name]] = tensor.full_tensor()
+                yield name, gathered[key[name]]
 
     # ------------------------------------------------------------ optimizers
 
@@ -385,7 +431,7 @@ class PPOModule(L.LightningModule):
     @torch.no_grad()
     def sync_weights(self, engine) -> None:
         engine.wake_up()
-        engine.sync_weights(self.actor.state_dict().items())
+        engine.sync_weights(self.full_actor_tensors())
 
     def _update_kl_coef(self, exp) -> None:
         if self.ppo.adaptive_kl_target is None or self.reference is None:
@@ -474,7 +520,10 @@ class PPOModule(L.LightningModule):
             "skipped_updates": self.skipped_updates,
             "history": self.history,
             "eval_history": self.eval_history,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            # NumPy's state as plain lists: the checkpoint then loads with torch.load(weights_only=True), which
+            # Lightning uses when a strategy restores after setup (ModelParallelStrategy) whatever fit() was given.
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()]},
             "plan": self.plan.to_dict(),
         }
 
@@ -491,7 +540,8 @@ class PPOModule(L.LightningModule):
         self.eval_history = state["eval_history"]
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        name, keys, *rest = state["rng"]["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
         # A resumed run may be longer or shorter, but each rollout step must keep its shape.
         planned = {k: state["plan"][k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
         now = {k: getattr(self.plan, k) for k in planned}

@@ -139,6 +139,21 @@ def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Traine
     )
 
 
+def stop_started_ranks(trainer: L.Trainer) -> None:
+    """After an error on rank 0, stop the ranks it started: they would wait in their next collective (with
+    NCCL, until the process-group timeout), and Lightning stops them only on Ctrl-C. (An error on another
+    rank makes Lightning kill rank 0.)"""
+    children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+    if not children:
+        return
+    # Lightning's observer thread watches this very list and SIGKILLs rank 0 when a child dies with a
+    # non-zero code, which would cut rank 0's own error message and exit code short: empty it first.
+    trainer.strategy.launcher.procs.clear()
+    for child in children:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+
 QUIET_WARNINGS = [
     ".*dataloader_iter.*",  # we use that step flavor on purpose: generation must see the latest weights
     ".*does not have many workers.*",
@@ -146,6 +161,7 @@ QUIET_WARNINGS = [
     ".*module\\(s\\) in eval mode.*",  # the frozen reference model
     ".*LeafSpec.*",
     ".*weights_only.*",
+    ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
 ]
 
 
@@ -155,10 +171,10 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    if cfg.strategy.name not in ("single", "ddp"):
+    if cfg.strategy.name not in ("single", "ddp", "fsdp"):
         raise ConfigError(
             f"strategy={cfg.strategy.name}: training with it is not available yet (only mode=plan is); "
-            "fix: use strategy=single or strategy=ddp"
+            "fix: use strategy=single, ddp or fsdp"
         )
     if engine is not None and cfg.strategy.name != "single":
         raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
@@ -196,14 +212,13 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
-        # Our own checkpoints hold RNG states and counters besides tensors, hence weights_only=False.
+        # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+        # Under FSDP every rank takes part in gathering the actor's shards (before the engine's shutdown
+        # can touch the process group); rank 0 saves them below.
+        actor_state = dict(module.full_actor_tensors()) if module.sharded else None
     except Exception:
-        # After an error on rank 0 the ranks it started would wait in their next collective (with NCCL,
-        # until the process-group timeout); Lightning stops them only on Ctrl-C. (An error on another
-        # rank makes Lightning kill rank 0.)
-        if trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signal.SIGKILL)
+        stop_started_ranks(trainer)
         raise
     finally:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
@@ -211,7 +226,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
 
     if not trainer.is_global_zero:
         return None
-    module.actor.save_pretrained(output_dir / "actor")
+    module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
     tokenizer.save_pretrained(output_dir / "actor")
     extra = {"warm_start_seconds": warm_start_seconds, "engine_start_seconds": datamodule.engine_start_seconds,
              "data_parallel_size": plan.data_parallel_size, "wall_seconds": time.perf_counter() - started,

@@ -1,4 +1,5 @@
-"""Data parallelism on CPU: `python train.py strategy=ddp strategy.devices=2 strategy.accelerator=cpu`.
+"""Data parallelism on CPU: `python train.py strategy=ddp strategy.devices=2 strategy.accelerator=cpu`,
+and the same with `strategy=fsdp` (FSDP2 through Lightning's ModelParallelStrategy).
 
 Lightning starts the second process itself (gloo); each rank holds its own vLLM engine (colocated,
 vLLM's external_launcher backend), generates for its half of every rollout batch and receives the
@@ -6,6 +7,7 @@ updated weights after each rollout step. Compared with one process on the same s
 - the samples, rewards and advantages of every rollout step are the same (the sampling seeds follow
   a prompt's global position; advantage statistics are all-reduced);
 - the logged rollout metrics are those of the whole rollout batch, not of rank 0's half;
+- the final actor is the same;
 - a run resumed from a DDP checkpoint continues exactly as the uninterrupted run;
 - an error on one rank stops every rank.
 
@@ -40,6 +42,7 @@ from lit_ppo.module import DUMP_ADVANTAGES_ENV
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
 DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
+STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu", "strategy.precision=32-true"]}
 SETTINGS = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
             "trainer.eval_every=0", "trainer.checkpoint_every=1", "reward.overlong_penalty=1.0",
             "ppo.train_batch_size=128", "ppo.ppo_epochs=2"]
@@ -94,17 +97,19 @@ def single_run(tmp_path_factory, cache) -> Path:
     return train_cli(tmp_path_factory.mktemp("single"), cache)  # also fills the model cache for the others
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, cache, single_run) -> Path:
-    return train_cli(tmp_path_factory.mktemp("ddp"), cache, *DDP)
+@pytest.fixture(scope="module", params=list(STRATEGIES))
+def parallel_run(request, tmp_path_factory, cache, single_run) -> tuple[str, Path]:
+    """A 2-process run of each strategy: (strategy, output directory)."""
+    return request.param, train_cli(tmp_path_factory.mktemp(request.param), cache, *STRATEGIES[request.param])
 
 
 @pytest.fixture(scope="module")
-def resumed_ddp_run(tmp_path_factory, cache, ddp_run) -> Path:
-    """A fresh output directory resuming from the DDP run's checkpoint after rollout step 1."""
-    out = tmp_path_factory.mktemp("resumed")
-    checkpoint = shutil.copy(ddp_run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
-    return train_cli(out, cache, *DDP, f"resume={checkpoint}")
+def resumed_run(tmp_path_factory, cache, parallel_run) -> Path:
+    """A fresh output directory resuming from the 2-process run's checkpoint after rollout step 1."""
+    strategy, run = parallel_run
+    out = tmp_path_factory.mktemp(f"resumed_{strategy}")
+    checkpoint = shutil.copy(run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
+    return train_cli(out, cache, *STRATEGIES[strategy], f"resume={checkpoint}")
 
 
 def experience(run: Path, rollout_step: int, world: int) -> dict:
@@ -124,33 +129,41 @@ def metrics(run: Path) -> list[dict]:
     return list(csv.DictReader(open(run / "metrics.csv")))
 
 
-def test_ddp_run_trains_with_an_engine_per_rank(ddp_run):
-    log = (ddp_run / "train.log").read_text()
+def final_actor(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "actor" / "model.safetensors")
+
+
+def test_two_processes_train_with_an_engine_per_rank(parallel_run):
+    _, run = parallel_run
+    log = (run / "train.log").read_text()
     assert "Starting with 2 processes" in log and "distributed_backend=gloo" in log
-    plan = json.loads((ddp_run / "plan.json").read_text())
+    plan = json.loads((run / "plan.json").read_text())
     assert plan["data_parallel_size"] == 2 and plan["samples_per_rank_per_rollout_step"] == 64
     assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 samples / 128 per update x 2 PPO epochs
     assert plan["grad_accumulation_steps"] == 2  # 128 / (32 per micro-batch x 2 ranks)
-    summary = json.loads((ddp_run / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["rollout_steps"] == 2
     assert summary["optimizer_steps_actor"] == summary["optimizer_steps_critic"] == summary["expected_optimizer_steps"] == 4
     assert summary["samples_generated"] == 2 * 32 * 4
-    rows = metrics(ddp_run)
+    rows = metrics(run)
     assert [int(r["rollout_step"]) for r in rows] == [1, 2] and [int(r["optimizer_step"]) for r in rows] == [2, 4]
     assert {"eval/reward", "timing/weight_sync_s"} <= set(rows[-1])
     for step in range(2):
         # Each rank generated its own half of the rollout batch with its own engine: 16 prompts x 4 samples.
-        exp = experience(ddp_run, step, world=2)
+        exp = experience(run, step, world=2)
         assert exp["shard_sizes"] == [64, 64]
         assert exp["prompt_positions"] == [p for p in range(32) for _ in range(4)]
         assert all(len(r) > 0 for r in exp["response_ids"])
-    assert [p.name for p in sorted((ddp_run / "checkpoints").iterdir())] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
-    assert (ddp_run / "actor" / "config.json").exists()
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
+    assert (run / "actor" / "config.json").exists()
 
 
 @pytest.mark.parametrize("rollout_step", [0, 1])
-def test_samples_and_advantages_do_not_depend_on_the_number_of_ranks(single_run, ddp_run, rollout_step):
-    one, two = experience(single_run, rollout_step, world=1), experience(ddp_run, rollout_step, world=2)
+def test_samples_and_advantages_do_not_depend_on_the_number_of_ranks(single_run, parallel_run, rollout_step):
+    _, run = parallel_run
+    one, two = experience(single_run, rollout_step, world=1), experience(run, rollout_step, world=2)
     assert two["prompt_positions"] == one["prompt_positions"]
     assert two["dataset_indices"] == one["dataset_indices"]
     assert two["response_ids"] == one["response_ids"]
@@ -162,28 +175,35 @@ def test_samples_and_advantages_do_not_depend_on_the_number_of_ranks(single_run,
         torch.testing.assert_close(two[key][:, :width], one[key], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
-def test_logged_rollout_metrics_are_those_of_the_whole_batch(single_run, ddp_run):
-    for one, two in zip(metrics(single_run), metrics(ddp_run), strict=True):
+def test_logged_rollout_metrics_are_those_of_the_whole_batch(single_run, parallel_run):
+    _, run = parallel_run
+    for one, two in zip(metrics(single_run), metrics(run), strict=True):
         for key in ROLLOUT_METRICS + ["actor/grad_norm", "critic/grad_norm"]:
             assert float(two[key]) == pytest.approx(float(one[key]), abs=1e-4), key
     # Evaluation is split over the ranks and all-reduced: the same numbers as on one process.
-    single, ddp = (json.loads((run / "summary.json").read_text()) for run in (single_run, ddp_run))
+    single, parallel = (json.loads((r / "summary.json").read_text()) for r in (single_run, run))
     for key in ("eval_reward_initial", "eval_reward_final", "eval_final/response_length", "eval_final/pass@4", "tokens_generated"):
-        assert ddp[key] == pytest.approx(single[key], abs=1e-6), key
+        assert parallel[key] == pytest.approx(single[key], abs=1e-6), key
 
 
-def test_resumed_ddp_run_continues_exactly(ddp_run, resumed_ddp_run):
-    full, resumed = (json.loads((run / "summary.json").read_text()) for run in (ddp_run, resumed_ddp_run))
+def test_final_actor_does_not_depend_on_the_number_of_ranks(single_run, parallel_run):
+    one, two = final_actor(single_run), final_actor(parallel_run[1])
+    assert two.keys() == one.keys()  # FSDP's gathered tensors keep the tied embedding tied
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_resumed_run_continues_exactly(parallel_run, resumed_run):
+    _, run = parallel_run
+    full, resumed = (json.loads((r / "summary.json").read_text()) for r in (run, resumed_run))
     for key in ("rollout_steps", "optimizer_steps_actor", "optimizer_steps_critic", "samples_generated", "tokens_generated"):
         assert resumed[key] == full[key], key
-    assert [r["rollout_step"] for r in metrics(resumed_ddp_run)] == ["1", "2"]  # history restored, no repeats
-    assert not (resumed_ddp_run / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
-    a, b = experience(ddp_run, 1, world=2), experience(resumed_ddp_run, 1, world=2)
+    assert [r["rollout_step"] for r in metrics(resumed_run)] == ["1", "2"]  # history restored, no repeats
+    assert not (resumed_run / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
+    a, b = experience(run, 1, world=2), experience(resumed_run, 1, world=2)
     assert b["response_ids"] == a["response_ids"]
     torch.testing.assert_close(b["advantages"], a["advantages"], atol=1e-5, rtol=0)
-    from safetensors.torch import load_file
-
-    final, final_resumed = (load_file(run / "actor" / "model.safetensors") for run in (ddp_run, resumed_ddp_run))
+    final, final_resumed = final_actor(run), final_actor(resumed_run)
     assert final.keys() == final_resumed.keys()
     for name in final:
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
