@@ -15,6 +15,8 @@ import time
 from common import (add_common_args, arithmetic_prompt_file, bench_model_dir, command_line, engine_max_model_len,
                     fmt, model_description, print_header, read_jsonl, start_engine, stats)
 
+from lit_ppo.rollout import sampling_seeds
+
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], *, n: int, length: int, seed: int) -> list[list[int]]:
     """n samples per prompt in one batched `generate` call (as TRL does); prompts left-padded."""
@@ -64,7 +66,8 @@ def main() -> None:
 
     def run_vllm(seed: int) -> float:
         started = time.perf_counter()
-        out = engine.generate(prompt_ids, n=n, temperature=1.0, top_p=1.0, max_tokens=length, seed=seed)
+        out = engine.generate(prompt_ids, n=n, temperature=1.0, top_p=1.0, max_tokens=length,
+                              seeds=sampling_seeds(seed, "bench", range(len(prompt_ids)), n))
         seconds = time.perf_counter() - started
         lengths = {len(g.token_ids) for g in out}
         assert len(out) == len(prompt_ids) * n and lengths == {length}, f"vLLM lengths {lengths}, expected {length}"
