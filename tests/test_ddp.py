@@ -24,7 +24,6 @@ The debug variable LIT_PPO_DUMP_ADVANTAGES makes every rank save its experience 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import shutil
@@ -46,8 +45,6 @@ STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strat
 SETTINGS = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
             "trainer.eval_every=0", "trainer.checkpoint_every=1", "reward.overlong_penalty=1.0",
             "ppo.train_batch_size=128", "ppo.ppo_epochs=2"]
-# The sweep-summary callback named in conf/config.yaml may not be in this checkout yet.
-SWEEP = [] if importlib.util.find_spec("lit_ppo.sweep") else ["~hydra.callbacks.sweep_summary"]
 ROLLOUT_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
                    "rollout/response_length_max", "rollout/truncated_fraction", "rollout/generated_tokens",
                    "rollout/kl_to_reference", "rollout/advantage_mean", "critic/explained_variance"]
@@ -58,7 +55,7 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
     out.mkdir(parents=True, exist_ok=True)
     paths = [str(ROOT), *pythonpath, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
-    cmd = [sys.executable, "train.py", *SWEEP, *SETTINGS, f"output_dir={out}", f"cache_dir={cache}",
+    cmd = [sys.executable, "train.py", *SETTINGS, f"output_dir={out}", f"cache_dir={cache}",
            f"hydra.run.dir={out / 'hydra'}", *overrides]
     started = time.monotonic()
     with open(out / "train.log", "w") as log:
