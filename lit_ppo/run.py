@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf

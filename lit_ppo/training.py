@@ -8,7 +8,6 @@ files and the model caches, which the other ranks only read. Rank 0 alone writes
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import signal
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
