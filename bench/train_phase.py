@@ -59,7 +59,7 @@ def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: ra
     rewards = torch.randint(0, 2, (N,), generator=g).float()
     positions = [i for i in range(len(prompt_ids)) for _ in range(n)]
     return RolloutBatch(rollout_step=0, data_epoch=0, prompt_positions=positions, dataset_indices=positions,
-                        prompt_ids=sample_prompts, response_ids=responses,
+                        prompt_ids=sample_prompts, response_ids=responses, rollout_logprobs=None,
                         rewards=rewards, truncated=torch.ones(N, dtype=torch.bool), prompts=[""] * N,
                         responses=[""] * N, references=[None] * N, generate_seconds=0.0, reward_seconds=0.0,
                         reward_metrics={})

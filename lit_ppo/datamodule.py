@@ -61,6 +61,9 @@ class RolloutBatch:
     dataset_indices: list[int]  # per sample: its prompt's index in the training prompts
     prompt_ids: list[list[int]]  # per sample
     response_ids: list[list[int]]  # per sample
+    # per sample, per response token: the sampler's (vLLM's) log-prob of the sampled token, after temperature
+    # and top-p; None for batches that no sampler produced (benchmarks with fixed responses)
+    rollout_logprobs: list[list[float]] | None
     rewards: torch.Tensor  # [N]
     truncated: torch.Tensor  # [N] bool
     prompts: list[str]
@@ -191,6 +194,7 @@ class RolloutDataModule(L.LightningDataModule):
             dataset_indices=[indices[g.prompt_index] for g in generations],
             prompt_ids=[p.prompt_ids for p in sample_prompts],
             response_ids=[g.token_ids for g in generations],
+            rollout_logprobs=[g.logprobs for g in generations],
             rewards=torch.tensor(rewards, dtype=torch.float32),
             truncated=torch.tensor([g.truncated for g in generations]),
             prompts=[p.text for p in sample_prompts],

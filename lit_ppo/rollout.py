@@ -22,6 +22,7 @@ class Generation:
     token_ids: list[int]
     truncated: bool  # stopped by the length limit, not by end-of-sequence
     text: str
+    logprobs: list[float]  # per token: vLLM's log-probability of the sampled token, after temperature and top-p
 
 
 def sampling_seeds(seed: int, purpose: str, positions: Iterable[int], n: int) -> list[int]:
@@ -66,6 +67,9 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
+            # Log-probs of the distribution sampled from (after temperature, top-p), not of the raw logits:
+            # the trainer compares them with its own to catch a weight sync or a precision that went wrong.
+            logprobs_mode="processed_logprobs",
             **kwargs,
         )
         self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
@@ -82,7 +86,7 @@ class VLLMEngine:
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt")
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                            seed=None if seeds is None else seeds[i])
             for i in range(len(prompt_token_ids))
         ]
@@ -97,6 +101,8 @@ class VLLMEngine:
                         token_ids=list(completion.token_ids),
                         truncated=completion.finish_reason == "length",
                         text=completion.text,
+                        # logprobs=0 asks for the sampled token's entry only (per position {token_id: Logprob}).
+                        logprobs=[position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)],
                     )
                 )
         return generations

@@ -1,0 +1,78 @@
+"""The trainer trains on the distribution vLLM sampled from.
+
+vLLM returns its own log-prob of every sampled token (after temperature and top-p) in the rollout batch;
+the trainer's old log-probs must equal them, and a run whose engine stopped following the actor stops."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.module import pack
+from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+from lit_ppo.prompts import load_prompts
+from lit_ppo.rewards import RewardScorer, integer_match
+
+PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
+
+
+@pytest.fixture(scope="module")
+def long_prompt_files(tmp_path_factory):
+    """Arithmetic questions padded with a preamble to about PROMPT_TOKENS characters (= tokens: a character
+    tokenizer), so prefill spans realistic lengths."""
+    root = tmp_path_factory.mktemp("long_prompts")
+    preamble = "You are a careful calculator. Read the question, add the two numbers and write only the sum. "
+    paths = []
+    for name, count in (("train", 16), ("eval", 4)):
+        records = []
+        for i in range(count):
+            a, b = (7 * i + 3) % 50, (11 * i + 5) % 50
+            question = f"Question {i}: {a}+{b}="
+            records.append({"prompt": (preamble * 2)[:PROMPT_TOKENS - len(question)] + question, "answer": str(a + b)})
+        path = root / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths.append(path)
+    return paths
+
+
+def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_overrides):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts, eval_prompts = load_prompts(files[0], tokenizer), load_prompts(files[1], tokenizer)
+    ppo = PPOConfig(**{"rollout_batch_size": 8, "n_samples_per_prompt": 4, "train_batch_size": 16,
+                       "micro_train_batch_size": 8, **ppo_overrides})
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_length)
+    return RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
+                             scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
+                             seed=0, engine=engine)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_model_dir, engine, long_prompt_files,
+                                                                        temperature):
+    """Each sampled token's vLLM log-prob is log softmax(logits / T) of the model that sampled it (float32, 1e-3)."""
+    rollout = RolloutConfig(max_response_length=12, temperature=temperature)
+    datamodule = make_datamodule(tiny_model_dir, engine, long_prompt_files, rollout)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine.sync_weights(model.state_dict().items())  # other tests may have left the shared engine elsewhere
+    batch = datamodule.produce_rollout(0)
+    assert min(len(p) for p in batch.prompt_ids) >= 100
+    assert [len(lp) for lp in batch.rollout_logprobs] == [len(r) for r in batch.response_ids]
+    mb = pack(batch.prompt_ids, batch.response_ids, datamodule.tokenizer.pad_token_id, "cpu")
+    T = mb.response_ids.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                       logits_to_keep=T + 1).logits[:, :T]
+    expected = (logits / temperature).log_softmax(-1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
+    for row, logprobs in enumerate(batch.rollout_logprobs):
+        assert torch.allclose(torch.tensor(logprobs), expected[row, :len(logprobs)], atol=1e-3), row
+    if temperature != 1.0:  # the comparison can fail: the raw distribution is far from the sampled one
+        raw = logits.log_softmax(-1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
+        mask = mb.response_mask.bool()
+        vllm = torch.zeros_like(raw)
+        for row, logprobs in enumerate(batch.rollout_logprobs):
+            vllm[row, :len(logprobs)] = torch.tensor(logprobs)
+        assert (raw - vllm)[mask].abs().mean() > 0.02
