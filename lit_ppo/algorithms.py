@@ -64,11 +64,14 @@ def group_view(x: Tensor, group_size: int) -> Tensor:
     return x.view(-1, group_size)
 
 
-def sequence_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
-    """Outcome estimators see one number per response: reward minus its summed KL penalty."""
-    if kl_penalty is None:
-        return rewards
-    return rewards - (kl_penalty * mask).sum(-1)
+def no_kl_in_reward(name: str, kl_penalty: Tensor | None) -> None:
+    """GRPO, Dr. GRPO and RLOO give one advantage per response from the task rewards of its group. A KL
+    penalty summed into those rewards before the group statistics would give a group whose task rewards
+    are all equal advantages of about +-1 from KL noise alone (GRPO divides by a std that is then the
+    KL's); after them it would no longer be their estimator. So KL goes into the loss (kl_mode=loss)."""
+    if kl_penalty is not None:
+        raise ValueError(f"{name}: a KL penalty in the reward is not supported (it would give groups of equal task "
+                         "rewards non-zero advantages); put the KL in the loss (ppo.kl_mode=loss)")
 
 
 # ---------------------------------------------------------------- advantage estimators
@@ -101,7 +104,8 @@ def reinforce_pp(rewards, mask, *, kl_penalty=None, gamma=1.0, global_sum=local_
 
 
 def reinforce_pp_baseline(rewards, mask, *, group_size, kl_penalty=None, gamma=1.0, global_sum=local_sum, **_):
-    """REINFORCE++-baseline: subtract the prompt-group mean reward, then whiten over the batch."""
+    """REINFORCE++-baseline: subtract the prompt-group mean TASK reward, then add the per-token KL penalty
+    (OpenRLHF's order: the KL does not enter the group mean), then whiten over the batch."""
     grouped = group_view(rewards, group_size)
     centered = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)
     returns = discounted_returns(token_level_rewards(centered, mask, kl_penalty), mask, gamma)
@@ -110,7 +114,8 @@ def reinforce_pp_baseline(rewards, mask, *, group_size, kl_penalty=None, gamma=1
 
 def grpo(rewards, mask, *, group_size, kl_penalty=None, eps=1e-6, **_):
     """GRPO: (r - group mean) / (group std + eps), unbiased std as in the paper's implementations."""
-    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    no_kl_in_reward("grpo", kl_penalty)
+    grouped = group_view(rewards, group_size)
     scores = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + eps)
     advantages = scores.reshape(-1, 1) * mask
     return advantages, advantages
@@ -118,14 +123,16 @@ def grpo(rewards, mask, *, group_size, kl_penalty=None, eps=1e-6, **_):
 
 def dr_grpo(rewards, mask, *, group_size, kl_penalty=None, **_):
     """Dr. GRPO: r - group mean, no std division (pair with seq-mean-token-sum-norm)."""
-    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    no_kl_in_reward("dr_grpo", kl_penalty)
+    grouped = group_view(rewards, group_size)
     advantages = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1, 1) * mask
     return advantages, advantages
 
 
 def rloo(rewards, mask, *, group_size, kl_penalty=None, **_):
     """RLOO: r_i - mean of the other n-1 rewards of the same prompt."""
-    grouped = group_view(sequence_rewards(rewards, mask, kl_penalty), group_size)
+    no_kl_in_reward("rloo", kl_penalty)
+    grouped = group_view(rewards, group_size)
     others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
     advantages = (grouped - others_mean).reshape(-1, 1) * mask
     return advantages, advantages
@@ -140,6 +147,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "rloo": rloo,
 }
 GROUP_ESTIMATORS = ("reinforce_pp_baseline", "grpo", "dr_grpo", "rloo")
+# Those that take a per-token KL penalty in the reward (kl_mode=reward); the others take KL in the loss only.
+KL_IN_REWARD_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def count_uniform_groups(rewards: Tensor, group_size: int) -> int:
@@ -148,19 +157,30 @@ def count_uniform_groups(rewards: Tensor, group_size: int) -> int:
     return int((grouped.max(-1).values == grouped.min(-1).values).sum())
 
 
+# ---------------------------------------------------------------- clamps
+# One token the policy has made very unlikely (or a rollout that does not match the trainer) can carry a
+# log-ratio of -20 or less. exp() of it then dominates the batch: k3 = exp(20) = 4.9e8, and gradient clipping
+# scales every other token's gradient down to nothing. As verl does, the policy ratio's log-ratio is clamped
+# to +-LOG_RATIO_CLAMP; as OpenRLHF does, each KL estimate is clamped to +-KL_CLAMP (verl: k3 to +-10), its
+# log-ratio first to +-LOG_RATIO_CLAMP so that exp() stays finite. Outside the clamps the gradient is 0.
+LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
+
+
 # ---------------------------------------------------------------- KL estimators
-# log_ratio = logp_policy - logp_reference, per token; each estimates KL(policy || reference).
+# log_ratio = logp_policy - logp_reference, per token; each estimates KL(policy || reference), clamped (above).
 
 def kl_k1(log_ratio: Tensor) -> Tensor:
-    return log_ratio
+    return log_ratio.clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def kl_k2(log_ratio: Tensor) -> Tensor:
-    return 0.5 * log_ratio**2
+    return (0.5 * log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) ** 2).clamp(max=KL_CLAMP)
 
 
 def kl_k3(log_ratio: Tensor) -> Tensor:
-    return torch.exp(-log_ratio) - 1 + log_ratio
+    x = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(-x) - 1 + x).clamp(max=KL_CLAMP)
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -178,8 +198,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_rati
                 clip_ratio_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """Clipped surrogate with separate low/high clip and optional dual clip.
 
-    Returns (per-token loss, per-token 1.0 where the clip was active)."""
-    ratio = torch.exp(logp - old_logp)
+    Returns (per-token loss, per-token 1.0 where the clip was active). The log-ratio is clamped to
+    +-LOG_RATIO_CLAMP before exp (see the clamps above)."""
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss = torch.maximum(unclipped, clipped)

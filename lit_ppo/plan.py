@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lit_ppo.algorithms import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+from lit_ppo.algorithms import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, LOSS_AGG_MODES
 
 
 class ConfigError(ValueError):
@@ -211,6 +211,12 @@ def validate_ppo(ppo: PPOConfig) -> None:
         raise ConfigError(f"ppo.kl_mode={ppo.kl_mode!r} is unknown; fix: use 'reward' or 'loss'")
     if ppo.kl_coef < 0:
         raise ConfigError(f"ppo.kl_coef={ppo.kl_coef} is negative; fix: use 0 (no KL) or a positive value")
+    if ppo.kl_mode == "reward" and ppo.kl_coef > 0 and ppo.advantage_estimator not in KL_IN_REWARD_ESTIMATORS:
+        raise ConfigError(
+            f"ppo.advantage_estimator={ppo.advantage_estimator} with ppo.kl_mode=reward: a KL penalty in the reward would "
+            "give groups of equal rewards non-zero advantages; fix: set ppo.kl_mode=loss (with ppo.kl_estimator=k3, as "
+            "GRPO does) or ppo.kl_coef=0"
+        )
     if ppo.loss_agg_mode not in LOSS_AGG_MODES:
         raise ConfigError(f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}")
     if not (0 < ppo.clip_ratio_low < 1) or ppo.clip_ratio_high <= 0:

@@ -119,9 +119,9 @@ def test_reinforce_pp_baseline_by_hand():
     close(adv, [[w[0], w[1], 0], [w[2], 0, 0], [w[3], w[4], w[5]], [w[6], w[7], 0]])
 
 
-# One group of 3 whose sequence rewards (reward - summed KL over valid tokens) are [1, 0, 0].
+# One group of 3 with rewards [1, 0, 0] and responses of 2, 3 and 1 tokens.
 MASK_3x4 = t([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
-REWARDS_3 = t([1.5, 0.2, 0.5])
+REWARDS_3 = t([1.0, 0.0, 0.0])
 KL_3x4 = t([[0.25, 0.25, 9.0, 9.0], [0.1, 0.05, 0.05, 9.0], [0.5, 9.0, 9.0, 9.0]])  # valid sums 0.5, 0.2, 0.5
 
 
@@ -130,9 +130,9 @@ def broadcast(per_seq: list[float]) -> list[list[float]]:
 
 
 def test_grpo_by_hand():
-    # sequence rewards [1, 0, 0]: mean 1/3, unbiased var = (4/9 + 1/9 + 1/9)/2 = 1/3, std = 1/sqrt(3)
+    # rewards [1, 0, 0]: mean 1/3, unbiased var = (4/9 + 1/9 + 1/9)/2 = 1/3, std = 1/sqrt(3)
     # scores: (2/3)*sqrt(3) = 2/sqrt(3), (-1/3)*sqrt(3) = -1/sqrt(3)   (eps=1e-6 is within atol)
-    adv, ret = alg.grpo(REWARDS_3, MASK_3x4, group_size=3, kl_penalty=KL_3x4)
+    adv, ret = alg.grpo(REWARDS_3, MASK_3x4, group_size=3)
     expected = broadcast([2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)])
     close(adv, expected, atol=1e-5)
     close(ret, expected, atol=1e-5)
@@ -148,19 +148,39 @@ def test_grpo_without_kl_by_hand():
 
 
 def test_dr_grpo_by_hand():
-    # sequence rewards [1, 0, 0] minus group mean 1/3 -> [2/3, -1/3, -1/3], no std division
-    adv, ret = alg.dr_grpo(REWARDS_3, MASK_3x4, group_size=3, kl_penalty=KL_3x4)
+    # rewards [1, 0, 0] minus group mean 1/3 -> [2/3, -1/3, -1/3], no std division
+    adv, ret = alg.dr_grpo(REWARDS_3, MASK_3x4, group_size=3)
     expected = broadcast([2 / 3, -1 / 3, -1 / 3])
     close(adv, expected)
     close(ret, expected)
 
 
 def test_rloo_by_hand():
-    # sequence rewards [1, 0, 0]: r_i - mean of the other two -> [1 - 0, 0 - 0.5, 0 - 0.5]
-    adv, ret = alg.rloo(REWARDS_3, MASK_3x4, group_size=3, kl_penalty=KL_3x4)
+    # rewards [1, 0, 0]: r_i - mean of the other two -> [1 - 0, 0 - 0.5, 0 - 0.5]
+    adv, ret = alg.rloo(REWARDS_3, MASK_3x4, group_size=3)
     expected = broadcast([1.0, -0.5, -0.5])
     close(adv, expected)
     close(ret, expected)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_uniform_group_gets_exactly_zero_advantage_and_kl_stays_out_of_the_reward(name):
+    # Group 1 has rewards [1, 1, 1]: advantage exactly 0 whatever the tokens. A KL penalty in the reward
+    # (kl_mode=reward) would move it by its KL noise (GRPO: to about +-1), so these estimators refuse it.
+    rewards = torch.cat([REWARDS_3, t([1.0, 1.0, 1.0])])
+    mask = torch.cat([MASK_3x4, MASK_3x4])
+    adv, _ = alg.ADVANTAGE_ESTIMATORS[name](rewards, mask, group_size=3)
+    assert torch.equal(adv[3:], torch.zeros(3, 4, dtype=F64))
+    assert adv[:3].abs().sum() > 0
+    with pytest.raises(ValueError, match="kl_mode=loss"):
+        alg.ADVANTAGE_ESTIMATORS[name](rewards, mask, group_size=3, kl_penalty=torch.cat([KL_3x4, KL_3x4]))
+
+
+def test_reinforce_pp_baseline_adds_kl_after_the_group_mean():
+    # OpenRLHF's order: the group mean is of the task rewards only. Rewards [1, 1, 1] centre to 0, so each
+    # token's return is minus its KL-to-go: row 0 [-(0.25 + 0.25), -0.25], row 1 [-0.2, -0.1, -0.05], row 2 [-0.5].
+    _, returns = alg.reinforce_pp_baseline(t([1.0, 1.0, 1.0]), MASK_3x4, group_size=3, kl_penalty=KL_3x4, gamma=1.0)
+    close(returns, [[-0.5, -0.25, 0, 0], [-0.2, -0.1, -0.05, 0], [-0.5, 0, 0, 0]])
 
 
 def test_group_estimators_reject_partial_groups():
@@ -205,6 +225,30 @@ def test_k1_k3_are_unbiased_for_kl_policy_reference():
     assert float((w * alg.kl_k1(x)).sum()) == pytest.approx(kl, abs=1e-12)
     assert float((w * alg.kl_k3(x)).sum()) == pytest.approx(kl, abs=1e-12)
     assert (alg.kl_k3(x) >= 0).all() and (alg.kl_k2(x) >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_log_ratios_give_finite_bounded_loss_and_gradient(dtype):
+    """A token at log-ratio -30 (or +-100, where exp overflows float32 and bf16) neither overflows nor
+    swamps the others: the KL estimates stop at KL_CLAMP, the ratio at exp(+-LOG_RATIO_CLAMP), and the
+    clamped tokens get no gradient."""
+    x = torch.tensor([-30.0, -100.0, 100.0, 0.5], dtype=dtype, requires_grad=True)
+    for name, estimator in alg.KL_ESTIMATORS.items():
+        kl = estimator(x)
+        assert torch.isfinite(kl).all() and kl.abs().max() <= alg.KL_CLAMP, (name, kl)
+        (grad,) = torch.autograd.grad(kl.sum(), x)
+        assert torch.isfinite(grad).all() and torch.equal(grad[:3], torch.zeros(3, dtype=dtype)), (name, grad)
+    # k3 of -30 by hand: exp(30) - 1 - 30 = 1.07e13 before the clamp; 10 after it.
+    assert float(alg.kl_k3(torch.tensor(-30.0))) == alg.KL_CLAMP
+    old_logp = torch.zeros(4, dtype=dtype)
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=dtype)
+    loss, _ = alg.policy_loss(x, old_logp, advantages, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), (loss, grad)
+    # ratio at +100 is exp(20) = 4.85e8 (clamped), not inf; at -30 it is exp(-20) = 2.1e-9, not exp(-30).
+    assert float(loss[2]) == pytest.approx(math.exp(20.0), rel=1e-2)
+    # A = +1 at ratio exp(-20): max(-ratio, -(1 - 0.2)) is the unclipped -exp(-20), not -exp(-30).
+    assert float(loss[0]) == pytest.approx(-math.exp(-20.0), rel=1e-2)
 
 
 def test_adaptive_kl_coef_by_hand():
@@ -357,8 +401,8 @@ def random_batch(seed: int, n_groups: int = 4, group_size: int = 4, width: int =
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_grpo_groups_are_standardized(seed):
-    rewards, mask, _, kl = random_batch(seed)
-    adv, _ = alg.grpo(rewards, mask, group_size=4, kl_penalty=kl)
+    rewards, mask, _, _ = random_batch(seed)
+    adv, _ = alg.grpo(rewards, mask, group_size=4)
     per_seq = adv[:, 0].view(-1, 4)  # every row has a first valid token
     for group in per_seq.tolist():
         mean = sum(group) / 4
@@ -434,9 +478,9 @@ def test_rloo_baseline_excludes_the_sample(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dr_grpo_and_rloo_relation(seed):
     # RLOO advantage = n/(n-1) * (r - group mean) = n/(n-1) * Dr.GRPO advantage.
-    rewards, mask, _, kl = random_batch(seed)
-    rl, _ = alg.rloo(rewards, mask, group_size=4, kl_penalty=kl)
-    dr, _ = alg.dr_grpo(rewards, mask, group_size=4, kl_penalty=kl)
+    rewards, mask, _, _ = random_batch(seed)
+    rl, _ = alg.rloo(rewards, mask, group_size=4)
+    dr, _ = alg.dr_grpo(rewards, mask, group_size=4)
     close(rl, dr * 4 / 3, atol=1e-12)
 
 
@@ -457,9 +501,10 @@ def test_estimators_ignore_padding(name, seed):
     wide_mask = torch.nn.functional.pad(mask, (0, extra))
     fn = alg.ADVANTAGE_ESTIMATORS["gae" if name == "gae_unnormalized" else name]
     kw = dict(group_size=4, gamma=0.9, lam=0.8, normalize=name != "gae_unnormalized")
-    base = fn(rewards, mask, values=values, kl_penalty=kl, **kw)
+    takes_kl = fn.__name__ in alg.KL_IN_REWARD_ESTIMATORS
+    base = fn(rewards, mask, values=values, kl_penalty=kl if takes_kl else None, **kw)
     wide = fn(rewards, wide_mask, values=pad_with_garbage(values, mask, extra, seed + 100),
-              kl_penalty=pad_with_garbage(kl, mask, extra, seed + 200), **kw)
+              kl_penalty=pad_with_garbage(kl, mask, extra, seed + 200) if takes_kl else None, **kw)
     for b, w in zip(base, wide):  # advantages, returns
         close(w[:, : mask.shape[1]], b, atol=1e-10)
         assert (w[wide_mask == 0] == 0).all()

@@ -104,7 +104,8 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def advantages(name: str, b, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
-    return alg.ADVANTAGE_ESTIMATORS[name](b["rewards"], b["mask"], values=b["values"], kl_penalty=b["kl_penalty"],
+    kl_penalty = b["kl_penalty"] if name in alg.KL_IN_REWARD_ESTIMATORS else None  # the others take KL in the loss
+    return alg.ADVANTAGE_ESTIMATORS[name](b["rewards"], b["mask"], values=b["values"], kl_penalty=kl_penalty,
                                           global_sum=global_sum, **ESTIMATOR_KWARGS)
 
 

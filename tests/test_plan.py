@@ -203,6 +203,11 @@ BAD_CONFIGS = [
     ],
     ("bad_kl_estimator", dict(ppo=dict(kl_estimator="k4")), ["ppo.kl_estimator"]),
     ("bad_kl_mode", dict(ppo=dict(kl_mode="advantage")), ["ppo.kl_mode"]),
+    *[
+        (f"{est}_with_kl_in_the_reward", dict(ppo=dict(advantage_estimator=est, kl_mode="reward", kl_coef=0.01)),
+         ["ppo.advantage_estimator", "ppo.kl_mode=loss"])
+        for est in ("grpo", "dr_grpo", "rloo")
+    ],
     ("negative_kl_coef", dict(ppo=dict(kl_coef=-0.1)), ["ppo.kl_coef"]),
     ("bad_loss_agg_mode", dict(ppo=dict(loss_agg_mode="sum")), ["ppo.loss_agg_mode"]),
     ("dual_clip_equal_1", dict(ppo=dict(dual_clip=1.0)), ["ppo.dual_clip"]),
