@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import lightning as L
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.distributed import global_sum
 from lit_ppo.plan import ConfigError, StepPlan
-from lit_ppo.prompts import PromptSet
+from lit_ppo.prompts import PromptSet, end_of_turn_token_ids
 from lit_ppo.rewards import RewardScorer
 from lit_ppo.rollout import VLLMEngine, sampling_seeds
 
@@ -49,6 +49,20 @@ class RolloutConfig:
     """k of pass@k in evaluation."""
     eval_temperature: float = 1.0
     """Temperature of the pass@k samples (greedy accuracy always uses temperature 0)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response (kept as its last token, like EOS)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (cut from its text)."""
+    stop_at_end_of_turn: bool = True
+    """With data.chat_template=true, also stop at the template's end-of-turn token (`end_of_turn_token_ids`)."""
+
+
+def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
+    """rollout.stop_token_ids, plus the chat template's end-of-turn token when prompts use the template."""
+    ids = [int(i) for i in rollout.stop_token_ids]
+    if chat_template and rollout.stop_at_end_of_turn:
+        ids += [i for i in end_of_turn_token_ids(tokenizer) if i not in ids]
+    return ids
 
 
 @dataclass
@@ -87,7 +101,7 @@ class _RolloutStream(IterableDataset):
 class RolloutDataModule(L.LightningDataModule):
     def __init__(self, *, plan: StepPlan, train_prompts: PromptSet, eval_prompts: PromptSet | None,
                  rollout: RolloutConfig, scorer: RewardScorer, tokenizer, model_dir: str, seed: int,
-                 rank: int = 0, world_size: int = 1, engine: VLLMEngine | None = None):
+                 rank: int = 0, world_size: int = 1, engine: VLLMEngine | None = None, chat_template: bool = False):
         super().__init__()
         self.plan = plan
         self.train_prompts = train_prompts
@@ -102,6 +116,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_rollout_step = 0  # position in the prompt stream; restored on resume
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
+        self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
 
     # ------------------------------------------------------------ engine
 
@@ -179,7 +194,7 @@ class RolloutDataModule(L.LightningDataModule):
         generations = engine.generate(
             [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_length,
-            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
+            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n), **self.stop_kwargs(),
         )
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
@@ -205,6 +220,9 @@ class RolloutDataModule(L.LightningDataModule):
             reward_metrics=dict(self.scorer.metrics),
         )
 
+    def stop_kwargs(self) -> dict:
+        return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
+
     def score(self, prompts: list, generations: list) -> list[float]:
         """Rewards of generations; `g.prompt_index` points into `prompts`."""
         of = [prompts[g.prompt_index] for g in generations]
@@ -229,12 +247,12 @@ class RolloutDataModule(L.LightningDataModule):
         greedy, greedy_rewards, solved = [], [], []
         if prompts:  # a rank can have none when there are fewer eval prompts than ranks
             greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length,
-                                     seeds=None)
+                                     seeds=None, **self.stop_kwargs())
             greedy_rewards = self.score(prompts, greedy)
             if k > 1:
                 sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
                                           max_tokens=self.rollout.max_response_length,
-                                          seeds=sampling_seeds(self.seed, "eval", positions, k))
+                                          seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
                 scores = self.score(prompts, sampled)
                 solved = [max(scores[i * k:(i + 1) * k]) > 0 for i in range(len(prompts))]
         reward_sum, length_sum, solved_sum, count = global_sum(torch.tensor(

@@ -94,6 +94,29 @@ def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: s
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+END_OF_TURN_PROBE = "lit-ppo end-of-turn probe"
+
+
+def end_of_turn_token_ids(tokenizer) -> list[int]:
+    """The special token the chat template writes right after an assistant turn's content (Qwen's `<|im_end|>`,
+    Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`): [its id], or [] if the template writes none.
+
+    Found by rendering a conversation whose assistant turn is a probe text and reading what follows the probe:
+    the longest special token (an added token marked special) the rest starts with, after whitespace. A base
+    model's EOS is often another token, so generation would run on into turns it invents."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": END_OF_TURN_PROBE}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    if END_OF_TURN_PROBE not in rendered:
+        return []
+    after = rendered.split(END_OF_TURN_PROBE, 1)[1].lstrip()
+    special = {token.content: token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special.update(zip(tokenizer.all_special_tokens, tokenizer.all_special_ids))
+    matches = [token for token in special if token and after.startswith(token)]
+    return [special[max(matches, key=len)]] if matches else []
+
+
 def load_prompts(path: str | Path, tokenizer, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
                  extra_keys: list[str] = (), chat_template: bool = False, system_prompt: str | None = None,
                  max_prompt_length: int = 512, bad_records: str = "error") -> PromptSet:

@@ -54,10 +54,23 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False):
         configure_vllm_environment(kv_cache_gib)
         from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
+        from vllm.platforms import current_platform
 
         kwargs = {}
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if current_platform.is_cpu():
+            # Seeded sampling must never rewind a request's generator. vLLM rewinds it (Generator.set_offset) after a
+            # step that ran only part of a request's prefill, since that step samples a token it then discards; the
+            # CPU generator has no offset and raises ("CPU Generator does not use offset") as soon as the waiting
+            # prefills of one generate() call exceed the step's token budget (4,096 tokens on CPU: 32 prompts of
+            # 130 tokens). Without chunked prefill the scheduler runs each prefill whole in one step or waits for the
+            # next, so no discarded sample is ever drawn. Alternatives: dropping the seeds would make samples depend
+            # on the number of ranks and on scheduling; submitting in waves whose prefills fit one step would tie
+            # this code to the scheduler's budget and prefix-cache accounting. vLLM then sizes the step budget at
+            # max(max_model_len, 4096) tokens, so any single prompt fits. GPUs keep chunked prefill: CUDA
+            # generators rewind.
+            kwargs["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -77,17 +90,20 @@ class VLLMEngine:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, seeds: list[int] | None) -> list[Generation]:
+                 max_tokens: int, seeds: list[int] | None, stop_token_ids: list[int] = (),
+                 stop: list[str] = ()) -> list[Generation]:
         """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ...
 
-        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling."""
+        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling. A response also ends at
+        any of `stop_token_ids` (kept as its last token, like EOS) or `stop` strings (cut from its text)."""
         from vllm import SamplingParams
 
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt")
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                           seed=None if seeds is None else seeds[i])
+                           seed=None if seeds is None else seeds[i], stop_token_ids=list(stop_token_ids) or None,
+                           stop=list(stop) or None)
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]

@@ -197,7 +197,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     scorer = RewardScorer.from_config(cfg.reward)
     datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                                    scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
-                                   engine=engine)
+                                   engine=engine, chat_template=bool(cfg.data.chat_template))
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
                        pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
                        eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),

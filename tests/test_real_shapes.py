@@ -1,0 +1,111 @@
+"""Shapes users run, not the toy: prompts of 100-300 tokens, more sequences in flight than one vLLM scheduler step
+takes, temperature != 1, chat templates whose end-of-turn token is not EOS."""
+
+from __future__ import annotations
+
+import random
+
+from transformers import AutoTokenizer
+
+from lit_ppo.rollout import sampling_seeds
+
+
+def long_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of low..high tokens (the character tokenizer: one token per character)."""
+    rng = random.Random(seed)
+    words = ["apples", "cost", "each", "Janet", "buys", "how", "many", "dollars", "per", "week", "total", "and"]
+    prompts = []
+    for _ in range(count):
+        text = ""
+        target = rng.randint(low, high)
+        while len(text) < target:
+            text += rng.choice(words) + " "
+        prompts.append(tokenizer(text[:target]).input_ids)
+    return prompts
+
+
+def test_seeded_generation_survives_prefills_larger_than_one_scheduler_step(tiny_model_dir, engine):
+    """48 prompts x ~110 tokens x 2 samples = ~10,500 prefill tokens, more than the CPU engine's 4,096-token
+    step: before chunked prefill was turned off on CPU, vLLM split a seeded prefill and crashed rewinding its
+    generator ("CPU Generator does not use offset"). Per-prompt seeds still make a prompt's samples the same
+    whether it is generated alone or in the big batch (what keeps samples independent of the number of ranks)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = long_prompts(tokenizer, 48, 100, 115)
+    assert sum(len(p) for p in prompts) * 2 > 2 * 4096
+    seeds = sampling_seeds(0, "real_shapes", range(len(prompts)), 2)
+    everything = engine.generate(prompts, n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds)
+    assert len(everything) == 96
+    alone = engine.generate(prompts[40:], n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds[40:])
+    assert [g.token_ids for g in alone] == [g.token_ids for g in everything[80:]]
+
+
+def test_end_of_turn_token_is_read_from_the_chat_template(tiny_model_dir):
+    """The tiny tokenizer's template is Qwen's shape: turns end with <|im_end|>, which is not its EOS."""
+    from lit_ppo.prompts import end_of_turn_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != tokenizer.eos_token_id
+    assert end_of_turn_token_ids(tokenizer) == [im_end]
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # writes no special token
+    assert end_of_turn_token_ids(tokenizer) == []
+
+
+def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_path):
+    """With data.chat_template=true, responses end at <|im_end|> (not EOS) by default; rollout.stop_token_ids and
+    rollout.stop reach vLLM. The model here samples uniformly (zero final norm: all logits 0), so <|im_end|> comes
+    up in about one response in six of 24 tokens; without the stop it is followed by invented text."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lit_ppo.datamodule import RolloutConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for name in ("train", "eval"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"Question {i}: what is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(16)))
+    files = [tmp_path / "train.jsonl", tmp_path / "eval.jsonl"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.nn.init.zeros_(model.model.norm.weight)
+    engine.sync_weights(model.state_dict().items())
+    try:
+        def responses(rollout: RolloutConfig, chat_template: bool = True):
+            return make_datamodule(tiny_model_dir, engine, files, rollout, chat_template=chat_template).produce_rollout(0)
+
+        plain = responses(RolloutConfig(max_response_length=24, temperature=0.8), chat_template=False)
+        assert any(im_end in r[:-1] for r in plain.response_ids)  # the control: runs past the end of turn
+        stopped = responses(RolloutConfig(max_response_length=24, temperature=0.8))
+        ended = [r for r in stopped.response_ids if im_end in r]
+        assert len(ended) >= 3 and all(r.index(im_end) == len(r) - 1 for r in ended)
+        assert all(not t for r, t in zip(stopped.response_ids, stopped.truncated.tolist()) if im_end in r)
+        # Configured stops: a token id, and a string cut from the text.
+        stop_a = tokenizer.convert_tokens_to_ids("a")
+        configured = responses(RolloutConfig(max_response_length=24, temperature=0.8, stop_token_ids=[stop_a], stop=["b"],
+                                             stop_at_end_of_turn=False))
+        assert all(stop_a not in r[:-1] for r in configured.response_ids)
+        assert any(r[-1] == stop_a for r in configured.response_ids)
+        assert all("b" not in text for text in configured.responses)
+    finally:
+        engine.sync_weights(original.items())
+
+
+
+def make_datamodule(model_dir, engine, files, rollout, *, chat_template: bool, rollout_batch_size: int = 16,
+                    n_samples_per_prompt: int = 4):
+    from lit_ppo.datamodule import RolloutDataModule
+    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.prompts import load_prompts
+    from lit_ppo.rewards import RewardScorer, integer_match
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, evaluation = (load_prompts(f, tokenizer, chat_template=chat_template) for f in files)
+    ppo = PPOConfig(rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
+                    train_batch_size=rollout_batch_size * n_samples_per_prompt, micro_train_batch_size=16)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train), 1, rollout.max_response_length)
+    return RolloutDataModule(plan=plan, train_prompts=train, eval_prompts=evaluation, rollout=rollout,
+                             scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir, seed=0,
+                             engine=engine, chat_template=chat_template)
