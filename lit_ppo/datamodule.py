@@ -37,7 +37,9 @@ class RolloutConfig:
     """Tokens generated per response at most."""
     temperature: float = 1.0
     top_p: float = 1.0
-    dtype: str = "float32"
+    """< 1: the trainer's log-probs are of the untruncated distribution (the plan warns)."""
+    dtype: str | None = None
+    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
     gpu_memory_utilization: float = 0.3
     kv_cache_gib: float = 1
     max_model_len: int = 128
@@ -142,7 +144,7 @@ class RolloutDataModule(L.LightningDataModule):
             started = time.perf_counter()
             self.engine = VLLMEngine(
                 self.model_dir,
-                dtype=self.rollout.dtype,
+                dtype=self.rollout.dtype or self.plan.rollout_dtype,
                 max_model_len=self.rollout.max_model_len,
                 gpu_memory_utilization=self.rollout.gpu_memory_utilization,
                 kv_cache_gib=self.rollout.kv_cache_gib,

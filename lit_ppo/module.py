@@ -216,7 +216,8 @@ class PPOModule(L.LightningModule):
         """Old log-probs, reference log-probs and values (once per rollout step), then advantages."""
         N = len(batch.response_ids)
         T = max(1, max(len(r) for r in batch.response_ids))
-        exp = {k: torch.zeros(N, T, device=self.device) for k in ("old_logp", "ref_logp", "values", "mask")}
+        # float32 whatever the default dtype: under bf16-true Lightning makes bf16 the default inside training_step.
+        exp = {k: torch.zeros(N, T, device=self.device, dtype=torch.float32) for k in ("old_logp", "ref_logp", "values", "mask")}
         for idx, mb in self._micro_batches(batch, list(range(N))):
             t = mb.response_ids.shape[1]
             exp["mask"][idx, :t] = mb.response_mask
@@ -283,7 +284,7 @@ class PPOModule(L.LightningModule):
                 mask = exp["mask"][indices]
                 # Denominators of the whole mini-batch over micro-batches and ranks, so that
                 # accumulation and data parallelism do not change the loss (REFERENCE section 3).
-                num_tokens, num_seqs = global_sum(torch.stack([mask.sum(), torch.tensor(float(len(indices)), device=mask.device)]))
+                num_tokens, num_seqs = global_sum(torch.stack([mask.sum(), torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device)]))
                 for idx, mb in self._micro_batches(batch, indices):
                     t = mb.response_ids.shape[1]
                     stats = self._actor_backward(mb, {k: v[idx, :t] for k, v in exp.items() if v.dim() == 2}, num_tokens, num_seqs, world)
@@ -300,7 +301,7 @@ class PPOModule(L.LightningModule):
                     self.critic_optimizer_steps += 1
         self.last_sample_use_counts = use_counts
         if "critic/value_loss" in sums and world > 1:  # each rank's share is over the global token count
-            sums["critic/value_loss"] = float(global_sum(torch.tensor(sums["critic/value_loss"], device=self.device)))
+            sums["critic/value_loss"] = float(global_sum(torch.tensor(sums["critic/value_loss"], dtype=torch.float64, device=self.device)))
         # Per-update quantities (grad norms, the value loss summed over micro-batches) average over
         # updates; the actor's per-micro-batch statistics over micro-batches.
         metrics = {k: v / max(1, updates if k.startswith("critic/") or k.endswith("grad_norm") else micro_batches)
@@ -437,7 +438,7 @@ class PPOModule(L.LightningModule):
         if self.ppo.adaptive_kl_target is None or self.reference is None:
             return
         mask = exp["mask"]
-        observed = float(global_sum((exp["kl"] * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]), device=mask.device)))
+        observed = float(global_sum((exp["kl"] * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)))
         self.kl_coef = algo.adaptive_kl_coef(self.kl_coef, observed, self.ppo.adaptive_kl_target,
                                              self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
 

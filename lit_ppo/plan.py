@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lit_ppo.algorithms import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, LOSS_AGG_MODES
+from lit_ppo.precision import describe as describe_precision
 
 
 class ConfigError(ValueError):
@@ -124,7 +125,10 @@ class StepPlan:
     lr_total_steps: int
     critic_enabled: bool
     reference_enabled: bool
+    precision: str = "32-true"  # resolved (lit_ppo.precision): 32-true, bf16-mixed or bf16-true
+    rollout_dtype: str = "float32"  # vLLM's dtype
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -160,11 +164,14 @@ class StepPlan:
             ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
             ("critic", "yes" if self.critic_enabled else "no", ""),
             ("reference model", "yes" if self.reference_enabled else "no", ""),
+            ("precision", self.precision, describe_precision(self.precision)),
+            ("vLLM dtype", self.rollout_dtype, "sampling"),
         ]
         width = max(len(r[0]) for r in rows)
         lines = ["Step plan", "-" * (width + 30)]
         lines += [f"{name:<{width}}  {value!s:>10}  {unit}" for name, value, unit in rows]
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
@@ -240,8 +247,14 @@ def compute_plan(
     dataset_prompts: int,
     data_parallel_size: int = 1,
     max_response_tokens: int = 0,
+    *,
+    precision: str = "32-true",
+    rollout_dtype: str = "float32",
+    top_p: float = 1.0,
 ) -> StepPlan:
-    """Derive every count of the run, or raise ConfigError naming the inconsistent keys."""
+    """Derive every count of the run, or raise ConfigError naming the inconsistent keys.
+
+    `precision` and `rollout_dtype` are resolved (`lit_ppo.precision`); `top_p` is vLLM's."""
     validate_ppo(ppo)
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
         raise ConfigError(f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node")
@@ -300,6 +313,18 @@ def compute_plan(
         )
     if abs(data_epochs - round(data_epochs)) > 1e-9:
         notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
+    warnings = []
+    if top_p < 1:
+        warnings.append(
+            f"rollout.top_p={top_p} < 1: vLLM samples from the truncated distribution but the trainer's log-probs are of "
+            "the whole one, so updates are off-distribution (rollout/logprob_abs_diff shows by how much); fix: top_p=1"
+        )
+    if precision == "bf16-true":
+        warnings.append(
+            "strategy.precision=bf16-true keeps weights and AdamW states in bf16: an update smaller than 2^-8 of a weight "
+            "rounds away (lr 1e-6 on |w| = 0.02 changes almost nothing); fix: strategy.precision=bf16-mixed (float32 "
+            "master weights)"
+        )
     return StepPlan(
         data_parallel_size=data_parallel_size,
         dataset_prompts=dataset_prompts,
@@ -327,5 +352,8 @@ def compute_plan(
         lr_total_steps=total_optimizer_steps,
         critic_enabled=ppo.advantage_estimator == "gae",
         reference_enabled=ppo.kl_coef > 0,
+        precision=precision,
+        rollout_dtype=rollout_dtype,
         notes=notes,
+        warnings=warnings,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.plan import ConfigError, PPOConfig, RunLengthConfig, StepPlan, compute_plan, parse_section, validate_ppo
+from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 
 log = logging.getLogger("lit_ppo")
 
@@ -60,7 +61,10 @@ def parse_config(cfg: DictConfig) -> tuple[PPOConfig, RunLengthConfig]:
 
 def make_plan(cfg: DictConfig, dataset_prompts: int) -> StepPlan:
     ppo, length = parse_config(cfg)
-    return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_length))
+    precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
+    return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_length),
+                        precision=precision, rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
+                        top_p=float(cfg.rollout.top_p))
 
 
 def write_plan(plan: StepPlan, output_dir: Path, source: str) -> None:

@@ -26,7 +26,7 @@ from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
 from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
 from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.module import PPOModule
-from lit_ppo.plan import ConfigError, parse_section
+from lit_ppo.plan import ConfigError, StepPlan, parse_section
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_summary
 from lit_ppo.rewards import RewardScorer
@@ -119,7 +119,8 @@ class RolloutProgressBar(L.Callback):
             self.bar.close()
 
 
-def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Trainer:
+def make_trainer(cfg: DictConfig, plan: StepPlan, output_dir: Path, callbacks: list) -> L.Trainer:
+    """The Lightning trainer, in the plan's (resolved) precision."""
     strategy = cfg.strategy
     loggers = []  # metrics.csv is written by the module itself (resume-safe); these are additional
     if cfg.logger.get("extra"):
@@ -131,7 +132,7 @@ def make_trainer(cfg: DictConfig, output_dir: Path, callbacks: list) -> L.Traine
     return L.Trainer(
         accelerator=strategy.accelerator, devices=strategy.devices, num_nodes=strategy.num_nodes,
         strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
-        precision=strategy.precision, max_epochs=1, logger=loggers or False, callbacks=callbacks,
+        precision=plan.precision, max_epochs=1, logger=loggers or False, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(output_dir),
     )
@@ -207,7 +208,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    trainer = make_trainer(cfg, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
+    trainer = make_trainer(cfg, plan, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
         # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.

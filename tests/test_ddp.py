@@ -41,10 +41,11 @@ from lit_ppo.module import DUMP_ADVANTAGES_ENV
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
 DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
-STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu", "strategy.precision=32-true"]}
+STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu"]}
 SETTINGS = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
             "trainer.eval_every=0", "trainer.checkpoint_every=1", "reward.overlong_penalty=1.0",
-            "ppo.train_batch_size=128", "ppo.ppo_epochs=2"]
+            "ppo.train_batch_size=128", "ppo.ppo_epochs=2",
+            "strategy.precision=32-true"]  # exact comparisons: float32 whatever `auto` picks on this machine
 ROLLOUT_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
                    "rollout/response_length_max", "rollout/truncated_fraction", "rollout/generated_tokens",
                    "rollout/kl_to_reference", "rollout/advantage_mean", "critic/explained_variance"]

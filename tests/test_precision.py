@@ -1,0 +1,131 @@
+"""Precision: resolved once (lit_ppo.precision), shown in the plan, and every offered precision trains."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lit_ppo import precision as prec
+from lit_ppo.plan import ConfigError
+from lit_ppo.run import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
+AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("cpuinfo, native", [(AVX512_BF16_CPU, True), (AVX2_CPU, False), (None, False)])
+def test_cpu_native_bf16_is_read_from_the_cpu_flags(tmp_path, cpuinfo, native):
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    assert prec.cpu_has_native_bf16(path) is native
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_auto_picks_bf16_mixed_only_where_bf16_is_native(monkeypatch, native, expected):
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: native)
+    assert prec.resolve_precision("auto", "cpu") == expected
+    assert prec.resolve_rollout_dtype(expected, None) == ("bfloat16" if native else "float32")
+    assert prec.resolve_rollout_dtype(expected, "float32") == "float32"  # an explicit rollout.dtype wins
+
+
+def test_auto_on_gpus_planned_from_a_machine_without_one_assumes_bf16(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prec.resolve_precision("auto", "gpu") == "bf16-mixed"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_explicit_precisions_are_kept(precision):
+    assert prec.resolve_precision(precision, "cpu") == precision
+
+
+@pytest.mark.parametrize("precision, named", [("16-mixed", "bf16-mixed"), ("64-true", "auto"), (32, "32-true")])
+def test_unsupported_precision_is_one_line(precision, named):
+    with pytest.raises(ConfigError) as info:
+        prec.resolve_precision(precision, "cpu")
+    assert "\n" not in str(info.value) and "strategy.precision" in str(info.value) and named in str(info.value)
+
+
+def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+    plan = make_plan(composed("strategy.accelerator=cpu"), 2000)
+    assert (plan.precision, plan.rollout_dtype) == ("bf16-mixed", "bfloat16")
+    table = plan.table()
+    assert "bf16-mixed" in table and "float32 weights and optimizer states, bf16 compute" in table and "bfloat16" in table
+    assert not plan.warnings
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    plan = make_plan(composed("strategy.accelerator=cpu"), 2000)
+    assert (plan.precision, plan.rollout_dtype) == ("32-true", "float32")
+
+
+def test_every_strategy_config_defaults_to_auto():
+    for name in ("single", "ddp", "fsdp"):
+        assert composed(f"strategy={name}").strategy.precision == "auto"
+    assert composed().rollout.dtype is None
+
+
+def test_plan_warns_about_bf16_true_and_top_p():
+    plan = make_plan(composed("strategy.precision=bf16-true", "rollout.top_p=0.9"), 2000)
+    assert len(plan.warnings) == 2
+    assert "bf16-mixed" in plan.warnings[1] and "off-distribution" in plan.warnings[0]
+    assert all("\n" not in w for w in plan.warnings)
+    assert sum(line.startswith("warning: ") for line in plan.table().splitlines()) == 2
+
+
+def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic_files, monkeypatch):
+    """rollout.dtype=null follows the precision: the engine is asked for bfloat16 under bf16-mixed."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo import datamodule as dm
+    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.prompts import load_prompts
+    from lit_ppo.rewards import RewardScorer, integer_match
+
+    started = {}
+    monkeypatch.setattr(dm, "VLLMEngine", lambda model_dir, **kwargs: started.update(kwargs) or object())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(arithmetic_files[0], tokenizer)
+    for configured, expected in ((None, "bfloat16"), ("float32", "float32")):
+        plan = compute_plan(PPOConfig(), RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8,
+                            precision="bf16-mixed", rollout_dtype=prec.resolve_rollout_dtype("bf16-mixed", configured))
+        datamodule = dm.RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None,
+                                          rollout=dm.RolloutConfig(dtype=configured), scorer=RewardScorer(fn=integer_match),
+                                          tokenizer=tokenizer, model_dir=tiny_model_dir, seed=0)
+        datamodule.start_engine()
+        assert started["dtype"] == expected
+
+
+# ---------------------------------------------------------------- every precision trains
+
+FIXTURE_MODEL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+                 "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "auto"])
+def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
+    from lit_ppo.training import train
+
+    cfg = composed(f"strategy.precision={precision}", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
+                   "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8", "ppo.actor_lr=1e-3",
+                   f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
+    summary = train(cfg, tmp_path, engine=engine)
+    assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["precision"] == prec.resolve_precision(precision, "auto")
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
+    assert float(rows[-1]["actor/skipped_updates"]) == 0
