@@ -252,3 +252,51 @@ def test_reward_model_configuration_errors(reward_model_dir, tmp_path):
 def test_every_reward_config_builds_a_scorer(name):
     scorer = RewardScorer.from_config(compose_config(f"reward={name}").reward)
     assert callable(scorer.fn) and scorer.on_error == "raise"
+
+
+# ------------------------------------------------------------------ pass@k counts solved samples
+
+
+class ScriptedEngine:
+    """An engine that answers prompt i with `responses[i]` (greedy: the first of them)."""
+
+    def __init__(self, responses: list[list[str]]):
+        self.responses = responses
+
+    def wake_up(self) -> None:
+        pass
+
+    def generate(self, prompt_token_ids, *, n, **_):
+        from lit_ppo.rollout import Generation
+
+        return [Generation(prompt_index=i, token_ids=[1], truncated=False, text=self.responses[i][j], logprobs=[0.0])
+                for i in range(len(prompt_token_ids)) for j in range(n)]
+
+
+def evaluate_with(responses: list[list[str]], references: list[str], scorer: RewardScorer) -> dict:
+    from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+    from lit_ppo.prompts import Prompt, PromptSet
+
+    prompts = PromptSet([Prompt([1, 2], f"q{i}", ref, {}) for i, ref in enumerate(references)], "test")
+    datamodule = RolloutDataModule(plan=None, train_prompts=prompts, eval_prompts=prompts,
+                                   rollout=RolloutConfig(eval_samples_per_prompt=2), scorer=scorer, tokenizer=None,
+                                   model_dir="", seed=0, engine=ScriptedEngine(responses))
+    return datamodule.evaluate()
+
+
+def test_pass_at_k_with_format_weight_counts_only_correct_answers():
+    # Prompt 0: two well-formatted wrong answers (reward 0.1 each from format_weight); prompt 1: one right answer.
+    scorer = RewardScorer.from_config(compose_config("reward=math", "reward.fn.format_weight=0.1").reward)
+    result = evaluate_with([["#### 5", "#### 9"], ["#### 8", "#### 7"]], ["4", "7"], scorer)
+    assert result["eval/pass@2"] == 0.5
+
+
+def test_pass_at_k_without_a_correct_metric_uses_the_solved_threshold():
+    # Rewards 0.5 (partial credit) do not solve a prompt at the default threshold of 1.0.
+    def partial(prompts, responses, references, extras):
+        return [1.0 if r == ref else 0.5 for r, ref in zip(responses, references)]
+
+    result = evaluate_with([["1", "2"], ["3", "4"]], ["2", "9"], RewardScorer(fn=partial))
+    assert result["eval/pass@2"] == 0.5
+    result = evaluate_with([["1", "2"], ["3", "4"]], ["2", "9"], RewardScorer(fn=partial, solved_threshold=0.5))
+    assert result["eval/pass@2"] == 1.0
