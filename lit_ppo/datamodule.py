@@ -240,7 +240,9 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
 
     def evaluate(self, k: int | None = None) -> dict:
-        """Greedy accuracy (mean reward at temperature 0) and pass@k on the held-out prompts.
+        """Greedy accuracy (mean reward at temperature 0) and pass@k on the held-out prompts: the share of
+        prompts with a solved sample among k (`RewardScorer.solved`: the reward's `correct` metric, else a
+        reward of at least `reward.solved_threshold`).
 
         Each rank evaluates its contiguous share of the prompts and the sums are all-reduced, so every
         rank returns the same numbers; `eval/samples` are the first greedy samples of rank 0's share."""
@@ -261,8 +263,8 @@ class RolloutDataModule(L.LightningDataModule):
                 sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
                                           max_tokens=self.rollout.max_response_length,
                                           seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
-                scores = self.score(prompts, sampled)
-                solved = [max(scores[i * k:(i + 1) * k]) > 0 for i in range(len(prompts))]
+                sample_solved = self.scorer.solved(self.score(prompts, sampled))
+                solved = [any(sample_solved[i * k:(i + 1) * k]) for i in range(len(prompts))]
         reward_sum, length_sum, solved_sum, count = global_sum(torch.tensor(
             [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)], dtype=torch.float64,
             device=self.device)).tolist()

@@ -90,13 +90,18 @@ class RewardScorer:
 
     A sample whose reward raises or is not a finite number stops the run (`on_error=raise`, naming the
     sample) or scores 0 and is counted (`on_error=zero`): `errors` counts them over the run, and
-    `metrics["errors"]` in the last call (logged as `rollout/reward_errors`)."""
+    `metrics["errors"]` in the last call (logged as `rollout/reward_errors`).
+
+    `solved` tells which samples solved their prompt (for pass@k): the reward function's own `correct`
+    metric when it returns one, else a reward of at least `solved_threshold`."""
 
     fn: Callable[..., Any]
     on_error: str = "raise"  # raise: stop with the sample; zero: score 0 and count it
     overlong_penalty: float = 0.0  # subtracted from responses that hit the length limit
+    solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
     errors: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last call's per-sample metrics, averaged
+    sample_metrics: dict[str, list[float]] = field(default_factory=dict)  # the last call's, per sample
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -115,7 +120,8 @@ class RewardScorer:
         if not callable(fn):
             raise ConfigError(f"reward.fn built {type(fn).__name__}, which is not callable; fix: add `_partial_: true` "
                               "for a function, or name a class with __call__")
-        return cls(fn=fn, on_error=reward.on_error, overlong_penalty=reward.overlong_penalty)
+        return cls(fn=fn, on_error=reward.on_error, overlong_penalty=reward.overlong_penalty,
+                   solved_threshold=float(reward.get("solved_threshold", 1.0)))
 
     def __call__(self, prompts: list[str], responses: list[str], references: list, extras: list[dict],
                  truncated: list[bool]) -> list[float]:
@@ -136,7 +142,18 @@ class RewardScorer:
             log.warning("reward: %d of %d samples scored 0 after reward errors (reward.on_error=zero)", errors, len(scores))
         self.metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in extra_metrics.items()}
         self.metrics["errors"] = float(errors)
+        # Per sample only where every sample has a value (a sample whose reward failed has none).
+        self.sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
         return scores
+
+    def solved(self, scores: list[float]) -> list[bool]:
+        """Per sample of the last call (whose `scores` are given): did it solve its prompt? A well-formatted
+        wrong answer can earn reward (`format_weight`), so the reward function's `correct` metric decides
+        where there is one; otherwise a reward of at least `solved_threshold`."""
+        correct = self.sample_metrics.get("correct")
+        if correct is not None and len(correct) == len(scores):
+            return [c > 0 for c in correct]
+        return [s >= self.solved_threshold for s in scores]
 
     def _unpack(self, result, n: int) -> tuple[list, dict[str, list[float]]]:
         scores, extra_metrics = result if isinstance(result, tuple) else (result, {})
