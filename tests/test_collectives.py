@@ -7,8 +7,6 @@ an explicit device land on the `meta` device (torch.set_default_device), as they
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -54,10 +52,10 @@ class ScriptedEngine:
         pass
 
 
-def _rank(rank: int, world: int, port: int, model_dir: str, eval_path: str, out: str) -> None:
+def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: no port to race other tests for.
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     from transformers import AutoTokenizer
 
     from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
@@ -89,16 +87,10 @@ def _rank(rank: int, world: int, port: int, model_dir: str, eval_path: str, out:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_evaluation_reduces_on_the_models_device(tiny_model_dir, tmp_path):
     eval_path = tmp_path / "eval.jsonl"
     eval_path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
-    mp.start_processes(_rank, args=(2, free_port(), tiny_model_dir, str(eval_path), str(tmp_path)), nprocs=2,
+    mp.start_processes(_rank, args=(2, tiny_model_dir, str(eval_path), str(tmp_path)), nprocs=2,
                        start_method="spawn")
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
