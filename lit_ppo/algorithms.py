@@ -192,14 +192,16 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, n_sample
     return coef * (1.0 + error * n_samples / horizon)
 
 
-# ---------------------------------------------------------------- losses (per token, [B, T])
+# ---------------------------------------------------------------- policy losses (per token, [B, T])
+# Each takes (logp, old_logp, advantages, mask) and the clip range and returns (per-token loss, per-token 1.0 where
+# the clip was active); the caller aggregates the loss (`aggregate_loss`). `ppo.policy_loss` names one of POLICY_LOSSES.
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_ratio_low: float,
-                clip_ratio_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
+                    clip_ratio_low: float, clip_ratio_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """Clipped surrogate with separate low/high clip and optional dual clip.
 
     Returns (per-token loss, per-token 1.0 where the clip was active). The log-ratio is clamped to
-    +-LOG_RATIO_CLAMP before exp (see the clamps above)."""
+    +-LOG_RATIO_CLAMP before exp (see the clamps above). `mask` is not needed: every token stands alone."""
     ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
@@ -209,6 +211,98 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, clip_rati
         bounded = torch.minimum(loss, -advantages * dual_clip)
         loss = torch.where(advantages < 0, bounded, loss)
     return loss, clip_active
+
+
+policy_loss = ppo_policy_loss  # the name the clipped surrogate had before the registry
+
+
+def gspo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio_low: float,
+                     clip_ratio_high: float, **_) -> tuple[Tensor, Tensor]:
+    """GSPO (Zheng et al. 2025), token form: one ratio per sequence, s_i = exp(mean over its tokens of log r_t),
+    clipped as a whole to [1 - low, 1 + high] (the paper: 3e-4 and 4e-4, since s_i moves far less than a token's
+    ratio). Each token carries s_i,t = sg(s_i) * r_t / sg(r_t): its value is s_i, its gradient s_i * grad log pi_t,
+    so with seq-mean-token-mean aggregation the gradient is exactly the sequence-level objective's,
+    -A_i * grad s_i, and per-token advantages stay possible. `mask` [B, T] marks the tokens the mean runs over."""
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    # sg(log s_i) + log pi_t - sg(log pi_t): the value of log s_i, the gradient of log pi_t.
+    ratio = torch.exp(logp - logp.detach() + seq_log_ratio.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).to(logp.dtype)
+
+
+def cispo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
+                      clip_ratio_low: float, clip_ratio_high: float, **_) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient importance ratio,
+    loss_t = -sg(clip(r_t, 1 - low, 1 + high)) * A_t * log pi_t. Unlike PPO no token loses its gradient when its
+    ratio leaves the range: the clip only bounds the weight (MiniMax-M1 leaves the low side open, low = 1).
+    The clip counts as active where r_t lies outside the range."""
+    ratio = torch.exp((logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    return -weight * advantages * logp, (weight != ratio).to(logp.dtype)
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+}
+
+
+# ---------------------------------------------------------------- rollout-mismatch correction
+# vLLM samples from its own numerics (kernels, bf16, a stale sync); the trainer's old log-probs are of another
+# distribution. The ratio rho = pi_old(trainer) / pi_rollout(vLLM) of the sampled token corrects for it: TIS weights
+# each token's loss by min(rho, cap) (bounded variance, some bias); MIS keeps rho where it lies in [low, high] and
+# drops the token (weight 0, out of the loss and of its denominators) where it does not. At sequence level rho is
+# the geometric mean of the sequence's token ratios, exp(mean_t log rho_t), one value for all its tokens, and MIS
+# drops the whole sequence. The weights are constants (no gradient): both log-probs are of the rollout step.
+
+ROLLOUT_CORRECTION_MODES = ("none", "tis", "mis")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+
+
+def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, mode: str, level: str = "token",
+                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0,
+                       global_sum: GlobalSum = local_sum,
+                       global_max: GlobalSum = local_sum) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Weights [B, T] for the policy loss, the tokens that stay in it [B, T], and statistics over the whole (global)
+    batch: `weight_mean` and `weight_max` over the tokens kept, `masked_fraction` of the valid tokens dropped.
+    Padding gets weight 0 and is never kept."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"unknown rollout correction mode {mode!r}; use one of {ROLLOUT_CORRECTION_MODES}")
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(f"unknown rollout correction level {level!r}; use one of {ROLLOUT_CORRECTION_LEVELS}")
+    log_ratio = (old_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
+    ratio = torch.exp(log_ratio) * mask
+    if mode == "none":
+        weights, keep = mask.clone(), mask.clone()
+    elif mode == "tis":
+        weights, keep = ratio.clamp(max=tis_cap), mask.clone()
+    else:
+        keep = mask * ((ratio >= mis_low) & (ratio <= mis_high)).to(mask.dtype)
+        weights = ratio * keep
+    sums = global_sum(torch.stack([(weights * keep).sum(), keep.sum(), mask.sum()]))
+    largest = weights.masked_fill(keep == 0, 0.0).max() if weights.numel() else weights.new_zeros(())
+    stats = {
+        "weight_mean": sums[0] / sums[1].clamp(min=1),
+        "weight_max": global_max(largest),
+        "masked_fraction": 1 - sums[1] / sums[2].clamp(min=1),
+    }
+    return weights, keep, stats
+
+
+# ---------------------------------------------------------------- reward shaping
+
+def overlong_penalty(lengths: Tensor, *, max_response_length: int, buffer_tokens: int, penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment per response [B] (added to its reward): 0 up to max_response_length -
+    buffer_tokens tokens, then falling linearly to -penalty_factor at max_response_length, and -penalty_factor
+    beyond it. A long response is penalized before it is cut off, by how far into the buffer it ran."""
+    expected = max_response_length - buffer_tokens
+    over = (lengths.to(torch.float64) - expected).clamp(min=0)
+    return (-over / buffer_tokens * penalty_factor).clamp(min=-penalty_factor)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, value_clip: float | None) -> tuple[Tensor, Tensor]:

@@ -668,3 +668,272 @@ def test_estimators_global_sum(name, seed):
     for k in range(2):  # advantages, returns
         close(parts[0][k], whole[k][:h], atol=1e-10)
         close(parts[1][k], whole[k][h:, : parts[1][k].shape[1]], atol=1e-10)
+
+
+# ================================================================== policy-loss modes (issue 15)
+
+def test_policy_loss_registry():
+    assert set(alg.POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
+    assert alg.POLICY_LOSSES["ppo"] is alg.policy_loss
+
+
+# Three sequences, width 3. Log-ratios log(pi/pi_old) on valid tokens:
+#   row 0: [ln 2, ln 0.5]           A = -1   mean log-ratio 0      -> s = 1
+#   row 1: [ln 4, 0]                A = +1   mean ln 2             -> s = 2
+#   row 2: [ln 0.5, ln 0.5, ln 0.5] A = +1   mean ln 0.5           -> s = 0.5
+GSPO_MASK = t([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+GSPO_LOG_RATIOS = [[math.log(2.0), math.log(0.5), 7.0], [math.log(4.0), 0.0, -9.0], [math.log(0.5)] * 3]
+GSPO_ADVS = t([[-1.0, -1.0, 5.0], [1.0, 1.0, 5.0], [1.0, 1.0, 1.0]])  # 5.0 sits on padding
+
+
+def gspo_inputs():
+    old = t([[-1.0, -0.3, -2.0], [-2.5, -0.1, -1.0], [-0.4, -1.1, -0.9]])
+    logp = (old + t(GSPO_LOG_RATIOS)).requires_grad_(True)
+    return logp, old
+
+
+def test_gspo_loss_and_gradient_by_hand():
+    # clip 0.2 / 0.28 -> [0.8, 1.28]; loss_t = max(-A s, -A clip(s)), one s per sequence:
+    #   row 0: s = 1, A = -1: max(1, 1) = 1, not clipped (PPO would clip its ratio-0.5 token: per-token ratios
+    #          do not matter, only their geometric mean)
+    #   row 1: s = 2, A = +1: max(-2, -1.28) = -1.28, clipped (the whole sequence)
+    #   row 2: s = 0.5, A = +1: max(-0.5, -0.8) = -0.5, not clipped
+    # d loss_t / d logp_t = -A * s on unclipped sequences (token form: s_i * grad log pi_t), 0 on clipped ones.
+    logp, old = gspo_inputs()
+    loss, clip = alg.gspo_policy_loss(logp, old, GSPO_ADVS, GSPO_MASK, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close((loss * GSPO_MASK).detach(), [[1.0, 1.0, 0.0], [-1.28, -1.28, 0.0], [-0.5, -0.5, -0.5]])
+    close(clip * GSPO_MASK, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    (loss * GSPO_MASK).sum().backward()
+    close(logp.grad, [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [-0.5, -0.5, -0.5]])
+
+
+def test_gspo_gradient_is_the_sequence_objectives():
+    # With seq-mean-token-mean aggregation the token form has the gradient of the sequence-level GSPO loss
+    # -(1/B) sum_i A_i s_i(theta), s_i = exp(mean_t (logp - old)), here written directly (no clipping is
+    # active at a wide clip range).
+    logp, old = gspo_inputs()
+    loss, clip = alg.gspo_policy_loss(logp, old, GSPO_ADVS, GSPO_MASK, clip_ratio_low=0.9, clip_ratio_high=9.0)
+    assert float((clip * GSPO_MASK).sum()) == 0
+    alg.aggregate_loss(loss, GSPO_MASK, "seq-mean-token-mean").backward()
+    leaf = logp.detach().clone().requires_grad_(True)
+    objective = 0.0
+    for i in range(3):
+        n = int(GSPO_MASK[i].sum())
+        s_i = torch.exp((leaf[i, :n] - old[i, :n]).mean())
+        objective = objective - float(GSPO_ADVS[i, 0]) * s_i / 3
+    objective.backward()
+    close(logp.grad, leaf.grad, atol=1e-12)
+    # by hand, row 1: d/d logp_t of -(1/3) * s = -(1/3) * s * (1/2) with s = 2 -> -1/3 on each of its 2 tokens
+    close(leaf.grad[1], [-1 / 3, -1 / 3, 0.0])
+
+
+def test_gspo_ignores_padding():
+    # Garbage on padding (log-ratio 7 and -9 above) changes no sequence's ratio: rows 0 and 1 alone give the same.
+    logp, old = gspo_inputs()
+    loss, _ = alg.gspo_policy_loss(logp, old, GSPO_ADVS, GSPO_MASK, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    trimmed, _ = alg.gspo_policy_loss(logp[:2, :2], old[:2, :2], GSPO_ADVS[:2, :2], GSPO_MASK[:2, :2],
+                                      clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(loss[:2, :2].detach(), trimmed.detach())
+
+
+# CISPO: ratios [1.5, 0.5, 6.0, 1.0], advantages [1, -1, 2, -0.5], logp [-1, -2, -0.5, -3].
+CISPO_RATIOS = [1.5, 0.5, 6.0, 1.0]
+
+
+def cispo_inputs():
+    logp = t([[-1.0, -2.0, -0.5, -3.0]]).requires_grad_(True)
+    old = logp.detach() - t([[math.log(r) for r in CISPO_RATIOS]])
+    return logp, old, t([[1.0, -1.0, 2.0, -0.5]])
+
+
+def test_cispo_loss_and_gradient_by_hand():
+    # MiniMax-M1 setting: no lower bound (low = 1 -> weight >= 0), cap 1 + 4 = 5.
+    # weights sg(clip(r, 0, 5)) = [1.5, 0.5, 5.0, 1.0]; loss = -w * A * logp:
+    #   [-1.5*1*(-1), -0.5*(-1)*(-2), -5*2*(-0.5), -1*(-0.5)*(-3)] = [1.5, -1.0, 5.0, -1.5]
+    # gradient -w * A = [-1.5, 0.5, -10.0, 0.5]; the clip is active on token 2 only.
+    logp, old, adv = cispo_inputs()
+    loss, clip = alg.cispo_policy_loss(logp, old, adv, clip_ratio_low=1.0, clip_ratio_high=4.0)
+    close(loss.detach(), [[1.5, -1.0, 5.0, -1.5]])
+    close(clip, [[0.0, 0.0, 1.0, 0.0]])
+    loss.sum().backward()
+    close(logp.grad, [[-1.5, 0.5, -10.0, 0.5]])
+
+
+def test_cispo_keeps_the_gradient_ppo_drops():
+    # clip 0.2 / 0.28: weights clip(r, 0.8, 1.28) = [1.28, 0.8, 1.28, 1.0], clip active on tokens 0-2;
+    # gradient -w * A = [-1.28, 0.8, -2.56, 0.5]. PPO gives tokens 0 and 2 (A > 0, r > 1.28) and token 1
+    # (A < 0, r < 0.8) no gradient at all.
+    logp, old, adv = cispo_inputs()
+    loss, clip = alg.cispo_policy_loss(logp, old, adv, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    close(clip, [[1.0, 1.0, 1.0, 0.0]])
+    loss.sum().backward()
+    close(logp.grad, [[-1.28, 0.8, -2.56, 0.5]])
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    ppo_loss, _ = alg.ppo_policy_loss(ppo_logp, old, adv, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    ppo_loss.sum().backward()
+    close(ppo_logp.grad, [[0.0, 0.0, 0.0, 0.5]])
+
+
+# ================================================================== rollout-mismatch correction (issue 15)
+
+# rho = pi_old / pi_rollout on valid tokens: row 0 [3, 0.25, 1.5], row 1 [0.5, 1.2]; padding holds garbage.
+RC_MASK = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+RC_RATIOS = [[3.0, 0.25, 1.5, 50.0], [0.5, 1.2, 1e-6, 80.0]]
+
+
+def rc(mode, level, **kw):
+    old = t([[-1.0, -2.0, -0.5, -0.1], [-0.7, -1.5, -3.0, -2.0]])
+    rollout = old - t([[math.log(r) for r in row] for row in RC_RATIOS])
+    weights, keep, stats = alg.rollout_correction(old, rollout, RC_MASK, mode=mode, level=level, **kw)
+    return weights, keep, {k: float(v) for k, v in stats.items()}
+
+
+def test_tis_token_by_hand():
+    # min(rho, 2): [2, 0.25, 1.5 | 0.5, 1.2]; all kept; mean 5.45 / 5 = 1.09
+    weights, keep, stats = rc("tis", "token", tis_cap=2.0)
+    close(weights, [[2.0, 0.25, 1.5, 0.0], [0.5, 1.2, 0.0, 0.0]])
+    close(keep, RC_MASK)
+    assert stats == pytest.approx({"weight_mean": 1.09, "weight_max": 2.0, "masked_fraction": 0.0})
+
+
+def test_mis_token_by_hand():
+    # keep rho in [0.4, 2]: 3 and 0.25 dropped, 1.5 | 0.5, 1.2 kept (weight rho); mean 3.2 / 3, 2 of 5 dropped
+    weights, keep, stats = rc("mis", "token", mis_low=0.4, mis_high=2.0)
+    close(weights, [[0.0, 0.0, 1.5, 0.0], [0.5, 1.2, 0.0, 0.0]])
+    close(keep, [[0, 0, 1, 0], [1, 1, 0, 0]])
+    assert stats == pytest.approx({"weight_mean": 3.2 / 3, "weight_max": 1.5, "masked_fraction": 0.4})
+
+
+SEQ0 = (3.0 * 0.25 * 1.5) ** (1 / 3)  # geometric mean of row 0: 1.125^(1/3) = 1.0400
+SEQ1 = (0.5 * 1.2) ** (1 / 2)  # row 1: sqrt(0.6) = 0.7746
+
+
+def test_tis_sequence_by_hand():
+    # one ratio per sequence, truncated at 1: row 0 -> 1.0, row 1 stays 0.7746; mean (3*1 + 2*0.7746)/5
+    weights, keep, stats = rc("tis", "sequence", tis_cap=1.0)
+    close(weights, [[1.0, 1.0, 1.0, 0.0], [SEQ1, SEQ1, 0.0, 0.0]])
+    close(keep, RC_MASK)
+    assert stats == pytest.approx({"weight_mean": (3 + 2 * SEQ1) / 5, "weight_max": 1.0, "masked_fraction": 0.0})
+    # uncapped (cap 2) both geometric means pass through
+    weights, _, _ = rc("tis", "sequence", tis_cap=2.0)
+    close(weights, [[SEQ0, SEQ0, SEQ0, 0.0], [SEQ1, SEQ1, 0.0, 0.0]])
+
+
+def test_mis_sequence_by_hand():
+    # band [0.8, 1.25]: row 0 (1.0400) kept whole, row 1 (0.7746) dropped whole: 2 of 5 tokens
+    weights, keep, stats = rc("mis", "sequence", mis_low=0.8, mis_high=1.25)
+    close(weights, [[SEQ0, SEQ0, SEQ0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    close(keep, [[1, 1, 1, 0], [0, 0, 0, 0]])
+    assert stats == pytest.approx({"weight_mean": SEQ0, "weight_max": SEQ0, "masked_fraction": 0.4})
+
+
+def test_rollout_correction_none_and_errors():
+    weights, keep, stats = rc("none", "token")
+    close(weights, RC_MASK)
+    close(keep, RC_MASK)
+    assert stats == pytest.approx({"weight_mean": 1.0, "weight_max": 1.0, "masked_fraction": 0.0})
+    with pytest.raises(ValueError, match="mode"):
+        rc("icepop", "token")
+    with pytest.raises(ValueError, match="level"):
+        rc("tis", "geometric")
+
+
+# ================================================================== DAPO overlong shaping (issue 15)
+
+def test_overlong_penalty_by_hand():
+    # L_max = 20, buffer 4: free up to 16 tokens, then (16 - L)/4 * factor, -factor at 20 and beyond.
+    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
+    close(alg.overlong_penalty(lengths, max_response_length=20, buffer_tokens=4, penalty_factor=1.0),
+          [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    close(alg.overlong_penalty(lengths, max_response_length=20, buffer_tokens=4, penalty_factor=0.5),
+          [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+
+
+# ================================================================== accumulation invariance of the new modes
+
+CORRECTIONS = {
+    "none": None,
+    "tis-token": dict(mode="tis", level="token", tis_cap=1.2),
+    "tis-sequence": dict(mode="tis", level="sequence", tis_cap=1.05),
+    "mis-token": dict(mode="mis", level="token", mis_low=0.8, mis_high=1.25),
+    "mis-sequence": dict(mode="mis", level="sequence", mis_low=0.95, mis_high=1.05),
+}
+LOSS_CLIP = {"ppo": dict(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
+             "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
+             "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28)}
+
+
+def corrected_loss_and_grad(name, correction, mode, micro: int | None, seed: int = 0):
+    """Loss and gradient of one mini-batch of 8 with a policy-loss mode and a rollout correction, whole or in
+    micro-batches whose aggregation uses the mini-batch's kept-token count (as PPOModule does)."""
+    logp, old, adv, mask = accumulation_batch(seed)
+    rollout = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 7), dtype=F64)
+    weights, keep = mask, mask
+    if correction is not None:  # once for the whole rollout batch, as make_experience does
+        weights, keep, _ = alg.rollout_correction(old, rollout, mask, **correction)
+    fn = alg.POLICY_LOSSES[name]
+    leaf = logp.clone().requires_grad_(True)
+    total = torch.zeros((), dtype=F64)
+    for s in range(0, 8, micro or 8):
+        rows = slice(s, s + (micro or 8))
+        w = int(mask[rows].sum(-1).max())
+        loss, _ = fn(leaf[rows, :w], old[rows, :w], adv[rows, :w], mask[rows, :w], **LOSS_CLIP[name])
+        total = total + alg.aggregate_loss(loss * weights[rows, :w], keep[rows, :w], mode, num_tokens=keep.sum(),
+                                           num_seqs=8, max_len=MAX_LEN)
+    total.backward()
+    return total.detach(), leaf.grad, keep
+
+
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
+def test_new_modes_gradient_accumulation_invariance(name, correction, mode):
+    whole_loss, whole_grad, keep = corrected_loss_and_grad(name, CORRECTIONS[correction], mode, None)
+    assert whole_grad.abs().sum() > 0
+    if correction.startswith("mis"):  # the band really drops some tokens, and keeps some
+        assert 0 < float(keep.sum()) < float(accumulation_batch(0)[3].sum())
+    for micro in (1, 2, 4):
+        loss, grad, _ = corrected_loss_and_grad(name, CORRECTIONS[correction], mode, micro)
+        close(loss, whole_loss, atol=1e-10)
+        close(grad, whole_grad, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo"])
+def test_new_modes_clip_in_the_accumulation_batch(name):
+    """The invariance test above covers clipped and unclipped tokens for GSPO and CISPO."""
+    logp, old, adv, mask = accumulation_batch(0)
+    _, clip = alg.POLICY_LOSSES[name](logp, old, adv, mask, **LOSS_CLIP[name])
+    clipped = float((clip * mask).sum())
+    assert 0 < clipped < float(mask.sum())
+
+
+@pytest.mark.parametrize("correction", [c for c in CORRECTIONS if c != "none"])
+def test_rollout_correction_is_per_row(correction):
+    """Computed on micro-batches (or a rank's rows) it gives the whole batch's rows: each row stands alone."""
+    _, old, _, mask = accumulation_batch(1)
+    rollout = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8), dtype=F64)
+    weights, keep, _ = alg.rollout_correction(old, rollout, mask, **CORRECTIONS[correction])
+    for s in range(0, 8, 2):
+        w = int(mask[s:s + 2].sum(-1).max())
+        part_w, part_k, _ = alg.rollout_correction(old[s:s + 2, :w], rollout[s:s + 2, :w], mask[s:s + 2, :w],
+                                                   **CORRECTIONS[correction])
+        close(part_w, weights[s:s + 2, :w], atol=1e-12)
+        close(part_k, keep[s:s + 2, :w], atol=0)
+
+
+@pytest.mark.parametrize("correction", [c for c in CORRECTIONS if c != "none"])
+def test_rollout_correction_stats_global_sum(correction):
+    _, old, _, mask = accumulation_batch(2)
+    rollout = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=F64)
+    _, _, whole = alg.rollout_correction(old, rollout, mask, **CORRECTIONS[correction])
+
+    def on_rank(global_sum, o, r, m):
+        # the max over ranks through the same exchange: the larger of the two posted values
+        return alg.rollout_correction(o, r, m, **CORRECTIONS[correction], global_sum=global_sum,
+                                      global_max=lambda x: torch.maximum(x, global_sum(x) - x))[2]
+
+    parts = run_on_two_ranks(on_rank, [dict(o=old[:4], r=rollout[:4], m=mask[:4]),
+                                       dict(o=old[4:], r=rollout[4:], m=mask[4:])])
+    for stats in parts:
+        for k in whole:
+            close(stats[k], whole[k], atol=1e-12)

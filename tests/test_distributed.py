@@ -76,6 +76,8 @@ def make_batch() -> dict[str, torch.Tensor]:
         logp = token_logprobs(make_policy(batch), batch["features"], batch["targets"])
     # The behaviour policy differs from the current one, so low, high and dual clip all occur.
     batch["old_logp"] = (logp + 0.6 * torch.randn(n, width, generator=g, dtype=F64)) * mask
+    # vLLM's log-probs of the same tokens, a little off the trainer's (rollout-mismatch correction).
+    batch["rollout_logp"] = (batch["old_logp"] + 0.15 * torch.randn(n, width, generator=g, dtype=F64)) * mask
     return batch
 
 
@@ -113,6 +115,33 @@ def policy_loss_terms(model, b) -> torch.Tensor:
     logp = token_logprobs(model, b["features"], b["targets"])
     loss, _ = alg.policy_loss(logp, b["old_logp"], b["policy_advantages"], **CLIP)
     return loss  # [B, T]
+
+
+# Issue 15's modes: every policy loss with every rollout correction (the correction is computed on each rank's
+# rows, as make_experience does; MIS's kept tokens are the loss's tokens and their global count its denominator).
+POLICY_CLIP = {"ppo": CLIP, "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
+               "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28)}
+CORRECTIONS = {
+    "none": dict(mode="none"),
+    "tis-token": dict(mode="tis", level="token", tis_cap=1.1),
+    "tis-sequence": dict(mode="tis", level="sequence", tis_cap=1.02),
+    "mis-token": dict(mode="mis", level="token", mis_low=0.8, mis_high=1.25),
+    "mis-sequence": dict(mode="mis", level="sequence", mis_low=0.95, mis_high=1.05),
+}
+NEW_MODE_AGG = ("token-mean", "seq-mean-token-mean")
+
+
+def corrected_policy_loss_terms(model, b, name: str) -> torch.Tensor:
+    logp = token_logprobs(model, b["features"], b["targets"])
+    loss, _ = alg.POLICY_LOSSES[name](logp, b["old_logp"], b["policy_advantages"], b["mask"], **POLICY_CLIP[name])
+    return loss * b["rc_weights"]  # [B, T]
+
+
+def with_correction(b, correction: str, global_sum=alg.local_sum, global_max=alg.local_sum):
+    """b with the rollout correction's weights and its kept tokens (`loss_mask`); and the correction's statistics."""
+    weights, keep, stats = alg.rollout_correction(b["old_logp"], b["rollout_logp"], b["mask"], **CORRECTIONS[correction],
+                                                  global_sum=global_sum, global_max=global_max)
+    return dict(b, rc_weights=weights, loss_mask=keep), stats
 
 
 # ------------------------------------------------------------------ worker (one process per rank)
@@ -160,6 +189,23 @@ def run_rank(rank: int, world: int) -> dict:
             out["grads"][mode, accumulate] = minibatch_grad(mode, accumulate, counts)
     # Control: token-mean over each micro-batch's own tokens (the mis-weighting of verl #5625).
     out["grads"]["token-mean", "per-micro-batch"] = minibatch_grad("token-mean", "sync", {})
+
+    from lit_ppo.distributed import global_max
+
+    out["new_mode_grads"], out["rc_stats"] = {}, {}
+    for correction in CORRECTIONS:
+        corrected, out["rc_stats"][correction] = with_correction(local, correction, global_sum, global_max)
+        corrected_micro = [rows(corrected, order[s:s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
+        kept_tokens = global_sum(corrected["loss_mask"].sum())
+        for name in alg.POLICY_LOSSES:
+            for mode in NEW_MODE_AGG:
+                model.zero_grad(set_to_none=True)
+                for mb in corrected_micro:
+                    loss = alg.aggregate_loss(corrected_policy_loss_terms(model, mb, name), mb["loss_mask"], mode,
+                                              max_len=MAX_LEN, num_tokens=kept_tokens, num_seqs=num_seqs)
+                    (loss * world).backward()
+                out["new_mode_grads"][name, correction, mode] = torch.cat(
+                    [p.grad.reshape(-1) for p in model.module.parameters()]).clone()
     out["num_tokens"], out["num_seqs"] = num_tokens, num_seqs
     return out
 
@@ -282,6 +328,30 @@ def test_policy_batch_exercises_every_clip():
     assert ((adv < 0) & (ratio < 1 - CLIP["clip_ratio_low"])).any()
     assert ((adv < 0) & (ratio > CLIP["dual_clip"])).any()
     assert ((ratio > 1 - CLIP["clip_ratio_low"]) & (ratio < 1 + CLIP["clip_ratio_high"])).any()
+
+
+@pytest.mark.parametrize("mode", NEW_MODE_AGG)
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+@pytest.mark.parametrize("name", list(alg.POLICY_LOSSES))
+def test_new_modes_ddp_gradient_equals_single_process_gradient(ranks, name, correction, mode):
+    batch = make_batch()
+    model = make_policy(batch)
+    whole, _ = with_correction(rows(batch, list(range(len(LENGTHS)))), correction)
+    alg.aggregate_loss(corrected_policy_loss_terms(model, whole, name), whole["loss_mask"], mode, max_len=MAX_LEN).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert expected.abs().max() > 1e-3
+    for r, result in enumerate(ranks):
+        close(result["new_mode_grads"][name, correction, mode], expected, f"rank {r}, {name}, {correction}, {mode}")
+
+
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+def test_rollout_correction_stats_over_two_ranks(ranks, correction):
+    _, expected = with_correction(rows(make_batch(), list(range(len(LENGTHS)))), correction)
+    if correction.startswith("mis"):  # the band drops some tokens, so the kept-token denominator matters
+        assert 0 < float(expected["masked_fraction"]) < 1
+    for r, result in enumerate(ranks):
+        for k, v in expected.items():
+            close(result["rc_stats"][correction][k], v, f"rank {r}, {correction}, {k}")
 
 
 def test_control_per_micro_batch_token_mean_differs(ranks):
