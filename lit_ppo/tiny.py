@@ -24,6 +24,16 @@ CHAT_TEMPLATE = (
 
 
 TOKENIZER_VERSION = 2  # part of the cache key of models built with it
+CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+
+
+def padded_vocab_size(tokens: int) -> int:
+    return 64 * ((tokens + 63) // 64)  # padded like real vocabularies
+
+
+def tiny_vocab_size() -> int:
+    """The tiny model's vocabulary size, without building the tokenizer (for the memory estimate)."""
+    return padded_vocab_size(len(SPECIAL_TOKENS) + len(CHARS))
 
 
 def _byte_level_symbol(char: str) -> str:
@@ -38,8 +48,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     It is a byte-level BPE without merges, the same pipeline as Qwen2's tokenizer, so loading the
     saved directory with AutoTokenizer (which picks Qwen2Tokenizer from config.json) and with vLLM
     gives exactly the same ids, spaces and newlines included."""
-    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_level_symbol(c) for c in chars])}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_level_symbol(c) for c in CHARS])}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     core.add_special_tokens(SPECIAL_TOKENS)
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -53,7 +62,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
                      num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, seed: int):
-    vocab_size = 64 * ((len(tokenizer) + 63) // 64)  # padded like real vocabularies
+    vocab_size = padded_vocab_size(len(tokenizer))
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -192,7 +192,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
     plan = make_plan(cfg, len(train_prompts))
     if rank_zero:
-        write_plan(plan, output_dir, train_prompts.describe())
+        write_plan(plan, output_dir, train_prompts.describe(), cfg)
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     scorer = RewardScorer.from_config(cfg.reward)

@@ -1,0 +1,225 @@
+"""A per-device memory estimate of a run, before anything is loaded (`mode=plan` prints it).
+
+Pure arithmetic on the model's shape (config.json, or `model.architecture` in the experiment) and the run's
+settings; `estimate_memory` is the only place the formulas live. Per device, in bytes:
+
+- weights: actor, critic and reference; gradients and AdamW's two states for the trained ones, in the storage
+  dtype of the resolved precision (32-true and bf16-mixed: float32; bf16-true: bf16). Under FSDP each is
+  1/data-parallel size, plus what is gathered for compute (the root unit: embeddings, LM head, final norm;
+  one decoder layer). DDP adds its gradient buckets (a second copy of the gradients). bf16-mixed adds autocast's
+  bf16 copy of the weights of the model in training.
+- activations of one micro-batch of micro_train_batch_size sequences of prompt + response tokens, kept for
+  the backward pass, with and without gradient checkpointing (the configured one counts). Per token and decoder
+  layer, Hugging Face's Qwen2/Llama layer keeps about 9 hidden-size vectors (two RMSNorms with their float32
+  inputs, the attention's query and grouped-query-expanded key/value, its output and o_proj's input) and 4
+  intermediate-size ones (gate, up, SiLU(gate), their product); checkpointing keeps one hidden vector per layer
+  and token and recomputes one layer at a time.
+- logits: the LM head's output on the response positions [B, T, V] in the compute dtype and its gradient, plus
+  one float32 chunk of the chunked log-prob/entropy computation (lit_ppo.module).
+- vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
+  (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
+  sleeps (frees it) while training when rollout.sleep_between_steps is on.
+
+The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
+(everything above except a sleeping vLLM). bench/memory_estimate.py compares the training phase with a
+measured CPU peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1024**3
+
+# Bytes per value: stored weights, gradients, each of AdamW's two states, compute (activations, logits).
+PRECISION_BYTES = {
+    "32-true": {"weight": 4, "grad": 4, "adam_state": 4, "compute": 4},
+    "bf16-mixed": {"weight": 4, "grad": 4, "adam_state": 4, "compute": 2},
+    "bf16-true": {"weight": 2, "grad": 2, "adam_state": 2, "compute": 2},
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LAYER_HIDDEN_VECTORS = 9  # kept per token and decoder layer for the backward pass (see the module docstring)
+LAYER_INTERMEDIATE_VECTORS = 4
+LOGPROB_CHUNK_TOKENS = 1024
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (LLM class, GPU and CPU)  # tokens per float32 chunk of the log-prob / entropy computation
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a decoder-only transformer (Qwen2/Llama layout)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True  # Qwen2: biases on q, k, v
+    head_dim: int | None = None
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    def layer_parameters(self) -> int:
+        h, kv, q = self.hidden_size, self.kv_dim, self.q_dim
+        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        return attention + 3 * h * self.intermediate_size + 2 * h  # + gate/up/down, two RMSNorms
+
+    def embedding_parameters(self) -> int:
+        """Input embeddings, LM head (unless tied) and the final norm: FSDP's root unit."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    def parameters(self) -> int:
+        return self.num_layers * self.layer_parameters() + self.embedding_parameters()
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        """From a Hugging Face config.json (Qwen2, Llama and alike)."""
+        return cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+                   intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
+                   num_heads=int(config["num_attention_heads"]),
+                   num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+                   head_dim=config.get("head_dim"))
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """The run's settings that memory depends on (from the config and the step plan)."""
+
+    precision: str  # resolved: 32-true, bf16-mixed, bf16-true
+    strategy: str  # single, ddp, fsdp
+    data_parallel_size: int
+    micro_batch_size: int  # sequences per forward/backward
+    prompt_tokens: int  # data.max_prompt_length
+    response_tokens: int  # rollout.max_response_length
+    gradient_checkpointing: bool
+    critic: bool
+    reference: bool
+    rollout_dtype: str
+    rollout_sequences: int  # sequences this rank generates at once (its share of a rollout step)
+    max_model_len: int
+    on_gpu: bool
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    vllm_sleeps: bool = True  # rollout.sleep_between_steps (takes effect on GPUs only)
+    cpu_kv_cache_gib: float = 1  # rollout.kv_cache_gib: vLLM's KV cache on CPU
+    device_memory_gib: float | None = None
+
+
+@dataclass
+class MemoryEstimate:
+    rows: list[tuple[str, int, str]]  # (what, bytes per device, how)
+    training_bytes: int
+    rollout_bytes: int
+    peak_bytes: int
+    device_memory_gib: float | None
+    warning: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": [{"what": w, "gib": round(b / GIB, 3), "bytes": b, "how": h} for w, b, h in self.rows],
+                "training_gib": round(self.training_bytes / GIB, 3), "rollout_gib": round(self.rollout_bytes / GIB, 3),
+                "peak_gib": round(self.peak_bytes / GIB, 3), "device_memory_gib": self.device_memory_gib,
+                "warning": self.warning}
+
+    def table(self) -> str:
+        width = max(len(w) for w, _, _ in self.rows)
+        lines = ["Memory per device (estimate)", "-" * (width + 40)]
+        lines += [f"{w:<{width}}  {b / GIB:>9.2f} GiB  {h}" for w, b, h in self.rows]
+        lines.append(f"{'training phase':<{width}}  {self.training_bytes / GIB:>9.2f} GiB")
+        lines.append(f"{'rollout phase':<{width}}  {self.rollout_bytes / GIB:>9.2f} GiB")
+        device = f" of {self.device_memory_gib:g} GiB" if self.device_memory_gib else " (device memory unknown)"
+        lines.append(f"{'peak':<{width}}  {self.peak_bytes / GIB:>9.2f} GiB{device}")
+        if self.warning:
+            lines.append(f"warning: {self.warning}")
+        return "\n".join(lines)
+
+
+def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
+    """What the backward pass of `tokens` tokens (micro-batch x sequence length) keeps from the decoder layers."""
+    per_layer_token = LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size
+    if checkpointing:  # each layer's input, plus one layer recomputed at a time
+        return tokens * compute_bytes * (shape.num_layers * shape.hidden_size + per_layer_token)
+    return tokens * compute_bytes * shape.num_layers * per_layer_token
+
+
+def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
+    if run.precision not in PRECISION_BYTES:
+        raise ValueError(f"estimate_memory: precision {run.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+    size = PRECISION_BYTES[run.precision]
+    params = shape.parameters()
+    trained = params * (2 if run.critic else 1)  # the critic has the actor's body (its head is one vector)
+    held = trained + (params if run.reference else 0)
+    shard = run.data_parallel_size if run.strategy == "fsdp" else 1
+    how_shard = f" / {shard} (FSDP)" if shard > 1 else ""
+    models = "actor" + (" + critic" if run.critic else "") + (" + reference" if run.reference else "")
+    rows: list[tuple[str, int, str]] = []
+    weights = held * size["weight"] // shard
+    rows.append(("weights", weights, f"{models}: {held / 1e6:,.0f} M params x {size['weight']} B{how_shard}"))
+    grads = trained * size["grad"] // shard
+    rows.append(("gradients", grads, f"trained models x {size['grad']} B{how_shard}"))
+    optimizer = trained * 2 * size["adam_state"] // shard
+    rows.append(("optimizer states", optimizer, f"AdamW: 2 x {size['adam_state']} B per trained param{how_shard}"))
+    extra = 0
+    if run.strategy == "ddp" and run.data_parallel_size > 1:
+        extra = params * size["grad"]  # one model's backward at a time; buckets are per wrapped model
+        rows.append(("DDP gradient buckets", extra, "a copy of the gradients of the model in backward"))
+    if shard > 1:  # gathered in the compute dtype (FSDP2's MixedPrecisionPolicy under bf16-mixed), gradients reduced in float32
+        gathered = (shape.embedding_parameters() + shape.layer_parameters()) * (size["compute"] + size["grad"])
+        rows.append(("FSDP gathered units", gathered, "root unit (embeddings, LM head) + one decoder layer, weights and gradients"))
+        extra += gathered
+    elif run.precision == "bf16-mixed":
+        autocast = params * 2
+        rows.append(("autocast weight copies", autocast, "bf16 copies of the weights of the model in training"))
+        extra += autocast
+    tokens = run.micro_batch_size * (run.prompt_tokens + run.response_tokens)
+    c = size["compute"]
+    without = activation_bytes(shape, tokens, c, checkpointing=False)
+    with_ = activation_bytes(shape, tokens, c, checkpointing=True)
+    rows.append(("activations, no checkpointing", without,
+                 f"{run.micro_batch_size} x {run.prompt_tokens + run.response_tokens} tokens x {shape.num_layers} layers"
+                 + ("" if not run.gradient_checkpointing else " (not used)")))
+    rows.append(("activations, checkpointing", with_, "layer inputs + one layer" + ("" if run.gradient_checkpointing else " (not used)")))
+    activations = with_ if run.gradient_checkpointing else without
+    response = run.micro_batch_size * run.response_tokens
+    logits = response * shape.vocab_size * 2 * c + min(response, LOGPROB_CHUNK_TOKENS) * shape.vocab_size * 4
+    rows.append(("logits", logits, f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B and its "
+                                   f"gradient, + one float32 chunk of {LOGPROB_CHUNK_TOKENS} tokens"))
+    kv_bytes = DTYPE_BYTES[run.rollout_dtype]
+    vllm_weights = params * kv_bytes // run.tensor_parallel_size
+    rows.append(("vLLM weights", vllm_weights, f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else "")))
+    # vLLM runs at most VLLM_MAX_NUM_SEQS sequences at once and queues the rest: a smaller KV cache is slower, not fatal.
+    in_flight = min(run.rollout_sequences, VLLM_MAX_NUM_SEQS)
+    kv_needed = in_flight * run.max_model_len * 2 * shape.num_layers * shape.kv_dim * kv_bytes // run.tensor_parallel_size
+    rows.append(("vLLM KV cache, all in flight", kv_needed,
+                 f"{in_flight} of this rank's {run.rollout_sequences} sequences at once x {run.max_model_len} tokens"))
+    if run.on_gpu and run.device_memory_gib:
+        vllm = int(run.gpu_memory_utilization * run.device_memory_gib * GIB)
+        share = vllm - vllm_weights
+        how = f"gpu_memory_utilization {run.gpu_memory_utilization} x {run.device_memory_gib:g} GiB; KV cache share {share / GIB:.1f} GiB"
+        if share < kv_needed:
+            how += f" = {max(0.0, share / kv_needed):.0%} of all in flight (vLLM queues the rest)"
+        rows.append(("vLLM reservation", vllm, how))
+    elif run.on_gpu:  # the device memory is unknown here: what the rollout would take
+        vllm = vllm_weights + kv_needed
+    else:
+        vllm = vllm_weights + int(run.cpu_kv_cache_gib * GIB)  # VLLM_CPU_KVCACHE_SPACE
+        rows.append(("vLLM KV cache (CPU)", int(run.cpu_kv_cache_gib * GIB), "rollout.kv_cache_gib"))
+    vllm_while_training = 0 if (run.on_gpu and run.vllm_sleeps) else vllm
+    training = weights + grads + optimizer + extra + activations + logits
+    rollout = weights + optimizer + vllm
+    peak = max(training + vllm_while_training, rollout)
+    warning = None
+    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
+        warning = (f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
+                   "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices")
+    return MemoryEstimate(rows=rows, training_bytes=training, rollout_bytes=rollout, peak_bytes=peak,
+                          device_memory_gib=run.device_memory_gib, warning=warning)

@@ -1,0 +1,105 @@
+"""The memory pre-flight: hand-computed estimates for a small shape, and `mode=plan` printing and saving them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lit_ppo import run as run_module
+from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# vocab 100, hidden 8 (2 heads of 4; 1 KV head: kv_dim 4), intermediate 16, 2 layers, tied, q/k/v biases.
+SHAPE = ModelShape(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1)
+RUN = MemoryInputs(precision="32-true", strategy="single", data_parallel_size=1, micro_batch_size=2, prompt_tokens=3,
+                   response_tokens=5, gradient_checkpointing=False, critic=True, reference=True, rollout_dtype="float32",
+                   rollout_sequences=4, max_model_len=16, on_gpu=True, gpu_memory_utilization=0.5, device_memory_gib=1.0)
+
+
+def rows(estimate) -> dict[str, int]:
+    return {what: size for what, size, _ in estimate.rows}
+
+
+def test_parameter_count_by_hand():
+    # layer: q 8x8 + k,v 2 x 8x4 + o 8x8 + biases 8+4+4 = 208; MLP 3 x 8x16 = 384; two norms 16 -> 608
+    assert SHAPE.layer_parameters() == 608
+    assert SHAPE.embedding_parameters() == 100 * 8 + 8  # tied LM head, final norm
+    assert SHAPE.parameters() == 2 * 608 + 808 == 2024
+
+
+def test_qwen_sizes_match_the_published_parameter_counts():
+    qwen05 = ModelShape(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2)
+    qwen7 = ModelShape(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, tie_word_embeddings=False)
+    assert qwen05.parameters() == pytest.approx(0.494e9, rel=0.01)  # "0.49B"
+    assert qwen7.parameters() == pytest.approx(7.62e9, rel=0.01)  # "7.61B"
+
+
+def test_single_float32_estimate_by_hand():
+    e = estimate_memory(SHAPE, RUN)
+    r = rows(e)
+    assert r["weights"] == 3 * 2024 * 4  # actor, critic, reference
+    assert r["gradients"] == 2 * 2024 * 4
+    assert r["optimizer states"] == 2 * 2024 * 8
+    # 2 x 8 tokens x 2 layers x (9 x 8 + 4 x 16) x 4 B; checkpointing: 16 tokens x 4 B x (2 x 8 + 136)
+    assert r["activations, no checkpointing"] == 16 * 2 * 136 * 4 == 17408
+    assert r["activations, checkpointing"] == 16 * 4 * 152 == 9728
+    assert r["logits"] == 10 * 100 * 2 * 4 + 10 * 100 * 4  # logits and gradient, one float32 chunk
+    assert r["vLLM weights"] == 2024 * 4
+    assert r["vLLM KV cache, all in flight"] == 4 * 16 * 2 * 2 * 4 * 4
+    assert r["vLLM reservation"] == GIB // 2
+    assert e.training_bytes == 24288 + 16192 + 32384 + 17408 + 12000
+    assert e.rollout_bytes == 24288 + 32384 + GIB // 2
+    assert e.peak_bytes == e.rollout_bytes and e.warning is None  # vLLM sleeps while training on a GPU
+
+
+def test_checkpointing_ddp_fsdp_and_bf16_by_hand():
+    assert estimate_memory(SHAPE, dataclasses.replace(RUN, gradient_checkpointing=True)).training_bytes == \
+        24288 + 16192 + 32384 + 9728 + 12000
+    ddp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="ddp", data_parallel_size=2)))
+    assert ddp["DDP gradient buckets"] == 2024 * 4 and ddp["weights"] == 24288
+    fsdp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2)))
+    assert fsdp["weights"] == 24288 // 2 and fsdp["gradients"] == 16192 // 2 and fsdp["optimizer states"] == 32384 // 2
+    assert fsdp["FSDP gathered units"] == (808 + 608) * (4 + 4)
+    bf16 = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, precision="bf16-mixed", rollout_dtype="bfloat16")))
+    assert bf16["weights"] == 24288 and bf16["autocast weight copies"] == 2024 * 2
+    assert bf16["activations, no checkpointing"] == 17408 // 2 and bf16["logits"] == 10 * 100 * 2 * 2 + 10 * 100 * 4
+    true16 = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, precision="bf16-true")))
+    assert true16["weights"] == 24288 // 2 and true16["optimizer states"] == 32384 // 2
+
+
+def test_over_the_device_memory_warns_in_one_line():
+    cpu = dataclasses.replace(RUN, on_gpu=False, cpu_kv_cache_gib=0, device_memory_gib=100_000 / GIB)
+    e = estimate_memory(SHAPE, cpu)
+    assert e.peak_bytes == 102272 + 2024 * 4  # on CPU vLLM stays resident while training
+    assert e.warning and "\n" not in e.warning and "micro_train_batch_size" in e.warning
+    assert f"warning: {e.warning}" in e.table()
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, capsys):
+    """qwen7b from its declared architecture (no weights here), on 32 GiB devices: over, so a warning."""
+    cfg = composed("+experiment=qwen7b", "mode=plan", f"output_dir={tmp_path}", "strategy.device_memory_gib=32")
+    run_module.main(cfg)
+    out = capsys.readouterr().out
+    assert "Memory per device (estimate; model shape from model.architecture)" in out
+    assert "activations, checkpointing" in out and "vLLM reservation" in out
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
+    assert memory["device_memory_gib"] == 32 and memory["peak_gib"] > 32
+    assert memory["warning"] and f"warning: {memory['warning']}" in out
+    assert {row["what"] for row in memory["rows"]} >= {"weights", "gradients", "optimizer states", "logits", "vLLM weights"}
+
+
+def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):
+    cfg = composed("mode=plan", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}")
+    run_module.main(cfg)
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
+    assert memory["model_shape_from"].endswith("config.json") and memory["warning"] is None
