@@ -125,8 +125,13 @@ class VLLMEngine:
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load the given Hugging Face-named tensors into the running engine, then drop stale cache."""
-        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        """Load the given Hugging Face-named tensors into the running engine, then drop stale cache.
+
+        Streamed: vLLM pulls each tensor from the iterator when it loads it (the engine runs in this process), so a
+        gathered FSDP tensor is freed once copied; vLLM buffers at most the decoder layer it is completing (its
+        layerwise reload processes a layer when all of its tensors arrived). A list would hold a full copy of the
+        model's gathered weights at once."""
+        weights = ((name, tensor.detach()) for name, tensor in named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

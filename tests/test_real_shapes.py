@@ -168,3 +168,32 @@ def test_gsm8k_format_run_completes(tmp_path):
     assert all(0.0 <= float(r["eval/pass@4"]) <= 1.0 for r in rows if r.get("eval/pass@4"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples_generated"] == 2 * 64
+
+
+def test_weight_sync_streams_tensors_instead_of_listing_them(tiny_model_dir, engine, monkeypatch):
+    """vLLM pulls the actor's tensors from the iterator while it loads them, so under FSDP each gathered tensor
+    can be freed once copied; collecting them into a list first held a full gathered copy of the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    state = model.state_dict()
+    inside_reload, pulled_outside = [False], []
+    rpc = engine.llm.collective_rpc
+
+    def watched_rpc(*args, **kwargs):
+        inside_reload[0] = True
+        try:
+            return rpc(*args, **kwargs)
+        finally:
+            inside_reload[0] = False
+
+    def tensors():
+        for name, tensor in state.items():
+            if not inside_reload[0]:
+                pulled_outside.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", watched_rpc)
+    engine.sync_weights(tensors())
+    assert pulled_outside == []
