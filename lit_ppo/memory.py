@@ -15,7 +15,7 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   intermediate-size ones (gate, up, SiLU(gate), their product); checkpointing keeps one hidden vector per layer
   and token and recomputes one layer at a time.
 - logits: the LM head's output on the response positions [B, T, V] in the compute dtype and its gradient, plus
-  one float32 chunk of the chunked log-prob/entropy computation (lit_ppo.module).
+  a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
   sleeps (frees it) while training when rollout.sleep_between_steps is on.
@@ -41,7 +41,8 @@ PRECISION_BYTES = {
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYER_HIDDEN_VECTORS = 9  # kept per token and decoder layer for the backward pass (see the module docstring)
 LAYER_INTERMEDIATE_VECTORS = 4
-LOGPROB_CHUNK_TOKENS = 1024
+LOGPROB_CHUNK_TOKENS = 256  # lit_ppo.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
+LOGPROB_CHUNKS_ALIVE = 4  # float32 chunk temporaries alive at once in its backward
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (LLM class, GPU and CPU)  # tokens per float32 chunk of the log-prob / entropy computation
 
 
@@ -190,9 +191,10 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     rows.append(("activations, checkpointing", with_, "layer inputs + one layer" + ("" if run.gradient_checkpointing else " (not used)")))
     activations = with_ if run.gradient_checkpointing else without
     response = run.micro_batch_size * run.response_tokens
-    logits = response * shape.vocab_size * 2 * c + min(response, LOGPROB_CHUNK_TOKENS) * shape.vocab_size * 4
+    chunk = min(run.response_tokens, LOGPROB_CHUNK_TOKENS)
+    logits = response * shape.vocab_size * 2 * c + LOGPROB_CHUNKS_ALIVE * chunk * shape.vocab_size * 4
     rows.append(("logits", logits, f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B and its "
-                                   f"gradient, + one float32 chunk of {LOGPROB_CHUNK_TOKENS} tokens"))
+                                   f"gradient, + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens"))
     kv_bytes = DTYPE_BYTES[run.rollout_dtype]
     vllm_weights = params * kv_bytes // run.tensor_parallel_size
     rows.append(("vLLM weights", vllm_weights, f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else "")))

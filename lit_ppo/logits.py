@@ -1,0 +1,72 @@
+"""Log-probabilities and entropy of response tokens from vocabulary-sized logits, in chunks.
+
+For a 151,936-token vocabulary one float32 copy of a micro-batch's logits [B, T, V] is 2.3 GiB at 4 x 1,024
+tokens. Autograd through log_softmax/gather/entropy keeps several such copies (float32 upcast, softmax, log-softmax,
+their gradients). Here one autograd function computes both quantities chunk by chunk in float32 and keeps only
+the logits themselves (already alive: the LM head's output) and one float per token; its backward writes the
+logits' gradient chunk by chunk. Peak: the logits, their gradient, and a few float32 chunks of CHUNK_TOKENS tokens.
+
+Gradients, per token with p = softmax(x), log-prob l_y = x_y - logsumexp(x), entropy H = -sum p log p:
+  d l_y / dx = onehot(y) - p,        dH / dx = -p * (log p + H).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_TOKENS = 256  # tokens per float32 chunk: 256 x 151,936 x 4 B = 0.15 GiB (a few are alive at once)
+
+
+def _chunks(batch: int, length: int, chunk_tokens: int):
+    """(row, start, end) windows over [batch, length] positions, `chunk_tokens` positions at most each."""
+    step = max(1, chunk_tokens)
+    for row in range(batch):
+        for start in range(0, length, step):
+            yield row, start, min(length, start + step)
+
+
+class _LogprobsAndEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, chunk_tokens: int):
+        B, T = targets.shape
+        logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for row, start, end in _chunks(B, T, chunk_tokens):
+            x = logits[row, start:end].float()
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            logp[row, start:end] = x.gather(-1, targets[row, start:end, None]).squeeze(-1) - chunk_lse
+            log_p = x - chunk_lse[:, None]
+            entropy[row, start:end] = -(log_p.exp() * log_p).sum(-1)
+            lse[row, start:end] = chunk_lse
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        B, T = targets.shape
+        grad = torch.zeros_like(logits)  # positions past T (e.g. the LM head's extra last one) get none
+        for row, start, end in _chunks(B, T, ctx.chunk_tokens):
+            log_p = logits[row, start:end].float() - lse[row, start:end, None]
+            p = log_p.exp()
+            chunk = torch.zeros_like(p)
+            if grad_logp is not None:
+                g = grad_logp[row, start:end, None].float()
+                chunk.sub_(p * g).scatter_add_(-1, targets[row, start:end, None], g)
+            if grad_entropy is not None:
+                chunk.sub_(p * (log_p + entropy[row, start:end, None]) * grad_entropy[row, start:end, None].float())
+            grad[row, start:end] = chunk.to(grad.dtype)
+        return grad, None, None
+
+
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+    """log softmax(logits)[target] and the entropy of softmax(logits) at each of targets' [B, T] positions, in
+    float32; `logits` is [B, >= T, V] in any dtype (positions past T are ignored: pass the LM head's output
+    as is, slicing it would make autograd allocate a padded gradient). Differentiable in both outputs."""
+    if logits.dim() != 3 or targets.dim() != 2 or logits.shape[0] != targets.shape[0] or logits.shape[1] < targets.shape[1]:
+        raise ValueError(f"logprobs_and_entropy: logits {tuple(logits.shape)} do not cover targets {tuple(targets.shape)}")
+    return _LogprobsAndEntropy.apply(logits, targets, chunk_tokens)
