@@ -42,6 +42,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
             lse[row, start:end] = chunk_lse
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.chunk_tokens = chunk_tokens
+        ctx.overwrite = not logits.is_leaf  # a leaf is the caller's own tensor: leave it alone
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -49,7 +50,11 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         logits, targets, lse, entropy = ctx.saved_tensors
         B, T = targets.shape
-        grad = torch.zeros_like(logits)  # positions past T (e.g. the LM head's extra last one) get none
+        # The gradient overwrites the logits, chunk by chunk once a chunk is read: nothing else needs them after
+        # this backward, and the two [B, T, V] tensors are then never alive together. (Another autograd node that
+        # saved the logits would fail loudly on their changed version, not silently.)
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
+        grad[:, T:].zero_()  # positions past T (e.g. the LM head's extra last one) get no gradient
         for row, start, end in _chunks(B, T, ctx.chunk_tokens):
             log_p = logits[row, start:end].float() - lse[row, start:end, None]
             p = log_p.exp()
@@ -66,7 +71,9 @@ class _LogprobsAndEntropy(torch.autograd.Function):
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """log softmax(logits)[target] and the entropy of softmax(logits) at each of targets' [B, T] positions, in
     float32; `logits` is [B, >= T, V] in any dtype (positions past T are ignored: pass the LM head's output
-    as is, slicing it would make autograd allocate a padded gradient). Differentiable in both outputs."""
+    as is, slicing it would make autograd allocate a padded gradient). Differentiable in both outputs.
+
+    The backward pass overwrites `logits` (unless a leaf) with their gradient: read nothing from them after backward."""
     if logits.dim() != 3 or targets.dim() != 2 or logits.shape[0] != targets.shape[0] or logits.shape[1] < targets.shape[1]:
         raise ValueError(f"logprobs_and_entropy: logits {tuple(logits.shape)} do not cover targets {tuple(targets.shape)}")
     return _LogprobsAndEntropy.apply(logits, targets, chunk_tokens)

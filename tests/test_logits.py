@@ -18,19 +18,28 @@ def reference(logits, targets):
 @pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
 def test_values_and_gradients_match_autograd(chunk_tokens, entropy_weight):
     torch.manual_seed(0)
-    logits = (3 * torch.randn(2, 6, 50)).requires_grad_()  # 5 response positions + the LM head's extra one
+    leaf = (3 * torch.randn(2, 6, 50)).requires_grad_()  # 5 response positions + the LM head's extra one
+    logits = leaf * 1.0  # not a leaf, as the LM head's output: its memory is reused for the gradient
+    expected_logits = logits.detach().double().requires_grad_()
     targets = torch.randint(0, 50, (2, 5))
     weights = torch.randn(2, 5)
     logp, entropy = logprobs_and_entropy(logits, targets, chunk_tokens=chunk_tokens)
     loss = (logp * weights).sum() + (entropy_weight * entropy * weights).sum() if entropy_weight else (logp * weights).sum()
-    (grad,) = torch.autograd.grad(loss, logits)
-    expected_logits = logits.detach().double().requires_grad_()
+    (grad,) = torch.autograd.grad(loss, leaf)
     ref_logp, ref_entropy = reference(expected_logits, targets)
     ref_loss = (ref_logp * weights).sum() + (entropy_weight * ref_entropy * weights).sum()
     (ref_grad,) = torch.autograd.grad(ref_loss, expected_logits)
     assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
     assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
     assert grad[:, 5].abs().max() == 0  # the extra position gets no gradient
+    assert torch.equal(logits.detach(), grad)  # computed in the logits' own memory
+
+
+def test_a_leaf_is_not_overwritten():
+    logits = torch.randn(1, 3, 10, requires_grad=True)
+    before = logits.detach().clone()
+    logprobs_and_entropy(logits, torch.zeros(1, 3, dtype=torch.long))[0].sum().backward()
+    assert torch.equal(logits.detach(), before)
 
 
 def test_bf16_logits_give_float32_results_and_bf16_gradients():
