@@ -142,7 +142,7 @@ def grpo_preset(**overrides) -> PPOConfig:
 
 def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_length: int,
               total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
-              datamodule_class=RolloutDataModule):
+              datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False):
     """A real run without Hydra, as tests/helpers.py builds one, minus evaluation (no held-out prompts)."""
     from transformers import AutoTokenizer
 
@@ -156,7 +156,7 @@ def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *,
                                   scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
                                   seed=seed, engine=engine)
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=max_response_length,
-                       pad_token_id=tokenizer.pad_token_id, metrics_path=None)
+                       pad_token_id=tokenizer.pad_token_id, metrics_path=None, gradient_checkpointing=gradient_checkpointing)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         default_root_dir=str(out_dir), callbacks=list(callbacks))

@@ -10,10 +10,11 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   bf16 copy of the weights of the model in training.
 - activations of one micro-batch of micro_train_batch_size sequences of prompt + response tokens, kept for
   the backward pass, with and without gradient checkpointing (the configured one counts). Per token and decoder
-  layer, Hugging Face's Qwen2/Llama layer keeps about 9 hidden-size vectors (two RMSNorms with their float32
+  layer, Hugging Face's Qwen2/Llama layer keeps about 10 hidden-size vectors (two RMSNorms with their float32
   inputs, the attention's query and grouped-query-expanded key/value, its output and o_proj's input) and 4
-  intermediate-size ones (gate, up, SiLU(gate), their product); checkpointing keeps one hidden vector per layer
-  and token and recomputes one layer at a time.
+  intermediate-size ones (gate, up, SiLU(gate), their product), counted with torch's saved-tensor hooks; its
+  SDPA path with padding also keeps a [B, 1, S, S] mask per layer. The layer whose backward runs needs about
+  as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time.
 - logits: the LM head's output on the response positions [B, T, V] in the compute dtype and its gradient, plus
   a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
@@ -39,7 +40,7 @@ PRECISION_BYTES = {
     "bf16-true": {"weight": 2, "grad": 2, "adam_state": 2, "compute": 2},
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LAYER_HIDDEN_VECTORS = 9  # kept per token and decoder layer for the backward pass (see the module docstring)
+LAYER_HIDDEN_VECTORS = 10  # kept per token and decoder layer for the backward pass (see the module docstring)
 LAYER_INTERMEDIATE_VECTORS = 4
 LOGPROB_CHUNK_TOKENS = 256  # lit_ppo.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
 LOGPROB_CHUNKS_ALIVE = 4  # float32 chunk temporaries alive at once in its backward
@@ -144,12 +145,15 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def activation_bytes(shape: ModelShape, tokens: int, compute_bytes: int, checkpointing: bool) -> int:
-    """What the backward pass of `tokens` tokens (micro-batch x sequence length) keeps from the decoder layers."""
-    per_layer_token = LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size
-    if checkpointing:  # each layer's input, plus one layer recomputed at a time
-        return tokens * compute_bytes * (shape.num_layers * shape.hidden_size + per_layer_token)
-    return tokens * compute_bytes * shape.num_layers * per_layer_token
+def activation_bytes(shape: ModelShape, batch: int, sequence: int, compute_bytes: int, checkpointing: bool) -> int:
+    """What the backward pass of `batch` sequences of `sequence` tokens keeps from the decoder layers, plus the
+    working set of the layer whose backward runs."""
+    tokens = batch * sequence
+    layer = tokens * compute_bytes * (LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size)
+    mask = batch * sequence * sequence * compute_bytes  # Hugging Face's SDPA path: a [B, 1, S, S] padding mask per layer
+    if checkpointing:  # each layer's input; one layer recomputed, with its backward working set
+        return tokens * compute_bytes * shape.num_layers * shape.hidden_size + 2 * layer + mask
+    return shape.num_layers * (layer + mask) + layer
 
 
 def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
@@ -181,10 +185,10 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         autocast = params * 2
         rows.append(("autocast weight copies", autocast, "bf16 copies of the weights of the model in training"))
         extra += autocast
-    tokens = run.micro_batch_size * (run.prompt_tokens + run.response_tokens)
+    sequence = run.prompt_tokens + run.response_tokens
     c = size["compute"]
-    without = activation_bytes(shape, tokens, c, checkpointing=False)
-    with_ = activation_bytes(shape, tokens, c, checkpointing=True)
+    without = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=False)
+    with_ = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=True)
     rows.append(("activations, no checkpointing", without,
                  f"{run.micro_batch_size} x {run.prompt_tokens + run.response_tokens} tokens x {shape.num_layers} layers"
                  + ("" if not run.gradient_checkpointing else " (not used)")))
