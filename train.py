@@ -6,7 +6,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
+from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, StepAccountingError
 from lit_ppo.plan import ConfigError
 from lit_ppo.prompts import DataError
 from lit_ppo.rewards import RewardError
@@ -18,7 +18,8 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run(cfg)
-    except (ConfigError, DataError, RewardError, NonFiniteUpdatesError, StepAccountingError) as error:
+    except (ConfigError, DataError, RewardError, NonFiniteUpdatesError, StepAccountingError,
+            DynamicSamplingShortfallError) as error:
         # A mistake the user can fix: one line, no traceback.
         logging.getLogger("lit_ppo").error("%s: %s", type(error).__name__, error)
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_ppo.errors import NonFiniteUpdatesError
+from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError
 from lit_ppo.plan import ConfigError
 
 _NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
@@ -89,5 +89,6 @@ class RolloutCheckpoint(L.Callback):
         self.save(trainer, module)
 
     def on_exception(self, trainer, module, exception: BaseException) -> None:
-        if isinstance(exception, NonFiniteUpdatesError):  # keep what was learned before the divergence
+        # Keep what was learned before the divergence, or before dynamic sampling ran short.
+        if isinstance(exception, (NonFiniteUpdatesError, DynamicSamplingShortfallError)):
             self.save(trainer, module)

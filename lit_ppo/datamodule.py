@@ -24,11 +24,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ppo.distributed import global_sum
+from lit_ppo.distributed import global_sum, world_size
+from lit_ppo.errors import DynamicSamplingShortfallError
 from lit_ppo.plan import ConfigError, StepPlan
-from lit_ppo.prompts import PromptSet, end_of_turn_token_ids
+from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rewards import RewardScorer
-from lit_ppo.rollout import VLLMEngine, sampling_seeds
+from lit_ppo.rollout import Generation, VLLMEngine, sampling_seeds
 
 
 @dataclass
@@ -88,6 +89,27 @@ class RolloutBatch:
     generate_seconds: float
     reward_seconds: float
     reward_metrics: dict[str, float]
+    # Dynamic sampling (global counts, the same on every rank); one round of rollout_batch_size prompts without it.
+    generation_rounds: int = 1
+    dropped_groups: int = 0  # groups of equal rewards left out of the batch
+    filled_groups: int = 0  # of those, groups put back to fill a shortfall (on_shortfall=fill)
+    prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
+
+
+@dataclass
+class PromptGroup:
+    """One prompt's n samples and their rewards, as dynamic sampling moves them between rounds and ranks."""
+
+    dataset_index: int
+    prompt: Prompt
+    generations: list[Generation]
+    rewards: list[float]
+    sample_metrics: dict[str, list[float]]
+
+    @property
+    def informative(self) -> bool:
+        """Rewards that differ: a group-relative advantage that is not zero everywhere."""
+        return max(self.rewards) != min(self.rewards)
 
 
 class _RolloutStream(IterableDataset):
@@ -115,7 +137,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.next_rollout_step = 0  # position in the prompt stream; restored on resume
+        self.next_rollout_step = 0  # restored on resume, with:
+        self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
@@ -167,60 +190,132 @@ class RolloutDataModule(L.LightningDataModule):
         """This rank's contiguous share of `size` global positions (shares differ by at most one)."""
         return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
 
-    def prompt_indices(self, rollout_step: int) -> list[int]:
-        """The dataset indices of this rank's prompts at `rollout_step`, in global rollout-batch order.
+    def round_prompt_indices(self, generation_round: int) -> list[int]:
+        """The dataset indices of this rank's prompts in generation round `generation_round` (counted over the run),
+        in global order.
 
-        Data epoch e visits a permutation seeded by (seed, e); the last partial rollout batch of
-        each data epoch is dropped (the plan reports how many prompts that is)."""
-        per_epoch = self.plan.rollout_steps_per_data_epoch
-        data_epoch, offset = divmod(rollout_step, per_epoch)
+        Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
+        the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
+        dynamic sampling a round is a rollout step's rollout batch."""
+        data_epoch, offset = divmod(generation_round, self.plan.generation_rounds_per_data_epoch)
         order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch))
-        size = self.plan.rollout_batch_size
+        size = self.plan.prompts_per_generation_round
         batch = order[offset * size:(offset + 1) * size]
         positions = self.rank_positions(size)
         return batch[positions.start:positions.stop].tolist()
+
+    def prompt_indices(self, rollout_step: int) -> list[int]:
+        """Without dynamic sampling: this rank's prompts at `rollout_step` (round = rollout step)."""
+        return self.round_prompt_indices(rollout_step)
 
     def data_epoch(self, rollout_step: int) -> int:
         return rollout_step // self.plan.rollout_steps_per_data_epoch
 
     # ------------------------------------------------------------ rollouts
 
-    def produce_rollout(self, rollout_step: int) -> RolloutBatch:
+    def generate_round(self, rollout_step: int, round_in_step: int) -> tuple[list[PromptGroup], float, float]:
+        """Generate and score this rank's share of the next round of prompts; (groups, generate s, reward s)."""
         engine = self.start_engine()
-        indices = self.prompt_indices(rollout_step)
-        positions = list(self.rank_positions(self.plan.rollout_batch_size))
+        indices = self.round_prompt_indices(self.next_generation_round)
+        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
         n = self.plan.n_samples_per_prompt
+        # The first round keeps the seeds a run without dynamic sampling has.
+        purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
         started = time.perf_counter()
         engine.wake_up()
         generations = engine.generate(
             [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
-            max_tokens=self.rollout.max_response_length,
-            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n), **self.stop_kwargs(),
+            max_tokens=self.rollout.max_response_length, seeds=sampling_seeds(self.seed, purpose, positions, n),
+            **self.stop_kwargs(),
         )
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        sample_prompts = [prompts[g.prompt_index] for g in generations]
         rewards = self.score(prompts, generations)
         reward_seconds = time.perf_counter() - started
+        self.next_generation_round += 1
+        metrics = self.scorer.sample_metrics
+        groups = [PromptGroup(dataset_index=indices[i], prompt=prompts[i], generations=generations[i * n:(i + 1) * n],
+                              rewards=rewards[i * n:(i + 1) * n],
+                              sample_metrics={k: v[i * n:(i + 1) * n] for k, v in metrics.items()})
+                  for i in range(len(prompts))]
+        return groups, generate_seconds, reward_seconds
+
+    def produce_rollout(self, rollout_step: int) -> RolloutBatch:
+        """This rank's samples of `rollout_step`. With dynamic sampling, rounds of prompts are generated until
+        `rollout_batch_size` groups with differing rewards are collected over all ranks (at most
+        `max_generation_rounds`); each rank then takes its contiguous share of them."""
+        plan = self.plan
+        first_round = self.next_generation_round
+        groups, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
+        errors = self.scorer.metrics.get("errors", 0.0)
+        rounds, dropped, filled = 1, 0, 0
+        positions = self.rank_positions(plan.rollout_batch_size)
+        if plan.dynamic_sampling:
+            kept: list[PromptGroup] = []
+            uniform: list[PromptGroup] = []
+            while True:
+                for group in self.all_groups(groups):  # every rank sees the same groups in the same order
+                    (kept if group.informative else uniform).append(group)
+                if len(kept) >= plan.rollout_batch_size or rounds == plan.max_generation_rounds:
+                    break
+                groups, g_s, r_s = self.generate_round(rollout_step, rounds)
+                errors += self.scorer.metrics.get("errors", 0.0)
+                generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
+            dropped = len(uniform)
+            if len(kept) < plan.rollout_batch_size:
+                if plan.dynamic_sampling_on_shortfall == "stop":
+                    self.next_generation_round = first_round  # a resume retries this rollout step from its first round
+                    raise DynamicSamplingShortfallError(
+                        f"rollout step {rollout_step}: {len(kept)} of {plan.rollout_batch_size} prompt groups had differing "
+                        f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
+                        "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
+                        "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
+                    )
+                filled = plan.rollout_batch_size - len(kept)
+                kept += uniform[:filled]  # the groups drawn first: the choice depends on nothing but the data order
+            groups = kept[:plan.rollout_batch_size]
+            groups = groups[positions.start:positions.stop]
         self.next_rollout_step = rollout_step + 1
+        samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
         return RolloutBatch(
             rollout_step=rollout_step,
-            data_epoch=self.data_epoch(rollout_step),
-            prompt_positions=[positions[g.prompt_index] for g in generations],
-            dataset_indices=[indices[g.prompt_index] for g in generations],
-            prompt_ids=[p.prompt_ids for p in sample_prompts],
-            response_ids=[g.token_ids for g in generations],
-            rollout_logprobs=[g.logprobs for g in generations],
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            truncated=torch.tensor([g.truncated for g in generations]),
-            prompts=[p.text for p in sample_prompts],
-            responses=[g.text for g in generations],
-            references=[p.reference for p in sample_prompts],
+            data_epoch=(self.next_generation_round - 1) // plan.generation_rounds_per_data_epoch,
+            prompt_positions=[position for position, _, _ in samples],
+            dataset_indices=[group.dataset_index for _, group, _ in samples],
+            prompt_ids=[group.prompt.prompt_ids for _, group, _ in samples],
+            response_ids=[g.token_ids for _, _, g in samples],
+            rollout_logprobs=[g.logprobs for _, _, g in samples],
+            rewards=torch.tensor([r for group in groups for r in group.rewards], dtype=torch.float32),
+            truncated=torch.tensor([g.truncated for _, _, g in samples]),
+            prompts=[group.prompt.text for _, group, _ in samples],
+            responses=[g.text for _, _, g in samples],
+            references=[group.prompt.reference for _, group, _ in samples],
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
-            reward_metrics=dict(self.scorer.metrics),
+            reward_metrics=self.batch_reward_metrics(groups, errors) if plan.dynamic_sampling else dict(self.scorer.metrics),
+            generation_rounds=rounds,
+            dropped_groups=dropped,
+            filled_groups=filled,
+            prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
         )
+
+    def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
+        """Every rank's groups of one round, in global prompt order (rank 0's share first)."""
+        if world_size() == 1:
+            return groups
+        gathered: list = [None] * world_size()
+        torch.distributed.all_gather_object(gathered, groups)
+        return [group for share in gathered for group in share]
+
+    def batch_reward_metrics(self, groups: list[PromptGroup], errors: float) -> dict[str, float]:
+        """Means of the reward function's per-sample metrics over this rank's samples, and this rank's reward errors
+        in all of the step's rounds."""
+        keys = set.intersection(*(set(g.sample_metrics) for g in groups)) if groups else set()
+        values = {k: [x for g in groups for x in g.sample_metrics[k]] for k in sorted(keys)}
+        metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in values.items()}
+        metrics["errors"] = float(errors)
+        return metrics
 
     def stop_kwargs(self) -> dict:
         return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
@@ -229,7 +324,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Rewards of generations; `g.prompt_index` points into `prompts`."""
         of = [prompts[g.prompt_index] for g in generations]
         return self.scorer([p.text for p in of], [g.text for g in generations], [p.reference for p in of],
-                           [p.extras for p in of], [g.truncated for g in generations])
+                           [p.extras for p in of], [g.truncated for g in generations],
+                           lengths=[len(g.token_ids) for g in generations])
 
     # ------------------------------------------------------------ evaluation
 
@@ -279,7 +375,9 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict:
-        return {"next_rollout_step": self.next_rollout_step}
+        return {"next_rollout_step": self.next_rollout_step, "next_generation_round": self.next_generation_round}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
+        # Checkpoints from before generation rounds: one round per rollout step.
+        self.next_generation_round = state.get("next_generation_round", self.next_rollout_step)

@@ -7,3 +7,7 @@ class StepAccountingError(RuntimeError):
 
 class NonFiniteUpdatesError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class DynamicSamplingShortfallError(RuntimeError):
+    """Dynamic sampling found too few prompt groups with differing rewards (ppo.dynamic_sampling.on_shortfall=stop)."""

@@ -14,15 +14,57 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from lit_ppo.algorithms import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, LOSS_AGG_MODES
+from lit_ppo.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    KL_ESTIMATORS,
+    KL_IN_REWARD_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+)
 from lit_ppo.precision import describe as describe_precision
 
 
 class ConfigError(ValueError):
     """A setting the user can fix; the message is one line naming the keys, values and fix."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """`ppo.rollout_correction`: weights on the policy loss for the mismatch between vLLM's sampling log-probs and
+    the trainer's old log-probs (docs/algorithms.md)."""
+
+    mode: str = "none"
+    """none, tis (weight min(rho, tis_cap)) or mis (drop where rho leaves [mis_low, mis_high], else weight rho)."""
+    level: str = "token"
+    """token: rho per token; sequence: the geometric mean of the sequence's token ratios, for all its tokens."""
+    tis_cap: float = 2.0
+    """TIS: the largest weight."""
+    mis_low: float = 0.5
+    """MIS: tokens (sequences) with rho below this are dropped from the loss."""
+    mis_high: float = 2.0
+    """MIS: tokens (sequences) with rho above this are dropped from the loss."""
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """`ppo.dynamic_sampling` (DAPO): train only on prompt groups whose rewards differ, generating more rounds of
+    prompts until `rollout_batch_size` of them are collected."""
+
+    enabled: bool = False
+    max_generation_rounds: int = 3
+    """Generation rounds per rollout step at most (the first one included)."""
+    prompts_per_round: int | None = None
+    """Prompts each round draws from the data (global); null: rollout_batch_size."""
+    on_shortfall: str = "fill"
+    """After max_generation_rounds with fewer informative groups: fill (complete the batch with dropped groups, in
+    the order drawn, so the optimizer steps stay as planned) or stop (save a checkpoint and end with a message)."""
 
 
 @dataclass
@@ -85,6 +127,10 @@ class PPOConfig:
     """Gradient clipping by total norm, per optimizer step."""
     shuffle_seed: int = 0
     """Seed of the mini-batch order (reshuffled every PPO epoch)."""
+    policy_loss: str = "ppo"
+    """ppo (clipped surrogate), gspo (one clipped ratio per sequence) or cispo (clipped IS weight on REINFORCE)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass
@@ -125,6 +171,13 @@ class StepPlan:
     lr_total_steps: int
     critic_enabled: bool
     reference_enabled: bool
+    # Generation rounds: a rollout step draws 1 round of prompts, or up to max_generation_rounds with dynamic
+    # sampling; the prompt order advances by rounds, generation_rounds_per_data_epoch of them per data epoch.
+    dynamic_sampling: bool = False
+    prompts_per_generation_round: int = 0
+    max_generation_rounds: int = 1
+    generation_rounds_per_data_epoch: int = 0
+    dynamic_sampling_on_shortfall: str = "fill"
     precision: str = "32-true"  # resolved (lit_ppo.precision): 32-true, bf16-mixed or bf16-true
     rollout_dtype: str = "float32"  # vLLM's dtype
     notes: list[str] = field(default_factory=list)
@@ -148,6 +201,12 @@ class StepPlan:
             ("prompts dropped per data epoch", self.prompts_dropped_per_data_epoch,
              "prompts (last partial rollout batch; reshuffled each data epoch)"),
             ("total rollout steps", self.total_rollout_steps, "rollout steps"),
+            *([("dynamic sampling: prompts per round", self.prompts_per_generation_round,
+                "prompts drawn per generation round (groups with equal rewards are dropped)"),
+               ("dynamic sampling: rounds", self.max_generation_rounds,
+                f"generation rounds / rollout step at most (then: {self.dynamic_sampling_on_shortfall})"),
+               ("generation rounds per data epoch", self.generation_rounds_per_data_epoch, "rounds")]
+              if self.dynamic_sampling else []),
             ("data epochs", round(self.data_epochs, 3), "rollout steps / rollout steps per data epoch"),
             ("prompt passes", round(self.prompt_passes, 3), "prompts generated for / dataset prompts"),
             ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
@@ -184,7 +243,12 @@ def parse_section(cls: type, values: Mapping[str, Any], section: str):
             f"{section}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
             f"fix: remove them or use one of {', '.join(names)}"
         )
-    return cls(**dict(values))
+    types = typing.get_type_hints(cls)
+    values = dict(values)
+    for name, value in values.items():  # nested sections (ppo.rollout_correction, ...) are dataclasses too
+        if dataclasses.is_dataclass(types[name]) and isinstance(value, Mapping):
+            values[name] = parse_section(types[name], value, f"{section}.{name}")
+    return cls(**values)
 
 
 def _positive(section: str, **values: Any) -> None:
@@ -226,13 +290,39 @@ def validate_ppo(ppo: PPOConfig) -> None:
         )
     if ppo.loss_agg_mode not in LOSS_AGG_MODES:
         raise ConfigError(f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}")
-    if not (0 < ppo.clip_ratio_low < 1) or ppo.clip_ratio_high <= 0:
+    if ppo.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"ppo.policy_loss={ppo.policy_loss!r} is unknown; fix: use one of {', '.join(POLICY_LOSSES)}")
+    # CISPO may leave the weight's low side open (low = 1: weight >= 0), as MiniMax-M1 does.
+    low_ok = 0 < ppo.clip_ratio_low <= 1 if ppo.policy_loss == "cispo" else 0 < ppo.clip_ratio_low < 1
+    if not low_ok or ppo.clip_ratio_high <= 0:
         raise ConfigError(
-            f"ppo.clip_ratio_low={ppo.clip_ratio_low}, ppo.clip_ratio_high={ppo.clip_ratio_high}: need 0 < low < 1 and high > 0; "
-            "fix: e.g. clip_ratio_low=0.2 clip_ratio_high=0.28"
+            f"ppo.clip_ratio_low={ppo.clip_ratio_low}, ppo.clip_ratio_high={ppo.clip_ratio_high}: need 0 < low < 1 "
+            "(<= 1 for cispo) and high > 0; fix: e.g. clip_ratio_low=0.2 clip_ratio_high=0.28"
         )
     if ppo.dual_clip is not None and ppo.dual_clip <= 1:
         raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} must be > 1 (e.g. 3.0); fix: set it above 1 or to null")
+    if ppo.dual_clip is not None and ppo.policy_loss != "ppo":
+        raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} bounds the clipped surrogate of policy_loss=ppo, not "
+                          f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null")
+    rc = ppo.rollout_correction
+    if rc.mode not in ROLLOUT_CORRECTION_MODES or rc.level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ConfigError(f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
+                          f"{', '.join(ROLLOUT_CORRECTION_MODES)}, level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}")
+    if rc.mode == "tis" and rc.tis_cap <= 0:
+        raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
+    if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
+        raise ConfigError(f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
+                          "fix: e.g. mis_low=0.5 mis_high=2.0")
+    ds = ppo.dynamic_sampling
+    if ds.enabled:
+        if ppo.n_samples_per_prompt < 2:
+            raise ConfigError(f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
+                              f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more")
+        _positive("ppo.dynamic_sampling", max_generation_rounds=ds.max_generation_rounds)
+        if ds.prompts_per_round is not None:
+            _positive("ppo.dynamic_sampling", prompts_per_round=ds.prompts_per_round)
+        if ds.on_shortfall not in ("fill", "stop"):
+            raise ConfigError(f"ppo.dynamic_sampling.on_shortfall={ds.on_shortfall!r}; fix: use 'fill' or 'stop'")
     if ppo.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"ppo.lr_schedule={ppo.lr_schedule!r} is unknown; fix: use 'constant' or 'cosine'")
     if not 0 <= ppo.lr_warmup_ratio < 1:
@@ -285,8 +375,24 @@ def compute_plan(
             f"fix: set ppo.rollout_batch_size to at most {dataset_prompts} or use more data"
         )
 
+    ds = ppo.dynamic_sampling
+    per_round = (ds.prompts_per_round or ppo.rollout_batch_size) if ds.enabled else ppo.rollout_batch_size
+    max_rounds = ds.max_generation_rounds if ds.enabled else 1
+    if ds.enabled:
+        if per_round % data_parallel_size or per_round > dataset_prompts:
+            raise ConfigError(
+                f"ppo.dynamic_sampling.prompts_per_round={per_round} must be a multiple of the {data_parallel_size} ranks and "
+                f"at most the dataset's {dataset_prompts} prompts; fix: set ppo.dynamic_sampling.prompts_per_round"
+            )
+        if run.data_epochs is not None:
+            raise ConfigError(
+                f"trainer.data_epochs={run.data_epochs} with ppo.dynamic_sampling.enabled=true: the prompts a rollout step "
+                "consumes vary, so data epochs do not give a number of rollout steps; fix: set trainer.total_rollout_steps "
+                "(and trainer.data_epochs=null)"
+            )
     rollout_steps_per_data_epoch = dataset_prompts // ppo.rollout_batch_size
-    dropped = dataset_prompts - rollout_steps_per_data_epoch * ppo.rollout_batch_size
+    rounds_per_data_epoch = dataset_prompts // per_round
+    dropped = dataset_prompts - rounds_per_data_epoch * per_round
     if (run.total_rollout_steps is None) == (run.data_epochs is None):
         raise ConfigError(
             f"trainer.total_rollout_steps={run.total_rollout_steps} and trainer.data_epochs={run.data_epochs}: "
@@ -308,10 +414,18 @@ def compute_plan(
     notes = []
     if dropped:
         notes.append(
-            f"each data epoch uses {rollout_steps_per_data_epoch * ppo.rollout_batch_size} of {dataset_prompts} prompts; "
-            f"the last {dropped} (a partial rollout batch) are dropped and the order is reshuffled every data epoch"
+            f"each data epoch uses {rounds_per_data_epoch * per_round} of {dataset_prompts} prompts; "
+            f"the last {dropped} (a partial {'generation round' if ds.enabled else 'rollout batch'}) are dropped and the order is reshuffled every data epoch"
         )
-    if abs(data_epochs - round(data_epochs)) > 1e-9:
+    if ds.enabled:
+        notes.append(
+            f"dynamic sampling: each rollout step draws rounds of {per_round} prompts ({max_rounds} at most) until "
+            f"{ppo.rollout_batch_size} prompts with differing rewards are collected; the optimizer steps per rollout step "
+            f"stay {optimizer_steps_per_rollout_step}. Data epochs and samples generated are lower bounds (up to "
+            f"{max_rounds * per_round * total_rollout_steps / (rounds_per_data_epoch * per_round):.3f} data epochs and "
+            f"{max_rounds * per_round * ppo.n_samples_per_prompt * total_rollout_steps} samples)"
+        )
+    elif abs(data_epochs - round(data_epochs)) > 1e-9:
         notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
     warnings = []
     if top_p < 1:
@@ -352,6 +466,11 @@ def compute_plan(
         lr_total_steps=total_optimizer_steps,
         critic_enabled=ppo.advantage_estimator == "gae",
         reference_enabled=ppo.kl_coef > 0,
+        dynamic_sampling=ds.enabled,
+        prompts_per_generation_round=per_round,
+        max_generation_rounds=max_rounds,
+        generation_rounds_per_data_epoch=rounds_per_data_epoch,
+        dynamic_sampling_on_shortfall=ds.on_shortfall,
         precision=precision,
         rollout_dtype=rollout_dtype,
         notes=notes,

@@ -46,6 +46,9 @@ def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
         "reward_final": history[-1]["rollout/reward_mean"] if history else None,
         "skipped_updates": module.skipped_updates,
     }
+    if plan.dynamic_sampling:  # samples_generated counts the samples trained on; these count what was drawn
+        for key in ("prompts_consumed", "generation_rounds", "dropped_groups", "filled_groups"):
+            summary[key] = int(sum(row.get(f"rollout/{key}", 0) for row in history))
     for key, metric in TIMING_KEYS.items():
         summary[key] = float(sum(row.get(metric, 0.0) for row in history))
     if evals:

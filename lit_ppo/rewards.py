@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
+from lit_ppo.algorithms import overlong_penalty
 from lit_ppo.plan import ConfigError
 
 log = logging.getLogger("lit_ppo")
@@ -98,6 +101,10 @@ class RewardScorer:
     fn: Callable[..., Any]
     on_error: str = "raise"  # raise: stop with the sample; zero: score 0 and count it
     overlong_penalty: float = 0.0  # subtracted from responses that hit the length limit
+    # DAPO's soft overlong shaping (`algorithms.overlong_penalty`): off while overlong_buffer_tokens is 0
+    overlong_buffer_tokens: int = 0
+    overlong_penalty_factor: float = 1.0
+    max_response_length: int = 0  # rollout.max_response_length, the end of the buffer
     solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
     errors: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # the last call's per-sample metrics, averaged
@@ -106,9 +113,14 @@ class RewardScorer:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"reward.on_error={self.on_error!r}; fix: use one of {list(ON_ERROR)}")
+        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.max_response_length:
+            raise ConfigError(
+                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, rollout.max_response_length="
+                f"{self.max_response_length}); fix: e.g. a quarter of max_response_length, or 0 to turn the shaping off"
+            )
 
     @classmethod
-    def from_config(cls, reward) -> "RewardScorer":
+    def from_config(cls, reward, max_response_length: int = 0) -> "RewardScorer":
         """The scorer of a `reward` config group (conf/reward/*.yaml)."""
         import hydra
 
@@ -121,10 +133,13 @@ class RewardScorer:
             raise ConfigError(f"reward.fn built {type(fn).__name__}, which is not callable; fix: add `_partial_: true` "
                               "for a function, or name a class with __call__")
         return cls(fn=fn, on_error=reward.on_error, overlong_penalty=reward.overlong_penalty,
-                   solved_threshold=float(reward.get("solved_threshold", 1.0)))
+                   overlong_buffer_tokens=int(reward.get("overlong_buffer_tokens", 0)),
+                   overlong_penalty_factor=float(reward.get("overlong_penalty_factor", 1.0)),
+                   max_response_length=max_response_length, solved_threshold=float(reward.get("solved_threshold", 1.0)))
 
     def __call__(self, prompts: list[str], responses: list[str], references: list, extras: list[dict],
-                 truncated: list[bool]) -> list[float]:
+                 truncated: list[bool], lengths: list[int] | None = None) -> list[float]:
+        """Scores of the responses; `lengths` (tokens per response) are needed for the overlong shaping."""
         errors_before = self.errors
         try:
             result = self.fn(prompts, responses, references, extras)
@@ -137,6 +152,12 @@ class RewardScorer:
                 self._sample_failed(i, prompts, responses, ValueError(f"returned {score!r}, not a finite number"))
                 scores[i] = 0.0
         scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
+        if self.overlong_buffer_tokens:
+            if lengths is None:
+                raise ValueError("RewardScorer: reward.overlong_buffer_tokens is set but no response lengths were given")
+            shaping = overlong_penalty(torch.tensor(lengths), max_response_length=self.max_response_length,
+                                       buffer_tokens=self.overlong_buffer_tokens, penalty_factor=self.overlong_penalty_factor)
+            scores = [s + float(p) for s, p in zip(scores, shaping)]
         errors = self.errors - errors_before
         if errors:
             log.warning("reward: %d of %d samples scored 0 after reward errors (reward.on_error=zero)", errors, len(scores))

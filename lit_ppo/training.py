@@ -195,7 +195,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         write_plan(plan, output_dir, train_prompts.describe(), cfg)
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    scorer = RewardScorer.from_config(cfg.reward)
+    scorer = RewardScorer.from_config(cfg.reward, max_response_length=int(cfg.rollout.max_response_length))
     datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                                    scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
                                    engine=engine, chat_template=bool(cfg.data.chat_template))

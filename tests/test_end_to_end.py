@@ -76,7 +76,14 @@ def test_final_actor_loads_in_transformers_and_vllm(cli_run):
     assert "GENERATED 2" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("preset", ["ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"])
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "ppo").glob("*.yaml"))
+
+
+def test_the_preset_list_is_complete():
+    assert {"ppo", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "dapo", "gspo", "cispo"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
     from lit_ppo.training import train
 
