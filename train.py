@@ -1,29 +1,44 @@
 """lit-ppo's entry point: `python train.py [overrides]` (Hydra; configs in conf/)."""
 
 import logging
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
+from lit_ppo.console import setup_logging, show_error
 from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, StepAccountingError
 from lit_ppo.plan import ConfigError
 from lit_ppo.prompts import DataError
 from lit_ppo.rewards import RewardError
 
 
+def launcher_rank() -> int:
+    """This process's global rank as the launcher (Lightning, torchrun, SLURM) set it; 0 when alone."""
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from lit_ppo.run import main as run
+    from lit_ppo.run import output_dir_of
 
+    setup_logging(output_dir_of(cfg), verbose=bool(cfg.get("verbose", False)), rank=launcher_rank())
     try:
         run(cfg)
     except (ConfigError, DataError, RewardError, NonFiniteUpdatesError, StepAccountingError,
             DynamicSamplingShortfallError) as error:
-        # A mistake the user can fix: one line, no traceback.
-        logging.getLogger("lit_ppo").error("%s: %s", type(error).__name__, error)
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # A mistake the user can fix: one line, no traceback (the type is in run.log).
+        logging.getLogger("lit_ppo").debug("%s: %s", type(error).__name__, error)
+        show_error(f"error: {error}")
         sys.exit(2)
+    except BaseException:
+        logging.getLogger("lit_ppo.console").exception("the run failed")  # the traceback in run.log too
+        raise
 
 
 if __name__ == "__main__":

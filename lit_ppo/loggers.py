@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
+from lit_ppo.console import show
 from lit_ppo.plan import ConfigError
 
 log = logging.getLogger("lit_ppo")
@@ -176,9 +177,6 @@ class SampleTableLogger(L.Callback):
                     table = wandb.Table(columns=["rollout_step", "prompt", "response", "reward"], data=rows)
                     logger.log_metrics({"eval/samples": table, "rollout_step": step}, step=step)
             else:
-                from tqdm.auto import tqdm
-
-                # tqdm.write keeps the rollout progress bar intact.
-                tqdm.write(f"eval samples at rollout step {step} (greedy, eval reward {entry.get('eval/reward', float('nan')):.3f}):\n"
+                show(f"eval samples at rollout step {step} (greedy, eval reward {entry.get('eval/reward', float('nan')):.3f}):\n"
                            + format_samples(samples, self.max_console_rows))
         self.logged = len(evals)

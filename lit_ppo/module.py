@@ -15,6 +15,7 @@ are global (all-reduced over ranks).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -108,6 +109,10 @@ class PPOModule(L.LightningModule):
             torch.nn.init.zeros_(self.critic.score.weight)
             if self.critic.score.bias is not None:
                 torch.nn.init.zeros_(self.critic.score.bias)
+            # transformers reports the head as MISSING weights (in run.log); this is what it means.
+            logging.getLogger("lit_ppo").info(
+                "critic: the policy's weights with a new value head (%d -> 1), starting at zero",
+                self.critic.score.in_features)
         self.reference = None
         if plan.reference_enabled:
             self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)

@@ -11,6 +11,8 @@ from typing import Iterable
 
 import torch
 
+from lit_ppo.console import quiet_stderr
+
 log = logging.getLogger(__name__)
 
 
@@ -53,7 +55,6 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, enforce_eager: bool = True, distributed: bool = False,
                  enable_sleep_mode: bool = False):
         configure_vllm_environment(kv_cache_gib)
-        from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
         from vllm.platforms import current_platform
 
         kwargs = {}
@@ -71,20 +72,23 @@ class VLLMEngine:
             # max(max_model_len, 4096) tokens, so any single prompt fits. GPUs keep chunked prefill: CUDA
             # generators rewind.
             kwargs["enable_chunked_prefill"] = False
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=enable_sleep_mode,
-            # Log-probs of the distribution sampled from (after temperature, top-p), not of the raw logits:
-            # the trainer compares them with its own to catch a weight sync or a precision that went wrong.
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
+        with quiet_stderr():  # vLLM's C++ warnings and loading bars on fd 2 go to run.log, not the console
+            from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
+
+            self.llm = LLM(
+                model=model_dir,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                tensor_parallel_size=tensor_parallel_size,
+                enforce_eager=enforce_eager,
+                enable_sleep_mode=enable_sleep_mode,
+                # Log-probs of the distribution sampled from (after temperature, top-p), not of the raw logits:
+                # the trainer compares them with its own to catch a weight sync or a precision that went wrong.
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
         self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
         if enable_sleep_mode and not self.sleep_supported:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")

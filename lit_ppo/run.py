@@ -8,6 +8,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_ppo.console import show
 from lit_ppo.memory import GIB, MemoryEstimate, MemoryInputs, ModelShape, estimate_memory
 from lit_ppo.plan import ConfigError, PPOConfig, RunLengthConfig, StepPlan, compute_plan, parse_section, validate_ppo
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -131,15 +132,15 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | 
     """plan.json and the printed tables: the step plan and, given the config, the memory estimate."""
     output_dir.mkdir(parents=True, exist_ok=True)
     record = plan.to_dict()
-    print(plan.table().replace("Step plan", f"Step plan (dataset: {source})"), flush=True)
+    show(plan.table().replace("Step plan", f"Step plan (dataset: {source})"))
     if cfg is not None:
         memory = memory_estimate(cfg, plan)
         shape_source = model_shape(cfg)[1]
         record["memory"] = None if memory is None else {**memory.to_dict(), "model_shape_from": shape_source}
         if memory is None:
-            print(f"Memory per device: no estimate ({shape_source})", flush=True)
+            show(f"Memory per device: no estimate ({shape_source})")
         else:
-            print(memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})"), flush=True)
+            show(memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})"))
     (output_dir / "plan.json").write_text(json.dumps(record, indent=2))
 
 
@@ -152,7 +153,7 @@ def main(cfg: DictConfig) -> dict | None:
     plan = make_plan(cfg, size)
     if cfg.mode == "plan":
         write_plan(plan, output_dir, source, cfg)
-        print(f"plan written to {output_dir / 'plan.json'}")
+        show(f"plan written to {output_dir / 'plan.json'}")
         return None
     from lit_ppo.training import train  # heavy imports only when training
 

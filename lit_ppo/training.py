@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.arithmetic import make_problems, write_jsonl
 from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
+from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
 from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.module import PPOModule
@@ -177,6 +178,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         )
     if engine is not None and cfg.strategy.name != "single":
         raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
+    adopt_library_loggers()  # Lightning's own console handler, added when it was imported
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
     ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
@@ -234,5 +236,5 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     write_curves(output_dir, module.history, module.eval_history)
     evaluated = (f"eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f}"
                  if summary["eval_reward_final"] is not None else "no evaluation (no data.eval_path)")
-    print(f"run finished: {evaluated} in {summary['wall_seconds']:.0f}s; outputs in {output_dir}", flush=True)
+    show(f"run finished: {evaluated} in {summary['wall_seconds']:.0f}s; outputs in {output_dir}")
     return summary

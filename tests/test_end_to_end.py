@@ -34,9 +34,31 @@ def cli_run(tmp_path_factory) -> Path:
     cmd = [sys.executable, "train.py", "trainer.total_rollout_steps=2", "trainer.eval_every=1",
            "model.warm_start.steps=20", "data.n_train=128", "data.n_eval=16",
            f"output_dir={out}", f"cache_dir={out / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    (out / "console.txt").write_text(result.stdout)  # what the user sees, stdout and stderr as a terminal shows them
+    assert result.returncode == 0, result.stdout[-4000:]
     return out
+
+
+def test_console_shows_only_our_output_and_run_log_has_it(cli_run):
+    """The console: plan, one progress bar, eval samples, the finish line; the rest is in logs/run.log."""
+    console = (cli_run / "console.txt").read_text()
+    # tqdm redraws its bar with carriage returns; everything else is a line of its own.
+    lines = [line for line in console.replace("\r", "\n").splitlines() if line.strip()]
+    others = [line for line in lines if not line.startswith("rollout steps:")]
+    for word in ("WARNING", "Failed", "MISSING", "FutureWarning", "Warning", "INFO"):
+        assert not [line for line in others if word in line], (word, console[-3000:])
+    assert len(others) < 60, console
+    assert "Step plan" in console and "eval samples at rollout step 0" in console and "run finished" in console
+    assert "critic: the policy's weights with a new value head" in console  # once, in our words
+    table_rows = {"reward  prompt  response"}  # the eval samples' header repeats per evaluation
+    counts = {line: others.count(line) for line in others if line not in table_rows and not line[:4].replace(".", "").isdigit()}
+    assert all(n == 1 for n in counts.values()), {line: n for line, n in counts.items() if n > 1}
+    run_log = (cli_run / "logs" / "run.log").read_text()
+    for line in others:
+        assert line.rstrip() in run_log, line
+    # Other libraries' records are there, in the one format: time, level, logger, message.
+    assert "INFO lightning" in run_log and "vllm" in run_log and "LOAD REPORT" in run_log
 
 
 def test_cli_run_writes_every_output_file(cli_run):
