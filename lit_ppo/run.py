@@ -140,7 +140,13 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | 
         if memory is None:
             show(f"Memory per device: no estimate ({shape_source})")
         else:
-            show(memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})"))
+            table = memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})")
+            if cfg.mode == "plan":
+                show(table)
+            else:  # the console stays short while training: one line, the table in run.log and plan.json
+                logging.getLogger("lit_ppo.console").info(table)
+                show(f"memory per device (estimate): peak {memory.peak_bytes / GIB:.2f} GiB; "
+                     "the table is in plan.json and logs/run.log (mode=plan prints it)")
     (output_dir / "plan.json").write_text(json.dumps(record, indent=2))
 
 
