@@ -44,7 +44,7 @@ class _ConsoleFilter(logging.Filter):
         self.verbose, self.rank = verbose, rank
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == SHOWN or record.name.startswith(SHOWN + "."):
+        if record.name == SHOWN or getattr(record, "console", True) is False:  # shown already, or run.log only
             return False
         if self.verbose:
             return True

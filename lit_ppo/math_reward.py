@@ -19,6 +19,7 @@ import threading
 from functools import lru_cache
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
 
 FORMATS = ("gsm8k", "boxed")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -64,13 +65,20 @@ def extract_answer(text: str, *, formats: tuple[str, ...] = FORMATS, last_number
     return None, None
 
 
-def _timeout() -> int | None:
-    # math-verify's timeouts use SIGALRM, which only the main thread may set.
-    return 5 if threading.current_thread() is threading.main_thread() else None
+class MathVerifyTimeout(TimeoutError):
+    """math-verify gave up on an expression (e.g. `9^{9^{9^{9}}}`). Raised, not scored 0: a verifier that
+    quietly scores what it cannot check as wrong can zero a whole dataset unnoticed (verl PR #5635);
+    the scorer names the sample and applies `reward.on_error`."""
+
+
+def _timeout(timeout_s: int) -> int | None:
+    # math-verify's timeouts use SIGALRM, which only the main thread may set (a reward worker process's
+    # main thread can: reward.workers > 0).
+    return timeout_s if threading.current_thread() is threading.main_thread() else None
 
 
 @lru_cache(maxsize=65536)
-def parse_answer(answer: str) -> tuple:
+def parse_answer(answer: str, timeout_s: int = 5) -> tuple:
     """math-verify's parse of an extracted answer. Plain numbers and arithmetic (`1 000`, `$18`, `3/2`,
     `42 apples`) are read as expressions, anything with letters or LaTeX as LaTeX; each falls back to the other."""
     answer = answer.replace("\\%", "%").strip()
@@ -78,7 +86,12 @@ def parse_answer(answer: str) -> tuple:
     latex = ([LatexExtractionConfig(boxed_match_priority=0)], f"${answer}$")
     plain = ([ExprExtractionConfig()], core)
     for config, text in ((latex, plain) if _LATEX_OR_SYMBOLS.search(core) else (plain, latex)):
-        parsed = parse(text, extraction_config=config, parsing_timeout=_timeout())
+        try:
+            parsed = parse(text, extraction_config=config, parsing_timeout=_timeout(timeout_s), raise_on_error=True)
+        except TimeoutException as e:
+            raise MathVerifyTimeout(f"math-verify could not parse {text[:200]!r} within {timeout_s}s") from e
+        except Exception:  # unparseable: not an answer
+            parsed = []
         if parsed:
             return tuple(parsed)
     return ()
@@ -90,25 +103,32 @@ def reference_answer(reference: str) -> str:
     return answer if answer is not None else reference.strip()
 
 
-def answers_match(reference: str, answer: str) -> bool:
-    """Whether `answer` equals the reference's answer, numerically or symbolically."""
-    gold, pred = parse_answer(reference_answer(reference)), parse_answer(answer)
+def answers_match(reference: str, answer: str, timeout_s: int = 5) -> bool:
+    """Whether `answer` equals the reference's answer, numerically or symbolically; MathVerifyTimeout when
+    math-verify cannot decide within `timeout_s` seconds."""
+    gold, pred = parse_answer(reference_answer(reference), timeout_s), parse_answer(answer, timeout_s)
     if not gold or not pred:
         return False
-    return bool(verify(list(gold), list(pred), timeout_seconds=_timeout()))
+    try:
+        return bool(verify(list(gold), list(pred), timeout_seconds=_timeout(timeout_s), raise_on_error=True))
+    except TimeoutException as e:
+        raise MathVerifyTimeout(f"math-verify could not compare {answer[:200]!r} with the reference within {timeout_s}s") from e
+    except Exception:  # not comparable
+        return False
 
 
 def math_reward(prompts, responses, references, extras, *, formats=FORMATS, last_number_fallback: bool = False,
-                correct_reward: float = 1.0, format_weight: float = 0.0):
+                correct_reward: float = 1.0, format_weight: float = 0.0, timeout_s: int = 5):
     """`correct_reward` when the response's final answer equals the reference, plus `format_weight` when
-    the answer is in one of `formats` (whether right or not). Logs `correct` and `formatted` rates."""
+    the answer is in one of `formats` (whether right or not). Logs `correct` and `formatted` rates.
+    `timeout_s`: math-verify's own limit per parse and comparison (whole seconds, SIGALRM; main thread only)."""
     formats = tuple(formats)
     scores, correct, formatted = [], [], []
     for response, reference in zip(responses, references):
         if reference is None:
             raise ValueError("no reference answer to check against (is data.answer_key the answer field?)")
         answer, found_as = extract_answer(response, formats=formats, last_number_fallback=last_number_fallback)
-        is_correct = answer is not None and answers_match(str(reference), answer)
+        is_correct = answer is not None and answers_match(str(reference), answer, int(timeout_s))
         in_format = found_as in formats
         scores.append(correct_reward * is_correct + format_weight * in_format)
         correct.append(float(is_correct))

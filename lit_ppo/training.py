@@ -197,7 +197,8 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         write_plan(plan, output_dir, train_prompts.describe(), cfg)
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    scorer = RewardScorer.from_config(cfg.reward, max_response_length=int(cfg.rollout.max_response_length))
+    scorer = RewardScorer.from_config(cfg.reward, max_response_length=int(cfg.rollout.max_response_length),
+                                      answer_key=cfg.data.get("answer_key"))
     datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                                    scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
                                    engine=engine, chat_template=bool(cfg.data.chat_template))
@@ -224,6 +225,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     finally:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
             datamodule.engine.close()
+        scorer.close()  # the reward worker processes, if any
 
     if not trainer.is_global_zero:
         return None

@@ -114,7 +114,7 @@ def test_math_reward_through_the_config_and_scorer():
     scorer = RewardScorer.from_config(compose_config("reward=math", "reward.fn.format_weight=0.1").reward)
     scores = scorer(["p"] * 3, ["#### 1,000", "#### 7", "7"], ["1000", "8", "7"], [{}] * 3, [False] * 3)
     assert scores == pytest.approx([1.1, 0.1, 0.0])
-    assert scorer.metrics == pytest.approx({"correct": 1 / 3, "formatted": 2 / 3, "errors": 0.0})
+    assert scorer.metrics == pytest.approx({"correct": 1 / 3, "formatted": 2 / 3, "errors": 0.0, "timeouts": 0.0, "none": 0.0})
 
 
 def test_math_reward_without_reference_names_the_sample():
@@ -157,7 +157,7 @@ def test_on_error_zero_scores_zero_and_counts_exactly():
     scorer = RewardScorer(fn=fails_on_bad, on_error="zero")
     scores = call(scorer, ["ok", "bad", "ok", "bad", "bad", "ok"])
     assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-    assert scorer.errors == 3 and scorer.metrics == {"ones": 1.0, "errors": 3.0}
+    assert scorer.errors == 3 and scorer.metrics == {"ones": 1.0, "errors": 3.0, "timeouts": 0.0, "none": 0.0}
     call(scorer, ["bad", "ok"])
     assert scorer.errors == 4 and scorer.metrics["errors"] == 1.0  # run total, and this call's count
     call(scorer, ["ok"])

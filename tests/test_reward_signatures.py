@@ -1,0 +1,131 @@
+"""Reward functions of the peers used unchanged (reward.signature), and verifiers in worker processes
+that hang, crash, or meet an expression math-verify cannot finish (reward.workers, reward.timeout_s)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lit_ppo.plan import ConfigError
+from lit_ppo.rewards import RewardError, RewardScorer, detect_signature
+from tests.test_end_to_end import compose_config
+
+PEER = "tests.fixtures.peer_rewards"
+
+
+def scorer_for(target: str, *overrides: str, answer_key: str = "answer") -> RewardScorer:
+    cfg = compose_config("reward=custom_example", f"reward.fn._target_={target}", *overrides)
+    return RewardScorer.from_config(cfg.reward, answer_key=answer_key)
+
+
+@pytest.mark.parametrize("name, signature", [("trl_accuracy", "trl"), ("compute_score", "verl"),
+                                             ("reward_func", "openrlhf")])
+def test_peer_reward_functions_are_called_as_their_framework_calls_them(name, signature, caplog):
+    with caplog.at_level(logging.INFO, logger="lit_ppo"):
+        scorer = scorer_for(f"{PEER}.{name}")
+    assert f"reward: {PEER}.{name}, called with the {signature} signature (chosen by reward.signature=auto" in caplog.text
+    scores = scorer(["1+1=", "2+2=", "3+3="], ["2", "5", "6"], ["2", "4", "6"], [{}] * 3, [False, False, True])
+    assert scores == [1.0, 0.0, 1.0]
+    if signature == "verl":  # the dict's other numeric entries become metrics; the string one is dropped
+        assert scorer.metrics["acc"] == pytest.approx(2 / 3) and "pred" not in scorer.metrics
+    if signature == "openrlhf":
+        assert scorer.metrics["exact"] == pytest.approx(2 / 3)
+
+
+def test_trl_columns_by_name_and_none_means_not_applicable():
+    scorer = scorer_for(f"{PEER}.trl_accuracy", answer_key="answer")
+    scores = scorer(["a", "b"], ["x 7", "y"], [7, None], [{"topic": "t"}] * 2, [False, False])
+    assert scores == [1.0, 0.0]
+    assert scorer.metrics["none"] == 1.0 and scorer.metrics["errors"] == 0.0
+    # the reference column goes by data.answer_key's name
+    with pytest.raises(RewardError, match="unexpected keyword argument 'solution'|NoneType"):
+        scorer_for(f"{PEER}.trl_accuracy", answer_key="solution")(["a"], ["7"], ["7"], [{}], [False])
+
+
+def test_explicit_signature_and_ambiguous_functions():
+    assert scorer_for(f"{PEER}.compute_score", "reward.signature=verl").call.signature == "verl"
+    with pytest.raises(ConfigError, match=r"reward.signature=auto cannot tell how to call .*ambiguous\(args, kwargs\).*"
+                                          r"fix: set reward.signature to one of lit_ppo, trl, verl, openrlhf"):
+        scorer_for(f"{PEER}.ambiguous")
+    with pytest.raises(ConfigError, match="reward.signature='trll'"):
+        scorer_for(f"{PEER}.compute_score", "reward.signature=trll")
+    assert detect_signature(lambda p, r, ref, e: r) == "lit_ppo"  # today's contract under other names
+    with pytest.raises(ConfigError, match="names completions and solution_str"):
+        detect_signature(lambda prompts, completions, solution_str: 0)
+
+
+# ------------------------------------------------------------------ worker processes
+
+
+def test_a_verifier_that_hangs_is_timed_out_named_and_its_worker_replaced():
+    scorer = scorer_for(f"{PEER}.sleepy_verifier", "reward.workers=2", "reward.timeout_s=2", "reward.on_error=zero")
+    try:
+        scores = scorer(["p0", "p1", "p2"], ["ok", "sleep now", "ok"], [None] * 3, [{}] * 3, [False] * 3)
+        assert scores == [1.0, 0.0, 1.0]
+        assert scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0 and scorer.timeouts == 1
+        assert scorer.pool.restarts == 1 and len(scorer.pool.workers) == 2
+        assert scorer(["p"], ["ok"], [None], [{}], [False]) == [1.0]  # the rebuilt pool scores
+        scorer.on_error = "raise"
+        with pytest.raises(RewardError, match=r"timed out on sample 1 \(prompt 'p1', response 'sleep now'\): "
+                                              r"no result after reward.timeout_s=2s"):
+            scorer(["p0", "p1"], ["ok", "sleep now"], [None] * 2, [{}] * 2, [False] * 2)
+    finally:
+        scorer.close()
+
+
+def test_a_verifier_that_kills_its_process_costs_only_its_sample():
+    scorer = scorer_for(f"{PEER}.crashing_verifier", "reward.workers=1", "reward.on_error=zero")
+    try:
+        scores = scorer(["p0", "p1", "p2"], ["ok", "exit", "ok"], [None] * 3, [{}] * 3, [False] * 3)
+        assert scores == [1.0, 0.0, 1.0]
+        assert scorer.metrics["errors"] == 1.0 and scorer.metrics["timeouts"] == 0.0 and scorer.pool.restarts == 1
+        scorer.on_error = "raise"
+        with pytest.raises(RewardError, match=r"failed on sample 0 \(prompt 'p0', response 'exit'\): "
+                                              r"killed its worker process \(exit code 3\)"):
+            scorer(["p0"], ["exit"], [None], [{}], [False])
+    finally:
+        scorer.close()
+
+
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # math-verify tries to evaluate it and gives up at its timeout
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_math_verify_timeout_is_a_named_reward_timeout(workers):
+    """math-verify's own SIGALRM timeout works in process (main thread) and in a worker's main thread, and
+    what it cannot decide is a reward timeout, not a silent 0."""
+    overrides = ["reward=math", "reward.fn.timeout_s=1", f"reward.workers={workers}", "reward.timeout_s=30"]
+    cfg = compose_config(*overrides, "reward.on_error=zero")
+    scorer = RewardScorer.from_config(cfg.reward)
+    try:
+        scores = scorer(["q0", "q1"], ["#### 5", PATHOLOGICAL], ["5", "5"], [{}] * 2, [False] * 2)
+        assert scores == [1.0, 0.0]
+        assert scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0
+        scorer.on_error = "raise"
+        with pytest.raises(RewardError, match=r"timed out on sample 0 \(prompt 'q1', response '\\\\boxed\{9\^.*"
+                                              r"math-verify could not compare"):
+            scorer(["q1"], [PATHOLOGICAL], ["5"], [{}], [False])
+    finally:
+        scorer.close()
+
+
+def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_path, caplog):
+    """Two rollout steps with reward.workers=2 and on_error=zero: one sample kills its worker, one hangs
+    past reward.timeout_s; both score 0, are named in the log, and the run finishes."""
+    from lit_ppo.training import train
+    from tests.test_end_to_end import FIXTURE_MODEL
+
+    cfg = compose_config("reward=custom_example", "reward.fn._target_=tests.fixtures.peer_rewards.flaky_verifier",
+                         f"+reward.fn.state_dir={tmp_path}", "reward.workers=2", "reward.timeout_s=3",
+                         "reward.on_error=zero", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
+                         "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8", "ppo=grpo",
+                         f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
+    with caplog.at_level(logging.INFO, logger="lit_ppo"):
+        summary = train(cfg, tmp_path, engine=engine)
+    assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
+    assert (tmp_path / "crashed").exists() and (tmp_path / "hung").exists()
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward: sample ")]
+    assert len(failed) == 2, failed
+    assert "failed and scores 0" in failed[0] and "killed its worker process (exit code 3)" in failed[0]
+    assert "timed out and scores 0" in failed[1] and "no result after reward.timeout_s=3s" in failed[1]
