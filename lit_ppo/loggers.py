@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -105,16 +106,36 @@ class RolloutWandbLogger(WandbLogger):
             self._experiment = None
 
 
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
+
+
 def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None = None, mode: str = "auto",
                       entity: str | None = None, group: str | None = None, tags: list[str] | None = None,
-                      run_config: dict | None = None, init_timeout: float = 30.0, **kwargs) -> RolloutWandbLogger:
+                      run_config: dict | None = None, init_timeout: float = 30.0, resume_dir: str | None = None,
+                      **kwargs) -> RolloutWandbLogger:
     """A W&B logger that never waits on a network it was not told to use.
 
     mode=auto logs online when credentials exist (WANDB_API_KEY or a netrc entry), else offline
     (into save_dir/wandb/, upload later with `wandb sync`); an online start that fails within
     `init_timeout` seconds falls back to offline. `run_config` (the composed config) is recorded
-    without secret-looking keys. Other keyword arguments go to `wandb.init`."""
+    without secret-looking keys. Other keyword arguments go to `wandb.init`.
+
+    The run's id is chosen here and kept in `save_dir/wandb_run_id`; a run resumed from a checkpoint
+    in `resume_dir` (the run directory that wrote it) continues that W&B run (`resume="allow"`)
+    instead of starting another."""
     import wandb
+    from lightning.pytorch.utilities import rank_zero_only
+
+    run_id = None
+    if resume_dir is not None and (Path(resume_dir) / WANDB_RUN_ID_FILE).is_file():
+        run_id = (Path(resume_dir) / WANDB_RUN_ID_FILE).read_text().strip() or None
+    if run_id is not None:
+        kwargs.setdefault("resume", "allow")
+        log.info("wandb: continuing run %s", run_id)
+    run_id = kwargs.pop("id", None) or run_id or secrets.token_hex(4)  # W&B's own ids are 8 characters too
+    if rank_zero_only.rank == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        (Path(save_dir) / WANDB_RUN_ID_FILE).write_text(run_id + "\n")
 
     # vLLM imports openai, and wandb then advertises its LLM-tracing product on every run; the user can opt back in.
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
@@ -123,7 +144,7 @@ def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None 
     return RolloutWandbLogger(
         save_dir=save_dir, project=project, name=name, entity=entity, group=group, tags=list(tags or []),
         config=drop_secrets(run_config) if run_config is not None else None, mode=resolved, settings=settings,
-        fallback_offline=(mode == "auto" and resolved == "online"), **kwargs,
+        fallback_offline=(mode == "auto" and resolved == "online"), id=run_id, **kwargs,
     )
 
 

@@ -120,15 +120,19 @@ class RolloutProgressBar(L.Callback):
             self.bar.close()
 
 
-def make_trainer(cfg: DictConfig, plan: StepPlan, output_dir: Path, callbacks: list) -> L.Trainer:
-    """The Lightning trainer, in the plan's (resolved) precision."""
+def make_trainer(cfg: DictConfig, plan: StepPlan, output_dir: Path, callbacks: list,
+                 resume_from: Path | None = None) -> L.Trainer:
+    """The Lightning trainer, in the plan's (resolved) precision; `resume_from`: the checkpoint being resumed."""
     strategy = cfg.strategy
     loggers = []  # metrics.csv is written by the module itself (resume-safe); these are additional
     if cfg.logger.get("extra"):
         extra = {"save_dir": str(output_dir)}
-        if "run_config" in inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters:
+        parameters = inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters
+        if "run_config" in parameters:
             # The run config, for trackers that record it; not instantiated recursively: its _target_ nodes are data here.
             extra.update(run_config=OmegaConf.to_container(cfg, resolve=True), _recursive_=False, _convert_="all")
+        if "resume_dir" in parameters and resume_from is not None:
+            extra["resume_dir"] = str(Path(resume_from).parent.parent)  # <run>/checkpoints/<file>.ckpt
         loggers.append(hydra.utils.instantiate(cfg.logger.extra, **extra))
     return L.Trainer(
         accelerator=strategy.accelerator, devices=strategy.devices, num_nodes=strategy.num_nodes,
@@ -211,7 +215,8 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    trainer = make_trainer(cfg, plan, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()])
+    trainer = make_trainer(cfg, plan, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
+                           resume_from=resume_from)
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
         # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.

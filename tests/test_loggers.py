@@ -144,6 +144,29 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
     assert exits and exits[-1].exit_code == 0  # the run was finished when training ended
 
 
+def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_credentials):
+    """logger=wandb offline: the run id is kept in the run directory, and resume=auto writes to that run."""
+    from lit_ppo.training import train
+
+    out = tmp_path / "run"
+    common = ["logger=wandb", "trainer.eval_every=0", "trainer.checkpoint_every=1", "model.warm_start.enabled=false",
+              "data.n_train=64", "data.n_eval=8", "ppo=grpo", f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}",
+              *FIXTURE_MODEL]
+    train(compose_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    run_id = (out / "wandb_run_id").read_text().strip()
+    train(compose_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # both parts write to one run
+    records = read_wandb_records(runs[-1])
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.run_id == run_id
+    steps = [row["rollout_step"] for row in history_rows(records) if "rollout/reward_mean" in row]
+    assert steps == [2]  # the resumed part logs only what is new
+    # A fresh start in the same directory (no resume) is a new W&B run.
+    train(compose_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    assert (out / "wandb_run_id").read_text().strip() != run_id
+
+
 def stub_trainer(loggers):
     return SimpleNamespace(is_global_zero=True, loggers=loggers)
 
