@@ -21,6 +21,7 @@ import os
 import random
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from lit_ppo import algorithms as algo
 from lit_ppo.distributed import global_max, global_sum
 from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
+from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.plan import PPOConfig, StepPlan
 from lit_ppo.report import write_metrics_csv
 
@@ -74,6 +76,27 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log softmax(logits)[target] without materialising the full log-softmax; [B, T]."""
     logits = logits.float()
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Training mode with every dropout off, and gradient checkpointing when asked.
+
+    `from_pretrained` returns a model in eval mode and Lightning keeps each submodule's mode, while Hugging Face
+    checkpoints layers only in training mode: without this, model.gradient_checkpointing=true did nothing.
+    Training mode must not switch dropout on (the critic's classifier_dropout is 0.1 by default): the ratio of
+    new to old log-probs and the comparison with vLLM's assume one deterministic function of the weights."""
+    for name, value in vars(model.config).items():
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    if gradient_checkpointing:
+        # Non-reentrant: parameters get gradients even though the layers' inputs (embeddings of ids) need none.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
@@ -116,10 +139,9 @@ class PPOModule(L.LightningModule):
         self.reference = None
         if plan.reference_enabled:
             self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
-        if gradient_checkpointing:
-            self.actor.gradient_checkpointing_enable()
-            if self.critic is not None:
-                self.critic.gradient_checkpointing_enable()
+        for model in (self.actor, self.critic):
+            if model is not None:
+                prepare_for_training(model, gradient_checkpointing)
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
         self.actor_optimizer_steps = 0
@@ -194,19 +216,22 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ forward helpers
 
     def _logits(self, model, mb: MicroBatch) -> Tensor:
-        """Outputs at the positions that predict each response token: [B, T, V] (or [B, T, 1] for the critic)."""
+        """Outputs at the positions that predict each response token: [B, T + 1, V] for a language model (the
+        last position predicts nothing: slicing it off would make autograd allocate a padded gradient of the
+        whole), [B, T, 1] for the critic."""
         T = mb.response_ids.shape[1]
         kwargs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
         if model is not self.critic:
             # Responses end the row, so only the last T + 1 positions need the LM head (vocab-sized).
-            return model(**kwargs, logits_to_keep=T + 1).logits[:, :T]
+            return model(**kwargs, logits_to_keep=T + 1).logits
         return model(**kwargs).logits[:, mb.prompt_width - 1:mb.prompt_width - 1 + T]
 
     def _values(self, mb: MicroBatch) -> Tensor:
         return self._logits(self.critic, mb)[..., 0].float()
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
-        return token_logprobs(self._logits(model, mb), mb.response_ids)
+        """In float32 chunks (lit_ppo.logits): never a float32 copy of the whole [B, T, V]."""
+        return logprobs_and_entropy(self._logits(model, mb), mb.response_ids)[0]
 
     def _micro_batches(self, batch, indices: list[int]):
         size = self.ppo.micro_train_batch_size
@@ -315,15 +340,17 @@ class PPOModule(L.LightningModule):
                 num_tokens, num_seqs, num_policy_tokens = global_sum(torch.stack([
                     mask.sum(), torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device),
                     exp["loss_mask"][indices].sum()]))
-                for idx, mb in self._micro_batches(batch, indices):
+                last = math.ceil(len(indices) / self.ppo.micro_train_batch_size) - 1
+                for position, (idx, mb) in enumerate(self._micro_batches(batch, indices)):
                     t = mb.response_ids.shape[1]
-                    stats = self._actor_backward(mb, {k: v[idx, :t] for k, v in exp.items() if v.dim() == 2},
-                                                 num_policy_tokens, num_seqs, world)
-                    for k, v in stats.items():
-                        add(k, v)
-                    micro_batches += 1
-                    if self.critic is not None:
-                        add("critic/value_loss", self._critic_backward(mb, exp, idx, t, num_tokens, world))
+                    with self._gradient_sync(position == last):
+                        stats = self._actor_backward(mb, {k: v[idx, :t] for k, v in exp.items() if v.dim() == 2},
+                                                     num_policy_tokens, num_seqs, world)
+                        for k, v in stats.items():
+                            add(k, v)
+                        micro_batches += 1
+                        if self.critic is not None:
+                            add("critic/value_loss", self._critic_backward(mb, exp, idx, t, num_tokens, world))
                 add("actor/grad_norm", self._step(self.actor, actor_opt, actor_sched))
                 self.actor_optimizer_steps += 1
                 updates += 1
@@ -347,8 +374,9 @@ class PPOModule(L.LightningModule):
         return metrics
 
     def _actor_backward(self, mb: MicroBatch, e: dict[str, Tensor], num_tokens, num_seqs, world: int) -> dict[str, float]:
-        logits = self._logits(self.actor, mb)
-        logp = token_logprobs(logits, mb.response_ids)
+        # Log-probs and entropy in float32 chunks; the entropy's gradient is computed only when the loss uses it
+        # (entropy_coef > 0). The logits hold their own gradient after the backward pass.
+        logp, entropy = logprobs_and_entropy(self._logits(self.actor, mb), mb.response_ids)
         mask = mb.response_mask
         pg_tok, clipped = algo.POLICY_LOSSES[self.ppo.policy_loss](
             logp, e["old_logp"], e["advantages"], mask, clip_ratio_low=self.ppo.clip_ratio_low,
@@ -357,7 +385,6 @@ class PPOModule(L.LightningModule):
         # get weight 0 and are out of `loss_mask`, whose global count `num_tokens` is).
         pg_tok = pg_tok * e["rc_weights"]
         loss_tok = pg_tok
-        entropy = algo.entropy_from_logits(logits.detach() if not self.ppo.entropy_coef else logits)
         if self.ppo.entropy_coef:
             loss_tok = loss_tok - self.ppo.entropy_coef * entropy
         if self.reference is not None and self.ppo.kl_mode == "loss":
@@ -383,6 +410,31 @@ class PPOModule(L.LightningModule):
         loss = algo.aggregate_loss(loss_tok, mb.response_mask, "token-mean", num_tokens=num_tokens) * world
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
+
+    @contextmanager
+    def _gradient_sync(self, enabled: bool):
+        """Gradients are synchronised over ranks once per optimizer step: the backward passes of a mini-batch's
+        micro-batches before the last accumulate locally (DDP `no_sync`: no all-reduce; FSDP2
+        `set_requires_gradient_sync(False)`: no reduce-scatter, the unsharded gradients accumulate on each rank),
+        the last one reduces the sum. The same gradients as a sync per micro-batch (sums commute with the
+        averaging), with 1/accumulation of the communication."""
+        wrapper = self.trainer.strategy.model if self.plan.data_parallel_size > 1 else None
+        if enabled or wrapper is None:
+            yield
+        elif isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+            with wrapper.no_sync():
+                yield
+        elif self.sharded:
+            models = [m for m in (self.actor, self.critic) if m is not None]
+            for model in models:
+                model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                for model in models:
+                    model.set_requires_gradient_sync(True)
+        else:
+            yield
 
     def _step(self, model, optimizer, scheduler) -> float:
         """Clip and apply one update; a non-finite gradient skips it (counted) instead of corrupting the weights.

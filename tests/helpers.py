@@ -16,7 +16,8 @@ from lit_ppo.rewards import RewardScorer, integer_match
 
 
 def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_steps: int = 1, eval_every: int = 0,
-              rollout: RolloutConfig | None = None, reward_fn=integer_match, callbacks=(), **ppo_overrides):
+              rollout: RolloutConfig | None = None, reward_fn=integer_match, callbacks=(), gradient_checkpointing=False,
+              **ppo_overrides):
     ppo = PPOConfig(**{"rollout_batch_size": 8, "n_samples_per_prompt": 4, "train_batch_size": 8,
                        "micro_train_batch_size": 4, "actor_lr": 1e-3, "critic_lr": 1e-3, **ppo_overrides})
     rollout = rollout or RolloutConfig(max_response_length=6, eval_samples_per_prompt=2)
@@ -29,7 +30,7 @@ def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_st
                                    scorer=RewardScorer(fn=reward_fn), tokenizer=tokenizer, model_dir=model_dir,
                                    seed=0, engine=engine)
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
-                       pad_token_id=tokenizer.pad_token_id, eval_every=eval_every,
+                       pad_token_id=tokenizer.pad_token_id, eval_every=eval_every, gradient_checkpointing=gradient_checkpointing,
                        metrics_path=str(Path(tmp_path) / "metrics.csv"))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,

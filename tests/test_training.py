@@ -57,7 +57,7 @@ def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmeti
 
 def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmetic_files, tmp_path):
     """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
-    from lit_ppo.module import pack, token_logprobs
+    from lit_ppo.module import pack
 
     # A reward that varies between samples, so the random policy gets a learning signal.
     trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3,
@@ -68,7 +68,7 @@ def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmet
     def actor_logprobs():
         mb = pack([prompt], [response], module.pad_token_id, module.device)
         with torch.no_grad():
-            return token_logprobs(module._logits(module.actor, mb), mb.response_ids)[0]
+            return module.response_logprobs(module.actor, mb)[0]
 
     module.sync_weights(engine)
     before_vllm = torch.tensor(engine.sequence_logprobs(prompt, response))
