@@ -15,7 +15,8 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   intermediate-size ones (gate, up, SiLU(gate), their product), counted with torch's saved-tensor hooks; its
   SDPA path with padding also keeps a [B, 1, S, S] mask per layer. The layer whose backward runs needs about
   as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time.
-- logits: the LM head's output on the response positions [B, T, V] in the compute dtype and its gradient, plus
+- logits: the LM head's output on the response positions [B, T, V] in the compute dtype (lit_ppo.logits writes their
+  gradient over them), plus
   a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
@@ -115,6 +116,7 @@ class MemoryInputs:
     vllm_sleeps: bool = True  # rollout.sleep_between_steps (takes effect on GPUs only)
     cpu_kv_cache_gib: float = 1  # rollout.kv_cache_gib: vLLM's KV cache on CPU
     device_memory_gib: float | None = None
+    grad_accumulation_steps: int = 1  # micro-batches per optimizer step per rank
 
 
 @dataclass
@@ -181,6 +183,11 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         gathered = (shape.embedding_parameters() + shape.layer_parameters()) * (size["compute"] + size["grad"])
         rows.append(("FSDP gathered units", gathered, "root unit (embeddings, LM head) + one decoder layer, weights and gradients"))
         extra += gathered
+        if run.grad_accumulation_steps > 1:  # reduce-scatter once per optimizer step: unsharded sums until then
+            unsharded = trained * size["grad"]
+            rows.append(("FSDP unsharded gradients", unsharded,
+                         f"accumulated over {run.grad_accumulation_steps} micro-batches before one reduce-scatter"))
+            extra += unsharded
     elif run.precision == "bf16-mixed":
         autocast = params * 2
         rows.append(("autocast weight copies", autocast, "bf16 copies of the weights of the model in training"))
@@ -196,9 +203,9 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     activations = with_ if run.gradient_checkpointing else without
     response = run.micro_batch_size * run.response_tokens
     chunk = min(run.response_tokens, LOGPROB_CHUNK_TOKENS)
-    logits = response * shape.vocab_size * 2 * c + LOGPROB_CHUNKS_ALIVE * chunk * shape.vocab_size * 4
-    rows.append(("logits", logits, f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B and its "
-                                   f"gradient, + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens"))
+    logits = response * shape.vocab_size * c + LOGPROB_CHUNKS_ALIVE * chunk * shape.vocab_size * 4
+    rows.append(("logits", logits, f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B (their "
+                                   f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens"))
     kv_bytes = DTYPE_BYTES[run.rollout_dtype]
     vllm_weights = params * kv_bytes // run.tensor_parallel_size
     rows.append(("vLLM weights", vllm_weights, f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else "")))

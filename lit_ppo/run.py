@@ -125,7 +125,8 @@ def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
         rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=int(rollout.max_model_len),
         on_gpu=on_gpu(cfg), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
         tensor_parallel_size=int(rollout.tensor_parallel_size), vllm_sleeps=bool(rollout.sleep_between_steps),
-        cpu_kv_cache_gib=float(rollout.kv_cache_gib), device_memory_gib=device_memory_gib(cfg)))
+        cpu_kv_cache_gib=float(rollout.kv_cache_gib), device_memory_gib=device_memory_gib(cfg),
+        grad_accumulation_steps=plan.grad_accumulation_steps))
 
 
 def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | None = None) -> None:

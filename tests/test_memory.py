@@ -49,26 +49,30 @@ def test_single_float32_estimate_by_hand():
     # 2 layers x (layer + mask) + one layer's backward; with: 16 tokens x 2 layers x 8 x 4 B + 2 layers' worth + a mask
     assert r["activations, no checkpointing"] == 2 * (9216 + 512) + 9216 == 28672
     assert r["activations, checkpointing"] == 16 * 2 * 8 * 4 + 2 * 9216 + 512 == 19968
-    assert r["logits"] == 10 * 100 * 2 * 4 + 4 * 5 * 100 * 4  # logits and gradient, 4 float32 chunks of 5 tokens
+    assert r["logits"] == 10 * 100 * 4 + 4 * 5 * 100 * 4  # logits (their gradient in place), 4 float32 chunks of 5 tokens
     assert r["vLLM weights"] == 2024 * 4
     assert r["vLLM KV cache, all in flight"] == 4 * 16 * 2 * 2 * 4 * 4
     assert r["vLLM reservation"] == GIB // 2
-    assert e.training_bytes == 24288 + 16192 + 32384 + 28672 + 16000
+    assert e.training_bytes == 24288 + 16192 + 32384 + 28672 + 12000
     assert e.rollout_bytes == 24288 + 32384 + GIB // 2
     assert e.peak_bytes == e.rollout_bytes and e.warning is None  # vLLM sleeps while training on a GPU
 
 
 def test_checkpointing_ddp_fsdp_and_bf16_by_hand():
     assert estimate_memory(SHAPE, dataclasses.replace(RUN, gradient_checkpointing=True)).training_bytes == \
-        24288 + 16192 + 32384 + 19968 + 16000
+        24288 + 16192 + 32384 + 19968 + 12000
     ddp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="ddp", data_parallel_size=2)))
     assert ddp["DDP gradient buckets"] == 2024 * 4 and ddp["weights"] == 24288
     fsdp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2)))
     assert fsdp["weights"] == 24288 // 2 and fsdp["gradients"] == 16192 // 2 and fsdp["optimizer states"] == 32384 // 2
     assert fsdp["FSDP gathered units"] == (808 + 608) * (4 + 4)
+    assert "FSDP unsharded gradients" not in fsdp
+    accumulating = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2,
+                                                                   grad_accumulation_steps=4)))
+    assert accumulating["FSDP unsharded gradients"] == 2 * 2024 * 4  # actor and critic, float32, whole
     bf16 = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, precision="bf16-mixed", rollout_dtype="bfloat16")))
     assert bf16["weights"] == 24288 and bf16["autocast weight copies"] == 2024 * 2
-    assert bf16["activations, no checkpointing"] == 28672 // 2 and bf16["logits"] == 10 * 100 * 2 * 2 + 4 * 5 * 100 * 4
+    assert bf16["activations, no checkpointing"] == 28672 // 2 and bf16["logits"] == 10 * 100 * 2 + 4 * 5 * 100 * 4
     true16 = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, precision="bf16-true")))
     assert true16["weights"] == 24288 // 2 and true16["optimizer states"] == 32384 // 2
 
@@ -76,7 +80,7 @@ def test_checkpointing_ddp_fsdp_and_bf16_by_hand():
 def test_over_the_device_memory_warns_in_one_line():
     cpu = dataclasses.replace(RUN, on_gpu=False, cpu_kv_cache_gib=0, device_memory_gib=100_000 / GIB)
     e = estimate_memory(SHAPE, cpu)
-    assert e.peak_bytes == 117536 + 2024 * 4  # on CPU vLLM stays resident while training
+    assert e.peak_bytes == 113536 + 2024 * 4  # on CPU vLLM stays resident while training
     assert e.warning and "\n" not in e.warning and "micro_train_batch_size" in e.warning
     assert f"warning: {e.warning}" in e.table()
 
