@@ -24,6 +24,7 @@ SETTINGS = ["ppo=ppo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4"
             "model.tiny.num_layers=2", "rollout.max_response_length=8"]
 
 
+@pytest.mark.slow  # two 2-process runs with a vLLM engine per rank: minutes on 2 cores (make test-slow)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
     counts = tmp_path / "counts"
@@ -33,7 +34,7 @@ def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "grad_sync"), str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "train.py", *STRATEGIES[strategy], *SETTINGS, f"output_dir={out}",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420, check=False)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["grad_accumulation_steps"] == 4 and plan["optimizer_steps_per_rollout_step"] == 2
