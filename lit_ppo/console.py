@@ -120,15 +120,6 @@ def setup_logging(output_dir: Path, *, verbose: bool = False, rank: int = 0) -> 
     root.addHandler(file_handler)
     root.addHandler(console)
     logging.getLogger(OURS).setLevel(logging.INFO)
-    try:
-        import transformers.utils.logging as hf_logging
-
-        hf_logging.disable_default_handler()  # added lazily on first use, hence through its own API
-        hf_logging.enable_propagation()
-        if not verbose:
-            hf_logging.disable_progress_bar()  # "Loading weights" bars for every from_pretrained
-    except ImportError:
-        pass
     logging.captureWarnings(True)  # warnings.warn(...) -> the `py.warnings` logger -> run.log
     _log_file, _verbose = path, verbose
     adopt_library_loggers()
@@ -148,6 +139,13 @@ def adopt_library_loggers() -> None:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
         logger.propagate = True
+    if "transformers" in sys.modules:  # not imported for mode=plan, which stays light
+        import transformers.utils.logging as hf_logging
+
+        hf_logging.disable_default_handler()  # added lazily on first use, hence through its own API
+        hf_logging.enable_propagation()
+        if not _verbose:
+            hf_logging.disable_progress_bar()  # "Loading weights" bars for every from_pretrained
     _install_library_filters()
 
 
