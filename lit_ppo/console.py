@@ -80,7 +80,8 @@ class _RotaryReloadFilter(logging.Filter):
     Its RotaryEmbedding holds only `cos_sin_cache`, a non-persistent buffer computed from the config that no
     checkpoint contains (Hugging Face's counterpart, `inv_freq`, is left out of state_dicts too), so after
     every weight sync vLLM logs `RotaryEmbedding: Failed to load weights` and puts the computed cache back,
-    unchanged. Every real tensor is loaded: tests/test_console.py counts them. The record is kept, as DEBUG."""
+    unchanged. Every real tensor is loaded: tests/test_console.py counts them. The record is kept, as DEBUG
+    (below the INFO level of run.log)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == "%s: Failed to load weights" and str(record.args[0] if record.args else "").endswith("RotaryEmbedding"):
@@ -110,10 +111,10 @@ def setup_logging(output_dir: Path, *, verbose: bool = False, rank: int = 0) -> 
     for handler in list(root.handlers):  # Hydra's console and file handlers, or the previous job's
         root.removeHandler(handler)
         handler.close()
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.setLevel(logging.INFO)  # DEBUG would be thousands of lines (matplotlib's font search alone)
     file_handler = logging.FileHandler(path, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter(FILE_FORMAT, DATE_FORMAT))
-    file_handler.setLevel(logging.DEBUG if verbose else logging.INFO)
+    file_handler.setLevel(logging.INFO)
     console = _TqdmHandler(sys.stdout)
     console.setFormatter(_ConsoleFormatter())
     console.addFilter(_ConsoleFilter(verbose, rank))
