@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lit_ppo.console import setup_logging, show_error
-from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, StepAccountingError
+from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError, StepAccountingError
 from lit_ppo.plan import ConfigError
 from lit_ppo.prompts import DataError
 from lit_ppo.rewards import RewardError
@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ConfigError, DataError, RewardError, NonFiniteUpdatesError, StepAccountingError,
-            DynamicSamplingShortfallError) as error:
+            DynamicSamplingShortfallError, RolloutMismatchError) as error:
         # A mistake the user can fix: one line, no traceback (the type is in run.log).
         logging.getLogger("lit_ppo").debug("%s: %s", type(error).__name__, error)
         show_error(f"error: {error}")

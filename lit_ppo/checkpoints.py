@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError
+from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError
 from lit_ppo.plan import ConfigError
 
 _NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
@@ -89,6 +89,7 @@ class RolloutCheckpoint(L.Callback):
         self.save(trainer, module)
 
     def on_exception(self, trainer, module, exception: BaseException) -> None:
-        # Keep what was learned before the divergence, or before dynamic sampling ran short.
-        if isinstance(exception, (NonFiniteUpdatesError, DynamicSamplingShortfallError)):
+        # Keep what was learned: before the divergence, before dynamic sampling ran short, or before a rollout that
+        # did not match the actor.
+        if isinstance(exception, (NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError)):
             self.save(trainer, module)

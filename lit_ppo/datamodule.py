@@ -37,8 +37,13 @@ class RolloutConfig:
     max_response_length: int = 8
     """Tokens generated per response at most."""
     temperature: float = 1.0
+    """vLLM's sampling temperature; the trainer's log-probs (old, reference, new, entropy) use logits / temperature."""
     top_p: float = 1.0
     """< 1: the trainer's log-probs are of the untruncated distribution (the plan warns)."""
+    max_logprob_abs_diff: float | None = 0.5
+    """Stop the run when the mean |trainer old log-prob - vLLM log-prob| over a rollout step's response tokens
+    exceeds this (nats per token): vLLM is not sampling from the actor (a weight sync that failed). Measured
+    on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
     dtype: str | None = None
     """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
     gpu_memory_utilization: float = 0.3

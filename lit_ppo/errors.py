@@ -11,3 +11,7 @@ class NonFiniteUpdatesError(RuntimeError):
 
 class DynamicSamplingShortfallError(RuntimeError):
     """Dynamic sampling found too few prompt groups with differing rewards (ppo.dynamic_sampling.on_shortfall=stop)."""
+
+
+class RolloutMismatchError(RuntimeError):
+    """The trainer's log-probs of the sampled tokens are far from the sampler's: it trains on other data than it thinks."""

@@ -8,6 +8,8 @@ logits' gradient chunk by chunk. Peak: the logits, their gradient, and a few flo
 
 Gradients, per token with p = softmax(x), log-prob l_y = x_y - logsumexp(x), entropy H = -sum p log p:
   d l_y / dx = onehot(y) - p,        dH / dx = -p * (log p + H).
+With a sampling temperature T the distribution is softmax(logits / T): x = logits / T, and the gradient with
+respect to the logits is the one above divided by T.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ def _chunks(batch: int, length: int, chunk_tokens: int):
 
 class _LogprobsAndEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, chunk_tokens: int):
+    def forward(ctx, logits: Tensor, targets: Tensor, chunk_tokens: int, temperature: float):
         B, T = targets.shape
         logp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for row, start, end in _chunks(B, T, chunk_tokens):
-            x = logits[row, start:end].float()
+            x = logits[row, start:end].float() / temperature
             chunk_lse = torch.logsumexp(x, dim=-1)
             logp[row, start:end] = x.gather(-1, targets[row, start:end, None]).squeeze(-1) - chunk_lse
             log_p = x - chunk_lse[:, None]
@@ -42,6 +44,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
             lse[row, start:end] = chunk_lse
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.chunk_tokens = chunk_tokens
+        ctx.temperature = temperature
         ctx.overwrite = not logits.is_leaf  # a leaf is the caller's own tensor: leave it alone
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -56,7 +59,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         grad = logits if ctx.overwrite else torch.empty_like(logits)
         grad[:, T:].zero_()  # positions past T (e.g. the LM head's extra last one) get no gradient
         for row, start, end in _chunks(B, T, ctx.chunk_tokens):
-            log_p = logits[row, start:end].float() - lse[row, start:end, None]
+            log_p = logits[row, start:end].float() / ctx.temperature - lse[row, start:end, None]
             p = log_p.exp()
             chunk = torch.zeros_like(p)
             if grad_logp is not None:
@@ -64,11 +67,12 @@ class _LogprobsAndEntropy(torch.autograd.Function):
                 chunk.sub_(p * g).scatter_add_(-1, targets[row, start:end, None], g)
             if grad_entropy is not None:
                 chunk.sub_(p * (log_p + entropy[row, start:end, None]) * grad_entropy[row, start:end, None].float())
-            grad[row, start:end] = chunk.to(grad.dtype)
-        return grad, None, None
+            grad[row, start:end] = (chunk / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
 
 
-def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS,
+                         temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """log softmax(logits)[target] and the entropy of softmax(logits) at each of targets' [B, T] positions, in
     float32; `logits` is [B, >= T, V] in any dtype (positions past T are ignored: pass the LM head's output
     as is, slicing it would make autograd allocate a padded gradient). Differentiable in both outputs.
@@ -76,4 +80,6 @@ def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CH
     The backward pass overwrites `logits` (unless a leaf) with their gradient: read nothing from them after backward."""
     if logits.dim() != 3 or targets.dim() != 2 or logits.shape[0] != targets.shape[0] or logits.shape[1] < targets.shape[1]:
         raise ValueError(f"logprobs_and_entropy: logits {tuple(logits.shape)} do not cover targets {tuple(targets.shape)}")
-    return _LogprobsAndEntropy.apply(logits, targets, chunk_tokens)
+    if temperature <= 0:
+        raise ValueError(f"logprobs_and_entropy: temperature {temperature} must be positive")
+    return _LogprobsAndEntropy.apply(logits, targets, chunk_tokens, float(temperature))

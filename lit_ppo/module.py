@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo import algorithms as algo
 from lit_ppo.distributed import global_max, global_sum
-from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
+from lit_ppo.errors import NonFiniteUpdatesError, RolloutMismatchError, StepAccountingError
 from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.plan import PPOConfig, StepPlan
 from lit_ppo.report import write_metrics_csv
@@ -113,7 +113,7 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
 class PPOModule(L.LightningModule):
     def __init__(self, *, model_dir: str, ppo: PPOConfig, plan: StepPlan, max_response_length: int, pad_token_id: int,
                  gradient_checkpointing: bool = False, eval_every: int = 0, max_consecutive_skipped_updates: int = 3,
-                 metrics_path: str | None = None):
+                 metrics_path: str | None = None, temperature: float = 1.0, max_logprob_abs_diff: float | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.ppo = ppo
@@ -123,6 +123,10 @@ class PPOModule(L.LightningModule):
         self.eval_every = eval_every
         self.max_consecutive_skipped_updates = max_consecutive_skipped_updates
         self.metrics_path = metrics_path
+        # vLLM samples from softmax(logits / temperature): every log-prob the trainer takes (old, reference,
+        # new, entropy) is of that distribution, or the ratio and the KL compare the wrong ones.
+        self.temperature = temperature
+        self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
         self.actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.critic = None
@@ -164,16 +168,20 @@ class PPOModule(L.LightningModule):
         Other strategies have no device mesh and keep whole models."""
         if self.device_mesh is None or self.sharded:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        # bf16-mixed: float32 parameters, gradients and AdamW states (the shards), bf16 for the gathered
+        # parameters that compute, gradients reduced in float32 (as verl and OpenRLHF train under FSDP).
+        mixed = self.trainer.precision == "bf16-mixed"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         for model in (self.actor, self.critic, self.reference):
             if model is None:
                 continue
             layer_classes = set(model._no_split_modules or ())  # Hugging Face's name for its decoder layer class
             for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
         self.sharded = True
 
     def full_actor_tensors(self):
@@ -218,7 +226,8 @@ class PPOModule(L.LightningModule):
     def _logits(self, model, mb: MicroBatch) -> Tensor:
         """Outputs at the positions that predict each response token: [B, T + 1, V] for a language model (the
         last position predicts nothing: slicing it off would make autograd allocate a padded gradient of the
-        whole), [B, T, 1] for the critic."""
+        whole), [B, T, 1] for the critic. The sampling temperature is applied where the logits are read
+        (`logprobs_and_entropy(..., temperature=self.temperature)`), chunk by chunk in float32."""
         T = mb.response_ids.shape[1]
         kwargs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
         if model is not self.critic:
@@ -231,7 +240,7 @@ class PPOModule(L.LightningModule):
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.logits): never a float32 copy of the whole [B, T, V]."""
-        return logprobs_and_entropy(self._logits(model, mb), mb.response_ids)[0]
+        return logprobs_and_entropy(self._logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
 
     def _micro_batches(self, batch, indices: list[int]):
         size = self.ppo.micro_train_batch_size
@@ -258,6 +267,12 @@ class PPOModule(L.LightningModule):
             if self.critic is not None:
                 exp["values"][idx, :t] = self._values(mb)
         mask = exp["mask"]
+        if batch.rollout_logprobs is not None:
+            exp["rollout_logp"] = torch.zeros(N, T, device=self.device, dtype=torch.float32)
+            for i, logprobs in enumerate(batch.rollout_logprobs):
+                exp["rollout_logp"][i, :len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+            exp["logprob_abs_diff_mean"], exp["logprob_abs_diff_max"] = self.check_rollout_logprobs(
+                batch.rollout_step, exp["old_logp"], exp["rollout_logp"], mask)
         rewards = batch.rewards.to(self.device)
         kl = algo.KL_ESTIMATORS[self.ppo.kl_estimator](exp["old_logp"] - exp["ref_logp"]) * mask
         kl_penalty = self.kl_coef * kl if (self.reference is not None and self.ppo.kl_mode == "reward") else None
@@ -280,17 +295,33 @@ class PPOModule(L.LightningModule):
         if rc.mode == "none":
             self.rollout_correction_stats = {}
             return {"rc_weights": mask.clone(), "loss_mask": mask.clone()}
-        if batch.rollout_logprobs is None:
+        if "rollout_logp" not in exp:  # made by make_experience from batch.rollout_logprobs
             raise ValueError(f"ppo.rollout_correction.mode={rc.mode} needs the sampler's log-probs, but this rollout batch "
                              "has none (not generated by vLLM); fix: set ppo.rollout_correction.mode=none")
-        rollout_logp = torch.zeros_like(mask)
-        for i, logprobs in enumerate(batch.rollout_logprobs):
-            rollout_logp[i, :len(logprobs)] = torch.tensor(logprobs, dtype=mask.dtype)
         weights, keep, stats = algo.rollout_correction(
-            exp["old_logp"], rollout_logp, mask, mode=rc.mode, level=rc.level, tis_cap=rc.tis_cap, mis_low=rc.mis_low,
+            exp["old_logp"], exp["rollout_logp"], mask, mode=rc.mode, level=rc.level, tis_cap=rc.tis_cap, mis_low=rc.mis_low,
             mis_high=rc.mis_high, global_sum=global_sum, global_max=global_max)
         self.rollout_correction_stats = {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
         return {"rc_weights": weights, "loss_mask": keep}
+
+    def check_rollout_logprobs(self, rollout_step: int, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor):
+        """Mean and max |trainer old log-prob - vLLM log-prob| over the global batch's response tokens (as 0-dim
+        tensors); over `max_logprob_abs_diff` the run stops: the engine is not sampling from the actor being
+        trained (a weight sync that silently failed, the most reported failure of RL trainers) or the two
+        compute different distributions (temperature, top_p, dtype)."""
+        diff = (old_logp - rollout_logp).abs() * mask  # [N, T]
+        total = global_sum(torch.stack([diff.sum(), mask.sum()]).double())
+        mean = total[0] / total[1].clamp(min=1)
+        largest = global_max(diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device))
+        if self.max_logprob_abs_diff is not None and float(mean) > self.max_logprob_abs_diff:
+            raise RolloutMismatchError(
+                f"rollout step {rollout_step + 1}: the trainer's log-probs of the sampled tokens differ from vLLM's by "
+                f"{float(mean):.3f} nats per token on average (max {float(largest):.2f}), more than "
+                f"rollout.max_logprob_abs_diff={self.max_logprob_abs_diff}: vLLM is not sampling from the actor being "
+                "trained (a weight sync that failed) or samples another distribution (rollout.top_p < 1, rollout.dtype); "
+                "fix: check the weight sync and those settings, or raise rollout.max_logprob_abs_diff (null disables)"
+            )
+        return mean, largest
 
     def _dump_experience(self, directory: Path, batch, exp: dict[str, Tensor]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -376,7 +407,7 @@ class PPOModule(L.LightningModule):
     def _actor_backward(self, mb: MicroBatch, e: dict[str, Tensor], num_tokens, num_seqs, world: int) -> dict[str, float]:
         # Log-probs and entropy in float32 chunks; the entropy's gradient is computed only when the loss uses it
         # (entropy_coef > 0). The logits hold their own gradient after the backward pass.
-        logp, entropy = logprobs_and_entropy(self._logits(self.actor, mb), mb.response_ids)
+        logp, entropy = logprobs_and_entropy(self._logits(self.actor, mb), mb.response_ids, temperature=self.temperature)
         mask = mb.response_mask
         pg_tok, clipped = algo.POLICY_LOSSES[self.ppo.policy_loss](
             logp, e["old_logp"], e["advantages"], mask, clip_ratio_low=self.ppo.clip_ratio_low,
@@ -544,8 +575,8 @@ class PPOModule(L.LightningModule):
         }
         if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS:
             local["uniform_groups"] = algo.count_uniform_groups(rewards, self.plan.n_samples_per_prompt)
-        for k, v in batch.reward_metrics.items():  # per-rank means over equally many samples
-            local[f"reward_{k}"] = v / self.plan.data_parallel_size
+        for k, v in batch.reward_metrics.items():  # per-rank means over equally many samples; `errors` is a count
+            local[f"reward_{k}"] = v if k == "errors" else v / self.plan.data_parallel_size
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in local.values()])
         total = dict(zip(local, global_sum(stacked).tolist()))
         n, tokens = total["samples"], total["tokens"]
@@ -564,10 +595,14 @@ class PPOModule(L.LightningModule):
             "rollout/response_length_max": float(global_max(lengths.max().double())),
             "rollout/truncated_fraction": total["truncated"] / n,
             "rollout/generated_tokens": tokens,
-            "rollout/kl_to_reference": total["kl"] / max(tokens, 1.0),
-            "rollout/kl_coef": self.kl_coef,
             "rollout/advantage_mean": total["advantage"] / max(tokens, 1.0),
         }
+        if self.reference is not None:  # without one, exp["kl"] compares with zeros and means nothing
+            row["rollout/kl_to_reference"] = total["kl"] / max(tokens, 1.0)
+            row["rollout/kl_coef"] = self.kl_coef
+        if "logprob_abs_diff_mean" in exp:  # already global
+            row["rollout/logprob_abs_diff"] = float(exp["logprob_abs_diff_mean"])
+            row["rollout/logprob_abs_diff_max"] = float(exp["logprob_abs_diff_max"])
         if "uniform_groups" in total:
             row["rollout/uniform_reward_groups"] = int(total["uniform_groups"])
         if self.plan.dynamic_sampling:  # global counts already, the same on every rank

@@ -209,7 +209,8 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
                        pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
                        eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),
-                       max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates)
+                       max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
+                       temperature=rollout.temperature, max_logprob_abs_diff=rollout.max_logprob_abs_diff)
     checkpoints = RolloutCheckpoint(output_dir / "checkpoints", every=cfg.trainer.checkpoint_every,
                                     keep=cfg.trainer.keep_checkpoints)
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")

@@ -31,7 +31,8 @@ def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_st
                                    seed=0, engine=engine)
     module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
                        pad_token_id=tokenizer.pad_token_id, eval_every=eval_every, gradient_checkpointing=gradient_checkpointing,
-                       metrics_path=str(Path(tmp_path) / "metrics.csv"))
+                       metrics_path=str(Path(tmp_path) / "metrics.csv"), temperature=rollout.temperature,
+                       max_logprob_abs_diff=rollout.max_logprob_abs_diff)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         default_root_dir=str(tmp_path), callbacks=list(callbacks))

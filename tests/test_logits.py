@@ -59,3 +59,22 @@ def test_no_grad_builds_no_graph():
     with torch.no_grad():
         logp, entropy = logprobs_and_entropy(logits, torch.zeros(1, 3, dtype=torch.long))
     assert logp.grad_fn is None and entropy.grad_fn is None
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+def test_temperature_gives_the_sampled_distribution_and_its_gradient(temperature):
+    """With a temperature T the log-probs and entropy are those of softmax(logits / T), what vLLM samples from,
+    and the gradient with respect to the logits carries the 1 / T."""
+    torch.manual_seed(2)
+    leaf = (3 * torch.randn(2, 5, 40)).requires_grad_()
+    targets = torch.randint(0, 40, (2, 4))
+    weights = torch.randn(2, 4)
+    logp, entropy = logprobs_and_entropy(leaf * 1.0, targets, chunk_tokens=3, temperature=temperature)
+    (grad,) = torch.autograd.grad((logp * weights).sum() + (0.3 * entropy * weights).sum(), leaf)
+    expected_logits = leaf.detach().double().requires_grad_()
+    ref_logp, ref_entropy = reference(expected_logits / temperature, targets)
+    (ref_grad,) = torch.autograd.grad((ref_logp * weights).sum() + (0.3 * ref_entropy * weights).sum(), expected_logits)
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+    assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
+    untempered, _ = logprobs_and_entropy(leaf.detach(), targets)
+    assert (untempered - logp.detach()).abs().max() > 0.05  # the comparison can fail

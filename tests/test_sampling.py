@@ -16,6 +16,7 @@ from lit_ppo.module import pack
 from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
+from tests.helpers import build_run
 
 PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
 
@@ -76,3 +77,57 @@ def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_mo
         for row, logprobs in enumerate(batch.rollout_logprobs):
             vllm[row, :len(logprobs)] = torch.tensor(logprobs)
         assert (raw - vllm)[mask].abs().mean() > 0.02
+
+
+# ------------------------------------------------------------------ the trainer's log-probs are the sampler's
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_trainer_old_logprobs_equal_vllm_logprobs(tiny_model_dir, engine, long_prompt_files, tmp_path, temperature):
+    """make_experience's old log-probs of the sampled tokens equal vLLM's within 1e-3 per token (float32), at a
+    temperature other than 1 too; the logged mean difference says so."""
+    rollout = RolloutConfig(max_response_length=12, temperature=temperature)
+    _, module, datamodule, _ = build_run(tiny_model_dir, engine, long_prompt_files, tmp_path, rollout=rollout,
+                                         train_batch_size=16, micro_train_batch_size=8)
+    module.sync_weights(engine)
+    batch = datamodule.produce_rollout(0)
+    exp = module.make_experience(batch)
+    mask = exp["mask"].bool()
+    assert min(len(p) for p in batch.prompt_ids) >= 100 and int(mask.sum()) > 100
+    diff = (exp["old_logp"] - exp["rollout_logp"])[mask].abs()
+    assert float(diff.max()) < 1e-3, float(diff.max())
+    assert float(exp["logprob_abs_diff_mean"]) == pytest.approx(float(diff.mean()), abs=1e-9)
+    assert float(exp["logprob_abs_diff_max"]) == pytest.approx(float(diff.max()), abs=1e-9)
+
+
+def test_an_engine_left_with_stale_weights_stops_the_run(tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch):
+    """After an update at a high learning rate the engine is NOT given the new weights: the next rollout step's
+    samples come from the old policy, and the gate stops the run naming that rollout step."""
+    from lit_ppo.errors import RolloutMismatchError
+
+    varied = lambda p, responses, r, e: [len(x) % 3 for x in responses]  # noqa: E731 - a learning signal
+    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=3,
+                                               actor_lr=5e-2, reward_fn=varied)
+    synced = []
+    real_sync = type(module).sync_weights
+
+    def sync_only_at_the_start(self, engine_):
+        if not synced:
+            real_sync(self, engine_)
+        synced.append(self.rollout_step)
+
+    monkeypatch.setattr(type(module), "sync_weights", sync_only_at_the_start)
+    with pytest.raises(RolloutMismatchError, match=r"^rollout step 2: .*max_logprob_abs_diff=0.5") as info:
+        trainer.fit(module, datamodule=datamodule)
+    assert "\n" not in str(info.value)
+    assert module.history[0]["rollout/logprob_abs_diff"] < 1e-3  # step 1 sampled from the synced weights
+
+
+def test_kl_to_reference_is_logged_only_with_a_reference_model(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    for estimator, kl_coef, logged in (("grpo", 0.0, False), ("dr_grpo", 0.0, False), ("gae", 0.05, True)):
+        trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path,
+                                                   advantage_estimator=estimator, kl_coef=kl_coef)
+        trainer.fit(module, datamodule=datamodule)
+        row = module.history[-1]
+        assert ("rollout/kl_to_reference" in row) is logged and ("rollout/kl_coef" in row) is logged, estimator
+        assert "rollout/logprob_abs_diff" in row and row["rollout/logprob_abs_diff"] < 1e-3
