@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from lit_ppo.datamodule import RolloutConfig
 from lit_ppo.plan import RolloutCorrectionConfig
 from tests.helpers import build_run
 
@@ -22,8 +23,11 @@ def varied_reward(prompts, responses, references, extras):
 def one_step(paths, engine, tmp_path, *, shift: float, **ppo):
     """One rollout step of GRPO without KL whose vLLM log-probs are moved by `shift` nats on every token, as a
     sampler that disagrees with the trainer would report them: rho = pi_old / pi_rollout = exp(-shift)."""
+    # A sampler 1 nat off on every token would stop the run at rollout.max_logprob_abs_diff (the gate against
+    # stale weights); this test simulates one on purpose, so the gate is off.
+    rollout = RolloutConfig(max_response_length=6, eval_samples_per_prompt=2, max_logprob_abs_diff=None)
     trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], tmp_path, advantage_estimator="grpo",
-                                               kl_coef=0.0, kl_mode="loss", reward_fn=varied_reward, **ppo)
+                                               kl_coef=0.0, kl_mode="loss", reward_fn=varied_reward, rollout=rollout, **ppo)
     produce = datamodule.produce_rollout
 
     def shifted(step):
