@@ -39,6 +39,7 @@ from lit_ppo.errors import NonFiniteUpdatesError, RolloutMismatchError, StepAcco
 from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.plan import PPOConfig, StepPlan
 from lit_ppo.report import write_metrics_csv
+from lit_ppo.rewards import COUNT_METRICS
 
 # Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
 # (with the samples' global positions), e.g. to check that they do not depend on the number of ranks.
@@ -575,8 +576,8 @@ class PPOModule(L.LightningModule):
         }
         if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS:
             local["uniform_groups"] = algo.count_uniform_groups(rewards, self.plan.n_samples_per_prompt)
-        for k, v in batch.reward_metrics.items():  # per-rank means over equally many samples; `errors` is a count
-            local[f"reward_{k}"] = v if k == "errors" else v / self.plan.data_parallel_size
+        for k, v in batch.reward_metrics.items():  # per-rank means over equally many samples, or counts (summed)
+            local[f"reward_{k}"] = v if k in COUNT_METRICS else v / self.plan.data_parallel_size
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in local.values()])
         total = dict(zip(local, global_sum(stacked).tolist()))
         n, tokens = total["samples"], total["tokens"]

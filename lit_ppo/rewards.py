@@ -99,6 +99,10 @@ class SequenceClassifierReward:
         return scores
 
 
+# Reward metrics that count samples (the others are per-sample means): summed over data-parallel ranks, not averaged.
+COUNT_METRICS = ("errors", "timeouts", "none")
+
+
 class RewardError(RuntimeError):
     """The reward function failed or returned something unusable; the message names the sample."""
 
