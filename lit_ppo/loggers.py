@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import netrc
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -73,9 +72,10 @@ class RolloutWandbLogger(WandbLogger):
     """Lightning's WandbLogger with rollout_step as the x-axis, the run closed at the end of fit, and
     (for mode=auto) an offline fallback when the server cannot be reached."""
 
-    def __init__(self, *args, fallback_offline: bool = False, **kwargs):
+    def __init__(self, *args, fallback_offline: bool = False, run_id_file: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._fallback_offline = fallback_offline
+        self._run_id_file = run_id_file  # where the started run's id is kept, for a resumed run to continue it
         if self._wandb_init.get("anonymous") is None:  # wandb warns about the setting even when it is None
             self._wandb_init.pop("anonymous", None)
 
@@ -90,12 +90,18 @@ class RolloutWandbLogger(WandbLogger):
             log.warning("wandb: could not start an online run (%s); logging offline instead, "
                         "upload later with `wandb sync`", str(error).splitlines()[0])
             self._wandb_init["mode"] = "offline"
+            if self._wandb_init.pop("id", None) is not None:  # the failed online start still holds that id
+                self._wandb_init.pop("resume", None)
+                self._id = None
+                log.warning("wandb: the resumed run cannot be continued offline; logging to a new offline run")
             run = WandbLogger.experiment.fget(self)
         if starting and callable(getattr(run, "define_metric", None)):
             # WandbLogger plots against `trainer/global_step` (our step= argument); every row also carries
             # rollout_step itself, so W&B charts read exactly like metrics.csv, whoever logs in between.
             run.define_metric("rollout_step")
             run.define_metric("*", step_metric="rollout_step", step_sync=True)
+        if starting and self._run_id_file and getattr(run, "id", None):
+            Path(self._run_id_file).write_text(f"{run.id}\n")
         return run
 
     def finalize(self, status: str) -> None:
@@ -120,22 +126,17 @@ def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None 
     `init_timeout` seconds falls back to offline. `run_config` (the composed config) is recorded
     without secret-looking keys. Other keyword arguments go to `wandb.init`.
 
-    The run's id is chosen here and kept in `save_dir/wandb_run_id`; a run resumed from a checkpoint
-    in `resume_dir` (the run directory that wrote it) continues that W&B run (`resume="allow"`)
+    The started run's id is kept in `save_dir/wandb_run_id`; a run resumed from a checkpoint in
+    `resume_dir` (the run directory that wrote it) continues that W&B run (`id=`, `resume="allow"`)
     instead of starting another."""
     import wandb
-    from lightning.pytorch.utilities import rank_zero_only
 
     run_id = None
     if resume_dir is not None and (Path(resume_dir) / WANDB_RUN_ID_FILE).is_file():
         run_id = (Path(resume_dir) / WANDB_RUN_ID_FILE).read_text().strip() or None
-    if run_id is not None:
-        kwargs.setdefault("resume", "allow")
+    if run_id is not None:  # a fresh run lets W&B choose its id (written to save_dir once the run starts)
+        kwargs.update(id=run_id, resume=kwargs.get("resume", "allow"))
         log.info("wandb: continuing run %s", run_id)
-    run_id = kwargs.pop("id", None) or run_id or secrets.token_hex(4)  # W&B's own ids are 8 characters too
-    if rank_zero_only.rank == 0:
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        (Path(save_dir) / WANDB_RUN_ID_FILE).write_text(run_id + "\n")
 
     # vLLM imports openai, and wandb then advertises its LLM-tracing product on every run; the user can opt back in.
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
@@ -144,7 +145,8 @@ def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None 
     return RolloutWandbLogger(
         save_dir=save_dir, project=project, name=name, entity=entity, group=group, tags=list(tags or []),
         config=drop_secrets(run_config) if run_config is not None else None, mode=resolved, settings=settings,
-        fallback_offline=(mode == "auto" and resolved == "online"), id=run_id, **kwargs,
+        fallback_offline=(mode == "auto" and resolved == "online"),
+        run_id_file=str(Path(save_dir) / WANDB_RUN_ID_FILE), **kwargs,
     )
 
 
