@@ -78,3 +78,13 @@ def test_temperature_gives_the_sampled_distribution_and_its_gradient(temperature
     assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
     untempered, _ = logprobs_and_entropy(leaf.detach(), targets)
     assert (untempered - logp.detach()).abs().max() > 0.05  # the comparison can fail
+
+
+def test_an_entropy_bonus_trains_through_the_module(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    """ppo.entropy_coef > 0 takes the entropy's gradient path of the chunked function inside a real update."""
+    from tests.helpers import build_run
+
+    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, entropy_coef=0.01)
+    trainer.fit(module, datamodule=datamodule)
+    row = module.history[-1]
+    assert module.actor_optimizer_steps > 0 and row["actor/entropy"] > 0 and row["actor/grad_norm"] > 0
