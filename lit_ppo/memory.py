@@ -14,7 +14,8 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   inputs, the attention's query and grouped-query-expanded key/value, its output and o_proj's input) and 4
   intermediate-size ones (gate, up, SiLU(gate), their product), counted with torch's saved-tensor hooks; its
   SDPA path with padding also keeps a [B, 1, S, S] mask per layer. The layer whose backward runs needs about
-  as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time.
+  as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time
+  (measured: about one layer's activations on top; bench/memory_estimate.py).
 - logits: the LM head's output on the response positions [B, T, V] in the compute dtype (lit_ppo.logits writes their
   gradient over them), plus
   a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
@@ -153,8 +154,8 @@ def activation_bytes(shape: ModelShape, batch: int, sequence: int, compute_bytes
     tokens = batch * sequence
     layer = tokens * compute_bytes * (LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size)
     mask = batch * sequence * sequence * compute_bytes  # Hugging Face's SDPA path: a [B, 1, S, S] padding mask per layer
-    if checkpointing:  # each layer's input; one layer recomputed, with its backward working set
-        return tokens * compute_bytes * shape.num_layers * shape.hidden_size + 2 * layer + mask
+    if checkpointing:  # each layer's input; one layer recomputed at a time (its backward frees as it goes)
+        return tokens * compute_bytes * shape.num_layers * shape.hidden_size + layer + mask
     return shape.num_layers * (layer + mask) + layer
 
 
