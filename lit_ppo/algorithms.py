@@ -12,6 +12,7 @@ Conventions (all per-token tensors are over response tokens only):
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -352,3 +353,16 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, *, num_tokens: Tensor 
     else:
         per_seq = masked.sum(-1) / float(max_len or mask.shape[1])
     return per_seq.sum() / max(float(seqs), 1.0)
+
+
+# ---------------------------------------------------------------- learning-rate schedule
+
+def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "cosine":
+            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return factor

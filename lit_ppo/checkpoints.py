@@ -8,12 +8,15 @@ A checkpoint is written to `<name>.tmp` and renamed into place, so a crash durin
 from __future__ import annotations
 
 import os
+import random
 import re
 from pathlib import Path
 
 import lightning as L
+import numpy as np
+import torch
 
-from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError
+from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError, StepAccountingError
 from lit_ppo.plan import ConfigError
 
 _NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
@@ -93,3 +96,28 @@ class RolloutCheckpoint(L.Callback):
         # did not match the actor.
         if isinstance(exception, (NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError)):
             self.save(trainer, module)
+
+
+def rng_state() -> dict:
+    """Torch's, Python's and NumPy's random states, for a resumed run to continue the same streams.
+
+    NumPy's state as plain lists: the checkpoint then loads with torch.load(weights_only=True), which
+    Lightning uses when a strategy restores after setup (ModelParallelStrategy) whatever fit() was given."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()]}
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def check_same_rollout_step_shape(saved_plan: dict, plan) -> None:
+    """A resumed run may be longer or shorter, but each rollout step must keep its shape."""
+    planned = {k: saved_plan[k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
+    now = {k: getattr(plan, k) for k in planned}
+    if planned != now:
+        raise StepAccountingError(f"the checkpoint was written under another plan {planned}, this run plans {now}; "
+                                  "fix: resume with the same ppo batch sizes and ppo_epochs")

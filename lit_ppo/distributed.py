@@ -1,9 +1,16 @@
-"""Reductions over data-parallel ranks; on one process they return their input."""
+"""Data parallelism: reductions over ranks (on one process they return their input), FSDP2 sharding
+and gathering a sharded model's full tensors."""
 
 from __future__ import annotations
 
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 
 def world_size() -> int:
@@ -24,3 +31,64 @@ def global_max(x: Tensor) -> Tensor:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
+
+
+def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
+    """FSDP2: `fully_shard` each decoder layer, then the rest, of every model (None entries are skipped).
+
+    A layer is its own FSDP unit so that only one layer's parameters are gathered at a time."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # bf16-mixed: float32 parameters, gradients and AdamW states (the shards), bf16 for the gathered
+    # parameters that compute, gradients reduced in float32 (as verl and OpenRLHF train under FSDP).
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_mixed else MixedPrecisionPolicy()
+    for model in models:
+        if model is None:
+            continue
+        layer_classes = set(model._no_split_modules or ())  # Hugging Face's name for its decoder layer class
+        for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The model's tensors by Hugging Face name, sharded ones gathered one at a time.
+
+    Gathering is a collective under FSDP: every rank must iterate, in the same order. A parameter
+    listed under two names (tied embeddings) is gathered once and given under both, as one tensor,
+    so that `save_pretrained` still sees the tie."""
+    state = model.state_dict()
+    # state_dict() gives each name its own tensor object; the parameters tell which names are one.
+    parameter = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    key = {name: parameter.get(name, id(tensor)) for name, tensor in state.items()}
+    listed = Counter(key.values())
+    gathered: dict[int, Tensor] = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, DTensor):
+            yield name, tensor
+        elif listed[key[name]] == 1:
+            yield name, tensor.full_tensor()
+        else:
+            if key[name] not in gathered:
+                gathered[key[name]] = tensor.full_tensor()
+            yield name, gathered[key[name]]
+
+
+@contextmanager
+def no_gradient_sync(wrapper, models, sharded: bool):
+    """Backward passes without the gradient all-reduce (DDP `no_sync`) or reduce-scatter (FSDP2
+    `set_requires_gradient_sync(False)`: the unsharded gradients accumulate on each rank); the next synced
+    backward reduces the sum, the same gradients as a sync per micro-batch (sums commute with the averaging)."""
+    if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+        with wrapper.no_sync():
+            yield
+    elif sharded:
+        for model in models:
+            model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for model in models:
+                model.set_requires_gradient_sync(True)
+    else:
+        yield

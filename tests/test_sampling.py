@@ -92,12 +92,12 @@ def test_trainer_old_logprobs_equal_vllm_logprobs(tiny_model_dir, engine, long_p
     module.sync_weights(engine)
     batch = datamodule.produce_rollout(0)
     exp = module.make_experience(batch)
-    mask = exp["mask"].bool()
+    mask = exp.mask.bool()
     assert min(len(p) for p in batch.prompt_ids) >= 100 and int(mask.sum()) > 100
-    diff = (exp["old_logp"] - exp["rollout_logp"])[mask].abs()
+    diff = (exp.old_logp - exp.rollout_logp)[mask].abs()
     assert float(diff.max()) < 1e-3, float(diff.max())
-    assert float(exp["logprob_abs_diff_mean"]) == pytest.approx(float(diff.mean()), abs=1e-9)
-    assert float(exp["logprob_abs_diff_max"]) == pytest.approx(float(diff.max()), abs=1e-9)
+    assert float(exp.logprob_abs_diff_mean) == pytest.approx(float(diff.mean()), abs=1e-9)
+    assert float(exp.logprob_abs_diff_max) == pytest.approx(float(diff.max()), abs=1e-9)
 
 
 def test_an_engine_left_with_stale_weights_stops_the_run(tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch):

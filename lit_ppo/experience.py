@@ -1,0 +1,138 @@
+"""The data that flows from a rollout into the PPO updates: packed micro-batches and the typed experience.
+
+Shapes: N samples of this rank's rollout batch, P the widest prompt of a micro-batch, T the longest
+response (of the whole batch for `Experience`, of the micro-batch for `MicroBatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lit_ppo import algorithms as algo
+from lit_ppo.distributed import global_max, global_sum
+from lit_ppo.errors import RolloutMismatchError
+
+# Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
+# (with the samples' global positions), e.g. to check that they do not depend on the number of ranks.
+DUMP_ADVANTAGES_ENV = "LIT_PPO_DUMP_ADVANTAGES"
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [B, P+T] prompt left-padded, response right-padded
+    attention_mask: Tensor  # [B, P+T]
+    position_ids: Tensor  # [B, P+T]
+    response_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T] float
+    prompt_width: int  # P
+
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device) -> MicroBatch:
+    """Left-pad prompts and right-pad responses so every response starts at column P."""
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(r) for r in response_ids))
+    B = len(prompt_ids)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[b, P - len(p):P] = torch.tensor(p)
+        input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[b, P - len(p):P + len(r)] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    response_mask = attention[:, P:].float()
+    return MicroBatch(input_ids.to(device), attention.to(device), position_ids.to(device),
+                      input_ids[:, P:].to(device), response_mask.to(device), P)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(logits)[target] without materialising the full log-softmax; [B, T]."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+@dataclass
+class Experience:
+    """One rollout step's experience, computed once and read by every PPO epoch.
+
+    A field whose model does not exist in the run is None (no reference: no `ref_logp` and no `kl`;
+    no critic: no `values`), so that no code can mistake zeros for log-probs or values."""
+
+    mask: Tensor  # [N, T] 1.0 on response tokens
+    old_logp: Tensor  # [N, T] the actor's log-probs before this rollout step's updates
+    advantages: Tensor  # [N, T]
+    returns: Tensor  # [N, T]
+    rewards: Tensor  # [N] one reward per sample
+    ref_logp: Tensor | None = None  # [N, T] the reference model's log-probs
+    kl: Tensor | None = None  # [N, T] per-token KL estimate to the reference, zero off the mask
+    values: Tensor | None = None  # [N, T] the critic's values before this rollout step's updates
+    rollout_logp: Tensor | None = None  # [N, T] the sampler's (vLLM's) log-probs; None when the batch has none
+    logprob_abs_diff_mean: Tensor | None = None  # [] global mean |old_logp - rollout_logp| over response tokens
+    logprob_abs_diff_max: Tensor | None = None  # [] its global maximum
+    rc_weights: Tensor | None = None  # [N, T] rollout-correction weight of each token's policy loss (the mask when off)
+    loss_mask: Tensor | None = None  # [N, T] the tokens the policy loss keeps (the mask unless MIS drops some)
+
+    def rows(self, idx: list[int], width: int) -> Experience:
+        """The samples `idx`, their [N, T] fields cut to the micro-batch's `width` response columns."""
+        def cut(x: Tensor | None) -> Tensor | None:
+            if x is None or x.dim() == 0:
+                return x
+            return x[idx] if x.dim() == 1 else x[idx, :width]
+        return Experience(**{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+def rollout_logp_tensor(rollout_logprobs: list[list[float]], mask: Tensor) -> Tensor:
+    """The sampler's per-token log-probs as an [N, T] float32 tensor like `mask`, zero past each response."""
+    rollout_logp = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
+    for i, logprobs in enumerate(rollout_logprobs):
+        rollout_logp[i, :len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+    return rollout_logp
+
+
+def rollout_correction(exp: Experience, rc) -> tuple[Tensor, Tensor, dict]:
+    """Weights on the policy loss for the mismatch between vLLM's sampling log-probs and the old log-probs, the
+    tokens the policy loss keeps, and their statistics (`ppo.rollout_correction`); all tokens with weight 1 when off."""
+    mask = exp.mask
+    if rc.mode == "none":
+        return mask.clone(), mask.clone(), {}
+    if exp.rollout_logp is None:  # made by make_experience from batch.rollout_logprobs
+        raise ValueError(f"ppo.rollout_correction.mode={rc.mode} needs the sampler's log-probs, but this rollout batch "
+                         "has none (not generated by vLLM); fix: set ppo.rollout_correction.mode=none")
+    return algo.rollout_correction(
+        exp.old_logp, exp.rollout_logp, mask, mode=rc.mode, level=rc.level, tis_cap=rc.tis_cap, mis_low=rc.mis_low,
+        mis_high=rc.mis_high, global_sum=global_sum, global_max=global_max)
+
+
+def dump_experience(directory: Path, batch, exp: Experience, rank: int, world_size: int) -> None:
+    """Save this rank's experience of one rollout step (see DUMP_ADVANTAGES_ENV)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fields = {k: getattr(exp, k) for k in ("rewards", "mask", "advantages", "returns", "values")}
+    torch.save({
+        "rollout_step": batch.rollout_step, "rank": rank, "world_size": world_size,
+        "prompt_positions": batch.prompt_positions, "dataset_indices": batch.dataset_indices,
+        "response_ids": batch.response_ids, **{k: v.cpu() for k, v in fields.items() if v is not None},
+    }, directory / f"rollout_step={batch.rollout_step:06d}.rank{rank}.pt")
+
+
+def check_rollout_logprobs(rollout_step: int, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                           max_logprob_abs_diff: float | None):
+    """Mean and max |trainer old log-prob - vLLM log-prob| over the global batch's response tokens (0-dim
+    tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) the run stops: the engine is not sampling from the actor being
+    trained (a weight sync that silently failed) or the two compute different distributions."""
+    diff = (old_logp - rollout_logp).abs() * mask  # [N, T]
+    total = global_sum(torch.stack([diff.sum(), mask.sum()]).double())
+    mean = total[0] / total[1].clamp(min=1)
+    largest = global_max(diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device))
+    if max_logprob_abs_diff is not None and float(mean) > max_logprob_abs_diff:
+        raise RolloutMismatchError(
+            f"rollout step {rollout_step + 1}: the trainer's log-probs of the sampled tokens differ from vLLM's by "
+            f"{float(mean):.3f} nats per token on average (max {float(largest):.2f}), more than "
+            f"rollout.max_logprob_abs_diff={max_logprob_abs_diff}: vLLM is not sampling from the actor being "
+            "trained (a weight sync that failed) or samples another distribution (rollout.top_p < 1, rollout.dtype); "
+            "fix: check the weight sync and those settings, or raise rollout.max_logprob_abs_diff (null disables)"
+        )
+    return mean, largest

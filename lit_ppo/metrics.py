@@ -1,0 +1,102 @@
+"""Logged statistics: the rollout batch's (a pure function of the experience) and the updates' means.
+
+Under data parallelism each rank holds a share of the rollout batch; `global_sum`/`global_max` (from
+`lit_ppo.distributed`, identity on one process) make every statistic that of the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from lit_ppo import algorithms as algo
+from lit_ppo.experience import Experience
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def unbiased_variance(sum_: float, sum_sq: float, count: float) -> float:
+    """Variance from a sum and a sum of squares, unbiased as Tensor.var(); 0 for fewer than two values."""
+    return (sum_sq - sum_ ** 2 / count) / (count - 1) if count > 1 else 0.0
+
+
+def rollout_metrics(exp: Experience, truncated: Tensor, reward_metrics: dict[str, float], *,
+                    group_size: int | None = None, world_size: int = 1, count_metrics: frozenset[str] | set[str] = frozenset(),
+                    global_sum: Reduce = _identity, global_max: Reduce = _identity) -> dict[str, float]:
+    """Statistics of the global rollout batch: every rank adds its samples' sums (one all-reduce).
+
+    `truncated` [N] marks responses cut at the length budget; `reward_metrics` are this rank's means
+    over its (equally many) samples, except the `count_metrics`, which are counts; `group_size` counts groups whose samples all got one reward (for
+    the group estimators, where such a group has no learning signal). The KL appears only with a
+    reference model (`exp.kl`), the explained variance only with a critic (`exp.values`)."""
+    mask = exp.mask
+    lengths = mask.sum(-1)  # [N]
+    rewards = exp.rewards
+    local = {
+        "samples": len(rewards), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+        "tokens": lengths.sum(), "truncated": truncated.sum(), "advantage": (exp.advantages * mask).sum(),
+    }
+    if exp.kl is not None:
+        local["kl"] = (exp.kl * mask).sum()
+    if exp.values is not None:
+        valid = mask.bool()
+        returns, values = exp.returns[valid], exp.values[valid]  # [tokens]
+        local.update(returns=returns.sum(), returns_sq=(returns ** 2).sum(),
+                     residual=(returns - values).sum(), residual_sq=((returns - values) ** 2).sum())
+    if group_size is not None:
+        local["uniform_groups"] = algo.count_uniform_groups(rewards, group_size)
+    for k, v in reward_metrics.items():  # per-rank means over equally many samples, or counts (summed)
+        local[f"reward_{k}"] = v if k in count_metrics else v / world_size
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=mask.device) for v in local.values()])
+    total = dict(zip(local, global_sum(stacked).tolist()))
+    n, tokens = total["samples"], total["tokens"]
+
+    row = {
+        "rollout/reward_mean": total["reward"] / n,
+        "rollout/reward_std": max(0.0, unbiased_variance(total["reward"], total["reward_sq"], n)) ** 0.5,
+        "rollout/response_length_mean": tokens / n,
+        "rollout/response_length_max": float(global_max(lengths.max().double())),
+        "rollout/truncated_fraction": total["truncated"] / n,
+        "rollout/generated_tokens": tokens,
+    }
+    if "kl" in total:
+        row["rollout/kl_to_reference"] = total["kl"] / max(tokens, 1.0)
+    row["rollout/advantage_mean"] = total["advantage"] / max(tokens, 1.0)
+    if "uniform_groups" in total:
+        row["rollout/uniform_reward_groups"] = int(total["uniform_groups"])
+    if "residual" in total:
+        unexplained = unbiased_variance(total["residual"], total["residual_sq"], tokens)
+        row["critic/explained_variance"] = 1 - unexplained / max(
+            unbiased_variance(total["returns"], total["returns_sq"], tokens), 1e-8)
+    for k in reward_metrics:
+        row[f"rollout/reward_{k}"] = total[f"reward_{k}"]
+    return row
+
+
+class MeanOver:
+    """Sums of named floats and the number of events they are averaged over.
+
+    The divisor is explicit: `count()` closes one event (a micro-batch, an optimizer update); an
+    event's values may be added in pieces before it closes (the value loss of an update arrives
+    one micro-batch at a time)."""
+
+    def __init__(self, event: str):
+        self.event = event  # what one count is, for the reader: "micro-batch", "update"
+        self.sums: dict[str, float] = {}
+        self.events = 0
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def count(self) -> None:
+        self.events += 1
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(1, self.events) for k, v in self.sums.items()}

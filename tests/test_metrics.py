@@ -1,0 +1,105 @@
+"""Tests of lit_ppo.metrics and lit_ppo.experience on hand-written tensors.
+
+Every expected value is worked out by hand in a comment; the code under test never produces one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lit_ppo.experience import Experience
+from lit_ppo.metrics import MeanOver, rollout_metrics, unbiased_variance
+
+
+def t(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def experience(**fields) -> Experience:
+    """Two samples of 2 and 3 response tokens (T = 3)."""
+    base = dict(
+        mask=t([[1, 1, 0], [1, 1, 1]]),
+        old_logp=t([[-1, -1, 0], [-1, -1, -1]]),
+        advantages=t([[1, 2, 9], [3, -1, 0]]),  # the 9 is off the mask
+        returns=t([[1, 2, 7], [3, 4, 5]]),
+        rewards=t([1, 0]),
+    )
+    return Experience(**{**base, **fields})
+
+
+def test_rollout_metrics_of_a_policy_without_critic_or_reference():
+    row = rollout_metrics(experience(), truncated=torch.tensor([False, True]), reward_metrics={"format": 0.5})
+    assert row == pytest.approx({
+        "rollout/reward_mean": 0.5,  # (1 + 0) / 2
+        "rollout/reward_std": math.sqrt(0.5),  # unbiased: ((1 - .5)^2 + (0 - .5)^2) / (2 - 1) = 0.5
+        "rollout/response_length_mean": 2.5,  # (2 + 3) / 2
+        "rollout/response_length_max": 3.0,
+        "rollout/truncated_fraction": 0.5,
+        "rollout/generated_tokens": 5.0,
+        "rollout/advantage_mean": 1.0,  # (1 + 2 + 3 - 1 + 0) / 5 tokens
+        "rollout/reward_format": 0.5,
+    })
+    # No reference model: no KL is made up from zeros. No critic: no explained variance.
+    assert "rollout/kl_to_reference" not in row and "critic/explained_variance" not in row
+
+
+def test_rollout_metrics_with_reference_and_critic():
+    exp = experience(
+        ref_logp=t([[-1, -1, 0], [-1, -1, -1]]),
+        kl=t([[0.1, 0.3, 0.0], [0.2, 0.0, 0.4]]),
+        values=t([[1, 2, 7], [3, 4, 0]]),
+    )
+    row = rollout_metrics(exp, truncated=torch.tensor([False, False]), reward_metrics={})
+    assert row["rollout/kl_to_reference"] == pytest.approx(0.2)  # (0.1 + 0.3 + 0.2 + 0 + 0.4) / 5 tokens
+    # Masked tokens: returns 1, 2, 3, 4, 5 (var 2.5), residuals 0, 0, 0, 0, 5 (mean 1, var (4 * 1 + 16) / 4 = 5).
+    assert row["critic/explained_variance"] == pytest.approx(1 - 5 / 2.5)
+    assert row["rollout/truncated_fraction"] == 0.0
+
+
+def test_uniform_reward_groups_are_counted_for_group_estimators():
+    # Groups of 2: rewards (1, 1) are uniform, (0, 1) are not.
+    exp = Experience(mask=torch.ones(4, 1), old_logp=torch.zeros(4, 1), advantages=torch.zeros(4, 1),
+                     returns=torch.zeros(4, 1), rewards=t([1, 1, 0, 1]))
+    row = rollout_metrics(exp, truncated=torch.zeros(4), reward_metrics={}, group_size=2)
+    assert row["rollout/uniform_reward_groups"] == 1
+    assert "rollout/uniform_reward_groups" not in rollout_metrics(exp, torch.zeros(4), {})
+
+
+def test_rollout_metrics_are_those_of_all_ranks():
+    """Two ranks holding the same samples: sums double, means stay; reward metrics are the ranks' mean."""
+    row = rollout_metrics(experience(), torch.tensor([False, True]), {"format": 0.5}, world_size=2,
+                          global_sum=lambda x: 2 * x, global_max=lambda x: x)
+    assert row["rollout/generated_tokens"] == 10.0  # 5 tokens on each rank
+    assert row["rollout/response_length_mean"] == 2.5  # 10 tokens / 4 samples
+    # Four rewards 1, 0, 1, 0: unbiased variance (4 * 0.25) / 3 = 1/3.
+    assert row["rollout/reward_std"] == pytest.approx(math.sqrt(1 / 3))
+    assert row["rollout/reward_format"] == pytest.approx(0.5)  # 0.5 / 2 from each of the two ranks
+
+
+def test_unbiased_variance():
+    assert unbiased_variance(6.0, 14.0, 3) == pytest.approx(1.0)  # values 1, 2, 3: mean 2, (1 + 0 + 1) / 2
+    assert unbiased_variance(5.0, 25.0, 1) == 0.0  # one value: no spread
+
+
+def test_mean_over_divides_by_events_not_additions():
+    per_update = MeanOver("optimizer update")
+    per_update.add({"critic/value_loss": 1.0})  # update 1 arrives in two micro-batch pieces
+    per_update.add({"critic/value_loss": 2.0, "actor/grad_norm": 4.0})
+    per_update.count()
+    per_update.add({"critic/value_loss": 3.0, "actor/grad_norm": 2.0})
+    per_update.count()
+    assert per_update.means() == {"critic/value_loss": 3.0, "actor/grad_norm": 3.0}  # (1 + 2 + 3) / 2, (4 + 2) / 2
+    assert MeanOver("micro-batch").means() == {}
+
+
+def test_experience_rows_cut_samples_and_width_and_keep_missing_fields_missing():
+    exp = experience(values=t([[1, 2, 7], [3, 4, 0]]))
+    rows = exp.rows([1], 2)
+    assert torch.equal(rows.mask, t([[1, 1]]))
+    assert torch.equal(rows.advantages, t([[3, -1]]))
+    assert torch.equal(rows.values, t([[3, 4]]))
+    assert torch.equal(rows.rewards, t([0]))
+    assert rows.ref_logp is None and rows.kl is None
