@@ -133,23 +133,18 @@ def test_kl_to_reference_is_logged_only_with_a_reference_model(tiny_model_dir, e
         assert "rollout/logprob_abs_diff" in row and row["rollout/logprob_abs_diff"] < 1e-3
 
 
-def test_reward_counts_are_summed_over_ranks_and_rates_averaged(tiny_model_dir, engine, arithmetic_files, tmp_path,
-                                                                monkeypatch):
+def test_reward_counts_are_summed_over_ranks_and_rates_averaged():
     """Two ranks with 3 reward errors each logged 3 (a mean of counts); they are 6. Rates stay the ranks' mean."""
-    import dataclasses
-    from types import SimpleNamespace
+    from lit_ppo.experience import Experience
+    from lit_ppo.metrics import rollout_metrics
+    from lit_ppo.rewards import COUNT_METRICS
 
-    import lit_ppo.module as module_code
-
-    _, module, _, plan = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path)
-    module.plan = dataclasses.replace(plan, data_parallel_size=2)
-    monkeypatch.setattr(module_code, "global_sum", lambda x: 2 * x)  # two ranks holding the same numbers
-    monkeypatch.setattr(module_code, "global_max", lambda x: x)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    exp = {k: torch.zeros(2, 3) for k in ("kl", "advantages", "returns", "values")}
-    exp.update(mask=mask, rewards=torch.tensor([1.0, 0.0]))
-    batch = SimpleNamespace(truncated=torch.zeros(2), data_epoch=0,
-                            reward_metrics={"errors": 3.0, "timeouts": 1.0, "none": 0.0, "correct": 0.5})
-    row = module._rollout_metrics(batch, exp)
+    zeros = torch.zeros(2, 3)
+    exp = Experience(mask=mask, old_logp=zeros, advantages=zeros, returns=zeros, rewards=torch.tensor([1.0, 0.0]),
+                     kl=zeros, values=zeros)
+    row = rollout_metrics(exp, torch.zeros(2), {"errors": 3.0, "timeouts": 1.0, "none": 0.0, "correct": 0.5},
+                          world_size=2, count_metrics=COUNT_METRICS,
+                          global_sum=lambda x: 2 * x, global_max=lambda x: x)  # two ranks holding the same numbers
     assert (row["rollout/reward_errors"], row["rollout/reward_timeouts"], row["rollout/reward_none"]) == (6.0, 2.0, 0.0)
     assert row["rollout/reward_correct"] == pytest.approx(0.5)
