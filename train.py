@@ -8,10 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lit_ppo.console import setup_logging, show_error
-from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError, StepAccountingError
-from lit_ppo.plan import ConfigError
-from lit_ppo.prompts import DataError
-from lit_ppo.rewards import RewardError
+from lit_ppo.errors import UserError
 
 
 def launcher_rank() -> int:
@@ -30,8 +27,7 @@ def main(cfg: DictConfig) -> None:
     setup_logging(output_dir_of(cfg), verbose=bool(cfg.get("verbose", False)), rank=launcher_rank())
     try:
         run(cfg)
-    except (ConfigError, DataError, RewardError, NonFiniteUpdatesError, StepAccountingError,
-            DynamicSamplingShortfallError, RolloutMismatchError) as error:
+    except UserError as error:
         # A mistake the user can fix: one line, no traceback (the type is in run.log).
         logging.getLogger("lit_ppo").debug("%s: %s", type(error).__name__, error)
         show_error(f"error: {error}")

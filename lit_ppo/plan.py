@@ -31,8 +31,7 @@ from lit_ppo.algorithms import (
 from lit_ppo.precision import describe as describe_precision
 
 
-class ConfigError(ValueError):
-    """A setting the user can fix; the message is one line naming the keys, values and fix."""
+from lit_ppo.errors import ConfigError  # noqa: E402,F401 - defined with every user error; importable from here too
 
 
 @dataclass

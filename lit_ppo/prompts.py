@@ -15,8 +15,7 @@ from typing import Any, Iterator
 from lit_ppo.plan import ConfigError
 
 
-class DataError(ValueError):
-    """Bad input data; the message names the file and the line or record."""
+from lit_ppo.errors import DataError  # noqa: E402,F401 - defined with every user error; importable from here too
 
 
 @dataclass

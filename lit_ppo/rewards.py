@@ -103,8 +103,7 @@ class SequenceClassifierReward:
 COUNT_METRICS = ("errors", "timeouts", "none")
 
 
-class RewardError(RuntimeError):
-    """The reward function failed or returned something unusable; the message names the sample."""
+from lit_ppo.errors import RewardError  # noqa: E402,F401 - defined with every user error; importable from here too
 
 
 def _parameters(fn) -> dict[str, inspect.Parameter]:

@@ -1,0 +1,27 @@
+"""Every error a user can act on is a `UserError` (train.py prints those as one line), keeping its built-in base."""
+
+from __future__ import annotations
+
+import inspect
+
+import lit_ppo.errors as errors
+from lit_ppo.plan import ConfigError
+from lit_ppo.prompts import DataError
+from lit_ppo.rewards import RewardError
+
+
+def test_every_user_error_has_the_one_base_and_keeps_its_builtin_one():
+    classes = {name: cls for name, cls in inspect.getmembers(errors, inspect.isclass) if cls is not errors.UserError}
+    assert {"ConfigError", "DataError", "RewardError", "StepAccountingError", "NonFiniteUpdatesError"} <= set(classes)
+    for name, cls in classes.items():
+        assert issubclass(cls, errors.UserError), name
+        assert issubclass(cls, (ValueError, RuntimeError)), name  # what code catching the built-ins relies on
+    assert issubclass(errors.ConfigError, ValueError) and issubclass(errors.RewardError, RuntimeError)
+    # The old import places name the same classes.
+    assert (ConfigError, DataError, RewardError) == (errors.ConfigError, errors.DataError, errors.RewardError)
+
+
+def test_train_py_catches_the_one_base():
+    source = (errors.__file__.rsplit("lit_ppo", 1)[0] + "train.py")
+    text = open(source).read()
+    assert "except UserError" in text
