@@ -175,11 +175,6 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
-    if cfg.strategy.name not in ("single", "ddp", "fsdp"):
-        raise ConfigError(
-            f"strategy={cfg.strategy.name}: training with it is not available yet (only mode=plan is); "
-            "fix: use strategy=single, ddp or fsdp"
-        )
     if engine is not None and cfg.strategy.name != "single":
         raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
