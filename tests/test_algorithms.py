@@ -53,11 +53,6 @@ KL_2x4 = t([[0.1, 0.0, 0.2, 5.0], [0.0, 0.3, 4.0, 4.0]])
 #   row 0: [-0.1, 0.0, -0.2 + 1 = 0.8]     row 1: [0.0, -0.3 + 2 = 1.7]
 
 
-def test_registry_names():
-    assert set(alg.ADVANTAGE_ESTIMATORS) == {"gae", "reinforce_pp", "reinforce_pp_baseline", "grpo", "dr_grpo", "rloo"}
-    assert set(alg.KL_ESTIMATORS) == {"k1", "k2", "k3"}
-
-
 def test_gae_unnormalized_by_hand():
     # gamma = 0.5, lam = 0.8 (gamma*lam = 0.4); V after the last valid token is 0.
     # row 0: t2: delta = 0.8 + 0.5*0    - 1.0  = -0.2    A2 = -0.2
