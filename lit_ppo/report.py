@@ -50,7 +50,7 @@ def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
         for key in ("prompts_consumed", "generation_rounds", "dropped_groups", "filled_groups"):
             summary[key] = int(sum(row.get(f"rollout/{key}", 0) for row in history))
     for key, metric in TIMING_KEYS.items():
-        summary[key] = float(sum(row.get(metric, 0.0) for row in history))
+        summary[key] = float(sum(row[metric] for row in history))  # every row has them: a missing one is a bug
     if evals:
         summary.update({f"eval_final/{k[5:]}": v for k, v in evals[-1].items() if k.startswith("eval/")})
         summary["eval_samples_final"] = evals[-1]["samples"]
