@@ -30,9 +30,10 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from lit_ppo.arithmetic import make_problems, write_jsonl  # noqa: E402
-from lit_ppo.datamodule import RolloutConfig, RolloutDataModule  # noqa: E402
+from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig, parse_section
+from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
 from lit_ppo.module import PPOModule  # noqa: E402
-from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan, parse_section  # noqa: E402
+from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.prompts import load_prompts  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
 from lit_ppo.rollout import VLLMEngine  # noqa: E402
@@ -63,7 +64,12 @@ SMOKE_MODEL = ModelSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=
 
 def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
     """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached."""
-    from lit_ppo.tiny import TOKENIZER_VERSION, build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.tiny import (
+        TOKENIZER_VERSION,
+        build_char_tokenizer,
+        build_tiny_model,
+        save_model_dir,
+    )
 
     key = hashlib.sha256(json.dumps([asdict(size), seed, TOKENIZER_VERSION]).encode()).hexdigest()[:12]
     path = CACHE / f"model-{key}"

@@ -12,8 +12,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import (add_common_args, arithmetic_prompt_file, bench_model_dir, command_line, engine_max_model_len,
-                    fmt, model_description, print_header, read_jsonl, start_engine, stats)
+from common import (
+    add_common_args,
+    arithmetic_prompt_file,
+    bench_model_dir,
+    command_line,
+    engine_max_model_len,
+    fmt,
+    model_description,
+    print_header,
+    read_jsonl,
+    start_engine,
+    stats,
+)
 
 from lit_ppo.rollout import sampling_seeds
 

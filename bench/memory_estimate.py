@@ -22,14 +22,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import (BENCH_MODEL, CACHE, ROOT, ModelSize, arithmetic_prompt_file, build_model_dir, build_run,
-                    command_line, model_description)
+import lightning as L  # noqa: E402 (after common, which sets up the path)
+from common import (
+    BENCH_MODEL,
+    CACHE,
+    ROOT,
+    ModelSize,
+    arithmetic_prompt_file,
+    build_model_dir,
+    build_run,
+    command_line,
+    model_description,
+)
 from train_phase import FixedBatchDataModule, NullEngine, make_fixed_batch
 
-import lightning as L  # noqa: E402 (after common, which sets up the path)
-
+from lit_ppo.config import PPOConfig  # noqa: E402
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory  # noqa: E402
-from lit_ppo.plan import PPOConfig  # noqa: E402
 
 TINY = ModelSize(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=1024)
 # glibc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) in the heap, so the resident size would

@@ -13,9 +13,21 @@ from __future__ import annotations
 
 import argparse
 
-from common import (CACHE, RolloutClock, add_common_args, arithmetic_prompt_file, bench_model_dir, build_run,
-                    command_line, engine_max_model_len, grpo_preset, model_description, print_header, start_engine,
-                    stats)
+from common import (
+    CACHE,
+    RolloutClock,
+    add_common_args,
+    arithmetic_prompt_file,
+    bench_model_dir,
+    build_run,
+    command_line,
+    engine_max_model_len,
+    grpo_preset,
+    model_description,
+    print_header,
+    start_engine,
+    stats,
+)
 
 FACTORS = (1, 2, 4)
 

@@ -19,9 +19,20 @@ import dataclasses
 import time
 
 import torch
+from common import (
+    CACHE,
+    add_common_args,
+    arithmetic_prompt_file,
+    bench_model_dir,
+    build_run,
+    command_line,
+    fmt,
+    grpo_preset,
+    model_description,
+    print_header,
+    stats,
+)
 
-from common import (CACHE, add_common_args, arithmetic_prompt_file, bench_model_dir, build_run, command_line, fmt,
-                    grpo_preset, model_description, print_header, stats)
 from lit_ppo import algorithms as algo
 from lit_ppo.datamodule import RolloutBatch, RolloutDataModule
 from lit_ppo.prompts import load_prompts

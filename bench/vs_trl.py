@@ -22,9 +22,23 @@ from pathlib import Path
 
 PROCESS_START = time.perf_counter()
 
-from common import (CACHE, RolloutClock, add_common_args, arithmetic_prompt_file, bench_model_dir,  # noqa: E402
-                    build_run, command_line, engine_max_model_len, fmt, grpo_preset, model_description,
-                    print_header, read_jsonl, start_engine, stats)
+from common import (  # noqa: E402
+    CACHE,
+    RolloutClock,
+    add_common_args,
+    arithmetic_prompt_file,
+    bench_model_dir,
+    build_run,
+    command_line,
+    engine_max_model_len,
+    fmt,
+    grpo_preset,
+    model_description,
+    print_header,
+    read_jsonl,
+    start_engine,
+    stats,
+)
 
 RESULT_PREFIX = "RESULT "
 

@@ -13,8 +13,21 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import (CACHE, add_common_args, arithmetic_prompt_file, bench_model_dir, build_run, command_line,
-                    engine_max_model_len, fmt, grpo_preset, model_description, print_header, start_engine, stats)
+from common import (
+    CACHE,
+    add_common_args,
+    arithmetic_prompt_file,
+    bench_model_dir,
+    build_run,
+    command_line,
+    engine_max_model_len,
+    fmt,
+    grpo_preset,
+    model_description,
+    print_header,
+    start_engine,
+    stats,
+)
 
 
 def main() -> None:

@@ -16,8 +16,13 @@ import lightning as L
 import numpy as np
 import torch
 
-from lit_ppo.errors import DynamicSamplingShortfallError, NonFiniteUpdatesError, RolloutMismatchError, StepAccountingError
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import (
+    ConfigError,
+    DynamicSamplingShortfallError,
+    NonFiniteUpdatesError,
+    RolloutMismatchError,
+    StepAccountingError,
+)
 
 _NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
 

@@ -17,52 +17,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_ppo.config import RolloutConfig
 from lit_ppo.distributed import global_sum, world_size
-from lit_ppo.errors import DynamicSamplingShortfallError
-from lit_ppo.plan import ConfigError, StepPlan
+from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
+from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rewards import RewardScorer
 from lit_ppo.rollout import Generation, VLLMEngine, sampling_seeds
-
-
-@dataclass
-class RolloutConfig:
-    max_response_length: int = 8
-    """Tokens generated per response at most."""
-    temperature: float = 1.0
-    """vLLM's sampling temperature; the trainer's log-probs (old, reference, new, entropy) use logits / temperature."""
-    top_p: float = 1.0
-    """< 1: the trainer's log-probs are of the untruncated distribution (the plan warns)."""
-    max_logprob_abs_diff: float | None = 0.5
-    """Stop the run when the mean |trainer old log-prob - vLLM log-prob| over a rollout step's response tokens
-    exceeds this (nats per token): vLLM is not sampling from the actor (a weight sync that failed). Measured
-    on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
-    dtype: str | None = None
-    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gib: float = 1
-    max_model_len: int = 128
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = True
-    sleep_between_steps: bool = True
-    """Free vLLM's memory while training (GPU only)."""
-    eval_samples_per_prompt: int = 4
-    """k of pass@k in evaluation."""
-    eval_temperature: float = 1.0
-    """Temperature of the pass@k samples (greedy accuracy always uses temperature 0)."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a response (kept as its last token, like EOS)."""
-    stop: list[str] = field(default_factory=list)
-    """Strings that end a response (cut from its text)."""
-    stop_at_end_of_turn: bool = True
-    """With data.chat_template=true, also stop at the template's end-of-turn token (`end_of_turn_token_ids`)."""
 
 
 def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:

@@ -18,7 +18,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
 from lit_ppo.console import show
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
 

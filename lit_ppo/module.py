@@ -27,18 +27,36 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
-from lit_ppo.checkpoints import check_same_rollout_step_shape, restore_rng_state, rng_state
-from lit_ppo.distributed import full_tensors, global_max, global_sum, no_gradient_sync, shard_models
+from lit_ppo.checkpoints import (
+    check_same_rollout_step_shape,
+    restore_rng_state,
+    rng_state,
+)
+from lit_ppo.config import PPOConfig
+from lit_ppo.distributed import (
+    full_tensors,
+    global_max,
+    global_sum,
+    no_gradient_sync,
+    shard_models,
+)
 from lit_ppo.errors import NonFiniteUpdatesError, StepAccountingError
-from lit_ppo.experience import (DUMP_ADVANTAGES_ENV, check_rollout_logprobs, Experience, MicroBatch, dump_experience, pack, rollout_correction,
-                                rollout_logp_tensor, token_logprobs)  # noqa: F401 - token_logprobs: imported from here
+from lit_ppo.experience import (
+    DUMP_ADVANTAGES_ENV,
+    Experience,
+    MicroBatch,
+    check_rollout_logprobs,
+    dump_experience,
+    pack,
+    rollout_correction,
+    rollout_logp_tensor,  # noqa: F401 - token_logprobs: imported from here
+    )
 from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.metrics import MeanOver, rollout_metrics
 from lit_ppo.models import load_models
-from lit_ppo.plan import PPOConfig, StepPlan
+from lit_ppo.plan import StepPlan
 from lit_ppo.report import write_metrics_csv
 from lit_ppo.rewards import COUNT_METRICS
-
 
 
 class PPOModule(L.LightningModule):

@@ -14,133 +14,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from lit_ppo.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    GROUP_ESTIMATORS,
-    KL_ESTIMATORS,
-    KL_IN_REWARD_ESTIMATORS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    ROLLOUT_CORRECTION_LEVELS,
-    ROLLOUT_CORRECTION_MODES,
-)
+from lit_ppo.errors import ConfigError
 from lit_ppo.precision import describe as describe_precision
 
-
-from lit_ppo.errors import ConfigError  # noqa: E402,F401 - defined with every user error; importable from here too
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """`ppo.rollout_correction`: weights on the policy loss for the mismatch between vLLM's sampling log-probs and
-    the trainer's old log-probs (docs/algorithms.md)."""
-
-    mode: str = "none"
-    """none, tis (weight min(rho, tis_cap)) or mis (drop where rho leaves [mis_low, mis_high], else weight rho)."""
-    level: str = "token"
-    """token: rho per token; sequence: the geometric mean of the sequence's token ratios, for all its tokens."""
-    tis_cap: float = 2.0
-    """TIS: the largest weight."""
-    mis_low: float = 0.5
-    """MIS: tokens (sequences) with rho below this are dropped from the loss."""
-    mis_high: float = 2.0
-    """MIS: tokens (sequences) with rho above this are dropped from the loss."""
+if TYPE_CHECKING:  # the config dataclasses (lit_ppo.config) import this module for make_plan
+    from lit_ppo.config import PPOConfig, RunLengthConfig
 
 
-@dataclass
-class DynamicSamplingConfig:
-    """`ppo.dynamic_sampling` (DAPO): train only on prompt groups whose rewards differ, generating more rounds of
-    prompts until `rollout_batch_size` of them are collected."""
-
-    enabled: bool = False
-    max_generation_rounds: int = 3
-    """Generation rounds per rollout step at most (the first one included)."""
-    prompts_per_round: int | None = None
-    """Prompts each round draws from the data (global); null: rollout_batch_size."""
-    on_shortfall: str = "fill"
-    """After max_generation_rounds with fewer informative groups: fill (complete the batch with dropped groups, in
-    the order drawn, so the optimizer steps stay as planned) or stop (save a checkpoint and end with a message)."""
-
-
-@dataclass
-class PPOConfig:
-    """The `ppo` config group. Batch sizes carry their unit in the docstring."""
-
-    rollout_batch_size: int = 32
-    """Prompts per rollout step (global, over all data-parallel ranks)."""
-    n_samples_per_prompt: int = 4
-    """Responses generated per prompt."""
-    ppo_epochs: int = 1
-    """Passes over one rollout batch; each pass reshuffles the mini-batches."""
-    train_batch_size: int = 64
-    """Samples (responses) per optimizer step (global)."""
-    micro_train_batch_size: int = 16
-    """Samples per forward/backward on one device."""
-    advantage_estimator: str = "gae"
-    """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo."""
-    gamma: float = 1.0
-    """Discount per token."""
-    lam: float = 0.95
-    """GAE lambda."""
-    normalize_advantages: bool = True
-    """Whiten GAE advantages over the whole rollout batch (global statistics)."""
-    clip_ratio_low: float = 0.2
-    """Policy ratio may fall to 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """Policy ratio may rise to 1 + clip_ratio_high (DAPO clip-higher when > low)."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 bounding the loss of negative advantages; null disables."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus in the actor loss."""
-    value_clip: float | None = 0.2
-    """Clip range of the new value around the old one; null disables."""
-    value_loss_coef: float = 0.5
-    """Weight of the value loss (the critic has its own optimizer, so this scales its LR)."""
-    kl_coef: float = 0.01
-    """KL coefficient; 0 removes the reference model."""
-    kl_estimator: str = "k1"
-    """k1, k2 or k3."""
-    kl_mode: str = "reward"
-    """reward: subtract kl_coef * KL from each token's reward; loss: add kl_coef * KL to the actor loss."""
-    adaptive_kl_target: float | None = None
-    """Target KL per sequence for the adaptive controller; null keeps kl_coef fixed."""
-    adaptive_kl_horizon: int = 10000
-    """Horizon (samples) of the adaptive KL controller."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
-    actor_lr: float = 1e-5
-    """Peak learning rate of the actor."""
-    critic_lr: float = 5e-5
-    """Peak learning rate of the critic."""
-    lr_warmup_ratio: float = 0.0
-    """Share of the total optimizer steps spent warming up the LR linearly."""
-    lr_schedule: str = "constant"
-    """constant or cosine (after warm-up), stepped once per optimizer step."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by total norm, per optimizer step."""
-    shuffle_seed: int = 0
-    """Seed of the mini-batch order (reshuffled every PPO epoch)."""
-    policy_loss: str = "ppo"
-    """ppo (clipped surrogate), gspo (one clipped ratio per sequence) or cispo (clipped IS weight on REINFORCE)."""
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-
-
-@dataclass
-class RunLengthConfig:
-    """The `trainer` section: how long the run is. Exactly one of the two is set."""
-
-    total_rollout_steps: int | None = None
-    data_epochs: float | None = None
-
-
-@dataclass
+@dataclass(frozen=True)
 class StepPlan:
     """What the run will do, in numbers. Every loop and scheduler reads this."""
 
@@ -233,101 +117,11 @@ class StepPlan:
         return "\n".join(lines)
 
 
-def parse_section(cls: type, values: Mapping[str, Any], section: str):
-    """Build a config dataclass, refusing unknown keys with a one-line message."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ConfigError(
-            f"{section}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
-            f"fix: remove them or use one of {', '.join(names)}"
-        )
-    types = typing.get_type_hints(cls)
-    values = dict(values)
-    for name, value in values.items():  # nested sections (ppo.rollout_correction, ...) are dataclasses too
-        if dataclasses.is_dataclass(types[name]) and isinstance(value, Mapping):
-            values[name] = parse_section(types[name], value, f"{section}.{name}")
-    return cls(**values)
-
-
-def _positive(section: str, **values: Any) -> None:
+def positive(section: str, **values: Any) -> None:
+    """Refuse anything but a positive integer, naming the key."""
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more")
-
-
-def validate_ppo(ppo: PPOConfig) -> None:
-    """Checks that do not need the dataset size."""
-    _positive(
-        "ppo",
-        rollout_batch_size=ppo.rollout_batch_size,
-        n_samples_per_prompt=ppo.n_samples_per_prompt,
-        ppo_epochs=ppo.ppo_epochs,
-        train_batch_size=ppo.train_batch_size,
-        micro_train_batch_size=ppo.micro_train_batch_size,
-    )
-    if ppo.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(
-            f"ppo.advantage_estimator={ppo.advantage_estimator!r} is unknown; fix: use one of {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
-    if ppo.advantage_estimator in GROUP_ESTIMATORS and ppo.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"ppo.advantage_estimator={ppo.advantage_estimator} compares samples of one prompt but "
-            f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set ppo.n_samples_per_prompt to 2 or more"
-        )
-    if ppo.kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"ppo.kl_estimator={ppo.kl_estimator!r} is unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
-    if ppo.kl_mode not in ("reward", "loss"):
-        raise ConfigError(f"ppo.kl_mode={ppo.kl_mode!r} is unknown; fix: use 'reward' or 'loss'")
-    if ppo.kl_coef < 0:
-        raise ConfigError(f"ppo.kl_coef={ppo.kl_coef} is negative; fix: use 0 (no KL) or a positive value")
-    if ppo.kl_mode == "reward" and ppo.kl_coef > 0 and ppo.advantage_estimator not in KL_IN_REWARD_ESTIMATORS:
-        raise ConfigError(
-            f"ppo.advantage_estimator={ppo.advantage_estimator} with ppo.kl_mode=reward: a KL penalty in the reward would "
-            "give groups of equal rewards non-zero advantages; fix: set ppo.kl_mode=loss (with ppo.kl_estimator=k3, as "
-            "GRPO does) or ppo.kl_coef=0"
-        )
-    if ppo.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ConfigError(f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}")
-    if ppo.policy_loss not in POLICY_LOSSES:
-        raise ConfigError(f"ppo.policy_loss={ppo.policy_loss!r} is unknown; fix: use one of {', '.join(POLICY_LOSSES)}")
-    # CISPO may leave the weight's low side open (low = 1: weight >= 0), as MiniMax-M1 does.
-    low_ok = 0 < ppo.clip_ratio_low <= 1 if ppo.policy_loss == "cispo" else 0 < ppo.clip_ratio_low < 1
-    if not low_ok or ppo.clip_ratio_high <= 0:
-        raise ConfigError(
-            f"ppo.clip_ratio_low={ppo.clip_ratio_low}, ppo.clip_ratio_high={ppo.clip_ratio_high}: need 0 < low < 1 "
-            "(<= 1 for cispo) and high > 0; fix: e.g. clip_ratio_low=0.2 clip_ratio_high=0.28"
-        )
-    if ppo.dual_clip is not None and ppo.dual_clip <= 1:
-        raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} must be > 1 (e.g. 3.0); fix: set it above 1 or to null")
-    if ppo.dual_clip is not None and ppo.policy_loss != "ppo":
-        raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} bounds the clipped surrogate of policy_loss=ppo, not "
-                          f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null")
-    rc = ppo.rollout_correction
-    if rc.mode not in ROLLOUT_CORRECTION_MODES or rc.level not in ROLLOUT_CORRECTION_LEVELS:
-        raise ConfigError(f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
-                          f"{', '.join(ROLLOUT_CORRECTION_MODES)}, level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}")
-    if rc.mode == "tis" and rc.tis_cap <= 0:
-        raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
-    if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
-        raise ConfigError(f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
-                          "fix: e.g. mis_low=0.5 mis_high=2.0")
-    ds = ppo.dynamic_sampling
-    if ds.enabled:
-        if ppo.n_samples_per_prompt < 2:
-            raise ConfigError(f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
-                              f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more")
-        _positive("ppo.dynamic_sampling", max_generation_rounds=ds.max_generation_rounds)
-        if ds.prompts_per_round is not None:
-            _positive("ppo.dynamic_sampling", prompts_per_round=ds.prompts_per_round)
-        if ds.on_shortfall not in ("fill", "stop"):
-            raise ConfigError(f"ppo.dynamic_sampling.on_shortfall={ds.on_shortfall!r}; fix: use 'fill' or 'stop'")
-    if ppo.lr_schedule not in ("constant", "cosine"):
-        raise ConfigError(f"ppo.lr_schedule={ppo.lr_schedule!r} is unknown; fix: use 'constant' or 'cosine'")
-    if not 0 <= ppo.lr_warmup_ratio < 1:
-        raise ConfigError(f"ppo.lr_warmup_ratio={ppo.lr_warmup_ratio} must be in [0, 1); fix: e.g. 0.03")
-    if ppo.actor_lr <= 0 or ppo.critic_lr <= 0:
-        raise ConfigError(f"ppo.actor_lr={ppo.actor_lr}, ppo.critic_lr={ppo.critic_lr} must be positive; fix: e.g. 1e-6")
 
 
 def compute_plan(
@@ -344,7 +138,7 @@ def compute_plan(
     """Derive every count of the run, or raise ConfigError naming the inconsistent keys.
 
     `precision` and `rollout_dtype` are resolved (`lit_ppo.precision`); `top_p` is vLLM's."""
-    validate_ppo(ppo)
+    ppo.validate()
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
         raise ConfigError(f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node")
     if dataset_prompts <= 0:
@@ -398,7 +192,7 @@ def compute_plan(
             "set exactly one of the two; fix: e.g. trainer.total_rollout_steps=100 trainer.data_epochs=null"
         )
     if run.total_rollout_steps is not None:
-        _positive("trainer", total_rollout_steps=run.total_rollout_steps)
+        positive("trainer", total_rollout_steps=run.total_rollout_steps)
         total_rollout_steps = run.total_rollout_steps
     else:
         if run.data_epochs <= 0:

@@ -52,7 +52,7 @@ def device_has_native_bf16(accelerator: str) -> bool:
 
 def resolve_precision(precision, accelerator: str) -> str:
     """`strategy.precision` as the trainer runs it: `auto` decided for this device, the rest checked."""
-    from lit_ppo.plan import ConfigError
+    from lit_ppo.errors import ConfigError
 
     precision = str(precision)
     if precision == "16-mixed":
@@ -67,7 +67,7 @@ def resolve_precision(precision, accelerator: str) -> str:
 
 def resolve_rollout_dtype(precision: str, configured: str | None) -> str:
     """vLLM's dtype: `rollout.dtype` when set, else the training compute dtype (bf16 or float32)."""
-    from lit_ppo.plan import ConfigError
+    from lit_ppo.errors import ConfigError
 
     if configured is None:
         return "bfloat16" if precision.startswith("bf16") else "float32"

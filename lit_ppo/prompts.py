@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from lit_ppo.plan import ConfigError
-
-
-from lit_ppo.errors import DataError  # noqa: E402,F401 - defined with every user error; importable from here too
+from lit_ppo.errors import (
+    ConfigError,
+    DataError,  # noqa: E402,F401 - defined with every user error; importable from here too
+)
 
 
 @dataclass

@@ -1,11 +1,26 @@
-"""The run's report files: summary.json and curves.png."""
+"""The run's report files: plan.json (with the memory estimate of the config), metrics.csv, summary.json and curves.png."""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from lit_ppo.console import show
+from lit_ppo.memory import (
+    GIB,
+    MemoryEstimate,
+    MemoryInputs,
+    ModelShape,
+    estimate_memory,
+)
+from lit_ppo.plan import StepPlan
+
+log = logging.getLogger("lit_ppo")
 
 TIMING_KEYS = {
     "generate_seconds": "timing/generate_s",
@@ -86,3 +101,84 @@ def write_curves(output_dir: Path, history: list[dict], evals: list[dict]) -> Pa
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def model_shape(cfg: DictConfig) -> tuple[ModelShape | None, str]:
+    """The model's shape without loading it: its config.json when model.path is a local directory, else the
+    experiment's `model.architecture`, else the tiny model's settings; (None, why) when none is known."""
+    model = cfg.model
+    if model.get("path"):
+        config_json = Path(str(model.path)) / "config.json"
+        if config_json.exists():
+            return ModelShape.from_hf_config(json.loads(config_json.read_text())), str(config_json)
+        if model.get("architecture"):
+            return ModelShape(**OmegaConf.to_container(model.architecture, resolve=True)), "model.architecture"
+        return None, f"{config_json} is not on this machine and the experiment sets no model.architecture"
+    from lit_ppo.tiny import tiny_vocab_size
+
+    tiny = model.tiny
+    return ModelShape(vocab_size=tiny_vocab_size(), hidden_size=int(tiny.hidden_size), intermediate_size=int(tiny.intermediate_size),
+                      num_layers=int(tiny.num_layers), num_heads=int(tiny.num_heads), num_kv_heads=int(tiny.num_kv_heads),
+                      tie_word_embeddings=True, attention_bias=True), "model.tiny"
+
+
+def on_gpu(cfg: DictConfig) -> bool:
+    accelerator = str(cfg.strategy.accelerator)
+    if accelerator in ("gpu", "cuda"):
+        return True
+    if accelerator == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return False
+
+
+def device_memory_gib(cfg: DictConfig) -> float | None:
+    """strategy.device_memory_gib, else the first GPU's memory when there is one and the run uses GPUs."""
+    if cfg.strategy.get("device_memory_gib"):
+        return float(cfg.strategy.device_memory_gib)
+    if on_gpu(cfg):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB
+    return None
+
+
+def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
+    shape, _ = model_shape(cfg)
+    if shape is None:
+        return None
+    rollout = cfg.rollout
+    return estimate_memory(shape, MemoryInputs(
+        precision=plan.precision, strategy=str(cfg.strategy.name), data_parallel_size=plan.data_parallel_size,
+        micro_batch_size=plan.micro_train_batch_size, prompt_tokens=int(cfg.data.max_prompt_length),
+        response_tokens=int(rollout.max_response_length), gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+        critic=plan.critic_enabled, reference=plan.reference_enabled, rollout_dtype=plan.rollout_dtype,
+        rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=int(rollout.max_model_len),
+        on_gpu=on_gpu(cfg), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+        tensor_parallel_size=int(rollout.tensor_parallel_size), vllm_sleeps=bool(rollout.sleep_between_steps),
+        cpu_kv_cache_gib=float(rollout.kv_cache_gib), device_memory_gib=device_memory_gib(cfg),
+        grad_accumulation_steps=plan.grad_accumulation_steps))
+
+
+def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | None = None) -> None:
+    """plan.json and the printed tables: the step plan and, given the config, the memory estimate."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    record = plan.to_dict()
+    show(plan.table().replace("Step plan", f"Step plan (dataset: {source})"))
+    if cfg is not None:
+        memory = memory_estimate(cfg, plan)
+        shape_source = model_shape(cfg)[1]
+        record["memory"] = None if memory is None else {**memory.to_dict(), "model_shape_from": shape_source}
+        if memory is None:
+            show(f"Memory per device: no estimate ({shape_source})")
+        else:
+            table = memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})")
+            if cfg.mode == "plan":
+                show(table)
+            else:  # the console stays short while training: one line, the table in run.log and plan.json
+                logging.getLogger("lit_ppo.console").info(table)
+                show(f"memory per device (estimate): peak {memory.peak_bytes / GIB:.2f} GiB; "
+                     "the table is in plan.json and logs/run.log (mode=plan prints it)")
+    (output_dir / "plan.json").write_text(json.dumps(record, indent=2))

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from lit_ppo.algorithms import overlong_penalty
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
 

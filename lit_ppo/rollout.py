@@ -50,7 +50,7 @@ class VLLMEngine:
     The engine loads the initial weights from `model_dir` once; afterwards `sync_weights`
     pushes the actor's tensors into it in place, without touching the disk."""
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 256,
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 128,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1, seed: int = 0,
                  tensor_parallel_size: int = 1, enforce_eager: bool = True, distributed: bool = False,
                  enable_sleep_mode: bool = False):

@@ -15,7 +15,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
 

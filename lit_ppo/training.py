@@ -23,15 +23,16 @@ from transformers import AutoTokenizer
 
 from lit_ppo.arithmetic import make_problems, write_jsonl
 from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
+from lit_ppo.config import RolloutConfig, make_plan, parse_config, parse_section
 from lit_ppo.console import adopt_library_loggers, show
-from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.datamodule import RolloutDataModule
+from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.module import PPOModule
-from lit_ppo.plan import ConfigError, StepPlan, parse_section
+from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import load_prompts
-from lit_ppo.report import write_curves, write_summary
+from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
-from lit_ppo.run import make_plan, parse_config, write_plan
 from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_start
 
 log = logging.getLogger("lit_ppo")
@@ -42,7 +43,12 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
     model = cfg.model
     if model.path:
         return str(model.path)
-    from lit_ppo.tiny import TOKENIZER_VERSION, build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.tiny import (
+        TOKENIZER_VERSION,
+        build_char_tokenizer,
+        build_tiny_model,
+        save_model_dir,
+    )
 
     cache = Path(cfg.cache_dir)
     tiny = OmegaConf.to_container(model.tiny, resolve=True)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import lightning as L
 from transformers import AutoTokenizer
 
-from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.module import PPOModule
-from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
 

@@ -58,8 +58,9 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     from transformers import AutoTokenizer
 
-    from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
-    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.datamodule import RolloutDataModule
+    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path
-from lit_ppo.errors import DynamicSamplingShortfallError
-from lit_ppo.plan import ConfigError, DynamicSamplingConfig, PPOConfig, RunLengthConfig, compute_plan
+from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RunLengthConfig
+from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
+from lit_ppo.plan import compute_plan
 from tests.helpers import build_run
 from tests.test_resume import Crash, CrashAfter, assert_same_weights
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import lit_ppo.errors as errors
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 from lit_ppo.prompts import DataError
 from lit_ppo.rewards import RewardError
 

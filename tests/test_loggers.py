@@ -9,10 +9,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from lit_ppo.loggers import SampleTableLogger, drop_secrets, make_wandb_logger, resolve_wandb_mode
-from lit_ppo.plan import ConfigError
 from test_end_to_end import FIXTURE_MODEL, compose_config
+
+from lit_ppo.errors import ConfigError
+from lit_ppo.loggers import (
+    SampleTableLogger,
+    drop_secrets,
+    make_wandb_logger,
+    resolve_wandb_mode,
+)
 
 SAMPLES = [{"prompt": "3+4=", "response": "7", "reward": 1.0}, {"prompt": "10+5=", "response": "16", "reward": 0.0}]
 

@@ -54,9 +54,9 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     import shutil
 
     import yaml
+    from test_end_to_end import FIXTURE_MODEL, compose_config
 
     from lit_ppo.training import train
-    from test_end_to_end import FIXTURE_MODEL, compose_config
 
     run = tmp_path / "run"
     cfg = compose_config("trainer.total_rollout_steps=2", "trainer.eval_every=1", "model.warm_start.enabled=false",

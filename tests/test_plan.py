@@ -17,7 +17,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lit_ppo import run as run_module
-from lit_ppo.plan import ConfigError, PPOConfig, RunLengthConfig, compute_plan, parse_section
+from lit_ppo.config import PPOConfig, RunLengthConfig, parse_section
+from lit_ppo.errors import ConfigError
+from lit_ppo.plan import compute_plan
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

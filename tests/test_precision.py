@@ -11,8 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lit_ppo import precision as prec
-from lit_ppo.plan import ConfigError
-from lit_ppo.run import make_plan
+from lit_ppo.config import make_plan
+from lit_ppo.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,8 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     from transformers import AutoTokenizer
 
     from lit_ppo import datamodule as dm
-    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.config import PPOConfig, RunLengthConfig
+    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
 

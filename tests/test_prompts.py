@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 from lit_ppo.prompts import DataError, load_prompts
 
 RECORDS = [
@@ -107,8 +107,9 @@ def test_custom_keys_and_no_reference(tokenizer, tmp_path):
 
 def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokenizer, tmp_path, monkeypatch):
     """A chat-formatted JSONL prompt set through a real rollout: vLLM is asked with exactly the expected ids."""
-    from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
-    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.datamodule import RolloutDataModule
+    from lit_ppo.plan import compute_plan
     from lit_ppo.rewards import RewardScorer, integer_match
 
     prompts = load_prompts(write_jsonl(RECORDS, tmp_path / "train.jsonl"), tokenizer, chat_template=True,

@@ -60,7 +60,7 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lit_ppo.datamodule import RolloutConfig
+    from lit_ppo.config import RolloutConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -96,8 +96,9 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
 
 def make_datamodule(model_dir, engine, files, rollout, *, chat_template: bool, rollout_batch_size: int = 16,
                     n_samples_per_prompt: int = 4):
+    from lit_ppo.config import PPOConfig, RunLengthConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
 

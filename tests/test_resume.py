@@ -13,7 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints, resolve_resume, save_atomic
+from lit_ppo.checkpoints import (
+    RolloutCheckpoint,
+    checkpoint_path,
+    list_checkpoints,
+    resolve_resume,
+)
 from lit_ppo.errors import NonFiniteUpdatesError
 from tests.helpers import build_run
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from lit_ppo.plan import ConfigError
+from lit_ppo.errors import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, detect_signature
 from tests.test_end_to_end import compose_config
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from lit_ppo.errors import ConfigError
 from lit_ppo.math_reward import extract_answer, math_reward
-from lit_ppo.plan import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, SequenceClassifierReward
 from tests.test_end_to_end import compose_config
 
@@ -269,7 +269,8 @@ class ScriptedEngine:
 
 
 def evaluate_with(responses: list[list[str]], references: list[str], scorer: RewardScorer) -> dict:
-    from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+    from lit_ppo.config import RolloutConfig
+    from lit_ppo.datamodule import RolloutDataModule
     from lit_ppo.prompts import Prompt, PromptSet
 
     prompts = PromptSet([Prompt([1, 2], f"q{i}", ref, {}) for i, ref in enumerate(references)], "test")

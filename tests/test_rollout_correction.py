@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from lit_ppo.datamodule import RolloutConfig
-from lit_ppo.plan import RolloutCorrectionConfig
+from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig
 from tests.helpers import build_run
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ppo.datamodule import RolloutConfig, RolloutDataModule
+from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.module import pack
-from lit_ppo.plan import PPOConfig, RunLengthConfig, compute_plan
+from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
 from tests.helpers import build_run

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 from omegaconf import OmegaConf
-
-from lit_ppo.plan import ConfigError
-from lit_ppo.sweep import SweepSummary, write_sweep_summary
 from test_end_to_end import FIXTURE_MODEL
+
+from lit_ppo.errors import ConfigError
+from lit_ppo.sweep import SweepSummary, write_sweep_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,9 @@ if os.environ.get("LIT_PPO_COUNT_GRAD_SYNC"):
 
     def _counting_init(self, *args, **kwargs):
         _ddp_init(self, *args, **kwargs)
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         def hook(state, bucket):
             if bucket.is_last():
