@@ -26,7 +26,7 @@ from lit_ppo.algorithms import (
     ROLLOUT_CORRECTION_MODES,
 )
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import StepPlan, compute_plan
+from lit_ppo.plan import OLD_LOGPROBS, StepPlan, compute_plan
 from lit_ppo.plan import positive as _positive
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 
@@ -77,6 +77,17 @@ class PPOConfig:
     """Samples (responses) per optimizer step (global)."""
     micro_train_batch_size: int = 32
     """Samples per forward/backward on one device."""
+    micro_train_max_tokens: int | None = None
+    """Padded tokens (prompt + response columns x rows) per forward/backward on one device: each mini-batch is sorted
+    by length and cut into micro-batches under this budget (verl's dynamic batch size, OpenRLHF's max_tokens_per_gpu),
+    so short samples are not padded to the longest of a fixed-size micro-batch; micro_train_batch_size is then unused
+    for splitting. Loss denominators and optimizer steps are unchanged. null: fixed micro_train_batch_size."""
+    old_logprobs: str = "auto"
+    """Where the PPO ratio's old log-probs come from. recompute: an experience forward of the actor before the updates;
+    auto: skip that forward when the update is exactly on-policy (ppo_epochs=1, one mini-batch per rollout step, no KL
+    in the reward, rollout_correction none), where old log-probs equal the training forward's own (ratio 1, the same
+    gradient), else recompute; rollout: vLLM's sampling log-probs, never a forward (the ratio is then against the
+    sampler, which the clip bounds; rollout_correction must be none)."""
     advantage_estimator: str = "gae"
     """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo."""
     gamma: float = 1.0
@@ -247,6 +258,14 @@ def validate_ppo(ppo: PPOConfig) -> None:
     if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
         raise ConfigError(f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
                           "fix: e.g. mis_low=0.5 mis_high=2.0")
+    if ppo.old_logprobs not in OLD_LOGPROBS:
+        raise ConfigError(f"ppo.old_logprobs={ppo.old_logprobs!r} is unknown; fix: use one of {', '.join(OLD_LOGPROBS)}")
+    if ppo.old_logprobs == "rollout" and rc.mode != "none":
+        raise ConfigError(f"ppo.old_logprobs=rollout takes vLLM's log-probs as the old ones, so "
+                          f"ppo.rollout_correction.mode={rc.mode} has no mismatch left to weight (its ratio is 1); fix: set "
+                          "ppo.rollout_correction.mode=none, or ppo.old_logprobs=recompute to keep the correction")
+    if ppo.micro_train_max_tokens is not None:
+        _positive("ppo", micro_train_max_tokens=ppo.micro_train_max_tokens)
     ds = ppo.dynamic_sampling
     if ds.enabled:
         if ppo.n_samples_per_prompt < 2:

@@ -49,6 +49,46 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
                       input_ids[:, P:].to(device), response_mask.to(device), P)
 
 
+def padded_tokens(prompt_lengths: list[int], response_lengths: list[int], group: list[int]) -> int:
+    """Positions `pack` lays out for the samples `group`: rows x (widest prompt + longest response, at least 1)."""
+    return len(group) * (max(prompt_lengths[i] for i in group) + max(1, max(response_lengths[i] for i in group)))
+
+
+def micro_batch_groups(prompt_lengths: list[int], response_lengths: list[int], indices: list[int], *,
+                       max_samples: int, max_tokens: int | None = None, min_count: int = 0) -> list[list[int]]:
+    """Split the samples `indices` (one mini-batch, or the whole batch for the experience pass) into micro-batches.
+
+    Fixed size (max_tokens None): consecutive runs of `max_samples`, in the given order. Token budget: the samples
+    sorted by length (longest first), each micro-batch filled while its padded size (`padded_tokens`) stays within
+    `max_tokens`; a sample longer than the budget gets a micro-batch of its own. Sorting puts samples of similar
+    length together, so a micro-batch pads little. `min_count`: split the largest micro-batches in two until there
+    are at least this many (data-parallel ranks must run as many forwards, FSDP gathers weights in each)."""
+    if max_tokens is None:
+        return [indices[start:start + max_samples] for start in range(0, len(indices), max_samples)]
+    order = sorted(indices, key=lambda i: prompt_lengths[i] + response_lengths[i], reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and padded_tokens(prompt_lengths, response_lengths, groups[-1] + [i]) <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    while len(groups) < min_count:
+        largest = max(range(len(groups)), key=lambda g: len(groups[g]))
+        if len(groups[largest]) < 2:
+            raise ValueError(f"cannot make {min_count} micro-batches of {len(indices)} samples")
+        group = groups.pop(largest)
+        half = len(group) // 2
+        groups[largest:largest] = [group[:half], group[half:]]
+    return groups
+
+
+def padding_fraction(prompt_lengths: list[int], response_lengths: list[int], groups: list[list[int]]) -> float:
+    """Share of the positions the forwards of `groups` compute that are padding (0: none)."""
+    positions = sum(padded_tokens(prompt_lengths, response_lengths, g) for g in groups)
+    real = sum(prompt_lengths[i] + response_lengths[i] for g in groups for i in g)
+    return 1 - real / positions if positions else 0.0
+
+
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """log softmax(logits)[target] without materialising the full log-softmax; [B, T]."""
     logits = logits.float()
@@ -63,7 +103,10 @@ class Experience:
     no critic: no `values`), so that no code can mistake zeros for log-probs or values."""
 
     mask: Tensor  # [N, T] 1.0 on response tokens
-    old_logp: Tensor  # [N, T] the actor's log-probs before this rollout step's updates
+    # [N, T] the actor's log-probs before this rollout step's updates. None while training an exactly on-policy
+    # update (StepPlan.old_logprobs_source "training forward"): each training forward's own log-probs, detached, are
+    # the old ones; train_on_experience fills this field with them afterwards (for the KL and mismatch metrics).
+    old_logp: Tensor | None
     advantages: Tensor  # [N, T]
     returns: Tensor  # [N, T]
     rewards: Tensor  # [N] one reward per sample

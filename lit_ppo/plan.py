@@ -24,6 +24,15 @@ if TYPE_CHECKING:  # the config dataclasses (lit_ppo.config) import this module 
     from lit_ppo.config import PPOConfig, RunLengthConfig
 
 
+OLD_LOGPROBS = ("auto", "recompute", "rollout")  # ppo.old_logprobs
+# StepPlan.old_logprobs_source: where the PPO ratio's old log-probs come from in this run.
+OLD_LOGPROBS_SOURCES = {
+    "experience forward": "a no-grad forward of the actor before the updates",
+    "training forward": "on-policy: the training forward's own log-probs, detached (ratio 1; no experience forward)",
+    "vLLM": "the sampler's log-probs (no experience forward)",
+}
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What the run will do, in numbers. Every loop and scheduler reads this."""
@@ -63,6 +72,8 @@ class StepPlan:
     dynamic_sampling_on_shortfall: str = "fill"
     precision: str = "32-true"  # resolved (lit_ppo.precision): 32-true, bf16-mixed or bf16-true
     rollout_dtype: str = "float32"  # vLLM's dtype
+    old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
+    micro_train_max_tokens: int | None = None  # token-budget micro-batches (padded tokens / forward-backward / rank)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -98,8 +109,12 @@ class StepPlan:
             ("optimizer steps per rollout step", self.optimizer_steps_per_rollout_step,
              "actor, and the critic as many" if self.critic_enabled else "actor (no critic)"),
             ("total optimizer steps", self.total_optimizer_steps, "actor" + (" (critic the same)" if self.critic_enabled else "")),
-            ("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
-            ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank"),
+            *([("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
+               ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank")]
+              if self.micro_train_max_tokens is None else
+              [("micro batch", self.micro_train_max_tokens,
+                "padded tokens / forward-backward / rank at most (sorted by length; the count varies)")]),
+            ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
             ("samples generated", self.total_samples_generated, "responses"),
             ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
             ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
@@ -202,6 +217,7 @@ def compute_plan(
 
     mini_batches = samples_per_rollout_step // ppo.train_batch_size
     optimizer_steps_per_rollout_step = mini_batches * ppo.ppo_epochs
+    old_logprobs_source, old_logprobs_note = old_logprobs_plan(ppo, mini_batches)
     total_optimizer_steps = optimizer_steps_per_rollout_step * total_rollout_steps
     samples = samples_per_rollout_step * total_rollout_steps
     notes = []
@@ -220,6 +236,8 @@ def compute_plan(
         )
     elif abs(data_epochs - round(data_epochs)) > 1e-9:
         notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
+    if old_logprobs_note:
+        notes.append(old_logprobs_note)
     warnings = []
     if top_p < 1:
         warnings.append(
@@ -266,6 +284,34 @@ def compute_plan(
         dynamic_sampling_on_shortfall=ds.on_shortfall,
         precision=precision,
         rollout_dtype=rollout_dtype,
+        old_logprobs_source=old_logprobs_source,
+        micro_train_max_tokens=ppo.micro_train_max_tokens,
         notes=notes,
         warnings=warnings,
     )
+
+
+def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[str, str]:
+    """`ppo.old_logprobs` resolved: the source of the old log-probs (a key of OLD_LOGPROBS_SOURCES) and, when auto
+    keeps the experience forward of an on-policy update, a note saying why.
+
+    The update is exactly on-policy when the rollout step takes one optimizer step (one PPO epoch, one mini-batch):
+    every training forward then runs on the weights that generated the batch, so its detached log-probs are the old
+    ones and the experience forward would compute the same numbers again. Two other readers of the old log-probs need
+    them before the update and keep the forward: a KL penalty in the reward (advantages come from it) and the rollout
+    correction's weights."""
+    if ppo.old_logprobs == "rollout":
+        return "vLLM", ""
+    if ppo.old_logprobs == "recompute":
+        return "experience forward", ""
+    on_policy = ppo.ppo_epochs == 1 and mini_batches_per_ppo_epoch == 1
+    kl_in_reward = ppo.kl_coef > 0 and ppo.kl_mode == "reward"
+    if on_policy and not kl_in_reward and ppo.rollout_correction.mode == "none":
+        return "training forward", ""
+    if not on_policy:  # the usual case (several updates per rollout step): nothing to say
+        return "experience forward", ""
+    if kl_in_reward:
+        why = "the KL penalty in the reward (ppo.kl_mode=reward) needs them before the update"
+    else:
+        why = f"ppo.rollout_correction.mode={ppo.rollout_correction.mode} needs them before the update"
+    return "experience forward", f"old log-probs: the update is on-policy, but the actor's experience forward runs because {why}"

@@ -1,0 +1,252 @@
+"""Work the trainer can skip without changing the update (issue 14): the actor's experience forward when the update is
+exactly on-policy (`ppo.old_logprobs`), and padding, with micro-batches cut by a token budget
+(`ppo.micro_train_max_tokens`). Each run here is one real rollout step (Lightning trainer, PPOModule) on a fixed
+batch of variable-length samples, without vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lit_ppo.config import (
+    PPOConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+    RunLengthConfig,
+    validate_ppo,
+)
+from lit_ppo.datamodule import RolloutBatch, RolloutDataModule
+from lit_ppo.errors import ConfigError, RolloutMismatchError
+from lit_ppo.experience import micro_batch_groups, pack, padding_fraction
+from lit_ppo.module import PPOModule
+from lit_ppo.plan import compute_plan
+from lit_ppo.prompts import load_prompts
+from lit_ppo.report import write_plan
+from lit_ppo.rewards import RewardScorer, integer_match
+
+# 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
+ON_POLICY = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "train_batch_size": 8, "micro_train_batch_size": 4,
+             "advantage_estimator": "grpo", "kl_coef": 0.01, "kl_mode": "loss", "kl_estimator": "k3",
+             "loss_agg_mode": "seq-mean-token-mean", "actor_lr": 1e-3}
+
+
+class NullEngine:
+    """Stands in for vLLM: these runs train on a fixed batch."""
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def sync_weights(self, named_tensors) -> None:
+        pass
+
+
+class FixedBatchDataModule(RolloutDataModule):
+    fixed_batch: RolloutBatch
+
+    def produce_rollout(self, rollout_step: int) -> RolloutBatch:
+        self.next_rollout_step = rollout_step + 1
+        return dataclasses.replace(self.fixed_batch, rollout_step=rollout_step)
+
+
+def fixed_batch(n_prompts: int = 4, n: int = 2, seed: int = 0) -> RolloutBatch:
+    """Prompts of 3-20 tokens and responses of 1-14, random ids (4+: not special), rewards 0/1 differing in groups."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n_prompts)]
+    sample_prompts = [p for p in prompts for _ in range(n)]
+    N = len(sample_prompts)
+    responses = [torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(N)]
+    rewards = torch.tensor([float(i % 2) for i in range(N)])
+    positions = [i for i in range(n_prompts) for _ in range(n)]
+    return RolloutBatch(rollout_step=0, data_epoch=0, prompt_positions=positions, dataset_indices=positions,
+                        prompt_ids=sample_prompts, response_ids=responses, rollout_logprobs=None, rewards=rewards,
+                        truncated=torch.zeros(N, dtype=torch.bool), prompts=[""] * N, responses=[""] * N,
+                        references=[None] * N, generate_seconds=0.0, reward_seconds=0.0, reward_metrics={})
+
+
+def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
+    """One rollout step on `batch`; returns the module, the actor's forwards in the experience phase, the reference's
+    forwards, and the actor's gradient (before clipping) at each optimizer step."""
+    ppo = PPOConfig(**{**ON_POLICY, **overrides})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts = load_prompts(files[0], tokenizer)
+    rollout = RolloutConfig(max_response_length=16)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_length)
+    datamodule = FixedBatchDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=None, rollout=rollout,
+                                      scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
+                                      seed=0, engine=NullEngine())
+    datamodule.fixed_batch = batch
+    torch.manual_seed(0)
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
+                       pad_token_id=tokenizer.pad_token_id, temperature=0.7, max_logprob_abs_diff=0.5)
+    calls = {"phase": "", "experience": 0, "reference": 0}
+
+    def count_actor(*_):
+        calls["experience"] += calls["phase"] == "experience"
+
+    def count_reference(*_):
+        calls["reference"] += 1
+
+    module.actor.register_forward_pre_hook(count_actor)
+    module.reference.register_forward_pre_hook(count_reference)
+    make_experience, step = module.make_experience, module._step
+
+    def counted_experience(b):
+        calls["phase"] = "experience"
+        try:
+            return make_experience(b)
+        finally:
+            calls["phase"] = ""
+
+    grads = []
+
+    def step_recording_grads(model, optimizer, scheduler):
+        if model is module.actor:
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        return step(model, optimizer, scheduler)
+
+    module.make_experience = counted_experience
+    module._step = step_recording_grads
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=datamodule)
+    return module, calls, grads
+
+
+def assert_same_gradients(a: list[dict], b: list[dict], rel: float = 1e-4) -> None:
+    """Equal up to float32 rounding: within `rel` of each tensor's largest gradient (micro-batches of another
+    composition pad differently and sum in another order)."""
+    assert len(a) == len(b) and a
+    for step_a, step_b in zip(a, b):
+        assert step_a.keys() == step_b.keys()
+        for name in step_a:
+            scale = float(step_b[name].abs().max())
+            assert scale > 0, name
+            torch.testing.assert_close(step_a[name], step_b[name], rtol=rel, atol=rel * scale,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@pytest.mark.parametrize("overrides, source", [
+    ({}, "training forward"),  # on-policy, KL in the loss: nothing needs the old log-probs before the update
+    ({"train_batch_size": 4, "micro_train_batch_size": 2}, "experience forward"),  # 2 mini-batches
+    ({"ppo_epochs": 2}, "experience forward"),
+    ({"kl_mode": "reward", "kl_estimator": "k1", "advantage_estimator": "reinforce_pp"}, "experience forward"),
+    ({"rollout_correction": {"mode": "tis"}}, "experience forward"),
+    ({"old_logprobs": "recompute"}, "experience forward"),
+    ({"old_logprobs": "rollout", "ppo_epochs": 2}, "vLLM"),
+], ids=["on-policy", "two-mini-batches", "two-epochs", "kl-in-reward", "tis", "recompute", "rollout"])
+def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
+    from lit_ppo.config import parse_section
+
+    ppo = parse_section(PPOConfig, {**ON_POLICY, **overrides}, "ppo")
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 64)
+    assert plan.old_logprobs_source == source
+    assert any(line.startswith("old log-probs") and source in line for line in plan.table().splitlines())
+    write_plan(plan, tmp_path, "test")
+    assert json.loads((tmp_path / "plan.json").read_text())["old_logprobs_source"] == source
+    if overrides.get("kl_mode") == "reward" or "rollout_correction" in overrides:  # on-policy, yet the forward runs: why
+        assert any("old log-probs: the update is on-policy" in n for n in plan.notes)
+
+
+def test_old_logprobs_settings_that_cannot_work_are_refused():
+    with pytest.raises(ConfigError, match="ppo.old_logprobs='vllm' is unknown"):
+        validate_ppo(PPOConfig(old_logprobs="vllm"))
+    with pytest.raises(ConfigError, match="rollout_correction.mode=tis has no mismatch left.*fix"):
+        validate_ppo(PPOConfig(old_logprobs="rollout", rollout_correction=RolloutCorrectionConfig(mode="tis")))
+    with pytest.raises(ConfigError, match="micro_train_max_tokens=0 must be a positive integer"):
+        validate_ppo(PPOConfig(micro_train_max_tokens=0))
+
+
+# ---------------------------------------------------------------- no experience forward when on-policy
+
+
+def test_on_policy_update_skips_the_actor_forward_with_the_same_gradients(tiny_model_dir, arithmetic_files, tmp_path):
+    batch = fixed_batch()
+    skipped, skipped_calls, skipped_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch)
+    forward, forward_calls, forward_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch,
+                                                         old_logprobs="recompute")
+    assert skipped.plan.old_logprobs_source == "training forward"
+    assert forward_calls["experience"] == 2 and skipped_calls["experience"] == 0  # 8 samples, micro-batches of 4
+    assert skipped_calls["reference"] == forward_calls["reference"] == 2  # the reference log-probs keep their pass
+    assert skipped.actor_optimizer_steps == forward.actor_optimizer_steps == 1
+    assert_same_gradients(skipped_grads, forward_grads)
+    row, row_forward = skipped.history[-1], forward.history[-1]
+    assert row["actor/approx_kl"] == 0 and row["actor/clip_fraction"] == 0  # ratio exactly 1
+    # the KL to the reference is still logged, from the training forwards' log-probs (= the old ones)
+    assert row["rollout/kl_to_reference"] == pytest.approx(row_forward["rollout/kl_to_reference"], rel=1e-4, abs=1e-8)
+
+
+def test_rollout_logprobs_as_old_ones(tiny_model_dir, arithmetic_files, tmp_path):
+    """ppo.old_logprobs=rollout: no actor forward in the experience, the PPO ratio against vLLM's log-probs (here: the
+    actor's own, as a vLLM in sync gives them), in every mini-batch of an off-policy update."""
+    two_mini_batches = {"train_batch_size": 4, "micro_train_batch_size": 2}
+    batch = fixed_batch()
+    forward, _, forward_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch,
+                                             old_logprobs="recompute", **two_mini_batches)
+    # What a vLLM in sync with the actor reports: the actor's log-probs of the sampled tokens at temperature 0.7.
+    module = PPOModule(model_dir=tiny_model_dir, ppo=forward.ppo, plan=forward.plan, max_response_length=16,
+                       pad_token_id=0, temperature=0.7)
+    with torch.no_grad():
+        mb = pack(batch.prompt_ids, batch.response_ids, 0, "cpu")
+        logp = module.response_logprobs(module.actor, mb)
+    batch = dataclasses.replace(batch, rollout_logprobs=[logp[i, :len(r)].tolist() for i, r in enumerate(batch.response_ids)])
+    rollout, calls, grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="rollout",
+                                         **two_mini_batches)
+    assert rollout.plan.old_logprobs_source == "vLLM" and calls["experience"] == 0
+    assert rollout.actor_optimizer_steps == 2
+    assert_same_gradients(grads, forward_grads)
+    assert rollout.history[-1]["rollout/logprob_abs_diff"] < 1e-5  # checked against the first mini-batch's forwards
+
+
+def test_skipped_forward_still_catches_a_sampler_out_of_sync(tiny_model_dir, arithmetic_files, tmp_path):
+    """The check of vLLM's log-probs against the trainer's (rollout.max_logprob_abs_diff) runs on the training
+    forwards' log-probs when there is no experience forward."""
+    batch = fixed_batch()
+    batch = dataclasses.replace(batch, rollout_logprobs=[[-0.01] * len(r) for r in batch.response_ids])
+    with pytest.raises(RolloutMismatchError, match="differ from vLLM's"):
+        run_one_step(tiny_model_dir, arithmetic_files, tmp_path, batch)
+
+
+# ---------------------------------------------------------------- token-budget micro-batches
+
+
+def test_micro_batch_groups_by_token_budget_hand_case():
+    prompts, responses = [5, 5, 3, 3, 3], [10, 1, 2, 9, 2]  # totals 15, 6, 5, 12, 5
+    fixed = micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2)
+    assert fixed == [[0, 1], [2, 3], [4]]
+    # 2 x 15 + 2 x 12 + 5 x 1... fixed: [0,1] 2 x (5+10) = 30, [2,3] 2 x (3+9) = 24, [4] 1 x 5 = 5: 59 positions
+    assert padding_fraction(prompts, responses, fixed) == pytest.approx(1 - 43 / 59)
+    # longest first: [0] 15, [0,3] would be 2 x 15 = 30 > 24, so [0]; [3, 1] = 2 x (5 + 9) = 28 > 24, so [3];
+    # [1, 2, 4] = 3 x (5 + 2) = 21 <= 24
+    budget = micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2, max_tokens=24)
+    assert budget == [[0], [3], [1, 2, 4]]
+    assert padding_fraction(prompts, responses, budget) == pytest.approx(1 - 43 / (15 + 12 + 21))
+    # ranks with fewer micro-batches split their largest until they run as many as the others
+    assert micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2, max_tokens=24, min_count=4) == \
+        [[0], [3], [1], [2, 4]]
+
+
+def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, arithmetic_files, tmp_path):
+    batch = fixed_batch(n_prompts=4, n=4)  # 16 samples; two mini-batches of 8, fixed micro-batches of 2
+    settings = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 8, "micro_train_batch_size": 2}
+    fixed, _, fixed_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch, **settings)
+    budget, _, budget_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch,
+                                           micro_train_max_tokens=48, **settings)
+    assert budget.actor_optimizer_steps == fixed.actor_optimizer_steps == 2  # the plan's count (checked at runtime too)
+    assert budget.plan.micro_train_max_tokens == 48
+    assert_same_gradients(budget_grads, fixed_grads)
+    padding, padding_fixed = budget.history[-1]["perf/padding_fraction"], fixed.history[-1]["perf/padding_fraction"]
+    assert 0 <= padding < padding_fixed
