@@ -16,7 +16,6 @@ import shlex
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,18 +29,16 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from lit_ppo.arithmetic import make_problems, write_jsonl  # noqa: E402
+from lit_ppo.build import build_run as build_product_run  # noqa: E402
+from lit_ppo.build import quiet_known_warnings
 from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig, parse_section
 from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
-from lit_ppo.module import PPOModule  # noqa: E402
 from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.prompts import load_prompts  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
 from lit_ppo.rollout import VLLMEngine  # noqa: E402
 
-QUIET_WARNINGS = [".*dataloader_iter.*", ".*does not have many workers.*", ".*LeafSpec.*", ".*weights_only.*",
-                  ".*module\\(s\\) in eval mode.*", ".*exists and is not empty.*"]
-for _pattern in QUIET_WARNINGS:
-    warnings.filterwarnings("ignore", message=_pattern)
+quiet_known_warnings()  # the product's filters (lit_ppo.build), for runs built here
 
 
 # ---------------------------------------------------------------- the model
@@ -149,7 +146,7 @@ def grpo_preset(**overrides) -> PPOConfig:
 def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_length: int,
               total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
               datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False):
-    """A real run without Hydra, as tests/helpers.py builds one, minus evaluation (no held-out prompts)."""
+    """A real run without Hydra, built by the product's `lit_ppo.build.build_run`, without evaluation (no held-out prompts)."""
     from transformers import AutoTokenizer
 
     model_dir = str(model_dir)
@@ -158,14 +155,10 @@ def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *,
     train_prompts = load_prompts(prompt_file, tokenizer)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
                         max_response_length)
-    datamodule = datamodule_class(plan=plan, train_prompts=train_prompts, eval_prompts=None, rollout=rollout,
-                                  scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
-                                  seed=seed, engine=engine)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=max_response_length,
-                       pad_token_id=tokenizer.pad_token_id, metrics_path=None, gradient_checkpointing=gradient_checkpointing)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        default_root_dir=str(out_dir), callbacks=list(callbacks))
+    trainer, module, datamodule = build_product_run(
+        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
+        eval_prompts=None, scorer=RewardScorer(fn=integer_match), output_dir=out_dir, seed=seed, engine=engine,
+        gradient_checkpointing=gradient_checkpointing, callbacks=callbacks, datamodule_class=datamodule_class)
     return trainer, module, datamodule, plan
 
 

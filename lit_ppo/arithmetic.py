@@ -11,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+from lit_ppo.atomic import atomic_path
+
 
 def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
     """All a+b with 0 <= a, b <= max_operand, shuffled and split into disjoint train/eval records."""
@@ -27,8 +29,7 @@ def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int) -> 
 
 def write_jsonl(records: list[dict], path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:  # other ranks may be waiting to read it
         for record in records:
             f.write(json.dumps(record) + "\n")
     return path

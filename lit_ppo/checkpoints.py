@@ -7,7 +7,6 @@ A checkpoint is written to `<name>.tmp` and renamed into place, so a crash durin
 
 from __future__ import annotations
 
-import os
 import random
 import re
 from pathlib import Path
@@ -16,6 +15,10 @@ import lightning as L
 import numpy as np
 import torch
 
+from lit_ppo.atomic import (
+    replace_durably,
+    temporary_sibling,
+)
 from lit_ppo.errors import (
     ConfigError,
     DynamicSamplingShortfallError,
@@ -43,12 +46,10 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def save_atomic(trainer: L.Trainer, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    trainer.save_checkpoint(tmp)
+    tmp = temporary_sibling(path)
+    trainer.save_checkpoint(tmp)  # every rank takes part (sharded states); rank 0 writes the file
     if trainer.is_global_zero:
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     trainer.strategy.barrier("lit_ppo_checkpoint")
     return path
 

@@ -75,11 +75,14 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 @contextmanager
-def no_gradient_sync(wrapper, models, sharded: bool):
-    """Backward passes without the gradient all-reduce (DDP `no_sync`) or reduce-scatter (FSDP2
-    `set_requires_gradient_sync(False)`: the unsharded gradients accumulate on each rank); the next synced
-    backward reduces the sum, the same gradients as a sync per micro-batch (sums commute with the averaging)."""
-    if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+def gradient_sync(enabled: bool, wrapper, models, sharded: bool):
+    """Backward passes with the gradient all-reduce (DDP) or reduce-scatter (FSDP2) only when `enabled`: the last
+    micro-batch of an optimizer step. Before it, DDP's `no_sync` / FSDP2's `set_requires_gradient_sync(False)` let
+    the gradients accumulate on each rank, and the synced backward reduces their sum: the same gradients as a sync
+    per micro-batch (sums commute with the averaging), for 1/accumulation of the communication."""
+    if enabled:
+        yield
+    elif isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
         with wrapper.no_sync():
             yield
     elif sharded:

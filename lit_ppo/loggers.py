@@ -17,6 +17,9 @@ from urllib.parse import urlsplit
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
+from lit_ppo.atomic import (
+    write_text_atomic,
+)
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 
@@ -101,7 +104,7 @@ class RolloutWandbLogger(WandbLogger):
             run.define_metric("rollout_step")
             run.define_metric("*", step_metric="rollout_step", step_sync=True)
         if starting and self._run_id_file and getattr(run, "id", None):
-            Path(self._run_id_file).write_text(f"{run.id}\n")
+            write_text_atomic(self._run_id_file, f"{run.id}\n")
         return run
 
     def finalize(self, status: str) -> None:

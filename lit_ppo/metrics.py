@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lit_ppo import algorithms as algo
 from lit_ppo.experience import Experience
+from lit_ppo.rewards import COUNT_METRICS
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -100,3 +101,28 @@ class MeanOver:
 
     def means(self) -> dict[str, float]:
         return {k: v / max(1, self.events) for k, v in self.sums.items()}
+
+
+def rollout_step_row(batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float], *,
+                     counters: dict[str, int], plan, extra: dict[str, float], group_size: int | None = None,
+                     global_sum: Reduce = _identity, global_max: Reduce = _identity) -> dict[str, float]:
+    """The logged row of one rollout step (before evaluation): the counters, the rollout statistics, the updates'
+    means (`train_metrics`), `extra` (rollout correction, KL coefficient), and the timings of the slowest rank
+    (what the run waits for) with their sum."""
+    row = dict(counters)
+    row.update(rollout_metrics(exp, batch.truncated, batch.reward_metrics, group_size=group_size,
+                               world_size=plan.data_parallel_size, count_metrics=COUNT_METRICS,
+                               global_sum=global_sum, global_max=global_max))
+    if exp.logprob_abs_diff_mean is not None:  # already global
+        row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
+        row["rollout/logprob_abs_diff_max"] = float(exp.logprob_abs_diff_max)
+    if plan.dynamic_sampling:  # global counts already, the same on every rank
+        row.update({f"rollout/{k}": getattr(batch, k)
+                    for k in ("generation_rounds", "dropped_groups", "filled_groups", "prompts_consumed")})
+    row.update(extra)
+    row.update(train_metrics)
+    timings = {**timings, "timing/rollout_step_s": sum(timings.values())}
+    slowest = global_max(torch.tensor(list(timings.values()), dtype=torch.float64, device=exp.mask.device))
+    row.update(zip(timings, slowest.tolist()))
+    row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(row["timing/generate_s"], 1e-9)
+    return row

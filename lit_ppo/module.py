@@ -17,10 +17,8 @@ are global (all-reduced over ranks).
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +37,10 @@ from lit_ppo.distributed import (
     full_tensors,
     global_max,
     global_sum,
-    no_gradient_sync,
+    gradient_sync,
     shard_models,
 )
-from lit_ppo.errors import ConfigError, NonFiniteUpdatesError, StepAccountingError
+from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -56,11 +54,11 @@ from lit_ppo.experience import (
     rollout_logp_tensor,
     )
 from lit_ppo.logits import logprobs_and_entropy
-from lit_ppo.metrics import MeanOver, rollout_metrics
+from lit_ppo.metrics import MeanOver, rollout_step_row
 from lit_ppo.models import load_models
+from lit_ppo.optim import GuardedStep, adamw_with_schedule
 from lit_ppo.plan import StepPlan
 from lit_ppo.report import write_metrics_csv
-from lit_ppo.rewards import COUNT_METRICS
 
 
 class PPOModule(L.LightningModule):
@@ -74,7 +72,6 @@ class PPOModule(L.LightningModule):
         self.max_response_length = max_response_length
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
-        self.max_consecutive_skipped_updates = max_consecutive_skipped_updates
         self.metrics_path = metrics_path
         # vLLM samples from softmax(logits / temperature): every log-prob the trainer takes (old, reference,
         # new, entropy) is of that distribution, or the ratio and the KL compare the wrong ones.
@@ -88,8 +85,7 @@ class PPOModule(L.LightningModule):
         self.critic_optimizer_steps = 0
         self.samples_seen = 0
         self.kl_coef = ppo.kl_coef
-        self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient
-        self.consecutive_skipped_updates = 0
+        self.guarded_step = GuardedStep(ppo.max_grad_norm, max_consecutive_skipped_updates)
         self.shuffle_generator = torch.Generator().manual_seed(ppo.shuffle_seed)
         self.history: list[dict[str, Any]] = []  # one row per rollout step
         self.eval_history: list[dict[str, Any]] = []
@@ -113,17 +109,9 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ optimizers
 
     def configure_optimizers(self):
-        def make(model, lr):
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=self.ppo.weight_decay)
-            sched = torch.optim.lr_scheduler.LambdaLR(
-                opt, algo.lr_lambda(self.plan.lr_warmup_steps, self.plan.lr_total_steps, self.ppo.lr_schedule))
-            return opt, {"scheduler": sched, "interval": "step"}
-
-        actor_opt, actor_sched = make(self.actor, self.ppo.actor_lr)
-        if self.critic is None:
-            return [actor_opt], [actor_sched]
-        critic_opt, critic_sched = make(self.critic, self.ppo.critic_lr)
-        return [actor_opt, critic_opt], [actor_sched, critic_sched]
+        models = [(self.actor, self.ppo.actor_lr)] + ([(self.critic, self.ppo.critic_lr)] if self.critic is not None else [])
+        pairs = [adamw_with_schedule(model, lr, self.ppo, self.plan) for model, lr in models]
+        return [optimizer for optimizer, _ in pairs], [schedule for _, schedule in pairs]
 
     # ------------------------------------------------------------ forward helpers
 
@@ -237,6 +225,7 @@ class PPOModule(L.LightningModule):
         optimizers, schedulers = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
+        models = [m for m in (self.actor, self.critic) if m is not None]
         N = len(batch.response_ids)
         world = self.plan.data_parallel_size
         actor_steps_at_start = self.actor_optimizer_steps
@@ -254,7 +243,7 @@ class PPOModule(L.LightningModule):
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
                 mask = exp.mask[indices]
                 # Denominators of the whole mini-batch over micro-batches and ranks, so that
-                # accumulation and data parallelism do not change the loss (REFERENCE section 3). The policy loss
+                # accumulation and data parallelism do not change the loss (docs/reference.md). The policy loss
                 # counts only the tokens the rollout correction keeps (all of them unless MIS drops some).
                 num_tokens, num_seqs, num_policy_tokens = global_sum(torch.stack([
                     mask.sum(), torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device),
@@ -264,7 +253,7 @@ class PPOModule(L.LightningModule):
                 real_tokens += sum(lengths[0][i] + lengths[1][i] for i in indices)
                 for position, (idx, mb) in enumerate(self._micro_batches(batch, indices, groups)):
                     rows = exp.rows(idx, mb.response_ids.shape[1])
-                    with self._gradient_sync(position == len(groups) - 1):
+                    with gradient_sync(position == len(groups) - 1, self.trainer.strategy.model, models, self.sharded):
                         metrics, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
                         per_micro_batch.add(metrics)
                         per_micro_batch.count()
@@ -273,10 +262,10 @@ class PPOModule(L.LightningModule):
                             captured_rows[idx] = 1.0
                         if self.critic is not None:  # the update's value loss, one micro-batch's share at a time
                             per_update.add({"critic/value_loss": self._critic_backward(mb, rows, num_tokens, world)})
-                per_update.add({"actor/grad_norm": self._step(self.actor, optimizers[0], schedulers[0])})
+                per_update.add({"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)})
                 self.actor_optimizer_steps += 1
                 if self.critic is not None:
-                    per_update.add({"critic/grad_norm": self._step(self.critic, optimizers[1], schedulers[1])})
+                    per_update.add({"critic/grad_norm": self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)})
                     self.critic_optimizer_steps += 1
                 per_update.count()
         self.last_sample_use_counts = use_counts
@@ -355,41 +344,6 @@ class PPOModule(L.LightningModule):
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
 
-    @contextmanager
-    def _gradient_sync(self, enabled: bool):
-        """Gradients are synchronised over ranks once per optimizer step (`distributed.no_gradient_sync` before the last
-        micro-batch of a mini-batch): the same gradients, 1/accumulation of the communication."""
-        if enabled or self.plan.data_parallel_size == 1:
-            yield
-            return
-        models = [m for m in (self.actor, self.critic) if m is not None]
-        with no_gradient_sync(self.trainer.strategy.model, models, self.sharded):
-            yield
-
-    def _step(self, model, optimizer, scheduler) -> float:
-        """Clip and apply one update; a non-finite gradient skips it (counted) instead of corrupting the weights.
-
-        The scheduler steps either way: its length is the plan's number of optimizer steps."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.ppo.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if math.isfinite(grad_norm):
-            optimizer.step()
-            self.consecutive_skipped_updates = 0
-        else:
-            self.skipped_updates += 1
-            self.consecutive_skipped_updates += 1
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if self.consecutive_skipped_updates >= self.max_consecutive_skipped_updates:
-            raise NonFiniteUpdatesError(
-                f"rollout step {self.rollout_step}: {self.consecutive_skipped_updates} optimizer steps in a row had a "
-                f"non-finite loss or gradient ({self.skipped_updates} skipped in all); a checkpoint was saved; fix: lower "
-                "ppo.actor_lr/critic_lr or check the rewards, then resume=auto"
-            )
-        return grad_norm if math.isfinite(grad_norm) else float("nan")
-
     # ------------------------------------------------------------ the rollout step
 
     def on_train_start(self) -> None:
@@ -449,30 +403,14 @@ class PPOModule(L.LightningModule):
                                              self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
 
     def _rollout_step_row(self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]) -> dict[str, Any]:
-        """The logged row of one rollout step: counters, rollout statistics, update means, timings, evaluation."""
-        row = {"rollout_step": self.rollout_step, "optimizer_step": self.actor_optimizer_steps,
-               "data_epoch": batch.data_epoch, "samples_seen": self.samples_seen}
-        group_size = self.plan.n_samples_per_prompt if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS else None
-        row.update(rollout_metrics(exp, batch.truncated, batch.reward_metrics, group_size=group_size,
-                                   world_size=self.plan.data_parallel_size, count_metrics=COUNT_METRICS,
-                                   global_sum=global_sum, global_max=global_max))
-        if exp.logprob_abs_diff_mean is not None:  # already global
-            row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
-            row["rollout/logprob_abs_diff_max"] = float(exp.logprob_abs_diff_max)
-        if self.plan.dynamic_sampling:  # global counts already, the same on every rank
-            row.update({f"rollout/{k}": getattr(batch, k)
-                        for k in ("generation_rounds", "dropped_groups", "filled_groups", "prompts_consumed")})
-        row.update(self.rollout_correction_stats)
-        if self.reference is not None:
-            row["rollout/kl_coef"] = self.kl_coef
-        row.update(train_metrics)
-        timings = {**timings, "timing/rollout_step_s": sum(timings.values())}
-        # The slowest rank's, which is what the run waits for.
-        row.update(zip(timings, global_max(torch.tensor(list(timings.values()), dtype=torch.float64, device=self.device)).tolist()))
-        row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(row["timing/generate_s"], 1e-9)
-        if self.eval_every and self.rollout_step % self.eval_every == 0 and self.rollout_step < self.plan.total_rollout_steps:
-            row.update(self._evaluate())
-        if self.rollout_step == self.plan.total_rollout_steps:
+        counters = {"rollout_step": self.rollout_step, "optimizer_step": self.actor_optimizer_steps,
+                    "data_epoch": batch.data_epoch, "samples_seen": self.samples_seen}
+        extra = {**self.rollout_correction_stats, **({"rollout/kl_coef": self.kl_coef} if self.reference is not None else {})}
+        row = rollout_step_row(batch, exp, train_metrics, timings, counters=counters, plan=self.plan, extra=extra,
+                               group_size=self.plan.n_samples_per_prompt if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS else None,
+                               global_sum=global_sum, global_max=global_max)
+        last = self.rollout_step == self.plan.total_rollout_steps
+        if last or (self.eval_every and self.rollout_step % self.eval_every == 0):
             row.update(self._evaluate())
         return row
 
@@ -494,6 +432,15 @@ class PPOModule(L.LightningModule):
             logger.log_metrics(numeric, step=self.rollout_step)
 
     # ------------------------------------------------------------ checkpoint extras
+
+    @property
+    def skipped_updates(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
+        return self.guarded_step.skipped
+
+    @skipped_updates.setter
+    def skipped_updates(self, value: int) -> None:
+        self.guarded_step.skipped = value
 
     # The module's own state in a checkpoint, beside Lightning's (weights, optimizers, schedulers).
     CHECKPOINTED = ("rollout_step", "actor_optimizer_steps", "critic_optimizer_steps", "samples_seen", "kl_coef",

@@ -5,11 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_ppo.atomic import (
+    atomic_path,
+    write_text_atomic,
+)
 from lit_ppo.console import show
 from lit_ppo.memory import (
     GIB,
@@ -38,12 +41,10 @@ def write_metrics_csv(path: str | Path, history: list[dict]) -> None:
         columns += [k for k in row if k not in columns]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(history)
-    os.replace(tmp, path)
 
 
 def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
@@ -70,7 +71,7 @@ def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
         summary.update({f"eval_final/{k[5:]}": v for k, v in evals[-1].items() if k.startswith("eval/")})
         summary["eval_samples_final"] = evals[-1]["samples"]
     summary.update(extra)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(output_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -181,4 +182,4 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | 
                 logging.getLogger("lit_ppo.console").info(table)
                 show(f"memory per device (estimate): peak {memory.peak_bytes / GIB:.2f} GiB; "
                      "the table is in plan.json and logs/run.log (mode=plan prints it)")
-    (output_dir / "plan.json").write_text(json.dumps(record, indent=2))
+    write_text_atomic(output_dir / "plan.json", json.dumps(record, indent=2))

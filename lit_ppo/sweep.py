@@ -15,6 +15,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lit_ppo.atomic import atomic_path, write_text_atomic
 from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
@@ -69,7 +70,7 @@ def write_sweep_summary(sweep_dir: Path) -> list[dict]:
     jobs = [read_job(d, sweep_dir) for d in find_job_dirs(sweep_dir)]
     keys = override_columns(jobs)
     columns = ["job", *keys, "overrides", "status", *SUMMARY_METRICS]
-    with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
+    with atomic_path(sweep_dir / "sweep_summary.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for job in jobs:
@@ -87,7 +88,7 @@ def write_sweep_summary(sweep_dir: Path) -> list[dict]:
     for job in jobs:
         row = [job["job"], " ".join(f"`{o}`" for o in job["overrides"]), job["status"], *(cell(job[k]) for k in SUMMARY_METRICS)]
         lines.append("| " + " | ".join(row) + " |")
-    (sweep_dir / "sweep_summary.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(sweep_dir / "sweep_summary.md", "\n".join(lines) + "\n")
     return jobs
 
 

@@ -11,7 +11,6 @@ import inspect
 import logging
 import signal
 import time
-import warnings
 from pathlib import Path
 
 import hydra
@@ -22,14 +21,15 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from lit_ppo.arithmetic import make_problems, write_jsonl
+from lit_ppo.atomic import (
+    atomic_path,
+)
+from lit_ppo.build import build_run, quiet_known_warnings
 from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
 from lit_ppo.config import RolloutConfig, make_plan, parse_config, parse_section
 from lit_ppo.console import adopt_library_loggers, show
-from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import SampleTableLogger
-from lit_ppo.module import PPOModule
-from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
@@ -55,9 +55,8 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
     base_dir = cache / f"tiny-{cache_key(tiny, cfg.seed, TOKENIZER_VERSION)}"
     if not (base_dir / "config.json").exists():
         tokenizer = build_char_tokenizer()
-        tmp = base_dir.with_name(base_dir.name + ".tmp")
-        save_model_dir(build_tiny_model(tokenizer, seed=cfg.seed, **tiny), tokenizer, tmp)
-        tmp.rename(base_dir)
+        with atomic_path(base_dir) as tmp:
+            save_model_dir(build_tiny_model(tokenizer, seed=cfg.seed, **tiny), tokenizer, tmp)
     warm = model.warm_start
     if not warm.enabled:
         return str(base_dir)
@@ -126,27 +125,19 @@ class RolloutProgressBar(L.Callback):
             self.bar.close()
 
 
-def make_trainer(cfg: DictConfig, plan: StepPlan, output_dir: Path, callbacks: list,
-                 resume_from: Path | None = None) -> L.Trainer:
-    """The Lightning trainer, in the plan's (resolved) precision; `resume_from`: the checkpoint being resumed."""
-    strategy = cfg.strategy
-    loggers = []  # metrics.csv is written by the module itself (resume-safe); these are additional
-    if cfg.logger.get("extra"):
-        extra = {"save_dir": str(output_dir)}
-        parameters = inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters
-        if "run_config" in parameters:
-            # The run config, for trackers that record it; not instantiated recursively: its _target_ nodes are data here.
-            extra.update(run_config=OmegaConf.to_container(cfg, resolve=True), _recursive_=False, _convert_="all")
-        if "resume_dir" in parameters and resume_from is not None:
-            extra["resume_dir"] = str(Path(resume_from).parent.parent)  # <run>/checkpoints/<file>.ckpt
-        loggers.append(hydra.utils.instantiate(cfg.logger.extra, **extra))
-    return L.Trainer(
-        accelerator=strategy.accelerator, devices=strategy.devices, num_nodes=strategy.num_nodes,
-        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
-        precision=plan.precision, max_epochs=1, logger=loggers or False, callbacks=callbacks,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(output_dir),
-    )
+def extra_loggers(cfg: DictConfig, output_dir: Path, resume_from: Path | None = None) -> list:
+    """The `logger` group's extra Lightning logger (W&B, TensorBoard), if any; metrics.csv is the module's own
+    (resume-safe). `resume_from`: the checkpoint being resumed."""
+    if not cfg.logger.get("extra"):
+        return []
+    extra = {"save_dir": str(output_dir)}
+    parameters = inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters
+    if "run_config" in parameters:
+        # The run config, for trackers that record it; not instantiated recursively: its _target_ nodes are data here.
+        extra.update(run_config=OmegaConf.to_container(cfg, resolve=True), _recursive_=False, _convert_="all")
+    if "resume_dir" in parameters and resume_from is not None:
+        extra["resume_dir"] = str(Path(resume_from).parent.parent)  # <run>/checkpoints/<file>.ckpt
+    return [hydra.utils.instantiate(cfg.logger.extra, **extra)]
 
 
 def stop_started_ranks(trainer: L.Trainer) -> None:
@@ -164,23 +155,11 @@ def stop_started_ranks(trainer: L.Trainer) -> None:
         child.wait()
 
 
-QUIET_WARNINGS = [
-    ".*dataloader_iter.*",  # we use that step flavor on purpose: generation must see the latest weights
-    ".*does not have many workers.*",
-    ".*exists and is not empty.*",
-    ".*module\\(s\\) in eval mode.*",  # the frozen reference model
-    ".*LeafSpec.*",
-    ".*weights_only.*",
-    ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
-]
-
-
 def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
-    for pattern in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
+    quiet_known_warnings()
     if engine is not None and cfg.strategy.name != "single":
         raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
@@ -204,21 +183,22 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     scorer = RewardScorer.from_config(cfg.reward, max_response_length=int(cfg.rollout.max_response_length),
                                       answer_key=cfg.data.get("answer_key"))
-    datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
-                                   scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=cfg.seed,
-                                   engine=engine, chat_template=bool(cfg.data.chat_template))
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
-                       pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                       eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),
-                       max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
-                       temperature=rollout.temperature, max_logprob_abs_diff=rollout.max_logprob_abs_diff)
     checkpoints = RolloutCheckpoint(output_dir / "checkpoints", every=cfg.trainer.checkpoint_every,
                                     keep=cfg.trainer.keep_checkpoints)
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    trainer = make_trainer(cfg, plan, output_dir, [RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
-                           resume_from=resume_from)
+    strategy = cfg.strategy
+    trainer, module, datamodule = build_run(
+        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
+        eval_prompts=eval_prompts, scorer=scorer, output_dir=output_dir, seed=cfg.seed, engine=engine,
+        chat_template=bool(cfg.data.chat_template), gradient_checkpointing=cfg.model.gradient_checkpointing,
+        eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),
+        max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
+        callbacks=[RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
+        loggers=extra_loggers(cfg, output_dir, resume_from), accelerator=strategy.accelerator, devices=strategy.devices,
+        num_nodes=strategy.num_nodes,
+        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto")
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
         # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.

@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
+from lit_ppo.atomic import atomic_path
+
 log = logging.getLogger(__name__)
 
 
@@ -76,8 +78,7 @@ def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Calla
         optimizer.zero_grad(set_to_none=True)
         if step % 200 == 0 or step == steps - 1:
             log.info("warm start step %d/%d loss %.4f (%.0fs)", step + 1, steps, loss.item(), time.perf_counter() - started)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-written cache is never used
+    with atomic_path(out_dir) as tmp:  # a half-written cache is never used
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return out_dir

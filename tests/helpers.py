@@ -1,18 +1,39 @@
-"""Building a real run (Lightning trainer, PPOModule, rollout data module) without Hydra, for tests."""
+"""A real run without Hydra for tests: small batches on the tiny model, built by the product's `lit_ppo.build.build_run`."""
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 
-import lightning as L
+from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
+from lit_ppo.build import build_run as build_product_run
 from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
-from lit_ppo.datamodule import RolloutDataModule
-from lit_ppo.module import PPOModule
 from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def compose_config(*overrides: str):
+    """The Hydra config `python train.py <overrides>` would run, composed in this process."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def write_jsonl(records: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV file (metrics.csv, sweep_summary.csv) as dicts of strings."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
 
 
 def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_steps: int = 1, eval_every: int = 0,
@@ -26,14 +47,9 @@ def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_st
     eval_prompts = load_prompts(files[1], tokenizer)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
                         rollout.max_response_length)
-    datamodule = RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
-                                   scorer=RewardScorer(fn=reward_fn), tokenizer=tokenizer, model_dir=model_dir,
-                                   seed=0, engine=engine)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
-                       pad_token_id=tokenizer.pad_token_id, eval_every=eval_every, gradient_checkpointing=gradient_checkpointing,
-                       metrics_path=str(Path(tmp_path) / "metrics.csv"), temperature=rollout.temperature,
-                       max_logprob_abs_diff=rollout.max_logprob_abs_diff)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        default_root_dir=str(tmp_path), callbacks=list(callbacks))
+    trainer, module, datamodule = build_product_run(
+        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
+        eval_prompts=eval_prompts, scorer=RewardScorer(fn=reward_fn), output_dir=tmp_path, seed=0, engine=engine,
+        gradient_checkpointing=gradient_checkpointing, eval_every=eval_every,
+        metrics_path=str(Path(tmp_path) / "metrics.csv"), callbacks=callbacks)
     return trainer, module, datamodule, plan

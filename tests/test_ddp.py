@@ -23,7 +23,6 @@ The debug variable LIT_PPO_DUMP_ADVANTAGES makes every rank save its experience 
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -37,8 +36,8 @@ import pytest
 import torch
 
 from lit_ppo.module import DUMP_ADVANTAGES_ENV
+from tests.helpers import ROOT, read_csv
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 420
 DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
 STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu"]}
@@ -124,7 +123,7 @@ def experience(run: Path, rollout_step: int, world: int) -> dict:
 
 
 def metrics(run: Path) -> list[dict]:
-    return list(csv.DictReader(open(run / "metrics.csv")))
+    return read_csv(run / "metrics.csv")
 
 
 def final_actor(run: Path) -> dict[str, torch.Tensor]:

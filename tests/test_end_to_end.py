@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -10,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, compose_config, read_csv
+
 # The tiny architecture of the shared `engine` fixture, so in-process runs can reuse that engine.
 FIXTURE_MODEL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
                  "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128"]
@@ -22,9 +21,6 @@ SUMMARY_KEYS = ["rollout_steps", "optimizer_steps_actor", "optimizer_steps_criti
                 "generate_seconds", "experience_seconds", "train_seconds", "weight_sync_seconds"]
 
 
-def compose_config(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +67,7 @@ def test_cli_run_writes_every_output_file(cli_run):
     assert summary["samples_generated"] == 2 * 32 * 4
     assert 0 < summary["tokens_generated"] <= 2 * 32 * 4 * 8
     assert 0.0 <= summary["eval_reward_initial"] <= 1.0 and 0.0 <= summary["eval_reward_final"] <= 1.0
-    rows = list(csv.DictReader(open(cli_run / "metrics.csv")))
+    rows = read_csv(cli_run / "metrics.csv")
     assert [int(float(r["rollout_step"])) for r in rows] == [1, 2]
     assert [int(float(r["optimizer_step"])) for r in rows] == [2, 4]
     assert {"data_epoch", "samples_seen", "rollout/reward_mean", "actor/policy_loss", "critic/value_loss",

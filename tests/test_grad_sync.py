@@ -10,13 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.test_ddp import STRATEGIES
 
-ROOT = Path(__file__).resolve().parents[1]
 # 16 prompts x 4 samples = 64 per rollout step, 32 per optimizer step (2 steps), 16 per rank: 4 micro-batches of 4.
 SETTINGS = ["ppo=ppo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4", "ppo.train_batch_size=32",
             "ppo.micro_train_batch_size=4", "ppo.ppo_epochs=1", "trainer.total_rollout_steps=1", "trainer.eval_every=0",

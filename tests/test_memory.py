@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from lit_ppo import run as run_module
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+from tests.helpers import compose_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # vocab 100, hidden 8 (2 heads of 4; 1 KV head: kv_dim 4), intermediate 16, 2 layers, tied, q/k/v biases.
@@ -85,14 +85,11 @@ def test_over_the_device_memory_warns_in_one_line():
     assert f"warning: {e.warning}" in e.table()
 
 
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, capsys):
     """qwen7b from its declared architecture (no weights here), on 32 GiB devices: over, so a warning."""
-    cfg = composed("+experiment=qwen7b", "mode=plan", f"output_dir={tmp_path}", "strategy.device_memory_gib=32")
+    cfg = compose_config("+experiment=qwen7b", "mode=plan", f"output_dir={tmp_path}", "strategy.device_memory_gib=32")
     run_module.main(cfg)
     out = capsys.readouterr().out
     assert "Memory per device (estimate; model shape from model.architecture)" in out
@@ -104,7 +101,7 @@ def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, ca
 
 
 def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):
-    cfg = composed("mode=plan", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}")
+    cfg = compose_config("mode=plan", f"output_dir={tmp_path}", f"model.path={tiny_model_dir}")
     run_module.main(cfg)
     memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
     assert memory["model_shape_from"].endswith("config.json") and memory["warning"] is None

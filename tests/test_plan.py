@@ -14,12 +14,12 @@ import types
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from lit_ppo import run as run_module
 from lit_ppo.config import PPOConfig, RunLengthConfig, parse_section
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
+from tests.helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -249,9 +249,6 @@ def test_known_ppo_keys_are_accepted():
 # ---------------------------------------------------------------- through the Hydra configs
 
 
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.fixture
@@ -265,7 +262,7 @@ def no_training(monkeypatch):
 
 
 def test_hydra_plan_mode_default_config(tmp_path, capsys):
-    cfg = composed("mode=plan", f"output_dir={tmp_path}")
+    cfg = compose_config("mode=plan", f"output_dir={tmp_path}")
     assert run_module.main(cfg) is None
     plan = json.loads((tmp_path / "plan.json").read_text())
     # conf defaults: 2000 arithmetic prompts, rollout 32 x 4 samples, train batch 64, micro 32, 30 rollout steps.
@@ -279,7 +276,7 @@ def test_hydra_plan_mode_default_config(tmp_path, capsys):
 
 
 def test_hydra_plan_mode_with_overrides(tmp_path):
-    cfg = composed(
+    cfg = compose_config(
         "mode=plan", f"output_dir={tmp_path}", "ppo.ppo_epochs=3", "strategy.devices=2",
         "trainer.total_rollout_steps=null", "trainer.data_epochs=2",
     )
@@ -296,7 +293,7 @@ def test_hydra_plan_mode_with_overrides(tmp_path):
 
 def test_hydra_train_mode_reaches_training_when_valid(tmp_path, no_training):
     # Shows the `no_training` guard intercepts the run: the bad-config tests below rely on it.
-    cfg = composed("mode=train", f"output_dir={tmp_path}")
+    cfg = compose_config("mode=train", f"output_dir={tmp_path}")
     assert run_module.main(cfg) == {"fake": True}
     assert no_training == [tmp_path]
 
@@ -314,7 +311,7 @@ BAD_OVERRIDES = [
 
 @pytest.mark.parametrize("overrides, keys", [c[1:] for c in BAD_OVERRIDES], ids=[c[0] for c in BAD_OVERRIDES])
 def test_hydra_bad_override_fails_before_training(tmp_path, no_training, overrides, keys):
-    cfg = composed("mode=train", f"output_dir={tmp_path / 'out'}", *overrides)
+    cfg = compose_config("mode=train", f"output_dir={tmp_path / 'out'}", *overrides)
     with pytest.raises(ConfigError) as info:
         run_module.main(cfg)
     assert_one_line_naming(info.value, keys)

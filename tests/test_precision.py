@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from lit_ppo import precision as prec
 from lit_ppo.config import make_plan
 from lit_ppo.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, compose_config, read_csv
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
 
 
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("cpuinfo, native", [(AVX512_BF16_CPU, True), (AVX2_CPU, False), (None, False)])
@@ -62,24 +56,24 @@ def test_unsupported_precision_is_one_line(precision, named):
 
 def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
-    plan = make_plan(composed("strategy.accelerator=cpu"), 2000)
+    plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
     assert (plan.precision, plan.rollout_dtype) == ("bf16-mixed", "bfloat16")
     table = plan.table()
     assert "bf16-mixed" in table and "float32 weights and optimizer states, bf16 compute" in table and "bfloat16" in table
     assert not plan.warnings
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
-    plan = make_plan(composed("strategy.accelerator=cpu"), 2000)
+    plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
     assert (plan.precision, plan.rollout_dtype) == ("32-true", "float32")
 
 
 def test_every_strategy_config_defaults_to_auto():
     for name in ("single", "ddp", "fsdp"):
-        assert composed(f"strategy={name}").strategy.precision == "auto"
-    assert composed().rollout.dtype is None
+        assert compose_config(f"strategy={name}").strategy.precision == "auto"
+    assert compose_config().rollout.dtype is None
 
 
 def test_plan_warns_about_bf16_true_and_top_p():
-    plan = make_plan(composed("strategy.precision=bf16-true", "rollout.top_p=0.9"), 2000)
+    plan = make_plan(compose_config("strategy.precision=bf16-true", "rollout.top_p=0.9"), 2000)
     assert len(plan.warnings) == 2
     assert "bf16-mixed" in plan.warnings[1] and "off-distribution" in plan.warnings[0]
     assert all("\n" not in w for w in plan.warnings)
@@ -120,14 +114,14 @@ FIXTURE_MODEL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
     from lit_ppo.training import train
 
-    cfg = composed(f"strategy.precision={precision}", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
+    cfg = compose_config(f"strategy.precision={precision}", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
                    "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8", "ppo.actor_lr=1e-3",
                    f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
     summary = train(cfg, tmp_path, engine=engine)
     assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["precision"] == prec.resolve_precision(precision, "auto")
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    rows = read_csv(tmp_path / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert float(rows[-1]["actor/skipped_updates"]) == 0
 
@@ -179,7 +173,7 @@ def check_fsdp_run(run: Path, precision: str) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 6
     assert json.loads((run / "plan.json").read_text())["precision"] == prec.resolve_precision(precision, "cpu")
-    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    rows = read_csv(run / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert all(float(r["rollout/logprob_abs_diff"]) < 0.05 for r in rows)  # the engines follow the actor
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -12,6 +11,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.prompts import DataError, load_prompts
+from tests.helpers import write_jsonl
 
 RECORDS = [
     {"prompt": "What is 2+3?", "answer": 5, "topic": "add"},
@@ -28,9 +28,6 @@ def chat_text(prompt: str, system: str | None) -> str:
     return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def write_jsonl(records: list[dict], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def write_parquet_raw(records: list[dict], path: Path) -> Path:

@@ -8,6 +8,7 @@ import random
 from transformers import AutoTokenizer
 
 from lit_ppo.rollout import sampling_seeds
+from tests.helpers import read_csv
 
 
 def long_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -135,7 +136,6 @@ def test_gsm8k_format_run_completes(tmp_path):
     whose end-of-turn token is not EOS, 16 prompts x 4 samples = 64 sequences in flight (32 tokens each),
     temperature 0.7, evaluation with pass@4 over 16 prompts x 4 samples. Before the CPU engine ran each prefill
     whole, this stopped inside vLLM ("CPU Generator does not use offset")."""
-    import csv
     import json
     import subprocess
     import sys
@@ -164,7 +164,7 @@ def test_gsm8k_format_run_completes(tmp_path):
            "trainer.eval_every=1", f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    rows = read_csv(out / "metrics.csv")
     assert len(rows) == 2 and "eval/pass@4" in rows[-1]
     assert all(0.0 <= float(r["eval/pass@4"]) <= 1.0 for r in rows if r.get("eval/pass@4"))
     summary = json.loads((out / "summary.json").read_text())

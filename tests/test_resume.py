@@ -20,9 +20,7 @@ from lit_ppo.checkpoints import (
     resolve_resume,
 )
 from lit_ppo.errors import NonFiniteUpdatesError
-from tests.helpers import build_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, build_run
 
 
 def counters(module) -> dict:

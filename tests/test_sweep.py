@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,8 +13,7 @@ from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.sweep import SweepSummary, write_sweep_summary
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, read_csv
 
 
 def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
@@ -35,7 +32,7 @@ def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
         assert (sweep / job / "metrics.csv").exists()
         assert f"seed={seed}" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
 
-    rows = list(csv.DictReader(open(sweep / "sweep_summary.csv")))
+    rows = read_csv(sweep / "sweep_summary.csv")
     assert [(r["job"], r["seed"], r["status"], r["rollout_steps"]) for r in rows] == [("0", "0", "done", "1"), ("1", "1", "done", "1")]
     for column in ("eval_reward_initial", "eval_reward_final", "reward_final", "optimizer_steps_actor", "wall_seconds"):
         assert all(r[column] != "" for r in rows), column
@@ -52,7 +49,7 @@ def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tm
         if summary:
             (tmp_path / job / "summary.json").write_text(json.dumps(summary))
     write_sweep_summary(tmp_path)
-    rows = list(csv.DictReader(open(tmp_path / "sweep_summary.csv")))
+    rows = read_csv(tmp_path / "sweep_summary.csv")
     assert [(r["job"], r["ppo"], r["seed"], r["extra"], r["status"], r["eval_reward_final"]) for r in rows] == [
         ("2", "ppo", "0", "", "done", "0.5"), ("3", "", "", "1", "no summary.json", ""), ("10", "grpo", "1", "", "done", "0.25")]
     assert "| 2 | `ppo=ppo` `seed=0` | done |  | 0.500 |" in (tmp_path / "sweep_summary.md").read_text()

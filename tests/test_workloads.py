@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 from pathlib import Path
 
+from tests.helpers import read_csv, write_jsonl
 from tests.test_end_to_end import FIXTURE_MODEL, compose_config
 
 SMALL_RUN = ["trainer.total_rollout_steps=2", "trainer.eval_every=0", "model.warm_start.enabled=false",
@@ -22,13 +22,10 @@ def my_reward(prompts, responses, references, extras, *, log_path):
     return [len(response) / 8 for response in responses]
 
 
-def write_jsonl(records: list[dict], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:
-    return list(csv.DictReader(open(output_dir / "metrics.csv")))
+    return read_csv(output_dir / "metrics.csv")
 
 
 def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path):

@@ -1,0 +1,61 @@
+"""Atomic writes: a reader (a resumed run, a notebook, another rank) sees the old file or the new one whole, never
+a half-written one. Every file lit-ppo writes to be read back goes through here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def temporary_sibling(path: Path) -> Path:
+    """`<name>.tmp` beside `path`: same file system, so the final rename is atomic; never read back."""
+    return path.with_name(path.name + ".tmp")
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """Move a finished file (or a new directory) into place; a file is flushed to disk first, so a power loss
+    after the rename cannot leave an empty file under the final name."""
+    if tmp.is_file():
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write a file or a directory to; it replaces `path` when the block ends without an
+    error, and is removed otherwise. For a directory, a `path` that appeared meanwhile (another process filling
+    the same cache) wins and ours is dropped: both hold the same content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    _remove(tmp)  # left by a crash
+    try:
+        yield tmp
+        if tmp.is_dir() and path.is_dir():
+            _remove(tmp)
+        else:
+            replace_durably(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,71 @@
+"""One construction path: the Lightning trainer, `PPOModule` and `RolloutDataModule` of a run, wired from a plan.
+
+`train.py` (through `lit_ppo.training.train`), the tests (`tests/helpers.py`) and the benchmarks (`bench/common.py`)
+all build their runs here, so the trainer flags the product depends on and the warning filters cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning as L
+
+from lit_ppo.config import PPOConfig, RolloutConfig
+from lit_ppo.datamodule import RolloutDataModule
+from lit_ppo.module import PPOModule
+from lit_ppo.plan import StepPlan
+from lit_ppo.prompts import PromptSet
+from lit_ppo.rewards import RewardScorer
+
+TRAINER_FLAGS: dict[str, Any] = dict(
+    max_epochs=1,  # one Lightning epoch is the whole run: the data module streams plan.total_rollout_steps batches
+    enable_checkpointing=False,  # lit_ppo.checkpoints.RolloutCheckpoint saves per rollout step, atomically
+    enable_progress_bar=False,  # training.RolloutProgressBar counts rollout steps, not Lightning batches
+    enable_model_summary=False,
+    use_distributed_sampler=False,  # the data module splits prompts over ranks itself (sampling seeds by position)
+    num_sanity_val_steps=0,  # evaluation is the data module's, every trainer.eval_every rollout steps
+)
+"""The Lightning `Trainer` flags lit-ppo depends on, whoever builds the run."""
+
+QUIET_WARNINGS = [
+    ".*dataloader_iter.*",  # we use that step flavor on purpose: generation must see the latest weights
+    ".*does not have many workers.*",
+    ".*exists and is not empty.*",
+    ".*module\\(s\\) in eval mode.*",  # the frozen reference model
+    ".*LeafSpec.*",
+    ".*weights_only.*",
+    ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
+]
+"""Library warnings about choices lit-ppo makes on purpose (the reasons beside each)."""
+
+
+def quiet_known_warnings() -> None:
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def build_run(*, plan: StepPlan, ppo: PPOConfig, rollout: RolloutConfig, model_dir: str, tokenizer,
+              train_prompts: PromptSet, eval_prompts: PromptSet | None, scorer: RewardScorer, output_dir: str | Path,
+              seed: int = 0, engine=None, chat_template: bool = False, gradient_checkpointing: bool = False,
+              eval_every: int = 0, metrics_path: str | None = None, max_consecutive_skipped_updates: int = 3,
+              callbacks: Sequence[L.Callback] = (), loggers: Sequence = (), accelerator: str = "cpu",
+              devices: int = 1, num_nodes: int = 1, strategy: Any = "auto",
+              datamodule_class: type[RolloutDataModule] = RolloutDataModule
+              ) -> tuple[L.Trainer, PPOModule, RolloutDataModule]:
+    """The trainer, module and data module of one run. `engine`: a vLLM engine to share (single process only);
+    None starts one per rank in the data module's setup."""
+    quiet_known_warnings()
+    datamodule = datamodule_class(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
+                                  scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=seed, engine=engine,
+                                  chat_template=chat_template)
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
+                       pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=gradient_checkpointing,
+                       eval_every=eval_every, metrics_path=metrics_path,
+                       max_consecutive_skipped_updates=max_consecutive_skipped_updates,
+                       temperature=rollout.temperature, max_logprob_abs_diff=rollout.max_logprob_abs_diff)
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+                        precision=plan.precision, logger=list(loggers) or False, callbacks=list(callbacks),
+                        default_root_dir=str(output_dir), **TRAINER_FLAGS)
+    return trainer, module, datamodule
