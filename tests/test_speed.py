@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from lit_ppo.build import TRAINER_FLAGS
 from lit_ppo.config import (
     PPOConfig,
     RolloutConfig,
@@ -98,7 +99,7 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
 
     module.actor.register_forward_pre_hook(count_actor)
     module.reference.register_forward_pre_hook(count_reference)
-    make_experience, step = module.make_experience, module._step
+    make_experience, step = module.make_experience, module.guarded_step
 
     def counted_experience(b):
         calls["phase"] = "experience"
@@ -109,16 +110,18 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
 
     grads = []
 
-    def step_recording_grads(model, optimizer, scheduler):
-        if model is module.actor:
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-        return step(model, optimizer, scheduler)
+    class StepRecordingGrads:  # the module's guarded optimizer step, recording the actor's gradients first
+        def __call__(self, model, optimizer, scheduler, rollout_step):
+            if model is module.actor:
+                grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step(model, optimizer, scheduler, rollout_step)
+
+        def __getattr__(self, name):  # its counters
+            return getattr(step, name)
 
     module.make_experience = counted_experience
-    module._step = step_recording_grads
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        default_root_dir=str(tmp_path))
+    module.guarded_step = StepRecordingGrads()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
     trainer.fit(module, datamodule=datamodule)
     return module, calls, grads
 
