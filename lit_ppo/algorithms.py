@@ -39,10 +39,17 @@ def masked_whiten(x: Tensor, mask: Tensor, global_sum: GlobalSum = local_sum, ep
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
+def last_valid_index(mask: Tensor) -> Tensor:
+    """[B] the column of each row's last valid token (0 for a row without any). The mask may have holes: in a
+    multi-turn episode the observations between the policy's turns are 0."""
+    columns = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, columns, torch.zeros_like(columns)).max(-1).values if mask.numel() else columns.sum(-1)
+
+
 def token_level_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None = None) -> Tensor:
     """Per-token rewards [B, T]: -kl_penalty everywhere, plus the scalar reward on the last valid token."""
     token_rewards = torch.zeros_like(mask, dtype=rewards.dtype) if kl_penalty is None else -kl_penalty * mask
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [B]
+    last = last_valid_index(mask)  # [B]
     has_tokens = mask.sum(-1) > 0
     token_rewards = token_rewards.clone()
     token_rewards[torch.arange(len(rewards)), last] += rewards * has_tokens
@@ -50,11 +57,13 @@ def token_level_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """G_t = sum_{k >= t} gamma^(k-t) r_k over valid tokens; [B, T]."""
+    """G_t = sum_{k >= t} gamma^(k-t) r_k over valid tokens; [B, T]. Positions off the mask (padding, the
+    observations inside an episode) are skipped: the return carries over them unchanged and undiscounted."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        valid = mask[:, t] > 0
+        running = torch.where(valid, token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 
@@ -80,16 +89,22 @@ def no_kl_in_reward(name: str, kl_penalty: Tensor | None) -> None:
 
 def gae(rewards, mask, *, values, kl_penalty=None, gamma=1.0, lam=0.95, global_sum=local_sum,
         normalize=True, **_):
-    """Generalized advantage estimation (Schulman et al. 2016) with a critic."""
+    """Generalized advantage estimation (Schulman et al. 2016) with a critic.
+
+    Over the valid tokens only: where the mask has holes (the observations between a multi-turn episode's
+    policy turns), a policy token's next state is the next policy token, so the recursion
+    delta_t = r_t + gamma V(next valid) - V_t, A_t = delta_t + gamma lam A(next valid) steps over the hole, as if
+    the observation were part of the environment's transition. With a contiguous mask this is the usual GAE."""
     token_rewards = token_level_rewards(rewards, mask, kl_penalty)
     values = values * mask
     advantages = torch.zeros_like(token_rewards)
     last_gae = torch.zeros_like(token_rewards[:, 0])
-    T = token_rewards.shape[1]
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
+    next_value = torch.zeros_like(last_gae)  # the value of the next valid token; 0 after the last
+    for t in reversed(range(token_rewards.shape[1])):
+        valid = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae * (mask[:, t + 1] if t + 1 < T else 0.0)
+        last_gae = torch.where(valid, delta + gamma * lam * last_gae, last_gae)
+        next_value = torch.where(valid, values[:, t], next_value)
         advantages[:, t] = last_gae
     advantages = advantages * mask
     returns = (advantages + values) * mask

@@ -14,16 +14,24 @@ from pathlib import Path
 from lit_ppo.atomic import atomic_path
 
 
-def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
-    """All a+b with 0 <= a, b <= max_operand, shuffled and split into disjoint train/eval records."""
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
+
+
+def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int, operation: str = "+",
+                  min_operand: int = 0) -> tuple[list[dict], list[dict]]:
+    """All `a<operation>b` with min_operand <= a, b <= max_operand, shuffled and split into disjoint train/eval
+    records (`operation` + or *; `data.operation`, `data.min_operand`)."""
+    if operation not in OPERATIONS:
+        raise ValueError(f"data.operation={operation!r}; fix: use one of {', '.join(OPERATIONS)}")
+    pairs = [(a, b) for a in range(min_operand, max_operand + 1) for b in range(min_operand, max_operand + 1)]
     if n_train + n_eval > len(pairs):
         raise ValueError(
             f"data.n_train={n_train} + data.n_eval={n_eval} exceeds the {len(pairs)} distinct problems with "
             f"max_operand={max_operand}; fix: lower the counts or raise data.max_operand"
         )
     random.Random(seed).shuffle(pairs)
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs[: n_train + n_eval]]
+    compute = OPERATIONS[operation]
+    records = [{"prompt": f"{a}{operation}{b}=", "answer": str(compute(a, b))} for a, b in pairs[: n_train + n_eval]]
     return records[:n_train], records[n_train:]
 
 

@@ -183,6 +183,28 @@ class RolloutConfig:
     """Strings that end a response (cut from its text)."""
     stop_at_end_of_turn: bool = True
     """With data.chat_template=true, also stop at the template's end-of-turn token (`end_of_turn_token_ids`)."""
+    environment: dict | None = None
+    """Multi-turn episodes: the environment (`_target_`: a class by dotted path, and its arguments), one built per
+    episode (lit_ppo/environments.py, docs/environments.md); null: single-turn responses."""
+    max_turns: int = 1
+    """With an environment: policy turns per episode at most (a turn is up to max_response_length tokens)."""
+    max_episode_tokens: int | None = None
+    """With an environment: tokens per episode response (turns and observations) at most; null: max_turns x
+    max_response_length."""
+    environment_timeout_s: float | None = 60.0
+    """With an environment: seconds one reset/step call may take; longer is a failure handled by reward.on_error."""
+    observation_role: str = "tool"
+    """With data.chat_template=true: the chat role whose turn separators wrap an observation."""
+    episode_reward: str = "environment"
+    """environment: the sum of the environment's step rewards; reward: reward.fn scores the episode's whole response."""
+    check_token_ids: bool = True
+    """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
+
+    def episode_tokens(self) -> int:
+        """The token budget of one episode's response (turns and observations); 0 without an environment."""
+        if self.environment is None:
+            return 0
+        return self.max_episode_tokens or self.max_turns * self.max_response_length
 
 
 def parse_section(cls: type, values: Mapping[str, Any], section: str):
@@ -324,9 +346,27 @@ def parse_config(cfg: DictConfig) -> tuple[PPOConfig, RunLengthConfig]:
 
 def make_plan(cfg: DictConfig, dataset_prompts: int) -> StepPlan:
     ppo, length = parse_config(cfg)
+    rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
+    validate_rollout(rollout)
     precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
     return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_length),
                         precision=precision, rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
-                        top_p=float(cfg.rollout.top_p))
+                        top_p=float(cfg.rollout.top_p), max_turns=rollout.max_turns if rollout.environment else 1,
+                        max_episode_tokens=rollout.episode_tokens())
+
+
+def validate_rollout(rollout: RolloutConfig) -> None:
+    """The episode settings (the others are checked where they are used)."""
+    _positive("rollout", max_turns=rollout.max_turns)
+    if rollout.max_episode_tokens is not None:
+        _positive("rollout", max_episode_tokens=rollout.max_episode_tokens)
+    if rollout.environment_timeout_s is not None and rollout.environment_timeout_s <= 0:
+        raise ConfigError(f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
+                          "seconds, or null for no limit")
+    if rollout.episode_reward not in ("environment", "reward"):
+        raise ConfigError(f"rollout.episode_reward={rollout.episode_reward!r}; fix: use environment or reward")
+    if rollout.environment is None and rollout.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns={rollout.max_turns} without rollout.environment: nothing answers the "
+                          "policy between turns; fix: set rollout.environment._target_ (docs/environments.md) or max_turns=1")
 
 

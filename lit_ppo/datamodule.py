@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import lightning as L
@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.config import RolloutConfig
 from lit_ppo.distributed import global_sum, world_size
+from lit_ppo.environments import build_environment_factory, stop_token_ids_of
+from lit_ppo.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
@@ -67,6 +69,10 @@ class RolloutBatch:
     dropped_groups: int = 0  # groups of equal rewards left out of the batch
     filled_groups: int = 0  # of those, groups put back to fill a shortfall (on_shortfall=fill)
     prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
+    # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
+    policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
+    episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (rollout.check_token_ids)
+    episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)
 
 
 @dataclass
@@ -115,6 +121,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
+        self.round_metrics: dict[str, float] = {}  # the last generation round's reward metrics (means; counts)
+        # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
+        self.make_environment = build_environment_factory(rollout.environment)
+        if self.make_environment is not None:
+            stops = self.stop_token_ids + [i for i in stop_token_ids_of(self.make_environment(), tokenizer)
+                                           if i not in self.stop_token_ids]
+            self.episode_settings = EpisodeSettings(
+                max_turns=rollout.max_turns, max_episode_tokens=rollout.episode_tokens(),
+                max_turn_tokens=rollout.max_response_length, timeout_s=rollout.environment_timeout_s,
+                on_error=scorer.on_error, stop_token_ids=stops, stop=list(rollout.stop))
+            self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.observation_role)
 
     # ------------------------------------------------------------ engine
 
@@ -197,17 +214,20 @@ class RolloutDataModule(L.LightningDataModule):
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
         started = time.perf_counter()
         engine.wake_up()
-        generations = engine.generate(
-            [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
-            max_tokens=self.rollout.max_response_length, seeds=sampling_seeds(self.seed, purpose, positions, n),
-            **self.stop_kwargs(),
-        )
+        if self.make_environment is not None:
+            generations = self.run_episodes(prompts, positions, n, temperature=self.rollout.temperature,
+                                            top_p=self.rollout.top_p, purpose=purpose, where=f"rollout step {rollout_step}")
+        else:
+            generations = engine.generate(
+                [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
+                max_tokens=self.rollout.max_response_length, seeds=sampling_seeds(self.seed, purpose, positions, n),
+                **self.stop_kwargs(),
+            )
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        rewards = self.score(prompts, generations)
+        rewards, metrics = self.rewards_of(prompts, generations)
         reward_seconds = time.perf_counter() - started
         self.next_generation_round += 1
-        metrics = self.scorer.sample_metrics
         groups = [PromptGroup(dataset_index=indices[i], prompt=prompts[i], generations=generations[i * n:(i + 1) * n],
                               rewards=rewards[i * n:(i + 1) * n],
                               sample_metrics={k: v[i * n:(i + 1) * n] for k, v in metrics.items()})
@@ -221,7 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
         plan = self.plan
         first_round = self.next_generation_round
         groups, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
-        errors = self.scorer.metrics.get("errors", 0.0)
+        errors = self.round_metrics.get("errors", 0.0)
         rounds, dropped, filled = 1, 0, 0
         positions = self.rank_positions(plan.rollout_batch_size)
         if plan.dynamic_sampling:
@@ -233,7 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
                 if len(kept) >= plan.rollout_batch_size or rounds == plan.max_generation_rounds:
                     break
                 groups, g_s, r_s = self.generate_round(rollout_step, rounds)
-                errors += self.scorer.metrics.get("errors", 0.0)
+                errors += self.round_metrics.get("errors", 0.0)
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
             dropped = len(uniform)
             if len(kept) < plan.rollout_batch_size:
@@ -266,11 +286,12 @@ class RolloutDataModule(L.LightningDataModule):
             references=[group.prompt.reference for _, group, _ in samples],
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
-            reward_metrics=self.batch_reward_metrics(groups, errors) if plan.dynamic_sampling else dict(self.scorer.metrics),
+            reward_metrics=self.batch_reward_metrics(groups, errors) if plan.dynamic_sampling else dict(self.round_metrics),
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
             prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
+            **self.episode_fields([g for _, _, g in samples]),
         )
 
     def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
@@ -289,6 +310,47 @@ class RolloutDataModule(L.LightningDataModule):
         metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in values.items()}
         metrics["errors"] = float(errors)
         return metrics
+
+    def run_episodes(self, prompts: list[Prompt], positions: list[int], n: int, *, temperature: float, top_p: float,
+                     purpose: str | None, where: str) -> list:
+        """n episodes per prompt (lit_ppo.episodes); `positions` are the prompts' global positions. Turn t of the
+        episode at global sample position q is seeded base(purpose, turn t) + q, so the episodes do not depend on the
+        number of ranks; `purpose=None` samples unseeded (greedy evaluation)."""
+        samples = [position * n + j for position in positions for j in range(n)]
+        seeds = None
+        if purpose is not None:
+            cache: dict[int, list[int]] = {}
+
+            def seeds(turn: int) -> list[int]:
+                if turn not in cache:
+                    cache[turn] = sampling_seeds(self.seed, f"{purpose}/turn={turn}", samples, 1)
+                return cache[turn]
+        return run_episodes(self.start_engine(), prompts, n, self.make_environment, self.tokenizer,
+                            self.episode_settings, self.observation_encoder, temperature=temperature, top_p=top_p,
+                            seeds=seeds, where=where, sample_positions=samples)
+
+    def rewards_of(self, prompts: list[Prompt], generations: list) -> tuple[list[float], dict[str, list[float]]]:
+        """Rewards and per-sample metrics of a round; sets `round_metrics`. Episodes are scored by their environment
+        (the sum of its step rewards), or with rollout.episode_reward=reward by the reward function on the whole
+        response, like single-turn responses."""
+        if self.make_environment is None or self.rollout.episode_reward == "reward":
+            rewards = self.score(prompts, generations)
+            self.round_metrics = dict(self.scorer.metrics)
+            return rewards, self.scorer.sample_metrics
+        rewards = [g.reward for g in generations]
+        keys = set.intersection(*(set(g.info) for g in generations)) if generations else set()
+        per_sample = {k: [g.info[k] for g in generations] for k in sorted(keys)}
+        self.round_metrics = {k: sum(v) / max(len(v), 1) for k, v in per_sample.items()}
+        self.round_metrics["errors"] = 0.0  # the environment's failures are counted as rollout/environment_errors
+        return rewards, per_sample
+
+    def episode_fields(self, samples: list) -> dict:
+        """The RolloutBatch fields of multi-turn episodes (none for single-turn responses)."""
+        if self.make_environment is None:
+            return {}
+        return {"policy_masks": [g.policy_mask for g in samples],
+                "episode_ids": [g.episode_ids for g in samples] if self.rollout.check_token_ids else None,
+                "episode_stats": episode_stats(samples)}
 
     def stop_kwargs(self) -> dict:
         return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
@@ -324,22 +386,41 @@ class RolloutDataModule(L.LightningDataModule):
         ids = [p.prompt_ids for p in prompts]
         k = k or self.rollout.eval_samples_per_prompt
         greedy, greedy_rewards, solved = [], [], []
+        episodic = self.make_environment is not None
         if prompts:  # a rank can have none when there are fewer eval prompts than ranks
-            greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length,
-                                     seeds=None, **self.stop_kwargs())
-            greedy_rewards = self.score(prompts, greedy)
+            if episodic:
+                greedy = self.run_episodes(prompts, list(positions), 1, temperature=0.0, top_p=1.0, purpose=None,
+                                           where="evaluation")
+                greedy_rewards, _ = self.rewards_of(prompts, greedy)
+            else:
+                greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length,
+                                         seeds=None, **self.stop_kwargs())
+                greedy_rewards = self.score(prompts, greedy)
             if k > 1:
-                sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
-                                          max_tokens=self.rollout.max_response_length,
-                                          seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
-                sample_solved = self.scorer.solved(self.score(prompts, sampled))
+                if episodic:
+                    sampled = self.run_episodes(prompts, list(positions), k, temperature=self.rollout.eval_temperature,
+                                                top_p=1.0, purpose="eval", where="evaluation")
+                    rewards, metrics = self.rewards_of(prompts, sampled)
+                    correct = metrics.get("correct")
+                    sample_solved = ([c > 0 for c in correct] if correct is not None
+                                     else [r >= self.scorer.solved_threshold for r in rewards])
+                else:
+                    sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
+                                              max_tokens=self.rollout.max_response_length,
+                                              seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
+                    sample_solved = self.scorer.solved(self.score(prompts, sampled))
                 solved = [any(sample_solved[i * k:(i + 1) * k]) for i in range(len(prompts))]
-        reward_sum, length_sum, solved_sum, count = global_sum(torch.tensor(
-            [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)], dtype=torch.float64,
-            device=self.device)).tolist()
+        sums = [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)]
+        if episodic:
+            sums += [sum(g.tool_calls > 0 for g in greedy), sum(g.turns for g in greedy)]
+        totals = global_sum(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
+        reward_sum, length_sum, solved_sum, count = totals[:4]
         result = {"eval/reward": reward_sum / count, "eval/response_length": length_sum / count}
         if k > 1:
             result[f"eval/pass@{k}"] = solved_sum / count
+        if episodic:  # of the greedy episodes
+            result["eval/tool_call_rate"] = totals[4] / count
+            result["eval/turns_mean"] = totals[5] / count
         result["eval/samples"] = [
             {"prompt": p.text, "response": g.text, "reward": r} for p, g, r in list(zip(prompts, greedy, greedy_rewards))[:8]
         ]

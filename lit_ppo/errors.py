@@ -35,3 +35,7 @@ class DynamicSamplingShortfallError(UserError, RuntimeError):
 
 class RolloutMismatchError(UserError, RuntimeError):
     """The trainer's log-probs of the sampled tokens are far from the sampler's: it trains on other data than it thinks."""
+
+
+class EnvironmentFailure(UserError, RuntimeError):
+    """An episode's environment raised or timed out (reward.on_error=raise); the message names the episode."""

@@ -32,19 +32,35 @@ class MicroBatch:
     prompt_width: int  # P
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device) -> MicroBatch:
-    """Left-pad prompts and right-pad responses so every response starts at column P."""
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
+         policy_masks: list[list[int]] | None = None, expected_ids: list[list[int]] | None = None) -> MicroBatch:
+    """Left-pad prompts and right-pad responses so every response starts at column P.
+
+    `policy_masks` (multi-turn episodes): per response token 1 where the policy wrote it, 0 on observations;
+    `response_mask` is then 1 on the policy's tokens only, so no loss, KL, entropy or token count reaches an
+    observation (the model still reads them: they stay in the attention mask). `expected_ids`: per sample the
+    ids vLLM was given and produced; every packed row must be exactly them (`check_packed_ids`)."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     B = len(prompt_ids)
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P + T), dtype=torch.long)
+    policy = torch.zeros((B, T), dtype=torch.float32)
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         input_ids[b, P - len(p):P] = torch.tensor(p)
         input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
         attention[b, P - len(p):P + len(r)] = 1
+        if policy_masks is not None:
+            if len(policy_masks[b]) != len(r):
+                raise RolloutMismatchError(f"sample {b} of a micro-batch: {len(policy_masks[b])} policy-mask entries for "
+                                           f"{len(r)} response tokens; the episode's mask and ids were built apart")
+            policy[b, :len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
+    if expected_ids is not None:
+        check_packed_ids(input_ids, attention, expected_ids)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention[:, P:].float()
+    if policy_masks is not None:
+        response_mask = response_mask * policy
     return MicroBatch(input_ids.to(device), attention.to(device), position_ids.to(device),
                       input_ids[:, P:].to(device), response_mask.to(device), P)
 
@@ -87,6 +103,22 @@ def padding_fraction(prompt_lengths: list[int], response_lengths: list[int], gro
     positions = sum(padded_tokens(prompt_lengths, response_lengths, g) for g in groups)
     real = sum(prompt_lengths[i] + response_lengths[i] for g in groups for i in g)
     return 1 - real / positions if positions else 0.0
+
+
+def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[list[int]]) -> None:
+    """Each packed row's attended ids are exactly `expected_ids` (what vLLM was given and produced for the
+    episode): the trainer computes log-probs of the tokens that were sampled, in the context they were sampled
+    in. Cheap: one comparison per token, on the CPU tensors before they move to the device."""
+    for b, expected in enumerate(expected_ids):
+        packed = input_ids[b][attention[b].bool()].tolist()
+        if packed != list(expected):
+            first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
+            raise RolloutMismatchError(
+                f"sample {b} of a micro-batch: the ids the trainer packs differ from the ids vLLM was given and produced "
+                f"at position {first} of {len(expected)} (packed {packed[first:first + 5]}, vLLM {list(expected)[first:first + 5]}); "
+                "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.check_token_ids=false "
+                "turns this check off"
+            )
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:

@@ -80,6 +80,25 @@ def rollout_metrics(exp: Experience, truncated: Tensor, reward_metrics: dict[str
     return row
 
 
+def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, device=None) -> dict[str, float]:
+    """Multi-turn episodes' statistics of the global rollout batch from each rank's sums (`episodes.episode_stats`):
+    per-episode means of policy turns, tool calls, observation tokens and response tokens (turns and observations),
+    the share of episodes that called a tool at least once, and the environment's failures (counts)."""
+    names = list(stats)
+    total = dict(zip(names, global_sum(torch.tensor([float(stats[k]) for k in names], dtype=torch.float64,
+                                                    device=device)).tolist()))
+    episodes = max(total["episodes"], 1.0)
+    return {
+        "rollout/turns_mean": total["turns"] / episodes,
+        "rollout/tool_calls": total["tool_calls"] / episodes,
+        "rollout/tool_call_rate": total["tool_call_episodes"] / episodes,
+        "rollout/observation_tokens": total["observation_tokens"] / episodes,
+        "rollout/episode_tokens": total["episode_tokens"] / episodes,
+        "rollout/environment_errors": total["environment_errors"],
+        "rollout/environment_timeouts": total["environment_timeouts"],
+    }
+
+
 class MeanOver:
     """Sums of named floats and the number of events they are averaged over.
 
@@ -113,6 +132,8 @@ def rollout_step_row(batch, exp: Experience, train_metrics: dict[str, float], ti
     row.update(rollout_metrics(exp, batch.truncated, batch.reward_metrics, group_size=group_size,
                                world_size=plan.data_parallel_size, count_metrics=COUNT_METRICS,
                                global_sum=global_sum, global_max=global_max))
+    if getattr(batch, "episode_stats", None):  # multi-turn episodes
+        row.update(episode_metrics(batch.episode_stats, global_sum=global_sum, device=exp.mask.device))
     if exp.logprob_abs_diff_mean is not None:  # already global
         row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
         row["rollout/logprob_abs_diff_max"] = float(exp.logprob_abs_diff_max)

@@ -148,8 +148,12 @@ class PPOModule(L.LightningModule):
 
     def _micro_batches(self, batch, indices: list[int], groups: list[list[int]] | None = None):
         for idx in groups if groups is not None else self._micro_batch_groups(batch, indices):
+            masks = getattr(batch, "policy_masks", None)
+            expected = getattr(batch, "episode_ids", None)
             yield idx, pack([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                            self.pad_token_id, self.device)
+                            self.pad_token_id, self.device,
+                            policy_masks=None if masks is None else [masks[i] for i in idx],
+                            expected_ids=None if expected is None else [expected[i] for i in idx])
 
     # ------------------------------------------------------------ experience
 

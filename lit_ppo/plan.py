@@ -74,6 +74,10 @@ class StepPlan:
     rollout_dtype: str = "float32"  # vLLM's dtype
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (padded tokens / forward-backward / rank)
+    # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
+    # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
+    max_turns: int = 1
+    max_episode_tokens: int = 0
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -115,7 +119,10 @@ class StepPlan:
               [("micro batch", self.micro_train_max_tokens,
                 "padded tokens / forward-backward / rank at most (sorted by length; the count varies)")]),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
-            ("samples generated", self.total_samples_generated, "responses"),
+            *([("episode: policy turns", self.max_turns, "turns / episode at most (one vLLM call each)"),
+               ("episode: token budget", self.max_episode_tokens, "response tokens / episode at most (turns + observations)")]
+              if self.max_episode_tokens else []),
+            ("samples generated", self.total_samples_generated, "episodes" if self.max_episode_tokens else "responses"),
             ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
             ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
             ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
@@ -149,10 +156,14 @@ def compute_plan(
     precision: str = "32-true",
     rollout_dtype: str = "float32",
     top_p: float = 1.0,
+    max_turns: int = 1,
+    max_episode_tokens: int = 0,
 ) -> StepPlan:
     """Derive every count of the run, or raise ConfigError naming the inconsistent keys.
 
-    `precision` and `rollout_dtype` are resolved (`lit_ppo.precision`); `top_p` is vLLM's."""
+    `precision` and `rollout_dtype` are resolved (`lit_ppo.precision`); `top_p` is vLLM's. With an environment
+    (`max_episode_tokens` > 0) a sample is an episode of up to `max_turns` turns whose response is at most
+    `max_episode_tokens` tokens, which is then the response width the trainer plans for."""
     ppo.validate()
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
         raise ConfigError(f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node")
@@ -270,8 +281,8 @@ def compute_plan(
         grad_accumulation_steps=ppo.train_batch_size // per_update_per_rank,
         samples_per_rank_per_rollout_step=samples_per_rollout_step // data_parallel_size,
         total_samples_generated=samples,
-        max_response_tokens=max_response_tokens,
-        max_tokens_generated=samples * max_response_tokens,
+        max_response_tokens=max_episode_tokens or max_response_tokens,
+        max_tokens_generated=samples * (max_episode_tokens or max_response_tokens),
         lr_scheduler_unit="optimizer_step",
         lr_warmup_steps=math.ceil(ppo.lr_warmup_ratio * total_optimizer_steps),
         lr_total_steps=total_optimizer_steps,
@@ -286,6 +297,8 @@ def compute_plan(
         rollout_dtype=rollout_dtype,
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
         notes=notes,
         warnings=warnings,
     )

@@ -154,7 +154,7 @@ def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
     return estimate_memory(shape, MemoryInputs(
         precision=plan.precision, strategy=str(cfg.strategy.name), data_parallel_size=plan.data_parallel_size,
         micro_batch_size=plan.micro_train_batch_size, prompt_tokens=int(cfg.data.max_prompt_length),
-        response_tokens=int(rollout.max_response_length), gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+        response_tokens=plan.max_response_tokens, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
         critic=plan.critic_enabled, reference=plan.reference_enabled, rollout_dtype=plan.rollout_dtype,
         rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=int(rollout.max_model_len),
         on_gpu=on_gpu(cfg), gpu_memory_utilization=float(rollout.gpu_memory_utilization),

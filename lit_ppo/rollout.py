@@ -94,18 +94,20 @@ class VLLMEngine:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int, seeds: list[int] | None, stop_token_ids: list[int] = (),
+                 max_tokens: int | list[int], seeds: list[int] | None, stop_token_ids: list[int] = (),
                  stop: list[str] = ()) -> list[Generation]:
         """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ...
 
-        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling. A response also ends at
+        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling. `max_tokens`: one limit for
+        all, or one per prompt (episodes: what is left of each one's token budget). A response also ends at
         any of `stop_token_ids` (kept as its last token, like EOS) or `stop` strings (cut from its text)."""
         from vllm import SamplingParams
 
         if seeds is not None and len(seeds) != len(prompt_token_ids):
             raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt")
+        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limits[i], logprobs=0,
                            seed=None if seeds is None else seeds[i], stop_token_ids=list(stop_token_ids) or None,
                            stop=list(stop) or None)
             for i in range(len(prompt_token_ids))

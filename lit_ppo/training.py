@@ -33,7 +33,7 @@ from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
-from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_start
+from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 
 log = logging.getLogger("lit_ppo")
 
@@ -62,9 +62,24 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         return str(base_dir)
     if train_records is None:
         raise ConfigError("model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false")
-    key = cache_key(base_dir.name, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed)
+    key_parts = [base_dir.name, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed]
+    environment = cfg.rollout.get("environment")
+    environment = OmegaConf.to_container(environment, resolve=True) if environment is not None else None
+    if warm.get("tool_call_rate") is not None:  # the demonstrations are written in the environment's format
+        key_parts.append(environment)
+    key = cache_key(*key_parts)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
+    if warm.get("tool_call_rate") is not None:  # a teacher that sometimes calls the environment's tool
+        from lit_ppo.environments import build_environment_factory
+
+        make_environment = build_environment_factory(environment)
+        if make_environment is None:
+            raise ConfigError("model.warm_start.tool_call_rate is set but rollout.environment is null; fix: set "
+                              "rollout.environment (the tool the demonstrations call) or remove tool_call_rate")
+        demos = tool_demonstration_sampler(train_records, tool_call_rate=float(warm.tool_call_rate),
+                                           environment=make_environment())
+    else:
+        demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
     out = supervised_warm_start(str(base_dir), cache / f"warm-{key}", demos, tokenizer, steps=warm.steps,
                                 batch_size=warm.batch_size, lr=warm.lr, seed=cfg.seed)
     return str(out)
@@ -75,7 +90,8 @@ def prepare_data(cfg: DictConfig, output_dir: Path, write: bool = True):
     named: rank 0 wrote them), else the user's files."""
     data = cfg.data
     if data.source == "arithmetic":
-        train, evaluation = make_problems(seed=data.seed, max_operand=data.max_operand, n_train=data.n_train, n_eval=data.n_eval)
+        train, evaluation = make_problems(seed=data.seed, max_operand=data.max_operand, n_train=data.n_train, n_eval=data.n_eval,
+                                          operation=data.get("operation", "+"), min_operand=int(data.get("min_operand", 0)))
         train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)

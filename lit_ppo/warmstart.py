@@ -37,6 +37,29 @@ def demonstration_sampler(records: list[dict], *, teacher_accuracy: float) -> Ca
     return sample
 
 
+def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, environment,
+                               guess_digits: int = 3) -> Callable[[random.Random], tuple[str, list[tuple[str, bool]]]]:
+    """Draws (prompt, segments) from a teacher that calls the calculator `tool_call_rate` of the time, and guesses
+    otherwise. A call is written with the environment's own format (`environment.call_text`), its result is the
+    environment's own observation (`environment.step`), then the teacher copies it. A guess keeps the answer's
+    leading digits and makes up its last `guess_digits` (almost always wrong, the way a model that cannot
+    multiply in its head is wrong). Segments are (text, trained): observations are context, not imitated."""
+
+    def sample(rng: random.Random) -> tuple[str, list[tuple[str, bool]]]:
+        record = rng.choice(records)
+        prompt, answer = record["prompt"], int(record["answer"])
+        if rng.random() < tool_call_rate:
+            call = environment.call_text(prompt.rstrip("="))
+            environment.reset({"prompt": prompt, "reference": record["answer"]})
+            observation, _, _, _ = environment.step(call)
+            return prompt, [(call, True), (observation, False), (str(answer), True)]
+        scale = 10 ** guess_digits
+        guess = answer // scale * scale + rng.randrange(scale) if answer >= scale else rng.randrange(scale)
+        return prompt, [(str(guess), True)]
+
+    return sample
+
+
 def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -54,21 +77,29 @@ def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Calla
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
-    def encode(prompt: str, response: str) -> tuple[list[int], list[int]]:
+    def encode(prompt: str, response) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, response ids, labels); a response is text, or (text, trained) segments each tokenized on
+        its own, as the episode loop tokenizes each turn and observation on its own."""
         p = tokenizer(prompt, add_special_tokens=False).input_ids
-        return p, tokenizer(response, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        segments = [(response, True)] if isinstance(response, str) else list(response)
+        ids, labels = [], []
+        for text, trained in segments:
+            piece = tokenizer(text, add_special_tokens=False).input_ids
+            ids += piece
+            labels += piece if trained else [-100] * len(piece)
+        return p, ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
 
     rng = random.Random(seed)
     started = time.perf_counter()
     for step in range(steps):
         batch = [encode(*sample_demo(rng)) for _ in range(batch_size)]
-        width = max(len(p) + len(r) for p, r in batch)
+        width = max(len(p) + len(r) for p, r, _ in batch)
         ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
         attention = torch.zeros((batch_size, width), dtype=torch.long)
-        for b, (p, r) in enumerate(batch):
+        for b, (p, r, target) in enumerate(batch):
             ids[b, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[b, len(p):len(p) + len(r)] = torch.tensor(r)
+            labels[b, len(p):len(p) + len(r)] = torch.tensor(target)
             attention[b, :len(p) + len(r)] = 1
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()

@@ -46,7 +46,8 @@ def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_st
     train_prompts = load_prompts(files[0], tokenizer)
     eval_prompts = load_prompts(files[1], tokenizer)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
-                        rollout.max_response_length)
+                        rollout.max_response_length, max_turns=rollout.max_turns if rollout.environment else 1,
+                        max_episode_tokens=rollout.episode_tokens())
     trainer, module, datamodule = build_product_run(
         plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
         eval_prompts=eval_prompts, scorer=RewardScorer(fn=reward_fn), output_dir=tmp_path, seed=0, engine=engine,

@@ -361,3 +361,25 @@ def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updat
     assert plan["optimizer_steps_per_rollout_step"] == updates
     assert plan["total_rollout_steps"] == 100 and plan["total_optimizer_steps"] == 100 * updates
     assert "torch" not in result.stdout  # nothing heavy was loaded or reported
+
+
+@pytest.mark.parametrize("experiment,prompts,turns,budget", [("gsm8k_tools", 7473, 4, 2048), ("tool_arithmetic", 4000, 3, 40)])
+def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, turns, budget, tmp_path):
+    """The plan of a multi-turn experiment counts episodes as samples and shows max_turns and the token budget,
+    which is the response width planned for (`mode=plan`: no weights, no data, no GPU)."""
+    result = subprocess.run([sys.executable, "train.py", f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["dataset_prompts"] == prompts
+    assert plan["max_turns"] == turns and plan["max_episode_tokens"] == budget == plan["max_response_tokens"]
+    assert plan["max_tokens_generated"] == plan["total_samples_generated"] * budget
+    assert f"episode: policy turns                  {turns:>3}" in result.stdout or f"{turns}  turns / episode" in result.stdout
+    assert f"{budget}  response tokens / episode at most" in result.stdout
+
+
+def test_max_turns_needs_an_environment(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "rollout.max_turns=3", "mode=plan", f"output_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert "rollout.max_turns=3 without rollout.environment" in result.stderr

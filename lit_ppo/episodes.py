@@ -1,0 +1,225 @@
+"""Multi-turn episodes: all episodes of a rollout step advance together, one batched vLLM call per turn.
+
+Token-exact by construction: an episode's response is the concatenation of the policy's turns, as the token
+ids vLLM produced them, and of the observations, each tokenized once when it arrives. Nothing is decoded and
+re-encoded (the decoded text of a turn is only given to the environment to read). The next turn's prompt is
+`prompt ids + response so far`, so vLLM's prefix cache reuses every earlier turn. `policy_mask` marks the
+policy's tokens (1) against the observations' (0): the trainer computes log-probs over the whole sequence but
+takes loss, KL, entropy and their token counts over the policy's tokens only.
+
+An episode ends when its environment says done, after `max_turns` policy turns, or when its response
+(turns and observations) would exceed `max_episode_tokens`; the last two mark it truncated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lit_ppo.environments import (
+    EnvironmentTimeout,
+    call_with_timeout,
+    check_step_result,
+)
+from lit_ppo.errors import ConfigError, EnvironmentFailure
+from lit_ppo.prompts import Prompt, end_of_turn_token_ids
+from lit_ppo.rollout import Generation
+
+log = logging.getLogger("lit_ppo")
+
+# Counted per episode and summed over ranks: rollout/<name> means per episode (see `episode_metrics`).
+EPISODE_STATS = ("episodes", "turns", "tool_calls", "tool_call_episodes", "observation_tokens", "episode_tokens",
+                 "environment_errors", "environment_timeouts")
+
+
+@dataclass
+class Episode(Generation):
+    """One finished episode; `token_ids` is the whole response (turns and observations), `logprobs` vLLM's log-prob
+    of each policy token (0.0 on observation tokens), `truncated` true when it ran out of turns or tokens."""
+
+    policy_mask: list[int] = field(default_factory=list)  # per response token: 1 policy, 0 observation
+    episode_ids: list[int] = field(default_factory=list)  # the last turn's vLLM prompt + its output, for the check
+    reward: float = 0.0  # the environment's rewards, summed over the episode
+    turns: int = 0
+    tool_calls: int = 0
+    observation_tokens: int = 0
+    failure: str | None = None  # "error" or "timeout" when the environment failed (reward.on_error=zero)
+    info: dict[str, float] = field(default_factory=dict)  # numeric `info` entries, the last value of each
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    max_turns: int
+    max_episode_tokens: int
+    max_turn_tokens: int  # rollout.max_response_length
+    timeout_s: float | None  # rollout.environment_timeout_s
+    on_error: str  # reward.on_error: raise | zero
+    stop_token_ids: list[int]
+    stop: list[str]
+
+
+class ObservationEncoder:
+    """Observation -> token ids, tokenized once. Without a chat template the text is tokenized as it is. With one,
+    it is wrapped in the template's separators for a message of `role` after an assistant turn (found by rendering
+    a probe conversation, as the template itself would write it), ending with the next assistant turn's header;
+    when the policy's turn did not end with the end-of-turn token (it ran out of tokens, or stopped at a tool
+    call's closing token) that token is prepended, so the context reads like a well-formed conversation."""
+
+    PROBE_ASSISTANT, PROBE_OBSERVATION = "LITPPOASSISTANTPROBE", "LITPPOOBSERVATIONPROBE"
+
+    def __init__(self, tokenizer, chat_template: bool, role: str = "tool"):
+        self.tokenizer = tokenizer
+        self.before = self.after = ""
+        self.end_of_turn: list[int] = []
+        if not chat_template:
+            return
+        messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": self.PROBE_ASSISTANT},
+                    {"role": role, "content": self.PROBE_OBSERVATION}]
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            raise ConfigError(f"rollout.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
+                              "role the template knows (tool, user)") from e
+        if self.PROBE_OBSERVATION not in rendered or self.PROBE_ASSISTANT not in rendered:
+            raise ConfigError(f"rollout.observation_role={role!r}: the chat template drops such messages; fix: use a role "
+                              "the template renders (tool, user)")
+        after_turn = rendered.split(self.PROBE_ASSISTANT, 1)[1]
+        self.end_of_turn = end_of_turn_token_ids(tokenizer)
+        if self.end_of_turn:
+            text = tokenizer.decode(self.end_of_turn)
+            if after_turn.startswith(text):  # the policy writes (and stops at) the end-of-turn token itself
+                after_turn = after_turn[len(text):]
+        self.before, self.after = after_turn.split(self.PROBE_OBSERVATION, 1)
+
+    def __call__(self, observation: str | list[int], turn_ids: list[int]) -> list[int]:
+        if isinstance(observation, list):
+            return [int(i) for i in observation]
+        if not (self.before or self.after):
+            return list(self.tokenizer(observation, add_special_tokens=False).input_ids)
+        ids = list(self.tokenizer(self.before + observation + self.after, add_special_tokens=False).input_ids)
+        if self.end_of_turn and (not turn_ids or turn_ids[-1] not in self.end_of_turn):
+            ids = list(self.end_of_turn) + ids
+        return ids
+
+
+@dataclass
+class _Running:
+    """An episode in progress."""
+
+    position: int  # index into the episodes of this call (seeds, messages)
+    prompt: Prompt
+    environment: object
+    episode: Episode
+    active: bool = True
+
+    def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
+        ep = self.episode
+        ep.token_ids.extend(ids)
+        ep.policy_mask.extend([1 if policy else 0] * len(ids))
+        ep.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+def run_episodes(engine, prompts: list[Prompt], n: int, make_environment: Callable[[], object], tokenizer,
+                 settings: EpisodeSettings, encoder: ObservationEncoder, *, temperature: float, top_p: float,
+                 seeds: Callable[[int], list[int]] | None, where: str, sample_positions: list[int] | None = None) -> list[Episode]:
+    """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first).
+
+    `seeds(turn)` gives one vLLM seed per episode for that turn (None: unseeded, e.g. greedy); `where` names the
+    rollout step in messages; `sample_positions` are the episodes' global positions (for messages)."""
+    running: list[_Running] = []
+    for i, prompt in enumerate(prompts):
+        for _ in range(n):
+            episode = Episode(prompt_index=i, token_ids=[], truncated=False, text="", logprobs=[])
+            running.append(_Running(len(running), prompt, make_environment(), episode))
+    positions = sample_positions or list(range(len(running)))
+    takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
+
+    def guarded(r: _Running, what: str, fn, args):
+        """Call the environment; a failure stops the run (on_error=raise) or ends the episode with reward 0."""
+        try:
+            return call_with_timeout(fn, args, settings.timeout_s)
+        except Exception as e:
+            timed_out = isinstance(e, EnvironmentTimeout)
+            if settings.on_error == "raise":
+                raise EnvironmentFailure(
+                    f"{where}: the environment {type(r.environment).__name__}.{what} "
+                    f"{'timed out' if timed_out else 'failed'} in episode {positions[r.position]} (turn {r.episode.turns}, "
+                    f"prompt {r.prompt.text[:200]!r}): {type(e).__name__}: {e}; fix: correct the environment, or set "
+                    "reward.on_error=zero to score such episodes 0"
+                ) from e
+            r.episode.failure = "timeout" if timed_out else "error"
+            r.episode.reward = 0.0
+            r.active = False
+            log.info("environment: episode %d %s and scores 0: %s", positions[r.position], r.episode.failure, e,
+                     extra={"console": False})
+            return None
+
+    for r in running:
+        record = {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
+        first = guarded(r, "reset", r.environment.reset, (record,))
+        if r.active and first:
+            ids = encoder(first, []) if isinstance(first, list) else list(tokenizer(first, add_special_tokens=False).input_ids)
+            if len(ids) >= settings.max_episode_tokens:
+                r.active, r.episode.truncated = False, True
+            else:
+                r.append(ids, policy=False)
+                r.episode.observation_tokens += len(ids)
+
+    for turn in range(settings.max_turns):
+        active = [r for r in running if r.active]
+        if not active:
+            break
+        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in active]
+        budgets = [min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active]
+        turn_seeds = None if seeds is None else [seeds(turn)[r.position] for r in active]
+        outputs = engine.generate(contexts, n=1, temperature=temperature, top_p=top_p, max_tokens=budgets,
+                                  seeds=turn_seeds, stop_token_ids=settings.stop_token_ids, stop=settings.stop)
+        for r, context, out in zip(active, contexts, outputs):
+            ep = r.episode
+            r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))
+            ep.turns += 1
+            ep.episode_ids = context + list(out.token_ids)  # what vLLM was given and gave back
+            ep.truncated = out.truncated
+            action = list(out.token_ids) if takes_ids[r.position] else tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            result = guarded(r, "step", lambda a, env=r.environment: check_step_result(env.step(a)), (action,))
+            if result is None:
+                continue
+            observation, reward, done, info = result
+            ep.reward += reward
+            if info.get("tool_call"):
+                ep.tool_calls += 1
+            ep.info.update({k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and k != "tool_call"})
+            if done:
+                r.active = False
+                continue
+            ids = encoder(observation, list(out.token_ids)) if observation else []
+            # Out of turns, or no room for the observation and one more token: the episode is cut here.
+            if turn + 1 == settings.max_turns or len(ep.token_ids) + len(ids) >= settings.max_episode_tokens:
+                r.active, ep.truncated = False, True
+                continue
+            r.append(ids, policy=False)
+            ep.observation_tokens += len(ids)
+    episodes = []
+    for r in running:
+        ep = r.episode
+        if not ep.episode_ids:  # no turn was generated (reset failed or filled the budget)
+            ep.episode_ids = list(r.prompt.prompt_ids) + ep.token_ids
+        ep.text = tokenizer.decode(ep.token_ids, skip_special_tokens=True)
+        episodes.append(ep)
+    return episodes
+
+
+def episode_stats(episodes: list) -> dict[str, float]:
+    """This rank's sums over its episodes (EPISODE_STATS), for `metrics.episode_metrics`."""
+    stats = dict.fromkeys(EPISODE_STATS, 0.0)
+    for ep in episodes:
+        stats["episodes"] += 1
+        stats["turns"] += ep.turns
+        stats["tool_calls"] += ep.tool_calls
+        stats["tool_call_episodes"] += ep.tool_calls > 0
+        stats["observation_tokens"] += ep.observation_tokens
+        stats["episode_tokens"] += len(ep.token_ids)
+        stats["environment_errors"] += ep.failure == "error"
+        stats["environment_timeouts"] += ep.failure == "timeout"
+    return stats

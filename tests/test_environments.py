@@ -1,0 +1,311 @@
+"""Multi-turn episodes with an environment: the calculator, the token-exact episode loop, truncation,
+environment failures, and the loss on policy tokens only.
+
+The episode loop is driven here by a scripted engine (the turns' token ids are fixed, so every expected id is
+written out); tests/test_tool_training.py runs it with the real vLLM engine and trainer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from lit_ppo.environments import (
+    CalculatorEnvironment,
+    CalculatorError,
+    build_environment_factory,
+    safe_arithmetic,
+    stop_token_ids_of,
+)
+from lit_ppo.episodes import (
+    EpisodeSettings,
+    ObservationEncoder,
+    episode_stats,
+    run_episodes,
+)
+from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
+from lit_ppo.experience import pack
+from lit_ppo.prompts import Prompt
+from lit_ppo.rollout import Generation
+
+# ------------------------------------------------------------------ the calculator
+
+def test_safe_arithmetic_computes_and_refuses_code():
+    assert safe_arithmetic("123*456") == 56088
+    assert safe_arithmetic(" -(3 + 4) * 2 ") == -14
+    assert safe_arithmetic("7/2") == 3.5 and safe_arithmetic("8/2") == 4 and isinstance(safe_arithmetic("8/2"), int)
+    assert safe_arithmetic("2**10 % 1000") == 24
+    for text in ['__import__("os").system("true")', "x+1", "(1).real", "[1]", "lambda: 1", "1 if 1 else 2", "1/0",
+                 "9**9**9", "10**400", "1" * 300, "1e308*10", ""]:
+        with pytest.raises(CalculatorError):
+            safe_arithmetic(text)
+
+
+def test_calculator_environment_calls_and_answers():
+    env = CalculatorEnvironment(call_start="[", call_end="]", result_format="={}\n", error_format="=error\n", max_calls=2)
+    assert env.reset({"prompt": "12*45=", "reference": "540"}) is None
+    assert env.step("[12*45]") == ("=540\n", 0.0, False, {"tool_call": True})
+    assert env.step("[12*x]") == ("=error\n", 0.0, False, {"tool_call": True})  # a bad call is an observation
+    assert env.step("[1+1]") == ("=error\n", 0.0, False, {"tool_call": True})  # over max_calls
+    assert env.step("it is 540") == (None, 1.0, True, {"tool_call": False, "correct": 1.0})
+    env.reset({"reference": "540"})
+    assert env.step("541")[1:3] == (0.0, True)
+
+
+def test_environment_factory_from_config():
+    assert build_environment_factory(None) is None
+    make = build_environment_factory({"_target_": "lit_ppo.environments.CalculatorEnvironment", "call_end": "]"})
+    first, second = make(), make()
+    assert first is not second and first.call_end == "]"  # one environment per episode
+    with pytest.raises(ConfigError, match="rollout.environment: cannot build"):
+        build_environment_factory({"_target_": "lit_ppo.environments.NoSuchThing"})
+    with pytest.raises(ConfigError, match="lacks reset"):
+        build_environment_factory({"_target_": "builtins.dict"})
+
+
+# ------------------------------------------------------------------ a tokenizer where decode -> encode is not the identity
+
+def merging_tokenizer() -> PreTrainedTokenizerFast:
+    """The character tokenizer plus BPE merges "12", "45", "54": the turn ids [1][2] decode to "12", which
+    encodes to the single token "12". A pipeline that re-encodes decoded turns changes the ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from lit_ppo.tiny import (
+        CHARS,
+        EOS_TOKEN,
+        PAD_TOKEN,
+        SPECIAL_TOKENS,
+        _byte_level_symbol,
+    )
+
+    merges = [("1", "2"), ("4", "5"), ("5", "4")]
+    tokens = SPECIAL_TOKENS + [_byte_level_symbol(c) for c in CHARS] + [a + b for a, b in merges]
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=None, fuse_unk=False))
+    core.add_special_tokens(SPECIAL_TOKENS)
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+class ScriptedEngine:
+    """Stands in for VLLMEngine: turn t of every episode is `turns[t]` (cut to the turn's token budget); records
+    what it was given."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.calls = turns, []
+
+    def generate(self, contexts, *, n, temperature, top_p, max_tokens, seeds, stop_token_ids=(), stop=()):
+        assert n == 1
+        turn = len(self.calls)
+        self.calls.append({"contexts": [list(c) for c in contexts], "max_tokens": list(max_tokens), "seeds": seeds})
+        outputs = []
+        for i, _ in enumerate(contexts):
+            ids = self.turns[min(turn, len(self.turns) - 1)][:max_tokens[i]]
+            outputs.append(Generation(prompt_index=i, token_ids=list(ids), text="<not used>",
+                                      truncated=len(ids) < len(self.turns[min(turn, len(self.turns) - 1)]),
+                                      logprobs=[-0.25] * len(ids)))
+        return outputs
+
+
+def chars(tokenizer, text: str) -> list[int]:
+    """One token per character, as a policy may well sample them (not as the tokenizer would merge them)."""
+    return [tokenizer.convert_tokens_to_ids(c) for c in text]
+
+
+def settings(**overrides) -> EpisodeSettings:
+    values = dict(max_turns=3, max_episode_tokens=64, max_turn_tokens=16, timeout_s=5.0, on_error="raise",
+                  stop_token_ids=[], stop=[])
+    return EpisodeSettings(**{**values, **overrides})
+
+
+def calculator():
+    return CalculatorEnvironment(call_start="[", call_end="]", result_format="={}\n")
+
+
+def test_three_turn_episode_ids_equal_what_the_trainer_packs():
+    tok = merging_tokenizer()
+    prompt_ids = tok("12*45+1=", add_special_tokens=False).input_ids
+    prompt = Prompt(prompt_ids=prompt_ids, text="12*45+1=", reference="541", extras={})
+    turns = [chars(tok, "[12*45]"), chars(tok, "[540+1]"), chars(tok, "541") + [tok.eos_token_id]]
+    engine = ScriptedEngine(turns)
+    [episode] = run_episodes(engine, [prompt], 1, calculator, tok, settings(), ObservationEncoder(tok, False),
+                             temperature=1.0, top_p=1.0, seeds=lambda turn: [1000 * turn], where="test")
+
+    first_obs, second_obs = tok("=540\n", add_special_tokens=False).input_ids, tok("=541\n", add_special_tokens=False).input_ids
+    assert episode.turns == 3 and episode.tool_calls == 2 and episode.reward == 1.0 and not episode.truncated
+    assert episode.token_ids == turns[0] + first_obs + turns[1] + second_obs + turns[2]
+    assert episode.policy_mask == [1] * 7 + [0] * len(first_obs) + [1] * 7 + [0] * len(second_obs) + [1] * 4
+    assert episode.logprobs == [-0.25] * 7 + [0.0] * len(first_obs) + [-0.25] * 7 + [0.0] * len(second_obs) + [-0.25] * 4
+    assert episode.observation_tokens == len(first_obs) + len(second_obs)
+    # Each turn's vLLM prompt is the last one plus the last turn plus the observation: nothing was re-encoded.
+    contexts = [call["contexts"][0] for call in engine.calls]
+    assert contexts == [prompt_ids, prompt_ids + turns[0] + first_obs, prompt_ids + turns[0] + first_obs + turns[1] + second_obs]
+    assert [call["seeds"] for call in engine.calls] == [[0], [1000], [2000]]
+    assert episode.episode_ids == contexts[2] + turns[2]
+    # The tokenizer is one where decode -> encode changes ids, on this very episode.
+    assert tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids != episode.token_ids
+
+    mb = pack([prompt_ids], [episode.token_ids], tok.pad_token_id, "cpu", policy_masks=[episode.policy_mask],
+              expected_ids=[episode.episode_ids])
+    assert mb.input_ids[0][mb.attention_mask[0].bool()].tolist() == episode.episode_ids
+    assert mb.response_mask[0].tolist() == [float(m) for m in episode.policy_mask]
+    # The check catches a trajectory rebuilt from text (the bug of TRL #5224 / verl #3720).
+    re_encoded = prompt_ids + tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids
+    with pytest.raises(RolloutMismatchError, match="differ from the ids vLLM was given"):
+        pack([prompt_ids], [episode.token_ids], tok.pad_token_id, "cpu", policy_masks=[episode.policy_mask],
+             expected_ids=[re_encoded])
+    stats = episode_stats([episode])
+    assert stats["turns"] == 3 and stats["tool_calls"] == 2 and stats["tool_call_episodes"] == 1
+    assert stats["episode_tokens"] == len(episode.token_ids)
+
+
+def test_observations_follow_the_chat_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    encoder = ObservationEncoder(tok, chat_template=True, role="tool")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    wrapped = "\n<|im_start|>tool\n=540<|im_end|>\n<|im_start|>assistant\n"
+    assert encoder("=540", [5, im_end]) == tok(wrapped, add_special_tokens=False).input_ids
+    # A turn that did not end its message (it stopped at the tool call's end) gets the end-of-turn token first.
+    assert encoder("=540", [5]) == [im_end] + tok(wrapped, add_special_tokens=False).input_ids
+    assert encoder([7, 8], [5]) == [7, 8]  # ids are appended as they are
+
+
+def test_max_turns_truncates():
+    tok = merging_tokenizer()
+    prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
+    engine = ScriptedEngine([chars(tok, "[1+1]")])  # the policy calls the tool forever
+    episodes = run_episodes(engine, [prompt], 2, calculator, tok, settings(max_turns=2), ObservationEncoder(tok, False),
+                            temperature=1.0, top_p=1.0, seeds=None, where="test")
+    for ep in episodes:
+        assert ep.turns == 2 and ep.truncated and ep.reward == 0.0
+        assert ep.policy_mask[-1] == 1  # an episode ends on a policy turn: no observation nobody answers
+        assert ep.token_ids == chars(tok, "[1+1]") + tok("=2\n", add_special_tokens=False).input_ids + chars(tok, "[1+1]")
+    assert len(engine.calls) == 2 and len(engine.calls[0]["contexts"]) == 2
+
+
+def test_token_budget_truncates():
+    tok = merging_tokenizer()
+    prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
+    call = chars(tok, "[1+1]")  # 5 tokens; the observation "=2\n" is 3
+    engine = ScriptedEngine([call])
+    [ep] = run_episodes(engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=15, max_turn_tokens=6),
+                        ObservationEncoder(tok, False), temperature=1.0, top_p=1.0, seeds=None, where="test")
+    # Turns of 5 + observations of 3: 5, 8, 13; the second turn may take min(6, 15 - 8) = 6 tokens; the next
+    # observation (13 + 3 = 16) would not fit with a token to spare: the episode is cut after the second turn.
+    assert [c["max_tokens"][0] for c in engine.calls] == [6, 6]
+    assert ep.truncated and ep.turns == 2 and len(ep.token_ids) == 13  # <= 15
+    # A budget that cuts a turn short: the turn gets what is left.
+    engine = ScriptedEngine([call])
+    [ep] = run_episodes(engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=10, max_turn_tokens=6),
+                        ObservationEncoder(tok, False), temperature=1.0, top_p=1.0, seeds=None, where="test")
+    assert [c["max_tokens"][0] for c in engine.calls] == [6, 2]
+    assert ep.truncated and len(ep.token_ids) == 10
+
+
+class RaisingEnvironment(CalculatorEnvironment):
+    def step(self, action):
+        raise RuntimeError("the sandbox is down")
+
+
+class HangingEnvironment(CalculatorEnvironment):
+    def step(self, action):
+        time.sleep(30)
+
+
+@pytest.mark.parametrize("environment, failure", [(RaisingEnvironment, "error"), (HangingEnvironment, "timeout")])
+def test_environment_failures_follow_on_error(environment, failure):
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    engine = ScriptedEngine([chars(tok, "[1+1]")])
+    kwargs = dict(temperature=1.0, top_p=1.0, seeds=None, where="rollout step 3", sample_positions=[12, 13])
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailure, match=f"rollout step 3: the environment {environment.__name__}.step "
+                                                 f"{'timed out' if failure == 'timeout' else 'failed'} in episode 12"):
+        run_episodes(engine, prompts, 2, environment, tok, settings(timeout_s=0.3), ObservationEncoder(tok, False), **kwargs)
+    episodes = run_episodes(ScriptedEngine([chars(tok, "[1+1]")]), prompts, 2, environment, tok,
+                            settings(timeout_s=0.3, on_error="zero"), ObservationEncoder(tok, False), **kwargs)
+    assert time.monotonic() - started < 5  # the hung steps were abandoned at the timeout
+    assert [ep.failure for ep in episodes] == [failure, failure] and [ep.reward for ep in episodes] == [0.0, 0.0]
+    stats = episode_stats(episodes)
+    assert stats[f"environment_{failure}s" if failure == "timeout" else "environment_errors"] == 2
+
+
+def test_turn_ending_text_must_be_one_token():
+    tok = merging_tokenizer()
+    assert stop_token_ids_of(calculator(), tok) == [tok.convert_tokens_to_ids("]")]
+    with pytest.raises(ConfigError, match="not one"):
+        stop_token_ids_of(CalculatorEnvironment(call_end="</calc>"), tok)
+
+
+# ------------------------------------------------------------------ observation tokens carry no loss
+
+def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
+    """The actor's gradient from PPOModule._actor_backward on a packed episode equals the gradient of the loss
+    written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
+    tokens; advantages put on the observation tokens change nothing."""
+    from lit_ppo.config import PPOConfig, RunLengthConfig
+    from lit_ppo.experience import Experience
+    from lit_ppo.module import PPOModule
+    from lit_ppo.plan import compute_plan
+
+    ppo = PPOConfig(rollout_batch_size=1, n_samples_per_prompt=1, train_batch_size=1, micro_train_batch_size=1,
+                    advantage_estimator="reinforce_pp", kl_coef=0.0)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 1, 1, 8, max_turns=2, max_episode_tokens=8)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, max_response_length=8, pad_token_id=0)
+    module.manual_backward = lambda loss: loss.backward()
+    prompt, response = [20, 21, 22], [30, 31, 40, 41, 42, 32, 33]
+    policy_mask = [1, 1, 0, 0, 0, 1, 1]  # turn, observation, turn
+    mb = pack([prompt], [response], 0, "cpu", policy_masks=[policy_mask])
+
+    def gradients(advantages: torch.Tensor) -> list[torch.Tensor]:
+        module.actor.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            old = module.response_logprobs(module.actor, mb)
+        mask = mb.response_mask
+        exp = Experience(mask=mask, old_logp=old, advantages=advantages, returns=advantages, rewards=torch.zeros(1),
+                         rc_weights=mask.clone(), loss_mask=mask.clone())
+        module._actor_backward(mb, exp, num_tokens=mask.sum(), num_seqs=torch.tensor(1.0), world=1)
+        return [p.grad.clone() for p in module.actor.parameters()]
+
+    advantages = torch.tensor([[1.0, -2.0, 0.0, 0.0, 0.0, 0.5, 3.0]])
+    from_module = gradients(advantages)
+    leaked = advantages.clone()
+    leaked[0, 2:5] = torch.tensor([100.0, -100.0, 50.0])  # on the observation tokens
+    assert all(torch.equal(a, b) for a, b in zip(from_module, gradients(leaked)))
+
+    # By hand: ratio = 1 at the old policy, so the clipped surrogate's gradient is -A_t grad log p_t; token-mean
+    # over the 4 policy tokens at response columns 0, 1, 5, 6.
+    module.actor.zero_grad(set_to_none=True)
+    logits = module.actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids).logits
+    logp = torch.log_softmax(logits.float(), -1)
+    P = len(prompt)
+    loss = sum(-advantages[0, t] * logp[0, P - 1 + t, response[t]] for t in (0, 1, 5, 6)) / 4
+    loss.backward()
+    by_hand = [p.grad.clone() for p in module.actor.parameters()]
+    for a, b in zip(from_module, by_hand):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------ advantages over policy tokens only
+
+def test_gae_steps_over_observation_tokens():
+    """mask [1, 1, 0, 1]: an observation at column 2. Hand-computed with gamma=1, lam=0.5, values 0.1, 0.2, (9.0
+    on the observation, never read), 0.4 and reward 1 on the last policy token (column 3, not column
+    mask.sum() - 1 = 2):
+    A3 = 1 - 0.4 = 0.6; A1 = (0.4 - 0.2) + 0.5 * 0.6 = 0.5; A0 = (0.2 - 0.1) + 0.5 * 0.5 = 0.35."""
+    from lit_ppo import algorithms as algo
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 9.0, 0.4]])
+    rewards = torch.tensor([1.0])
+    advantages, returns = algo.gae(rewards, mask, values=values, gamma=1.0, lam=0.5, normalize=False)
+    torch.testing.assert_close(advantages, torch.tensor([[0.35, 0.5, 0.0, 0.6]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.45, 0.7, 0.0, 1.0]]))
+    assert algo.token_level_rewards(rewards, mask).tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    # REINFORCE-style returns carry over the observation too (gamma 0.5: 0.25, 0.5, -, 1).
+    torch.testing.assert_close(algo.discounted_returns(algo.token_level_rewards(rewards, mask), mask, 0.5),
+                               torch.tensor([[0.25, 0.5, 0.0, 1.0]]))
