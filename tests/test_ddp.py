@@ -229,3 +229,25 @@ def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
     while live_processes_in_group(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not live_processes_in_group(pgid), "a rank outlived the failed run"
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_does_not_depend_on_the_number_of_ranks(tmp_path_factory, cache):
+    """ppo=dapo on two processes: every rank judges the same gathered groups and takes its share of the kept ones,
+    so the trained samples, the rounds drawn and the counts logged are those of one process."""
+    dapo = ["ppo=dapo", "ppo.ppo_epochs=1"]
+    one = train_cli(tmp_path_factory.mktemp("dapo_single"), cache, *dapo)
+    two = train_cli(tmp_path_factory.mktemp("dapo_ddp"), cache, *dapo, *DDP)
+    keys = ("rollout/generation_rounds", "rollout/dropped_groups", "rollout/filled_groups", "rollout/prompts_consumed",
+            "rollout/reward_mean")
+    rows_one, rows_two = metrics(one), metrics(two)
+    assert [[r[k] for k in keys] for r in rows_two] == [[r[k] for k in keys] for r in rows_one]
+    assert max(int(r["rollout/generation_rounds"]) for r in rows_one) > 1  # the refill happened
+    for step in range(2):
+        a, b = experience(one, step, world=1), experience(two, step, world=2)
+        assert b["shard_sizes"] == [64, 64]
+        for key in ("prompt_positions", "dataset_indices", "response_ids"):
+            assert b[key] == a[key], key
+        assert torch.equal(b["rewards"], a["rewards"])
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
