@@ -116,7 +116,7 @@ def experience(run: Path, rollout_step: int, world: int) -> dict:
     width = max(s["mask"].shape[1] for s in shards)
     joined = {k: sum((s[k] for s in shards), []) for k in ("prompt_positions", "dataset_indices", "response_ids")}
     joined["rewards"] = torch.cat([s["rewards"] for s in shards])
-    for k in ("mask", "advantages", "returns", "values"):
+    for k in [k for k in ("mask", "advantages", "returns", "values") if shards[0].get(k) is not None]:  # no critic: no values
         joined[k] = torch.cat([torch.nn.functional.pad(s[k], (0, width - s[k].shape[1])) for s in shards])
     joined["shard_sizes"] = [len(s["rewards"]) for s in shards]
     return joined
@@ -136,6 +136,10 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
     _, run = parallel_run
     log = (run / "logs" / "run.log").read_text()  # Lightning's own lines go to run.log, not the console
     assert "Starting with 2 processes" in log and "distributed_backend=gloo" in log
+    console = (run / "train.log").read_text()  # what the user sees: rank 0's lines once, not one copy per rank
+    assert console.count("Step plan") == 1 and console.count("run finished") == 1
+    rank1_log = (run / "logs" / "run.rank1.log").read_text()  # rank 1 keeps its own log
+    assert "vLLM" in rank1_log or "vllm" in rank1_log, rank1_log[-2000:]
     plan = json.loads((run / "plan.json").read_text())
     assert plan["data_parallel_size"] == 2 and plan["samples_per_rank_per_rollout_step"] == 64
     assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 samples / 128 per update x 2 PPO epochs
