@@ -77,6 +77,7 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
             raise ConfigError("model.warm_start.tool_call_rate is set but rollout.environment is null; fix: set "
                               "rollout.environment (the tool the demonstrations call) or remove tool_call_rate")
         demos = tool_demonstration_sampler(train_records, tool_call_rate=float(warm.tool_call_rate),
+                                           tool_use_practice=float(warm.get("tool_use_practice", 0.0)),
                                            environment=make_environment())
     else:
         demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)

@@ -37,22 +37,33 @@ def demonstration_sampler(records: list[dict], *, teacher_accuracy: float) -> Ca
     return sample
 
 
-def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, environment,
+def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, environment, tool_use_practice: float = 0.0,
                                guess_digits: int = 3) -> Callable[[random.Random], tuple[str, list[tuple[str, bool]]]]:
     """Draws (prompt, segments) from a teacher that calls the calculator `tool_call_rate` of the time, and guesses
     otherwise. A call is written with the environment's own format (`environment.call_text`), its result is the
     environment's own observation (`environment.step`), then the teacher copies it. A guess keeps the answer's
     leading digits and makes up its last `guess_digits` (almost always wrong, the way a model that cannot
-    multiply in its head is wrong). Segments are (text, trained): observations are context, not imitated."""
+    multiply in its head is wrong). Segments are (text, trained): observations are context, not imitated.
+
+    `tool_use_practice`: a further share of demonstrations that show how a call is used once made (the
+    expression, reading the result) without imitating the decision to call: their `call_start` is context. So the
+    warm-started policy uses the tool competently when it calls it, but decides to call it only as often as the
+    teacher does (`tool_call_rate`); whether to call is what RL learns."""
+
+    def tool_demo(prompt: str, answer: str, decide: bool) -> list[tuple[str, bool]]:
+        expression = prompt.rstrip("=")
+        call = environment.call_text(expression)
+        environment.reset({"prompt": prompt, "reference": answer})
+        observation, _, _, _ = environment.step(call)
+        start = environment.call_start if call.startswith(environment.call_start) else ""
+        return [(start, decide), (call[len(start):], True), (observation, False), (answer, True)]
 
     def sample(rng: random.Random) -> tuple[str, list[tuple[str, bool]]]:
         record = rng.choice(records)
         prompt, answer = record["prompt"], int(record["answer"])
-        if rng.random() < tool_call_rate:
-            call = environment.call_text(prompt.rstrip("="))
-            environment.reset({"prompt": prompt, "reference": record["answer"]})
-            observation, _, _, _ = environment.step(call)
-            return prompt, [(call, True), (observation, False), (str(answer), True)]
+        draw = rng.random()
+        if draw < tool_call_rate + tool_use_practice:
+            return prompt, [s for s in tool_demo(prompt, record["answer"], decide=draw < tool_call_rate) if s[0]]
         scale = 10 ** guess_digits
         guess = answer // scale * scale + rng.randrange(scale) if answer >= scale else rng.randrange(scale)
         return prompt, [(str(guess), True)]

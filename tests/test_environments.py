@@ -309,3 +309,27 @@ def test_gae_steps_over_observation_tokens():
     # REINFORCE-style returns carry over the observation too (gamma 0.5: 0.25, 0.5, -, 1).
     torch.testing.assert_close(algo.discounted_returns(algo.token_level_rewards(rewards, mask), mask, 0.5),
                                torch.tensor([[0.25, 0.5, 0.0, 1.0]]))
+
+
+def test_warm_start_demonstrations_use_the_environment_format():
+    """The tool demonstrations are written with the environment's call format and its own observation; the
+    observation is never imitated, and in the practice demonstrations neither is the decision to call."""
+    import random
+
+    from lit_ppo.warmstart import tool_demonstration_sampler
+
+    sample = tool_demonstration_sampler([{"prompt": "123*456=", "answer": "56088"}], tool_call_rate=0.25,
+                                        tool_use_practice=0.25, environment=calculator())
+    rng = random.Random(0)
+    kinds = {"decide": 0, "practice": 0, "guess": 0}
+    for _ in range(400):
+        prompt, segments = sample(rng)
+        assert prompt == "123*456="
+        if len(segments) == 1:
+            kinds["guess"] += 1
+            assert segments[0][1] and segments[0][0] != "56088" and segments[0][0].startswith("56")
+            continue
+        assert [text for text, _ in segments] == ["[", "123*456]", "=56088\n", "56088"]
+        assert [trained for _, trained in segments][1:] == [True, False, True]
+        kinds["decide" if segments[0][1] else "practice"] += 1
+    assert 70 < kinds["decide"] < 130 and 70 < kinds["practice"] < 130 and 170 < kinds["guess"] < 230
