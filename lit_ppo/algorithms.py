@@ -278,6 +278,26 @@ ROLLOUT_CORRECTION_MODES = ("none", "tis", "mis")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 
 
+def actor_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor, *,
+                     policy_loss: str, clip_ratio_low: float, clip_ratio_high: float, dual_clip: float | None = None,
+                     rc_weights: Tensor | None = None, entropy_coef: float = 0.0, ref_logp: Tensor | None = None,
+                     kl_estimator: str = "k1", kl_coef: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The actor's per-token loss [B, T]: the policy loss (`POLICY_LOSSES[policy_loss]`) weighted by the rollout
+    correction (tokens MIS drops get weight 0), minus the entropy bonus, plus the KL to the reference when the KL is
+    in the loss (`ref_logp` given). Returns (loss, weighted policy loss, clip indicator); aggregate with
+    `aggregate_loss` over the kept tokens."""
+    pg_tok, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, mask, clip_ratio_low=clip_ratio_low,
+                                                 clip_ratio_high=clip_ratio_high, dual_clip=dual_clip)
+    if rc_weights is not None:
+        pg_tok = pg_tok * rc_weights
+    loss_tok = pg_tok
+    if entropy_coef:
+        loss_tok = loss_tok - entropy_coef * entropy
+    if ref_logp is not None:
+        loss_tok = loss_tok + kl_coef * KL_ESTIMATORS[kl_estimator](logp - ref_logp)
+    return loss_tok, pg_tok, clipped
+
+
 def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, mode: str, level: str = "token",
                        tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0,
                        global_sum: GlobalSum = local_sum,

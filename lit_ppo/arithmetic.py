@@ -13,7 +13,6 @@ from pathlib import Path
 
 from lit_ppo.atomic import atomic_path
 
-
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
 

@@ -211,3 +211,63 @@ def check_rollout_logprobs(rollout_step: int, old_logp: Tensor, rollout_logp: Te
             "fix: check the weight sync and those settings, or raise rollout.max_logprob_abs_diff (null disables)"
         )
     return mean, largest
+
+
+def old_logprobs_from_training(exp: Experience, captured: Tensor, captured_rows: Tensor, *, rollout_logprobs,
+                               rollout_step: int, kl_estimator: str, max_logprob_abs_diff: float | None) -> None:
+    """Without an experience forward: the log-probs the training forwards took before the first optimizer step
+    (`captured`, rows marked in `captured_rows`) become the experience's old log-probs (on-policy: every sample's)
+    and its KL to the reference, and are checked against vLLM's (`check_rollout_logprobs`, on the captured samples;
+    after the update, which a failed weight sync has then spoilt, but the run stops as with the forward)."""
+    if exp.old_logp is None:
+        exp.old_logp = captured
+        if exp.ref_logp is not None:
+            exp.kl = algo.KL_ESTIMATORS[kl_estimator](captured - exp.ref_logp) * exp.mask
+    if rollout_logprobs is not None:
+        rollout_logp = rollout_logp_tensor(rollout_logprobs, exp.mask)
+        exp.logprob_abs_diff_mean, exp.logprob_abs_diff_max = check_rollout_logprobs(
+            rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff)
+
+
+def rank_micro_batch_groups(batch, indices: list[int], *, max_samples: int, max_tokens: int | None,
+                            data_parallel_size: int, device) -> list[list[int]]:
+    """This rank's micro-batches of `indices` (`micro_batch_groups`): `max_samples` samples each, or by token budget
+    (ppo.micro_train_max_tokens). Under data parallelism with a token budget every rank runs as many micro-batches
+    as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
+    lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
+    groups = micro_batch_groups(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens)
+    if max_tokens is not None and data_parallel_size > 1:
+        count = int(global_max(torch.tensor(float(len(groups)), device=device)))
+        groups = micro_batch_groups(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens, min_count=count)
+    return groups
+
+
+def packed_micro_batches(batch, groups: list[list[int]], pad_token_id: int, device):
+    """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack."""
+    masks = getattr(batch, "policy_masks", None)
+    expected = getattr(batch, "episode_ids", None)
+    for idx in groups:
+        yield idx, pack([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device,
+                        policy_masks=None if masks is None else [masks[i] for i in idx],
+                        expected_ids=None if expected is None else [expected[i] for i in idx])
+
+
+def advantages_and_returns(rewards: Tensor, mask: Tensor, values: Tensor | None, old_logp: Tensor | None,
+                           ref_logp: Tensor | None, ppo, *, kl_coef: float, group_size: int):
+    """(KL to the reference [N, T] or None, advantages, returns) by `ppo.advantage_estimator`, with the KL penalty in
+    the reward when `ppo.kl_mode=reward`. Statistics are global (`distributed.global_sum`). Without old log-probs yet
+    (taken from the training forwards), the KL is computed after the update (`old_logprobs_from_training`): auto
+    keeps the experience forward when the KL is in the reward."""
+    kl = (algo.KL_ESTIMATORS[ppo.kl_estimator](old_logp - ref_logp) * mask
+          if ref_logp is not None and old_logp is not None else None)
+    kl_penalty = kl_coef * kl if (kl is not None and ppo.kl_mode == "reward") else None
+    advantages, returns = algo.ADVANTAGE_ESTIMATORS[ppo.advantage_estimator](
+        rewards, mask, values=values, kl_penalty=kl_penalty, gamma=ppo.gamma, lam=ppo.lam, group_size=group_size,
+        global_sum=global_sum, normalize=ppo.normalize_advantages)
+    return kl, advantages, returns
+
+
+def kl_per_sequence(exp: Experience) -> float:
+    """The global batch's mean KL to the reference per sequence (what the adaptive KL controller targets)."""
+    count = torch.tensor(float(exp.mask.shape[0]), dtype=exp.mask.dtype, device=exp.mask.device)
+    return float(global_sum((exp.kl * exp.mask).sum()) / global_sum(count))

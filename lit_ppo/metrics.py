@@ -147,3 +147,34 @@ def rollout_step_row(batch, exp: Experience, train_metrics: dict[str, float], ti
     row.update(zip(timings, slowest.tolist()))
     row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(row["timing/generate_s"], 1e-9)
     return row
+
+
+@torch.no_grad()
+def actor_micro_batch_metrics(pg_tok: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, entropy: Tensor,
+                              mask: Tensor) -> dict[str, float]:
+    """One micro-batch's token means of the actor's statistics (averaged over micro-batches by `MeanOver`)."""
+    denominator = mask.sum().clamp(min=1)
+    log_ratio = (logp - old_logp) * mask
+    return {
+        "actor/policy_loss": float((pg_tok * mask).sum() / denominator),
+        "actor/clip_fraction": float((clipped * mask).sum() / denominator),
+        "actor/approx_kl": float((0.5 * log_ratio**2).sum() / denominator),
+        "actor/entropy": float((entropy.detach() * mask).sum() / denominator),
+    }
+
+
+def update_metrics(per_micro_batch: MeanOver, per_update: MeanOver, padded_positions: float, real_tokens: float, *,
+                   world_size: int, device, global_sum: Reduce = _identity) -> dict[str, float]:
+    """The updates' means over the global batch. Every rank ran as many micro-batches, so the actor's are the mean of
+    the ranks' means; each rank's value loss is its share of a loss over the global token count, so it is summed;
+    `perf/padding_fraction` is the share of the training forwards' positions that are padding."""
+    if "critic/value_loss" in per_update.sums and world_size > 1:
+        total = global_sum(torch.tensor(per_update.sums["critic/value_loss"], dtype=torch.float64, device=device))
+        per_update.sums["critic/value_loss"] = float(total)
+    actor = per_micro_batch.means()
+    if world_size > 1:
+        means = global_sum(torch.tensor(list(actor.values()), dtype=torch.float64, device=device)) / world_size
+        actor = dict(zip(actor, means.tolist()))
+    positions, real = global_sum(torch.tensor([float(padded_positions), float(real_tokens)], dtype=torch.float64,
+                                              device=device)).tolist()
+    return {**actor, **per_update.means(), "perf/padding_fraction": 1 - real / max(positions, 1.0)}

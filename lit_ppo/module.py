@@ -40,24 +40,27 @@ from lit_ppo.distributed import (
     gradient_sync,
     shard_models,
 )
-from lit_ppo.errors import ConfigError, StepAccountingError
+from lit_ppo.errors import ConfigError
 from lit_ppo.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
     MicroBatch,
+    advantages_and_returns,
     check_rollout_logprobs,
     dump_experience,
-    micro_batch_groups,
-    pack,
+    kl_per_sequence,
+    old_logprobs_from_training,
+    packed_micro_batches,
     padded_tokens,
+    rank_micro_batch_groups,
     rollout_correction,
     rollout_logp_tensor,
-    )
+)
 from lit_ppo.logits import logprobs_and_entropy
-from lit_ppo.metrics import MeanOver, rollout_step_row
+from lit_ppo.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
 from lit_ppo.models import load_models
 from lit_ppo.optim import GuardedStep, adamw_with_schedule
-from lit_ppo.plan import StepPlan
+from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
 from lit_ppo.report import write_metrics_csv
 
 
@@ -135,25 +138,13 @@ class PPOModule(L.LightningModule):
         return logprobs_and_entropy(self._logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
 
     def _micro_batch_groups(self, batch, indices: list[int]) -> list[list[int]]:
-        """The micro-batches of `indices` (`experience.micro_batch_groups`): micro_train_batch_size samples each, or
-        by token budget (ppo.micro_train_max_tokens). Under data parallelism with a token budget every rank runs
-        as many micro-batches as the rank that needs the most (FSDP gathers weights in each forward)."""
-        lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
-        split = dict(max_samples=self.ppo.micro_train_batch_size, max_tokens=self.ppo.micro_train_max_tokens)
-        groups = micro_batch_groups(*lengths, indices, **split)
-        if self.ppo.micro_train_max_tokens is not None and self.plan.data_parallel_size > 1:
-            count = int(global_max(torch.tensor(float(len(groups)), device=self.device)))
-            groups = micro_batch_groups(*lengths, indices, **split, min_count=count)
-        return groups
+        return rank_micro_batch_groups(batch, indices, max_samples=self.ppo.micro_train_batch_size,
+                                       max_tokens=self.ppo.micro_train_max_tokens,
+                                       data_parallel_size=self.plan.data_parallel_size, device=self.device)
 
     def _micro_batches(self, batch, indices: list[int], groups: list[list[int]] | None = None):
-        for idx in groups if groups is not None else self._micro_batch_groups(batch, indices):
-            masks = getattr(batch, "policy_masks", None)
-            expected = getattr(batch, "episode_ids", None)
-            yield idx, pack([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                            self.pad_token_id, self.device,
-                            policy_masks=None if masks is None else [masks[i] for i in idx],
-                            expected_ids=None if expected is None else [expected[i] for i in idx])
+        groups = groups if groups is not None else self._micro_batch_groups(batch, indices)
+        return packed_micro_batches(batch, groups, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------ experience
 
@@ -194,16 +185,8 @@ class PPOModule(L.LightningModule):
                 diff_mean, diff_max = check_rollout_logprobs(batch.rollout_step, old_logp, rollout_logp, mask,
                                                              self.max_logprob_abs_diff)
         rewards = batch.rewards.to(self.device)
-        # With the old log-probs of the training forwards, the KL (a metric then: auto keeps the experience forward
-        # when the KL is in the reward) is computed after the update (`_old_logprobs_from_training`).
-        kl = (algo.KL_ESTIMATORS[self.ppo.kl_estimator](old_logp - ref_logp) * mask
-              if ref_logp is not None and old_logp is not None else None)
-        kl_penalty = self.kl_coef * kl if (kl is not None and self.ppo.kl_mode == "reward") else None
-        estimator = algo.ADVANTAGE_ESTIMATORS[self.ppo.advantage_estimator]
-        advantages, returns = estimator(
-            rewards, mask, values=values, kl_penalty=kl_penalty, gamma=self.ppo.gamma, lam=self.ppo.lam,
-            group_size=self.plan.n_samples_per_prompt, global_sum=global_sum, normalize=self.ppo.normalize_advantages,
-        )
+        kl, advantages, returns = advantages_and_returns(rewards, mask, values, old_logp, ref_logp, self.ppo,
+                                                         kl_coef=self.kl_coef, group_size=self.plan.n_samples_per_prompt)
         exp = Experience(mask=mask, old_logp=old_logp, advantages=advantages, returns=returns, rewards=rewards,
                          ref_logp=ref_logp, kl=kl, values=values, rollout_logp=rollout_logp,
                          logprob_abs_diff_mean=diff_mean, logprob_abs_diff_max=diff_max)
@@ -216,13 +199,7 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ PPO updates
 
     def minibatch_schedule(self, num_samples: int) -> list[list[list[int]]]:
-        """Per PPO epoch, this rank's mini-batches of sample indices; reshuffled every epoch."""
-        size = self.plan.train_batch_size // self.plan.data_parallel_size
-        schedule = []
-        for _ in range(self.plan.ppo_epochs):
-            order = torch.randperm(num_samples, generator=self.shuffle_generator).tolist()
-            schedule.append([order[start:start + size] for start in range(0, num_samples, size)])
-        return schedule
+        return minibatch_schedule(self.plan, num_samples, self.shuffle_generator)
 
     def train_on_experience(self, batch, exp: Experience) -> dict[str, float]:
         """`ppo_epochs` passes over the batch, one optimizer step per mini-batch; returns the updates' mean metrics."""
@@ -274,18 +251,12 @@ class PPOModule(L.LightningModule):
                 per_update.count()
         self.last_sample_use_counts = use_counts
         if captured is not None:
-            self._old_logprobs_from_training(batch, exp, captured, captured_rows)
-        if "critic/value_loss" in per_update.sums and world > 1:  # each rank's share is over the global token count
-            per_update.sums["critic/value_loss"] = float(global_sum(torch.tensor(per_update.sums["critic/value_loss"], dtype=torch.float64, device=self.device)))
-        actor = per_micro_batch.means()
-        if world > 1:  # every rank ran as many micro-batches: the mean of the ranks' means
-            means = global_sum(torch.tensor(list(actor.values()), dtype=torch.float64, device=self.device)) / world
-            actor = dict(zip(actor, means.tolist()))
-        positions, real_tokens = global_sum(torch.tensor([float(positions), float(real_tokens)], dtype=torch.float64,
-                                                         device=self.device)).tolist()
-        metrics = {**actor, **per_update.means(), "actor/lr": schedulers[0].get_last_lr()[0],
-                   # share of the training forwards' positions that are padding (prompt and response columns)
-                   "perf/padding_fraction": 1 - real_tokens / max(positions, 1.0)}
+            old_logprobs_from_training(exp, captured, captured_rows, rollout_logprobs=batch.rollout_logprobs,
+                                       rollout_step=batch.rollout_step, kl_estimator=self.ppo.kl_estimator,
+                                       max_logprob_abs_diff=self.max_logprob_abs_diff)
+        metrics = update_metrics(per_micro_batch, per_update, positions, real_tokens, world_size=world, device=self.device,
+                                 global_sum=global_sum)
+        metrics["actor/lr"] = schedulers[0].get_last_lr()[0]
         if self.critic is not None:
             metrics["critic/lr"] = schedulers[1].get_last_lr()[0]
         return metrics
@@ -300,46 +271,17 @@ class PPOModule(L.LightningModule):
         # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
         # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).
         old_logp = e.old_logp if e.old_logp is not None else logp.detach()
-        pg_tok, clipped = algo.POLICY_LOSSES[self.ppo.policy_loss](
-            logp, old_logp, e.advantages, mask, clip_ratio_low=self.ppo.clip_ratio_low,
-            clip_ratio_high=self.ppo.clip_ratio_high, dual_clip=self.ppo.dual_clip)
-        # Rollout-mismatch correction: weight each token's policy loss; the tokens MIS drops leave the loss (they
-        # get weight 0 and are out of `loss_mask`, whose global count `num_tokens` is).
-        pg_tok = pg_tok * e.rc_weights
-        loss_tok = pg_tok
-        if self.ppo.entropy_coef:
-            loss_tok = loss_tok - self.ppo.entropy_coef * entropy
-        if e.ref_logp is not None and self.ppo.kl_mode == "loss":
-            kl = algo.KL_ESTIMATORS[self.ppo.kl_estimator](logp - e.ref_logp)
-            loss_tok = loss_tok + self.kl_coef * kl
+        p = self.ppo
+        loss_tok, pg_tok, clipped = algo.actor_token_loss(
+            logp, old_logp, e.advantages, mask, entropy, policy_loss=p.policy_loss, clip_ratio_low=p.clip_ratio_low,
+            clip_ratio_high=p.clip_ratio_high, dual_clip=p.dual_clip, rc_weights=e.rc_weights,
+            entropy_coef=p.entropy_coef, ref_logp=e.ref_logp if p.kl_mode == "loss" else None,
+            kl_estimator=p.kl_estimator, kl_coef=self.kl_coef)
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_length)
         # Scaled by the world size because DDP averages gradients over ranks.
         loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
         self.manual_backward(loss)
-        with torch.no_grad():
-            log_ratio = (logp - old_logp) * mask
-            denominator = mask.sum().clamp(min=1)
-            return {
-                "actor/policy_loss": float((pg_tok * mask).sum() / denominator),
-                "actor/clip_fraction": float((clipped * mask).sum() / denominator),
-                "actor/approx_kl": float((0.5 * log_ratio**2).sum() / denominator),
-                "actor/entropy": float((entropy.detach() * mask).sum() / denominator),
-            }, logp.detach()
-
-    def _old_logprobs_from_training(self, batch, exp: Experience, captured: Tensor, captured_rows: Tensor) -> None:
-        """Without an experience forward: the log-probs the training forwards took before the first optimizer step
-        become the experience's old log-probs (on-policy: every sample's) and its KL to the reference, and are checked
-        against vLLM's (`check_rollout_logprobs`, on the samples captured; after the update, which a failed weight
-        sync has then spoilt, but the run stops as with the forward)."""
-        rows = captured_rows[:, None]
-        if exp.old_logp is None:
-            exp.old_logp = captured
-            if exp.ref_logp is not None:
-                exp.kl = algo.KL_ESTIMATORS[self.ppo.kl_estimator](captured - exp.ref_logp) * exp.mask
-        if batch.rollout_logprobs is not None:
-            rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, exp.mask)
-            exp.logprob_abs_diff_mean, exp.logprob_abs_diff_max = check_rollout_logprobs(
-                batch.rollout_step, captured, rollout_logp, exp.mask * rows, self.max_logprob_abs_diff)
+        return actor_micro_batch_metrics(pg_tok, clipped, logp, old_logp, entropy, mask), logp.detach()
 
     def _critic_backward(self, mb: MicroBatch, e: Experience, num_tokens, world: int) -> float:
         values = self._values(mb)
@@ -368,7 +310,8 @@ class PPOModule(L.LightningModule):
         # 3. The PPO updates, and 4. the check that they took the optimizer steps the plan says.
         actor_before, critic_before = self.actor_optimizer_steps, self.critic_optimizer_steps
         train_metrics = self.train_on_experience(batch, exp)
-        self.check_step_accounting(self.actor_optimizer_steps - actor_before, self.critic_optimizer_steps - critic_before)
+        check_step_accounting(self.plan, self.rollout_step, self.actor_optimizer_steps - actor_before,
+                              self.critic_optimizer_steps - critic_before)
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
         # 5. The new weights into vLLM, for the next rollout batch.
         self.sync_weights(engine)
@@ -383,16 +326,6 @@ class PPOModule(L.LightningModule):
         }
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
-    def check_step_accounting(self, actor_steps: int, critic_steps: int) -> None:
-        expected = self.plan.optimizer_steps_per_rollout_step
-        expected_critic = expected if self.critic is not None else 0
-        if actor_steps != expected or critic_steps != expected_critic:
-            raise StepAccountingError(
-                f"rollout step {self.rollout_step}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
-                f"but the plan says {expected} each (ppo_epochs={self.plan.ppo_epochs} x {self.plan.mini_batches_per_ppo_epoch} "
-                "mini-batches); the update loop is not doing what the configuration says"
-            )
-
     @torch.no_grad()
     def sync_weights(self, engine) -> None:
         engine.wake_up()
@@ -401,8 +334,7 @@ class PPOModule(L.LightningModule):
     def _update_kl_coef(self, exp: Experience) -> None:
         if self.ppo.adaptive_kl_target is None or exp.kl is None:
             return
-        mask = exp.mask
-        observed = float(global_sum((exp.kl * mask).sum()) / global_sum(torch.tensor(float(mask.shape[0]), dtype=mask.dtype, device=mask.device)))
+        observed = kl_per_sequence(exp)
         self.kl_coef = algo.adaptive_kl_coef(self.kl_coef, observed, self.ppo.adaptive_kl_target,
                                              self.plan.samples_per_rollout_step, self.ppo.adaptive_kl_horizon)
 

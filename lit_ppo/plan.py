@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.precision import describe as describe_precision
 
 if TYPE_CHECKING:  # the config dataclasses (lit_ppo.config) import this module for make_plan
@@ -328,3 +328,29 @@ def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[
     else:
         why = f"ppo.rollout_correction.mode={ppo.rollout_correction.mode} needs them before the update"
     return "experience forward", f"old log-probs: the update is on-policy, but the actor's experience forward runs because {why}"
+
+
+def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, critic_steps: int) -> None:
+    """The runtime proof of the plan: after each rollout step's updates, the actor and the critic took exactly the
+    optimizer steps the plan states (the critic none without one)."""
+    expected = plan.optimizer_steps_per_rollout_step
+    expected_critic = expected if plan.critic_enabled else 0
+    if actor_steps != expected or critic_steps != expected_critic:
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
+            f"but the plan says {expected} each (ppo_epochs={plan.ppo_epochs} x {plan.mini_batches_per_ppo_epoch} "
+            "mini-batches); the update loop is not doing what the configuration says"
+        )
+
+
+def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list[list[int]]]:
+    """Per PPO epoch, this rank's mini-batches of sample indices (train_batch_size / ranks each), reshuffled every
+    epoch by `generator` (seeded by ppo.shuffle_seed, checkpointed)."""
+    import torch  # the plan itself needs no torch (mode=plan)
+
+    size = plan.train_batch_size // plan.data_parallel_size
+    schedule = []
+    for _ in range(plan.ppo_epochs):
+        order = torch.randperm(num_samples, generator=generator).tolist()
+        schedule.append([order[start:start + size] for start in range(0, num_samples, size)])
+    return schedule

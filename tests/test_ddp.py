@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ppo.module import DUMP_ADVANTAGES_ENV
+from lit_ppo.experience import DUMP_ADVANTAGES_ENV
 from tests.helpers import ROOT, read_csv
 
 RUN_TIMEOUT_S = 420

@@ -150,7 +150,7 @@ def run_rank(rank: int, world: int) -> dict:
     """This rank's advantages and mini-batch gradients, padded to the whole batch's width."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lit_ppo.module import global_sum
+    from lit_ppo.distributed import global_sum
 
     batch = make_batch()
     n_local = len(LENGTHS) // world

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_ppo.module import StepAccountingError
+from lit_ppo.errors import StepAccountingError
 from tests.helpers import build_run
 
 
@@ -57,7 +57,7 @@ def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmeti
 
 def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmetic_files, tmp_path):
     """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
-    from lit_ppo.module import pack
+    from lit_ppo.experience import pack
 
     # A reward that varies between samples, so the random policy gets a learning signal.
     trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3,
