@@ -96,6 +96,9 @@ class ScriptedEngine:
     def __init__(self, turns: list[list[int]]):
         self.turns, self.calls = turns, []
 
+    def wake_up(self) -> None:
+        pass
+
     def generate(self, contexts, *, n, temperature, top_p, max_tokens, seeds, stop_token_ids=(), stop=()):
         assert n == 1
         turn = len(self.calls)
@@ -333,3 +336,42 @@ def test_warm_start_demonstrations_use_the_environment_format():
         assert [trained for _, trained in segments][1:] == [True, False, True]
         kinds["decide" if segments[0][1] else "practice"] += 1
     assert 70 < kinds["decide"] < 130 and 70 < kinds["practice"] < 130 and 170 < kinds["guess"] < 230
+
+
+def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_files):
+    """rollout.episode_reward=reward: the reward function scores the episode's whole response text (turns and
+    observations), as TRL-style tool setups do; =environment: the sum of the environment's step rewards."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.datamodule import RolloutDataModule
+    from lit_ppo.plan import compute_plan
+    from lit_ppo.prompts import load_prompts
+    from lit_ppo.rewards import RewardScorer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seen = []
+
+    def transcript_length(prompts, responses, references, extras):
+        seen.extend(responses)
+        return [float(len(r)) for r in responses]
+
+    prompts = load_prompts(arithmetic_files[0], tok)
+    ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4)
+    for source in ("reward", "environment"):
+        rollout = RolloutConfig(max_response_length=8, max_turns=2, episode_reward=source,
+                                environment={"_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[",
+                                             "call_end": "]", "result_format": "={}\n"})
+        plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
+                            max_episode_tokens=rollout.episode_tokens())
+        engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
+        dm = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
+                               scorer=RewardScorer(fn=transcript_length), tokenizer=tok, model_dir=tiny_model_dir, seed=0,
+                               engine=engine)
+        batch = dm.produce_rollout(0)
+        assert batch.responses == ["[2+3]=5\n5"] * 4
+        if source == "reward":
+            assert seen == batch.responses and batch.rewards.tolist() == [9.0] * 4
+        else:  # the calculator: 5 is wrong for every one of these prompts unless its reference is 5
+            assert batch.rewards.tolist() == [float(r == "5") for r in batch.references]
+        assert batch.episode_stats["tool_calls"] == 4 and batch.episode_stats["turns"] == 8
