@@ -87,6 +87,9 @@ class VLLMEngine:
                 # Log-probs of the distribution sampled from (after temperature, top-p), not of the raw logits:
                 # the trainer compares them with its own to catch a weight sync or a precision that went wrong.
                 logprobs_mode="processed_logprobs",
+                # Multi-turn episodes send each turn's prompt as the previous turn's prompt + output + observation:
+                # the prefix cache computes only the new tokens (vLLM V1's default, stated here because they rely on it).
+                enable_prefix_caching=True,
                 **kwargs,
             )
         self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
