@@ -93,15 +93,15 @@ class ScriptedEngine:
     """Stands in for VLLMEngine: turn t of every episode is `turns[t]` (cut to the turn's token budget); records
     what it was given."""
 
-    def __init__(self, turns: list[list[int]]):
-        self.turns, self.calls = turns, []
+    def __init__(self, turns: list[list[int]], cycle: bool = False):
+        self.turns, self.calls, self.cycle = turns, [], cycle  # cycle: turn t of call t % len(turns) (several rounds)
 
     def wake_up(self) -> None:
         pass
 
     def generate(self, contexts, *, n, temperature, top_p, max_tokens, seeds, stop_token_ids=(), stop=()):
         assert n == 1
-        turn = len(self.calls)
+        turn = len(self.calls) % len(self.turns) if self.cycle else len(self.calls)
         self.calls.append({"contexts": [list(c) for c in contexts], "max_tokens": list(max_tokens), "seeds": seeds})
         outputs = []
         for i, _ in enumerate(contexts):
@@ -375,3 +375,33 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
         else:  # the calculator: 5 is wrong for every one of these prompts unless its reference is 5
             assert batch.rewards.tolist() == [float(r == "5") for r in batch.references]
         assert batch.episode_stats["tool_calls"] == 4 and batch.episode_stats["turns"] == 8
+
+
+def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
+    """Dynamic sampling moves episodes between rounds like responses: groups of equal rewards are dropped and,
+    on a shortfall, filled back; the batch keeps the episodes' policy masks and ids."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.datamodule import RolloutDataModule
+    from lit_ppo.plan import compute_plan
+    from lit_ppo.prompts import load_prompts
+    from lit_ppo.rewards import RewardScorer, integer_match
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(arithmetic_files[0], tok)
+    ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4,
+                    advantage_estimator="grpo", kl_mode="loss",
+                    dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=2))
+    rollout = RolloutConfig(max_response_length=8, max_turns=2, environment={
+        "_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[", "call_end": "]", "result_format": "={}\n"})
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
+                        max_episode_tokens=rollout.episode_tokens())
+    engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
+    dm = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
+                           scorer=RewardScorer(fn=integer_match), tokenizer=tok, model_dir=tiny_model_dir, seed=0, engine=engine)
+    batch = dm.produce_rollout(0)
+    assert batch.generation_rounds == 2 and batch.filled_groups == 2 - batch.rewards.view(2, 2).std(-1).gt(0).sum()
+    assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)
+    assert batch.episode_ids == [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    assert len(engine.calls) == 4  # 2 turns x 2 generation rounds
