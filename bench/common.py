@@ -143,18 +143,18 @@ def grpo_preset(**overrides) -> PPOConfig:
     return parse_section(PPOConfig, values, "ppo")
 
 
-def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_length: int,
+def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_tokens: int,
               total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
               datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False):
     """A real run without Hydra, built by the product's `lit_ppo.build.build_run`, without evaluation (no held-out prompts)."""
     from transformers import AutoTokenizer
 
     model_dir = str(model_dir)
-    rollout = RolloutConfig(max_response_length=max_response_length, max_model_len=engine_max_model_len(max_response_length))
+    rollout = RolloutConfig(max_response_tokens=max_response_tokens, max_model_len=engine_max_model_len(max_response_tokens))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
-                        max_response_length)
+                        max_response_tokens)
     trainer, module, datamodule = build_product_run(
         plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
         eval_prompts=None, scorer=RewardScorer(fn=integer_match), output_dir=out_dir, seed=seed, engine=engine,
@@ -162,9 +162,9 @@ def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *,
     return trainer, module, datamodule, plan
 
 
-def engine_max_model_len(max_response_length: int, max_prompt_tokens: int = 16) -> int:
+def engine_max_model_len(max_response_tokens: int, max_prompt_tokens: int = 16) -> int:
     """Room for an arithmetic prompt (at most 6 tokens) plus the response."""
-    return max_prompt_tokens + max_response_length
+    return max_prompt_tokens + max_response_tokens
 
 
 class RolloutClock(L.Callback):

@@ -81,7 +81,7 @@ def measure(args) -> dict:
                     micro_train_batch_size=args.micro_batch, kl_coef=0.01)
     peak = PeakOfStep()
     before_kib = status_kib("VmRSS")
-    trainer, module, datamodule, plan = build_run(model_dir, prompt_file, ppo, max_response_length=args.response_length,
+    trainer, module, datamodule, plan = build_run(model_dir, prompt_file, ppo, max_response_tokens=args.response_length,
                                                   total_rollout_steps=1, engine=NullEngine(), out_dir=CACHE / "memory_estimate",
                                                   callbacks=[peak], datamodule_class=FixedBatchDataModule,
                                                   gradient_checkpointing=args.checkpointing)

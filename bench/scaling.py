@@ -38,7 +38,7 @@ def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, resp
                       ppo_epochs=1, shuffle_seed=args.seed)
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
-        model_dir, prompt_file, ppo, max_response_length=response_length, total_rollout_steps=args.steps,
+        model_dir, prompt_file, ppo, max_response_tokens=response_length, total_rollout_steps=args.steps,
         engine=engine, out_dir=CACHE / "scaling-run", seed=args.seed, callbacks=[clock])
     trainer.fit(module, datamodule=datamodule)
     rows = module.history[1:]

@@ -79,7 +79,7 @@ def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: ra
 def run_litppo(args, model_dir, prompt_file, batch: RolloutBatch) -> dict:
     ppo = grpo_preset(**ppo_settings(args))
     trainer, module, datamodule, plan = build_run(
-        model_dir, prompt_file, ppo, max_response_length=args.response_length, total_rollout_steps=args.steps,
+        model_dir, prompt_file, ppo, max_response_tokens=args.response_length, total_rollout_steps=args.steps,
         engine=NullEngine(), out_dir=CACHE / "train_phase-run", seed=args.seed, datamodule_class=FixedBatchDataModule)
     datamodule.fixed_batch = batch
     trainer.fit(module, datamodule=datamodule)

@@ -100,7 +100,7 @@ def run_litppo(args, model_dir: Path, prompt_file: Path) -> dict:
     engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
-        model_dir, prompt_file, ppo, max_response_length=args.response_length, total_rollout_steps=args.steps,
+        model_dir, prompt_file, ppo, max_response_tokens=args.response_length, total_rollout_steps=args.steps,
         engine=engine, out_dir=CACHE / "vs_trl-run", seed=args.seed, callbacks=[clock])
     trainer.fit(module, datamodule=datamodule)
     rows = module.history

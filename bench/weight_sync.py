@@ -60,7 +60,7 @@ def main() -> None:
     rows, syncs = [], []
     for rep in range(args.repeats):
         trainer, module, datamodule, plan = build_run(
-            model_dir, prompt_file, ppo, max_response_length=args.response_length, total_rollout_steps=args.steps,
+            model_dir, prompt_file, ppo, max_response_tokens=args.response_length, total_rollout_steps=args.steps,
             engine=engine, out_dir=CACHE / "weight_sync-run", seed=args.seed)
         trainer.fit(module, datamodule=datamodule)
         rows += module.history[1:]

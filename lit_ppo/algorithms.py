@@ -332,11 +332,11 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
 
 # ---------------------------------------------------------------- reward shaping
 
-def overlong_penalty(lengths: Tensor, *, max_response_length: int, buffer_tokens: int, penalty_factor: float) -> Tensor:
-    """DAPO's soft overlong punishment per response [B] (added to its reward): 0 up to max_response_length -
-    buffer_tokens tokens, then falling linearly to -penalty_factor at max_response_length, and -penalty_factor
+def overlong_penalty(lengths: Tensor, *, max_response_tokens: int, buffer_tokens: int, penalty_factor: float) -> Tensor:
+    """DAPO's soft overlong punishment per response [B] (added to its reward): 0 up to max_response_tokens -
+    buffer_tokens tokens, then falling linearly to -penalty_factor at max_response_tokens, and -penalty_factor
     beyond it. A long response is penalized before it is cut off, by how far into the buffer it ran."""
-    expected = max_response_length - buffer_tokens
+    expected = max_response_tokens - buffer_tokens
     over = (lengths.to(torch.float64) - expected).clamp(min=0)
     return (-over / buffer_tokens * penalty_factor).clamp(min=-penalty_factor)
 

@@ -60,7 +60,7 @@ def build_run(*, plan: StepPlan, ppo: PPOConfig, rollout: RolloutConfig, model_d
     datamodule = datamodule_class(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                                   scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=seed, engine=engine,
                                   chat_template=chat_template)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=plan.max_response_tokens,
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_tokens=plan.max_response_tokens,
                        pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=gradient_checkpointing,
                        eval_every=eval_every, metrics_path=metrics_path,
                        max_consecutive_skipped_updates=max_consecutive_skipped_updates,

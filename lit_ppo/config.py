@@ -154,7 +154,7 @@ class RunLengthConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    max_response_length: int = 8
+    max_response_tokens: int = 8
     """Tokens generated per response at most."""
     temperature: float = 1.0
     """vLLM's sampling temperature; the trainer's log-probs (old, reference, new, entropy) use logits / temperature."""
@@ -187,10 +187,10 @@ class RolloutConfig:
     """Multi-turn episodes: the environment (`_target_`: a class by dotted path, and its arguments), one built per
     episode (lit_ppo/environments.py, docs/environments.md); null: single-turn responses."""
     max_turns: int = 1
-    """With an environment: policy turns per episode at most (a turn is up to max_response_length tokens)."""
+    """With an environment: policy turns per episode at most (a turn is up to max_response_tokens tokens)."""
     max_episode_tokens: int | None = None
     """With an environment: tokens per episode response (turns and observations) at most; null: max_turns x
-    max_response_length."""
+    max_response_tokens."""
     environment_timeout_s: float | None = 60.0
     """With an environment: seconds one reset/step call may take; longer is a failure handled by reward.on_error."""
     observation_role: str = "tool"
@@ -204,7 +204,7 @@ class RolloutConfig:
         """The token budget of one episode's response (turns and observations); 0 without an environment."""
         if self.environment is None:
             return 0
-        return self.max_episode_tokens or self.max_turns * self.max_response_length
+        return self.max_episode_tokens or self.max_turns * self.max_response_tokens
 
 
 def parse_section(cls: type, values: Mapping[str, Any], section: str):
@@ -349,7 +349,7 @@ def make_plan(cfg: DictConfig, dataset_prompts: int) -> StepPlan:
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     validate_rollout(rollout)
     precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
-    return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_length),
+    return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_tokens),
                         precision=precision, rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
                         top_p=float(cfg.rollout.top_p), max_turns=rollout.max_turns if rollout.environment else 1,
                         max_episode_tokens=rollout.episode_tokens())

@@ -129,7 +129,7 @@ class RolloutDataModule(L.LightningDataModule):
                                            if i not in self.stop_token_ids]
             self.episode_settings = EpisodeSettings(
                 max_turns=rollout.max_turns, max_episode_tokens=rollout.episode_tokens(),
-                max_turn_tokens=rollout.max_response_length, timeout_s=rollout.environment_timeout_s,
+                max_turn_tokens=rollout.max_response_tokens, timeout_s=rollout.environment_timeout_s,
                 on_error=scorer.on_error, stop_token_ids=stops, stop=list(rollout.stop))
             self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.observation_role)
 
@@ -220,7 +220,7 @@ class RolloutDataModule(L.LightningDataModule):
         else:
             generations = engine.generate(
                 [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
-                max_tokens=self.rollout.max_response_length, seeds=sampling_seeds(self.seed, purpose, positions, n),
+                max_tokens=self.rollout.max_response_tokens, seeds=sampling_seeds(self.seed, purpose, positions, n),
                 **self.stop_kwargs(),
             )
         generate_seconds = time.perf_counter() - started
@@ -393,7 +393,7 @@ class RolloutDataModule(L.LightningDataModule):
                                            where="evaluation")
                 greedy_rewards, _ = self.rewards_of(prompts, greedy)
             else:
-                greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_length,
+                greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_tokens,
                                          seeds=None, **self.stop_kwargs())
                 greedy_rewards = self.score(prompts, greedy)
             if k > 1:
@@ -406,7 +406,7 @@ class RolloutDataModule(L.LightningDataModule):
                                      else [r >= self.scorer.solved_threshold for r in rewards])
                 else:
                     sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
-                                              max_tokens=self.rollout.max_response_length,
+                                              max_tokens=self.rollout.max_response_tokens,
                                               seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
                     sample_solved = self.scorer.solved(self.score(prompts, sampled))
                 solved = [any(sample_solved[i * k:(i + 1) * k]) for i in range(len(prompts))]

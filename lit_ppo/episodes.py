@@ -52,7 +52,7 @@ class Episode(Generation):
 class EpisodeSettings:
     max_turns: int
     max_episode_tokens: int
-    max_turn_tokens: int  # rollout.max_response_length
+    max_turn_tokens: int  # rollout.max_response_tokens
     timeout_s: float | None  # rollout.environment_timeout_s
     on_error: str  # reward.on_error: raise | zero
     stop_token_ids: list[int]

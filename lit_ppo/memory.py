@@ -104,7 +104,7 @@ class MemoryInputs:
     data_parallel_size: int
     micro_batch_size: int  # sequences per forward/backward
     prompt_tokens: int  # data.max_prompt_length
-    response_tokens: int  # rollout.max_response_length
+    response_tokens: int  # rollout.max_response_tokens
     gradient_checkpointing: bool
     critic: bool
     reference: bool

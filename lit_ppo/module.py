@@ -65,14 +65,14 @@ from lit_ppo.report import write_metrics_csv
 
 
 class PPOModule(L.LightningModule):
-    def __init__(self, *, model_dir: str, ppo: PPOConfig, plan: StepPlan, max_response_length: int, pad_token_id: int,
+    def __init__(self, *, model_dir: str, ppo: PPOConfig, plan: StepPlan, max_response_tokens: int, pad_token_id: int,
                  gradient_checkpointing: bool = False, eval_every: int = 0, max_consecutive_skipped_updates: int = 3,
                  metrics_path: str | None = None, temperature: float = 1.0, max_logprob_abs_diff: float | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.ppo = ppo
         self.plan = plan
-        self.max_response_length = max_response_length
+        self.max_response_tokens = max_response_tokens
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
         self.metrics_path = metrics_path
@@ -277,7 +277,7 @@ class PPOModule(L.LightningModule):
             clip_ratio_high=p.clip_ratio_high, dual_clip=p.dual_clip, rc_weights=e.rc_weights,
             entropy_coef=p.entropy_coef, ref_logp=e.ref_logp if p.kl_mode == "loss" else None,
             kl_estimator=p.kl_estimator, kl_coef=self.kl_coef)
-        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_length)
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_tokens)
         # Scaled by the world size because DDP averages gradients over ranks.
         loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
         self.manual_backward(loss)

@@ -375,7 +375,7 @@ class RewardScorer:
     # DAPO's soft overlong shaping (`algorithms.overlong_penalty`): off while overlong_buffer_tokens is 0
     overlong_buffer_tokens: int = 0
     overlong_penalty_factor: float = 1.0
-    max_response_length: int = 0  # rollout.max_response_length, the end of the buffer
+    max_response_tokens: int = 0  # rollout.max_response_tokens, the end of the buffer
     signature: str = "auto"  # auto | lit_ppo | trl | verl | openrlhf (see RewardCall)
     reference_key: str | None = "answer"  # the reference's column name, for TRL-style functions
     workers: int = 0  # 0: call the function in this process; N: in N worker processes, one sample each
@@ -389,10 +389,10 @@ class RewardScorer:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"reward.on_error={self.on_error!r}; fix: use one of {list(ON_ERROR)}")
-        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.max_response_length:
+        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.max_response_tokens:
             raise ConfigError(
-                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, rollout.max_response_length="
-                f"{self.max_response_length}); fix: e.g. a quarter of max_response_length, or 0 to turn the shaping off"
+                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, rollout.max_response_tokens="
+                f"{self.max_response_tokens}); fix: e.g. a quarter of max_response_tokens, or 0 to turn the shaping off"
             )
         if self.signature not in SIGNATURES:
             raise ConfigError(f"reward.signature={self.signature!r}; fix: use one of {', '.join(SIGNATURES)}")
@@ -406,7 +406,7 @@ class RewardScorer:
         self.pool = RewardWorkers(self.call, int(self.workers), self.timeout_s) if self.workers else None
 
     @classmethod
-    def from_config(cls, reward, max_response_length: int = 0, answer_key: str | None = "answer") -> RewardScorer:
+    def from_config(cls, reward, max_response_tokens: int = 0, answer_key: str | None = "answer") -> RewardScorer:
         """The scorer of a `reward` config group (conf/reward/*.yaml); `answer_key` is `data.answer_key`."""
         import hydra
 
@@ -421,7 +421,7 @@ class RewardScorer:
         return cls(fn=fn, on_error=reward.on_error, overlong_penalty=reward.overlong_penalty,
                    overlong_buffer_tokens=int(reward.get("overlong_buffer_tokens", 0)),
                    overlong_penalty_factor=float(reward.get("overlong_penalty_factor", 1.0)),
-                   max_response_length=max_response_length, solved_threshold=float(reward.get("solved_threshold", 1.0)),
+                   max_response_tokens=max_response_tokens, solved_threshold=float(reward.get("solved_threshold", 1.0)),
                    signature=reward.get("signature", "auto"), reference_key=answer_key,
                    workers=int(reward.get("workers", 0)), timeout_s=reward.get("timeout_s", 60.0))
 
@@ -455,7 +455,7 @@ class RewardScorer:
         if self.overlong_buffer_tokens:
             if lengths is None:
                 raise ValueError("RewardScorer: reward.overlong_buffer_tokens is set but no response lengths were given")
-            shaping = overlong_penalty(torch.tensor(lengths), max_response_length=self.max_response_length,
+            shaping = overlong_penalty(torch.tensor(lengths), max_response_tokens=self.max_response_tokens,
                                        buffer_tokens=self.overlong_buffer_tokens, penalty_factor=self.overlong_penalty_factor)
             scores = [s + float(p) for s, p in zip(scores, shaping)]
         errors, timeouts = self.errors - errors_before, self.timeouts - timeouts_before

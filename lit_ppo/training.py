@@ -198,7 +198,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         write_plan(plan, output_dir, train_prompts.describe(), cfg)
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    scorer = RewardScorer.from_config(cfg.reward, max_response_length=int(cfg.rollout.max_response_length),
+    scorer = RewardScorer.from_config(cfg.reward, max_response_tokens=int(cfg.rollout.max_response_tokens),
                                       answer_key=cfg.data.get("answer_key"))
     checkpoints = RolloutCheckpoint(output_dir / "checkpoints", every=cfg.trainer.checkpoint_every,
                                     keep=cfg.trainer.keep_checkpoints)

@@ -838,9 +838,9 @@ def test_rollout_correction_none_and_errors():
 def test_overlong_penalty_by_hand():
     # L_max = 20, buffer 4: free up to 16 tokens, then (16 - L)/4 * factor, -factor at 20 and beyond.
     lengths = torch.tensor([10, 16, 17, 18, 20, 25])
-    close(alg.overlong_penalty(lengths, max_response_length=20, buffer_tokens=4, penalty_factor=1.0),
+    close(alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=1.0),
           [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
-    close(alg.overlong_penalty(lengths, max_response_length=20, buffer_tokens=4, penalty_factor=0.5),
+    close(alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=0.5),
           [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
 
 

@@ -72,7 +72,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     # Reward 1 for the response "1": each prompt's second pass@2 sample solves it, no greedy response does.
     scorer = RewardScorer(fn=lambda prompts, responses, references, extras: [float(r == "1") for r in responses])
     datamodule = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=prompts,
-                                   rollout=RolloutConfig(max_response_length=4, eval_samples_per_prompt=2), scorer=scorer,
+                                   rollout=RolloutConfig(max_response_tokens=4, eval_samples_per_prompt=2), scorer=scorer,
                                    tokenizer=tokenizer, model_dir=model_dir, seed=0, rank=rank, world_size=world,
                                    engine=ScriptedEngine())
     calls = strict_collectives(torch.device("cpu"))

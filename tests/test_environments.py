@@ -258,7 +258,7 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     ppo = PPOConfig(rollout_batch_size=1, n_samples_per_prompt=1, train_batch_size=1, micro_train_batch_size=1,
                     advantage_estimator="reinforce_pp", kl_coef=0.0)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 1, 1, 8, max_turns=2, max_episode_tokens=8)
-    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, max_response_length=8, pad_token_id=0)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, max_response_tokens=8, pad_token_id=0)
     module.manual_backward = lambda loss: loss.backward()
     prompt, response = [20, 21, 22], [30, 31, 40, 41, 42, 32, 33]
     policy_mask = [1, 1, 0, 0, 0, 1, 1]  # turn, observation, turn
@@ -359,7 +359,7 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     prompts = load_prompts(arithmetic_files[0], tok)
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4)
     for source in ("reward", "environment"):
-        rollout = RolloutConfig(max_response_length=8, max_turns=2, episode_reward=source,
+        rollout = RolloutConfig(max_response_tokens=8, max_turns=2, episode_reward=source,
                                 environment={"_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[",
                                              "call_end": "]", "result_format": "={}\n"})
         plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
@@ -393,7 +393,7 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4,
                     advantage_estimator="grpo", kl_mode="loss",
                     dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=2))
-    rollout = RolloutConfig(max_response_length=8, max_turns=2, environment={
+    rollout = RolloutConfig(max_response_tokens=8, max_turns=2, environment={
         "_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[", "call_end": "]", "result_format": "={}\n"})
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
                         max_episode_tokens=rollout.episode_tokens())

@@ -20,7 +20,7 @@ from tests.test_ddp import STRATEGIES
 SETTINGS = ["ppo=ppo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4", "ppo.train_batch_size=32",
             "ppo.micro_train_batch_size=4", "ppo.ppo_epochs=1", "trainer.total_rollout_steps=1", "trainer.eval_every=0",
             "trainer.checkpoint_every=0", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
-            "model.tiny.num_layers=2", "rollout.max_response_length=8"]
+            "model.tiny.num_layers=2", "rollout.max_response_tokens=8"]
 
 
 @pytest.mark.slow  # two 2-process runs with a vLLM engine per rank: minutes on 2 cores (make test-slow)

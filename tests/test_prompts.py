@@ -112,8 +112,8 @@ def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokeni
     prompts = load_prompts(write_jsonl(RECORDS, tmp_path / "train.jsonl"), tokenizer, chat_template=True,
                            system_prompt=SYSTEM, max_prompt_length=100)
     ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
-    rollout = RolloutConfig(max_response_length=4)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, rollout.max_response_length)
+    rollout = RolloutConfig(max_response_tokens=4)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, rollout.max_response_tokens)
     datamodule = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
                                    scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=tiny_model_dir,
                                    seed=0, engine=engine)

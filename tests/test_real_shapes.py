@@ -77,15 +77,15 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
         def responses(rollout: RolloutConfig, chat_template: bool = True):
             return make_datamodule(tiny_model_dir, engine, files, rollout, chat_template=chat_template).produce_rollout(0)
 
-        plain = responses(RolloutConfig(max_response_length=24, temperature=0.8), chat_template=False)
+        plain = responses(RolloutConfig(max_response_tokens=24, temperature=0.8), chat_template=False)
         assert any(im_end in r[:-1] for r in plain.response_ids)  # the control: runs past the end of turn
-        stopped = responses(RolloutConfig(max_response_length=24, temperature=0.8))
+        stopped = responses(RolloutConfig(max_response_tokens=24, temperature=0.8))
         ended = [r for r in stopped.response_ids if im_end in r]
         assert len(ended) >= 3 and all(r.index(im_end) == len(r) - 1 for r in ended)
         assert all(not t for r, t in zip(stopped.response_ids, stopped.truncated.tolist()) if im_end in r)
         # Configured stops: a token id, and a string cut from the text.
         stop_a = tokenizer.convert_tokens_to_ids("a")
-        configured = responses(RolloutConfig(max_response_length=24, temperature=0.8, stop_token_ids=[stop_a], stop=["b"],
+        configured = responses(RolloutConfig(max_response_tokens=24, temperature=0.8, stop_token_ids=[stop_a], stop=["b"],
                                              stop_at_end_of_turn=False))
         assert all(stop_a not in r[:-1] for r in configured.response_ids)
         assert any(r[-1] == stop_a for r in configured.response_ids)
@@ -107,7 +107,7 @@ def make_datamodule(model_dir, engine, files, rollout, *, chat_template: bool, r
     train, evaluation = (load_prompts(f, tokenizer, chat_template=chat_template) for f in files)
     ppo = PPOConfig(rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
                     train_batch_size=rollout_batch_size * n_samples_per_prompt, micro_train_batch_size=16)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train), 1, rollout.max_response_length)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train), 1, rollout.max_response_tokens)
     return RolloutDataModule(plan=plan, train_prompts=train, eval_prompts=evaluation, rollout=rollout,
                              scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir, seed=0,
                              engine=engine, chat_template=chat_template)
@@ -158,7 +158,7 @@ def test_gsm8k_format_run_completes(tmp_path):
            f"data.eval_path={tmp_path / 'test.jsonl'}", "model.warm_start.enabled=false",
            "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
            "model.tiny.intermediate_size=128", "model.tiny.max_position_embeddings=512", "rollout.max_model_len=512",
-           "rollout.max_response_length=32", "rollout.temperature=0.7", "rollout.eval_temperature=0.7",
+           "rollout.max_response_tokens=32", "rollout.temperature=0.7", "rollout.eval_temperature=0.7",
            "rollout.eval_samples_per_prompt=4", "ppo=grpo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4",
            "ppo.train_batch_size=32", "ppo.micro_train_batch_size=8", "trainer.total_rollout_steps=2",
            "trainer.eval_every=1", f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]

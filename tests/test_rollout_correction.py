@@ -24,7 +24,7 @@ def one_step(paths, engine, tmp_path, *, shift: float, **ppo):
     sampler that disagrees with the trainer would report them: rho = pi_old / pi_rollout = exp(-shift)."""
     # A sampler 1 nat off on every token would stop the run at rollout.max_logprob_abs_diff (the gate against
     # stale weights); this test simulates one on purpose, so the gate is off.
-    rollout = RolloutConfig(max_response_length=6, eval_samples_per_prompt=2, max_logprob_abs_diff=None)
+    rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, max_logprob_abs_diff=None)
     trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], tmp_path, advantage_estimator="grpo",
                                                kl_coef=0.0, kl_mode="loss", reward_fn=varied_reward, rollout=rollout, **ppo)
     produce = datamodule.produce_rollout

@@ -46,7 +46,7 @@ def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_over
     train_prompts, eval_prompts = load_prompts(files[0], tokenizer), load_prompts(files[1], tokenizer)
     ppo = PPOConfig(**{"rollout_batch_size": 8, "n_samples_per_prompt": 4, "train_batch_size": 16,
                        "micro_train_batch_size": 8, **ppo_overrides})
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_length)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
     return RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
                              scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
                              seed=0, engine=engine)
@@ -56,7 +56,7 @@ def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_over
 def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_model_dir, engine, long_prompt_files,
                                                                         temperature):
     """Each sampled token's vLLM log-prob is log softmax(logits / T) of the model that sampled it (float32, 1e-3)."""
-    rollout = RolloutConfig(max_response_length=12, temperature=temperature)
+    rollout = RolloutConfig(max_response_tokens=12, temperature=temperature)
     datamodule = make_datamodule(tiny_model_dir, engine, long_prompt_files, rollout)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine.sync_weights(model.state_dict().items())  # other tests may have left the shared engine elsewhere
@@ -87,7 +87,7 @@ def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_mo
 def test_trainer_old_logprobs_equal_vllm_logprobs(tiny_model_dir, engine, long_prompt_files, tmp_path, temperature):
     """make_experience's old log-probs of the sampled tokens equal vLLM's within 1e-3 per token (float32), at a
     temperature other than 1 too; the logged mean difference says so."""
-    rollout = RolloutConfig(max_response_length=12, temperature=temperature)
+    rollout = RolloutConfig(max_response_tokens=12, temperature=temperature)
     _, module, datamodule, _ = build_run(tiny_model_dir, engine, long_prompt_files, tmp_path, rollout=rollout,
                                          train_batch_size=16, micro_train_batch_size=8)
     module.sync_weights(engine)

@@ -80,14 +80,14 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
     ppo = PPOConfig(**{**ON_POLICY, **overrides})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
-    rollout = RolloutConfig(max_response_length=16)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_length)
+    rollout = RolloutConfig(max_response_tokens=16)
+    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
     datamodule = FixedBatchDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=None, rollout=rollout,
                                       scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
                                       seed=0, engine=NullEngine())
     datamodule.fixed_batch = batch
     torch.manual_seed(0)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_length=rollout.max_response_length,
+    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_tokens=rollout.max_response_tokens,
                        pad_token_id=tokenizer.pad_token_id, temperature=0.7, max_logprob_abs_diff=0.5)
     calls = {"phase": "", "experience": 0, "reference": 0}
 
@@ -200,7 +200,7 @@ def test_rollout_logprobs_as_old_ones(tiny_model_dir, arithmetic_files, tmp_path
     forward, _, forward_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch,
                                              old_logprobs="recompute", **two_mini_batches)
     # What a vLLM in sync with the actor reports: the actor's log-probs of the sampled tokens at temperature 0.7.
-    module = PPOModule(model_dir=tiny_model_dir, ppo=forward.ppo, plan=forward.plan, max_response_length=16,
+    module = PPOModule(model_dir=tiny_model_dir, ppo=forward.ppo, plan=forward.plan, max_response_tokens=16,
                        pad_token_id=0, temperature=0.7)
     with torch.no_grad():
         mb = pack(batch.prompt_ids, batch.response_ids, 0, "cpu")

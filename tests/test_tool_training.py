@@ -34,7 +34,7 @@ ENVIRONMENT = {"_target_": "tests.test_tool_training.DigitCallCalculator", "call
 
 
 def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, arithmetic_files, tmp_path):
-    rollout = RolloutConfig(max_response_length=6, eval_samples_per_prompt=2, environment=ENVIRONMENT, max_turns=3,
+    rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, environment=ENVIRONMENT, max_turns=3,
                             max_episode_tokens=30)
     trainer, module, datamodule, plan = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=2,
                                                   rollout=rollout, advantage_estimator="gae")
