@@ -8,7 +8,7 @@ positions, log-probs of the sampled tokens, the entropy metric (ppo.entropy_coef
 backward. The model is Qwen2-shaped with Qwen2.5's vocabulary and a small body (hidden 64, 2 layers, random
 weights, float32, CPU), so that the logits dominate as they do at real size.
 
-- old: the code of main at 120aba8 (issue 13's base), read with `git show` into temporary modules:
+- old: the code of main at 120aba8 (issue 13's base), its two functions read with `git show`:
   module.token_logprobs (float32 log-softmax via logsumexp over the whole [B, T, V]) and
   algorithms.entropy_from_logits (softmax, shifted logits, logsumexp: several [B, T, V] float32 copies).
 - new: lit_ppo.logits.logprobs_and_entropy, which the module calls now (chunked float32, one autograd function).
@@ -21,13 +21,12 @@ had to give the step, every allocation included (a memory profiler on tensors wo
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import ast
 import json
 import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,16 +42,16 @@ def status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def load_old(name: str, path: str, directory: Path):
-    """A module of lit_ppo as it was at BASE_COMMIT (only its own file; imports resolve to today's package)."""
+def load_old(path: str, function: str):
+    """One function of lit_ppo as it was at BASE_COMMIT, read with `git show` and compiled alone (with torch in
+    scope): the rest of that old file imports names that have moved since, and the function needs none of them."""
     source = subprocess.run(["git", "show", f"{BASE_COMMIT}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    file = directory / f"{name}.py"
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == function)
+    import torch
+
+    namespace = {"torch": torch, "Tensor": torch.Tensor}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), f"{BASE_COMMIT}:{path}", "exec"), namespace)
+    return namespace[function]
 
 
 def run_variant(args) -> dict:
@@ -71,14 +70,13 @@ def run_variant(args) -> dict:
     targets = input_ids[:, P:]
     advantages = torch.randn(B, T)
     if args.variant == "old":
-        directory = Path(tempfile.mkdtemp())
-        old_module = load_old("old_module", "lit_ppo/module.py", directory)
-        old_algorithms = load_old("old_algorithms", "lit_ppo/algorithms.py", directory)
+        token_logprobs = load_old("lit_ppo/module.py", "token_logprobs")
+        entropy_from_logits = load_old("lit_ppo/algorithms.py", "entropy_from_logits")
 
         def step():
             logits = model(input_ids=input_ids, logits_to_keep=T + 1).logits[:, :T]
-            logp = old_module.token_logprobs(logits, targets)
-            entropy = old_algorithms.entropy_from_logits(logits.detach())  # entropy_coef = 0, as in _actor_backward
+            logp = token_logprobs(logits, targets)
+            entropy = entropy_from_logits(logits.detach())  # entropy_coef = 0, as in _actor_backward
             loss = -(logp * advantages).mean()
             loss.backward()
             return float(entropy.mean())
