@@ -224,7 +224,7 @@ class PPOModule(L.LightningModule):
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
                 mask = exp.mask[indices]
                 # Denominators of the whole mini-batch over micro-batches and ranks, so that
-                # accumulation and data parallelism do not change the loss (docs/reference.md). The policy loss
+                # accumulation and data parallelism do not change the loss (docs/reference.md section 3). The policy loss
                 # counts only the tokens the rollout correction keeps (all of them unless MIS drops some).
                 num_tokens, num_seqs, num_policy_tokens = global_sum(torch.stack([
                     mask.sum(), torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device),

@@ -37,7 +37,7 @@ def sampling_seeds(seed: int, purpose: str, positions: Iterable[int], n: int) ->
 
 
 def configure_vllm_environment(kv_cache_gib: float) -> None:
-    """Settings vLLM needs to run inside this process (REFERENCE.md section 4)."""
+    """Settings vLLM needs to run inside this process (docs/reference.md section 4)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -1,7 +1,7 @@
 """Two real processes (torch.distributed, gloo, CPU) against one process on the whole batch.
 
-What must not depend on how a batch is split over data-parallel ranks (REFERENCE sections 1.5 and 3):
-- advantages: every estimator, called with `lit_ppo.module.global_sum`, gives on each rank's half of
+What must not depend on how a batch is split over data-parallel ranks (docs/reference.md sections 1.5 and 3):
+- advantages: every estimator, called with `lit_ppo.distributed.global_sum`, gives on each rank's half of
   the batch exactly the rows the single process gives on the whole batch;
 - gradients: each rank runs its half of one mini-batch in micro-batches, aggregates the policy loss
   with the mini-batch's GLOBAL token and sequence counts and multiplies it by the world size (as

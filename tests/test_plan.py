@@ -1,7 +1,7 @@
 """Tests of the step plan (lit_ppo.plan) and of how `train.py` states it.
 
 Expected numbers are written out by hand with their derivation in a comment, or come from the
-independent formula of REFERENCE section 1 (OpenRLHF): updates per rollout step =
+independent formula of docs/reference.md section 1.1 (OpenRLHF): updates per rollout step =
 rollout_batch_size x n_samples_per_prompt x ppo_epochs / train_batch_size.
 """
 
@@ -41,7 +41,7 @@ def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2
     return compute_plan(PPOConfig(**base), RunLengthConfig(**length), dataset, dp, tokens)
 
 
-# ---------------------------------------------------------------- REFERENCE section 1 examples
+# ---------------------------------------------------------------- docs/reference.md section 1 examples
 
 
 def test_openrlhf_updates_per_rollout_step():
@@ -74,7 +74,7 @@ def test_simple_rl_step_is_a_rollout_step():
     assert plan.total_rollout_steps == 100
     assert plan.data_epochs == pytest.approx(12.5)
     # Counting prompts instead: 100 x 1024 = 102,400 prompts consumed over 8,532 = 12.002 passes
-    # (REFERENCE's 100 / (8532 / 1024); the "(≈12)" holds, its "11.7" is an arithmetic slip).
+    # (docs/reference.md section 1.2: 100 / (8532 / 1024); the source's "≈ 12" holds, its "11.7" = 100 / 8.532 is a slip).
     prompts_consumed = plan.total_samples_generated / plan.n_samples_per_prompt
     assert prompts_consumed == 102_400
     assert prompts_consumed / plan.dataset_prompts == pytest.approx(100 * 1024 / 8532)
@@ -87,7 +87,7 @@ def test_simple_rl_step_is_a_rollout_step():
 
 def test_simple_rl_misreading_steps_as_updates():
     # Reading "100 steps" as 100 optimizer steps: 100 / 4 = 25 rollout steps, about 3 passes over
-    # the prompts (25 x 1024 / 8532 = 3.0), the figure REFERENCE warns against.
+    # the prompts (25 x 1024 / 8532 = 3.0), the misreading docs/reference.md section 1.2 warns against.
     n = 8
     plan = make_plan(
         dict(rollout_batch_size=1024, n_samples_per_prompt=n, train_batch_size=256 * n, micro_train_batch_size=16),
@@ -143,7 +143,7 @@ def test_updates_formula(rollout, n, epochs, train, micro):
 
 
 def test_ppo_epochs_takes_effect():
-    # The verl bug of REFERENCE 1.4: ppo_epochs silently ignored. Here it must scale the updates.
+    # The verl bug of docs/reference.md section 1.4: ppo_epochs silently ignored. Here it must scale the updates.
     one = make_plan(dict(ppo_epochs=1))
     three = make_plan(dict(ppo_epochs=3))
     assert three.optimizer_steps_per_rollout_step == 3 * one.optimizer_steps_per_rollout_step
