@@ -145,20 +145,29 @@ def grpo_preset(**overrides) -> PPOConfig:
 
 def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_tokens: int,
               total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
-              datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False):
-    """A real run without Hydra, built by the product's `lit_ppo.build.build_run`, without evaluation (no held-out prompts)."""
+              datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False, accelerator: str = "cpu",
+              precision: str = "32-true", eval_prompt_file: str | Path | None = None, **rollout_settings):
+    """A real run without Hydra, built by the product's `lit_ppo.build.build_run`; evaluation only with
+    `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `rollout_settings`:
+    RolloutConfig fields beyond the response length."""
     from transformers import AutoTokenizer
 
+    from lit_ppo.precision import resolve_rollout_dtype
+
     model_dir = str(model_dir)
-    rollout = RolloutConfig(max_response_tokens=max_response_tokens, max_model_len=engine_max_model_len(max_response_tokens))
+    rollout = RolloutConfig(max_response_tokens=max_response_tokens, max_model_len=engine_max_model_len(max_response_tokens),
+                            **rollout_settings)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
+    eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
-                        max_response_tokens)
+                        max_response_tokens, precision=precision,
+                        rollout_dtype=resolve_rollout_dtype(precision, rollout.dtype))
     trainer, module, datamodule = build_product_run(
         plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
-        eval_prompts=None, scorer=RewardScorer(fn=integer_match), output_dir=out_dir, seed=seed, engine=engine,
-        gradient_checkpointing=gradient_checkpointing, callbacks=callbacks, datamodule_class=datamodule_class)
+        eval_prompts=eval_prompts, scorer=RewardScorer(fn=integer_match), output_dir=out_dir, seed=seed, engine=engine,
+        gradient_checkpointing=gradient_checkpointing, callbacks=callbacks, datamodule_class=datamodule_class,
+        accelerator=accelerator)
     return trainer, module, datamodule, plan
 
 

@@ -76,11 +76,13 @@ def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: ra
                         reward_metrics={})
 
 
-def run_litppo(args, model_dir, prompt_file, batch: RolloutBatch) -> dict:
+def run_litppo(args, model_dir, prompt_file, batch: RolloutBatch, accelerator: str = "cpu",
+               precision: str = "32-true") -> dict:
     ppo = grpo_preset(**ppo_settings(args))
     trainer, module, datamodule, plan = build_run(
         model_dir, prompt_file, ppo, max_response_tokens=args.response_length, total_rollout_steps=args.steps,
-        engine=NullEngine(), out_dir=CACHE / "train_phase-run", seed=args.seed, datamodule_class=FixedBatchDataModule)
+        engine=NullEngine(), out_dir=CACHE / "train_phase-run", seed=args.seed, datamodule_class=FixedBatchDataModule,
+        accelerator=accelerator, precision=precision)
     datamodule.fixed_batch = batch
     trainer.fit(module, datamodule=datamodule)
     steady = module.history[1:]
@@ -109,45 +111,62 @@ def plain_tensors(batch: RolloutBatch, pad_id: int):
 
 
 def plain_response_logprobs(model, input_ids, attention_mask, position_ids, P: int, T: int):
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, P - 1:P - 1 + T].float()  # [B, T] positions that predict the response tokens
+    # The LM head only where it predicts a response token (as lit-ppo's logits_to_keep): [B, T] log-probs.
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :T].float()
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, P:].unsqueeze(-1)).squeeze(-1)
 
 
-def run_plain(args, model_dir, batch: RolloutBatch, pad_id: int) -> dict:
+def run_plain(args, model_dir, batch: RolloutBatch, pad_id: int, device: str = "cpu", precision: str = "32-true") -> dict:
+    """The plain loop on `device`; `precision` bf16-mixed runs the forward passes under bf16 autocast (float32
+    weights, gradients and AdamW states), as Lightning's bf16-mixed does."""
+    from contextlib import nullcontext
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    input_ids, attention_mask, position_ids, P = plain_tensors(batch, pad_id)
+    input_ids, attention_mask, position_ids, P = (t.to(device) if isinstance(t, torch.Tensor) else t
+                                                  for t in plain_tensors(batch, pad_id))
     N, T = len(batch.response_ids), args.response_length
-    with torch.no_grad():  # the experience: old log-probs and GRPO advantages, once
-        started = time.perf_counter()
+
+    def compute():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+
+    def synchronized_time() -> float:  # CUDA runs asynchronously: wait for the queued work before reading the clock
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    with torch.no_grad(), compute():  # the experience: old log-probs and GRPO advantages, once
+        started = synchronized_time()
         old_logp = torch.cat([plain_response_logprobs(model, input_ids[i:i + args.micro_batch_size],
                                                       attention_mask[i:i + args.micro_batch_size],
                                                       position_ids[i:i + args.micro_batch_size], P, T)
                               for i in range(0, N, args.micro_batch_size)])
-        experience_s = time.perf_counter() - started
-        advantages, _ = algo.grpo(batch.rewards, torch.ones(N, T), group_size=args.samples_per_prompt)
+        experience_s = synchronized_time() - started
+        advantages, _ = algo.grpo(batch.rewards.to(device), torch.ones(N, T, device=device), group_size=args.samples_per_prompt)
     shuffle = torch.Generator().manual_seed(args.seed)  # the same mini-batch order as lit-ppo's
     train_s = []
     for _ in range(args.steps):
-        started = time.perf_counter()
+        started = synchronized_time()
         order = torch.randperm(N, generator=shuffle)
         for start in range(0, N, args.train_batch_size):
             mini = order[start:start + args.train_batch_size]
             for micro_start in range(0, len(mini), args.micro_batch_size):
-                idx = mini[micro_start:micro_start + args.micro_batch_size]
-                logp = plain_response_logprobs(model, input_ids[idx], attention_mask[idx], position_ids[idx], P, T)
-                ratio = torch.exp(logp - old_logp[idx])
-                adv = advantages[idx]
-                per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-                loss = per_token.mean(-1).sum() / len(mini)  # mean over tokens, then over the mini-batch's sequences
+                idx = mini[micro_start:micro_start + args.micro_batch_size].to(device)
+                with compute():
+                    logp = plain_response_logprobs(model, input_ids[idx], attention_mask[idx], position_ids[idx], P, T)
+                    ratio = torch.exp(logp - old_logp[idx])
+                    adv = advantages[idx]
+                    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+                    loss = per_token.mean(-1).sum() / len(mini)  # mean over tokens, then over the mini-batch's sequences
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        train_s.append(time.perf_counter() - started)
+        train_s.append(synchronized_time() - started)
     return {"train_s": train_s[1:], "experience_s": [experience_s]}
 
 
