@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VLLM_EXTRA ?= cpu
 
-.PHONY: train test test-slow plan install clean bench bench-smoke
+.PHONY: train test test-slow plan install clean bench bench-smoke format
 
 .venv/installed: pyproject.toml
 	python3 -m venv .venv
@@ -22,6 +22,8 @@ plan: .venv/installed
 	$(PY) train.py mode=plan $(ARGS)
 
 test: .venv/installed
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
 test-slow: .venv/installed
@@ -40,6 +42,10 @@ bench: .venv/bench-installed
 
 bench-smoke: .venv/bench-installed
 	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py --smoke; done
+
+format: .venv/installed
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -43,6 +43,7 @@ quiet_known_warnings()  # the product's filters (lit_ppo.build), for runs built 
 
 # ---------------------------------------------------------------- the model
 
+
 @dataclass(frozen=True)
 class ModelSize:
     hidden_size: int
@@ -87,13 +88,16 @@ def count_parameters(model_dir: str | Path) -> int:
 
 def model_description(model_dir: str | Path) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return (f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
-            f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, "
-            f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, "
-            f"{count_parameters(model_dir) / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}")
+    return (
+        f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, "
+        f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, "
+        f"{count_parameters(model_dir) / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}"
+    )
 
 
 # ---------------------------------------------------------------- prompts
+
 
 def arithmetic_prompt_file(n_prompts: int, seed: int = 0) -> Path:
     """A JSONL of `n_prompts` a+b= problems (0 <= a, b <= 49) with their answers."""
@@ -109,6 +113,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------- lit-ppo pieces
+
 
 class FixedLengthEngine(VLLMEngine):
     """lit-ppo's vLLM engine, except that every response is exactly `max_tokens` long.
@@ -143,10 +148,24 @@ def grpo_preset(**overrides) -> PPOConfig:
     return parse_section(PPOConfig, values, "ppo")
 
 
-def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *, max_response_tokens: int,
-              total_rollout_steps: int, engine, out_dir: str | Path, seed: int = 0, callbacks=(),
-              datamodule_class=RolloutDataModule, gradient_checkpointing: bool = False, accelerator: str = "cpu",
-              precision: str = "32-true", eval_prompt_file: str | Path | None = None, **rollout_settings):
+def build_run(
+    model_dir: str | Path,
+    prompt_file: str | Path,
+    ppo: PPOConfig,
+    *,
+    max_response_tokens: int,
+    total_rollout_steps: int,
+    engine,
+    out_dir: str | Path,
+    seed: int = 0,
+    callbacks=(),
+    datamodule_class=RolloutDataModule,
+    gradient_checkpointing: bool = False,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
+    eval_prompt_file: str | Path | None = None,
+    **rollout_settings,
+):
     """A real run without Hydra, built by the product's `lit_ppo.build.build_run`; evaluation only with
     `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `rollout_settings`:
     RolloutConfig fields beyond the response length."""
@@ -155,19 +174,40 @@ def build_run(model_dir: str | Path, prompt_file: str | Path, ppo: PPOConfig, *,
     from lit_ppo.precision import resolve_rollout_dtype
 
     model_dir = str(model_dir)
-    rollout = RolloutConfig(max_response_tokens=max_response_tokens, max_model_len=engine_max_model_len(max_response_tokens),
-                            **rollout_settings)
+    rollout = RolloutConfig(
+        max_response_tokens=max_response_tokens,
+        max_model_len=engine_max_model_len(max_response_tokens),
+        **rollout_settings,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
-                        max_response_tokens, precision=precision,
-                        rollout_dtype=resolve_rollout_dtype(precision, rollout.dtype))
+    plan = compute_plan(
+        ppo,
+        RunLengthConfig(total_rollout_steps=total_rollout_steps),
+        len(train_prompts),
+        1,
+        max_response_tokens,
+        precision=precision,
+        rollout_dtype=resolve_rollout_dtype(precision, rollout.dtype),
+    )
     trainer, module, datamodule = build_product_run(
-        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
-        eval_prompts=eval_prompts, scorer=RewardScorer(fn=integer_match), output_dir=out_dir, seed=seed, engine=engine,
-        gradient_checkpointing=gradient_checkpointing, callbacks=callbacks, datamodule_class=datamodule_class,
-        accelerator=accelerator)
+        plan=plan,
+        ppo=ppo,
+        rollout=rollout,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        scorer=RewardScorer(fn=integer_match),
+        output_dir=out_dir,
+        seed=seed,
+        engine=engine,
+        gradient_checkpointing=gradient_checkpointing,
+        callbacks=callbacks,
+        datamodule_class=datamodule_class,
+        accelerator=accelerator,
+    )
     return trainer, module, datamodule, plan
 
 
@@ -193,17 +233,28 @@ class RolloutClock(L.Callback):
 
 # ---------------------------------------------------------------- reporting
 
+
 def add_common_args(parser: argparse.ArgumentParser, *, repeats: int) -> None:
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model and sizes: checks that the script runs in well under a minute; measures nothing")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model and sizes: checks that the script runs in well under a minute; measures nothing",
+    )
     parser.add_argument("--repeats", type=int, default=repeats, help="repetitions of each measurement")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-dir", default=None,
-                        help="a Hugging Face model directory to use instead of the random-weights benchmark model")
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="a Hugging Face model directory to use instead of the random-weights benchmark model",
+    )
 
 
 def bench_model_dir(args) -> Path:
-    return Path(args.model_dir) if args.model_dir else build_model_dir(SMOKE_MODEL if args.smoke else BENCH_MODEL, args.seed)
+    return (
+        Path(args.model_dir)
+        if args.model_dir
+        else build_model_dir(SMOKE_MODEL if args.smoke else BENCH_MODEL, args.seed)
+    )
 
 
 def command_line() -> str:
@@ -239,8 +290,10 @@ def machine() -> str:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}; {usable} usable cores ({os.cpu_count()} online); torch threads {torch.get_num_threads()}; "
-            f"{gpu}; load average {load} (1/5/15 min)")
+    return (
+        f"{cpu}; {usable} usable cores ({os.cpu_count()} online); torch threads {torch.get_num_threads()}; "
+        f"{gpu}; load average {load} (1/5/15 min)"
+    )
 
 
 def openmp_runtime() -> str:
@@ -252,8 +305,13 @@ def openmp_runtime() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    names = sorted({Path(line.split()[-1]).name for line in maps.splitlines()
-                    if "omp" in line.rsplit("/", 1)[-1] and ".so" in line})
+    names = sorted(
+        {
+            Path(line.split()[-1]).name
+            for line in maps.splitlines()
+            if "omp" in line.rsplit("/", 1)[-1] and ".so" in line
+        }
+    )
     return ", ".join(names) or "none"
 
 
@@ -280,8 +338,13 @@ def print_header(title: str, args, **settings) -> None:
 def stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"median": float("nan"), "mean": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    return {"median": statistics.median(values), "mean": statistics.fmean(values), "min": min(values),
-            "max": max(values), "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def fmt(s: dict[str, float], unit: str = "s", digits: int = 3) -> str:

@@ -39,9 +39,19 @@ def hf_generate(model, tokenizer, prompt_ids: list[list[int]], *, n: int, length
     attention_mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompt_ids])[:, None]).long()
     torch.manual_seed(seed)
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, num_return_sequences=n,
-                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
-                             min_new_tokens=length, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            num_return_sequences=n,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=length,
+            min_new_tokens=length,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     return out[:, width:].tolist()  # [P*n, length]
 
 
@@ -60,12 +70,15 @@ def main() -> None:
 
     model_dir = bench_model_dir(args)
     threads_before = torch.get_num_threads()
-    print_header("generation: vLLM (lit-ppo's engine) vs Hugging Face generate", args,
-                 model=model_description(model_dir),
-                 sizes=f"{args.prompts} prompts x {args.samples_per_prompt} samples x {args.response_length} tokens "
-                       f"(fixed length), temperature 1, {args.repeats} repetitions, alternating")
+    print_header(
+        "generation: vLLM (lit-ppo's engine) vs Hugging Face generate",
+        args,
+        model=model_description(model_dir),
+        sizes=f"{args.prompts} prompts x {args.samples_per_prompt} samples x {args.response_length} tokens "
+        f"(fixed length), temperature 1, {args.repeats} repetitions, alternating",
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    records = read_jsonl(arithmetic_prompt_file(max(64, args.prompts)))[:args.prompts]
+    records = read_jsonl(arithmetic_prompt_file(max(64, args.prompts)))[: args.prompts]
     prompt_ids = [tokenizer(r["prompt"]).input_ids for r in records]
     engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -77,8 +90,14 @@ def main() -> None:
 
     def run_vllm(seed: int) -> float:
         started = time.perf_counter()
-        out = engine.generate(prompt_ids, n=n, temperature=1.0, top_p=1.0, max_tokens=length,
-                              seeds=sampling_seeds(seed, "bench", range(len(prompt_ids)), n))
+        out = engine.generate(
+            prompt_ids,
+            n=n,
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=length,
+            seeds=sampling_seeds(seed, "bench", range(len(prompt_ids)), n),
+        )
         seconds = time.perf_counter() - started
         lengths = {len(g.token_ids) for g in out}
         assert len(out) == len(prompt_ids) * n and lengths == {length}, f"vLLM lengths {lengths}, expected {length}"
@@ -97,8 +116,11 @@ def main() -> None:
         order = ("vllm", "hf") if rep % 2 == 0 else ("hf", "vllm")
         for name in order:
             seconds[name].append((run_vllm if name == "vllm" else run_hf)(args.seed + 1 + rep))
-        print(f"repetition {rep + 1}: vLLM {tokens / seconds['vllm'][-1]:8.1f} tok/s   "
-              f"HF generate {tokens / seconds['hf'][-1]:8.1f} tok/s", flush=True)
+        print(
+            f"repetition {rep + 1}: vLLM {tokens / seconds['vllm'][-1]:8.1f} tok/s   "
+            f"HF generate {tokens / seconds['hf'][-1]:8.1f} tok/s",
+            flush=True,
+        )
 
     tok_s = {k: stats([tokens / s for s in v]) for k, v in seconds.items()}
     print("-" * 100)

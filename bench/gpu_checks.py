@@ -58,8 +58,9 @@ from lit_ppo.config import PPOConfig, RolloutCorrectionConfig
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
 from lit_ppo.rollout import Generation
 
-QWEN05B = ModelSize(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                    max_position_embeddings=2048)
+QWEN05B = ModelSize(
+    hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048
+)
 QWEN05B_VOCAB = 151936
 """Qwen2.5-0.5B's shape (494 M parameters, tied embeddings), random weights."""
 BENCH_24M = dataclasses.replace(BENCH_MODEL, max_position_embeddings=2048)
@@ -69,6 +70,7 @@ SMOKE_WIDE_VOCAB = 4096
 
 
 # ---------------------------------------------------------------- the report
+
 
 class Report:
     """Sections of markdown tables, checks and notes; printed as they come and kept for the JSON."""
@@ -143,6 +145,7 @@ def gib(n: int | None) -> float | None:
 
 # ---------------------------------------------------------------- models and batches
 
+
 def shape_dir(size: ModelSize, vocab_size: int | None, device: torch.device) -> Path:
     """bench/common.build_model_dir's model (character tokenizer, random weights), its vocabulary widened to
     `vocab_size` (the extra rows are random too; the tokenizer only ever emits the first ids). Built once, cached."""
@@ -152,7 +155,9 @@ def shape_dir(size: ModelSize, vocab_size: int | None, device: torch.device) -> 
 
     from lit_ppo.tiny import TOKENIZER_VERSION, build_char_tokenizer, build_tiny_model, save_model_dir
 
-    key = hashlib.sha256(json.dumps([dataclasses.asdict(size), vocab_size, TOKENIZER_VERSION]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([dataclasses.asdict(size), vocab_size, TOKENIZER_VERSION]).encode()).hexdigest()[
+        :12
+    ]
     path = CACHE / f"model-{key}"
     if not (path / "config.json").exists():
         tokenizer = build_char_tokenizer()
@@ -166,7 +171,9 @@ def shape_dir(size: ModelSize, vocab_size: int | None, device: torch.device) -> 
         try:  # random initialization of 0.5 B parameters is quicker on the GPU
             model = build(device)
         except Exception as e:
-            print(f"building the model on {device} failed ({type(e).__name__}: {e}); building it on the CPU", flush=True)
+            print(
+                f"building the model on {device} failed ({type(e).__name__}: {e}); building it on the CPU", flush=True
+            )
             model = build(torch.device("cpu"))
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         save_model_dir(model.to("cpu"), tokenizer, tmp)
@@ -189,7 +196,9 @@ def fixed_batch(n_prompts: int, samples: int, prompt_tokens: int, response_token
     """bench/train_phase.make_fixed_batch over random prompts of `prompt_tokens` ids (4..99: the character
     tokenizer's ordinary tokens)."""
     vocab = range(4, 100)
-    return make_fixed_batch(random_prompts(n_prompts, prompt_tokens, vocab, seed), samples, response_tokens, vocab, seed)
+    return make_fixed_batch(
+        random_prompts(n_prompts, prompt_tokens, vocab, seed), samples, response_tokens, vocab, seed
+    )
 
 
 def lm_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -217,8 +226,16 @@ def ensure_process_group(device: torch.device) -> str:
     return backend
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce",
-               "all_gather_object", "broadcast_object_list")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 
 
 @contextmanager
@@ -239,6 +256,7 @@ def recorded_collectives(world: int):
             tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
             calls.append((name, [str(t.device) for t in tensors]))
             return original(*args, **kwargs)
+
         return recorded
 
     original_world_size = lit_dist.world_size
@@ -257,12 +275,17 @@ class StandInEngine(NullEngine):
     """vLLM's place in evaluation: response i of a prompt is i + 1 copies of the prompt's last token (text `i`)."""
 
     def generate(self, prompt_token_ids, *, n, temperature, top_p, max_tokens, seeds, **_):
-        return [Generation(prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i),
-                           logprobs=[0.0] * (i + 1))
-                for p, ids in enumerate(prompt_token_ids) for i in range(n)]
+        return [
+            Generation(
+                prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)
+            )
+            for p, ids in enumerate(prompt_token_ids)
+            for i in range(n)
+        ]
 
 
 # ---------------------------------------------------------------- A. collectives
+
 
 def section_collectives(report: Report, cfg) -> None:
     backend = ensure_process_group(cfg.device)
@@ -272,16 +295,31 @@ def section_collectives(report: Report, cfg) -> None:
     # Sampler log-probs near the random model's (-log 128), so that the rollout-correction and log-prob
     # comparison reductions run; the gate is off (these are not the model's log-probs).
     batch = dataclasses.replace(batch, rollout_logprobs=[[-4.8] * T for _ in batch.response_ids])
-    ppo = PPOConfig(rollout_batch_size=prompts, n_samples_per_prompt=samples, train_batch_size=prompts * samples // 2,
-                    micro_train_batch_size=prompts * samples // 4, kl_coef=0.01,
-                    rollout_correction=RolloutCorrectionConfig(mode="tis"))
+    ppo = PPOConfig(
+        rollout_batch_size=prompts,
+        n_samples_per_prompt=samples,
+        train_batch_size=prompts * samples // 2,
+        micro_train_batch_size=prompts * samples // 4,
+        kl_coef=0.01,
+        rollout_correction=RolloutCorrectionConfig(mode="tis"),
+    )
     eval_file = arithmetic_prompt_file(8, seed=1)
     with recorded_collectives(world=2) as calls:
         trainer, module, datamodule, plan = build_run(
-            model_dir, arithmetic_prompt_file(64), ppo, max_response_tokens=T, total_rollout_steps=2,
-            engine=StandInEngine(), out_dir=CACHE / "gpu_checks-A", datamodule_class=FixedBatchDataModule,
-            accelerator=cfg.accelerator, precision=cfg.precision, eval_prompt_file=eval_file,
-            max_logprob_abs_diff=None, eval_samples_per_prompt=2)
+            model_dir,
+            arithmetic_prompt_file(64),
+            ppo,
+            max_response_tokens=T,
+            total_rollout_steps=2,
+            engine=StandInEngine(),
+            out_dir=CACHE / "gpu_checks-A",
+            datamodule_class=FixedBatchDataModule,
+            accelerator=cfg.accelerator,
+            precision=cfg.precision,
+            eval_prompt_file=eval_file,
+            max_logprob_abs_diff=None,
+            eval_samples_per_prompt=2,
+        )
         datamodule.fixed_batch = batch
         error = None
         try:
@@ -296,35 +334,63 @@ def section_collectives(report: Report, cfg) -> None:
         counts[name] = counts.get(name, 0) + 1
     devices = sorted({d for _, ds in calls for d in ds})
     off_device = [(name, ds) for name, ds in calls if any(not d.startswith(cfg.device.type) for d in ds)]
-    report.note(f"backend {backend}, world_size patched to 2 on a 1-rank group; model {describe(model_dir)}; "
-                f"PPO preset (critic, reference, GAE, KL in reward, TIS rollout correction), {cfg.precision}, "
-                f"{prompts} prompts x {samples} samples x ({P} + {T}) tokens, 2 rollout steps; evaluation "
-                f"(stand-in engine, pass@2) at the start, after the last step, and once after fit.")
-    report.table("collectives called", ["collective", "calls", "tensor devices"],
-                 [[name, n, ", ".join(sorted({d for c, ds in calls if c == name for d in ds}))] for name, n in counts.items()])
-    report.check("a PPO rollout step and evaluation run with every reduction through the process group",
-                 error is None and module.rollout_step == 2 and "eval/reward" in evaluation,
-                 error or f"{module.rollout_step} rollout steps, {during_fit} collectives during fit, evaluation "
-                 f"{ {k: v for k, v in evaluation.items() if k != 'eval/samples'} }")
-    report.check("no 'No backend type associated with device type cpu'",
-                 error is None or "No backend type" not in error, error or "")
-    report.check(f"every collective's tensors on the models' device ({cfg.device.type})",
-                 bool(calls) and not off_device, f"devices seen {devices}; off-device calls {off_device[:5]}")
+    report.note(
+        f"backend {backend}, world_size patched to 2 on a 1-rank group; model {describe(model_dir)}; "
+        f"PPO preset (critic, reference, GAE, KL in reward, TIS rollout correction), {cfg.precision}, "
+        f"{prompts} prompts x {samples} samples x ({P} + {T}) tokens, 2 rollout steps; evaluation "
+        f"(stand-in engine, pass@2) at the start, after the last step, and once after fit."
+    )
+    report.table(
+        "collectives called",
+        ["collective", "calls", "tensor devices"],
+        [[name, n, ", ".join(sorted({d for c, ds in calls if c == name for d in ds}))] for name, n in counts.items()],
+    )
+    report.check(
+        "a PPO rollout step and evaluation run with every reduction through the process group",
+        error is None and module.rollout_step == 2 and "eval/reward" in evaluation,
+        error
+        or f"{module.rollout_step} rollout steps, {during_fit} collectives during fit, evaluation "
+        f"{ {k: v for k, v in evaluation.items() if k != 'eval/samples'} }",
+    )
+    report.check(
+        "no 'No backend type associated with device type cpu'",
+        error is None or "No backend type" not in error,
+        error or "",
+    )
+    report.check(
+        f"every collective's tensors on the models' device ({cfg.device.type})",
+        bool(calls) and not off_device,
+        f"devices seen {devices}; off-device calls {off_device[:5]}",
+    )
     row = module.history[-1] if module.history else {}
     report.data = {"counts": counts, "devices": devices}
-    report.note("last rollout step: " + ", ".join(f"{k} {row[k]:.4g}" for k in (
-        "rollout/reward_mean", "rollout/kl_to_reference", "actor/policy_loss", "critic/value_loss",
-        "rollout/logprob_abs_diff") if isinstance(row.get(k), float)))
+    report.note(
+        "last rollout step: "
+        + ", ".join(
+            f"{k} {row[k]:.4g}"
+            for k in (
+                "rollout/reward_mean",
+                "rollout/kl_to_reference",
+                "actor/policy_loss",
+                "critic/value_loss",
+                "rollout/logprob_abs_diff",
+            )
+            if isinstance(row.get(k), float)
+        )
+    )
     del trainer, module, datamodule
 
 
 def describe(model_dir: Path) -> str:
     shape = model_shape(model_dir)
-    return (f"Qwen2 hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads}/{shape.num_kv_heads} "
-            f"heads, vocab {shape.vocab_size}, {shape.parameters() / 1e6:.1f} M params")
+    return (
+        f"Qwen2 hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads}/{shape.num_kv_heads} "
+        f"heads, vocab {shape.vocab_size}, {shape.parameters() / 1e6:.1f} M params"
+    )
 
 
 # ---------------------------------------------------------------- B. gradient checkpointing
+
 
 def section_checkpointing(report: Report, cfg) -> None:
     from transformers import AutoModelForCausalLM
@@ -351,8 +417,12 @@ def section_checkpointing(report: Report, cfg) -> None:
             torch.cuda.reset_peak_memory_stats(cfg.device)
         forward_calls = None
         with cfg.autocast():
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                           logits_to_keep=T + 1).logits
+            logits = model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                logits_to_keep=T + 1,
+            ).logits
             logp, _ = logprobs_and_entropy(logits, mb.response_ids)
             loss = -(logp * mb.response_mask).sum() / mb.response_mask.sum()
         forward_calls = count[0]
@@ -364,24 +434,35 @@ def section_checkpointing(report: Report, cfg) -> None:
             h.remove()
         del model, logits, logp, loss, mb
         free_memory()
-    report.note(f"model {describe(model_dir)}; one micro-batch of {B} x ({P} + {T}) tokens, "
-                f"{'bf16 autocast' if cfg.cuda else 'float32'}, lit-ppo's chunked log-probs; "
-                "peak = max_memory_allocated during forward+backward minus the weights before it")
-    report.table("decoder-layer calls and peak memory", ["checkpointing", "layers", "calls in forward",
-                                                         "calls in forward+backward", "peak above weights (GiB)"],
-                 [["on" if k else "off", r["layers"], r["forward"], r["total"], gib(r["peak"])] for k, r in results.items()])
+    report.note(
+        f"model {describe(model_dir)}; one micro-batch of {B} x ({P} + {T}) tokens, "
+        f"{'bf16 autocast' if cfg.cuda else 'float32'}, lit-ppo's chunked log-probs; "
+        "peak = max_memory_allocated during forward+backward minus the weights before it"
+    )
+    report.table(
+        "decoder-layer calls and peak memory",
+        ["checkpointing", "layers", "calls in forward", "calls in forward+backward", "peak above weights (GiB)"],
+        [["on" if k else "off", r["layers"], r["forward"], r["total"], gib(r["peak"])] for k, r in results.items()],
+    )
     off, on = results[False], results[True]
     report.check("without checkpointing each decoder layer runs once", off["total"] == off["layers"], str(off["total"]))
-    report.check("with checkpointing each decoder layer runs twice (recomputed in backward)",
-                 on["total"] == 2 * on["layers"] and on["forward"] == on["layers"], str(on["total"]))
+    report.check(
+        "with checkpointing each decoder layer runs twice (recomputed in backward)",
+        on["total"] == 2 * on["layers"] and on["forward"] == on["layers"],
+        str(on["total"]),
+    )
     if cfg.cuda:
-        report.check("checkpointing lowers the peak", on["peak"] < off["peak"],
-                     f"{gib(off['peak']):.2f} -> {gib(on['peak']):.2f} GiB ({on['peak'] / off['peak']:.2f}x)")
+        report.check(
+            "checkpointing lowers the peak",
+            on["peak"] < off["peak"],
+            f"{gib(off['peak']):.2f} -> {gib(on['peak']):.2f} GiB ({on['peak'] / off['peak']:.2f}x)",
+        )
     else:
         report.note("peak memory: n/a without CUDA (bench/memory_estimate.py measures it on CPU)")
 
 
 # ---------------------------------------------------------------- C. memory estimate
+
 
 class PeakOfStep(L.Callback):
     """The CUDA allocator's peak during each rollout step (reset when the step starts), one figure per step.
@@ -412,51 +493,108 @@ def section_memory(report: Report, cfg) -> None:
         shape = model_shape(model_dir)
         for precision in ("32-true", "bf16-mixed"):
             for checkpointing in (False, True):
-                ppo = PPOConfig(rollout_batch_size=1, n_samples_per_prompt=B, train_batch_size=B,
-                                micro_train_batch_size=B, kl_coef=0.01)
+                ppo = PPOConfig(
+                    rollout_batch_size=1,
+                    n_samples_per_prompt=B,
+                    train_batch_size=B,
+                    micro_train_batch_size=B,
+                    kl_coef=0.01,
+                )
                 peak = PeakOfStep(cfg.device) if cfg.cuda else None
                 free_memory()
                 before = torch.cuda.memory_allocated(cfg.device) if cfg.cuda else 0
                 trainer, module, datamodule, plan = build_run(
-                    model_dir, arithmetic_prompt_file(64), ppo, max_response_tokens=T, total_rollout_steps=2,
-                    engine=NullEngine(), out_dir=CACHE / "gpu_checks-C", datamodule_class=FixedBatchDataModule,
-                    accelerator=cfg.accelerator, precision=precision, gradient_checkpointing=checkpointing,
-                    callbacks=[peak] if peak else [])
+                    model_dir,
+                    arithmetic_prompt_file(64),
+                    ppo,
+                    max_response_tokens=T,
+                    total_rollout_steps=2,
+                    engine=NullEngine(),
+                    out_dir=CACHE / "gpu_checks-C",
+                    datamodule_class=FixedBatchDataModule,
+                    accelerator=cfg.accelerator,
+                    precision=precision,
+                    gradient_checkpointing=checkpointing,
+                    callbacks=[peak] if peak else [],
+                )
                 datamodule.fixed_batch = fixed_batch(1, B, P, T)
                 started = time.perf_counter()
                 trainer.fit(module, datamodule=datamodule)
                 seconds = time.perf_counter() - started
-                estimate = estimate_memory(shape, MemoryInputs(
-                    precision=precision, strategy="single", data_parallel_size=1, micro_batch_size=B, prompt_tokens=P,
-                    response_tokens=T, gradient_checkpointing=checkpointing, critic=plan.critic_enabled,
-                    reference=plan.reference_enabled, rollout_dtype=plan.rollout_dtype,
-                    rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=P + T, on_gpu=cfg.cuda))
+                estimate = estimate_memory(
+                    shape,
+                    MemoryInputs(
+                        precision=precision,
+                        strategy="single",
+                        data_parallel_size=1,
+                        micro_batch_size=B,
+                        prompt_tokens=P,
+                        response_tokens=T,
+                        gradient_checkpointing=checkpointing,
+                        critic=plan.critic_enabled,
+                        reference=plan.reference_enabled,
+                        rollout_dtype=plan.rollout_dtype,
+                        rollout_sequences=plan.samples_per_rank_per_rollout_step,
+                        max_model_len=P + T,
+                        on_gpu=cfg.cuda,
+                    ),
+                )
                 measured = max(peak.peaks[1:]) - before if peak else None
-                print(f"  peaks per batch (GiB above start): {[round(gib(x - before), 3) for x in peak.peaks]}" if peak else "",
-                      flush=True)
+                print(
+                    f"  peaks per batch (GiB above start): {[round(gib(x - before), 3) for x in peak.peaks]}"
+                    if peak
+                    else "",
+                    flush=True,
+                )
                 first_step = peak.peaks[0] - before if peak else None
                 ratio = estimate.training_bytes / measured if measured else None
                 if ratio:
                     worst = max(worst, abs(ratio - 1))
-                rows.append([name, precision, "on" if checkpointing else "off", gib(estimate.training_bytes),
-                             gib(measured), gib(first_step), ratio, None if ratio is None else ("yes" if abs(ratio - 1) <= 0.3 else "no"),
-                             round(seconds, 1)])
+                rows.append(
+                    [
+                        name,
+                        precision,
+                        "on" if checkpointing else "off",
+                        gib(estimate.training_bytes),
+                        gib(measured),
+                        gib(first_step),
+                        ratio,
+                        None if ratio is None else ("yes" if abs(ratio - 1) <= 0.3 else "no"),
+                        round(seconds, 1),
+                    ]
+                )
                 print(f"  {rows[-1]}", flush=True)
                 del trainer, module, datamodule
                 free_memory()
-    report.note(f"a real rollout step (Lightning trainer + PPOModule, PPO preset: actor, critic, reference; AdamW; "
-                f"micro-batch {B} x ({P} prompt + {T} response) tokens, one micro-batch per step) on "
-                f"{cfg.device.type}, 2 rollout steps; measured = the largest torch.cuda.max_memory_allocated of a training batch "
-                "after the first (AdamW's states exist then, as in every later step) minus what "
-                "was allocated before the run was built; estimated = lit_ppo.memory.estimate_memory(...).training_bytes")
-    report.table("training-phase memory: estimate vs measured", ["model", "precision", "checkpointing",
-                 "estimated (GiB)", "measured, steady state (GiB)", "first step (GiB)", "estimate / measured", "within +-30%", "fit s"], rows)
+    report.note(
+        f"a real rollout step (Lightning trainer + PPOModule, PPO preset: actor, critic, reference; AdamW; "
+        f"micro-batch {B} x ({P} prompt + {T} response) tokens, one micro-batch per step) on "
+        f"{cfg.device.type}, 2 rollout steps; measured = the largest torch.cuda.max_memory_allocated of a training batch "
+        "after the first (AdamW's states exist then, as in every later step) minus what "
+        "was allocated before the run was built; estimated = lit_ppo.memory.estimate_memory(...).training_bytes"
+    )
+    report.table(
+        "training-phase memory: estimate vs measured",
+        [
+            "model",
+            "precision",
+            "checkpointing",
+            "estimated (GiB)",
+            "measured, steady state (GiB)",
+            "first step (GiB)",
+            "estimate / measured",
+            "within +-30%",
+            "fit s",
+        ],
+        rows,
+    )
     if cfg.cuda:
         report.note(f"largest deviation {worst:.0%} (goal within 30%: {'met' if worst <= 0.3 else 'not met'})")
     report.data = {"rows": rows}
 
 
 # ---------------------------------------------------------------- D. bf16 with float32 master weights
+
 
 def fraction_changed(before: dict[str, torch.Tensor], model) -> float:
     changed = total = 0
@@ -478,17 +616,22 @@ def section_bf16(report: Report, cfg) -> None:
     ensure_process_group(cfg.device)
     model_dir = shape_dir(cfg.small_model, None, cfg.device)
     steps, lr = 10, 1e-6
-    ids = torch.randint(4, 100, (4 if cfg.smoke else 8, 32 if cfg.smoke else 256), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        4, 100, (4 if cfg.smoke else 8, 32 if cfg.smoke else 256), generator=torch.Generator().manual_seed(0)
+    )
     ids = ids.to(cfg.device)
     rows = []
 
     # FSDP2 bf16-mixed: float32 shards (parameters, gradients, AdamW), bf16 compute.
-    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), False).to(cfg.device)
+    model = prepare_for_training(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), False).to(
+        cfg.device
+    )
     mesh = init_device_mesh(cfg.device.type, (1,), mesh_dim_names=("data_parallel",))
     shard_models((model,), mesh["data_parallel"], bf16_mixed=True)
     compute_dtypes = set()
     hook = model.model.layers[0].mlp.gate_proj.register_forward_hook(
-        lambda m, inputs, output: compute_dtypes.add(str(output.dtype)))
+        lambda m, inputs, output: compute_dtypes.add(str(output.dtype))
+    )
     before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     stored = sorted({str(p.dtype) for p in model.parameters()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -499,8 +642,15 @@ def section_bf16(report: Report, cfg) -> None:
     hook.remove()
     states = sorted({str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"})
     fsdp_fraction = fraction_changed(before, model)
-    rows.append(["FSDP2 shard_models(bf16_mixed=True)", ", ".join(stored), ", ".join(sorted(compute_dtypes)),
-                 ", ".join(states), fsdp_fraction])
+    rows.append(
+        [
+            "FSDP2 shard_models(bf16_mixed=True)",
+            ", ".join(stored),
+            ", ".join(sorted(compute_dtypes)),
+            ", ".join(states),
+            fsdp_fraction,
+        ]
+    )
     del model, optimizer, before
     free_memory()
 
@@ -514,58 +664,109 @@ def section_bf16(report: Report, cfg) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     bf16_fraction = fraction_changed(before, model)
-    rows.append(["pure bf16 (model.to(bfloat16), AdamW)", "torch.bfloat16", "torch.bfloat16",
-                 ", ".join(sorted({str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"})),
-                 bf16_fraction])
+    rows.append(
+        [
+            "pure bf16 (model.to(bfloat16), AdamW)",
+            "torch.bfloat16",
+            "torch.bfloat16",
+            ", ".join(sorted({str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"})),
+            bf16_fraction,
+        ]
+    )
     del model, optimizer, before
     free_memory()
 
     # The trainer's own precisions (single device): 2 rollout steps x 5 AdamW steps at lr 1e-6, GRPO preset.
     trainer_fraction = {}
     for precision in ("bf16-mixed", "bf16-true"):
-        args = argparse.Namespace(rollout_batch_size=10, samples_per_prompt=2, train_batch_size=4, micro_batch_size=4,
-                                  response_length=8 if cfg.smoke else 64, steps=2, lr=lr, seed=0)
-        ppo = grpo_preset(kl_coef=0.0, rollout_batch_size=10, n_samples_per_prompt=2, train_batch_size=4,
-                          micro_train_batch_size=4, ppo_epochs=1, actor_lr=lr)
+        args = argparse.Namespace(
+            rollout_batch_size=10,
+            samples_per_prompt=2,
+            train_batch_size=4,
+            micro_batch_size=4,
+            response_length=8 if cfg.smoke else 64,
+            steps=2,
+            lr=lr,
+            seed=0,
+        )
+        ppo = grpo_preset(
+            kl_coef=0.0,
+            rollout_batch_size=10,
+            n_samples_per_prompt=2,
+            train_batch_size=4,
+            micro_train_batch_size=4,
+            ppo_epochs=1,
+            actor_lr=lr,
+        )
         trainer, module, datamodule, plan = build_run(
-            model_dir, arithmetic_prompt_file(64), ppo, max_response_tokens=args.response_length, total_rollout_steps=2,
-            engine=NullEngine(), out_dir=CACHE / "gpu_checks-D", datamodule_class=FixedBatchDataModule,
-            accelerator=cfg.accelerator, precision=precision)
+            model_dir,
+            arithmetic_prompt_file(64),
+            ppo,
+            max_response_tokens=args.response_length,
+            total_rollout_steps=2,
+            engine=NullEngine(),
+            out_dir=CACHE / "gpu_checks-D",
+            datamodule_class=FixedBatchDataModule,
+            accelerator=cfg.accelerator,
+            precision=precision,
+        )
         datamodule.fixed_batch = fixed_batch(10, 2, 16, args.response_length)
         before = {n: p.detach().clone() for n, p in module.actor.named_parameters()}
         compute_dtypes = set()
         hook = module.actor.model.layers[0].mlp.gate_proj.register_forward_hook(
-            lambda m, inputs, output: compute_dtypes.add(str(output.dtype)))
+            lambda m, inputs, output: compute_dtypes.add(str(output.dtype))
+        )
         trainer.fit(module, datamodule=datamodule)
         hook.remove()
         optimizer = module.optimizers().optimizer if hasattr(module.optimizers(), "optimizer") else module.optimizers()
         states = sorted({str(v.dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"})
         stored = sorted({str(p.dtype) for p in module.actor.parameters()})
-        trainer_fraction[precision] = fraction_changed({n: t.to(module.actor.get_parameter(n).dtype) for n, t in before.items()},
-                                                       module.actor)
-        rows.append([f"lit-ppo trainer, precision={precision} ({module.actor_optimizer_steps} AdamW steps)",
-                     ", ".join(stored), ", ".join(sorted(compute_dtypes)), ", ".join(states), trainer_fraction[precision]])
+        trainer_fraction[precision] = fraction_changed(
+            {n: t.to(module.actor.get_parameter(n).dtype) for n, t in before.items()}, module.actor
+        )
+        rows.append(
+            [
+                f"lit-ppo trainer, precision={precision} ({module.actor_optimizer_steps} AdamW steps)",
+                ", ".join(stored),
+                ", ".join(sorted(compute_dtypes)),
+                ", ".join(states),
+                trainer_fraction[precision],
+            ]
+        )
         del trainer, module, datamodule, optimizer, before
         free_memory()
 
-    report.note(f"model {describe(model_dir)}; AdamW lr {lr:g}, no weight decay; {steps} steps of next-token loss on "
-                f"random tokens (FSDP2 and pure bf16, on a 1-rank {cfg.device.type} device mesh for FSDP2); the trainer "
-                "rows train GRPO on a fixed batch. 'changed' = fraction of parameter elements that differ from their "
-                "initial value (in the stored dtype).")
-    report.table("bf16: what an update at lr 1e-6 changes", ["setup", "stored weights", "layer compute dtype",
-                 "AdamW states", "fraction changed"], rows)
-    report.check("FSDP2 bf16-mixed keeps float32 master weights that change (>= 99%)",
-                 fsdp_fraction >= 0.99 and rows[0][1] == "torch.float32", f"{fsdp_fraction:.4f}")
+    report.note(
+        f"model {describe(model_dir)}; AdamW lr {lr:g}, no weight decay; {steps} steps of next-token loss on "
+        f"random tokens (FSDP2 and pure bf16, on a 1-rank {cfg.device.type} device mesh for FSDP2); the trainer "
+        "rows train GRPO on a fixed batch. 'changed' = fraction of parameter elements that differ from their "
+        "initial value (in the stored dtype)."
+    )
+    report.table(
+        "bf16: what an update at lr 1e-6 changes",
+        ["setup", "stored weights", "layer compute dtype", "AdamW states", "fraction changed"],
+        rows,
+    )
+    report.check(
+        "FSDP2 bf16-mixed keeps float32 master weights that change (>= 99%)",
+        fsdp_fraction >= 0.99 and rows[0][1] == "torch.float32",
+        f"{fsdp_fraction:.4f}",
+    )
     report.check("FSDP2 bf16-mixed computes in bf16", "torch.bfloat16" in rows[0][2], rows[0][2])
-    report.check("trainer bf16-mixed keeps float32 weights that change (>= 99%)",
-                 trainer_fraction["bf16-mixed"] >= 0.99 and rows[2][1] == "torch.float32" and "torch.bfloat16" in rows[2][2],
-                 f"{trainer_fraction['bf16-mixed']:.4f}, compute {rows[2][2]}")
-    report.note(f"pure bf16 changed {bf16_fraction:.4f} and the trainer's bf16-true {trainer_fraction['bf16-true']:.4f} "
-                "of the weights (expected small: the plan warns that bf16-true loses updates below bf16's resolution)")
+    report.check(
+        "trainer bf16-mixed keeps float32 weights that change (>= 99%)",
+        trainer_fraction["bf16-mixed"] >= 0.99 and rows[2][1] == "torch.float32" and "torch.bfloat16" in rows[2][2],
+        f"{trainer_fraction['bf16-mixed']:.4f}, compute {rows[2][2]}",
+    )
+    report.note(
+        f"pure bf16 changed {bf16_fraction:.4f} and the trainer's bf16-true {trainer_fraction['bf16-true']:.4f} "
+        "of the weights (expected small: the plan warns that bf16-true loses updates below bf16's resolution)"
+    )
     report.data = {"rows": rows}
 
 
 # ---------------------------------------------------------------- E. MFU
+
 
 def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, repeats: int, inner: int) -> dict:
     """FLOP/s of n x n x n matmuls (2 n^3 each): `repeats` timings of `inner` back-to-back products after warm-up."""
@@ -600,43 +801,82 @@ def section_mfu(report: Report, cfg) -> None:
     from transformers import AutoTokenizer
 
     n, repeats, inner = (512, 3, 4) if cfg.smoke else (8192, 5, 10)
-    peaks = {"bf16": matmul_peak(cfg.device, torch.bfloat16, n, repeats, inner),
-             "float32": matmul_peak(cfg.device, torch.float32, n, repeats, inner // 2 or 1)}
+    peaks = {
+        "bf16": matmul_peak(cfg.device, torch.bfloat16, n, repeats, inner),
+        "float32": matmul_peak(cfg.device, torch.float32, n, repeats, inner // 2 or 1),
+    }
     if cfg.cuda:
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")
         peaks["tf32"] = matmul_peak(cfg.device, torch.float32, n, repeats, inner)
         torch.set_float32_matmul_precision(previous)
-    report.table(f"matmul peak ({n} x {n} x {n}, mean of {repeats} x {inner} products after warm-up)",
-                 ["dtype", "mean TFLOP/s", "max TFLOP/s"], [[k, v["mean"] / 1e12, v["max"] / 1e12] for k, v in peaks.items()])
+    report.table(
+        f"matmul peak ({n} x {n} x {n}, mean of {repeats} x {inner} products after warm-up)",
+        ["dtype", "mean TFLOP/s", "max TFLOP/s"],
+        [[k, v["mean"] / 1e12, v["max"] / 1e12] for k, v in peaks.items()],
+    )
     free_memory()
 
     model_dir = shape_dir(cfg.big_model, cfg.big_vocab, cfg.device)
     shape = model_shape(model_dir)
     if cfg.smoke:
-        args = argparse.Namespace(rollout_batch_size=4, samples_per_prompt=2, train_batch_size=4, micro_batch_size=2,
-                                  response_length=16, steps=2, lr=1e-5, seed=0, repeats=1, prompt_length=8)
+        args = argparse.Namespace(
+            rollout_batch_size=4,
+            samples_per_prompt=2,
+            train_batch_size=4,
+            micro_batch_size=2,
+            response_length=16,
+            steps=2,
+            lr=1e-5,
+            seed=0,
+            repeats=1,
+            prompt_length=8,
+        )
     else:
-        args = argparse.Namespace(rollout_batch_size=16, samples_per_prompt=4, train_batch_size=32, micro_batch_size=8,
-                                  response_length=512, steps=3, lr=1e-5, seed=0, repeats=2, prompt_length=128)
+        args = argparse.Namespace(
+            rollout_batch_size=16,
+            samples_per_prompt=4,
+            train_batch_size=32,
+            micro_batch_size=8,
+            response_length=512,
+            steps=3,
+            lr=1e-5,
+            seed=0,
+            repeats=2,
+            prompt_length=128,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    batch = fixed_batch(args.rollout_batch_size, args.samples_per_prompt, args.prompt_length, args.response_length, args.seed)
+    batch = fixed_batch(
+        args.rollout_batch_size, args.samples_per_prompt, args.prompt_length, args.response_length, args.seed
+    )
     N, P, T = len(batch.response_ids), args.prompt_length, args.response_length
     flops = training_flops(shape, N, P, T)
     results: dict[str, list[float]] = {"lit-ppo": [], "plain": []}
     for rep in range(args.repeats):
-        for name in (("lit-ppo", "plain") if rep % 2 == 0 else ("plain", "lit-ppo")):
+        for name in ("lit-ppo", "plain") if rep % 2 == 0 else ("plain", "lit-ppo"):
             if cfg.over_budget(extra=90):  # section E may run 90 s past the budget at which sections still start
-                report.note(f"stopped early: over the time budget ({cfg.budget_s:g} + 90 s) before {name} "
-                            f"repetition {rep + 1}")
+                report.note(
+                    f"stopped early: over the time budget ({cfg.budget_s:g} + 90 s) before {name} repetition {rep + 1}"
+                )
                 break
             if name == "lit-ppo":
-                r = run_litppo(args, model_dir, arithmetic_prompt_file(64), batch, accelerator=cfg.accelerator,
-                               precision="bf16-mixed")
+                r = run_litppo(
+                    args,
+                    model_dir,
+                    arithmetic_prompt_file(64),
+                    batch,
+                    accelerator=cfg.accelerator,
+                    precision="bf16-mixed",
+                )
             else:
-                r = run_plain(args, model_dir, batch, tokenizer.pad_token_id, device=str(cfg.device), precision="bf16-mixed")
+                r = run_plain(
+                    args, model_dir, batch, tokenizer.pad_token_id, device=str(cfg.device), precision="bf16-mixed"
+                )
             results[name] += r["train_s"]
-            print(f"  repetition {rep + 1} {name}: training phase {', '.join(f'{s:.3f}' for s in r['train_s'])} s", flush=True)
+            print(
+                f"  repetition {rep + 1} {name}: training phase {', '.join(f'{s:.3f}' for s in r['train_s'])} s",
+                flush=True,
+            )
             free_memory()
     rows = []
     medians = {}
@@ -645,15 +885,30 @@ def section_mfu(report: Report, cfg) -> None:
             continue
         s = sorted(seconds)[len(seconds) // 2]
         medians[name] = s
-        rows.append([name, len(seconds), s, N * (P + T) / s, N * T / s, flops / s / 1e12, flops / s / peaks["bf16"]["mean"]])
-    report.note(f"model {describe(model_dir)}; bf16-mixed (float32 weights and AdamW, bf16 autocast); fixed batch "
-                f"{N} sequences x ({P} prompt + {T} response) tokens, {N // args.train_batch_size} AdamW steps of "
-                f"{args.train_batch_size} sequences in micro-batches of {args.micro_batch_size}; {args.steps} rollout "
-                f"steps per run, the first not counted; runs alternate. Model FLOPs per training phase "
-                f"{flops:.3e} = {' '.join(training_flops.__doc__.split(':', 1)[1].split())} MFU = model FLOP/s / measured "
-                "bf16 matmul peak (mean).")
-    report.table("training phase (GRPO, bf16-mixed)", ["loop", "timed steps", "median s", "tokens/s (all positions)",
-                 "response tokens/s", "model TFLOP/s", "MFU (of measured bf16 peak)"], rows)
+        rows.append(
+            [name, len(seconds), s, N * (P + T) / s, N * T / s, flops / s / 1e12, flops / s / peaks["bf16"]["mean"]]
+        )
+    report.note(
+        f"model {describe(model_dir)}; bf16-mixed (float32 weights and AdamW, bf16 autocast); fixed batch "
+        f"{N} sequences x ({P} prompt + {T} response) tokens, {N // args.train_batch_size} AdamW steps of "
+        f"{args.train_batch_size} sequences in micro-batches of {args.micro_batch_size}; {args.steps} rollout "
+        f"steps per run, the first not counted; runs alternate. Model FLOPs per training phase "
+        f"{flops:.3e} = {' '.join(training_flops.__doc__.split(':', 1)[1].split())} MFU = model FLOP/s / measured "
+        "bf16 matmul peak (mean)."
+    )
+    report.table(
+        "training phase (GRPO, bf16-mixed)",
+        [
+            "loop",
+            "timed steps",
+            "median s",
+            "tokens/s (all positions)",
+            "response tokens/s",
+            "model TFLOP/s",
+            "MFU (of measured bf16 peak)",
+        ],
+        rows,
+    )
     if len(medians) == 2:
         report.note(f"lit-ppo / plain loop tokens per second: {medians['plain'] / medians['lit-ppo']:.3f} (medians)")
     report.data = {"peaks": peaks, "rows": rows, "flops": flops, "train_s": results}
@@ -673,16 +928,27 @@ SECTIONS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs; measures nothing")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes: checks that the script runs; measures nothing"
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, e.g. A,B")
-    parser.add_argument("--out", default=str(Path(os.environ["OUT"]) / "gpu_checks.json") if os.environ.get("OUT") else None,
-                        help="the JSON report (default: $OUT/gpu_checks.json when OUT is set)")
-    parser.add_argument("--budget-s", type=float, default=400.0,
-                        help="seconds after which no section starts (E stops its repetitions 90 s later): the run "
-                             "must fit a 10-minute slot")
+    parser.add_argument(
+        "--out",
+        default=str(Path(os.environ["OUT"]) / "gpu_checks.json") if os.environ.get("OUT") else None,
+        help="the JSON report (default: $OUT/gpu_checks.json when OUT is set)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=400.0,
+        help="seconds after which no section starts (E stops its repetitions 90 s later): the run "
+        "must fit a 10-minute slot",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible; fix: run on a GPU machine or pass --device cpu --smoke")
+        raise SystemExit(
+            "--device cuda: no CUDA device is visible; fix: run on a GPU machine or pass --device cpu --smoke"
+        )
     only = [s.strip().upper() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
@@ -694,12 +960,18 @@ def main() -> None:
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
     cfg = argparse.Namespace(
-        device=device, cuda=cuda, smoke=args.smoke, accelerator="cuda" if cuda else "cpu",
-        precision="bf16-mixed", budget_s=args.budget_s,
+        device=device,
+        cuda=cuda,
+        smoke=args.smoke,
+        accelerator="cuda" if cuda else "cpu",
+        precision="bf16-mixed",
+        budget_s=args.budget_s,
         small_model=SMOKE_MODEL if args.smoke else BENCH_24M,
-        big_model=SMOKE_WIDE if args.smoke else QWEN05B, big_vocab=SMOKE_WIDE_VOCAB if args.smoke else QWEN05B_VOCAB,
+        big_model=SMOKE_WIDE if args.smoke else QWEN05B,
+        big_vocab=SMOKE_WIDE_VOCAB if args.smoke else QWEN05B_VOCAB,
         autocast=lambda: torch.autocast(device.type, dtype=torch.bfloat16) if cuda else nullcontext(),
-        over_budget=lambda extra=0.0: time.perf_counter() - started > args.budget_s + extra)
+        over_budget=lambda extra=0.0: time.perf_counter() - started > args.budget_s + extra,
+    )
     L.seed_everything(0, verbose=False)
 
     print("# lit-ppo GPU checks\n")
@@ -717,8 +989,15 @@ def main() -> None:
     for key in only:
         title, run = SECTIONS[key]
         if cfg.over_budget():
-            report.sections[key] = {"title": title, "status": "skipped", "checks": [], "tables": [], "notes": [
-                f"not started: {time.perf_counter() - started:.0f} s elapsed, over --budget-s {args.budget_s:g}"]}
+            report.sections[key] = {
+                "title": title,
+                "status": "skipped",
+                "checks": [],
+                "tables": [],
+                "notes": [
+                    f"not started: {time.perf_counter() - started:.0f} s elapsed, over --budget-s {args.budget_s:g}"
+                ],
+            }
             print(f"\n## {key}. {title}\n\nSKIPPED (time budget)", flush=True)
             continue
         report.data = None
@@ -739,9 +1018,21 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": command_line(), "device": str(device), "smoke": args.smoke,
-                                   "total_seconds": round(total, 1), "failed": report.failed(), "versions": versions(),
-                                   "sections": report.sections}, indent=1, default=str))
+        out.write_text(
+            json.dumps(
+                {
+                    "command": command_line(),
+                    "device": str(device),
+                    "smoke": args.smoke,
+                    "total_seconds": round(total, 1),
+                    "failed": report.failed(),
+                    "versions": versions(),
+                    "sections": report.sections,
+                },
+                indent=1,
+                default=str,
+            )
+        )
         print(f"JSON report: {out}")
     sys.exit(1 if report.failed() else 0)
 

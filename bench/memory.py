@@ -45,7 +45,9 @@ def status_kib(field: str) -> int:
 def load_old(path: str, function: str):
     """One function of lit_ppo as it was at BASE_COMMIT, read with `git show` and compiled alone (with torch in
     scope): the rest of that old file imports names that have moved since, and the function needs none of them."""
-    source = subprocess.run(["git", "show", f"{BASE_COMMIT}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{BASE_COMMIT}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == function)
     import torch
 
@@ -61,9 +63,16 @@ def run_variant(args) -> dict:
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-                         num_hidden_layers=args.layers, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=args.prompt_tokens + args.response_tokens + 8, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=args.prompt_tokens + args.response_tokens + 8,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(config).float().train()
     B, P, T = args.micro_batch, args.prompt_tokens, args.response_tokens
     input_ids = torch.randint(0, args.vocab_size, (B, P + T))
@@ -97,8 +106,14 @@ def run_variant(args) -> dict:
     seconds = time.perf_counter() - started
     peak_kib = status_kib("VmHWM")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
-    return {"variant": args.variant, "peak_above_start_gib": (peak_kib - before_kib) / 1024**2,
-            "start_gib": before_kib / 1024**2, "seconds": seconds, "entropy": entropy, "grad_norm": grad_norm}
+    return {
+        "variant": args.variant,
+        "peak_above_start_gib": (peak_kib - before_kib) / 1024**2,
+        "start_gib": before_kib / 1024**2,
+        "seconds": seconds,
+        "entropy": entropy,
+        "grad_norm": grad_norm,
+    }
 
 
 def available_gib() -> float:
@@ -123,24 +138,29 @@ def main() -> None:
         return
     copy_gib = args.micro_batch * args.response_tokens * args.vocab_size * 4 / GIB
     print(f"$ {shlex.join([sys.executable, *sys.argv])}")
-    print(f"micro-batch {args.micro_batch} x {args.response_tokens} response tokens (+{args.prompt_tokens} prompt), "
-          f"vocabulary {args.vocab_size:,}: one float32 copy of the logits = {copy_gib:.2f} GiB")
+    print(
+        f"micro-batch {args.micro_batch} x {args.response_tokens} response tokens (+{args.prompt_tokens} prompt), "
+        f"vocabulary {args.vocab_size:,}: one float32 copy of the logits = {copy_gib:.2f} GiB"
+    )
     results = {}
     for variant in ("new", "old"):
         needed = 5.5 * copy_gib if variant == "old" else 2.5 * copy_gib
         if available_gib() < needed:
             print(f"{variant}: skipped, {available_gib():.1f} GiB available < {needed:.1f} GiB it may need")
             continue
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], cwd=ROOT,
-                               capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--variant", variant], cwd=ROOT, capture_output=True, text=True
+        )
         if child.returncode != 0:
             print(f"{variant}: failed\n{child.stderr[-2000:]}")
             continue
         results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
         r = results[variant]
-        print(f"{variant:>4}: peak {r['peak_above_start_gib']:6.2f} GiB above the {r['start_gib']:.2f} GiB before the step "
-              f"({r['peak_above_start_gib'] / copy_gib:.1f} logits copies), {r['seconds']:.1f} s, "
-              f"entropy {r['entropy']:.4f}, grad norm {r['grad_norm']:.6f}")
+        print(
+            f"{variant:>4}: peak {r['peak_above_start_gib']:6.2f} GiB above the {r['start_gib']:.2f} GiB before the step "
+            f"({r['peak_above_start_gib'] / copy_gib:.1f} logits copies), {r['seconds']:.1f} s, "
+            f"entropy {r['entropy']:.4f}, grad norm {r['grad_norm']:.6f}"
+        )
     if len(results) == 2:
         print(f"old / new peak: {results['old']['peak_above_start_gib'] / results['new']['peak_above_start_gib']:.2f}x")
 

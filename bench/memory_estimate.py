@@ -39,7 +39,9 @@ from train_phase import FixedBatchDataModule, NullEngine, make_fixed_batch
 from lit_ppo.config import PPOConfig  # noqa: E402
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory  # noqa: E402
 
-TINY = ModelSize(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=1024)
+TINY = ModelSize(
+    hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, max_position_embeddings=1024
+)
 # glibc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) in the heap, so the resident size would
 # also count blocks the allocator holds but no tensor uses (0.80 GiB instead of 0.49 GiB for the tiny model without
 # checkpointing); a fixed 64 KiB threshold maps every tensor on its own and returns it when freed, so the resident
@@ -75,27 +77,57 @@ def measure(args) -> dict:
     model_dir = build_model_dir(MODELS[args.model])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_file = arithmetic_prompt_file(64)
-    prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[:args.prompts]]
+    prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[: args.prompts]]
     batch = make_fixed_batch(prompt_ids, args.samples, args.response_length, range(4, len(tokenizer)), seed=0)
-    ppo = PPOConfig(rollout_batch_size=args.prompts, n_samples_per_prompt=args.samples, train_batch_size=args.prompts * args.samples,
-                    micro_train_batch_size=args.micro_batch, kl_coef=0.01)
+    ppo = PPOConfig(
+        rollout_batch_size=args.prompts,
+        n_samples_per_prompt=args.samples,
+        train_batch_size=args.prompts * args.samples,
+        micro_train_batch_size=args.micro_batch,
+        kl_coef=0.01,
+    )
     peak = PeakOfStep()
     before_kib = status_kib("VmRSS")
-    trainer, module, datamodule, plan = build_run(model_dir, prompt_file, ppo, max_response_tokens=args.response_length,
-                                                  total_rollout_steps=1, engine=NullEngine(), out_dir=CACHE / "memory_estimate",
-                                                  callbacks=[peak], datamodule_class=FixedBatchDataModule,
-                                                  gradient_checkpointing=args.checkpointing)
+    trainer, module, datamodule, plan = build_run(
+        model_dir,
+        prompt_file,
+        ppo,
+        max_response_tokens=args.response_length,
+        total_rollout_steps=1,
+        engine=NullEngine(),
+        out_dir=CACHE / "memory_estimate",
+        callbacks=[peak],
+        datamodule_class=FixedBatchDataModule,
+        gradient_checkpointing=args.checkpointing,
+    )
     datamodule.fixed_batch = batch
     trainer.fit(module, datamodule=datamodule)
     shape = ModelShape.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    estimate = estimate_memory(shape, MemoryInputs(
-        precision="32-true", strategy="single", data_parallel_size=1, micro_batch_size=args.micro_batch,
-        prompt_tokens=max(len(p) for p in prompt_ids), response_tokens=args.response_length,
-        gradient_checkpointing=args.checkpointing, critic=plan.critic_enabled, reference=plan.reference_enabled,
-        rollout_dtype="float32", rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=1024, on_gpu=False))
-    return {"measured_gib": (peak.peak_kib - before_kib) / 1024**2, "estimated_gib": estimate.training_bytes / GIB,
-            "rows": {w: b / GIB for w, b, _ in estimate.rows}, "model": model_description(model_dir),
-            "prompt_tokens": max(len(p) for p in prompt_ids)}
+    estimate = estimate_memory(
+        shape,
+        MemoryInputs(
+            precision="32-true",
+            strategy="single",
+            data_parallel_size=1,
+            micro_batch_size=args.micro_batch,
+            prompt_tokens=max(len(p) for p in prompt_ids),
+            response_tokens=args.response_length,
+            gradient_checkpointing=args.checkpointing,
+            critic=plan.critic_enabled,
+            reference=plan.reference_enabled,
+            rollout_dtype="float32",
+            rollout_sequences=plan.samples_per_rank_per_rollout_step,
+            max_model_len=1024,
+            on_gpu=False,
+        ),
+    )
+    return {
+        "measured_gib": (peak.peak_kib - before_kib) / 1024**2,
+        "estimated_gib": estimate.training_bytes / GIB,
+        "rows": {w: b / GIB for w, b, _ in estimate.rows},
+        "model": model_description(model_dir),
+        "prompt_tokens": max(len(p) for p in prompt_ids),
+    }
 
 
 def main() -> None:
@@ -116,14 +148,21 @@ def main() -> None:
     if args.smoke:
         args.models, args.prompts, args.samples, args.micro_batch, args.response_length = ["tiny"], 2, 2, 4, 32
     print(f"$ {command_line()}")
-    print(f"rollout batch {args.prompts} prompts x {args.samples} samples, micro-batch {args.micro_batch}, "
-          f"{args.response_length} response tokens, PPO (critic + reference), float32, CPU")
+    print(
+        f"rollout batch {args.prompts} prompts x {args.samples} samples, micro-batch {args.micro_batch}, "
+        f"{args.response_length} response tokens, PPO (critic + reference), float32, CPU"
+    )
     worst = 0.0
     for model in args.models:
         for checkpointing in (False, True):
-            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--model", model, "--checkpointing",
-                                    str(int(checkpointing))], cwd=ROOT / "bench", capture_output=True, text=True, check=False,
-                                   env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)})
+            child = subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--model", model, "--checkpointing", str(int(checkpointing))],
+                cwd=ROOT / "bench",
+                capture_output=True,
+                text=True,
+                check=False,
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES)},
+            )
             if child.returncode != 0:
                 print(f"{model}: failed\n{child.stderr[-3000:]}")
                 continue
@@ -131,8 +170,10 @@ def main() -> None:
             error = r["estimated_gib"] / r["measured_gib"] - 1
             worst = max(worst, abs(error))
             parts = ", ".join(f"{w} {v:.3f}" for w, v in r["rows"].items() if not w.startswith("vLLM") and v > 0)
-            print(f"{model:>5} checkpointing={'on ' if checkpointing else 'off'}: measured {r['measured_gib']:.3f} GiB, "
-                  f"estimated {r['estimated_gib']:.3f} GiB ({error:+.0%})   [{r['model']}; prompt width {r['prompt_tokens']}]")
+            print(
+                f"{model:>5} checkpointing={'on ' if checkpointing else 'off'}: measured {r['measured_gib']:.3f} GiB, "
+                f"estimated {r['estimated_gib']:.3f} GiB ({error:+.0%})   [{r['model']}; prompt width {r['prompt_tokens']}]"
+            )
             print(f"      estimate rows (GiB): {parts}")
     print(f"largest deviation: {worst:.0%} (goal: within 30%)")
 

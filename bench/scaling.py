@@ -33,19 +33,38 @@ FACTORS = (1, 2, 4)
 
 
 def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, response_length: int) -> dict:
-    ppo = grpo_preset(kl_coef=0.0, rollout_batch_size=rollout_batch_size, n_samples_per_prompt=args.samples_per_prompt,
-                      train_batch_size=args.train_batch_size, micro_train_batch_size=args.micro_batch_size,
-                      ppo_epochs=1, shuffle_seed=args.seed)
+    ppo = grpo_preset(
+        kl_coef=0.0,
+        rollout_batch_size=rollout_batch_size,
+        n_samples_per_prompt=args.samples_per_prompt,
+        train_batch_size=args.train_batch_size,
+        micro_train_batch_size=args.micro_batch_size,
+        ppo_epochs=1,
+        shuffle_seed=args.seed,
+    )
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
-        model_dir, prompt_file, ppo, max_response_tokens=response_length, total_rollout_steps=args.steps,
-        engine=engine, out_dir=CACHE / "scaling-run", seed=args.seed, callbacks=[clock])
+        model_dir,
+        prompt_file,
+        ppo,
+        max_response_tokens=response_length,
+        total_rollout_steps=args.steps,
+        engine=engine,
+        out_dir=CACHE / "scaling-run",
+        seed=args.seed,
+        callbacks=[clock],
+    )
     trainer.fit(module, datamodule=datamodule)
     rows = module.history[1:]
-    return {"step_s": clock.steady_step_seconds(),
-            "phases": {k.removeprefix("timing/").removesuffix("_s"): [r[k] for r in rows]
-                       for k in rows[0] if k.startswith("timing/") and k != "timing/rollout_step_s"},
-            "optimizer_steps": plan.optimizer_steps_per_rollout_step}
+    return {
+        "step_s": clock.steady_step_seconds(),
+        "phases": {
+            k.removeprefix("timing/").removesuffix("_s"): [r[k] for r in rows]
+            for k in rows[0]
+            if k.startswith("timing/") and k != "timing/rollout_step_s"
+        },
+        "optimizer_steps": plan.optimizer_steps_per_rollout_step,
+    }
 
 
 def main() -> None:
@@ -66,17 +85,24 @@ def main() -> None:
 
     model_dir = bench_model_dir(args)
     R, n, T = args.rollout_batch_size, args.samples_per_prompt, args.response_length
-    configs = [("1x", R, T)] + [(f"batch {f}x", R * f, T) for f in FACTORS[1:]] + [(f"length {f}x", R, T * f) for f in FACTORS[1:]]
-    print_header("scaling: seconds per rollout step vs rollout batch size and response length", args,
-                 model=model_description(model_dir),
-                 base=f"1x = {R} prompts x {n} samples x {T} tokens; train_batch_size={args.train_batch_size}, "
-                      f"micro_batch_size={args.micro_batch_size} (fixed); {args.steps} rollout steps per run (first is "
-                      f"warm-up), {args.repeats} repetitions (order reversed on odd ones), one vLLM engine for all runs")
+    configs = (
+        [("1x", R, T)]
+        + [(f"batch {f}x", R * f, T) for f in FACTORS[1:]]
+        + [(f"length {f}x", R, T * f) for f in FACTORS[1:]]
+    )
+    print_header(
+        "scaling: seconds per rollout step vs rollout batch size and response length",
+        args,
+        model=model_description(model_dir),
+        base=f"1x = {R} prompts x {n} samples x {T} tokens; train_batch_size={args.train_batch_size}, "
+        f"micro_batch_size={args.micro_batch_size} (fixed); {args.steps} rollout steps per run (first is "
+        f"warm-up), {args.repeats} repetitions (order reversed on odd ones), one vLLM engine for all runs",
+    )
     engine = start_engine(model_dir, engine_max_model_len(T * FACTORS[-1]), seed=args.seed)
     prompt_file = arithmetic_prompt_file(max(256, R * FACTORS[-1] * args.steps), args.seed)
     results = {name: {"step_s": [], "phases": {}} for name, _, _ in configs}
     for rep in range(args.repeats):
-        for name, prompts, length in (configs if rep % 2 == 0 else configs[::-1]):
+        for name, prompts, length in configs if rep % 2 == 0 else configs[::-1]:
             r = run_once(args, model_dir, prompt_file, engine, prompts, length)
             results[name]["step_s"] += r["step_s"]
             results[name]["optimizer_steps"] = r["optimizer_steps"]
@@ -87,21 +113,27 @@ def main() -> None:
     base = stats(results["1x"]["step_s"])["median"]
     phase_names = list(results["1x"]["phases"])
     print("-" * 100)
-    header = f"{'config':<10} {'prompts':>7} {'samples':>7} {'tokens':>6} {'opt steps':>9} {'s/step':>8} {'growth':>7} " \
-             + " ".join(f"{p:>11}" for p in phase_names)
+    header = (
+        f"{'config':<10} {'prompts':>7} {'samples':>7} {'tokens':>6} {'opt steps':>9} {'s/step':>8} {'growth':>7} "
+        + " ".join(f"{p:>11}" for p in phase_names)
+    )
     print(header)
     for name, prompts, length in configs:
         seconds = stats(results[name]["step_s"])["median"]
         phases = " ".join(f"{stats(results[name]['phases'][p])['median']:>11.3f}" for p in phase_names)
-        print(f"{name:<10} {prompts:>7} {prompts * n:>7} {length:>6} {results[name]['optimizer_steps']:>9} "
-              f"{seconds:>8.3f} {seconds / base:>6.2f}x {phases}")
+        print(
+            f"{name:<10} {prompts:>7} {prompts * n:>7} {length:>6} {results[name]['optimizer_steps']:>9} "
+            f"{seconds:>8.3f} {seconds / base:>6.2f}x {phases}"
+        )
     print("(s/step: median wall-clock seconds per rollout step; phases: median seconds; growth: s/step over 1x)")
     for sweep in ("batch", "length"):
         growth = [stats(results[f"{sweep} {f}x"]["step_s"])["median"] / base for f in FACTORS[1:]]
         per_doubling = [growth[0]] + [growth[i] / growth[i - 1] for i in range(1, len(growth))]
-        print(f"{sweep:<6} growth: 2x -> {growth[0]:.2f}x, 4x -> {growth[1]:.2f}x the seconds "
-              f"(per doubling {', '.join(f'{g:.2f}' for g in per_doubling)}; linear is 2.00)"
-              + (f"; goal no worse than linear: {'met' if growth[1] <= 4.0 else 'not met'}" if sweep == "batch" else ""))
+        print(
+            f"{sweep:<6} growth: 2x -> {growth[0]:.2f}x, 4x -> {growth[1]:.2f}x the seconds "
+            f"(per doubling {', '.join(f'{g:.2f}' for g in per_doubling)}; linear is 2.00)"
+            + (f"; goal no worse than linear: {'met' if growth[1] <= 4.0 else 'not met'}" if sweep == "batch" else "")
+        )
     print(f"command : {command_line()}")
     engine.close()
 

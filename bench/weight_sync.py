@@ -47,21 +47,38 @@ def main() -> None:
 
     model_dir = bench_model_dir(args)
     N = args.rollout_batch_size * args.samples_per_prompt
-    print_header("weight sync: actor -> vLLM, and its share of a rollout step", args, model=model_description(model_dir),
-                 run=f"{args.rollout_batch_size} prompts x {args.samples_per_prompt} samples = {N} samples x "
-                     f"{args.response_length} tokens, train_batch_size={args.train_batch_size}, "
-                     f"micro_batch_size={args.micro_batch_size}, {args.steps} rollout steps x {args.repeats} "
-                     f"run(s) (first step of each is warm-up), then {args.syncs} timed syncs")
+    print_header(
+        "weight sync: actor -> vLLM, and its share of a rollout step",
+        args,
+        model=model_description(model_dir),
+        run=f"{args.rollout_batch_size} prompts x {args.samples_per_prompt} samples = {N} samples x "
+        f"{args.response_length} tokens, train_batch_size={args.train_batch_size}, "
+        f"micro_batch_size={args.micro_batch_size}, {args.steps} rollout steps x {args.repeats} "
+        f"run(s) (first step of each is warm-up), then {args.syncs} timed syncs",
+    )
     engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
-    ppo = grpo_preset(kl_coef=0.0, rollout_batch_size=args.rollout_batch_size,
-                      n_samples_per_prompt=args.samples_per_prompt, train_batch_size=args.train_batch_size,
-                      micro_train_batch_size=args.micro_batch_size, ppo_epochs=1, shuffle_seed=args.seed)
+    ppo = grpo_preset(
+        kl_coef=0.0,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.samples_per_prompt,
+        train_batch_size=args.train_batch_size,
+        micro_train_batch_size=args.micro_batch_size,
+        ppo_epochs=1,
+        shuffle_seed=args.seed,
+    )
     prompt_file = arithmetic_prompt_file(max(256, args.rollout_batch_size * args.steps), args.seed)
     rows, syncs = [], []
     for rep in range(args.repeats):
         trainer, module, datamodule, plan = build_run(
-            model_dir, prompt_file, ppo, max_response_tokens=args.response_length, total_rollout_steps=args.steps,
-            engine=engine, out_dir=CACHE / "weight_sync-run", seed=args.seed)
+            model_dir,
+            prompt_file,
+            ppo,
+            max_response_tokens=args.response_length,
+            total_rollout_steps=args.steps,
+            engine=engine,
+            out_dir=CACHE / "weight_sync-run",
+            seed=args.seed,
+        )
         trainer.fit(module, datamodule=datamodule)
         rows += module.history[1:]
         for _ in range(args.syncs):
@@ -78,12 +95,17 @@ def main() -> None:
     print(f"sync, timed alone  : {fmt(alone)}  ({megabytes / 1e3 / alone['median']:.2f} GB/s)")
     print(f"sync, inside steps : {fmt(in_run)}")
     print(f"rollout step       : {fmt(step)}")
-    phases = {k.removeprefix("timing/").removesuffix("_s"): stats([r[k] for r in rows])["median"]
-              for k in rows[0] if k.startswith("timing/") and k != "timing/rollout_step_s"}
+    phases = {
+        k.removeprefix("timing/").removesuffix("_s"): stats([r[k] for r in rows])["median"]
+        for k in rows[0]
+        if k.startswith("timing/") and k != "timing/rollout_step_s"
+    }
     print("phases (median s) : " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     shares = stats([r["timing/weight_sync_s"] / r["timing/rollout_step_s"] for r in rows])
-    print(f"sync share of a rollout step: {100 * shares['median']:.2f} % (median over {shares['n']} steps; "
-          f"{100 * shares['min']:.2f}-{100 * shares['max']:.2f} %); goal <= 2 %: {'met' if shares['median'] <= 0.02 else 'not met'}")
+    print(
+        f"sync share of a rollout step: {100 * shares['median']:.2f} % (median over {shares['n']} steps; "
+        f"{100 * shares['min']:.2f}-{100 * shares['max']:.2f} %); goal <= 2 %: {'met' if shares['median'] <= 0.02 else 'not met'}"
+    )
     print(f"command : {command_line()}")
     engine.close()
 

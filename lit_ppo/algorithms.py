@@ -27,6 +27,7 @@ def local_sum(x: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- statistics
 
+
 def masked_mean(x: Tensor, mask: Tensor, global_sum: GlobalSum = local_sum) -> Tensor:
     total = global_sum(torch.stack([(x * mask).sum(), mask.sum()]))
     return total[0] / total[1].clamp(min=1)
@@ -80,15 +81,17 @@ def no_kl_in_reward(name: str, kl_penalty: Tensor | None) -> None:
     are all equal advantages of about +-1 from KL noise alone (GRPO divides by a std that is then the
     KL's); after them it would no longer be their estimator. So KL goes into the loss (kl_mode=loss)."""
     if kl_penalty is not None:
-        raise ValueError(f"{name}: a KL penalty in the reward is not supported (it would give groups of equal task "
-                         "rewards non-zero advantages); put the KL in the loss (ppo.kl_mode=loss)")
+        raise ValueError(
+            f"{name}: a KL penalty in the reward is not supported (it would give groups of equal task "
+            "rewards non-zero advantages); put the KL in the loss (ppo.kl_mode=loss)"
+        )
 
 
 # ---------------------------------------------------------------- advantage estimators
 # Each returns (advantages [B, T], returns [B, T]); padding positions are zero.
 
-def gae(rewards, mask, *, values, kl_penalty=None, gamma=1.0, lam=0.95, global_sum=local_sum,
-        normalize=True, **_):
+
+def gae(rewards, mask, *, values, kl_penalty=None, gamma=1.0, lam=0.95, global_sum=local_sum, normalize=True, **_):
     """Generalized advantage estimation (Schulman et al. 2016) with a critic.
 
     Over the valid tokens only: where the mask has holes (the observations between a multi-turn episode's
@@ -186,6 +189,7 @@ KL_CLAMP = 10.0
 # ---------------------------------------------------------------- KL estimators
 # log_ratio = logp_policy - logp_reference, per token; each estimates KL(policy || reference), clamped (above).
 
+
 def kl_k1(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-KL_CLAMP, KL_CLAMP)
 
@@ -212,8 +216,17 @@ def adaptive_kl_coef(coef: float, observed_kl: float, target_kl: float, n_sample
 # Each takes (logp, old_logp, advantages, mask) and the clip range and returns (per-token loss, per-token 1.0 where
 # the clip was active); the caller aggregates the loss (`aggregate_loss`). `ppo.policy_loss` names one of POLICY_LOSSES.
 
-def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
-                    clip_ratio_low: float, clip_ratio_high: float, dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+
+def ppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor | None = None,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """Clipped surrogate with separate low/high clip and optional dual clip.
 
     Returns (per-token loss, per-token 1.0 where the clip was active). The log-ratio is clamped to
@@ -232,8 +245,16 @@ def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
 policy_loss = ppo_policy_loss  # the name the clipped surrogate had before the registry
 
 
-def gspo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_ratio_low: float,
-                     clip_ratio_high: float, **_) -> tuple[Tensor, Tensor]:
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    **_,
+) -> tuple[Tensor, Tensor]:
     """GSPO (Zheng et al. 2025), token form: one ratio per sequence, s_i = exp(mean over its tokens of log r_t),
     clipped as a whole to [1 - low, 1 + high] (the paper: 3e-4 and 4e-4, since s_i moves far less than a token's
     ratio). Each token carries s_i,t = sg(s_i) * r_t / sg(r_t): its value is s_i, its gradient s_i * grad log pi_t,
@@ -248,8 +269,16 @@ def gspo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     return torch.maximum(unclipped, clipped), (clipped > unclipped).to(logp.dtype)
 
 
-def cispo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
-                      clip_ratio_low: float, clip_ratio_high: float, **_) -> tuple[Tensor, Tensor]:
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor | None = None,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    **_,
+) -> tuple[Tensor, Tensor]:
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, stop-gradient importance ratio,
     loss_t = -sg(clip(r_t, 1 - low, 1 + high)) * A_t * log pi_t. Unlike PPO no token loses its gradient when its
     ratio leaves the range: the clip only bounds the weight (MiniMax-M1 leaves the low side open, low = 1).
@@ -278,16 +307,36 @@ ROLLOUT_CORRECTION_MODES = ("none", "tis", "mis")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 
 
-def actor_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, entropy: Tensor, *,
-                     policy_loss: str, clip_ratio_low: float, clip_ratio_high: float, dual_clip: float | None = None,
-                     rc_weights: Tensor | None = None, entropy_coef: float = 0.0, ref_logp: Tensor | None = None,
-                     kl_estimator: str = "k1", kl_coef: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+def actor_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    entropy: Tensor,
+    *,
+    policy_loss: str,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    dual_clip: float | None = None,
+    rc_weights: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logp: Tensor | None = None,
+    kl_estimator: str = "k1",
+    kl_coef: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The actor's per-token loss [B, T]: the policy loss (`POLICY_LOSSES[policy_loss]`) weighted by the rollout
     correction (tokens MIS drops get weight 0), minus the entropy bonus, plus the KL to the reference when the KL is
     in the loss (`ref_logp` given). Returns (loss, weighted policy loss, clip indicator); aggregate with
     `aggregate_loss` over the kept tokens."""
-    pg_tok, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, mask, clip_ratio_low=clip_ratio_low,
-                                                 clip_ratio_high=clip_ratio_high, dual_clip=dual_clip)
+    pg_tok, clipped = POLICY_LOSSES[policy_loss](
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        dual_clip=dual_clip,
+    )
     if rc_weights is not None:
         pg_tok = pg_tok * rc_weights
     loss_tok = pg_tok
@@ -298,10 +347,19 @@ def actor_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     return loss_tok, pg_tok, clipped
 
 
-def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, mode: str, level: str = "token",
-                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0,
-                       global_sum: GlobalSum = local_sum,
-                       global_max: GlobalSum = local_sum) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+def rollout_correction(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    *,
+    mode: str,
+    level: str = "token",
+    tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+    global_sum: GlobalSum = local_sum,
+    global_max: GlobalSum = local_sum,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Weights [B, T] for the policy loss, the tokens that stay in it [B, T], and statistics over the whole (global)
     batch: `weight_mean` and `weight_max` over the tokens kept, `masked_fraction` of the valid tokens dropped.
     Padding gets weight 0 and is never kept."""
@@ -332,6 +390,7 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
 
 # ---------------------------------------------------------------- reward shaping
 
+
 def overlong_penalty(lengths: Tensor, *, max_response_tokens: int, buffer_tokens: int, penalty_factor: float) -> Tensor:
     """DAPO's soft overlong punishment per response [B] (added to its reward): 0 up to max_response_tokens -
     buffer_tokens tokens, then falling linearly to -penalty_factor at max_response_tokens, and -penalty_factor
@@ -341,7 +400,9 @@ def overlong_penalty(lengths: Tensor, *, max_response_tokens: int, buffer_tokens
     return (-over / buffer_tokens * penalty_factor).clamp(min=-penalty_factor)
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, *, value_clip: float | None) -> tuple[Tensor, Tensor]:
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, *, value_clip: float | None
+) -> tuple[Tensor, Tensor]:
     """0.5 * squared error, pessimistic over the clipped value when value_clip is set.
 
     Returns (per-token loss, per-token 1.0 where the clipped branch was chosen)."""
@@ -365,8 +426,15 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, *, num_tokens: Tensor | float | None = None,
-                   num_seqs: Tensor | float | None = None, max_len: int | None = None) -> Tensor:
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> Tensor:
     """Reduce a per-token loss [B, T] to a scalar.
 
     `num_tokens` and `num_seqs` are the valid tokens and sequences of the whole mini-batch
@@ -392,6 +460,7 @@ def aggregate_loss(loss: Tensor, mask: Tensor, mode: str, *, num_tokens: Tensor 
 
 # ---------------------------------------------------------------- learning-rate schedule
 
+
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -400,4 +469,5 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Callable[[i
             progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
+
     return factor

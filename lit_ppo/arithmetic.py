@@ -16,8 +16,9 @@ from lit_ppo.atomic import atomic_path
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
 
-def make_problems(*, seed: int, max_operand: int, n_train: int, n_eval: int, operation: str = "+",
-                  min_operand: int = 0) -> tuple[list[dict], list[dict]]:
+def make_problems(
+    *, seed: int, max_operand: int, n_train: int, n_eval: int, operation: str = "+", min_operand: int = 0
+) -> tuple[list[dict], list[dict]]:
     """All `a<operation>b` with min_operand <= a, b <= max_operand, shuffled and split into disjoint train/eval
     records (`operation` + or *; `data.operation`, `data.min_operand`)."""
     if operation not in OPERATIONS:

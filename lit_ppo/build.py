@@ -46,26 +46,69 @@ def quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-def build_run(*, plan: StepPlan, ppo: PPOConfig, rollout: RolloutConfig, model_dir: str, tokenizer,
-              train_prompts: PromptSet, eval_prompts: PromptSet | None, scorer: RewardScorer, output_dir: str | Path,
-              seed: int = 0, engine=None, chat_template: bool = False, gradient_checkpointing: bool = False,
-              eval_every: int = 0, metrics_path: str | None = None, max_consecutive_skipped_updates: int = 3,
-              callbacks: Sequence[L.Callback] = (), loggers: Sequence = (), accelerator: str = "cpu",
-              devices: int = 1, num_nodes: int = 1, strategy: Any = "auto",
-              datamodule_class: type[RolloutDataModule] = RolloutDataModule
-              ) -> tuple[L.Trainer, PPOModule, RolloutDataModule]:
+def build_run(
+    *,
+    plan: StepPlan,
+    ppo: PPOConfig,
+    rollout: RolloutConfig,
+    model_dir: str,
+    tokenizer,
+    train_prompts: PromptSet,
+    eval_prompts: PromptSet | None,
+    scorer: RewardScorer,
+    output_dir: str | Path,
+    seed: int = 0,
+    engine=None,
+    chat_template: bool = False,
+    gradient_checkpointing: bool = False,
+    eval_every: int = 0,
+    metrics_path: str | None = None,
+    max_consecutive_skipped_updates: int = 3,
+    callbacks: Sequence[L.Callback] = (),
+    loggers: Sequence = (),
+    accelerator: str = "cpu",
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Any = "auto",
+    datamodule_class: type[RolloutDataModule] = RolloutDataModule,
+) -> tuple[L.Trainer, PPOModule, RolloutDataModule]:
     """The trainer, module and data module of one run. `engine`: a vLLM engine to share (single process only);
     None starts one per rank in the data module's setup."""
     quiet_known_warnings()
-    datamodule = datamodule_class(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
-                                  scorer=scorer, tokenizer=tokenizer, model_dir=model_dir, seed=seed, engine=engine,
-                                  chat_template=chat_template)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_tokens=plan.max_response_tokens,
-                       pad_token_id=tokenizer.pad_token_id, gradient_checkpointing=gradient_checkpointing,
-                       eval_every=eval_every, metrics_path=metrics_path,
-                       max_consecutive_skipped_updates=max_consecutive_skipped_updates,
-                       temperature=rollout.temperature, max_logprob_abs_diff=rollout.max_logprob_abs_diff)
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-                        precision=plan.precision, logger=list(loggers) or False, callbacks=list(callbacks),
-                        default_root_dir=str(output_dir), **TRAINER_FLAGS)
+    datamodule = datamodule_class(
+        plan=plan,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        rollout=rollout,
+        scorer=scorer,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=seed,
+        engine=engine,
+        chat_template=chat_template,
+    )
+    module = PPOModule(
+        model_dir=model_dir,
+        ppo=ppo,
+        plan=plan,
+        max_response_tokens=plan.max_response_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        gradient_checkpointing=gradient_checkpointing,
+        eval_every=eval_every,
+        metrics_path=metrics_path,
+        max_consecutive_skipped_updates=max_consecutive_skipped_updates,
+        temperature=rollout.temperature,
+        max_logprob_abs_diff=rollout.max_logprob_abs_diff,
+    )
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=plan.precision,
+        logger=list(loggers) or False,
+        callbacks=list(callbacks),
+        default_root_dir=str(output_dir),
+        **TRAINER_FLAGS,
+    )
     return trainer, module, datamodule

@@ -109,8 +109,11 @@ def rng_state() -> dict:
 
     NumPy's state as plain lists: the checkpoint then loads with torch.load(weights_only=True), which
     Lightning uses when a strategy restores after setup (ModelParallelStrategy) whatever fit() was given."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()]}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [v.tolist() if isinstance(v, np.ndarray) else v for v in np.random.get_state()],
+    }
 
 
 def restore_rng_state(state: dict) -> None:
@@ -125,5 +128,7 @@ def check_same_rollout_step_shape(saved_plan: dict, plan) -> None:
     planned = {k: saved_plan[k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
     now = {k: getattr(plan, k) for k in planned}
     if planned != now:
-        raise StepAccountingError(f"the checkpoint was written under another plan {planned}, this run plans {now}; "
-                                  "fix: resume with the same ppo batch sizes and ppo_epochs")
+        raise StepAccountingError(
+            f"the checkpoint was written under another plan {planned}, this run plans {now}; "
+            "fix: resume with the same ppo batch sizes and ppo_epochs"
+        )

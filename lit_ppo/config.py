@@ -244,7 +244,9 @@ def validate_ppo(ppo: PPOConfig) -> None:
             f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set ppo.n_samples_per_prompt to 2 or more"
         )
     if ppo.kl_estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"ppo.kl_estimator={ppo.kl_estimator!r} is unknown; fix: use one of {', '.join(KL_ESTIMATORS)}")
+        raise ConfigError(
+            f"ppo.kl_estimator={ppo.kl_estimator!r} is unknown; fix: use one of {', '.join(KL_ESTIMATORS)}"
+        )
     if ppo.kl_mode not in ("reward", "loss"):
         raise ConfigError(f"ppo.kl_mode={ppo.kl_mode!r} is unknown; fix: use 'reward' or 'loss'")
     if ppo.kl_coef < 0:
@@ -256,7 +258,9 @@ def validate_ppo(ppo: PPOConfig) -> None:
             "GRPO does) or ppo.kl_coef=0"
         )
     if ppo.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ConfigError(f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}")
+        raise ConfigError(
+            f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}"
+        )
     if ppo.policy_loss not in POLICY_LOSSES:
         raise ConfigError(f"ppo.policy_loss={ppo.policy_loss!r} is unknown; fix: use one of {', '.join(POLICY_LOSSES)}")
     # CISPO may leave the weight's low side open (low = 1: weight >= 0), as MiniMax-M1 does.
@@ -269,30 +273,42 @@ def validate_ppo(ppo: PPOConfig) -> None:
     if ppo.dual_clip is not None and ppo.dual_clip <= 1:
         raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} must be > 1 (e.g. 3.0); fix: set it above 1 or to null")
     if ppo.dual_clip is not None and ppo.policy_loss != "ppo":
-        raise ConfigError(f"ppo.dual_clip={ppo.dual_clip} bounds the clipped surrogate of policy_loss=ppo, not "
-                          f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null")
+        raise ConfigError(
+            f"ppo.dual_clip={ppo.dual_clip} bounds the clipped surrogate of policy_loss=ppo, not "
+            f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null"
+        )
     rc = ppo.rollout_correction
     if rc.mode not in ROLLOUT_CORRECTION_MODES or rc.level not in ROLLOUT_CORRECTION_LEVELS:
-        raise ConfigError(f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
-                          f"{', '.join(ROLLOUT_CORRECTION_MODES)}, level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}")
+        raise ConfigError(
+            f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
+            f"{', '.join(ROLLOUT_CORRECTION_MODES)}, level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+        )
     if rc.mode == "tis" and rc.tis_cap <= 0:
         raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
     if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
-        raise ConfigError(f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
-                          "fix: e.g. mis_low=0.5 mis_high=2.0")
+        raise ConfigError(
+            f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
+            "fix: e.g. mis_low=0.5 mis_high=2.0"
+        )
     if ppo.old_logprobs not in OLD_LOGPROBS:
-        raise ConfigError(f"ppo.old_logprobs={ppo.old_logprobs!r} is unknown; fix: use one of {', '.join(OLD_LOGPROBS)}")
+        raise ConfigError(
+            f"ppo.old_logprobs={ppo.old_logprobs!r} is unknown; fix: use one of {', '.join(OLD_LOGPROBS)}"
+        )
     if ppo.old_logprobs == "rollout" and rc.mode != "none":
-        raise ConfigError(f"ppo.old_logprobs=rollout takes vLLM's log-probs as the old ones, so "
-                          f"ppo.rollout_correction.mode={rc.mode} has no mismatch left to weight (its ratio is 1); fix: set "
-                          "ppo.rollout_correction.mode=none, or ppo.old_logprobs=recompute to keep the correction")
+        raise ConfigError(
+            f"ppo.old_logprobs=rollout takes vLLM's log-probs as the old ones, so "
+            f"ppo.rollout_correction.mode={rc.mode} has no mismatch left to weight (its ratio is 1); fix: set "
+            "ppo.rollout_correction.mode=none, or ppo.old_logprobs=recompute to keep the correction"
+        )
     if ppo.micro_train_max_tokens is not None:
         _positive("ppo", micro_train_max_tokens=ppo.micro_train_max_tokens)
     ds = ppo.dynamic_sampling
     if ds.enabled:
         if ppo.n_samples_per_prompt < 2:
-            raise ConfigError(f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
-                              f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more")
+            raise ConfigError(
+                f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
+                f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more"
+            )
         _positive("ppo.dynamic_sampling", max_generation_rounds=ds.max_generation_rounds)
         if ds.prompts_per_round is not None:
             _positive("ppo.dynamic_sampling", prompts_per_round=ds.prompts_per_round)
@@ -303,7 +319,9 @@ def validate_ppo(ppo: PPOConfig) -> None:
     if not 0 <= ppo.lr_warmup_ratio < 1:
         raise ConfigError(f"ppo.lr_warmup_ratio={ppo.lr_warmup_ratio} must be in [0, 1); fix: e.g. 0.03")
     if ppo.actor_lr <= 0 or ppo.critic_lr <= 0:
-        raise ConfigError(f"ppo.actor_lr={ppo.actor_lr}, ppo.critic_lr={ppo.critic_lr} must be positive; fix: e.g. 1e-6")
+        raise ConfigError(
+            f"ppo.actor_lr={ppo.actor_lr}, ppo.critic_lr={ppo.critic_lr} must be positive; fix: e.g. 1e-6"
+        )
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -334,7 +352,9 @@ def planned_dataset_size(cfg: DictConfig) -> tuple[int, str]:
         return count_records(path), f"records in {path} (before length filtering)"
     if data.get("expected_prompts"):
         return int(data.expected_prompts), f"data.expected_prompts ({path} is not on this machine)"
-    raise ConfigError(f"data.path={path} does not exist; fix: point data.path at your prompt file (or set data.expected_prompts for mode=plan)")
+    raise ConfigError(
+        f"data.path={path} does not exist; fix: point data.path at your prompt file (or set data.expected_prompts for mode=plan)"
+    )
 
 
 def parse_config(cfg: DictConfig) -> tuple[PPOConfig, RunLengthConfig]:
@@ -349,10 +369,18 @@ def make_plan(cfg: DictConfig, dataset_prompts: int) -> StepPlan:
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     validate_rollout(rollout)
     precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
-    return compute_plan(ppo, length, dataset_prompts, data_parallel_size(cfg), int(cfg.rollout.max_response_tokens),
-                        precision=precision, rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
-                        top_p=float(cfg.rollout.top_p), max_turns=rollout.max_turns if rollout.environment else 1,
-                        max_episode_tokens=rollout.episode_tokens())
+    return compute_plan(
+        ppo,
+        length,
+        dataset_prompts,
+        data_parallel_size(cfg),
+        int(cfg.rollout.max_response_tokens),
+        precision=precision,
+        rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
+        top_p=float(cfg.rollout.top_p),
+        max_turns=rollout.max_turns if rollout.environment else 1,
+        max_episode_tokens=rollout.episode_tokens(),
+    )
 
 
 def validate_rollout(rollout: RolloutConfig) -> None:
@@ -361,12 +389,14 @@ def validate_rollout(rollout: RolloutConfig) -> None:
     if rollout.max_episode_tokens is not None:
         _positive("rollout", max_episode_tokens=rollout.max_episode_tokens)
     if rollout.environment_timeout_s is not None and rollout.environment_timeout_s <= 0:
-        raise ConfigError(f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
-                          "seconds, or null for no limit")
+        raise ConfigError(
+            f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
+            "seconds, or null for no limit"
+        )
     if rollout.episode_reward not in ("environment", "reward"):
         raise ConfigError(f"rollout.episode_reward={rollout.episode_reward!r}; fix: use environment or reward")
     if rollout.environment is None and rollout.max_turns > 1:
-        raise ConfigError(f"rollout.max_turns={rollout.max_turns} without rollout.environment: nothing answers the "
-                          "policy between turns; fix: set rollout.environment._target_ (docs/environments.md) or max_turns=1")
-
-
+        raise ConfigError(
+            f"rollout.max_turns={rollout.max_turns} without rollout.environment: nothing answers the "
+            "policy between turns; fix: set rollout.environment._target_ (docs/environments.md) or max_turns=1"
+        )

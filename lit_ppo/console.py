@@ -84,7 +84,9 @@ class _RotaryReloadFilter(logging.Filter):
     (below the INFO level of run.log)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "%s: Failed to load weights" and str(record.args[0] if record.args else "").endswith("RotaryEmbedding"):
+        if record.msg == "%s: Failed to load weights" and str(record.args[0] if record.args else "").endswith(
+            "RotaryEmbedding"
+        ):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
 

@@ -71,7 +71,9 @@ class RolloutBatch:
     prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
     # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
     policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
-    episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (rollout.check_token_ids)
+    episode_ids: list[list[int]] | None = (
+        None  # per sample: prompt + response as vLLM saw them (rollout.check_token_ids)
+    )
     episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)
 
 
@@ -102,9 +104,22 @@ class _RolloutStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, *, plan: StepPlan, train_prompts: PromptSet, eval_prompts: PromptSet | None,
-                 rollout: RolloutConfig, scorer: RewardScorer, tokenizer, model_dir: str, seed: int,
-                 rank: int = 0, world_size: int = 1, engine: VLLMEngine | None = None, chat_template: bool = False):
+    def __init__(
+        self,
+        *,
+        plan: StepPlan,
+        train_prompts: PromptSet,
+        eval_prompts: PromptSet | None,
+        rollout: RolloutConfig,
+        scorer: RewardScorer,
+        tokenizer,
+        model_dir: str,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        engine: VLLMEngine | None = None,
+        chat_template: bool = False,
+    ):
         super().__init__()
         self.plan = plan
         self.train_prompts = train_prompts
@@ -125,12 +140,18 @@ class RolloutDataModule(L.LightningDataModule):
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.environment)
         if self.make_environment is not None:
-            stops = self.stop_token_ids + [i for i in stop_token_ids_of(self.make_environment(), tokenizer)
-                                           if i not in self.stop_token_ids]
+            stops = self.stop_token_ids + [
+                i for i in stop_token_ids_of(self.make_environment(), tokenizer) if i not in self.stop_token_ids
+            ]
             self.episode_settings = EpisodeSettings(
-                max_turns=rollout.max_turns, max_episode_tokens=rollout.episode_tokens(),
-                max_turn_tokens=rollout.max_response_tokens, timeout_s=rollout.environment_timeout_s,
-                on_error=scorer.on_error, stop_token_ids=stops, stop=list(rollout.stop))
+                max_turns=rollout.max_turns,
+                max_episode_tokens=rollout.episode_tokens(),
+                max_turn_tokens=rollout.max_response_tokens,
+                timeout_s=rollout.environment_timeout_s,
+                on_error=scorer.on_error,
+                stop_token_ids=stops,
+                stop=list(rollout.stop),
+            )
             self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.observation_role)
 
     # ------------------------------------------------------------ engine
@@ -146,14 +167,18 @@ class RolloutDataModule(L.LightningDataModule):
             )
         if self.world_size > 1:
             # vLLM's external_launcher backend reads these and joins the process group the trainer set up.
-            os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.trainer.local_rank), WORLD_SIZE=str(self.world_size))
+            os.environ.update(
+                RANK=str(self.rank), LOCAL_RANK=str(self.trainer.local_rank), WORLD_SIZE=str(self.world_size)
+            )
         self.start_engine()
 
     def start_engine(self) -> VLLMEngine:
         if self.engine is None:
             if self.world_size > 1 and "RANK" not in os.environ:
-                raise RuntimeError("start_engine: a data-parallel engine starts in setup(), after the trainer set up "
-                                   "the process group; call trainer.fit instead of starting it by hand")
+                raise RuntimeError(
+                    "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
+                    "the process group; call trainer.fit instead of starting it by hand"
+                )
             started = time.perf_counter()
             self.engine = VLLMEngine(
                 self.model_dir,
@@ -188,11 +213,13 @@ class RolloutDataModule(L.LightningDataModule):
         the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
         dynamic sampling a round is a rollout step's rollout batch."""
         data_epoch, offset = divmod(generation_round, self.plan.generation_rounds_per_data_epoch)
-        order = torch.randperm(len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch))
+        order = torch.randperm(
+            len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
+        )
         size = self.plan.prompts_per_generation_round
-        batch = order[offset * size:(offset + 1) * size]
+        batch = order[offset * size : (offset + 1) * size]
         positions = self.rank_positions(size)
-        return batch[positions.start:positions.stop].tolist()
+        return batch[positions.start : positions.stop].tolist()
 
     def prompt_indices(self, rollout_step: int) -> list[int]:
         """Without dynamic sampling: this rank's prompts at `rollout_step` (round = rollout step)."""
@@ -215,12 +242,23 @@ class RolloutDataModule(L.LightningDataModule):
         started = time.perf_counter()
         engine.wake_up()
         if self.make_environment is not None:
-            generations = self.run_episodes(prompts, positions, n, temperature=self.rollout.temperature,
-                                            top_p=self.rollout.top_p, purpose=purpose, where=f"rollout step {rollout_step}")
+            generations = self.run_episodes(
+                prompts,
+                positions,
+                n,
+                temperature=self.rollout.temperature,
+                top_p=self.rollout.top_p,
+                purpose=purpose,
+                where=f"rollout step {rollout_step}",
+            )
         else:
             generations = engine.generate(
-                [p.prompt_ids for p in prompts], n=n, temperature=self.rollout.temperature, top_p=self.rollout.top_p,
-                max_tokens=self.rollout.max_response_tokens, seeds=sampling_seeds(self.seed, purpose, positions, n),
+                [p.prompt_ids for p in prompts],
+                n=n,
+                temperature=self.rollout.temperature,
+                top_p=self.rollout.top_p,
+                max_tokens=self.rollout.max_response_tokens,
+                seeds=sampling_seeds(self.seed, purpose, positions, n),
                 **self.stop_kwargs(),
             )
         generate_seconds = time.perf_counter() - started
@@ -228,10 +266,16 @@ class RolloutDataModule(L.LightningDataModule):
         rewards, metrics = self.rewards_of(prompts, generations)
         reward_seconds = time.perf_counter() - started
         self.next_generation_round += 1
-        groups = [PromptGroup(dataset_index=indices[i], prompt=prompts[i], generations=generations[i * n:(i + 1) * n],
-                              rewards=rewards[i * n:(i + 1) * n],
-                              sample_metrics={k: v[i * n:(i + 1) * n] for k, v in metrics.items()})
-                  for i in range(len(prompts))]
+        groups = [
+            PromptGroup(
+                dataset_index=indices[i],
+                prompt=prompts[i],
+                generations=generations[i * n : (i + 1) * n],
+                rewards=rewards[i * n : (i + 1) * n],
+                sample_metrics={k: v[i * n : (i + 1) * n] for k, v in metrics.items()},
+            )
+            for i in range(len(prompts))
+        ]
         return groups, generate_seconds, reward_seconds
 
     def produce_rollout(self, rollout_step: int) -> RolloutBatch:
@@ -267,8 +311,8 @@ class RolloutDataModule(L.LightningDataModule):
                     )
                 filled = plan.rollout_batch_size - len(kept)
                 kept += uniform[:filled]  # the groups drawn first: the choice depends on nothing but the data order
-            groups = kept[:plan.rollout_batch_size]
-            groups = groups[positions.start:positions.stop]
+            groups = kept[: plan.rollout_batch_size]
+            groups = groups[positions.start : positions.stop]
         self.next_rollout_step = rollout_step + 1
         samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
         return RolloutBatch(
@@ -286,7 +330,9 @@ class RolloutDataModule(L.LightningDataModule):
             references=[group.prompt.reference for _, group, _ in samples],
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
-            reward_metrics=self.batch_reward_metrics(groups, errors) if plan.dynamic_sampling else dict(self.round_metrics),
+            reward_metrics=self.batch_reward_metrics(groups, errors)
+            if plan.dynamic_sampling
+            else dict(self.round_metrics),
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
@@ -311,8 +357,17 @@ class RolloutDataModule(L.LightningDataModule):
         metrics["errors"] = float(errors)
         return metrics
 
-    def run_episodes(self, prompts: list[Prompt], positions: list[int], n: int, *, temperature: float, top_p: float,
-                     purpose: str | None, where: str) -> list:
+    def run_episodes(
+        self,
+        prompts: list[Prompt],
+        positions: list[int],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        purpose: str | None,
+        where: str,
+    ) -> list:
         """n episodes per prompt (lit_ppo.episodes); `positions` are the prompts' global positions. Turn t of the
         episode at global sample position q is seeded base(purpose, turn t) + q, so the episodes do not depend on the
         number of ranks; `purpose=None` samples unseeded (greedy evaluation)."""
@@ -325,9 +380,21 @@ class RolloutDataModule(L.LightningDataModule):
                 if turn not in cache:
                     cache[turn] = sampling_seeds(self.seed, f"{purpose}/turn={turn}", samples, 1)
                 return cache[turn]
-        return run_episodes(self.start_engine(), prompts, n, self.make_environment, self.tokenizer,
-                            self.episode_settings, self.observation_encoder, temperature=temperature, top_p=top_p,
-                            seeds=seeds, where=where, sample_positions=samples)
+
+        return run_episodes(
+            self.start_engine(),
+            prompts,
+            n,
+            self.make_environment,
+            self.tokenizer,
+            self.episode_settings,
+            self.observation_encoder,
+            temperature=temperature,
+            top_p=top_p,
+            seeds=seeds,
+            where=where,
+            sample_positions=samples,
+        )
 
     def rewards_of(self, prompts: list[Prompt], generations: list) -> tuple[list[float], dict[str, list[float]]]:
         """Rewards and per-sample metrics of a round; sets `round_metrics`. Episodes are scored by their environment
@@ -348,9 +415,11 @@ class RolloutDataModule(L.LightningDataModule):
         """The RolloutBatch fields of multi-turn episodes (none for single-turn responses)."""
         if self.make_environment is None:
             return {}
-        return {"policy_masks": [g.policy_mask for g in samples],
-                "episode_ids": [g.episode_ids for g in samples] if self.rollout.check_token_ids else None,
-                "episode_stats": episode_stats(samples)}
+        return {
+            "policy_masks": [g.policy_mask for g in samples],
+            "episode_ids": [g.episode_ids for g in samples] if self.rollout.check_token_ids else None,
+            "episode_stats": episode_stats(samples),
+        }
 
     def stop_kwargs(self) -> dict:
         return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
@@ -358,9 +427,14 @@ class RolloutDataModule(L.LightningDataModule):
     def score(self, prompts: list, generations: list) -> list[float]:
         """Rewards of generations; `g.prompt_index` points into `prompts`."""
         of = [prompts[g.prompt_index] for g in generations]
-        return self.scorer([p.text for p in of], [g.text for g in generations], [p.reference for p in of],
-                           [p.extras for p in of], [g.truncated for g in generations],
-                           lengths=[len(g.token_ids) for g in generations])
+        return self.scorer(
+            [p.text for p in of],
+            [g.text for g in generations],
+            [p.reference for p in of],
+            [p.extras for p in of],
+            [g.truncated for g in generations],
+            lengths=[len(g.token_ids) for g in generations],
+        )
 
     # ------------------------------------------------------------ evaluation
 
@@ -382,34 +456,58 @@ class RolloutDataModule(L.LightningDataModule):
         engine = self.start_engine()
         engine.wake_up()
         positions = self.rank_positions(len(self.eval_prompts))
-        prompts = self.eval_prompts.prompts[positions.start:positions.stop]
+        prompts = self.eval_prompts.prompts[positions.start : positions.stop]
         ids = [p.prompt_ids for p in prompts]
         k = k or self.rollout.eval_samples_per_prompt
         greedy, greedy_rewards, solved = [], [], []
         episodic = self.make_environment is not None
         if prompts:  # a rank can have none when there are fewer eval prompts than ranks
             if episodic:
-                greedy = self.run_episodes(prompts, list(positions), 1, temperature=0.0, top_p=1.0, purpose=None,
-                                           where="evaluation")
+                greedy = self.run_episodes(
+                    prompts, list(positions), 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation"
+                )
                 greedy_rewards, _ = self.rewards_of(prompts, greedy)
             else:
-                greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=self.rollout.max_response_tokens,
-                                         seeds=None, **self.stop_kwargs())
+                greedy = engine.generate(
+                    ids,
+                    n=1,
+                    temperature=0.0,
+                    top_p=1.0,
+                    max_tokens=self.rollout.max_response_tokens,
+                    seeds=None,
+                    **self.stop_kwargs(),
+                )
                 greedy_rewards = self.score(prompts, greedy)
             if k > 1:
                 if episodic:
-                    sampled = self.run_episodes(prompts, list(positions), k, temperature=self.rollout.eval_temperature,
-                                                top_p=1.0, purpose="eval", where="evaluation")
+                    sampled = self.run_episodes(
+                        prompts,
+                        list(positions),
+                        k,
+                        temperature=self.rollout.eval_temperature,
+                        top_p=1.0,
+                        purpose="eval",
+                        where="evaluation",
+                    )
                     rewards, metrics = self.rewards_of(prompts, sampled)
                     correct = metrics.get("correct")
-                    sample_solved = ([c > 0 for c in correct] if correct is not None
-                                     else [r >= self.scorer.solved_threshold for r in rewards])
+                    sample_solved = (
+                        [c > 0 for c in correct]
+                        if correct is not None
+                        else [r >= self.scorer.solved_threshold for r in rewards]
+                    )
                 else:
-                    sampled = engine.generate(ids, n=k, temperature=self.rollout.eval_temperature, top_p=1.0,
-                                              max_tokens=self.rollout.max_response_tokens,
-                                              seeds=sampling_seeds(self.seed, "eval", positions, k), **self.stop_kwargs())
+                    sampled = engine.generate(
+                        ids,
+                        n=k,
+                        temperature=self.rollout.eval_temperature,
+                        top_p=1.0,
+                        max_tokens=self.rollout.max_response_tokens,
+                        seeds=sampling_seeds(self.seed, "eval", positions, k),
+                        **self.stop_kwargs(),
+                    )
                     sample_solved = self.scorer.solved(self.score(prompts, sampled))
-                solved = [any(sample_solved[i * k:(i + 1) * k]) for i in range(len(prompts))]
+                solved = [any(sample_solved[i * k : (i + 1) * k]) for i in range(len(prompts))]
         sums = [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)]
         if episodic:
             sums += [sum(g.tool_calls > 0 for g in greedy), sum(g.turns for g in greedy)]
@@ -422,7 +520,8 @@ class RolloutDataModule(L.LightningDataModule):
             result["eval/tool_call_rate"] = totals[4] / count
             result["eval/turns_mean"] = totals[5] / count
         result["eval/samples"] = [
-            {"prompt": p.text, "response": g.text, "reward": r} for p, g, r in list(zip(prompts, greedy, greedy_rewards))[:8]
+            {"prompt": p.text, "response": g.text, "reward": r}
+            for p, g, r in list(zip(prompts, greedy, greedy_rewards))[:8]
         ]
         return result
 

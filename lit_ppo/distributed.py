@@ -41,7 +41,11 @@ def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
 
     # bf16-mixed: float32 parameters, gradients and AdamW states (the shards), bf16 for the gathered
     # parameters that compute, gradients reduced in float32 (as verl and OpenRLHF train under FSDP).
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_mixed else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16_mixed
+        else MixedPrecisionPolicy()
+    )
     for model in models:
         if model is None:
             continue

@@ -47,23 +47,30 @@ def build_environment_factory(spec: dict | None):
     spec = dict(spec)
     target = spec.get("_target_")
     if not target:
-        raise ConfigError("rollout.environment has no _target_; fix: name an environment class by dotted path, e.g. "
-                          "rollout.environment._target_=lit_ppo.environments.CalculatorEnvironment")
+        raise ConfigError(
+            "rollout.environment has no _target_; fix: name an environment class by dotted path, e.g. "
+            "rollout.environment._target_=lit_ppo.environments.CalculatorEnvironment"
+        )
     import hydra
 
     try:
         factory = hydra.utils.instantiate({**spec, "_partial_": True})
         probe = factory()
     except Exception as e:
-        raise ConfigError(f"rollout.environment: cannot build {target!r}: {e}; fix: name an importable environment "
-                          "class by its dotted path and give only the arguments it takes") from e
+        raise ConfigError(
+            f"rollout.environment: cannot build {target!r}: {e}; fix: name an importable environment "
+            "class by its dotted path and give only the arguments it takes"
+        ) from e
     if not isinstance(probe, Environment):
-        raise ConfigError(f"rollout.environment: {target} built a {type(probe).__name__}, which lacks reset(record) and "
-                          "step(action); fix: implement the protocol of docs/environments.md")
+        raise ConfigError(
+            f"rollout.environment: {target} built a {type(probe).__name__}, which lacks reset(record) and "
+            "step(action); fix: implement the protocol of docs/environments.md"
+        )
     return factory
 
 
 # ------------------------------------------------------------------ calling environments safely
+
 
 class EnvironmentTimeout(Exception):
     pass
@@ -103,22 +110,34 @@ def check_step_result(result) -> tuple[Observation, float, bool, dict]:
     if not math.isfinite(reward):
         raise ValueError(f"step returned the reward {reward}, not a finite number")
     if observation is not None and not isinstance(observation, (str, list)):
-        raise TypeError(f"step returned an observation of type {type(observation).__name__}; return text, token ids or None")
+        raise TypeError(
+            f"step returned an observation of type {type(observation).__name__}; return text, token ids or None"
+        )
     return observation, reward, bool(done), dict(info or {})
 
 
 # ------------------------------------------------------------------ the calculator
 
+
 class CalculatorError(ValueError):
     pass
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def safe_arithmetic(expression: str, *, max_length: int = 200, max_abs: float = 1e30, max_exponent: int = 100) -> int | float:
+def safe_arithmetic(
+    expression: str, *, max_length: int = 200, max_abs: float = 1e30, max_exponent: int = 100
+) -> int | float:
     """The value of an arithmetic expression of numbers, + - * / // % ** and parentheses, computed from its
     syntax tree: no eval/exec, no names, calls or attributes, so model text cannot run code. Bounded so that no
     expression can take long: at most `max_length` characters, exponents at most `max_exponent`, every
@@ -139,7 +158,9 @@ def safe_arithmetic(expression: str, *, max_length: int = 200, max_abs: float = 
             result = _UNARY[type(node.op)](value(node.operand))
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > max_exponent or (abs(left) > 1 and abs(right) * math.log(abs(left)) > math.log(max_abs))):
+            if isinstance(node.op, ast.Pow) and (
+                abs(right) > max_exponent or (abs(left) > 1 and abs(right) * math.log(abs(left)) > math.log(max_abs))
+            ):
                 raise CalculatorError("power too large")
             try:
                 result = _BINARY[type(node.op)](left, right)
@@ -171,10 +192,19 @@ class CalculatorEnvironment:
 
     takes_token_ids = False
 
-    def __init__(self, call_start: str = "<calc>", call_end: str = "</calc>", result_format: str = "<result>{}</result>",
-                 error_format: str = "<result>error: {}</result>", max_calls: int = 4, answer: str = "last_integer"):
+    def __init__(
+        self,
+        call_start: str = "<calc>",
+        call_end: str = "</calc>",
+        result_format: str = "<result>{}</result>",
+        error_format: str = "<result>error: {}</result>",
+        max_calls: int = 4,
+        answer: str = "last_integer",
+    ):
         if not call_start or not call_end:
-            raise ConfigError("rollout.environment.call_start and call_end must be non-empty; fix: e.g. <calc> and </calc>")
+            raise ConfigError(
+                "rollout.environment.call_start and call_end must be non-empty; fix: e.g. <calc> and </calc>"
+            )
         if answer not in ("last_integer", "exact"):
             raise ConfigError(f"rollout.environment.answer={answer!r}; fix: use last_integer or exact")
         self.call_start, self.call_end = call_start, call_end
@@ -201,7 +231,7 @@ class CalculatorEnvironment:
             if self.calls > self.max_calls:
                 return self.error_format.format("no more calls"), 0.0, False, {"tool_call": True}
             try:
-                result = safe_arithmetic(action[start + len(self.call_start):end])
+                result = safe_arithmetic(action[start + len(self.call_start) : end])
             except CalculatorError as e:
                 return self.error_format.format(e), 0.0, False, {"tool_call": True}
             return self.result_format.format(result), 0.0, False, {"tool_call": True}
@@ -224,8 +254,10 @@ def stop_token_ids_of(environment, tokenizer) -> list[int]:
     for text in getattr(environment, "stop", None) or []:
         encoded = tokenizer(text, add_special_tokens=False).input_ids
         if len(encoded) != 1:
-            raise ConfigError(f"rollout.environment: the turn-ending text {text!r} is {len(encoded)} tokens {encoded}, "
-                              "not one, so vLLM cannot stop on it as a token; fix: choose a call_end that is a single token "
-                              "of the model's tokenizer (e.g. a special token such as </tool_call>)")
+            raise ConfigError(
+                f"rollout.environment: the turn-ending text {text!r} is {len(encoded)} tokens {encoded}, "
+                "not one, so vLLM cannot stop on it as a token; fix: choose a call_end that is a single token "
+                "of the model's tokenizer (e.g. a special token such as </tool_call>)"
+            )
         ids.append(encoded[0])
     return ids

@@ -29,8 +29,16 @@ from lit_ppo.rollout import Generation
 log = logging.getLogger("lit_ppo")
 
 # Counted per episode and summed over ranks: rollout/<name> means per episode (see `episode_metrics`).
-EPISODE_STATS = ("episodes", "turns", "tool_calls", "tool_call_episodes", "observation_tokens", "episode_tokens",
-                 "environment_errors", "environment_timeouts")
+EPISODE_STATS = (
+    "episodes",
+    "turns",
+    "tool_calls",
+    "tool_call_episodes",
+    "observation_tokens",
+    "episode_tokens",
+    "environment_errors",
+    "environment_timeouts",
+)
 
 
 @dataclass
@@ -74,22 +82,29 @@ class ObservationEncoder:
         self.end_of_turn: list[int] = []
         if not chat_template:
             return
-        messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": self.PROBE_ASSISTANT},
-                    {"role": role, "content": self.PROBE_OBSERVATION}]
+        messages = [
+            {"role": "user", "content": "1+1="},
+            {"role": "assistant", "content": self.PROBE_ASSISTANT},
+            {"role": role, "content": self.PROBE_OBSERVATION},
+        ]
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            raise ConfigError(f"rollout.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
-                              "role the template knows (tool, user)") from e
+            raise ConfigError(
+                f"rollout.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
+                "role the template knows (tool, user)"
+            ) from e
         if self.PROBE_OBSERVATION not in rendered or self.PROBE_ASSISTANT not in rendered:
-            raise ConfigError(f"rollout.observation_role={role!r}: the chat template drops such messages; fix: use a role "
-                              "the template renders (tool, user)")
+            raise ConfigError(
+                f"rollout.observation_role={role!r}: the chat template drops such messages; fix: use a role "
+                "the template renders (tool, user)"
+            )
         after_turn = rendered.split(self.PROBE_ASSISTANT, 1)[1]
         self.end_of_turn = end_of_turn_token_ids(tokenizer)
         if self.end_of_turn:
             text = tokenizer.decode(self.end_of_turn)
             if after_turn.startswith(text):  # the policy writes (and stops at) the end-of-turn token itself
-                after_turn = after_turn[len(text):]
+                after_turn = after_turn[len(text) :]
         self.before, self.after = after_turn.split(self.PROBE_OBSERVATION, 1)
 
     def __call__(self, observation: str | list[int], turn_ids: list[int]) -> list[int]:
@@ -120,9 +135,21 @@ class _Running:
         ep.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
-def run_episodes(engine, prompts: list[Prompt], n: int, make_environment: Callable[[], object], tokenizer,
-                 settings: EpisodeSettings, encoder: ObservationEncoder, *, temperature: float, top_p: float,
-                 seeds: Callable[[int], list[int]] | None, where: str, sample_positions: list[int] | None = None) -> list[Episode]:
+def run_episodes(
+    engine,
+    prompts: list[Prompt],
+    n: int,
+    make_environment: Callable[[], object],
+    tokenizer,
+    settings: EpisodeSettings,
+    encoder: ObservationEncoder,
+    *,
+    temperature: float,
+    top_p: float,
+    seeds: Callable[[int], list[int]] | None,
+    where: str,
+    sample_positions: list[int] | None = None,
+) -> list[Episode]:
     """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first).
 
     `seeds(turn)` gives one vLLM seed per episode for that turn (None: unseeded, e.g. greedy); `where` names the
@@ -151,15 +178,24 @@ def run_episodes(engine, prompts: list[Prompt], n: int, make_environment: Callab
             r.episode.failure = "timeout" if timed_out else "error"
             r.episode.reward = 0.0
             r.active = False
-            log.info("environment: episode %d %s and scores 0: %s", positions[r.position], r.episode.failure, e,
-                     extra={"console": False})
+            log.info(
+                "environment: episode %d %s and scores 0: %s",
+                positions[r.position],
+                r.episode.failure,
+                e,
+                extra={"console": False},
+            )
             return None
 
     for r in running:
         record = {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
         first = guarded(r, "reset", r.environment.reset, (record,))
         if r.active and first:
-            ids = encoder(first, []) if isinstance(first, list) else list(tokenizer(first, add_special_tokens=False).input_ids)
+            ids = (
+                encoder(first, [])
+                if isinstance(first, list)
+                else list(tokenizer(first, add_special_tokens=False).input_ids)
+            )
             if len(ids) >= settings.max_episode_tokens:
                 r.active, r.episode.truncated = False, True
             else:
@@ -171,17 +207,31 @@ def run_episodes(engine, prompts: list[Prompt], n: int, make_environment: Callab
         if not active:
             break
         contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in active]
-        budgets = [min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active]
+        budgets = [
+            min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active
+        ]
         turn_seeds = None if seeds is None else [seeds(turn)[r.position] for r in active]
-        outputs = engine.generate(contexts, n=1, temperature=temperature, top_p=top_p, max_tokens=budgets,
-                                  seeds=turn_seeds, stop_token_ids=settings.stop_token_ids, stop=settings.stop)
+        outputs = engine.generate(
+            contexts,
+            n=1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=budgets,
+            seeds=turn_seeds,
+            stop_token_ids=settings.stop_token_ids,
+            stop=settings.stop,
+        )
         for r, context, out in zip(active, contexts, outputs):
             ep = r.episode
             r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))
             ep.turns += 1
             ep.episode_ids = context + list(out.token_ids)  # what vLLM was given and gave back
             ep.truncated = out.truncated
-            action = list(out.token_ids) if takes_ids[r.position] else tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            action = (
+                list(out.token_ids)
+                if takes_ids[r.position]
+                else tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            )
             result = guarded(r, "step", lambda a, env=r.environment: check_step_result(env.step(a)), (action,))
             if result is None:
                 continue

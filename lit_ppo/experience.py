@@ -32,8 +32,14 @@ class MicroBatch:
     prompt_width: int  # P
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device,
-         policy_masks: list[list[int]] | None = None, expected_ids: list[list[int]] | None = None) -> MicroBatch:
+def pack(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    pad_id: int,
+    device,
+    policy_masks: list[list[int]] | None = None,
+    expected_ids: list[list[int]] | None = None,
+) -> MicroBatch:
     """Left-pad prompts and right-pad responses so every response starts at column P.
 
     `policy_masks` (multi-turn episodes): per response token 1 where the policy wrote it, 0 on observations;
@@ -47,22 +53,30 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     attention = torch.zeros((B, P + T), dtype=torch.long)
     policy = torch.zeros((B, T), dtype=torch.float32)
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[b, P - len(p):P] = torch.tensor(p)
-        input_ids[b, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attention[b, P - len(p):P + len(r)] = 1
+        input_ids[b, P - len(p) : P] = torch.tensor(p)
+        input_ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[b, P - len(p) : P + len(r)] = 1
         if policy_masks is not None:
             if len(policy_masks[b]) != len(r):
-                raise RolloutMismatchError(f"sample {b} of a micro-batch: {len(policy_masks[b])} policy-mask entries for "
-                                           f"{len(r)} response tokens; the episode's mask and ids were built apart")
-            policy[b, :len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
+                raise RolloutMismatchError(
+                    f"sample {b} of a micro-batch: {len(policy_masks[b])} policy-mask entries for "
+                    f"{len(r)} response tokens; the episode's mask and ids were built apart"
+                )
+            policy[b, : len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
     if expected_ids is not None:
         check_packed_ids(input_ids, attention, expected_ids)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention[:, P:].float()
     if policy_masks is not None:
         response_mask = response_mask * policy
-    return MicroBatch(input_ids.to(device), attention.to(device), position_ids.to(device),
-                      input_ids[:, P:].to(device), response_mask.to(device), P)
+    return MicroBatch(
+        input_ids.to(device),
+        attention.to(device),
+        position_ids.to(device),
+        input_ids[:, P:].to(device),
+        response_mask.to(device),
+        P,
+    )
 
 
 def padded_tokens(prompt_lengths: list[int], response_lengths: list[int], group: list[int]) -> int:
@@ -70,8 +84,15 @@ def padded_tokens(prompt_lengths: list[int], response_lengths: list[int], group:
     return len(group) * (max(prompt_lengths[i] for i in group) + max(1, max(response_lengths[i] for i in group)))
 
 
-def micro_batch_groups(prompt_lengths: list[int], response_lengths: list[int], indices: list[int], *,
-                       max_samples: int, max_tokens: int | None = None, min_count: int = 0) -> list[list[int]]:
+def micro_batch_groups(
+    prompt_lengths: list[int],
+    response_lengths: list[int],
+    indices: list[int],
+    *,
+    max_samples: int,
+    max_tokens: int | None = None,
+    min_count: int = 0,
+) -> list[list[int]]:
     """Split the samples `indices` (one mini-batch, or the whole batch for the experience pass) into micro-batches.
 
     Fixed size (max_tokens None): consecutive runs of `max_samples`, in the given order. Token budget: the samples
@@ -80,7 +101,7 @@ def micro_batch_groups(prompt_lengths: list[int], response_lengths: list[int], i
     length together, so a micro-batch pads little. `min_count`: split the largest micro-batches in two until there
     are at least this many (data-parallel ranks must run as many forwards, FSDP gathers weights in each)."""
     if max_tokens is None:
-        return [indices[start:start + max_samples] for start in range(0, len(indices), max_samples)]
+        return [indices[start : start + max_samples] for start in range(0, len(indices), max_samples)]
     order = sorted(indices, key=lambda i: prompt_lengths[i] + response_lengths[i], reverse=True)
     groups: list[list[int]] = []
     for i in order:
@@ -112,10 +133,12 @@ def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[li
     for b, expected in enumerate(expected_ids):
         packed = input_ids[b][attention[b].bool()].tolist()
         if packed != list(expected):
-            first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
+            first = next(
+                (i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected))
+            )
             raise RolloutMismatchError(
                 f"sample {b} of a micro-batch: the ids the trainer packs differ from the ids vLLM was given and produced "
-                f"at position {first} of {len(expected)} (packed {packed[first:first + 5]}, vLLM {list(expected)[first:first + 5]}); "
+                f"at position {first} of {len(expected)} (packed {packed[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); "
                 "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.check_token_ids=false "
                 "turns this check off"
             )
@@ -153,10 +176,12 @@ class Experience:
 
     def rows(self, idx: list[int], width: int) -> Experience:
         """The samples `idx`, their [N, T] fields cut to the micro-batch's `width` response columns."""
+
         def cut(x: Tensor | None) -> Tensor | None:
             if x is None or x.dim() == 0:
                 return x
             return x[idx] if x.dim() == 1 else x[idx, :width]
+
         return Experience(**{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
@@ -164,7 +189,7 @@ def rollout_logp_tensor(rollout_logprobs: list[list[float]], mask: Tensor) -> Te
     """The sampler's per-token log-probs as an [N, T] float32 tensor like `mask`, zero past each response."""
     rollout_logp = torch.zeros(mask.shape, device=mask.device, dtype=torch.float32)
     for i, logprobs in enumerate(rollout_logprobs):
-        rollout_logp[i, :len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+        rollout_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
     return rollout_logp
 
 
@@ -175,33 +200,54 @@ def rollout_correction(exp: Experience, rc) -> tuple[Tensor, Tensor, dict]:
     if rc.mode == "none":
         return mask.clone(), mask.clone(), {}
     if exp.rollout_logp is None:  # made by make_experience from batch.rollout_logprobs
-        raise ValueError(f"ppo.rollout_correction.mode={rc.mode} needs the sampler's log-probs, but this rollout batch "
-                         "has none (not generated by vLLM); fix: set ppo.rollout_correction.mode=none")
+        raise ValueError(
+            f"ppo.rollout_correction.mode={rc.mode} needs the sampler's log-probs, but this rollout batch "
+            "has none (not generated by vLLM); fix: set ppo.rollout_correction.mode=none"
+        )
     return algo.rollout_correction(
-        exp.old_logp, exp.rollout_logp, mask, mode=rc.mode, level=rc.level, tis_cap=rc.tis_cap, mis_low=rc.mis_low,
-        mis_high=rc.mis_high, global_sum=global_sum, global_max=global_max)
+        exp.old_logp,
+        exp.rollout_logp,
+        mask,
+        mode=rc.mode,
+        level=rc.level,
+        tis_cap=rc.tis_cap,
+        mis_low=rc.mis_low,
+        mis_high=rc.mis_high,
+        global_sum=global_sum,
+        global_max=global_max,
+    )
 
 
 def dump_experience(directory: Path, batch, exp: Experience, rank: int, world_size: int) -> None:
     """Save this rank's experience of one rollout step (see DUMP_ADVANTAGES_ENV)."""
     directory.mkdir(parents=True, exist_ok=True)
     fields = {k: getattr(exp, k) for k in ("rewards", "mask", "advantages", "returns", "values")}
-    torch.save({
-        "rollout_step": batch.rollout_step, "rank": rank, "world_size": world_size,
-        "prompt_positions": batch.prompt_positions, "dataset_indices": batch.dataset_indices,
-        "response_ids": batch.response_ids, **{k: v.cpu() for k, v in fields.items() if v is not None},
-    }, directory / f"rollout_step={batch.rollout_step:06d}.rank{rank}.pt")
+    torch.save(
+        {
+            "rollout_step": batch.rollout_step,
+            "rank": rank,
+            "world_size": world_size,
+            "prompt_positions": batch.prompt_positions,
+            "dataset_indices": batch.dataset_indices,
+            "response_ids": batch.response_ids,
+            **{k: v.cpu() for k, v in fields.items() if v is not None},
+        },
+        directory / f"rollout_step={batch.rollout_step:06d}.rank{rank}.pt",
+    )
 
 
-def check_rollout_logprobs(rollout_step: int, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
-                           max_logprob_abs_diff: float | None):
+def check_rollout_logprobs(
+    rollout_step: int, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, max_logprob_abs_diff: float | None
+):
     """Mean and max |trainer old log-prob - vLLM log-prob| over the global batch's response tokens (0-dim
     tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) the run stops: the engine is not sampling from the actor being
     trained (a weight sync that silently failed) or the two compute different distributions."""
     diff = (old_logp - rollout_logp).abs() * mask  # [N, T]
     total = global_sum(torch.stack([diff.sum(), mask.sum()]).double())
     mean = total[0] / total[1].clamp(min=1)
-    largest = global_max(diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device))
+    largest = global_max(
+        diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device)
+    )
     if max_logprob_abs_diff is not None and float(mean) > max_logprob_abs_diff:
         raise RolloutMismatchError(
             f"rollout step {rollout_step + 1}: the trainer's log-probs of the sampled tokens differ from vLLM's by "
@@ -213,8 +259,16 @@ def check_rollout_logprobs(rollout_step: int, old_logp: Tensor, rollout_logp: Te
     return mean, largest
 
 
-def old_logprobs_from_training(exp: Experience, captured: Tensor, captured_rows: Tensor, *, rollout_logprobs,
-                               rollout_step: int, kl_estimator: str, max_logprob_abs_diff: float | None) -> None:
+def old_logprobs_from_training(
+    exp: Experience,
+    captured: Tensor,
+    captured_rows: Tensor,
+    *,
+    rollout_logprobs,
+    rollout_step: int,
+    kl_estimator: str,
+    max_logprob_abs_diff: float | None,
+) -> None:
     """Without an experience forward: the log-probs the training forwards took before the first optimizer step
     (`captured`, rows marked in `captured_rows`) become the experience's old log-probs (on-policy: every sample's)
     and its KL to the reference, and are checked against vLLM's (`check_rollout_logprobs`, on the captured samples;
@@ -226,11 +280,13 @@ def old_logprobs_from_training(exp: Experience, captured: Tensor, captured_rows:
     if rollout_logprobs is not None:
         rollout_logp = rollout_logp_tensor(rollout_logprobs, exp.mask)
         exp.logprob_abs_diff_mean, exp.logprob_abs_diff_max = check_rollout_logprobs(
-            rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff)
+            rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff
+        )
 
 
-def rank_micro_batch_groups(batch, indices: list[int], *, max_samples: int, max_tokens: int | None,
-                            data_parallel_size: int, device) -> list[list[int]]:
+def rank_micro_batch_groups(
+    batch, indices: list[int], *, max_samples: int, max_tokens: int | None, data_parallel_size: int, device
+) -> list[list[int]]:
     """This rank's micro-batches of `indices` (`micro_batch_groups`): `max_samples` samples each, or by token budget
     (ppo.micro_train_max_tokens). Under data parallelism with a token budget every rank runs as many micro-batches
     as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
@@ -247,23 +303,51 @@ def packed_micro_batches(batch, groups: list[list[int]], pad_token_id: int, devi
     masks = getattr(batch, "policy_masks", None)
     expected = getattr(batch, "episode_ids", None)
     for idx in groups:
-        yield idx, pack([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device,
-                        policy_masks=None if masks is None else [masks[i] for i in idx],
-                        expected_ids=None if expected is None else [expected[i] for i in idx])
+        yield (
+            idx,
+            pack(
+                [batch.prompt_ids[i] for i in idx],
+                [batch.response_ids[i] for i in idx],
+                pad_token_id,
+                device,
+                policy_masks=None if masks is None else [masks[i] for i in idx],
+                expected_ids=None if expected is None else [expected[i] for i in idx],
+            ),
+        )
 
 
-def advantages_and_returns(rewards: Tensor, mask: Tensor, values: Tensor | None, old_logp: Tensor | None,
-                           ref_logp: Tensor | None, ppo, *, kl_coef: float, group_size: int):
+def advantages_and_returns(
+    rewards: Tensor,
+    mask: Tensor,
+    values: Tensor | None,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    ppo,
+    *,
+    kl_coef: float,
+    group_size: int,
+):
     """(KL to the reference [N, T] or None, advantages, returns) by `ppo.advantage_estimator`, with the KL penalty in
     the reward when `ppo.kl_mode=reward`. Statistics are global (`distributed.global_sum`). Without old log-probs yet
     (taken from the training forwards), the KL is computed after the update (`old_logprobs_from_training`): auto
     keeps the experience forward when the KL is in the reward."""
-    kl = (algo.KL_ESTIMATORS[ppo.kl_estimator](old_logp - ref_logp) * mask
-          if ref_logp is not None and old_logp is not None else None)
+    kl = (
+        algo.KL_ESTIMATORS[ppo.kl_estimator](old_logp - ref_logp) * mask
+        if ref_logp is not None and old_logp is not None
+        else None
+    )
     kl_penalty = kl_coef * kl if (kl is not None and ppo.kl_mode == "reward") else None
     advantages, returns = algo.ADVANTAGE_ESTIMATORS[ppo.advantage_estimator](
-        rewards, mask, values=values, kl_penalty=kl_penalty, gamma=ppo.gamma, lam=ppo.lam, group_size=group_size,
-        global_sum=global_sum, normalize=ppo.normalize_advantages)
+        rewards,
+        mask,
+        values=values,
+        kl_penalty=kl_penalty,
+        gamma=ppo.gamma,
+        lam=ppo.lam,
+        group_size=group_size,
+        global_sum=global_sum,
+        normalize=ppo.normalize_advantages,
+    )
     return kl, advantages, returns
 
 

@@ -90,8 +90,10 @@ class RolloutWandbLogger(WandbLogger):
         except Exception as error:  # wandb.errors.CommError and friends: no server, bad key
             if not (starting and self._fallback_offline):
                 raise
-            log.warning("wandb: could not start an online run (%s); logging offline instead, "
-                        "upload later with `wandb sync`", str(error).splitlines()[0])
+            log.warning(
+                "wandb: could not start an online run (%s); logging offline instead, upload later with `wandb sync`",
+                str(error).splitlines()[0],
+            )
             self._wandb_init["mode"] = "offline"
             if self._wandb_init.pop("id", None) is not None:  # the failed online start still holds that id
                 self._wandb_init.pop("resume", None)
@@ -118,10 +120,19 @@ class RolloutWandbLogger(WandbLogger):
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
 
 
-def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None = None, mode: str = "auto",
-                      entity: str | None = None, group: str | None = None, tags: list[str] | None = None,
-                      run_config: dict | None = None, init_timeout: float = 30.0, resume_dir: str | None = None,
-                      **kwargs) -> RolloutWandbLogger:
+def make_wandb_logger(
+    save_dir: str,
+    project: str = "lit-ppo",
+    name: str | None = None,
+    mode: str = "auto",
+    entity: str | None = None,
+    group: str | None = None,
+    tags: list[str] | None = None,
+    run_config: dict | None = None,
+    init_timeout: float = 30.0,
+    resume_dir: str | None = None,
+    **kwargs,
+) -> RolloutWandbLogger:
     """A W&B logger that never waits on a network it was not told to use.
 
     mode=auto logs online when credentials exist (WANDB_API_KEY or a netrc entry), else offline
@@ -146,18 +157,27 @@ def make_wandb_logger(save_dir: str, project: str = "lit-ppo", name: str | None 
     resolved = resolve_wandb_mode(mode)
     settings = kwargs.pop("settings", None) or wandb.Settings(init_timeout=init_timeout)
     return RolloutWandbLogger(
-        save_dir=save_dir, project=project, name=name, entity=entity, group=group, tags=list(tags or []),
-        config=drop_secrets(run_config) if run_config is not None else None, mode=resolved, settings=settings,
+        save_dir=save_dir,
+        project=project,
+        name=name,
+        entity=entity,
+        group=group,
+        tags=list(tags or []),
+        config=drop_secrets(run_config) if run_config is not None else None,
+        mode=resolved,
+        settings=settings,
         fallback_offline=(mode == "auto" and resolved == "online"),
-        run_id_file=str(Path(save_dir) / WANDB_RUN_ID_FILE), **kwargs,
+        run_id_file=str(Path(save_dir) / WANDB_RUN_ID_FILE),
+        **kwargs,
     )
 
 
 def format_samples(samples: list[dict], max_rows: int = 4, width: int = 40) -> str:
     """A plain-text table of {prompt, response, reward} records."""
+
     def cell(text: Any) -> str:
         text = str(text).replace("\n", "\\n")
-        return text if len(text) <= width else text[:width - 1] + "…"
+        return text if len(text) <= width else text[: width - 1] + "…"
 
     rows = [(f"{s['reward']:.2f}", cell(s["prompt"]), cell(s["response"])) for s in samples[:max_rows]]
     widths = [max(len(r[i]) for r in rows + [("reward", "prompt", "response")]) for i in range(3)]
@@ -190,7 +210,7 @@ class SampleTableLogger(L.Callback):
         if not trainer.is_global_zero or self.logged >= len(evals):
             return
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
-        for entry in evals[self.logged:]:
+        for entry in evals[self.logged :]:
             samples = entry.get("samples") or []
             if not samples:
                 continue
@@ -203,6 +223,8 @@ class SampleTableLogger(L.Callback):
                     table = wandb.Table(columns=["rollout_step", "prompt", "response", "reward"], data=rows)
                     logger.log_metrics({"eval/samples": table, "rollout_step": step}, step=step)
             else:
-                show(f"eval samples at rollout step {step} (greedy, eval reward {entry.get('eval/reward', float('nan')):.3f}):\n"
-                           + format_samples(samples, self.max_console_rows))
+                show(
+                    f"eval samples at rollout step {step} (greedy, eval reward {entry.get('eval/reward', float('nan')):.3f}):\n"
+                    + format_samples(samples, self.max_console_rows)
+                )
         self.logged = len(evals)

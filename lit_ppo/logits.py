@@ -71,15 +71,23 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def logprobs_and_entropy(logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS,
-                         temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, chunk_tokens: int = CHUNK_TOKENS, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """log softmax(logits)[target] and the entropy of softmax(logits) at each of targets' [B, T] positions, in
     float32; `logits` is [B, >= T, V] in any dtype (positions past T are ignored: pass the LM head's output
     as is, slicing it would make autograd allocate a padded gradient). Differentiable in both outputs.
 
     The backward pass overwrites `logits` (unless a leaf) with their gradient: read nothing from them after backward."""
-    if logits.dim() != 3 or targets.dim() != 2 or logits.shape[0] != targets.shape[0] or logits.shape[1] < targets.shape[1]:
-        raise ValueError(f"logprobs_and_entropy: logits {tuple(logits.shape)} do not cover targets {tuple(targets.shape)}")
+    if (
+        logits.dim() != 3
+        or targets.dim() != 2
+        or logits.shape[0] != targets.shape[0]
+        or logits.shape[1] < targets.shape[1]
+    ):
+        raise ValueError(
+            f"logprobs_and_entropy: logits {tuple(logits.shape)} do not cover targets {tuple(targets.shape)}"
+        )
     if temperature <= 0:
         raise ValueError(f"logprobs_and_entropy: temperature {temperature} must be positive")
     return _LogprobsAndEntropy.apply(logits, targets, chunk_tokens, float(temperature))

@@ -38,18 +38,19 @@ def _last_boxed(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            return text[match.end():i - 1].strip()
+            return text[match.end() : i - 1].strip()
     return None
 
 
-def extract_answer(text: str, *, formats: tuple[str, ...] = FORMATS, last_number_fallback: bool = False
-                   ) -> tuple[str | None, str | None]:
+def extract_answer(
+    text: str, *, formats: tuple[str, ...] = FORMATS, last_number_fallback: bool = False
+) -> tuple[str | None, str | None]:
     """(answer text, how it was found): `gsm8k` after the last `####`, `boxed` from the last `\\boxed{}`,
     `last_number` (only with the fallback on), or (None, None)."""
     for name in formats:
         if name == "gsm8k":
             marker = text.rfind("####")
-            answer = text[marker + 4:].split("\n", 1)[0].strip() if marker >= 0 else ""
+            answer = text[marker + 4 :].split("\n", 1)[0].strip() if marker >= 0 else ""
             if answer:
                 return answer, "gsm8k"
         elif name == "boxed":
@@ -85,7 +86,7 @@ def parse_answer(answer: str, timeout_s: int = 5) -> tuple:
     core = _UNIT_WORDS.sub("", answer)
     latex = ([LatexExtractionConfig(boxed_match_priority=0)], f"${answer}$")
     plain = ([ExprExtractionConfig()], core)
-    for config, text in ((latex, plain) if _LATEX_OR_SYMBOLS.search(core) else (plain, latex)):
+    for config, text in (latex, plain) if _LATEX_OR_SYMBOLS.search(core) else (plain, latex):
         try:
             parsed = parse(text, extraction_config=config, parsing_timeout=_timeout(timeout_s), raise_on_error=True)
         except TimeoutException as e:
@@ -112,13 +113,25 @@ def answers_match(reference: str, answer: str, timeout_s: int = 5) -> bool:
     try:
         return bool(verify(list(gold), list(pred), timeout_seconds=_timeout(timeout_s), raise_on_error=True))
     except TimeoutException as e:
-        raise MathVerifyTimeout(f"math-verify could not compare {answer[:200]!r} with the reference within {timeout_s}s") from e
+        raise MathVerifyTimeout(
+            f"math-verify could not compare {answer[:200]!r} with the reference within {timeout_s}s"
+        ) from e
     except Exception:  # not comparable
         return False
 
 
-def math_reward(prompts, responses, references, extras, *, formats=FORMATS, last_number_fallback: bool = False,
-                correct_reward: float = 1.0, format_weight: float = 0.0, timeout_s: int = 5):
+def math_reward(
+    prompts,
+    responses,
+    references,
+    extras,
+    *,
+    formats=FORMATS,
+    last_number_fallback: bool = False,
+    correct_reward: float = 1.0,
+    format_weight: float = 0.0,
+    timeout_s: int = 5,
+):
     """`correct_reward` when the response's final answer equals the reference, plus `format_weight` when
     the answer is in one of `formats` (whether right or not). Logs `correct` and `formatted` rates.
     `timeout_s`: math-verify's own limit per parse and comparison (whole seconds, SIGALRM; main thread only)."""

@@ -44,7 +44,9 @@ PRECISION_BYTES = {
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYER_HIDDEN_VECTORS = 10  # kept per token and decoder layer for the backward pass (see the module docstring)
 LAYER_INTERMEDIATE_VECTORS = 4
-LOGPROB_CHUNK_TOKENS = 256  # lit_ppo.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
+LOGPROB_CHUNK_TOKENS = (
+    256  # lit_ppo.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
+)
 LOGPROB_CHUNKS_ALIVE = 4  # float32 chunk temporaries alive at once in its backward
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (LLM class, GPU and CPU)  # tokens per float32 chunk of the log-prob / entropy computation
 
@@ -86,13 +88,17 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a Hugging Face config.json (Qwen2, Llama and alike)."""
-        return cls(vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-                   intermediate_size=int(config["intermediate_size"]), num_layers=int(config["num_hidden_layers"]),
-                   num_heads=int(config["num_attention_heads"]),
-                   num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-                   head_dim=config.get("head_dim"))
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=int(config["num_attention_heads"]),
+            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+            head_dim=config.get("head_dim"),
+        )
 
 
 @dataclass(frozen=True)
@@ -130,10 +136,14 @@ class MemoryEstimate:
     warning: str | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows": [{"what": w, "gib": round(b / GIB, 3), "bytes": b, "how": h} for w, b, h in self.rows],
-                "training_gib": round(self.training_bytes / GIB, 3), "rollout_gib": round(self.rollout_bytes / GIB, 3),
-                "peak_gib": round(self.peak_bytes / GIB, 3), "device_memory_gib": self.device_memory_gib,
-                "warning": self.warning}
+        return {
+            "rows": [{"what": w, "gib": round(b / GIB, 3), "bytes": b, "how": h} for w, b, h in self.rows],
+            "training_gib": round(self.training_bytes / GIB, 3),
+            "rollout_gib": round(self.rollout_bytes / GIB, 3),
+            "peak_gib": round(self.peak_bytes / GIB, 3),
+            "device_memory_gib": self.device_memory_gib,
+            "warning": self.warning,
+        }
 
     def table(self) -> str:
         width = max(len(w) for w, _, _ in self.rows)
@@ -152,8 +162,14 @@ def activation_bytes(shape: ModelShape, batch: int, sequence: int, compute_bytes
     """What the backward pass of `batch` sequences of `sequence` tokens keeps from the decoder layers, plus the
     working set of the layer whose backward runs."""
     tokens = batch * sequence
-    layer = tokens * compute_bytes * (LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size)
-    mask = batch * sequence * sequence * compute_bytes  # Hugging Face's SDPA path: a [B, 1, S, S] padding mask per layer
+    layer = (
+        tokens
+        * compute_bytes
+        * (LAYER_HIDDEN_VECTORS * shape.hidden_size + LAYER_INTERMEDIATE_VECTORS * shape.intermediate_size)
+    )
+    mask = (
+        batch * sequence * sequence * compute_bytes
+    )  # Hugging Face's SDPA path: a [B, 1, S, S] padding mask per layer
     if checkpointing:  # each layer's input; one layer recomputed at a time (its backward frees as it goes)
         return tokens * compute_bytes * shape.num_layers * shape.hidden_size + layer + mask
     return shape.num_layers * (layer + mask) + layer
@@ -180,14 +196,27 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     if run.strategy == "ddp" and run.data_parallel_size > 1:
         extra = params * size["grad"]  # one model's backward at a time; buckets are per wrapped model
         rows.append(("DDP gradient buckets", extra, "a copy of the gradients of the model in backward"))
-    if shard > 1:  # gathered in the compute dtype (FSDP2's MixedPrecisionPolicy under bf16-mixed), gradients reduced in float32
+    if (
+        shard > 1
+    ):  # gathered in the compute dtype (FSDP2's MixedPrecisionPolicy under bf16-mixed), gradients reduced in float32
         gathered = (shape.embedding_parameters() + shape.layer_parameters()) * (size["compute"] + size["grad"])
-        rows.append(("FSDP gathered units", gathered, "root unit (embeddings, LM head) + one decoder layer, weights and gradients"))
+        rows.append(
+            (
+                "FSDP gathered units",
+                gathered,
+                "root unit (embeddings, LM head) + one decoder layer, weights and gradients",
+            )
+        )
         extra += gathered
         if run.grad_accumulation_steps > 1:  # reduce-scatter once per optimizer step: unsharded sums until then
             unsharded = trained * size["grad"]
-            rows.append(("FSDP unsharded gradients", unsharded,
-                         f"accumulated over {run.grad_accumulation_steps} micro-batches before one reduce-scatter"))
+            rows.append(
+                (
+                    "FSDP unsharded gradients",
+                    unsharded,
+                    f"accumulated over {run.grad_accumulation_steps} micro-batches before one reduce-scatter",
+                )
+            )
             extra += unsharded
     elif run.precision == "bf16-mixed":
         autocast = params * 2
@@ -197,24 +226,54 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     c = size["compute"]
     without = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=False)
     with_ = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=True)
-    rows.append(("activations, no checkpointing", without,
-                 f"{run.micro_batch_size} x {run.prompt_tokens + run.response_tokens} tokens x {shape.num_layers} layers"
-                 + ("" if not run.gradient_checkpointing else " (not used)")))
-    rows.append(("activations, checkpointing", with_, "layer inputs + one layer" + ("" if run.gradient_checkpointing else " (not used)")))
+    rows.append(
+        (
+            "activations, no checkpointing",
+            without,
+            f"{run.micro_batch_size} x {run.prompt_tokens + run.response_tokens} tokens x {shape.num_layers} layers"
+            + ("" if not run.gradient_checkpointing else " (not used)"),
+        )
+    )
+    rows.append(
+        (
+            "activations, checkpointing",
+            with_,
+            "layer inputs + one layer" + ("" if run.gradient_checkpointing else " (not used)"),
+        )
+    )
     activations = with_ if run.gradient_checkpointing else without
     response = run.micro_batch_size * run.response_tokens
     chunk = min(run.response_tokens, LOGPROB_CHUNK_TOKENS)
     logits = response * shape.vocab_size * c + LOGPROB_CHUNKS_ALIVE * chunk * shape.vocab_size * 4
-    rows.append(("logits", logits, f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B (their "
-                                   f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens"))
+    rows.append(
+        (
+            "logits",
+            logits,
+            f"[{run.micro_batch_size}, {run.response_tokens}, {shape.vocab_size}] x {c} B (their "
+            f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens",
+        )
+    )
     kv_bytes = DTYPE_BYTES[run.rollout_dtype]
     vllm_weights = params * kv_bytes // run.tensor_parallel_size
-    rows.append(("vLLM weights", vllm_weights, f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else "")))
+    rows.append(
+        (
+            "vLLM weights",
+            vllm_weights,
+            f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else ""),
+        )
+    )
     # vLLM runs at most VLLM_MAX_NUM_SEQS sequences at once and queues the rest: a smaller KV cache is slower, not fatal.
     in_flight = min(run.rollout_sequences, VLLM_MAX_NUM_SEQS)
-    kv_needed = in_flight * run.max_model_len * 2 * shape.num_layers * shape.kv_dim * kv_bytes // run.tensor_parallel_size
-    rows.append(("vLLM KV cache, all in flight", kv_needed,
-                 f"{in_flight} of this rank's {run.rollout_sequences} sequences at once x {run.max_model_len} tokens"))
+    kv_needed = (
+        in_flight * run.max_model_len * 2 * shape.num_layers * shape.kv_dim * kv_bytes // run.tensor_parallel_size
+    )
+    rows.append(
+        (
+            "vLLM KV cache, all in flight",
+            kv_needed,
+            f"{in_flight} of this rank's {run.rollout_sequences} sequences at once x {run.max_model_len} tokens",
+        )
+    )
     if run.on_gpu and run.device_memory_gib:
         vllm = int(run.gpu_memory_utilization * run.device_memory_gib * GIB)
         share = vllm - vllm_weights
@@ -233,7 +292,15 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     peak = max(training + vllm_while_training, rollout)
     warning = None
     if run.device_memory_gib and peak > run.device_memory_gib * GIB:
-        warning = (f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
-                   "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices")
-    return MemoryEstimate(rows=rows, training_bytes=training, rollout_bytes=rollout, peak_bytes=peak,
-                          device_memory_gib=run.device_memory_gib, warning=warning)
+        warning = (
+            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
+            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+        )
+    return MemoryEstimate(
+        rows=rows,
+        training_bytes=training,
+        rollout_bytes=rollout,
+        peak_bytes=peak,
+        device_memory_gib=run.device_memory_gib,
+        warning=warning,
+    )

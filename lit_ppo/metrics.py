@@ -24,12 +24,20 @@ def _identity(x: Tensor) -> Tensor:
 
 def unbiased_variance(sum_: float, sum_sq: float, count: float) -> float:
     """Variance from a sum and a sum of squares, unbiased as Tensor.var(); 0 for fewer than two values."""
-    return (sum_sq - sum_ ** 2 / count) / (count - 1) if count > 1 else 0.0
+    return (sum_sq - sum_**2 / count) / (count - 1) if count > 1 else 0.0
 
 
-def rollout_metrics(exp: Experience, truncated: Tensor, reward_metrics: dict[str, float], *,
-                    group_size: int | None = None, world_size: int = 1, count_metrics: frozenset[str] | set[str] = frozenset(),
-                    global_sum: Reduce = _identity, global_max: Reduce = _identity) -> dict[str, float]:
+def rollout_metrics(
+    exp: Experience,
+    truncated: Tensor,
+    reward_metrics: dict[str, float],
+    *,
+    group_size: int | None = None,
+    world_size: int = 1,
+    count_metrics: frozenset[str] | set[str] = frozenset(),
+    global_sum: Reduce = _identity,
+    global_max: Reduce = _identity,
+) -> dict[str, float]:
     """Statistics of the global rollout batch: every rank adds its samples' sums (one all-reduce).
 
     `truncated` [N] marks responses cut at the length budget; `reward_metrics` are this rank's means
@@ -40,16 +48,24 @@ def rollout_metrics(exp: Experience, truncated: Tensor, reward_metrics: dict[str
     lengths = mask.sum(-1)  # [N]
     rewards = exp.rewards
     local = {
-        "samples": len(rewards), "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-        "tokens": lengths.sum(), "truncated": truncated.sum(), "advantage": (exp.advantages * mask).sum(),
+        "samples": len(rewards),
+        "reward": rewards.sum(),
+        "reward_sq": (rewards**2).sum(),
+        "tokens": lengths.sum(),
+        "truncated": truncated.sum(),
+        "advantage": (exp.advantages * mask).sum(),
     }
     if exp.kl is not None:
         local["kl"] = (exp.kl * mask).sum()
     if exp.values is not None:
         valid = mask.bool()
         returns, values = exp.returns[valid], exp.values[valid]  # [tokens]
-        local.update(returns=returns.sum(), returns_sq=(returns ** 2).sum(),
-                     residual=(returns - values).sum(), residual_sq=((returns - values) ** 2).sum())
+        local.update(
+            returns=returns.sum(),
+            returns_sq=(returns**2).sum(),
+            residual=(returns - values).sum(),
+            residual_sq=((returns - values) ** 2).sum(),
+        )
     if group_size is not None:
         local["uniform_groups"] = algo.count_uniform_groups(rewards, group_size)
     for k, v in reward_metrics.items():  # per-rank means over equally many samples, or counts (summed)
@@ -74,7 +90,8 @@ def rollout_metrics(exp: Experience, truncated: Tensor, reward_metrics: dict[str
     if "residual" in total:
         unexplained = unbiased_variance(total["residual"], total["residual_sq"], tokens)
         row["critic/explained_variance"] = 1 - unexplained / max(
-            unbiased_variance(total["returns"], total["returns_sq"], tokens), 1e-8)
+            unbiased_variance(total["returns"], total["returns_sq"], tokens), 1e-8
+        )
     for k in reward_metrics:
         row[f"rollout/reward_{k}"] = total[f"reward_{k}"]
     return row
@@ -85,8 +102,12 @@ def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, 
     per-episode means of policy turns, tool calls, observation tokens and response tokens (turns and observations),
     the share of episodes that called a tool at least once, and the environment's failures (counts)."""
     names = list(stats)
-    total = dict(zip(names, global_sum(torch.tensor([float(stats[k]) for k in names], dtype=torch.float64,
-                                                    device=device)).tolist()))
+    total = dict(
+        zip(
+            names,
+            global_sum(torch.tensor([float(stats[k]) for k in names], dtype=torch.float64, device=device)).tolist(),
+        )
+    )
     episodes = max(total["episodes"], 1.0)
     return {
         "rollout/turns_mean": total["turns"] / episodes,
@@ -122,24 +143,47 @@ class MeanOver:
         return {k: v / max(1, self.events) for k, v in self.sums.items()}
 
 
-def rollout_step_row(batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float], *,
-                     counters: dict[str, int], plan, extra: dict[str, float], group_size: int | None = None,
-                     global_sum: Reduce = _identity, global_max: Reduce = _identity) -> dict[str, float]:
+def rollout_step_row(
+    batch,
+    exp: Experience,
+    train_metrics: dict[str, float],
+    timings: dict[str, float],
+    *,
+    counters: dict[str, int],
+    plan,
+    extra: dict[str, float],
+    group_size: int | None = None,
+    global_sum: Reduce = _identity,
+    global_max: Reduce = _identity,
+) -> dict[str, float]:
     """The logged row of one rollout step (before evaluation): the counters, the rollout statistics, the updates'
     means (`train_metrics`), `extra` (rollout correction, KL coefficient), and the timings of the slowest rank
     (what the run waits for) with their sum."""
     row = dict(counters)
-    row.update(rollout_metrics(exp, batch.truncated, batch.reward_metrics, group_size=group_size,
-                               world_size=plan.data_parallel_size, count_metrics=COUNT_METRICS,
-                               global_sum=global_sum, global_max=global_max))
+    row.update(
+        rollout_metrics(
+            exp,
+            batch.truncated,
+            batch.reward_metrics,
+            group_size=group_size,
+            world_size=plan.data_parallel_size,
+            count_metrics=COUNT_METRICS,
+            global_sum=global_sum,
+            global_max=global_max,
+        )
+    )
     if getattr(batch, "episode_stats", None):  # multi-turn episodes
         row.update(episode_metrics(batch.episode_stats, global_sum=global_sum, device=exp.mask.device))
     if exp.logprob_abs_diff_mean is not None:  # already global
         row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
         row["rollout/logprob_abs_diff_max"] = float(exp.logprob_abs_diff_max)
     if plan.dynamic_sampling:  # global counts already, the same on every rank
-        row.update({f"rollout/{k}": getattr(batch, k)
-                    for k in ("generation_rounds", "dropped_groups", "filled_groups", "prompts_consumed")})
+        row.update(
+            {
+                f"rollout/{k}": getattr(batch, k)
+                for k in ("generation_rounds", "dropped_groups", "filled_groups", "prompts_consumed")
+            }
+        )
     row.update(extra)
     row.update(train_metrics)
     timings = {**timings, "timing/rollout_step_s": sum(timings.values())}
@@ -150,8 +194,9 @@ def rollout_step_row(batch, exp: Experience, train_metrics: dict[str, float], ti
 
 
 @torch.no_grad()
-def actor_micro_batch_metrics(pg_tok: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, entropy: Tensor,
-                              mask: Tensor) -> dict[str, float]:
+def actor_micro_batch_metrics(
+    pg_tok: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, entropy: Tensor, mask: Tensor
+) -> dict[str, float]:
     """One micro-batch's token means of the actor's statistics (averaged over micro-batches by `MeanOver`)."""
     denominator = mask.sum().clamp(min=1)
     log_ratio = (logp - old_logp) * mask
@@ -163,8 +208,16 @@ def actor_micro_batch_metrics(pg_tok: Tensor, clipped: Tensor, logp: Tensor, old
     }
 
 
-def update_metrics(per_micro_batch: MeanOver, per_update: MeanOver, padded_positions: float, real_tokens: float, *,
-                   world_size: int, device, global_sum: Reduce = _identity) -> dict[str, float]:
+def update_metrics(
+    per_micro_batch: MeanOver,
+    per_update: MeanOver,
+    padded_positions: float,
+    real_tokens: float,
+    *,
+    world_size: int,
+    device,
+    global_sum: Reduce = _identity,
+) -> dict[str, float]:
     """The updates' means over the global batch. Every rank ran as many micro-batches, so the actor's are the mean of
     the ranks' means; each rank's value loss is its share of a loss over the global token count, so it is summed;
     `perf/padding_fraction` is the share of the training forwards' positions that are padding."""
@@ -175,6 +228,7 @@ def update_metrics(per_micro_batch: MeanOver, per_update: MeanOver, padded_posit
     if world_size > 1:
         means = global_sum(torch.tensor(list(actor.values()), dtype=torch.float64, device=device)) / world_size
         actor = dict(zip(actor, means.tolist()))
-    positions, real = global_sum(torch.tensor([float(padded_positions), float(real_tokens)], dtype=torch.float64,
-                                              device=device)).tolist()
+    positions, real = global_sum(
+        torch.tensor([float(padded_positions), float(real_tokens)], dtype=torch.float64, device=device)
+    ).tolist()
     return {**actor, **per_update.means(), "perf/padding_fraction": 1 - real / max(positions, 1.0)}

@@ -21,8 +21,9 @@ def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = F
         if critic.score.bias is not None:
             torch.nn.init.zeros_(critic.score.bias)
         # transformers reports the head as MISSING weights (in run.log); this is what it means.
-        logging.getLogger("lit_ppo").info("critic: the policy's weights with a new value head (%d -> 1), starting at zero",
-                                          critic.score.in_features)
+        logging.getLogger("lit_ppo").info(
+            "critic: the policy's weights with a new value head (%d -> 1), starting at zero", critic.score.in_features
+        )
     reference = None
     if plan.reference_enabled:
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)

@@ -96,32 +96,71 @@ class StepPlan:
             ("samples per prompt", self.n_samples_per_prompt, "responses"),
             ("samples per rollout step", self.samples_per_rollout_step, "responses"),
             ("rollout steps per data epoch", self.rollout_steps_per_data_epoch, "rollout steps"),
-            ("prompts dropped per data epoch", self.prompts_dropped_per_data_epoch,
-             "prompts (last partial rollout batch; reshuffled each data epoch)"),
+            (
+                "prompts dropped per data epoch",
+                self.prompts_dropped_per_data_epoch,
+                "prompts (last partial rollout batch; reshuffled each data epoch)",
+            ),
             ("total rollout steps", self.total_rollout_steps, "rollout steps"),
-            *([("dynamic sampling: prompts per round", self.prompts_per_generation_round,
-                "prompts drawn per generation round (groups with equal rewards are dropped)"),
-               ("dynamic sampling: rounds", self.max_generation_rounds,
-                f"generation rounds / rollout step at most (then: {self.dynamic_sampling_on_shortfall})"),
-               ("generation rounds per data epoch", self.generation_rounds_per_data_epoch, "rounds")]
-              if self.dynamic_sampling else []),
+            *(
+                [
+                    (
+                        "dynamic sampling: prompts per round",
+                        self.prompts_per_generation_round,
+                        "prompts drawn per generation round (groups with equal rewards are dropped)",
+                    ),
+                    (
+                        "dynamic sampling: rounds",
+                        self.max_generation_rounds,
+                        f"generation rounds / rollout step at most (then: {self.dynamic_sampling_on_shortfall})",
+                    ),
+                    ("generation rounds per data epoch", self.generation_rounds_per_data_epoch, "rounds"),
+                ]
+                if self.dynamic_sampling
+                else []
+            ),
             ("data epochs", round(self.data_epochs, 3), "rollout steps / rollout steps per data epoch"),
             ("prompt passes", round(self.prompt_passes, 3), "prompts generated for / dataset prompts"),
             ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
             ("train batch", self.train_batch_size, "samples / optimizer step"),
             ("mini-batches per PPO epoch", self.mini_batches_per_ppo_epoch, "optimizer steps"),
-            ("optimizer steps per rollout step", self.optimizer_steps_per_rollout_step,
-             "actor, and the critic as many" if self.critic_enabled else "actor (no critic)"),
-            ("total optimizer steps", self.total_optimizer_steps, "actor" + (" (critic the same)" if self.critic_enabled else "")),
-            *([("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
-               ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank")]
-              if self.micro_train_max_tokens is None else
-              [("micro batch", self.micro_train_max_tokens,
-                "padded tokens / forward-backward / rank at most (sorted by length; the count varies)")]),
+            (
+                "optimizer steps per rollout step",
+                self.optimizer_steps_per_rollout_step,
+                "actor, and the critic as many" if self.critic_enabled else "actor (no critic)",
+            ),
+            (
+                "total optimizer steps",
+                self.total_optimizer_steps,
+                "actor" + (" (critic the same)" if self.critic_enabled else ""),
+            ),
+            *(
+                [
+                    ("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
+                    ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank"),
+                ]
+                if self.micro_train_max_tokens is None
+                else [
+                    (
+                        "micro batch",
+                        self.micro_train_max_tokens,
+                        "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
+                    )
+                ]
+            ),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
-            *([("episode: policy turns", self.max_turns, "turns / episode at most (one vLLM call each)"),
-               ("episode: token budget", self.max_episode_tokens, "response tokens / episode at most (turns + observations)")]
-              if self.max_episode_tokens else []),
+            *(
+                [
+                    ("episode: policy turns", self.max_turns, "turns / episode at most (one vLLM call each)"),
+                    (
+                        "episode: token budget",
+                        self.max_episode_tokens,
+                        "response tokens / episode at most (turns + observations)",
+                    ),
+                ]
+                if self.max_episode_tokens
+                else []
+            ),
             ("samples generated", self.total_samples_generated, "episodes" if self.max_episode_tokens else "responses"),
             ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
             ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
@@ -143,7 +182,9 @@ def positive(section: str, **values: Any) -> None:
     """Refuse anything but a positive integer, naming the key."""
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more")
+            raise ConfigError(
+                f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more"
+            )
 
 
 def compute_plan(
@@ -166,9 +207,13 @@ def compute_plan(
     `max_episode_tokens` tokens, which is then the response width the trainer plans for."""
     ppo.validate()
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
-        raise ConfigError(f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node")
+        raise ConfigError(
+            f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node"
+        )
     if dataset_prompts <= 0:
-        raise ConfigError(f"data: the prompt dataset is empty ({dataset_prompts} prompts); fix: point data at a file with prompts")
+        raise ConfigError(
+            f"data: the prompt dataset is empty ({dataset_prompts} prompts); fix: point data at a file with prompts"
+        )
     samples_per_rollout_step = ppo.rollout_batch_size * ppo.n_samples_per_prompt
     if samples_per_rollout_step % ppo.train_batch_size:
         raise ConfigError(
@@ -222,7 +267,9 @@ def compute_plan(
         total_rollout_steps = run.total_rollout_steps
     else:
         if run.data_epochs <= 0:
-            raise ConfigError(f"trainer.data_epochs={run.data_epochs} must be positive; fix: e.g. trainer.data_epochs=1")
+            raise ConfigError(
+                f"trainer.data_epochs={run.data_epochs} must be positive; fix: e.g. trainer.data_epochs=1"
+            )
         total_rollout_steps = max(1, math.ceil(run.data_epochs * rollout_steps_per_data_epoch - 1e-9))
     data_epochs = total_rollout_steps / rollout_steps_per_data_epoch
 
@@ -327,7 +374,10 @@ def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[
         why = "the KL penalty in the reward (ppo.kl_mode=reward) needs them before the update"
     else:
         why = f"ppo.rollout_correction.mode={ppo.rollout_correction.mode} needs them before the update"
-    return "experience forward", f"old log-probs: the update is on-policy, but the actor's experience forward runs because {why}"
+    return (
+        "experience forward",
+        f"old log-probs: the update is on-policy, but the actor's experience forward runs because {why}",
+    )
 
 
 def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, critic_steps: int) -> None:
@@ -352,5 +402,5 @@ def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list
     schedule = []
     for _ in range(plan.ppo_epochs):
         order = torch.randperm(num_samples, generator=generator).tolist()
-        schedule.append([order[start:start + size] for start in range(0, num_samples, size)])
+        schedule.append([order[start : start + size] for start in range(0, num_samples, size)])
     return schedule

@@ -56,8 +56,10 @@ def resolve_precision(precision, accelerator: str) -> str:
 
     precision = str(precision)
     if precision == "16-mixed":
-        raise ConfigError("strategy.precision=16-mixed is not supported (fp16 needs a loss scaler that the update loop "
-                          "does not drive); fix: use strategy.precision=bf16-mixed, or auto")
+        raise ConfigError(
+            "strategy.precision=16-mixed is not supported (fp16 needs a loss scaler that the update loop "
+            "does not drive); fix: use strategy.precision=bf16-mixed, or auto"
+        )
     if precision not in PRECISIONS:
         raise ConfigError(f"strategy.precision={precision!r} is unknown; fix: use one of {', '.join(PRECISIONS)}")
     if precision == "auto":
@@ -72,8 +74,10 @@ def resolve_rollout_dtype(precision: str, configured: str | None) -> str:
     if configured is None:
         return "bfloat16" if precision.startswith("bf16") else "float32"
     if configured not in ROLLOUT_DTYPES:
-        raise ConfigError(f"rollout.dtype={configured!r} is unknown; fix: use null (follow strategy.precision) or one "
-                          f"of {', '.join(ROLLOUT_DTYPES)}")
+        raise ConfigError(
+            f"rollout.dtype={configured!r} is unknown; fix: use null (follow strategy.precision) or one "
+            f"of {', '.join(ROLLOUT_DTYPES)}"
+        )
     return configured
 
 

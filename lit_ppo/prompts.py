@@ -50,14 +50,20 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
         try:
             import datasets
         except ImportError as e:
-            raise ConfigError(f"data: {path} is a directory (a saved `datasets` dataset) but `datasets` is not installed; fix: pip install datasets") from e
+            raise ConfigError(
+                f"data: {path} is a directory (a saved `datasets` dataset) but `datasets` is not installed; fix: pip install datasets"
+            ) from e
         try:
             ds = datasets.load_from_disk(str(path))
         except FileNotFoundError as e:
-            raise ConfigError(f"data: {path} is a directory but not a `datasets` save_to_disk folder ({e}); "
-                              "fix: point at a .jsonl or .parquet file or a folder written by Dataset.save_to_disk") from e
+            raise ConfigError(
+                f"data: {path} is a directory but not a `datasets` save_to_disk folder ({e}); "
+                "fix: point at a .jsonl or .parquet file or a folder written by Dataset.save_to_disk"
+            ) from e
         if isinstance(ds, datasets.DatasetDict):
-            raise ConfigError(f"data: {path} holds splits {list(ds)}; fix: point at one split's folder, e.g. {path}/train")
+            raise ConfigError(
+                f"data: {path} holds splits {list(ds)}; fix: point at one split's folder, e.g. {path}/train"
+            )
         for i, record in enumerate(ds):
             yield f"{path} row {i}", record
     elif path.suffix == ".parquet":
@@ -75,10 +81,14 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg}); fix: one JSON object per line") from e
                 if not isinstance(record, dict):
-                    raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line")
+                    raise DataError(
+                        f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line"
+                    )
                 yield f"{path}:{line_no}", record
     else:
-        raise ConfigError(f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder")
+        raise ConfigError(
+            f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder"
+        )
 
 
 def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: str | None) -> str:
@@ -87,9 +97,13 @@ def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: s
     if not chat_template:
         return text
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"data.chat_template=true but the tokenizer of {tokenizer.name_or_path} has no chat template; "
-                          "fix: set data.chat_template=false (plain text prompts) or use a chat model")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": text}]
+        raise ConfigError(
+            f"data.chat_template=true but the tokenizer of {tokenizer.name_or_path} has no chat template; "
+            "fix: set data.chat_template=false (plain text prompts) or use a chat model"
+        )
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": text}
+    ]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -116,14 +130,25 @@ def end_of_turn_token_ids(tokenizer) -> list[int]:
     return [special[max(matches, key=len)]] if matches else []
 
 
-def load_prompts(path: str | Path, tokenizer, *, prompt_key: str = "prompt", answer_key: str | None = "answer",
-                 extra_keys: list[str] = (), chat_template: bool = False, system_prompt: str | None = None,
-                 max_prompt_length: int = 512, bad_records: str = "error") -> PromptSet:
+def load_prompts(
+    path: str | Path,
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "answer",
+    extra_keys: list[str] = (),
+    chat_template: bool = False,
+    system_prompt: str | None = None,
+    max_prompt_length: int = 512,
+    bad_records: str = "error",
+) -> PromptSet:
     if bad_records not in ("error", "skip"):
         raise ConfigError(f"data.bad_records={bad_records!r}; fix: use 'error' or 'skip'")
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file")
+        raise ConfigError(
+            f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file"
+        )
     result = PromptSet(prompts=[], source=str(path))
 
     def reject(location: str, reason: str, detail: str) -> None:
@@ -150,5 +175,7 @@ def load_prompts(path: str | Path, tokenizer, *, prompt_key: str = "prompt", ans
         extras = {k: record[k] for k in extra_keys}
         result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras))
     if not result.prompts:
-        raise DataError(f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents")
+        raise DataError(
+            f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents"
+        )
     return result

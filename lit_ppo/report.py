@@ -118,9 +118,16 @@ def model_shape(cfg: DictConfig) -> tuple[ModelShape | None, str]:
     from lit_ppo.tiny import tiny_vocab_size
 
     tiny = model.tiny
-    return ModelShape(vocab_size=tiny_vocab_size(), hidden_size=int(tiny.hidden_size), intermediate_size=int(tiny.intermediate_size),
-                      num_layers=int(tiny.num_layers), num_heads=int(tiny.num_heads), num_kv_heads=int(tiny.num_kv_heads),
-                      tie_word_embeddings=True, attention_bias=True), "model.tiny"
+    return ModelShape(
+        vocab_size=tiny_vocab_size(),
+        hidden_size=int(tiny.hidden_size),
+        intermediate_size=int(tiny.intermediate_size),
+        num_layers=int(tiny.num_layers),
+        num_heads=int(tiny.num_heads),
+        num_kv_heads=int(tiny.num_kv_heads),
+        tie_word_embeddings=True,
+        attention_bias=True,
+    ), "model.tiny"
 
 
 def on_gpu(cfg: DictConfig) -> bool:
@@ -151,16 +158,30 @@ def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
     if shape is None:
         return None
     rollout = cfg.rollout
-    return estimate_memory(shape, MemoryInputs(
-        precision=plan.precision, strategy=str(cfg.strategy.name), data_parallel_size=plan.data_parallel_size,
-        micro_batch_size=plan.micro_train_batch_size, prompt_tokens=int(cfg.data.max_prompt_length),
-        response_tokens=plan.max_response_tokens, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
-        critic=plan.critic_enabled, reference=plan.reference_enabled, rollout_dtype=plan.rollout_dtype,
-        rollout_sequences=plan.samples_per_rank_per_rollout_step, max_model_len=int(rollout.max_model_len),
-        on_gpu=on_gpu(cfg), gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-        tensor_parallel_size=int(rollout.tensor_parallel_size), vllm_sleeps=bool(rollout.sleep_between_steps),
-        cpu_kv_cache_gib=float(rollout.kv_cache_gib), device_memory_gib=device_memory_gib(cfg),
-        grad_accumulation_steps=plan.grad_accumulation_steps))
+    return estimate_memory(
+        shape,
+        MemoryInputs(
+            precision=plan.precision,
+            strategy=str(cfg.strategy.name),
+            data_parallel_size=plan.data_parallel_size,
+            micro_batch_size=plan.micro_train_batch_size,
+            prompt_tokens=int(cfg.data.max_prompt_length),
+            response_tokens=plan.max_response_tokens,
+            gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+            critic=plan.critic_enabled,
+            reference=plan.reference_enabled,
+            rollout_dtype=plan.rollout_dtype,
+            rollout_sequences=plan.samples_per_rank_per_rollout_step,
+            max_model_len=int(rollout.max_model_len),
+            on_gpu=on_gpu(cfg),
+            gpu_memory_utilization=float(rollout.gpu_memory_utilization),
+            tensor_parallel_size=int(rollout.tensor_parallel_size),
+            vllm_sleeps=bool(rollout.sleep_between_steps),
+            cpu_kv_cache_gib=float(rollout.kv_cache_gib),
+            device_memory_gib=device_memory_gib(cfg),
+            grad_accumulation_steps=plan.grad_accumulation_steps,
+        ),
+    )
 
 
 def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | None = None) -> None:
@@ -180,6 +201,8 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | 
                 show(table)
             else:  # the console stays short while training: one line, the table in run.log and plan.json
                 logging.getLogger("lit_ppo.console").info(table)
-                show(f"memory per device (estimate): peak {memory.peak_bytes / GIB:.2f} GiB; "
-                     "the table is in plan.json and logs/run.log (mode=plan prints it)")
+                show(
+                    f"memory per device (estimate): peak {memory.peak_bytes / GIB:.2f} GiB; "
+                    "the table is in plan.json and logs/run.log (mode=plan prints it)"
+                )
     write_text_atomic(output_dir / "plan.json", json.dumps(record, indent=2))

@@ -55,7 +55,9 @@ def integer_match(prompts, responses, references, extras, **_) -> list[float]:
     scores = []
     for response, reference in zip(responses, references):
         text = response.strip()
-        scores.append(1.0 if _INTEGER.fullmatch(text) and reference is not None and int(text) == int(reference) else 0.0)
+        scores.append(
+            1.0 if _INTEGER.fullmatch(text) and reference is not None and int(text) == int(reference) else 0.0
+        )
     return scores
 
 
@@ -65,14 +67,24 @@ class SequenceClassifierReward:
     The score of a sample is the logit `score_index` at the last token of prompt + response; batches
     of `batch_size` texts, kept to their last `max_length` tokens when that is set."""
 
-    def __init__(self, model_dir: str, *, batch_size: int = 8, max_length: int | None = None, score_index: int = 0,
-                 device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        score_index: int = 0,
+        device: str = "cpu",
+        dtype: str = "float32",
+    ):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not (Path(model_dir) / "config.json").exists():
-            raise ConfigError(f"reward.fn.model_dir={model_dir} is not a model directory (no config.json); "
-                              "fix: point it at a saved AutoModelForSequenceClassification")
+            raise ConfigError(
+                f"reward.fn.model_dir={model_dir} is not a model directory (no config.json); "
+                "fix: point it at a saved AutoModelForSequenceClassification"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.truncation_side = "left"  # the response, at the end, is what is being judged
         if self.tokenizer.pad_token is None:
@@ -81,8 +93,10 @@ class SequenceClassifierReward:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # finds each text's last token in a padded batch
         self.model.to(device).eval()
         if not 0 <= score_index < self.model.config.num_labels:
-            raise ConfigError(f"reward.fn.score_index={score_index} but the model has {self.model.config.num_labels} labels; "
-                              f"fix: use 0..{self.model.config.num_labels - 1}")
+            raise ConfigError(
+                f"reward.fn.score_index={score_index} but the model has {self.model.config.num_labels} labels; "
+                f"fix: use 0..{self.model.config.num_labels - 1}"
+            )
         self.batch_size, self.max_length, self.score_index, self.device = batch_size, max_length, score_index, device
 
     def __call__(self, prompts, responses, references, extras) -> list[float]:
@@ -92,8 +106,13 @@ class SequenceClassifierReward:
         scores: list[float] = []
         with torch.no_grad():
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                       truncation=self.max_length is not None, max_length=self.max_length).to(self.device)
+                batch = self.tokenizer(
+                    texts[start : start + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=self.max_length is not None,
+                    max_length=self.max_length,
+                ).to(self.device)
                 logits = self.model(**batch).logits  # [B, num_labels]
                 scores.extend(logits[:, self.score_index].float().tolist())
         return scores
@@ -123,15 +142,19 @@ def detect_signature(fn) -> str:
     found = [name for name, marker in SIGNATURE_MARKERS.items() if marker in parameters]
     if len(found) == 1:
         return found[0]
-    positional = [p for p in parameters.values()
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p
+        for p in parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
     if not found and len(positional) >= 4:
         return "lit_ppo"
     shown = f"({', '.join(parameters)})" if parameters else "(parameters unknown)"
     raise ConfigError(
         f"reward.signature=auto cannot tell how to call {_name(fn)}{shown}: it names "
         f"{' and '.join(SIGNATURE_MARKERS[f] for f in found) if found else 'none'} of "
-        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}")
+        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}"
+    )
 
 
 def _as_list(values, n: int, what: str) -> list:
@@ -142,7 +165,9 @@ def _as_list(values, n: int, what: str) -> list:
     try:
         values = list(values)
     except TypeError:
-        raise RewardError(f"{what} is a {type(values).__name__}, not one value per sample; fix: return a list") from None
+        raise RewardError(
+            f"{what} is a {type(values).__name__}, not one value per sample; fix: return a list"
+        ) from None
     return values
 
 
@@ -177,7 +202,9 @@ class RewardCall:
     def _lit_ppo(self, prompts, responses, references, extras):
         result = self.fn(prompts, responses, references, extras)
         scores, metrics = result if isinstance(result, tuple) else (result, {})
-        return _as_list(scores, len(responses), "the reward"), {k: _as_list(v, len(responses), k) for k, v in dict(metrics).items()}
+        return _as_list(scores, len(responses), "the reward"), {
+            k: _as_list(v, len(responses), k) for k, v in dict(metrics).items()
+        }
 
     def _accepted(self, keywords: dict) -> dict:
         parameters = _parameters(self.fn)
@@ -195,12 +222,22 @@ class RewardCall:
     def _verl(self, prompts, responses, references, extras):
         scores, metrics = [], defaultdict(list)
         for response, reference, extra in zip(responses, references, extras):
-            result = self.fn(**self._accepted({"data_source": extra.get("data_source", ""), "solution_str": response,
-                                               "ground_truth": reference, "extra_info": dict(extra)}))
+            result = self.fn(
+                **self._accepted(
+                    {
+                        "data_source": extra.get("data_source", ""),
+                        "solution_str": response,
+                        "ground_truth": reference,
+                        "extra_info": dict(extra),
+                    }
+                )
+            )
             if isinstance(result, dict):
                 if "score" not in result:
-                    raise RewardError(f"{_name(self.fn)} returned a dict without `score` ({sorted(result)}); "
-                                      "fix: return a number or a dict with `score`, as verl expects")
+                    raise RewardError(
+                        f"{_name(self.fn)} returned a dict without `score` ({sorted(result)}); "
+                        "fix: return a number or a dict with `score`, as verl expects"
+                    )
                 for key, value in result.items():
                     if key != "score" and isinstance(value, (int, float)):
                         metrics[key].append(float(value))
@@ -213,10 +250,16 @@ class RewardCall:
         metrics = {}
         if isinstance(result, dict):
             if "rewards" not in result:
-                raise RewardError(f"{_name(self.fn)} returned a dict without `rewards` ({sorted(result)}); "
-                                  "fix: return the rewards, or a dict with `rewards`, as OpenRLHF expects")
+                raise RewardError(
+                    f"{_name(self.fn)} returned a dict without `rewards` ({sorted(result)}); "
+                    "fix: return the rewards, or a dict with `rewards`, as OpenRLHF expects"
+                )
             for key, value in (result.get("extra_logs") or {}).items():
-                values = _as_list(value, len(responses), key) if not isinstance(value, (int, float)) else [value] * len(responses)
+                values = (
+                    _as_list(value, len(responses), key)
+                    if not isinstance(value, (int, float))
+                    else [value] * len(responses)
+                )
                 if len(values) == len(responses):
                     metrics[key] = [float(v) for v in values]
             result = result["rewards"]
@@ -224,6 +267,7 @@ class RewardCall:
 
 
 # ------------------------------------------------------------------ worker processes
+
 
 class _Timeout(Exception):
     pass
@@ -280,8 +324,10 @@ class RewardWorkers:
         try:
             pickle.dumps(call)
         except Exception as e:
-            raise ConfigError(f"reward.workers={workers} needs a reward function that can be sent to another process "
-                              f"({_name(call.fn)}: {e}); fix: use a module-level function or class, or reward.workers=0") from e
+            raise ConfigError(
+                f"reward.workers={workers} needs a reward function that can be sent to another process "
+                f"({_name(call.fn)}: {e}); fix: use a module-level function or class, or reward.workers=0"
+            ) from e
         self.call, self.size, self.timeout_s = call, workers, timeout_s
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
@@ -335,15 +381,19 @@ class RewardWorkers:
                     code = worker.process.exitcode
                     if worker.task is None:  # died while starting: the function cannot be loaded there
                         worker.stop()
-                        raise RewardError(f"a reward worker process exited with code {code} before scoring anything "
-                                          f"({_name(self.call.fn)}); fix: make its module importable, or set reward.workers=0")
+                        raise RewardError(
+                            f"a reward worker process exited with code {code} before scoring anything "
+                            f"({_name(self.call.fn)}); fix: make its module importable, or set reward.workers=0"
+                        )
                     outcomes[worker.task[0]] = ("died", f"killed its worker process (exit code {code})")
                     self._replace(worker)
                 elif worker.task and self.timeout_s and now - worker.task[1] > self.timeout_s:
                     outcomes[worker.task[0]] = ("timeout", f"no result after reward.timeout_s={self.timeout_s:g}s")
                     self._replace(worker)
                 elif not worker.ready and now - started > self.START_TIMEOUT_S:
-                    raise RewardError(f"reward workers did not start in {self.START_TIMEOUT_S:.0f}s; fix: set reward.workers=0")
+                    raise RewardError(
+                        f"reward workers did not start in {self.START_TIMEOUT_S:.0f}s; fix: set reward.workers=0"
+                    )
         return outcomes
 
     def close(self) -> None:
@@ -355,6 +405,7 @@ class RewardWorkers:
 
 
 # ------------------------------------------------------------------ the scorer
+
 
 @dataclass
 class RewardScorer:
@@ -397,8 +448,10 @@ class RewardScorer:
         if self.signature not in SIGNATURES:
             raise ConfigError(f"reward.signature={self.signature!r}; fix: use one of {', '.join(SIGNATURES)}")
         if int(self.workers) < 0 or (self.timeout_s is not None and self.timeout_s <= 0):
-            raise ConfigError(f"reward.workers={self.workers}, reward.timeout_s={self.timeout_s}; "
-                              "fix: workers >= 0 (0: in process) and timeout_s > 0 or null")
+            raise ConfigError(
+                f"reward.workers={self.workers}, reward.timeout_s={self.timeout_s}; "
+                "fix: workers >= 0 (0: in process) and timeout_s > 0 or null"
+            )
         chosen = detect_signature(self.fn) if self.signature == "auto" else self.signature
         how = "chosen by reward.signature=auto from its parameters" if self.signature == "auto" else "reward.signature"
         log.info("reward: %s, called with the %s signature (%s)", _name(self.fn), chosen, how)
@@ -413,25 +466,43 @@ class RewardScorer:
         try:
             fn = hydra.utils.instantiate(reward.fn)
         except Exception as e:
-            raise ConfigError(f"reward.fn: cannot build {reward.fn.get('_target_')!r}: {e}; fix: name an importable "
-                              "function (with _partial_: true) or callable class by its dotted path") from e
+            raise ConfigError(
+                f"reward.fn: cannot build {reward.fn.get('_target_')!r}: {e}; fix: name an importable "
+                "function (with _partial_: true) or callable class by its dotted path"
+            ) from e
         if not callable(fn):
-            raise ConfigError(f"reward.fn built {type(fn).__name__}, which is not callable; fix: add `_partial_: true` "
-                              "for a function, or name a class with __call__")
-        return cls(fn=fn, on_error=reward.on_error, overlong_penalty=reward.overlong_penalty,
-                   overlong_buffer_tokens=int(reward.get("overlong_buffer_tokens", 0)),
-                   overlong_penalty_factor=float(reward.get("overlong_penalty_factor", 1.0)),
-                   max_response_tokens=max_response_tokens, solved_threshold=float(reward.get("solved_threshold", 1.0)),
-                   signature=reward.get("signature", "auto"), reference_key=answer_key,
-                   workers=int(reward.get("workers", 0)), timeout_s=reward.get("timeout_s", 60.0))
+            raise ConfigError(
+                f"reward.fn built {type(fn).__name__}, which is not callable; fix: add `_partial_: true` "
+                "for a function, or name a class with __call__"
+            )
+        return cls(
+            fn=fn,
+            on_error=reward.on_error,
+            overlong_penalty=reward.overlong_penalty,
+            overlong_buffer_tokens=int(reward.get("overlong_buffer_tokens", 0)),
+            overlong_penalty_factor=float(reward.get("overlong_penalty_factor", 1.0)),
+            max_response_tokens=max_response_tokens,
+            solved_threshold=float(reward.get("solved_threshold", 1.0)),
+            signature=reward.get("signature", "auto"),
+            reference_key=answer_key,
+            workers=int(reward.get("workers", 0)),
+            timeout_s=reward.get("timeout_s", 60.0),
+        )
 
     def close(self) -> None:
         """Stop the worker processes (they are daemons: they also end with this process)."""
         if self.pool is not None:
             self.pool.close()
 
-    def __call__(self, prompts: list[str], responses: list[str], references: list, extras: list[dict],
-                 truncated: list[bool], lengths: list[int] | None = None) -> list[float]:
+    def __call__(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        references: list,
+        extras: list[dict],
+        truncated: list[bool],
+        lengths: list[int] | None = None,
+    ) -> list[float]:
         """Scores of the responses; `lengths` (tokens per response) are needed for the overlong shaping."""
         errors_before, timeouts_before = self.errors, self.timeouts
         if self.pool is not None:
@@ -454,14 +525,24 @@ class RewardScorer:
         scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
         if self.overlong_buffer_tokens:
             if lengths is None:
-                raise ValueError("RewardScorer: reward.overlong_buffer_tokens is set but no response lengths were given")
-            shaping = overlong_penalty(torch.tensor(lengths), max_response_tokens=self.max_response_tokens,
-                                       buffer_tokens=self.overlong_buffer_tokens, penalty_factor=self.overlong_penalty_factor)
+                raise ValueError(
+                    "RewardScorer: reward.overlong_buffer_tokens is set but no response lengths were given"
+                )
+            shaping = overlong_penalty(
+                torch.tensor(lengths),
+                max_response_tokens=self.max_response_tokens,
+                buffer_tokens=self.overlong_buffer_tokens,
+                penalty_factor=self.overlong_penalty_factor,
+            )
             scores = [s + float(p) for s, p in zip(scores, shaping)]
         errors, timeouts = self.errors - errors_before, self.timeouts - timeouts_before
         if errors or timeouts:
-            log.warning("reward: %d of %d samples scored 0 after reward errors and %d after timeouts (reward.on_error=zero)",
-                        errors, len(scores), timeouts)
+            log.warning(
+                "reward: %d of %d samples scored 0 after reward errors and %d after timeouts (reward.on_error=zero)",
+                errors,
+                len(scores),
+                timeouts,
+            )
         self.metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in extra_metrics.items()}
         self.metrics.update(errors=float(errors), timeouts=float(timeouts), none=float(none))
         # Per sample only where every sample has a value (a sample whose reward failed has none).
@@ -481,8 +562,10 @@ class RewardScorer:
         scores, extra_metrics = result
         scores = list(scores)
         if len(scores) != n:
-            raise RewardError(f"reward function {_name(self.fn)} returned {len(scores)} scores for {n} responses; "
-                              "fix: return one float per response")
+            raise RewardError(
+                f"reward function {_name(self.fn)} returned {len(scores)} scores for {n} responses; "
+                "fix: return one float per response"
+            )
         return scores, dict(extra_metrics)
 
     def _score_one_by_one(self, prompts, responses, references, extras, batch_error):
@@ -499,8 +582,10 @@ class RewardScorer:
             for k, v in metrics.items():
                 extra_metrics[k].extend(v)
         if responses and not failed:
-            raise RewardError(f"reward function {_name(self.fn)} raised on the batch of {len(responses)} but on no single "
-                              f"sample: {type(batch_error).__name__}: {batch_error}; fix: make it work on whole batches")
+            raise RewardError(
+                f"reward function {_name(self.fn)} raised on the batch of {len(responses)} but on no single "
+                f"sample: {type(batch_error).__name__}: {batch_error}; fix: make it work on whole batches"
+            )
         return scores, extra_metrics
 
     def _score_in_workers(self, prompts, responses, references, extras):
@@ -538,9 +623,15 @@ class RewardScorer:
             self.timeouts += 1
         else:
             self.errors += 1
-        log.info("reward: sample %d %s and scores 0 (prompt %r, response %r): %s", i,  # run.log only: one per sample
-                 "timed out" if timed_out else "failed", _clip(prompts[i], 80), _clip(responses[i], 80), error,
-                 extra={"console": False})
+        log.info(
+            "reward: sample %d %s and scores 0 (prompt %r, response %r): %s",
+            i,  # run.log only: one per sample
+            "timed out" if timed_out else "failed",
+            _clip(prompts[i], 80),
+            _clip(responses[i], 80),
+            error,
+            extra={"console": False},
+        )
 
 
 def _is_finite_number(x) -> bool:

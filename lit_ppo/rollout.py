@@ -50,10 +50,20 @@ class VLLMEngine:
     The engine loads the initial weights from `model_dir` once; afterwards `sync_weights`
     pushes the actor's tensors into it in place, without touching the disk."""
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 128,
-                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1, seed: int = 0,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, distributed: bool = False,
-                 enable_sleep_mode: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 128,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_gib: float = 1,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        distributed: bool = False,
+        enable_sleep_mode: bool = False,
+    ):
         configure_vllm_environment(kv_cache_gib)
         from vllm.platforms import current_platform
 
@@ -96,9 +106,18 @@ class VLLMEngine:
         if enable_sleep_mode and not self.sleep_supported:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
 
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float,
-                 max_tokens: int | list[int], seeds: list[int] | None, stop_token_ids: list[int] = (),
-                 stop: list[str] = ()) -> list[Generation]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int | list[int],
+        seeds: list[int] | None,
+        stop_token_ids: list[int] = (),
+        stop: list[str] = (),
+    ) -> list[Generation]:
         """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ...
 
         `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling. `max_tokens`: one limit for
@@ -107,12 +126,21 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt")
+            raise ValueError(
+                f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt"
+            )
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limits[i], logprobs=0,
-                           seed=None if seeds is None else seeds[i], stop_token_ids=list(stop_token_ids) or None,
-                           stop=list(stop) or None)
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=limits[i],
+                logprobs=0,
+                seed=None if seeds is None else seeds[i],
+                stop_token_ids=list(stop_token_ids) or None,
+                stop=list(stop) or None,
+            )
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
@@ -127,7 +155,10 @@ class VLLMEngine:
                         truncated=completion.finish_reason == "length",
                         text=completion.text,
                         # logprobs=0 asks for the sampled token's entry only (per position {token_id: Logprob}).
-                        logprobs=[position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)],
+                        logprobs=[
+                            position[token].logprob
+                            for position, token in zip(completion.logprobs, completion.token_ids)
+                        ],
                     )
                 )
         return generations

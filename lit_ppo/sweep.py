@@ -20,8 +20,14 @@ from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
 
-SUMMARY_METRICS = ["eval_reward_initial", "eval_reward_final", "reward_final", "rollout_steps",
-                   "optimizer_steps_actor", "wall_seconds"]
+SUMMARY_METRICS = [
+    "eval_reward_initial",
+    "eval_reward_final",
+    "reward_final",
+    "rollout_steps",
+    "optimizer_steps_actor",
+    "wall_seconds",
+]
 
 
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
@@ -83,10 +89,21 @@ def write_sweep_summary(sweep_dir: Path) -> list[dict]:
         return f"{value:.3f}" if isinstance(value, float) else str(value)
 
     header = ["job", "overrides", "status", *SUMMARY_METRICS]
-    lines = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        f"# Sweep summary: {sweep_dir}",
+        "",
+        f"{len(jobs)} jobs.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for job in jobs:
-        row = [job["job"], " ".join(f"`{o}`" for o in job["overrides"]), job["status"], *(cell(job[k]) for k in SUMMARY_METRICS)]
+        row = [
+            job["job"],
+            " ".join(f"`{o}`" for o in job["overrides"]),
+            job["status"],
+            *(cell(job[k]) for k in SUMMARY_METRICS),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     write_text_atomic(sweep_dir / "sweep_summary.md", "\n".join(lines) + "\n")
     return jobs

@@ -60,8 +60,17 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden_size: int, num_layers: int, num_heads: int,
-                     num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, seed: int):
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+):
     vocab_size = padded_vocab_size(len(tokenizer))
     config = Qwen2Config(
         vocab_size=vocab_size,

@@ -61,8 +61,15 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
     if not warm.enabled:
         return str(base_dir)
     if train_records is None:
-        raise ConfigError("model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false")
-    key_parts = [base_dir.name, OmegaConf.to_container(warm, resolve=True), OmegaConf.to_container(cfg.data, resolve=True), cfg.seed]
+        raise ConfigError(
+            "model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false"
+        )
+    key_parts = [
+        base_dir.name,
+        OmegaConf.to_container(warm, resolve=True),
+        OmegaConf.to_container(cfg.data, resolve=True),
+        cfg.seed,
+    ]
     environment = cfg.rollout.get("environment")
     environment = OmegaConf.to_container(environment, resolve=True) if environment is not None else None
     if warm.get("tool_call_rate") is not None:  # the demonstrations are written in the environment's format
@@ -74,15 +81,28 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
 
         make_environment = build_environment_factory(environment)
         if make_environment is None:
-            raise ConfigError("model.warm_start.tool_call_rate is set but rollout.environment is null; fix: set "
-                              "rollout.environment (the tool the demonstrations call) or remove tool_call_rate")
-        demos = tool_demonstration_sampler(train_records, tool_call_rate=float(warm.tool_call_rate),
-                                           tool_use_practice=float(warm.get("tool_use_practice", 0.0)),
-                                           environment=make_environment())
+            raise ConfigError(
+                "model.warm_start.tool_call_rate is set but rollout.environment is null; fix: set "
+                "rollout.environment (the tool the demonstrations call) or remove tool_call_rate"
+            )
+        demos = tool_demonstration_sampler(
+            train_records,
+            tool_call_rate=float(warm.tool_call_rate),
+            tool_use_practice=float(warm.get("tool_use_practice", 0.0)),
+            environment=make_environment(),
+        )
     else:
         demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
-    out = supervised_warm_start(str(base_dir), cache / f"warm-{key}", demos, tokenizer, steps=warm.steps,
-                                batch_size=warm.batch_size, lr=warm.lr, seed=cfg.seed)
+    out = supervised_warm_start(
+        str(base_dir),
+        cache / f"warm-{key}",
+        demos,
+        tokenizer,
+        steps=warm.steps,
+        batch_size=warm.batch_size,
+        lr=warm.lr,
+        seed=cfg.seed,
+    )
     return str(out)
 
 
@@ -91,8 +111,14 @@ def prepare_data(cfg: DictConfig, output_dir: Path, write: bool = True):
     named: rank 0 wrote them), else the user's files."""
     data = cfg.data
     if data.source == "arithmetic":
-        train, evaluation = make_problems(seed=data.seed, max_operand=data.max_operand, n_train=data.n_train, n_eval=data.n_eval,
-                                          operation=data.get("operation", "+"), min_operand=int(data.get("min_operand", 0)))
+        train, evaluation = make_problems(
+            seed=data.seed,
+            max_operand=data.max_operand,
+            n_train=data.n_train,
+            n_eval=data.n_eval,
+            operation=data.get("operation", "+"),
+            min_operand=int(data.get("min_operand", 0)),
+        )
         train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)
@@ -105,14 +131,22 @@ def prepare_data(cfg: DictConfig, output_dir: Path, write: bool = True):
 
 def load_prompt_sets(cfg: DictConfig, train_path: Path, eval_path: Path | None, tokenizer):
     data = cfg.data
-    kwargs = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, extra_keys=list(data.extra_keys),
-                  chat_template=data.chat_template, system_prompt=data.system_prompt,
-                  max_prompt_length=data.max_prompt_length, bad_records=data.bad_records)
+    kwargs = dict(
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        extra_keys=list(data.extra_keys),
+        chat_template=data.chat_template,
+        system_prompt=data.system_prompt,
+        max_prompt_length=data.max_prompt_length,
+        bad_records=data.bad_records,
+    )
     train = load_prompts(train_path, tokenizer, **kwargs)
     evaluation = load_prompts(eval_path, tokenizer, **kwargs) if eval_path else None
     for name, prompt_set in (("train", train), ("eval", evaluation)):
         if prompt_set is not None and prompt_set.skipped:
-            log.warning("data: skipped %s %s prompts (%s)", sum(prompt_set.skipped.values()), name, dict(prompt_set.skipped))
+            log.warning(
+                "data: skipped %s %s prompts (%s)", sum(prompt_set.skipped.values()), name, dict(prompt_set.skipped)
+            )
     return train, evaluation
 
 
@@ -125,7 +159,9 @@ class RolloutProgressBar(L.Callback):
 
     def on_train_start(self, trainer, module) -> None:
         if trainer.is_global_zero:
-            self.bar = tqdm(total=self.total, initial=module.rollout_step, desc="rollout steps", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total, initial=module.rollout_step, desc="rollout steps", unit="step", dynamic_ncols=True
+            )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.bar is None or self.bar.n >= module.rollout_step:  # nothing new (e.g. the call that ends the stream)
@@ -178,7 +214,9 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
     quiet_known_warnings()
     if engine is not None and cfg.strategy.name != "single":
-        raise ConfigError("a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)")
+        raise ConfigError(
+            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
+        )
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
     started = time.perf_counter()
     L.seed_everything(cfg.seed, workers=True)
@@ -198,28 +236,46 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         write_plan(plan, output_dir, train_prompts.describe(), cfg)
 
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    scorer = RewardScorer.from_config(cfg.reward, max_response_tokens=int(cfg.rollout.max_response_tokens),
-                                      answer_key=cfg.data.get("answer_key"))
-    checkpoints = RolloutCheckpoint(output_dir / "checkpoints", every=cfg.trainer.checkpoint_every,
-                                    keep=cfg.trainer.keep_checkpoints)
+    scorer = RewardScorer.from_config(
+        cfg.reward, max_response_tokens=int(cfg.rollout.max_response_tokens), answer_key=cfg.data.get("answer_key")
+    )
+    checkpoints = RolloutCheckpoint(
+        output_dir / "checkpoints", every=cfg.trainer.checkpoint_every, keep=cfg.trainer.keep_checkpoints
+    )
     resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
     strategy = cfg.strategy
     trainer, module, datamodule = build_run(
-        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
-        eval_prompts=eval_prompts, scorer=scorer, output_dir=output_dir, seed=cfg.seed, engine=engine,
-        chat_template=bool(cfg.data.chat_template), gradient_checkpointing=cfg.model.gradient_checkpointing,
-        eval_every=cfg.trainer.eval_every, metrics_path=str(output_dir / "metrics.csv"),
+        plan=plan,
+        ppo=ppo,
+        rollout=rollout,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        scorer=scorer,
+        output_dir=output_dir,
+        seed=cfg.seed,
+        engine=engine,
+        chat_template=bool(cfg.data.chat_template),
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        eval_every=cfg.trainer.eval_every,
+        metrics_path=str(output_dir / "metrics.csv"),
         max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
         callbacks=[RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
-        loggers=extra_loggers(cfg, output_dir, resume_from), accelerator=strategy.accelerator, devices=strategy.devices,
+        loggers=extra_loggers(cfg, output_dir, resume_from),
+        accelerator=strategy.accelerator,
+        devices=strategy.devices,
         num_nodes=strategy.num_nodes,
-        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto")
+        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
+    )
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
         # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+        trainer.fit(
+            module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False
+        )
         # Under FSDP every rank takes part in gathering the actor's shards (before the engine's shutdown
         # can touch the process group); rank 0 saves them below.
         actor_state = dict(module.full_actor_tensors()) if module.sharded else None
@@ -235,12 +291,19 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         return None
     module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
     tokenizer.save_pretrained(output_dir / "actor")
-    extra = {"warm_start_seconds": warm_start_seconds, "engine_start_seconds": datamodule.engine_start_seconds,
-             "data_parallel_size": plan.data_parallel_size, "wall_seconds": time.perf_counter() - started,
-             "skipped_prompts": dict(train_prompts.skipped)}
+    extra = {
+        "warm_start_seconds": warm_start_seconds,
+        "engine_start_seconds": datamodule.engine_start_seconds,
+        "data_parallel_size": plan.data_parallel_size,
+        "wall_seconds": time.perf_counter() - started,
+        "skipped_prompts": dict(train_prompts.skipped),
+    }
     summary = write_summary(output_dir, module, plan, extra)
     write_curves(output_dir, module.history, module.eval_history)
-    evaluated = (f"eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f}"
-                 if summary["eval_reward_final"] is not None else "no evaluation (no data.eval_path)")
+    evaluated = (
+        f"eval reward {summary['eval_reward_initial']:.3f} -> {summary['eval_reward_final']:.3f}"
+        if summary["eval_reward_final"] is not None
+        else "no evaluation (no data.eval_path)"
+    )
     show(f"run finished: {evaluated} in {summary['wall_seconds']:.0f}s; outputs in {output_dir}")
     return summary

@@ -25,7 +25,9 @@ from lit_ppo.atomic import atomic_path
 log = logging.getLogger(__name__)
 
 
-def demonstration_sampler(records: list[dict], *, teacher_accuracy: float) -> Callable[[random.Random], tuple[str, str]]:
+def demonstration_sampler(
+    records: list[dict], *, teacher_accuracy: float
+) -> Callable[[random.Random], tuple[str, str]]:
     """Draws (prompt, response) from the noisy teacher; the noise is redrawn every time, so the
     policy learns the teacher's answer distribution rather than memorising one answer per prompt."""
 
@@ -37,8 +39,9 @@ def demonstration_sampler(records: list[dict], *, teacher_accuracy: float) -> Ca
     return sample
 
 
-def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, environment, tool_use_practice: float = 0.0,
-                               guess_digits: int = 3) -> Callable[[random.Random], tuple[str, list[tuple[str, bool]]]]:
+def tool_demonstration_sampler(
+    records: list[dict], *, tool_call_rate: float, environment, tool_use_practice: float = 0.0, guess_digits: int = 3
+) -> Callable[[random.Random], tuple[str, list[tuple[str, bool]]]]:
     """Draws (prompt, segments) from a teacher that calls the calculator `tool_call_rate` of the time, and guesses
     otherwise. A call is written with the environment's own format (`environment.call_text`), its result is the
     environment's own observation (`environment.step`), then the teacher copies it. A guess keeps the answer's
@@ -56,7 +59,7 @@ def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, en
         environment.reset({"prompt": prompt, "reference": answer})
         observation, _, _, _ = environment.step(call)
         start = environment.call_start if call.startswith(environment.call_start) else ""
-        return [(start, decide), (call[len(start):], True), (observation, False), (answer, True)]
+        return [(start, decide), (call[len(start) :], True), (observation, False), (answer, True)]
 
     def sample(rng: random.Random) -> tuple[str, list[tuple[str, bool]]]:
         record = rng.choice(records)
@@ -64,7 +67,7 @@ def tool_demonstration_sampler(records: list[dict], *, tool_call_rate: float, en
         draw = rng.random()
         if draw < tool_call_rate + tool_use_practice:
             return prompt, [s for s in tool_demo(prompt, record["answer"], decide=draw < tool_call_rate) if s[0]]
-        scale = 10 ** guess_digits
+        scale = 10**guess_digits
         guess = answer // scale * scale + rng.randrange(scale) if answer >= scale else rng.randrange(scale)
         return prompt, [(str(guess), True)]
 
@@ -75,9 +78,17 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Callable[[random.Random], tuple[str, str]],
-                          tokenizer, *,
-                          steps: int, batch_size: int, lr: float, seed: int) -> Path:
+def supervised_warm_start(
+    base_dir: str,
+    out_dir: str | Path,
+    sample_demo: Callable[[random.Random], tuple[str, str]],
+    tokenizer,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> Path:
     """Train on (prompt, response) pairs with the loss on response tokens only; save to out_dir."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
@@ -88,6 +99,7 @@ def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Calla
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
+
     def encode(prompt: str, response) -> tuple[list[int], list[int], list[int]]:
         """(prompt ids, response ids, labels); a response is text, or (text, trained) segments each tokenized on
         its own, as the episode loop tokenizes each turn and observation on its own."""
@@ -109,9 +121,9 @@ def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Calla
         labels = torch.full((batch_size, width), -100)
         attention = torch.zeros((batch_size, width), dtype=torch.long)
         for b, (p, r, target) in enumerate(batch):
-            ids[b, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[b, len(p):len(p) + len(r)] = torch.tensor(target)
-            attention[b, :len(p) + len(r)] = 1
+            ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[b, len(p) : len(p) + len(r)] = torch.tensor(target)
+            attention[b, : len(p) + len(r)] = 1
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,7 +131,9 @@ def supervised_warm_start(base_dir: str, out_dir: str | Path, sample_demo: Calla
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 200 == 0 or step == steps - 1:
-            log.info("warm start step %d/%d loss %.4f (%.0fs)", step + 1, steps, loss.item(), time.perf_counter() - started)
+            log.info(
+                "warm start step %d/%d loss %.4f (%.0fs)", step + 1, steps, loss.item(), time.perf_counter() - started
+            )
     with atomic_path(out_dir) as tmp:  # a half-written cache is never used
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

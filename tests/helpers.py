@@ -36,21 +36,59 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def build_run(model_dir: str, engine, files, tmp_path: Path, *, total_rollout_steps: int = 1, eval_every: int = 0,
-              rollout: RolloutConfig | None = None, reward_fn=integer_match, callbacks=(), gradient_checkpointing=False,
-              **ppo_overrides):
-    ppo = PPOConfig(**{"rollout_batch_size": 8, "n_samples_per_prompt": 4, "train_batch_size": 8,
-                       "micro_train_batch_size": 4, "actor_lr": 1e-3, "critic_lr": 1e-3, **ppo_overrides})
+def build_run(
+    model_dir: str,
+    engine,
+    files,
+    tmp_path: Path,
+    *,
+    total_rollout_steps: int = 1,
+    eval_every: int = 0,
+    rollout: RolloutConfig | None = None,
+    reward_fn=integer_match,
+    callbacks=(),
+    gradient_checkpointing=False,
+    **ppo_overrides,
+):
+    ppo = PPOConfig(
+        **{
+            "rollout_batch_size": 8,
+            "n_samples_per_prompt": 4,
+            "train_batch_size": 8,
+            "micro_train_batch_size": 4,
+            "actor_lr": 1e-3,
+            "critic_lr": 1e-3,
+            **ppo_overrides,
+        }
+    )
     rollout = rollout or RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     eval_prompts = load_prompts(files[1], tokenizer)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=total_rollout_steps), len(train_prompts), 1,
-                        rollout.max_response_tokens, max_turns=rollout.max_turns if rollout.environment else 1,
-                        max_episode_tokens=rollout.episode_tokens())
+    plan = compute_plan(
+        ppo,
+        RunLengthConfig(total_rollout_steps=total_rollout_steps),
+        len(train_prompts),
+        1,
+        rollout.max_response_tokens,
+        max_turns=rollout.max_turns if rollout.environment else 1,
+        max_episode_tokens=rollout.episode_tokens(),
+    )
     trainer, module, datamodule = build_product_run(
-        plan=plan, ppo=ppo, rollout=rollout, model_dir=model_dir, tokenizer=tokenizer, train_prompts=train_prompts,
-        eval_prompts=eval_prompts, scorer=RewardScorer(fn=reward_fn), output_dir=tmp_path, seed=0, engine=engine,
-        gradient_checkpointing=gradient_checkpointing, eval_every=eval_every,
-        metrics_path=str(Path(tmp_path) / "metrics.csv"), callbacks=callbacks)
+        plan=plan,
+        ppo=ppo,
+        rollout=rollout,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        scorer=RewardScorer(fn=reward_fn),
+        output_dir=tmp_path,
+        seed=0,
+        engine=engine,
+        gradient_checkpointing=gradient_checkpointing,
+        eval_every=eval_every,
+        metrics_path=str(Path(tmp_path) / "metrics.csv"),
+        callbacks=callbacks,
+    )
     return trainer, module, datamodule, plan

@@ -360,6 +360,7 @@ def test_aggregate_loss_unknown_mode():
 
 # ================================================================== masked_whiten / count_uniform_groups
 
+
 def test_masked_whiten_by_hand():
     x = t([[1.0, 2.0, 50.0], [3.0, 50.0, 50.0]])
     mask = t([[1, 1, 0], [1, 0, 0]])
@@ -498,8 +499,13 @@ def test_estimators_ignore_padding(name, seed):
     kw = dict(group_size=4, gamma=0.9, lam=0.8, normalize=name != "gae_unnormalized")
     takes_kl = fn.__name__ in alg.KL_IN_REWARD_ESTIMATORS
     base = fn(rewards, mask, values=values, kl_penalty=kl if takes_kl else None, **kw)
-    wide = fn(rewards, wide_mask, values=pad_with_garbage(values, mask, extra, seed + 100),
-              kl_penalty=pad_with_garbage(kl, mask, extra, seed + 200) if takes_kl else None, **kw)
+    wide = fn(
+        rewards,
+        wide_mask,
+        values=pad_with_garbage(values, mask, extra, seed + 100),
+        kl_penalty=pad_with_garbage(kl, mask, extra, seed + 200) if takes_kl else None,
+        **kw,
+    )
     for b, w in zip(base, wide):  # advantages, returns
         close(w[:, : mask.shape[1]], b, atol=1e-10)
         assert (w[wide_mask == 0] == 0).all()
@@ -512,8 +518,9 @@ def test_aggregation_ignores_padding(mode, seed):
     _, mask, values, _ = random_batch(seed)
     extra = 3
     base = alg.aggregate_loss(values, mask, mode, max_len=16)
-    wide = alg.aggregate_loss(pad_with_garbage(values, mask, extra, seed), torch.nn.functional.pad(mask, (0, extra)),
-                              mode, max_len=16)
+    wide = alg.aggregate_loss(
+        pad_with_garbage(values, mask, extra, seed), torch.nn.functional.pad(mask, (0, extra)), mode, max_len=16
+    )
     close(wide, base, atol=1e-12)
 
 
@@ -563,10 +570,12 @@ def loss_and_grad(logp, old, adv, mask, mode, micro: int | None):
         for s in range(0, 8, micro):
             rows = slice(s, s + micro)
             w = int(mask[rows].sum(-1).max())  # each micro-batch trimmed to its own width
-            loss, _ = alg.policy_loss(leaf[rows, :w], old[rows, :w], adv[rows, :w], clip_ratio_low=0.2,
-                                      clip_ratio_high=0.28, dual_clip=3.0)
-            total = total + alg.aggregate_loss(loss, mask[rows, :w], mode, num_tokens=mask.sum(),
-                                               num_seqs=mask.shape[0], max_len=MAX_LEN)
+            loss, _ = alg.policy_loss(
+                leaf[rows, :w], old[rows, :w], adv[rows, :w], clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0
+            )
+            total = total + alg.aggregate_loss(
+                loss, mask[rows, :w], mode, num_tokens=mask.sum(), num_seqs=mask.shape[0], max_len=MAX_LEN
+            )
     total.backward()
     return total.detach(), leaf.grad
 
@@ -588,14 +597,22 @@ def test_accumulation_needs_the_global_counts():
     logp, old, adv, mask = accumulation_batch(0)
     _, whole_grad = loss_and_grad(logp, old, adv, mask, "token-mean", None)
     leaf = logp.clone().requires_grad_(True)
-    total = sum(alg.aggregate_loss(alg.policy_loss(leaf[s:s + 2], old[s:s + 2], adv[s:s + 2], clip_ratio_low=0.2,
-                                                   clip_ratio_high=0.28)[0], mask[s:s + 2], "token-mean")
-                for s in range(0, 8, 2))
+    total = sum(
+        alg.aggregate_loss(
+            alg.policy_loss(leaf[s : s + 2], old[s : s + 2], adv[s : s + 2], clip_ratio_low=0.2, clip_ratio_high=0.28)[
+                0
+            ],
+            mask[s : s + 2],
+            "token-mean",
+        )
+        for s in range(0, 8, 2)
+    )
     total.backward()
     assert not torch.allclose(leaf.grad, whole_grad, atol=1e-6)
 
 
 # ================================================================== global_sum over a split batch
+
 
 def run_on_two_ranks(fn, inputs: list[dict]) -> list:
     """Run fn on two halves concurrently; global_sum adds the other half's local sum (an all-reduce)."""
@@ -642,8 +659,10 @@ def test_masked_whiten_global_sum(seed):
     _, mask, values, _ = random_batch(seed)
     whole = alg.masked_whiten(values, mask)
     h = mask.shape[0] // 2
-    parts = run_on_two_ranks(lambda global_sum, x, m: alg.masked_whiten(x, m, global_sum),
-                             [dict(x=values[:h], m=mask[:h]), dict(x=values[h:], m=mask[h:])])
+    parts = run_on_two_ranks(
+        lambda global_sum, x, m: alg.masked_whiten(x, m, global_sum),
+        [dict(x=values[:h], m=mask[:h]), dict(x=values[h:], m=mask[h:])],
+    )
     close(parts[0], whole[:h], atol=1e-10)
     close(parts[1], whole[h:], atol=1e-10)
     # and the halves alone really differ from the whole (the global statistics matter)
@@ -657,8 +676,9 @@ def test_estimators_global_sum(name, seed):
     fn = alg.ADVANTAGE_ESTIMATORS[name]
     kw = dict(group_size=4, gamma=0.9, lam=0.8, normalize=True)
     whole = fn(rewards, mask, values=values, kl_penalty=kl, **kw)
-    parts = run_on_two_ranks(lambda global_sum, **inp: fn(global_sum=global_sum, **inp, **kw),
-                             halves(rewards, mask, values, kl))
+    parts = run_on_two_ranks(
+        lambda global_sum, **inp: fn(global_sum=global_sum, **inp, **kw), halves(rewards, mask, values, kl)
+    )
     h = mask.shape[0] // 2
     for k in range(2):  # advantages, returns
         close(parts[0][k], whole[k][:h], atol=1e-10)
@@ -666,6 +686,7 @@ def test_estimators_global_sum(name, seed):
 
 
 # ================================================================== policy-loss modes (issue 15)
+
 
 def test_policy_loss_registry():
     assert set(alg.POLICY_LOSSES) == {"ppo", "gspo", "cispo"}
@@ -726,8 +747,9 @@ def test_gspo_ignores_padding():
     # Garbage on padding (log-ratio 7 and -9 above) changes no sequence's ratio: rows 0 and 1 alone give the same.
     logp, old = gspo_inputs()
     loss, _ = alg.gspo_policy_loss(logp, old, GSPO_ADVS, GSPO_MASK, clip_ratio_low=0.2, clip_ratio_high=0.28)
-    trimmed, _ = alg.gspo_policy_loss(logp[:2, :2], old[:2, :2], GSPO_ADVS[:2, :2], GSPO_MASK[:2, :2],
-                                      clip_ratio_low=0.2, clip_ratio_high=0.28)
+    trimmed, _ = alg.gspo_policy_loss(
+        logp[:2, :2], old[:2, :2], GSPO_ADVS[:2, :2], GSPO_MASK[:2, :2], clip_ratio_low=0.2, clip_ratio_high=0.28
+    )
     close(loss[:2, :2].detach(), trimmed.detach())
 
 
@@ -835,13 +857,18 @@ def test_rollout_correction_none_and_errors():
 
 # ================================================================== DAPO overlong shaping (issue 15)
 
+
 def test_overlong_penalty_by_hand():
     # L_max = 20, buffer 4: free up to 16 tokens, then (16 - L)/4 * factor, -factor at 20 and beyond.
     lengths = torch.tensor([10, 16, 17, 18, 20, 25])
-    close(alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=1.0),
-          [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
-    close(alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=0.5),
-          [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    close(
+        alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=1.0),
+        [0.0, 0.0, -0.25, -0.5, -1.0, -1.0],
+    )
+    close(
+        alg.overlong_penalty(lengths, max_response_tokens=20, buffer_tokens=4, penalty_factor=0.5),
+        [0.0, 0.0, -0.125, -0.25, -0.5, -0.5],
+    )
 
 
 # ================================================================== accumulation invariance of the new modes
@@ -853,9 +880,11 @@ CORRECTIONS = {
     "mis-token": dict(mode="mis", level="token", mis_low=0.8, mis_high=1.25),
     "mis-sequence": dict(mode="mis", level="sequence", mis_low=0.95, mis_high=1.05),
 }
-LOSS_CLIP = {"ppo": dict(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
-             "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
-             "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28)}
+LOSS_CLIP = {
+    "ppo": dict(clip_ratio_low=0.2, clip_ratio_high=0.28, dual_clip=3.0),
+    "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
+    "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28),
+}
 
 
 def corrected_loss_and_grad(name, correction, mode, micro: int | None, seed: int = 0):
@@ -873,8 +902,9 @@ def corrected_loss_and_grad(name, correction, mode, micro: int | None, seed: int
         rows = slice(s, s + (micro or 8))
         w = int(mask[rows].sum(-1).max())
         loss, _ = fn(leaf[rows, :w], old[rows, :w], adv[rows, :w], mask[rows, :w], **LOSS_CLIP[name])
-        total = total + alg.aggregate_loss(loss * weights[rows, :w], keep[rows, :w], mode, num_tokens=keep.sum(),
-                                           num_seqs=8, max_len=MAX_LEN)
+        total = total + alg.aggregate_loss(
+            loss * weights[rows, :w], keep[rows, :w], mode, num_tokens=keep.sum(), num_seqs=8, max_len=MAX_LEN
+        )
     total.backward()
     return total.detach(), leaf.grad, keep
 
@@ -909,11 +939,12 @@ def test_rollout_correction_is_per_row(correction):
     rollout = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8), dtype=F64)
     weights, keep, _ = alg.rollout_correction(old, rollout, mask, **CORRECTIONS[correction])
     for s in range(0, 8, 2):
-        w = int(mask[s:s + 2].sum(-1).max())
-        part_w, part_k, _ = alg.rollout_correction(old[s:s + 2, :w], rollout[s:s + 2, :w], mask[s:s + 2, :w],
-                                                   **CORRECTIONS[correction])
-        close(part_w, weights[s:s + 2, :w], atol=1e-12)
-        close(part_k, keep[s:s + 2, :w], atol=0)
+        w = int(mask[s : s + 2].sum(-1).max())
+        part_w, part_k, _ = alg.rollout_correction(
+            old[s : s + 2, :w], rollout[s : s + 2, :w], mask[s : s + 2, :w], **CORRECTIONS[correction]
+        )
+        close(part_w, weights[s : s + 2, :w], atol=1e-12)
+        close(part_k, keep[s : s + 2, :w], atol=0)
 
 
 @pytest.mark.parametrize("correction", [c for c in CORRECTIONS if c != "none"])
@@ -924,11 +955,18 @@ def test_rollout_correction_stats_global_sum(correction):
 
     def on_rank(global_sum, o, r, m):
         # the max over ranks through the same exchange: the larger of the two posted values
-        return alg.rollout_correction(o, r, m, **CORRECTIONS[correction], global_sum=global_sum,
-                                      global_max=lambda x: torch.maximum(x, global_sum(x) - x))[2]
+        return alg.rollout_correction(
+            o,
+            r,
+            m,
+            **CORRECTIONS[correction],
+            global_sum=global_sum,
+            global_max=lambda x: torch.maximum(x, global_sum(x) - x),
+        )[2]
 
-    parts = run_on_two_ranks(on_rank, [dict(o=old[:4], r=rollout[:4], m=mask[:4]),
-                                       dict(o=old[4:], r=rollout[4:], m=mask[4:])])
+    parts = run_on_two_ranks(
+        on_rank, [dict(o=old[:4], r=rollout[:4], m=mask[:4]), dict(o=old[4:], r=rollout[4:], m=mask[4:])]
+    )
     for stats in parts:
         for k in whole:
             close(stats[k], whole[k], atol=1e-12)

@@ -14,8 +14,13 @@ def test_checkpointing_recomputes_every_decoder_layer(tiny_model_dir, engine, ar
     once more for every training micro-batch (the recomputation), and only then."""
     calls = {}
     for checkpointing in (False, True):
-        trainer, module, datamodule, plan = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path / str(checkpointing),
-                                                      gradient_checkpointing=checkpointing)
+        trainer, module, datamodule, plan = build_run(
+            tiny_model_dir,
+            engine,
+            arithmetic_files,
+            tmp_path / str(checkpointing),
+            gradient_checkpointing=checkpointing,
+        )
         count = [0]
         layers = [layer for model in (module.actor, module.critic) for layer in model.model.layers]
         for layer in layers:
@@ -33,7 +38,9 @@ def test_trained_models_are_in_training_mode_without_dropout(tiny_model_dir, eng
     _, module, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, gradient_checkpointing=True)
     assert module.actor.training and module.critic.training and not module.reference.training
     assert module.actor.is_gradient_checkpointing and module.critic.is_gradient_checkpointing
-    dropouts = [m.p for model in (module.actor, module.critic) for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    dropouts = [
+        m.p for model in (module.actor, module.critic) for m in model.modules() if isinstance(m, torch.nn.Dropout)
+    ]
     assert dropouts and all(p == 0.0 for p in dropouts)  # the critic's head had classifier_dropout 0.1
     mb = pack([[5, 6, 7, 8]] * 4, [[9, 10, 11]] * 4, module.pad_token_id, "cpu")
     values = [module._values(mb) for _ in range(2)]

@@ -46,8 +46,13 @@ class ScriptedEngine:
     def generate(self, prompt_token_ids, *, n, temperature, top_p, max_tokens, seeds, **_):
         from lit_ppo.rollout import Generation
 
-        return [Generation(prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1))
-                for p, ids in enumerate(prompt_token_ids) for i in range(n)]
+        return [
+            Generation(
+                prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)
+            )
+            for p, ids in enumerate(prompt_token_ids)
+            for i in range(n)
+        ]
 
     def wake_up(self):
         pass
@@ -67,14 +72,28 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(eval_path, tokenizer)
-    plan = compute_plan(PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4),
-                        RunLengthConfig(total_rollout_steps=1), len(prompts), world, 4)
+    plan = compute_plan(
+        PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4),
+        RunLengthConfig(total_rollout_steps=1),
+        len(prompts),
+        world,
+        4,
+    )
     # Reward 1 for the response "1": each prompt's second pass@2 sample solves it, no greedy response does.
     scorer = RewardScorer(fn=lambda prompts, responses, references, extras: [float(r == "1") for r in responses])
-    datamodule = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=prompts,
-                                   rollout=RolloutConfig(max_response_tokens=4, eval_samples_per_prompt=2), scorer=scorer,
-                                   tokenizer=tokenizer, model_dir=model_dir, seed=0, rank=rank, world_size=world,
-                                   engine=ScriptedEngine())
+    datamodule = RolloutDataModule(
+        plan=plan,
+        train_prompts=prompts,
+        eval_prompts=prompts,
+        rollout=RolloutConfig(max_response_tokens=4, eval_samples_per_prompt=2),
+        scorer=scorer,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        rank=rank,
+        world_size=world,
+        engine=ScriptedEngine(),
+    )
     calls = strict_collectives(torch.device("cpu"))
     torch.set_default_device("meta")
     try:
@@ -92,8 +111,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
 def test_evaluation_reduces_on_the_models_device(tiny_model_dir, tmp_path):
     eval_path = tmp_path / "eval.jsonl"
     eval_path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
-    mp.start_processes(_rank, args=(2, tiny_model_dir, str(eval_path), str(tmp_path)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_rank, args=(2, tiny_model_dir, str(eval_path), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["error"] is None, report["error"]

@@ -26,8 +26,9 @@ def dataclass_defaults(cls: type) -> dict:
     return defaults
 
 
-@pytest.mark.parametrize("cls, yaml_file", [(PPOConfig, "ppo/ppo.yaml"), (RolloutConfig, "rollout/vllm.yaml")],
-                         ids=["ppo", "rollout"])
+@pytest.mark.parametrize(
+    "cls, yaml_file", [(PPOConfig, "ppo/ppo.yaml"), (RolloutConfig, "rollout/vllm.yaml")], ids=["ppo", "rollout"]
+)
 def test_dataclass_defaults_equal_the_default_yaml(cls, yaml_file):
     from_yaml = yaml.safe_load((CONF / yaml_file).read_text())
     assert dataclass_defaults(cls) == from_yaml  # same keys, same values (a new key needs both)

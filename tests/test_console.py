@@ -22,9 +22,13 @@ def _record_loads(worker):
                 yield name, tensor
 
         loaded = original(counted())
-        model.lit_ppo_record = (consumed, sorted(loaded), sorted(name for name, _ in model.named_parameters()),
-                                sorted({type(m).__name__ for m in model.modules() if "Rotary" in type(m).__name__}),
-                                sorted(name for name, _ in model.named_buffers()))
+        model.lit_ppo_record = (
+            consumed,
+            sorted(loaded),
+            sorted(name for name, _ in model.named_parameters()),
+            sorted({type(m).__name__ for m in model.modules() if "Rotary" in type(m).__name__}),
+            sorted(name for name, _ in model.named_buffers()),
+        )
         return loaded
 
     model.load_weights = recording
@@ -63,4 +67,4 @@ def test_weight_sync_loads_every_actor_tensor_and_the_rotary_message_is_debug(en
     greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=3, seeds=None)[0].token_ids
     with torch.no_grad():
         expected = actor.generate(torch.tensor(ids), max_new_tokens=3, do_sample=False)[0, 3:].tolist()
-    assert greedy == expected[:len(greedy)]
+    assert greedy == expected[: len(greedy)]

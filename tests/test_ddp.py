@@ -41,13 +41,29 @@ from tests.helpers import ROOT, read_csv
 RUN_TIMEOUT_S = 420
 DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
 STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu"]}
-SETTINGS = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
-            "trainer.eval_every=0", "trainer.checkpoint_every=1", "reward.overlong_penalty=1.0",
-            "ppo.train_batch_size=128", "ppo.ppo_epochs=2",
-            "strategy.precision=32-true"]  # exact comparisons: float32 whatever `auto` picks on this machine
-ROLLOUT_METRICS = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean",
-                   "rollout/response_length_max", "rollout/truncated_fraction", "rollout/generated_tokens",
-                   "rollout/kl_to_reference", "rollout/advantage_mean", "critic/explained_variance"]
+SETTINGS = [
+    "trainer.total_rollout_steps=2",
+    "model.warm_start.steps=20",
+    "data.n_train=64",
+    "data.n_eval=8",
+    "trainer.eval_every=0",
+    "trainer.checkpoint_every=1",
+    "reward.overlong_penalty=1.0",
+    "ppo.train_batch_size=128",
+    "ppo.ppo_epochs=2",
+    "strategy.precision=32-true",
+]  # exact comparisons: float32 whatever `auto` picks on this machine
+ROLLOUT_METRICS = [
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_length_mean",
+    "rollout/response_length_max",
+    "rollout/truncated_fraction",
+    "rollout/generated_tokens",
+    "rollout/kl_to_reference",
+    "rollout/advantage_mean",
+    "critic/explained_variance",
+]
 
 
 def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:
@@ -55,8 +71,15 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
     out.mkdir(parents=True, exist_ok=True)
     paths = [str(ROOT), *pythonpath, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
-    cmd = [sys.executable, "train.py", *SETTINGS, f"output_dir={out}", f"cache_dir={cache}",
-           f"hydra.run.dir={out / 'hydra'}", *overrides]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *SETTINGS,
+        f"output_dir={out}",
+        f"cache_dir={cache}",
+        f"hydra.run.dir={out / 'hydra'}",
+        *overrides,
+    ]
     started = time.monotonic()
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -66,7 +89,9 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
             os.killpg(proc.pid, signal.SIGKILL)  # rank 1 is in rank 0's process group
             proc.wait()
     tail = (out / "train.log").read_text()[-5000:]
-    assert proc.returncode == returncode, f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    assert proc.returncode == returncode, (
+        f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    )
     out.joinpath("pgid").write_text(str(proc.pid))
     return out
 
@@ -111,12 +136,17 @@ def resumed_run(tmp_path_factory, cache, parallel_run) -> Path:
 
 def experience(run: Path, rollout_step: int, world: int) -> dict:
     """The ranks' dumped experience of one rollout step, concatenated in rank order and padded to one width."""
-    shards = [torch.load(run / "dump" / f"rollout_step={rollout_step:06d}.rank{r}.pt", weights_only=False) for r in range(world)]
+    shards = [
+        torch.load(run / "dump" / f"rollout_step={rollout_step:06d}.rank{r}.pt", weights_only=False)
+        for r in range(world)
+    ]
     assert [s["rank"] for s in shards] == list(range(world)) and all(s["world_size"] == world for s in shards)
     width = max(s["mask"].shape[1] for s in shards)
     joined = {k: sum((s[k] for s in shards), []) for k in ("prompt_positions", "dataset_indices", "response_ids")}
     joined["rewards"] = torch.cat([s["rewards"] for s in shards])
-    for k in [k for k in ("mask", "advantages", "returns", "values") if shards[0].get(k) is not None]:  # no critic: no values
+    for k in [
+        k for k in ("mask", "advantages", "returns", "values") if shards[0].get(k) is not None
+    ]:  # no critic: no values
         joined[k] = torch.cat([torch.nn.functional.pad(s[k], (0, width - s[k].shape[1])) for s in shards])
     joined["shard_sizes"] = [len(s["rewards"]) for s in shards]
     return joined
@@ -146,7 +176,12 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
     assert plan["grad_accumulation_steps"] == 2  # 128 / (32 per micro-batch x 2 ranks)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["rollout_steps"] == 2
-    assert summary["optimizer_steps_actor"] == summary["optimizer_steps_critic"] == summary["expected_optimizer_steps"] == 4
+    assert (
+        summary["optimizer_steps_actor"]
+        == summary["optimizer_steps_critic"]
+        == summary["expected_optimizer_steps"]
+        == 4
+    )
     assert summary["samples_generated"] == 2 * 32 * 4
     rows = metrics(run)
     assert [int(r["rollout_step"]) for r in rows] == [1, 2] and [int(r["optimizer_step"]) for r in rows] == [2, 4]
@@ -157,7 +192,10 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
         assert exp["shard_sizes"] == [64, 64]
         assert exp["prompt_positions"] == [p for p in range(32) for _ in range(4)]
         assert all(len(r) > 0 for r in exp["response_ids"])
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [
+        "rollout_step=000001.ckpt",
+        "rollout_step=000002.ckpt",
+    ]
     assert (run / "actor" / "config.json").exists()
 
 
@@ -183,7 +221,13 @@ def test_logged_rollout_metrics_are_those_of_the_whole_batch(single_run, paralle
             assert float(two[key]) == pytest.approx(float(one[key]), abs=1e-4), key
     # Evaluation is split over the ranks and all-reduced: the same numbers as on one process.
     single, parallel = (json.loads((r / "summary.json").read_text()) for r in (single_run, run))
-    for key in ("eval_reward_initial", "eval_reward_final", "eval_final/response_length", "eval_final/pass@4", "tokens_generated"):
+    for key in (
+        "eval_reward_initial",
+        "eval_reward_final",
+        "eval_final/response_length",
+        "eval_final/pass@4",
+        "tokens_generated",
+    ):
         assert parallel[key] == pytest.approx(single[key], abs=1e-6), key
 
 
@@ -197,7 +241,13 @@ def test_final_actor_does_not_depend_on_the_number_of_ranks(single_run, parallel
 def test_resumed_run_continues_exactly(parallel_run, resumed_run):
     _, run = parallel_run
     full, resumed = (json.loads((r / "summary.json").read_text()) for r in (run, resumed_run))
-    for key in ("rollout_steps", "optimizer_steps_actor", "optimizer_steps_critic", "samples_generated", "tokens_generated"):
+    for key in (
+        "rollout_steps",
+        "optimizer_steps_actor",
+        "optimizer_steps_critic",
+        "samples_generated",
+        "tokens_generated",
+    ):
         assert resumed[key] == full[key], key
     assert [r["rollout_step"] for r in metrics(resumed_run)] == ["1", "2"]  # history restored, no repeats
     assert not (resumed_run / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
@@ -223,8 +273,14 @@ def fail_on_rank_0(prompts, responses, references, extras):
 def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
     """Rank 0 stops with the one-line error; rank 1, which it started, does not wait on in a collective."""
     (tmp_path / "rank_reward.py").write_text(FAILING_REWARD)
-    out = train_cli(tmp_path / "run", cache, *DDP, "reward.fn._target_=rank_reward.fail_on_rank_0", returncode=2,
-                    pythonpath=(str(tmp_path),))
+    out = train_cli(
+        tmp_path / "run",
+        cache,
+        *DDP,
+        "reward.fn._target_=rank_reward.fail_on_rank_0",
+        returncode=2,
+        pythonpath=(str(tmp_path),),
+    )
     log = (out / "train.log").read_text()
     assert "error: reward function rank_reward.fail_on_rank_0" in log and "this reward fails on rank 0" in log
     assert "Connection closed by peer" not in log  # rank 1 was stopped, not left to fail in its next all-reduce
@@ -242,8 +298,13 @@ def test_dynamic_sampling_does_not_depend_on_the_number_of_ranks(tmp_path_factor
     dapo = ["ppo=dapo", "ppo.ppo_epochs=1"]
     one = train_cli(tmp_path_factory.mktemp("dapo_single"), cache, *dapo)
     two = train_cli(tmp_path_factory.mktemp("dapo_ddp"), cache, *dapo, *DDP)
-    keys = ("rollout/generation_rounds", "rollout/dropped_groups", "rollout/filled_groups", "rollout/prompts_consumed",
-            "rollout/reward_mean")
+    keys = (
+        "rollout/generation_rounds",
+        "rollout/dropped_groups",
+        "rollout/filled_groups",
+        "rollout/prompts_consumed",
+        "rollout/reward_mean",
+    )
     rows_one, rows_two = metrics(one), metrics(two)
     assert [[r[k] for k in keys] for r in rows_two] == [[r[k] for k in keys] for r in rows_one]
     assert max(int(r["rollout/generation_rounds"]) for r in rows_one) > 1  # the refill happened

@@ -12,9 +12,16 @@ import torch
 
 from tests.test_ddp import DDP, experience, metrics, train_cli
 
-TOOLS = ["+experiment=tool_arithmetic", "model.warm_start.steps=100", "model.warm_start.tool_call_rate=0.5",
-         "ppo.advantage_estimator=gae", "ppo.kl_mode=reward", "ppo.kl_estimator=k1", "ppo.micro_train_batch_size=32",
-         "rollout.temperature=0.5"]  # a 100-step warm start answers well greedily but not at temperature 1
+TOOLS = [
+    "+experiment=tool_arithmetic",
+    "model.warm_start.steps=100",
+    "model.warm_start.tool_call_rate=0.5",
+    "ppo.advantage_estimator=gae",
+    "ppo.kl_mode=reward",
+    "ppo.kl_estimator=k1",
+    "ppo.micro_train_batch_size=32",
+    "rollout.temperature=0.5",
+]  # a 100-step warm start answers well greedily but not at temperature 1
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +60,12 @@ def test_episodes_and_advantages_do_not_depend_on_the_number_of_ranks(one_proces
 @pytest.mark.slow
 def test_episode_metrics_are_those_of_the_whole_batch(one_process, two_processes):
     for one, two in zip(metrics(one_process), metrics(two_processes), strict=True):
-        for key in ("rollout/turns_mean", "rollout/tool_calls", "rollout/tool_call_rate", "rollout/observation_tokens",
-                    "rollout/episode_tokens", "rollout/reward_mean"):
+        for key in (
+            "rollout/turns_mean",
+            "rollout/tool_calls",
+            "rollout/tool_call_rate",
+            "rollout/observation_tokens",
+            "rollout/episode_tokens",
+            "rollout/reward_mean",
+        ):
             assert float(two[key]) == pytest.approx(float(one[key]), abs=1e-6), key

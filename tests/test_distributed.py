@@ -53,6 +53,7 @@ TIMEOUT_S = 180
 
 # ------------------------------------------------------------------ shared data (parent and workers)
 
+
 def make_batch() -> dict[str, torch.Tensor]:
     """The same rollout batch in every process: seeded generator, CPU, float64."""
     g = torch.Generator().manual_seed(0)
@@ -107,8 +108,9 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def advantages(name: str, b, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
     kl_penalty = b["kl_penalty"] if name in alg.KL_IN_REWARD_ESTIMATORS else None  # the others take KL in the loss
-    return alg.ADVANTAGE_ESTIMATORS[name](b["rewards"], b["mask"], values=b["values"], kl_penalty=kl_penalty,
-                                          global_sum=global_sum, **ESTIMATOR_KWARGS)
+    return alg.ADVANTAGE_ESTIMATORS[name](
+        b["rewards"], b["mask"], values=b["values"], kl_penalty=kl_penalty, global_sum=global_sum, **ESTIMATOR_KWARGS
+    )
 
 
 def policy_loss_terms(model, b) -> torch.Tensor:
@@ -119,8 +121,11 @@ def policy_loss_terms(model, b) -> torch.Tensor:
 
 # Issue 15's modes: every policy loss with every rollout correction (the correction is computed on each rank's
 # rows, as make_experience does; MIS's kept tokens are the loss's tokens and their global count its denominator).
-POLICY_CLIP = {"ppo": CLIP, "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
-               "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28)}
+POLICY_CLIP = {
+    "ppo": CLIP,
+    "gspo": dict(clip_ratio_low=0.03, clip_ratio_high=0.04),
+    "cispo": dict(clip_ratio_low=1.0, clip_ratio_high=0.28),
+}
 CORRECTIONS = {
     "none": dict(mode="none"),
     "tis-token": dict(mode="tis", level="token", tis_cap=1.1),
@@ -139,12 +144,19 @@ def corrected_policy_loss_terms(model, b, name: str) -> torch.Tensor:
 
 def with_correction(b, correction: str, global_sum=alg.local_sum, global_max=alg.local_sum):
     """b with the rollout correction's weights and its kept tokens (`loss_mask`); and the correction's statistics."""
-    weights, keep, stats = alg.rollout_correction(b["old_logp"], b["rollout_logp"], b["mask"], **CORRECTIONS[correction],
-                                                  global_sum=global_sum, global_max=global_max)
+    weights, keep, stats = alg.rollout_correction(
+        b["old_logp"],
+        b["rollout_logp"],
+        b["mask"],
+        **CORRECTIONS[correction],
+        global_sum=global_sum,
+        global_max=global_max,
+    )
     return dict(b, rc_weights=weights, loss_mask=keep), stats
 
 
 # ------------------------------------------------------------------ worker (one process per rank)
+
 
 def run_rank(rank: int, world: int) -> dict:
     """This rank's advantages and mini-batch gradients, padded to the whole batch's width."""
@@ -166,7 +178,7 @@ def run_rank(rank: int, world: int) -> dict:
 
     # One mini-batch of all 16 samples: this rank's 8 in shuffled micro-batches of 3, 3, 2.
     order = torch.randperm(n_local, generator=torch.Generator().manual_seed(rank)).tolist()
-    micro = [rows(local, order[s:s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
+    micro = [rows(local, order[s : s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
     mask = local["mask"]
     num_tokens, num_seqs = global_sum(torch.stack([mask.sum(), torch.tensor(float(n_local), dtype=F64)]))
     model = DDP(make_policy(batch))
@@ -195,17 +207,24 @@ def run_rank(rank: int, world: int) -> dict:
     out["new_mode_grads"], out["rc_stats"] = {}, {}
     for correction in CORRECTIONS:
         corrected, out["rc_stats"][correction] = with_correction(local, correction, global_sum, global_max)
-        corrected_micro = [rows(corrected, order[s:s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
+        corrected_micro = [rows(corrected, order[s : s + MICRO_BATCH]) for s in range(0, n_local, MICRO_BATCH)]
         kept_tokens = global_sum(corrected["loss_mask"].sum())
         for name in alg.POLICY_LOSSES:
             for mode in NEW_MODE_AGG:
                 model.zero_grad(set_to_none=True)
                 for mb in corrected_micro:
-                    loss = alg.aggregate_loss(corrected_policy_loss_terms(model, mb, name), mb["loss_mask"], mode,
-                                              max_len=MAX_LEN, num_tokens=kept_tokens, num_seqs=num_seqs)
+                    loss = alg.aggregate_loss(
+                        corrected_policy_loss_terms(model, mb, name),
+                        mb["loss_mask"],
+                        mode,
+                        max_len=MAX_LEN,
+                        num_tokens=kept_tokens,
+                        num_seqs=num_seqs,
+                    )
                     (loss * world).backward()
                 out["new_mode_grads"][name, correction, mode] = torch.cat(
-                    [p.grad.reshape(-1) for p in model.module.parameters()]).clone()
+                    [p.grad.reshape(-1) for p in model.module.parameters()]
+                ).clone()
     out["num_tokens"], out["num_seqs"] = num_tokens, num_seqs
     return out
 
@@ -215,8 +234,13 @@ def worker_main() -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     try:
         out = run_rank(rank, world)
     except BaseException:
@@ -229,6 +253,7 @@ def worker_main() -> None:
 
 # ------------------------------------------------------------------ tests (parent process)
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,15 +262,24 @@ def free_port() -> int:
 
 def launch(out_dir: Path) -> tuple[bool, str]:
     """Start the ranks as separate processes; (all exited 0, what went wrong)."""
-    env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               LIT_PPO_DIST_OUT=str(out_dir), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        LIT_PPO_DIST_OUT=str(out_dir),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     logs = [out_dir / f"rank{r}.log" for r in range(WORLD)]
     procs = []
     for r, log in enumerate(logs):
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, __file__], env=dict(env, RANK=str(r)), cwd=ROOT,
-                                          stdout=f, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__], env=dict(env, RANK=str(r)), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+                )
+            )
     deadline = time.monotonic() + TIMEOUT_S
     try:
         # A rank that fails leaves its peer waiting in a collective: stop at the first failure.
@@ -337,7 +371,9 @@ def test_new_modes_ddp_gradient_equals_single_process_gradient(ranks, name, corr
     batch = make_batch()
     model = make_policy(batch)
     whole, _ = with_correction(rows(batch, list(range(len(LENGTHS)))), correction)
-    alg.aggregate_loss(corrected_policy_loss_terms(model, whole, name), whole["loss_mask"], mode, max_len=MAX_LEN).backward()
+    alg.aggregate_loss(
+        corrected_policy_loss_terms(model, whole, name), whole["loss_mask"], mode, max_len=MAX_LEN
+    ).backward()
     expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert expected.abs().max() > 1e-3
     for r, result in enumerate(ranks):

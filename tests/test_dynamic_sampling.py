@@ -21,18 +21,31 @@ ROLLOUT_BATCH = 8  # prompts per rollout step (and per generation round)
 def even_answers_are_uniform(prompts, responses, references, extras):
     """Every sample of a prompt whose answer is even scores 1 (a uniform group, dropped); the others score a hash of
     their response in [0, 1), so their groups differ unless all samples are the same text."""
-    return [1.0 if int(ref) % 2 == 0 else int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32
-            for r, ref in zip(responses, references)]
+    return [
+        1.0 if int(ref) % 2 == 0 else int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32
+        for r, ref in zip(responses, references)
+    ]
 
 
-def run(paths, engine, tmp_path, *, steps=4, rounds=3, on_shortfall="fill", callbacks=(), resume_from=None,
-        crash_after=None):
+def run(
+    paths, engine, tmp_path, *, steps=4, rounds=3, on_shortfall="fill", callbacks=(), resume_from=None, crash_after=None
+):
     callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=1, keep=10), *callbacks]
     callbacks += [CrashAfter(crash_after)] if crash_after else []
     trainer, module, datamodule, plan = build_run(
-        paths[0], engine, paths[1], tmp_path, total_rollout_steps=steps, reward_fn=even_answers_are_uniform,
-        callbacks=callbacks, advantage_estimator="grpo", kl_coef=0.0, kl_mode="loss", rollout_batch_size=ROLLOUT_BATCH,
-        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=rounds, on_shortfall=on_shortfall))
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        total_rollout_steps=steps,
+        reward_fn=even_answers_are_uniform,
+        callbacks=callbacks,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=ROLLOUT_BATCH,
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=rounds, on_shortfall=on_shortfall),
+    )
     batches = []
     produce = datamodule.produce_rollout
     datamodule.produce_rollout = lambda step: batches.append(produce(step)) or batches[-1]
@@ -77,7 +90,9 @@ def test_refill_keeps_the_planned_optimizer_steps_and_counts_what_it_drew(full_r
         assert trained == (informative + [i for i in drawn if answers[i] % 2 == 0])[:ROLLOUT_BATCH]
         assert row["rollout/filled_groups"] == max(0, ROLLOUT_BATCH - len(informative))
     # The data position moved by the rounds drawn; rounds > 1 happened (the refill), and so did a data epoch.
-    assert datamodule.next_generation_round == first_round == sum(r["rollout/generation_rounds"] for r in module.history)
+    assert (
+        datamodule.next_generation_round == first_round == sum(r["rollout/generation_rounds"] for r in module.history)
+    )
     assert max(r["rollout/generation_rounds"] for r in module.history) > 1
     assert first_round > plan.generation_rounds_per_data_epoch == 8
 
@@ -86,8 +101,13 @@ def test_resume_mid_run_matches_an_uninterrupted_run(paths, engine, full_run, tm
     # The resumed part (rollout steps 4 and 5) crosses into the second data epoch.
     full, full_dm, plan, _ = full_run
     run(paths, engine, tmp_path / "split", steps=5, crash_after=4)
-    resumed, resumed_dm, _, _ = run(paths, engine, tmp_path / "split", steps=5,
-                                    resume_from=str(checkpoint_path(tmp_path / "split" / "checkpoints", 3)))
+    resumed, resumed_dm, _, _ = run(
+        paths,
+        engine,
+        tmp_path / "split",
+        steps=5,
+        resume_from=str(checkpoint_path(tmp_path / "split" / "checkpoints", 3)),
+    )
     assert resumed_dm.next_generation_round == full_dm.next_generation_round > plan.generation_rounds_per_data_epoch
     assert resumed.actor_optimizer_steps == full.actor_optimizer_steps == 20
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
@@ -105,11 +125,20 @@ def test_on_shortfall_stop_ends_with_a_checkpoint_to_resume_from(paths, engine, 
 
 
 def test_plan_states_the_rounds_and_refuses_data_epochs():
-    ppo = PPOConfig(rollout_batch_size=8, train_batch_size=8, micro_train_batch_size=4, advantage_estimator="grpo",
-                    kl_mode="loss", dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=3,
-                                                                           prompts_per_round=16))
+    ppo = PPOConfig(
+        rollout_batch_size=8,
+        train_batch_size=8,
+        micro_train_batch_size=4,
+        advantage_estimator="grpo",
+        kl_mode="loss",
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=3, prompts_per_round=16),
+    )
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=5), 100)
-    assert (plan.prompts_per_generation_round, plan.max_generation_rounds, plan.generation_rounds_per_data_epoch) == (16, 3, 6)
+    assert (plan.prompts_per_generation_round, plan.max_generation_rounds, plan.generation_rounds_per_data_epoch) == (
+        16,
+        3,
+        6,
+    )
     assert plan.optimizer_steps_per_rollout_step == 4
     assert "rounds of 16 prompts (3 at most)" in plan.table() and "stay 4" in plan.table()
     with pytest.raises(ConfigError, match="trainer.total_rollout_steps"):

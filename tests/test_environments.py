@@ -32,19 +32,34 @@ from lit_ppo.rollout import Generation
 
 # ------------------------------------------------------------------ the calculator
 
+
 def test_safe_arithmetic_computes_and_refuses_code():
     assert safe_arithmetic("123*456") == 56088
     assert safe_arithmetic(" -(3 + 4) * 2 ") == -14
     assert safe_arithmetic("7/2") == 3.5 and safe_arithmetic("8/2") == 4 and isinstance(safe_arithmetic("8/2"), int)
     assert safe_arithmetic("2**10 % 1000") == 24
-    for text in ['__import__("os").system("true")', "x+1", "(1).real", "[1]", "lambda: 1", "1 if 1 else 2", "1/0",
-                 "9**9**9", "10**400", "1" * 300, "1e308*10", ""]:
+    for text in [
+        '__import__("os").system("true")',
+        "x+1",
+        "(1).real",
+        "[1]",
+        "lambda: 1",
+        "1 if 1 else 2",
+        "1/0",
+        "9**9**9",
+        "10**400",
+        "1" * 300,
+        "1e308*10",
+        "",
+    ]:
         with pytest.raises(CalculatorError):
             safe_arithmetic(text)
 
 
 def test_calculator_environment_calls_and_answers():
-    env = CalculatorEnvironment(call_start="[", call_end="]", result_format="={}\n", error_format="=error\n", max_calls=2)
+    env = CalculatorEnvironment(
+        call_start="[", call_end="]", result_format="={}\n", error_format="=error\n", max_calls=2
+    )
     assert env.reset({"prompt": "12*45=", "reference": "540"}) is None
     assert env.step("[12*45]") == ("=540\n", 0.0, False, {"tool_call": True})
     assert env.step("[12*x]") == ("=error\n", 0.0, False, {"tool_call": True})  # a bad call is an observation
@@ -67,6 +82,7 @@ def test_environment_factory_from_config():
 
 # ------------------------------------------------------------------ a tokenizer where decode -> encode is not the identity
 
+
 def merging_tokenizer() -> PreTrainedTokenizerFast:
     """The character tokenizer plus BPE merges "12", "45", "54": the turn ids [1][2] decode to "12", which
     encodes to the single token "12". A pipeline that re-encodes decoded turns changes the ids."""
@@ -82,7 +98,9 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
 
     merges = [("1", "2"), ("4", "5"), ("5", "4")]
     tokens = SPECIAL_TOKENS + [_byte_level_symbol(c) for c in CHARS] + [a + b for a, b in merges]
-    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=None, fuse_unk=False))
+    core = Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=None, fuse_unk=False)
+    )
     core.add_special_tokens(SPECIAL_TOKENS)
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
@@ -105,10 +123,16 @@ class ScriptedEngine:
         self.calls.append({"contexts": [list(c) for c in contexts], "max_tokens": list(max_tokens), "seeds": seeds})
         outputs = []
         for i, _ in enumerate(contexts):
-            ids = self.turns[min(turn, len(self.turns) - 1)][:max_tokens[i]]
-            outputs.append(Generation(prompt_index=i, token_ids=list(ids), text="<not used>",
-                                      truncated=len(ids) < len(self.turns[min(turn, len(self.turns) - 1)]),
-                                      logprobs=[-0.25] * len(ids)))
+            ids = self.turns[min(turn, len(self.turns) - 1)][: max_tokens[i]]
+            outputs.append(
+                Generation(
+                    prompt_index=i,
+                    token_ids=list(ids),
+                    text="<not used>",
+                    truncated=len(ids) < len(self.turns[min(turn, len(self.turns) - 1)]),
+                    logprobs=[-0.25] * len(ids),
+                )
+            )
         return outputs
 
 
@@ -118,8 +142,15 @@ def chars(tokenizer, text: str) -> list[int]:
 
 
 def settings(**overrides) -> EpisodeSettings:
-    values = dict(max_turns=3, max_episode_tokens=64, max_turn_tokens=16, timeout_s=5.0, on_error="raise",
-                  stop_token_ids=[], stop=[])
+    values = dict(
+        max_turns=3,
+        max_episode_tokens=64,
+        max_turn_tokens=16,
+        timeout_s=5.0,
+        on_error="raise",
+        stop_token_ids=[],
+        stop=[],
+    )
     return EpisodeSettings(**{**values, **overrides})
 
 
@@ -133,32 +164,64 @@ def test_three_turn_episode_ids_equal_what_the_trainer_packs():
     prompt = Prompt(prompt_ids=prompt_ids, text="12*45+1=", reference="541", extras={})
     turns = [chars(tok, "[12*45]"), chars(tok, "[540+1]"), chars(tok, "541") + [tok.eos_token_id]]
     engine = ScriptedEngine(turns)
-    [episode] = run_episodes(engine, [prompt], 1, calculator, tok, settings(), ObservationEncoder(tok, False),
-                             temperature=1.0, top_p=1.0, seeds=lambda turn: [1000 * turn], where="test")
+    [episode] = run_episodes(
+        engine,
+        [prompt],
+        1,
+        calculator,
+        tok,
+        settings(),
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=lambda turn: [1000 * turn],
+        where="test",
+    )
 
-    first_obs, second_obs = tok("=540\n", add_special_tokens=False).input_ids, tok("=541\n", add_special_tokens=False).input_ids
+    first_obs, second_obs = (
+        tok("=540\n", add_special_tokens=False).input_ids,
+        tok("=541\n", add_special_tokens=False).input_ids,
+    )
     assert episode.turns == 3 and episode.tool_calls == 2 and episode.reward == 1.0 and not episode.truncated
     assert episode.token_ids == turns[0] + first_obs + turns[1] + second_obs + turns[2]
     assert episode.policy_mask == [1] * 7 + [0] * len(first_obs) + [1] * 7 + [0] * len(second_obs) + [1] * 4
-    assert episode.logprobs == [-0.25] * 7 + [0.0] * len(first_obs) + [-0.25] * 7 + [0.0] * len(second_obs) + [-0.25] * 4
+    assert (
+        episode.logprobs == [-0.25] * 7 + [0.0] * len(first_obs) + [-0.25] * 7 + [0.0] * len(second_obs) + [-0.25] * 4
+    )
     assert episode.observation_tokens == len(first_obs) + len(second_obs)
     # Each turn's vLLM prompt is the last one plus the last turn plus the observation: nothing was re-encoded.
     contexts = [call["contexts"][0] for call in engine.calls]
-    assert contexts == [prompt_ids, prompt_ids + turns[0] + first_obs, prompt_ids + turns[0] + first_obs + turns[1] + second_obs]
+    assert contexts == [
+        prompt_ids,
+        prompt_ids + turns[0] + first_obs,
+        prompt_ids + turns[0] + first_obs + turns[1] + second_obs,
+    ]
     assert [call["seeds"] for call in engine.calls] == [[0], [1000], [2000]]
     assert episode.episode_ids == contexts[2] + turns[2]
     # The tokenizer is one where decode -> encode changes ids, on this very episode.
     assert tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids != episode.token_ids
 
-    mb = pack([prompt_ids], [episode.token_ids], tok.pad_token_id, "cpu", policy_masks=[episode.policy_mask],
-              expected_ids=[episode.episode_ids])
+    mb = pack(
+        [prompt_ids],
+        [episode.token_ids],
+        tok.pad_token_id,
+        "cpu",
+        policy_masks=[episode.policy_mask],
+        expected_ids=[episode.episode_ids],
+    )
     assert mb.input_ids[0][mb.attention_mask[0].bool()].tolist() == episode.episode_ids
     assert mb.response_mask[0].tolist() == [float(m) for m in episode.policy_mask]
     # The check catches a trajectory rebuilt from text (the bug of TRL #5224 / verl #3720).
     re_encoded = prompt_ids + tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids
     with pytest.raises(RolloutMismatchError, match="differ from the ids vLLM was given"):
-        pack([prompt_ids], [episode.token_ids], tok.pad_token_id, "cpu", policy_masks=[episode.policy_mask],
-             expected_ids=[re_encoded])
+        pack(
+            [prompt_ids],
+            [episode.token_ids],
+            tok.pad_token_id,
+            "cpu",
+            policy_masks=[episode.policy_mask],
+            expected_ids=[re_encoded],
+        )
     stats = episode_stats([episode])
     assert stats["turns"] == 3 and stats["tool_calls"] == 2 and stats["tool_call_episodes"] == 1
     assert stats["episode_tokens"] == len(episode.token_ids)
@@ -181,12 +244,25 @@ def test_max_turns_truncates():
     tok = merging_tokenizer()
     prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
     engine = ScriptedEngine([chars(tok, "[1+1]")])  # the policy calls the tool forever
-    episodes = run_episodes(engine, [prompt], 2, calculator, tok, settings(max_turns=2), ObservationEncoder(tok, False),
-                            temperature=1.0, top_p=1.0, seeds=None, where="test")
+    episodes = run_episodes(
+        engine,
+        [prompt],
+        2,
+        calculator,
+        tok,
+        settings(max_turns=2),
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=None,
+        where="test",
+    )
     for ep in episodes:
         assert ep.turns == 2 and ep.truncated and ep.reward == 0.0
         assert ep.policy_mask[-1] == 1  # an episode ends on a policy turn: no observation nobody answers
-        assert ep.token_ids == chars(tok, "[1+1]") + tok("=2\n", add_special_tokens=False).input_ids + chars(tok, "[1+1]")
+        assert ep.token_ids == chars(tok, "[1+1]") + tok("=2\n", add_special_tokens=False).input_ids + chars(
+            tok, "[1+1]"
+        )
     assert len(engine.calls) == 2 and len(engine.calls[0]["contexts"]) == 2
 
 
@@ -195,16 +271,38 @@ def test_token_budget_truncates():
     prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
     call = chars(tok, "[1+1]")  # 5 tokens; the observation "=2\n" is 3
     engine = ScriptedEngine([call])
-    [ep] = run_episodes(engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=15, max_turn_tokens=6),
-                        ObservationEncoder(tok, False), temperature=1.0, top_p=1.0, seeds=None, where="test")
+    [ep] = run_episodes(
+        engine,
+        [prompt],
+        1,
+        calculator,
+        tok,
+        settings(max_turns=10, max_episode_tokens=15, max_turn_tokens=6),
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=None,
+        where="test",
+    )
     # Turns of 5 + observations of 3: 5, 8, 13; the second turn may take min(6, 15 - 8) = 6 tokens; the next
     # observation (13 + 3 = 16) would not fit with a token to spare: the episode is cut after the second turn.
     assert [c["max_tokens"][0] for c in engine.calls] == [6, 6]
     assert ep.truncated and ep.turns == 2 and len(ep.token_ids) == 13  # <= 15
     # A budget that cuts a turn short: the turn gets what is left.
     engine = ScriptedEngine([call])
-    [ep] = run_episodes(engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=10, max_turn_tokens=6),
-                        ObservationEncoder(tok, False), temperature=1.0, top_p=1.0, seeds=None, where="test")
+    [ep] = run_episodes(
+        engine,
+        [prompt],
+        1,
+        calculator,
+        tok,
+        settings(max_turns=10, max_episode_tokens=10, max_turn_tokens=6),
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=None,
+        where="test",
+    )
     assert [c["max_tokens"][0] for c in engine.calls] == [6, 2]
     assert ep.truncated and len(ep.token_ids) == 10
 
@@ -226,11 +324,24 @@ def test_environment_failures_follow_on_error(environment, failure):
     engine = ScriptedEngine([chars(tok, "[1+1]")])
     kwargs = dict(temperature=1.0, top_p=1.0, seeds=None, where="rollout step 3", sample_positions=[12, 13])
     started = time.monotonic()
-    with pytest.raises(EnvironmentFailure, match=f"rollout step 3: the environment {environment.__name__}.step "
-                                                 f"{'timed out' if failure == 'timeout' else 'failed'} in episode 12"):
-        run_episodes(engine, prompts, 2, environment, tok, settings(timeout_s=0.3), ObservationEncoder(tok, False), **kwargs)
-    episodes = run_episodes(ScriptedEngine([chars(tok, "[1+1]")]), prompts, 2, environment, tok,
-                            settings(timeout_s=0.3, on_error="zero"), ObservationEncoder(tok, False), **kwargs)
+    with pytest.raises(
+        EnvironmentFailure,
+        match=f"rollout step 3: the environment {environment.__name__}.step "
+        f"{'timed out' if failure == 'timeout' else 'failed'} in episode 12",
+    ):
+        run_episodes(
+            engine, prompts, 2, environment, tok, settings(timeout_s=0.3), ObservationEncoder(tok, False), **kwargs
+        )
+    episodes = run_episodes(
+        ScriptedEngine([chars(tok, "[1+1]")]),
+        prompts,
+        2,
+        environment,
+        tok,
+        settings(timeout_s=0.3, on_error="zero"),
+        ObservationEncoder(tok, False),
+        **kwargs,
+    )
     assert time.monotonic() - started < 5  # the hung steps were abandoned at the timeout
     assert [ep.failure for ep in episodes] == [failure, failure] and [ep.reward for ep in episodes] == [0.0, 0.0]
     stats = episode_stats(episodes)
@@ -246,6 +357,7 @@ def test_turn_ending_text_must_be_one_token():
 
 # ------------------------------------------------------------------ observation tokens carry no loss
 
+
 def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     """The actor's gradient from PPOModule._actor_backward on a packed episode equals the gradient of the loss
     written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
@@ -255,8 +367,14 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     from lit_ppo.module import PPOModule
     from lit_ppo.plan import compute_plan
 
-    ppo = PPOConfig(rollout_batch_size=1, n_samples_per_prompt=1, train_batch_size=1, micro_train_batch_size=1,
-                    advantage_estimator="reinforce_pp", kl_coef=0.0)
+    ppo = PPOConfig(
+        rollout_batch_size=1,
+        n_samples_per_prompt=1,
+        train_batch_size=1,
+        micro_train_batch_size=1,
+        advantage_estimator="reinforce_pp",
+        kl_coef=0.0,
+    )
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 1, 1, 8, max_turns=2, max_episode_tokens=8)
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, max_response_tokens=8, pad_token_id=0)
     module.manual_backward = lambda loss: loss.backward()
@@ -269,8 +387,15 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
         with torch.no_grad():
             old = module.response_logprobs(module.actor, mb)
         mask = mb.response_mask
-        exp = Experience(mask=mask, old_logp=old, advantages=advantages, returns=advantages, rewards=torch.zeros(1),
-                         rc_weights=mask.clone(), loss_mask=mask.clone())
+        exp = Experience(
+            mask=mask,
+            old_logp=old,
+            advantages=advantages,
+            returns=advantages,
+            rewards=torch.zeros(1),
+            rc_weights=mask.clone(),
+            loss_mask=mask.clone(),
+        )
         module._actor_backward(mb, exp, num_tokens=mask.sum(), num_seqs=torch.tensor(1.0), world=1)
         return [p.grad.clone() for p in module.actor.parameters()]
 
@@ -295,6 +420,7 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
 
 # ------------------------------------------------------------------ advantages over policy tokens only
 
+
 def test_gae_steps_over_observation_tokens():
     """mask [1, 1, 0, 1]: an observation at column 2. Hand-computed with gamma=1, lam=0.5, values 0.1, 0.2, (9.0
     on the observation, never read), 0.4 and reward 1 on the last policy token (column 3, not column
@@ -310,8 +436,10 @@ def test_gae_steps_over_observation_tokens():
     torch.testing.assert_close(returns, torch.tensor([[0.45, 0.7, 0.0, 1.0]]))
     assert algo.token_level_rewards(rewards, mask).tolist() == [[0.0, 0.0, 0.0, 1.0]]
     # REINFORCE-style returns carry over the observation too (gamma 0.5: 0.25, 0.5, -, 1).
-    torch.testing.assert_close(algo.discounted_returns(algo.token_level_rewards(rewards, mask), mask, 0.5),
-                               torch.tensor([[0.25, 0.5, 0.0, 1.0]]))
+    torch.testing.assert_close(
+        algo.discounted_returns(algo.token_level_rewards(rewards, mask), mask, 0.5),
+        torch.tensor([[0.25, 0.5, 0.0, 1.0]]),
+    )
 
 
 def test_warm_start_demonstrations_use_the_environment_format():
@@ -321,8 +449,12 @@ def test_warm_start_demonstrations_use_the_environment_format():
 
     from lit_ppo.warmstart import tool_demonstration_sampler
 
-    sample = tool_demonstration_sampler([{"prompt": "123*456=", "answer": "56088"}], tool_call_rate=0.25,
-                                        tool_use_practice=0.25, environment=calculator())
+    sample = tool_demonstration_sampler(
+        [{"prompt": "123*456=", "answer": "56088"}],
+        tool_call_rate=0.25,
+        tool_use_practice=0.25,
+        environment=calculator(),
+    )
     rng = random.Random(0)
     kinds = {"decide": 0, "practice": 0, "guess": 0}
     for _ in range(400):
@@ -359,15 +491,38 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     prompts = load_prompts(arithmetic_files[0], tok)
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4)
     for source in ("reward", "environment"):
-        rollout = RolloutConfig(max_response_tokens=8, max_turns=2, episode_reward=source,
-                                environment={"_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[",
-                                             "call_end": "]", "result_format": "={}\n"})
-        plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
-                            max_episode_tokens=rollout.episode_tokens())
+        rollout = RolloutConfig(
+            max_response_tokens=8,
+            max_turns=2,
+            episode_reward=source,
+            environment={
+                "_target_": "lit_ppo.environments.CalculatorEnvironment",
+                "call_start": "[",
+                "call_end": "]",
+                "result_format": "={}\n",
+            },
+        )
+        plan = compute_plan(
+            ppo,
+            RunLengthConfig(total_rollout_steps=1),
+            len(prompts),
+            1,
+            8,
+            max_turns=2,
+            max_episode_tokens=rollout.episode_tokens(),
+        )
         engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
-        dm = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
-                               scorer=RewardScorer(fn=transcript_length), tokenizer=tok, model_dir=tiny_model_dir, seed=0,
-                               engine=engine)
+        dm = RolloutDataModule(
+            plan=plan,
+            train_prompts=prompts,
+            eval_prompts=None,
+            rollout=rollout,
+            scorer=RewardScorer(fn=transcript_length),
+            tokenizer=tok,
+            model_dir=tiny_model_dir,
+            seed=0,
+            engine=engine,
+        )
         batch = dm.produce_rollout(0)
         assert batch.responses == ["[2+3]=5\n5"] * 4
         if source == "reward":
@@ -390,16 +545,46 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
-    ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4,
-                    advantage_estimator="grpo", kl_mode="loss",
-                    dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=2))
-    rollout = RolloutConfig(max_response_tokens=8, max_turns=2, environment={
-        "_target_": "lit_ppo.environments.CalculatorEnvironment", "call_start": "[", "call_end": "]", "result_format": "={}\n"})
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8, max_turns=2,
-                        max_episode_tokens=rollout.episode_tokens())
+    ppo = PPOConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=4,
+        advantage_estimator="grpo",
+        kl_mode="loss",
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=2),
+    )
+    rollout = RolloutConfig(
+        max_response_tokens=8,
+        max_turns=2,
+        environment={
+            "_target_": "lit_ppo.environments.CalculatorEnvironment",
+            "call_start": "[",
+            "call_end": "]",
+            "result_format": "={}\n",
+        },
+    )
+    plan = compute_plan(
+        ppo,
+        RunLengthConfig(total_rollout_steps=1),
+        len(prompts),
+        1,
+        8,
+        max_turns=2,
+        max_episode_tokens=rollout.episode_tokens(),
+    )
     engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
-    dm = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
-                           scorer=RewardScorer(fn=integer_match), tokenizer=tok, model_dir=tiny_model_dir, seed=0, engine=engine)
+    dm = RolloutDataModule(
+        plan=plan,
+        train_prompts=prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tok,
+        model_dir=tiny_model_dir,
+        seed=0,
+        engine=engine,
+    )
     batch = dm.produce_rollout(0)
     assert batch.generation_rounds == 2 and batch.filled_groups == 2 - batch.rewards.view(2, 2).std(-1).gt(0).sum()
     assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)

@@ -22,6 +22,6 @@ def test_every_user_error_has_the_one_base_and_keeps_its_builtin_one():
 
 
 def test_train_py_catches_the_one_base():
-    source = (errors.__file__.rsplit("lit_ppo", 1)[0] + "train.py")
+    source = errors.__file__.rsplit("lit_ppo", 1)[0] + "train.py"
     text = open(source).read()
     assert "except UserError" in text

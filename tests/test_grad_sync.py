@@ -17,10 +17,22 @@ from tests.helpers import ROOT
 from tests.test_ddp import STRATEGIES
 
 # 16 prompts x 4 samples = 64 per rollout step, 32 per optimizer step (2 steps), 16 per rank: 4 micro-batches of 4.
-SETTINGS = ["ppo=ppo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4", "ppo.train_batch_size=32",
-            "ppo.micro_train_batch_size=4", "ppo.ppo_epochs=1", "trainer.total_rollout_steps=1", "trainer.eval_every=0",
-            "trainer.checkpoint_every=0", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8",
-            "model.tiny.num_layers=2", "rollout.max_response_tokens=8"]
+SETTINGS = [
+    "ppo=ppo",
+    "ppo.rollout_batch_size=16",
+    "ppo.n_samples_per_prompt=4",
+    "ppo.train_batch_size=32",
+    "ppo.micro_train_batch_size=4",
+    "ppo.ppo_epochs=1",
+    "trainer.total_rollout_steps=1",
+    "trainer.eval_every=0",
+    "trainer.checkpoint_every=0",
+    "model.warm_start.steps=20",
+    "data.n_train=64",
+    "data.n_eval=8",
+    "model.tiny.num_layers=2",
+    "rollout.max_response_tokens=8",
+]
 
 
 @pytest.mark.slow  # two 2-process runs with a vLLM engine per rank: minutes on 2 cores (make test-slow)
@@ -29,10 +41,22 @@ def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
     counts = tmp_path / "counts"
     counts.mkdir()
     out = tmp_path / "run"
-    env = dict(os.environ, LIT_PPO_COUNT_GRAD_SYNC=str(counts),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "grad_sync"), str(ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "train.py", *STRATEGIES[strategy], *SETTINGS, f"output_dir={out}",
-           f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]
+    env = dict(
+        os.environ,
+        LIT_PPO_COUNT_GRAD_SYNC=str(counts),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT / "tests" / "grad_sync"), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    )
+    cmd = [
+        sys.executable,
+        "train.py",
+        *STRATEGIES[strategy],
+        *SETTINGS,
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={out / 'hydra'}",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     plan = json.loads((out / "plan.json").read_text())

@@ -21,7 +21,8 @@ print(len(names))
 
 
 def test_every_module_imports_first():
-    result = subprocess.run([sys.executable, "-c", IMPORT_EACH_FIRST], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_FIRST], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) >= 25  # all of them were tried

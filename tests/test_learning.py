@@ -27,8 +27,13 @@ RUNS = {
 @pytest.mark.parametrize("run", list(RUNS))
 def test_default_experiment_learns(run, tmp_path):
     # The default recipe, seeds fixed; the warm start is cached like `make train`'s.
-    result = subprocess.run([sys.executable, "train.py", *RUNS[run], f"output_dir={tmp_path}",
-                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "train.py", *RUNS[run], f"output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_reward_final"] - summary["eval_reward_initial"] >= 0.4, summary

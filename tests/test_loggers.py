@@ -36,8 +36,8 @@ def parse_wandb_log(data: bytes) -> list:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -66,8 +66,11 @@ def read_wandb_records(run_dir: Path, timeout_s: float = 60.0) -> list:
 
 
 def history_rows(records) -> list[dict]:
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in records if r.WhichOneof("record_type") == "history"]
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 @pytest.fixture
@@ -86,11 +89,18 @@ def no_wandb_credentials(tmp_path, monkeypatch):
 
 
 def test_secret_filter_drops_secret_looking_keys_at_any_depth():
-    config = {"seed": 0, "wandb_api_key": "abc", "HF_TOKEN": "x",
-              "reward": {"fn": {"_target_": "m.f", "client_secret": "s", "url": "u"}, "db_password": "p"},
-              "servers": [{"name": "a", "auth_token": "t"}]}
-    assert drop_secrets(config) == {"seed": 0, "reward": {"fn": {"_target_": "m.f", "url": "u"}},
-                                    "servers": [{"name": "a"}]}
+    config = {
+        "seed": 0,
+        "wandb_api_key": "abc",
+        "HF_TOKEN": "x",
+        "reward": {"fn": {"_target_": "m.f", "client_secret": "s", "url": "u"}, "db_password": "p"},
+        "servers": [{"name": "a", "auth_token": "t"}],
+    }
+    assert drop_secrets(config) == {
+        "seed": 0,
+        "reward": {"fn": {"_target_": "m.f", "url": "u"}},
+        "servers": [{"name": "a"}],
+    }
 
 
 def test_auto_mode_is_offline_without_credentials_and_online_with_them(no_wandb_credentials, monkeypatch):
@@ -122,9 +132,17 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
     from lit_ppo.training import train
 
     out = tmp_path / "run"
-    cfg = compose_config("logger=wandb", "trainer.total_rollout_steps=2", "trainer.eval_every=1",
-                         "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8",
-                         f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
+    cfg = compose_config(
+        "logger=wandb",
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    )
     summary = train(cfg, out, engine=engine)
     assert summary["rollout_steps"] == 2
 
@@ -132,8 +150,17 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
     records = read_wandb_records(run_dir)
     rows = [row for row in history_rows(records) if "rollout/reward_mean" in row]
     assert [row["rollout_step"] for row in rows] == [1, 2]
-    for key in ("rollout/reward_mean", "rollout/kl_to_reference", "actor/policy_loss", "actor/entropy",
-                "critic/value_loss", "timing/generate_s", "timing/train_s", "perf/generated_tokens_per_s", "eval/reward"):
+    for key in (
+        "rollout/reward_mean",
+        "rollout/kl_to_reference",
+        "actor/policy_loss",
+        "actor/entropy",
+        "critic/value_loss",
+        "timing/generate_s",
+        "timing/train_s",
+        "perf/generated_tokens_per_s",
+        "eval/reward",
+    ):
         assert all(key in row for row in rows), key
     assert rows[-1]["rollout/reward_mean"] == pytest.approx(summary["reward_final"])
 
@@ -154,9 +181,18 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
     from lit_ppo.training import train
 
     out = tmp_path / "run"
-    common = ["logger=wandb", "trainer.eval_every=0", "trainer.checkpoint_every=1", "model.warm_start.enabled=false",
-              "data.n_train=64", "data.n_eval=8", "ppo=grpo", f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}",
-              *FIXTURE_MODEL]
+    common = [
+        "logger=wandb",
+        "trainer.eval_every=0",
+        "trainer.checkpoint_every=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        "ppo=grpo",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    ]
     train(compose_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     run_id = (out / "wandb_run_id").read_text().strip()
     train(compose_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
@@ -188,8 +224,10 @@ def test_sample_table_goes_to_wandb_as_a_table_per_evaluation(tmp_path, no_wandb
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     tables = [row for row in history_rows(read_wandb_records(run_dir)) if "eval/samples/_type" in row]
-    assert [(t["rollout_step"], t["eval/samples/_type"], t["eval/samples/nrows"]) for t in tables] == \
-        [(0, "table-file", 2), (2, "table-file", 1)]
+    assert [(t["rollout_step"], t["eval/samples/_type"], t["eval/samples/nrows"]) for t in tables] == [
+        (0, "table-file", 2),
+        (2, "table-file", 1),
+    ]
     table = json.loads((run_dir / "files" / tables[0]["eval/samples/path"]).read_text())
     assert table["columns"] == ["rollout_step", "prompt", "response", "reward"]
     assert table["data"][0] == [0, "3+4=", "7", 1.0]

@@ -24,12 +24,18 @@ def test_values_and_gradients_match_autograd(chunk_tokens, entropy_weight):
     targets = torch.randint(0, 50, (2, 5))
     weights = torch.randn(2, 5)
     logp, entropy = logprobs_and_entropy(logits, targets, chunk_tokens=chunk_tokens)
-    loss = (logp * weights).sum() + (entropy_weight * entropy * weights).sum() if entropy_weight else (logp * weights).sum()
+    loss = (
+        (logp * weights).sum() + (entropy_weight * entropy * weights).sum()
+        if entropy_weight
+        else (logp * weights).sum()
+    )
     (grad,) = torch.autograd.grad(loss, leaf)
     ref_logp, ref_entropy = reference(expected_logits, targets)
     ref_loss = (ref_logp * weights).sum() + (entropy_weight * ref_entropy * weights).sum()
     (ref_grad,) = torch.autograd.grad(ref_loss, expected_logits)
-    assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(
+        entropy.double(), ref_entropy, atol=1e-5
+    )
     assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
     assert grad[:, 5].abs().max() == 0  # the extra position gets no gradient
     assert torch.equal(logits.detach(), grad)  # computed in the logits' own memory
@@ -74,7 +80,9 @@ def test_temperature_gives_the_sampled_distribution_and_its_gradient(temperature
     expected_logits = leaf.detach().double().requires_grad_()
     ref_logp, ref_entropy = reference(expected_logits / temperature, targets)
     (ref_grad,) = torch.autograd.grad((ref_logp * weights).sum() + (0.3 * ref_entropy * weights).sum(), expected_logits)
-    assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+    assert torch.allclose(logp.double(), ref_logp, atol=1e-5) and torch.allclose(
+        entropy.double(), ref_entropy, atol=1e-5
+    )
     assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
     untempered, _ = logprobs_and_entropy(leaf.detach(), targets)
     assert (untempered - logp.detach()).abs().max() > 0.05  # the comparison can fail

@@ -15,9 +15,23 @@ from tests.helpers import compose_config
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # vocab 100, hidden 8 (2 heads of 4; 1 KV head: kv_dim 4), intermediate 16, 2 layers, tied, q/k/v biases.
 SHAPE = ModelShape(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1)
-RUN = MemoryInputs(precision="32-true", strategy="single", data_parallel_size=1, micro_batch_size=2, prompt_tokens=3,
-                   response_tokens=5, gradient_checkpointing=False, critic=True, reference=True, rollout_dtype="float32",
-                   rollout_sequences=4, max_model_len=16, on_gpu=True, gpu_memory_utilization=0.5, device_memory_gib=1.0)
+RUN = MemoryInputs(
+    precision="32-true",
+    strategy="single",
+    data_parallel_size=1,
+    micro_batch_size=2,
+    prompt_tokens=3,
+    response_tokens=5,
+    gradient_checkpointing=False,
+    critic=True,
+    reference=True,
+    rollout_dtype="float32",
+    rollout_sequences=4,
+    max_model_len=16,
+    on_gpu=True,
+    gpu_memory_utilization=0.5,
+    device_memory_gib=1.0,
+)
 
 
 def rows(estimate) -> dict[str, int]:
@@ -32,9 +46,18 @@ def test_parameter_count_by_hand():
 
 
 def test_qwen_sizes_match_the_published_parameter_counts():
-    qwen05 = ModelShape(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2)
-    qwen7 = ModelShape(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-                       num_kv_heads=4, tie_word_embeddings=False)
+    qwen05 = ModelShape(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2
+    )
+    qwen7 = ModelShape(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        tie_word_embeddings=False,
+    )
     assert qwen05.parameters() == pytest.approx(0.494e9, rel=0.01)  # "0.49B"
     assert qwen7.parameters() == pytest.approx(7.62e9, rel=0.01)  # "7.61B"
 
@@ -49,7 +72,9 @@ def test_single_float32_estimate_by_hand():
     # 2 layers x (layer + mask) + one layer's backward; with: 16 tokens x 2 layers x 8 x 4 B + a layer + a mask
     assert r["activations, no checkpointing"] == 2 * (9216 + 512) + 9216 == 28672
     assert r["activations, checkpointing"] == 16 * 2 * 8 * 4 + 9216 + 512 == 10752
-    assert r["logits"] == 10 * 100 * 4 + 4 * 5 * 100 * 4  # logits (their gradient in place), 4 float32 chunks of 5 tokens
+    assert (
+        r["logits"] == 10 * 100 * 4 + 4 * 5 * 100 * 4
+    )  # logits (their gradient in place), 4 float32 chunks of 5 tokens
     assert r["vLLM weights"] == 2024 * 4
     assert r["vLLM KV cache, all in flight"] == 4 * 16 * 2 * 2 * 4 * 4
     assert r["vLLM reservation"] == GIB // 2
@@ -59,16 +84,21 @@ def test_single_float32_estimate_by_hand():
 
 
 def test_checkpointing_ddp_fsdp_and_bf16_by_hand():
-    assert estimate_memory(SHAPE, dataclasses.replace(RUN, gradient_checkpointing=True)).training_bytes == \
-        24288 + 16192 + 32384 + 10752 + 12000
+    assert (
+        estimate_memory(SHAPE, dataclasses.replace(RUN, gradient_checkpointing=True)).training_bytes
+        == 24288 + 16192 + 32384 + 10752 + 12000
+    )
     ddp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="ddp", data_parallel_size=2)))
     assert ddp["DDP gradient buckets"] == 2024 * 4 and ddp["weights"] == 24288
     fsdp = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2)))
     assert fsdp["weights"] == 24288 // 2 and fsdp["gradients"] == 16192 // 2 and fsdp["optimizer states"] == 32384 // 2
     assert fsdp["FSDP gathered units"] == (808 + 608) * (4 + 4)
     assert "FSDP unsharded gradients" not in fsdp
-    accumulating = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2,
-                                                                   grad_accumulation_steps=4)))
+    accumulating = rows(
+        estimate_memory(
+            SHAPE, dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2, grad_accumulation_steps=4)
+        )
+    )
     assert accumulating["FSDP unsharded gradients"] == 2 * 2024 * 4  # actor and critic, float32, whole
     bf16 = rows(estimate_memory(SHAPE, dataclasses.replace(RUN, precision="bf16-mixed", rollout_dtype="bfloat16")))
     assert bf16["weights"] == 24288 and bf16["autocast weight copies"] == 2024 * 2
@@ -85,8 +115,6 @@ def test_over_the_device_memory_warns_in_one_line():
     assert f"warning: {e.warning}" in e.table()
 
 
-
-
 def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, capsys):
     """qwen7b from its declared architecture (no weights here), on 32 GiB devices: over, so a warning."""
     cfg = compose_config("+experiment=qwen7b", "mode=plan", f"output_dir={tmp_path}", "strategy.device_memory_gib=32")
@@ -97,7 +125,13 @@ def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, ca
     memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
     assert memory["device_memory_gib"] == 32 and memory["peak_gib"] > 32
     assert memory["warning"] and f"warning: {memory['warning']}" in out
-    assert {row["what"] for row in memory["rows"]} >= {"weights", "gradients", "optimizer states", "logits", "vLLM weights"}
+    assert {row["what"] for row in memory["rows"]} >= {
+        "weights",
+        "gradients",
+        "optimizer states",
+        "logits",
+        "vLLM weights",
+    }
 
 
 def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):

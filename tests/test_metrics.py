@@ -32,16 +32,18 @@ def experience(**fields) -> Experience:
 
 def test_rollout_metrics_of_a_policy_without_critic_or_reference():
     row = rollout_metrics(experience(), truncated=torch.tensor([False, True]), reward_metrics={"format": 0.5})
-    assert row == pytest.approx({
-        "rollout/reward_mean": 0.5,  # (1 + 0) / 2
-        "rollout/reward_std": math.sqrt(0.5),  # unbiased: ((1 - .5)^2 + (0 - .5)^2) / (2 - 1) = 0.5
-        "rollout/response_length_mean": 2.5,  # (2 + 3) / 2
-        "rollout/response_length_max": 3.0,
-        "rollout/truncated_fraction": 0.5,
-        "rollout/generated_tokens": 5.0,
-        "rollout/advantage_mean": 1.0,  # (1 + 2 + 3 - 1 + 0) / 5 tokens
-        "rollout/reward_format": 0.5,
-    })
+    assert row == pytest.approx(
+        {
+            "rollout/reward_mean": 0.5,  # (1 + 0) / 2
+            "rollout/reward_std": math.sqrt(0.5),  # unbiased: ((1 - .5)^2 + (0 - .5)^2) / (2 - 1) = 0.5
+            "rollout/response_length_mean": 2.5,  # (2 + 3) / 2
+            "rollout/response_length_max": 3.0,
+            "rollout/truncated_fraction": 0.5,
+            "rollout/generated_tokens": 5.0,
+            "rollout/advantage_mean": 1.0,  # (1 + 2 + 3 - 1 + 0) / 5 tokens
+            "rollout/reward_format": 0.5,
+        }
+    )
     # No reference model: no KL is made up from zeros. No critic: no explained variance.
     assert "rollout/kl_to_reference" not in row and "critic/explained_variance" not in row
 
@@ -61,8 +63,13 @@ def test_rollout_metrics_with_reference_and_critic():
 
 def test_uniform_reward_groups_are_counted_for_group_estimators():
     # Groups of 2: rewards (1, 1) are uniform, (0, 1) are not.
-    exp = Experience(mask=torch.ones(4, 1), old_logp=torch.zeros(4, 1), advantages=torch.zeros(4, 1),
-                     returns=torch.zeros(4, 1), rewards=t([1, 1, 0, 1]))
+    exp = Experience(
+        mask=torch.ones(4, 1),
+        old_logp=torch.zeros(4, 1),
+        advantages=torch.zeros(4, 1),
+        returns=torch.zeros(4, 1),
+        rewards=t([1, 1, 0, 1]),
+    )
     row = rollout_metrics(exp, truncated=torch.zeros(4), reward_metrics={}, group_size=2)
     assert row["rollout/uniform_reward_groups"] == 1
     assert "rollout/uniform_reward_groups" not in rollout_metrics(exp, torch.zeros(4), {})
@@ -70,8 +77,14 @@ def test_uniform_reward_groups_are_counted_for_group_estimators():
 
 def test_rollout_metrics_are_those_of_all_ranks():
     """Two ranks holding the same samples: sums double, means stay; reward metrics are the ranks' mean."""
-    row = rollout_metrics(experience(), torch.tensor([False, True]), {"format": 0.5}, world_size=2,
-                          global_sum=lambda x: 2 * x, global_max=lambda x: x)
+    row = rollout_metrics(
+        experience(),
+        torch.tensor([False, True]),
+        {"format": 0.5},
+        world_size=2,
+        global_sum=lambda x: 2 * x,
+        global_max=lambda x: x,
+    )
     assert row["rollout/generated_tokens"] == 10.0  # 5 tokens on each rank
     assert row["rollout/response_length_mean"] == 2.5  # 10 tokens / 4 samples
     # Four rewards 1, 0, 1, 0: unbiased variance (4 * 0.25) / 3 = 1/3.

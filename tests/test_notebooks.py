@@ -41,7 +41,8 @@ def test_step_accounting_notebook(tmp_path, monkeypatch):
     workdir.mkdir()
     figure = workdir / "figure.png"
     nb = run_notebook(
-        REPO / "notebooks" / "step_accounting.ipynb", workdir,
+        REPO / "notebooks" / "step_accounting.ipynb",
+        workdir,
         {"figure_path": str(figure), "repo_root": str(REPO)},
     )
     assert figure.exists() and figure.stat().st_size > 1000
@@ -59,9 +60,16 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     from lit_ppo.training import train
 
     run = tmp_path / "run"
-    cfg = compose_config("trainer.total_rollout_steps=2", "trainer.eval_every=1", "model.warm_start.enabled=false",
-                         "data.n_train=64", "data.n_eval=8", f"output_dir={run}", f"cache_dir={tmp_path / 'cache'}",
-                         *FIXTURE_MODEL)
+    cfg = compose_config(
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={run}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    )
     train(cfg, run, engine=engine)
     sweep = tmp_path / "sweep"  # laid out as `train.py -m ppo=ppo seed=0,1` would, from the one run's files
     for job in ("0", "1"):
@@ -74,9 +82,14 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     workdir = tmp_path / "work"
     workdir.mkdir()
     figures = tmp_path / "figures"
-    nb = run_notebook(REPO / "notebooks" / "analyze_run.ipynb", workdir,
-                      {"run_dirs": [str(sweep), str(run)], "figure_dir": str(figures), "repo_root": str(REPO)})
+    nb = run_notebook(
+        REPO / "notebooks" / "analyze_run.ipynb",
+        workdir,
+        {"run_dirs": [str(sweep), str(run)], "figure_dir": str(figures), "repo_root": str(REPO)},
+    )
     for name in ("curves.png", "timings.png"):
         assert (figures / name).stat().st_size > 10_000, name
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "3 run(s)" in printed and "ppo=ppo seed=0:" in printed and "ppo=ppo seed=1:" in printed and "  run:" in printed
+    assert (
+        "3 run(s)" in printed and "ppo=ppo seed=0:" in printed and "ppo=ppo seed=1:" in printed and "  run:" in printed
+    )

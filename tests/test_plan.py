@@ -35,7 +35,9 @@ PLAN_KEYS = (
 
 def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2000, dp: int = 1, tokens: int = 0):
     """compute_plan on a small valid base config (32 prompts x 4 samples, train batch 64, micro 16)."""
-    base = dict(rollout_batch_size=32, n_samples_per_prompt=4, ppo_epochs=1, train_batch_size=64, micro_train_batch_size=16)
+    base = dict(
+        rollout_batch_size=32, n_samples_per_prompt=4, ppo_epochs=1, train_batch_size=64, micro_train_batch_size=16
+    )
     base.update(ppo or {})
     length = dict(total_rollout_steps=10, data_epochs=None) if run is None else run
     return compute_plan(PPOConfig(**base), RunLengthConfig(**length), dataset, dp, tokens)
@@ -47,7 +49,13 @@ def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2
 def test_openrlhf_updates_per_rollout_step():
     # 256 prompts x 16 samples = 4096 samples; / 128 per update = 32 mini-batches; x 1 epoch = 32.
     plan = make_plan(
-        dict(rollout_batch_size=256, n_samples_per_prompt=16, ppo_epochs=1, train_batch_size=128, micro_train_batch_size=8),
+        dict(
+            rollout_batch_size=256,
+            n_samples_per_prompt=16,
+            ppo_epochs=1,
+            train_batch_size=128,
+            micro_train_batch_size=8,
+        ),
         dataset=2560,
     )
     assert plan.samples_per_rollout_step == 4096
@@ -62,7 +70,13 @@ def test_simple_rl_step_is_a_rollout_step():
     # one PPO epoch, 100 (rollout) steps.
     n = 8
     plan = make_plan(
-        dict(rollout_batch_size=1024, n_samples_per_prompt=n, ppo_epochs=1, train_batch_size=256 * n, micro_train_batch_size=16),
+        dict(
+            rollout_batch_size=1024,
+            n_samples_per_prompt=n,
+            ppo_epochs=1,
+            train_batch_size=256 * n,
+            micro_train_batch_size=16,
+        ),
         run=dict(total_rollout_steps=100, data_epochs=None),
         dataset=8532,
     )
@@ -115,7 +129,13 @@ def test_openai_baselines_sample_reuse():
     # N.T = 1024 samples per iteration (1024 prompts x 1 response), minibatch N.T/4 = 256,
     # K = 3 epochs: 4 mini-batches x 3 = 12 updates per iteration.
     plan = make_plan(
-        dict(rollout_batch_size=1024, n_samples_per_prompt=1, ppo_epochs=3, train_batch_size=256, micro_train_batch_size=64),
+        dict(
+            rollout_batch_size=1024,
+            n_samples_per_prompt=1,
+            ppo_epochs=3,
+            train_batch_size=256,
+            micro_train_batch_size=64,
+        ),
         dataset=1024,
     )
     assert plan.samples_per_rollout_step == 1024
@@ -123,7 +143,13 @@ def test_openai_baselines_sample_reuse():
     assert plan.optimizer_steps_per_rollout_step == 12
     # K = 1 with a single minibatch of all N.T samples: one update, fully on-policy.
     on_policy = make_plan(
-        dict(rollout_batch_size=1024, n_samples_per_prompt=1, ppo_epochs=1, train_batch_size=1024, micro_train_batch_size=64),
+        dict(
+            rollout_batch_size=1024,
+            n_samples_per_prompt=1,
+            ppo_epochs=1,
+            train_batch_size=1024,
+            micro_train_batch_size=64,
+        ),
         dataset=1024,
     )
     assert on_policy.optimizer_steps_per_rollout_step == 1
@@ -134,9 +160,16 @@ def test_openai_baselines_sample_reuse():
     [(32, 4, 1, 64, 16), (32, 4, 2, 64, 16), (32, 4, 4, 32, 8), (64, 8, 3, 128, 32), (16, 2, 2, 32, 32)],
 )
 def test_updates_formula(rollout, n, epochs, train, micro):
-    plan = make_plan(dict(rollout_batch_size=rollout, n_samples_per_prompt=n, ppo_epochs=epochs,
-                          train_batch_size=train, micro_train_batch_size=micro),
-                     run=dict(total_rollout_steps=7, data_epochs=None))
+    plan = make_plan(
+        dict(
+            rollout_batch_size=rollout,
+            n_samples_per_prompt=n,
+            ppo_epochs=epochs,
+            train_batch_size=train,
+            micro_train_batch_size=micro,
+        ),
+        run=dict(total_rollout_steps=7, data_epochs=None),
+    )
     assert plan.optimizer_steps_per_rollout_step == rollout * n * epochs // train
     assert plan.total_optimizer_steps == 7 * rollout * n * epochs // train
     assert plan.grad_accumulation_steps == train // micro
@@ -171,16 +204,30 @@ def test_table_and_json_carry_the_numbers():
 
 BAD_CONFIGS = [
     # id, kwargs of make_plan, key names the message must contain
-    ("samples_not_multiple_of_train_batch", dict(ppo=dict(train_batch_size=48)),
-     ["ppo.train_batch_size", "ppo.rollout_batch_size", "ppo.n_samples_per_prompt"]),
-    ("train_batch_not_multiple_of_micro", dict(ppo=dict(micro_train_batch_size=24)),
-     ["ppo.train_batch_size", "ppo.micro_train_batch_size"]),
-    ("train_batch_not_multiple_of_micro_x_ranks", dict(ppo=dict(micro_train_batch_size=16), dp=8),
-     ["ppo.train_batch_size", "ppo.micro_train_batch_size"]),
+    (
+        "samples_not_multiple_of_train_batch",
+        dict(ppo=dict(train_batch_size=48)),
+        ["ppo.train_batch_size", "ppo.rollout_batch_size", "ppo.n_samples_per_prompt"],
+    ),
+    (
+        "train_batch_not_multiple_of_micro",
+        dict(ppo=dict(micro_train_batch_size=24)),
+        ["ppo.train_batch_size", "ppo.micro_train_batch_size"],
+    ),
+    (
+        "train_batch_not_multiple_of_micro_x_ranks",
+        dict(ppo=dict(micro_train_batch_size=16), dp=8),
+        ["ppo.train_batch_size", "ppo.micro_train_batch_size"],
+    ),
     ("rollout_batch_larger_than_dataset", dict(dataset=16), ["ppo.rollout_batch_size"]),
-    ("rollout_batch_not_divisible_by_ranks",
-     dict(ppo=dict(rollout_batch_size=32, n_samples_per_prompt=3, train_batch_size=48, micro_train_batch_size=16), dp=3),
-     ["ppo.rollout_batch_size"]),
+    (
+        "rollout_batch_not_divisible_by_ranks",
+        dict(
+            ppo=dict(rollout_batch_size=32, n_samples_per_prompt=3, train_batch_size=48, micro_train_batch_size=16),
+            dp=3,
+        ),
+        ["ppo.rollout_batch_size"],
+    ),
     ("zero_rollout_batch_size", dict(ppo=dict(rollout_batch_size=0)), ["ppo.rollout_batch_size"]),
     ("negative_n_samples", dict(ppo=dict(n_samples_per_prompt=-4)), ["ppo.n_samples_per_prompt"]),
     ("zero_ppo_epochs", dict(ppo=dict(ppo_epochs=0)), ["ppo.ppo_epochs"]),
@@ -188,26 +235,41 @@ BAD_CONFIGS = [
     ("negative_micro_batch", dict(ppo=dict(micro_train_batch_size=-16)), ["ppo.micro_train_batch_size"]),
     ("bool_rollout_batch_size", dict(ppo=dict(rollout_batch_size=True)), ["ppo.rollout_batch_size"]),
     ("float_train_batch_size", dict(ppo=dict(train_batch_size=64.0)), ["ppo.train_batch_size"]),
-    ("zero_total_rollout_steps", dict(run=dict(total_rollout_steps=0, data_epochs=None)), ["trainer.total_rollout_steps"]),
+    (
+        "zero_total_rollout_steps",
+        dict(run=dict(total_rollout_steps=0, data_epochs=None)),
+        ["trainer.total_rollout_steps"],
+    ),
     ("negative_data_epochs", dict(run=dict(total_rollout_steps=None, data_epochs=-1.0)), ["trainer.data_epochs"]),
     ("zero_data_parallel_size", dict(dp=0), ["strategy.devices"]),
     ("empty_dataset", dict(dataset=0), ["data"]),
-    ("both_run_lengths", dict(run=dict(total_rollout_steps=10, data_epochs=1.0)),
-     ["trainer.total_rollout_steps", "trainer.data_epochs"]),
-    ("neither_run_length", dict(run=dict(total_rollout_steps=None, data_epochs=None)),
-     ["trainer.total_rollout_steps", "trainer.data_epochs"]),
+    (
+        "both_run_lengths",
+        dict(run=dict(total_rollout_steps=10, data_epochs=1.0)),
+        ["trainer.total_rollout_steps", "trainer.data_epochs"],
+    ),
+    (
+        "neither_run_length",
+        dict(run=dict(total_rollout_steps=None, data_epochs=None)),
+        ["trainer.total_rollout_steps", "trainer.data_epochs"],
+    ),
     ("unknown_advantage_estimator", dict(ppo=dict(advantage_estimator="ppo2")), ["ppo.advantage_estimator"]),
     *[
-        (f"{est}_with_one_sample",
-         dict(ppo=dict(advantage_estimator=est, n_samples_per_prompt=1, train_batch_size=32)),
-         ["ppo.advantage_estimator", "ppo.n_samples_per_prompt"])
+        (
+            f"{est}_with_one_sample",
+            dict(ppo=dict(advantage_estimator=est, n_samples_per_prompt=1, train_batch_size=32)),
+            ["ppo.advantage_estimator", "ppo.n_samples_per_prompt"],
+        )
         for est in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
     ],
     ("bad_kl_estimator", dict(ppo=dict(kl_estimator="k4")), ["ppo.kl_estimator"]),
     ("bad_kl_mode", dict(ppo=dict(kl_mode="advantage")), ["ppo.kl_mode"]),
     *[
-        (f"{est}_with_kl_in_the_reward", dict(ppo=dict(advantage_estimator=est, kl_mode="reward", kl_coef=0.01)),
-         ["ppo.advantage_estimator", "ppo.kl_mode=loss"])
+        (
+            f"{est}_with_kl_in_the_reward",
+            dict(ppo=dict(advantage_estimator=est, kl_mode="reward", kl_coef=0.01)),
+            ["ppo.advantage_estimator", "ppo.kl_mode=loss"],
+        )
         for est in ("grpo", "dr_grpo", "rloo")
     ],
     ("negative_kl_coef", dict(ppo=dict(kl_coef=-0.1)), ["ppo.kl_coef"]),
@@ -249,8 +311,6 @@ def test_known_ppo_keys_are_accepted():
 # ---------------------------------------------------------------- through the Hydra configs
 
 
-
-
 @pytest.fixture
 def no_training(monkeypatch):
     """Replace lit_ppo.training so that a test can never start a real run; records calls instead."""
@@ -277,8 +337,12 @@ def test_hydra_plan_mode_default_config(tmp_path, capsys):
 
 def test_hydra_plan_mode_with_overrides(tmp_path):
     cfg = compose_config(
-        "mode=plan", f"output_dir={tmp_path}", "ppo.ppo_epochs=3", "strategy.devices=2",
-        "trainer.total_rollout_steps=null", "trainer.data_epochs=2",
+        "mode=plan",
+        f"output_dir={tmp_path}",
+        "ppo.ppo_epochs=3",
+        "strategy.devices=2",
+        "trainer.total_rollout_steps=null",
+        "trainer.data_epochs=2",
     )
     run_module.main(cfg)
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -300,7 +364,11 @@ def test_hydra_train_mode_reaches_training_when_valid(tmp_path, no_training):
 
 BAD_OVERRIDES = [
     ("train_batch_7", ["ppo.train_batch_size=7"], ["ppo.train_batch_size"]),
-    ("rollout_batch_over_dataset", ["ppo.rollout_batch_size=4096", "ppo.train_batch_size=128"], ["ppo.rollout_batch_size"]),
+    (
+        "rollout_batch_over_dataset",
+        ["ppo.rollout_batch_size=4096", "ppo.train_batch_size=128"],
+        ["ppo.rollout_batch_size"],
+    ),
     ("both_run_lengths", ["trainer.data_epochs=1"], ["trainer.total_rollout_steps", "trainer.data_epochs"]),
     ("unknown_ppo_key", ["+ppo.rollout_batchsize=16"], ["ppo.rollout_batchsize"]),
     ("grpo_one_sample", ["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=1"], ["ppo.n_samples_per_prompt"]),
@@ -325,7 +393,10 @@ def test_hydra_bad_override_fails_before_training(tmp_path, no_training, overrid
 def train_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -350,11 +421,25 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     assert not (out / "plan.json").exists()
 
 
-@pytest.mark.parametrize("experiment,prompts,updates", [("qwen7b", 8532, 4), ("qwen1.5b", 8532, 4), ("qwen0.5b", 8532, 4)])
+@pytest.mark.parametrize(
+    "experiment,prompts,updates", [("qwen7b", 8532, 4), ("qwen1.5b", 8532, 4), ("qwen0.5b", 8532, 4)]
+)
 def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updates, tmp_path):
     """`python train.py +experiment=<name> mode=plan` on a machine with no GPU, no weights and no data."""
-    result = subprocess.run([sys.executable, "train.py", f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}",
-                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"+experiment={experiment}",
+            "mode=plan",
+            f"output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["dataset_prompts"] == prompts
@@ -363,23 +448,52 @@ def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updat
     assert "torch" not in result.stdout  # nothing heavy was loaded or reported
 
 
-@pytest.mark.parametrize("experiment,prompts,turns,budget", [("gsm8k_tools", 7473, 4, 2048), ("tool_arithmetic", 4000, 3, 40)])
+@pytest.mark.parametrize(
+    "experiment,prompts,turns,budget", [("gsm8k_tools", 7473, 4, 2048), ("tool_arithmetic", 4000, 3, 40)]
+)
 def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, turns, budget, tmp_path):
     """The plan of a multi-turn experiment counts episodes as samples and shows max_turns and the token budget,
     which is the response width planned for (`mode=plan`: no weights, no data, no GPU)."""
-    result = subprocess.run([sys.executable, "train.py", f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}",
-                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"+experiment={experiment}",
+            "mode=plan",
+            f"output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["dataset_prompts"] == prompts
     assert plan["max_turns"] == turns and plan["max_episode_tokens"] == budget == plan["max_response_tokens"]
     assert plan["max_tokens_generated"] == plan["total_samples_generated"] * budget
-    assert f"episode: policy turns                  {turns:>3}" in result.stdout or f"{turns}  turns / episode" in result.stdout
+    assert (
+        f"episode: policy turns                  {turns:>3}" in result.stdout
+        or f"{turns}  turns / episode" in result.stdout
+    )
     assert f"{budget}  response tokens / episode at most" in result.stdout
 
 
 def test_max_turns_needs_an_environment(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "rollout.max_turns=3", "mode=plan", f"output_dir={tmp_path}",
-                             f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "rollout.max_turns=3",
+            "mode=plan",
+            f"output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode != 0
     assert "rollout.max_turns=3 without rollout.environment" in result.stderr

@@ -17,8 +17,6 @@ AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_b
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
 
 
-
-
 @pytest.mark.parametrize("cpuinfo, native", [(AVX512_BF16_CPU, True), (AVX2_CPU, False), (None, False)])
 def test_cpu_native_bf16_is_read_from_the_cpu_flags(tmp_path, cpuinfo, native):
     path = tmp_path / "cpuinfo"
@@ -59,7 +57,9 @@ def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
     assert (plan.precision, plan.rollout_dtype) == ("bf16-mixed", "bfloat16")
     table = plan.table()
-    assert "bf16-mixed" in table and "float32 weights and optimizer states, bf16 compute" in table and "bfloat16" in table
+    assert (
+        "bf16-mixed" in table and "float32 weights and optimizer states, bf16 compute" in table and "bfloat16" in table
+    )
     assert not plan.warnings
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
     plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
@@ -95,30 +95,60 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):
-        plan = compute_plan(PPOConfig(), RunLengthConfig(total_rollout_steps=1), len(prompts), 1, 8,
-                            precision="bf16-mixed", rollout_dtype=prec.resolve_rollout_dtype("bf16-mixed", configured))
-        datamodule = dm.RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None,
-                                          rollout=dm.RolloutConfig(dtype=configured), scorer=RewardScorer(fn=integer_match),
-                                          tokenizer=tokenizer, model_dir=tiny_model_dir, seed=0)
+        plan = compute_plan(
+            PPOConfig(),
+            RunLengthConfig(total_rollout_steps=1),
+            len(prompts),
+            1,
+            8,
+            precision="bf16-mixed",
+            rollout_dtype=prec.resolve_rollout_dtype("bf16-mixed", configured),
+        )
+        datamodule = dm.RolloutDataModule(
+            plan=plan,
+            train_prompts=prompts,
+            eval_prompts=None,
+            rollout=dm.RolloutConfig(dtype=configured),
+            scorer=RewardScorer(fn=integer_match),
+            tokenizer=tokenizer,
+            model_dir=tiny_model_dir,
+            seed=0,
+        )
         datamodule.start_engine()
         assert started["dtype"] == expected
 
 
 # ---------------------------------------------------------------- every precision trains
 
-FIXTURE_MODEL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
-                 "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128"]
+FIXTURE_MODEL = [
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.intermediate_size=128",
+]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "auto"])
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
     from lit_ppo.training import train
 
-    cfg = compose_config(f"strategy.precision={precision}", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
-                   "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8", "ppo.actor_lr=1e-3",
-                   f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
+    cfg = compose_config(
+        f"strategy.precision={precision}",
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=0",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        "ppo.actor_lr=1e-3",
+        f"output_dir={tmp_path}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    )
     summary = train(cfg, tmp_path, engine=engine)
-    assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
+    assert (
+        summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
+    )
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["precision"] == prec.resolve_precision(precision, "auto")
     rows = read_csv(tmp_path / "metrics.csv")
@@ -128,13 +158,27 @@ def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_pa
 
 # ---------------------------------------------------------------- FSDP2, 2 CPU processes
 
-FSDP_SETTINGS = ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu", "trainer.total_rollout_steps=2",
-                 "trainer.checkpoint_every=1", "trainer.eval_every=0", "model.warm_start.enabled=false",
-                 "data.n_train=64", "data.n_eval=8", *FIXTURE_MODEL,
-                 # 6 prompts x 4 samples / 8 per update = 3 updates per rollout step, at the flagship's LR; the
-                 # entropy bonus gives every logit a gradient whatever the rewards.
-                 "ppo.rollout_batch_size=6", "ppo.train_batch_size=8", "ppo.micro_train_batch_size=4",
-                 "ppo.actor_lr=1e-6", "ppo.kl_coef=0", "ppo.entropy_coef=0.01", "reward.overlong_penalty=1.0"]
+FSDP_SETTINGS = [
+    "strategy=fsdp",
+    "strategy.devices=2",
+    "strategy.accelerator=cpu",
+    "trainer.total_rollout_steps=2",
+    "trainer.checkpoint_every=1",
+    "trainer.eval_every=0",
+    "model.warm_start.enabled=false",
+    "data.n_train=64",
+    "data.n_eval=8",
+    *FIXTURE_MODEL,
+    # 6 prompts x 4 samples / 8 per update = 3 updates per rollout step, at the flagship's LR; the
+    # entropy bonus gives every logit a gradient whatever the rewards.
+    "ppo.rollout_batch_size=6",
+    "ppo.train_batch_size=8",
+    "ppo.micro_train_batch_size=4",
+    "ppo.actor_lr=1e-6",
+    "ppo.kl_coef=0",
+    "ppo.entropy_coef=0.01",
+    "reward.overlong_penalty=1.0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +190,15 @@ def fsdp_run(out: Path, cache: Path, precision: str) -> Path:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "train.py", *FSDP_SETTINGS, f"strategy.precision={precision}", f"output_dir={out}",
-           f"cache_dir={cache}", f"hydra.run.dir={out / 'hydra'}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *FSDP_SETTINGS,
+        f"strategy.precision={precision}",
+        f"output_dir={out}",
+        f"cache_dir={cache}",
+        f"hydra.run.dir={out / 'hydra'}",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420, start_new_session=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
@@ -171,7 +222,9 @@ def changed_fraction(cache: Path, run: Path) -> float:
 
 def check_fsdp_run(run: Path, precision: str) -> None:
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 6
+    assert (
+        summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 6
+    )
     assert json.loads((run / "plan.json").read_text())["precision"] == prec.resolve_precision(precision, "cpu")
     rows = read_csv(run / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)

@@ -28,8 +28,6 @@ def chat_text(prompt: str, system: str | None) -> str:
     return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
-
-
 def write_parquet_raw(records: list[dict], path: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -50,8 +48,11 @@ def write_saved_dataset(records: list[dict], path: Path) -> Path:
     return path
 
 
-WRITERS = {"jsonl": (write_jsonl, "train.jsonl"), "parquet": (write_parquet, "train.parquet"),
-           "save_to_disk": (write_saved_dataset, "train_ds")}
+WRITERS = {
+    "jsonl": (write_jsonl, "train.jsonl"),
+    "parquet": (write_parquet, "train.parquet"),
+    "save_to_disk": (write_saved_dataset, "train_ds"),
+}
 
 
 def write(fmt: str, records: list[dict], root: Path) -> Path:
@@ -68,11 +69,21 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.mark.parametrize("fmt", list(WRITERS))
-@pytest.mark.parametrize("chat, system", [(False, None), (True, None), (True, SYSTEM)], ids=["plain", "chat", "chat+system"])
+@pytest.mark.parametrize(
+    "chat, system", [(False, None), (True, None), (True, SYSTEM)], ids=["plain", "chat", "chat+system"]
+)
 def test_each_format_gives_the_formatted_prompt_token_ids(fmt, chat, system, tokenizer, tmp_path):
     path = write(fmt, RECORDS, tmp_path)
-    prompts = load_prompts(path, tokenizer, prompt_key="prompt", answer_key="answer", extra_keys=["topic"],
-                           chat_template=chat, system_prompt=system, max_prompt_length=128)
+    prompts = load_prompts(
+        path,
+        tokenizer,
+        prompt_key="prompt",
+        answer_key="answer",
+        extra_keys=["topic"],
+        chat_template=chat,
+        system_prompt=system,
+        max_prompt_length=128,
+    )
     assert len(prompts) == len(RECORDS) and not prompts.skipped
     for prompt, record in zip(prompts.prompts, RECORDS):
         expected = chat_text(record["prompt"], system) if chat else record["prompt"]
@@ -95,7 +106,9 @@ def test_tiny_tokenizer_keeps_spaces_and_newlines(tokenizer):
 
 
 def test_custom_keys_and_no_reference(tokenizer, tmp_path):
-    path = write_jsonl([{"question": "Q one?", "meta": {"level": 2}}, {"question": "Q two?", "meta": None}], tmp_path / "q.jsonl")
+    path = write_jsonl(
+        [{"question": "Q one?", "meta": {"level": 2}}, {"question": "Q two?", "meta": None}], tmp_path / "q.jsonl"
+    )
     prompts = load_prompts(path, tokenizer, prompt_key="question", answer_key=None, extra_keys=["meta"])
     assert [p.text for p in prompts.prompts] == ["Q one?", "Q two?"]
     assert [p.reference for p in prompts.prompts] == [None, None]
@@ -109,14 +122,27 @@ def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokeni
     from lit_ppo.plan import compute_plan
     from lit_ppo.rewards import RewardScorer, integer_match
 
-    prompts = load_prompts(write_jsonl(RECORDS, tmp_path / "train.jsonl"), tokenizer, chat_template=True,
-                           system_prompt=SYSTEM, max_prompt_length=100)
+    prompts = load_prompts(
+        write_jsonl(RECORDS, tmp_path / "train.jsonl"),
+        tokenizer,
+        chat_template=True,
+        system_prompt=SYSTEM,
+        max_prompt_length=100,
+    )
     ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
     rollout = RolloutConfig(max_response_tokens=4)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, rollout.max_response_tokens)
-    datamodule = RolloutDataModule(plan=plan, train_prompts=prompts, eval_prompts=None, rollout=rollout,
-                                   scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=tiny_model_dir,
-                                   seed=0, engine=engine)
+    datamodule = RolloutDataModule(
+        plan=plan,
+        train_prompts=prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=tiny_model_dir,
+        seed=0,
+        engine=engine,
+    )
     sent, received = [], []
     original = engine.llm.generate
 
@@ -168,7 +194,9 @@ BAD_CASES = {
 def test_bad_record_error_names_file_and_line(case, tokenizer, tmp_path):
     record, _, message = BAD_CASES[case]
     good = {**GOOD, "topic": "t"}
-    path = write_jsonl([good, good, {**record, **({"topic": "t"} if case != "missing_extra" else {})}, good], tmp_path / "d.jsonl")
+    path = write_jsonl(
+        [good, good, {**record, **({"topic": "t"} if case != "missing_extra" else {})}, good], tmp_path / "d.jsonl"
+    )
     with pytest.raises(DataError, match=rf"{path}:3: .*{message}.*fix: .*data.bad_records=skip"):
         load_prompts(path, tokenizer, extra_keys=["topic"], max_prompt_length=32, bad_records="error")
 
@@ -182,11 +210,19 @@ def test_bad_record_error_names_the_row(fmt, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_skip_counts_each_reason_exactly(fmt, tokenizer, tmp_path):
-    records = ([GOOD] * 3 + [{"prompt": "", "answer": "1"}, {"prompt": "  \n", "answer": "1"}]
-               + [{"prompt": "7" * 33, "answer": "1"}] * 4 + [{"prompt": "2+2=", "answer": None}])
+    records = (
+        [GOOD] * 3
+        + [{"prompt": "", "answer": "1"}, {"prompt": "  \n", "answer": "1"}]
+        + [{"prompt": "7" * 33, "answer": "1"}] * 4
+        + [{"prompt": "2+2=", "answer": None}]
+    )
     if fmt == "jsonl":
         records.append({"answer": "1"})  # a column missing in some rows only exists in JSONL
-    path = write_jsonl(records, tmp_path / "d.jsonl") if fmt == "jsonl" else write_parquet_raw(records, tmp_path / "d.parquet")
+    path = (
+        write_jsonl(records, tmp_path / "d.jsonl")
+        if fmt == "jsonl"
+        else write_parquet_raw(records, tmp_path / "d.parquet")
+    )
     prompts = load_prompts(path, tokenizer, max_prompt_length=32, bad_records="skip")
     expected = Counter(empty_prompt=2, too_long=4, **({"missing_key": 1} if fmt == "jsonl" else {}))
     assert prompts.skipped == expected
@@ -201,8 +237,13 @@ def test_skip_counts_reach_the_log(tokenizer, tmp_path, caplog):
 
     train = write_jsonl([GOOD, GOOD, {"prompt": ""}, {"prompt": "x" * 50, "answer": "1"}], tmp_path / "train.jsonl")
     evaluation = write_jsonl([GOOD, {"answer": "1"}], tmp_path / "eval.jsonl")
-    cfg = compose_config("data=file", f"data.path={train}", f"data.eval_path={evaluation}", "data.bad_records=skip",
-                         "data.max_prompt_length=32")
+    cfg = compose_config(
+        "data=file",
+        f"data.path={train}",
+        f"data.eval_path={evaluation}",
+        "data.bad_records=skip",
+        "data.max_prompt_length=32",
+    )
     with caplog.at_level(logging.WARNING, logger="lit_ppo"):
         train_set, eval_set = load_prompt_sets(cfg, train, evaluation, tokenizer)
     assert train_set.skipped == Counter(missing_key=1, too_long=1) and eval_set.skipped == Counter(missing_key=1)

@@ -66,16 +66,23 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for name in ("train", "eval"):
-        (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"prompt": f"Question {i}: what is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(16)))
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(
+                json.dumps({"prompt": f"Question {i}: what is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                for i in range(16)
+            )
+        )
     files = [tmp_path / "train.jsonl", tmp_path / "eval.jsonl"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     torch.nn.init.zeros_(model.model.norm.weight)
     engine.sync_weights(model.state_dict().items())
     try:
+
         def responses(rollout: RolloutConfig, chat_template: bool = True):
-            return make_datamodule(tiny_model_dir, engine, files, rollout, chat_template=chat_template).produce_rollout(0)
+            return make_datamodule(tiny_model_dir, engine, files, rollout, chat_template=chat_template).produce_rollout(
+                0
+            )
 
         plain = responses(RolloutConfig(max_response_tokens=24, temperature=0.8), chat_template=False)
         assert any(im_end in r[:-1] for r in plain.response_ids)  # the control: runs past the end of turn
@@ -85,8 +92,11 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
         assert all(not t for r, t in zip(stopped.response_ids, stopped.truncated.tolist()) if im_end in r)
         # Configured stops: a token id, and a string cut from the text.
         stop_a = tokenizer.convert_tokens_to_ids("a")
-        configured = responses(RolloutConfig(max_response_tokens=24, temperature=0.8, stop_token_ids=[stop_a], stop=["b"],
-                                             stop_at_end_of_turn=False))
+        configured = responses(
+            RolloutConfig(
+                max_response_tokens=24, temperature=0.8, stop_token_ids=[stop_a], stop=["b"], stop_at_end_of_turn=False
+            )
+        )
         assert all(stop_a not in r[:-1] for r in configured.response_ids)
         assert any(r[-1] == stop_a for r in configured.response_ids)
         assert all("b" not in text for text in configured.responses)
@@ -94,9 +104,16 @@ def test_chat_prompts_stop_at_the_end_of_turn_token(tiny_model_dir, engine, tmp_
         engine.sync_weights(original.items())
 
 
-
-def make_datamodule(model_dir, engine, files, rollout, *, chat_template: bool, rollout_batch_size: int = 16,
-                    n_samples_per_prompt: int = 4):
+def make_datamodule(
+    model_dir,
+    engine,
+    files,
+    rollout,
+    *,
+    chat_template: bool,
+    rollout_batch_size: int = 16,
+    n_samples_per_prompt: int = 4,
+):
     from lit_ppo.config import PPOConfig, RunLengthConfig
     from lit_ppo.datamodule import RolloutDataModule
     from lit_ppo.plan import compute_plan
@@ -105,12 +122,25 @@ def make_datamodule(model_dir, engine, files, rollout, *, chat_template: bool, r
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, evaluation = (load_prompts(f, tokenizer, chat_template=chat_template) for f in files)
-    ppo = PPOConfig(rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
-                    train_batch_size=rollout_batch_size * n_samples_per_prompt, micro_train_batch_size=16)
+    ppo = PPOConfig(
+        rollout_batch_size=rollout_batch_size,
+        n_samples_per_prompt=n_samples_per_prompt,
+        train_batch_size=rollout_batch_size * n_samples_per_prompt,
+        micro_train_batch_size=16,
+    )
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train), 1, rollout.max_response_tokens)
-    return RolloutDataModule(plan=plan, train_prompts=train, eval_prompts=evaluation, rollout=rollout,
-                             scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir, seed=0,
-                             engine=engine, chat_template=chat_template)
+    return RolloutDataModule(
+        plan=plan,
+        train_prompts=train,
+        eval_prompts=evaluation,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        engine=engine,
+        chat_template=chat_template,
+    )
 
 
 def write_gsm8k_file(path, count: int, seed: int) -> None:
@@ -124,7 +154,9 @@ def write_gsm8k_file(path, count: int, seed: int) -> None:
     for i in range(count):
         a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
         name, item = rng.choice(names), rng.choice(items)
-        question = f"{name} has {a} {item}. She buys {b} more {item} and then gets {c} times as many again from a friend."
+        question = (
+            f"{name} has {a} {item}. She buys {b} more {item} and then gets {c} times as many again from a friend."
+        )
         question += " How many does she have in the end?" + " Show your work." * rng.randint(0, 3)
         answer = f"{a}+{b}={a + b}. {a + b}*{c + 1}={(a + b) * (c + 1)}. #### {(a + b) * (c + 1)}"
         lines.append(json.dumps({"question": question, "answer": answer}) + "\n")
@@ -149,19 +181,47 @@ def test_gsm8k_format_run_completes(tmp_path):
     write_gsm8k_file(tmp_path / "test.jsonl", 16, seed=1)
     system = "Solve the problem step by step. Write the final answer as a number after '####'."
     tokenizer = build_char_tokenizer()
-    lengths = [len(tokenizer(format_prompt(json.loads(line)["question"], tokenizer, chat_template=True,
-                                           system_prompt=system), add_special_tokens=False).input_ids)
-               for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    lengths = [
+        len(
+            tokenizer(
+                format_prompt(json.loads(line)["question"], tokenizer, chat_template=True, system_prompt=system),
+                add_special_tokens=False,
+            ).input_ids
+        )
+        for line in (tmp_path / "train.jsonl").read_text().splitlines()
+    ]
     assert 100 <= min(lengths) and max(lengths) <= 300, (min(lengths), max(lengths))
     out = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "data=gsm8k", "reward=math", f"data.path={tmp_path / 'train.jsonl'}",
-           f"data.eval_path={tmp_path / 'test.jsonl'}", "model.warm_start.enabled=false",
-           "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-           "model.tiny.intermediate_size=128", "model.tiny.max_position_embeddings=512", "rollout.max_model_len=512",
-           "rollout.max_response_tokens=32", "rollout.temperature=0.7", "rollout.eval_temperature=0.7",
-           "rollout.eval_samples_per_prompt=4", "ppo=grpo", "ppo.rollout_batch_size=16", "ppo.n_samples_per_prompt=4",
-           "ppo.train_batch_size=32", "ppo.micro_train_batch_size=8", "trainer.total_rollout_steps=2",
-           "trainer.eval_every=1", f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={out / 'hydra'}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "data=gsm8k",
+        "reward=math",
+        f"data.path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'test.jsonl'}",
+        "model.warm_start.enabled=false",
+        "model.tiny.hidden_size=64",
+        "model.tiny.num_layers=2",
+        "model.tiny.num_heads=2",
+        "model.tiny.num_kv_heads=1",
+        "model.tiny.intermediate_size=128",
+        "model.tiny.max_position_embeddings=512",
+        "rollout.max_model_len=512",
+        "rollout.max_response_tokens=32",
+        "rollout.temperature=0.7",
+        "rollout.eval_temperature=0.7",
+        "rollout.eval_samples_per_prompt=4",
+        "ppo=grpo",
+        "ppo.rollout_batch_size=16",
+        "ppo.n_samples_per_prompt=4",
+        "ppo.train_batch_size=32",
+        "ppo.micro_train_batch_size=8",
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=1",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        f"hydra.run.dir={out / 'hydra'}",
+    ]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_csv(out / "metrics.csv")

@@ -13,8 +13,15 @@ from lit_ppo.report import TIMING_KEYS, write_summary
 
 
 def run_state(rows: list[dict]) -> SimpleNamespace:
-    return SimpleNamespace(history=rows, eval_history=[], rollout_step=len(rows), actor_optimizer_steps=2 * len(rows),
-                           critic_optimizer_steps=2 * len(rows), samples_seen=128 * len(rows), skipped_updates=0)
+    return SimpleNamespace(
+        history=rows,
+        eval_history=[],
+        rollout_step=len(rows),
+        actor_optimizer_steps=2 * len(rows),
+        critic_optimizer_steps=2 * len(rows),
+        samples_seen=128 * len(rows),
+        skipped_updates=0,
+    )
 
 
 def row(**timings: float) -> dict:

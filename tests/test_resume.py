@@ -24,8 +24,12 @@ from tests.helpers import ROOT, build_run
 
 
 def counters(module) -> dict:
-    return {"rollout_step": module.rollout_step, "actor": module.actor_optimizer_steps,
-            "critic": module.critic_optimizer_steps, "samples": module.samples_seen}
+    return {
+        "rollout_step": module.rollout_step,
+        "actor": module.actor_optimizer_steps,
+        "critic": module.critic_optimizer_steps,
+        "samples": module.samples_seen,
+    }
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -55,8 +59,18 @@ def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, cr
     callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=every, keep=2)]
     callbacks += [CrashAfter(crash_after)] if crash_after else []
     trainer, module, datamodule, plan = build_run(
-        paths[0], engine, paths[1], tmp_path, total_rollout_steps=steps, ppo_epochs=2, kl_coef=0.05, callbacks=callbacks,
-        rollout_batch_size=16, train_batch_size=16, micro_train_batch_size=8)
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        total_rollout_steps=steps,
+        ppo_epochs=2,
+        kl_coef=0.05,
+        callbacks=callbacks,
+        rollout_batch_size=16,
+        train_batch_size=16,
+        micro_train_batch_size=8,
+    )
     torch.manual_seed(0)
     ckpt = str(resume_from) if resume_from else None
     if crash_after:
@@ -87,9 +101,17 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
 
 
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
-    common = ["trainer.total_rollout_steps=6", "trainer.checkpoint_every=1", "trainer.eval_every=0",
-              "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8", f"cache_dir={tmp_path / 'cache'}",
-              "ppo.ppo_epochs=2", "strategy.precision=32-true"]  # exact comparison: the same precision on every machine
+    common = [
+        "trainer.total_rollout_steps=6",
+        "trainer.checkpoint_every=1",
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"cache_dir={tmp_path / 'cache'}",
+        "ppo.ppo_epochs=2",
+        "strategy.precision=32-true",
+    ]  # exact comparison: the same precision on every machine
 
     def command(out: Path, *extra: str) -> list[str]:
         return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
@@ -114,8 +136,9 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     b = torch.load(checkpoint_path(crashed / "checkpoints", 6), weights_only=False)["lit_ppo"]
     for key in ("rollout_step", "actor_optimizer_steps", "critic_optimizer_steps", "samples_seen"):
         assert a[key] == b[key], key
-    assert_same_weights(load_file(tmp_path / "full" / "actor" / "model.safetensors"),
-                        load_file(crashed / "actor" / "model.safetensors"))
+    assert_same_weights(
+        load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(crashed / "actor" / "model.safetensors")
+    )
     rows = (crashed / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 6  # header + one row per rollout step: no gap, no repeat
 
@@ -169,8 +192,14 @@ def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypa
 
     monkeypatch.setattr(module_code.algo, "aggregate_loss", nan_once)
     # A reward that varies between samples, so a random policy gets non-zero advantages and gradients.
-    trainer, module, datamodule, plan = build_run(paths[0], engine, paths[1], tmp_path, total_rollout_steps=1,
-                                                  reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses])
+    trainer, module, datamodule, plan = build_run(
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        total_rollout_steps=1,
+        reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses],
+    )
     before = {k: v.clone() for k, v in module.actor.state_dict().items()}
     trainer.fit(module, datamodule=datamodule)
     assert module.skipped_updates == 1
@@ -186,8 +215,15 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine,
     original = module_code.algo.aggregate_loss
     monkeypatch.setattr(module_code.algo, "aggregate_loss", lambda *a, **k: original(*a, **k) * float("nan"))
     trainer, module, datamodule, _ = build_run(
-        paths[0], engine, paths[1], tmp_path, total_rollout_steps=3, advantage_estimator="grpo", kl_coef=0.0,
-        callbacks=[RolloutCheckpoint(tmp_path / "checkpoints", every=0, keep=2)])
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        total_rollout_steps=3,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        callbacks=[RolloutCheckpoint(tmp_path / "checkpoints", every=0, keep=2)],
+    )
     with pytest.raises(NonFiniteUpdatesError, match="3 optimizer steps in a row"):
         trainer.fit(module, datamodule=datamodule)
     saved = list_checkpoints(tmp_path / "checkpoints")

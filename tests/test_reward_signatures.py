@@ -19,12 +19,15 @@ def scorer_for(target: str, *overrides: str, answer_key: str = "answer") -> Rewa
     return RewardScorer.from_config(cfg.reward, answer_key=answer_key)
 
 
-@pytest.mark.parametrize("name, signature", [("trl_accuracy", "trl"), ("compute_score", "verl"),
-                                             ("reward_func", "openrlhf")])
+@pytest.mark.parametrize(
+    "name, signature", [("trl_accuracy", "trl"), ("compute_score", "verl"), ("reward_func", "openrlhf")]
+)
 def test_peer_reward_functions_are_called_as_their_framework_calls_them(name, signature, caplog):
     with caplog.at_level(logging.INFO, logger="lit_ppo"):
         scorer = scorer_for(f"{PEER}.{name}")
-    assert f"reward: {PEER}.{name}, called with the {signature} signature (chosen by reward.signature=auto" in caplog.text
+    assert (
+        f"reward: {PEER}.{name}, called with the {signature} signature (chosen by reward.signature=auto" in caplog.text
+    )
     scores = scorer(["1+1=", "2+2=", "3+3="], ["2", "5", "6"], ["2", "4", "6"], [{}] * 3, [False, False, True])
     assert scores == [1.0, 0.0, 1.0]
     if signature == "verl":  # the dict's other numeric entries become metrics; the string one is dropped
@@ -45,8 +48,11 @@ def test_trl_columns_by_name_and_none_means_not_applicable():
 
 def test_explicit_signature_and_ambiguous_functions():
     assert scorer_for(f"{PEER}.compute_score", "reward.signature=verl").call.signature == "verl"
-    with pytest.raises(ConfigError, match=r"reward.signature=auto cannot tell how to call .*ambiguous\(args, kwargs\).*"
-                                          r"fix: set reward.signature to one of lit_ppo, trl, verl, openrlhf"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward.signature=auto cannot tell how to call .*ambiguous\(args, kwargs\).*"
+        r"fix: set reward.signature to one of lit_ppo, trl, verl, openrlhf",
+    ):
         scorer_for(f"{PEER}.ambiguous")
     with pytest.raises(ConfigError, match="reward.signature='trll'"):
         scorer_for(f"{PEER}.compute_score", "reward.signature=trll")
@@ -67,8 +73,11 @@ def test_a_verifier_that_hangs_is_timed_out_named_and_its_worker_replaced():
         assert scorer.pool.restarts == 1 and len(scorer.pool.workers) == 2
         assert scorer(["p"], ["ok"], [None], [{}], [False]) == [1.0]  # the rebuilt pool scores
         scorer.on_error = "raise"
-        with pytest.raises(RewardError, match=r"timed out on sample 1 \(prompt 'p1', response 'sleep now'\): "
-                                              r"no result after reward.timeout_s=2s"):
+        with pytest.raises(
+            RewardError,
+            match=r"timed out on sample 1 \(prompt 'p1', response 'sleep now'\): "
+            r"no result after reward.timeout_s=2s",
+        ):
             scorer(["p0", "p1"], ["ok", "sleep now"], [None] * 2, [{}] * 2, [False] * 2)
     finally:
         scorer.close()
@@ -81,8 +90,11 @@ def test_a_verifier_that_kills_its_process_costs_only_its_sample():
         assert scores == [1.0, 0.0, 1.0]
         assert scorer.metrics["errors"] == 1.0 and scorer.metrics["timeouts"] == 0.0 and scorer.pool.restarts == 1
         scorer.on_error = "raise"
-        with pytest.raises(RewardError, match=r"failed on sample 0 \(prompt 'p0', response 'exit'\): "
-                                              r"killed its worker process \(exit code 3\)"):
+        with pytest.raises(
+            RewardError,
+            match=r"failed on sample 0 \(prompt 'p0', response 'exit'\): "
+            r"killed its worker process \(exit code 3\)",
+        ):
             scorer(["p0"], ["exit"], [None], [{}], [False])
     finally:
         scorer.close()
@@ -103,8 +115,11 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
         assert scores == [1.0, 0.0]
         assert scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0
         scorer.on_error = "raise"
-        with pytest.raises(RewardError, match=r"timed out on sample 0 \(prompt 'q1', response '\\\\boxed\{9\^.*"
-                                              r"math-verify could not compare"):
+        with pytest.raises(
+            RewardError,
+            match=r"timed out on sample 0 \(prompt 'q1', response '\\\\boxed\{9\^.*"
+            r"math-verify could not compare",
+        ):
             scorer(["q1"], [PATHOLOGICAL], ["5"], [{}], [False])
     finally:
         scorer.close()
@@ -116,11 +131,23 @@ def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_p
     from lit_ppo.training import train
     from tests.test_end_to_end import FIXTURE_MODEL
 
-    cfg = compose_config("reward=custom_example", "reward.fn._target_=tests.fixtures.peer_rewards.flaky_verifier",
-                         f"+reward.fn.state_dir={tmp_path}", "reward.workers=2", "reward.timeout_s=3",
-                         "reward.on_error=zero", "trainer.total_rollout_steps=2", "trainer.eval_every=0",
-                         "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8", "ppo=grpo",
-                         f"output_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}", *FIXTURE_MODEL)
+    cfg = compose_config(
+        "reward=custom_example",
+        "reward.fn._target_=tests.fixtures.peer_rewards.flaky_verifier",
+        f"+reward.fn.state_dir={tmp_path}",
+        "reward.workers=2",
+        "reward.timeout_s=3",
+        "reward.on_error=zero",
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=0",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        "ppo=grpo",
+        f"output_dir={tmp_path}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    )
     with caplog.at_level(logging.INFO, logger="lit_ppo"):
         summary = train(cfg, tmp_path, engine=engine)
     assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]

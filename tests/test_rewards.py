@@ -81,27 +81,34 @@ def test_math_verifier(reference, response, correct):
     assert metrics["correct"] == [float(correct)]
 
 
-@pytest.mark.parametrize("text, fallback, expected", [
-    ("#### 42", False, ("42", "gsm8k")),
-    ("x \\boxed{\\frac{1}{\\sqrt{2}}} y", False, ("\\frac{1}{\\sqrt{2}}", "boxed")),
-    ("\\boxed{1} and #### 2", False, ("2", "gsm8k")),  # formats are tried in config order
-    ("\\boxed{unclosed", False, (None, None)),
-    ("####   ", False, (None, None)),
-    ("it is 1,234.5 or -7", False, (None, None)),
-    ("it is 1,234.5 or -7", True, ("-7", "last_number")),
-    ("costs 1,234.5 dollars", True, ("1,234.5", "last_number")),
-    ("nothing", True, (None, None)),
-])
+@pytest.mark.parametrize(
+    "text, fallback, expected",
+    [
+        ("#### 42", False, ("42", "gsm8k")),
+        ("x \\boxed{\\frac{1}{\\sqrt{2}}} y", False, ("\\frac{1}{\\sqrt{2}}", "boxed")),
+        ("\\boxed{1} and #### 2", False, ("2", "gsm8k")),  # formats are tried in config order
+        ("\\boxed{unclosed", False, (None, None)),
+        ("####   ", False, (None, None)),
+        ("it is 1,234.5 or -7", False, (None, None)),
+        ("it is 1,234.5 or -7", True, ("-7", "last_number")),
+        ("costs 1,234.5 dollars", True, ("1,234.5", "last_number")),
+        ("nothing", True, (None, None)),
+    ],
+)
 def test_extract_answer(text, fallback, expected):
     assert extract_answer(text, last_number_fallback=fallback) == expected
 
 
 def test_format_weight_and_last_number_fallback():
     responses = ["#### 42", "#### 41", "I think 42", "\\boxed{42}", "nothing"]
-    scores, metrics = math_reward([""] * 5, responses, ["42"] * 5, [{}] * 5, last_number_fallback=True, format_weight=0.25)
+    scores, metrics = math_reward(
+        [""] * 5, responses, ["42"] * 5, [{}] * 5, last_number_fallback=True, format_weight=0.25
+    )
     assert scores == [1.25, 0.25, 1.0, 1.25, 0.0]
     assert metrics == {"correct": [1, 0, 1, 1, 0], "formatted": [1, 1, 0, 1, 0]}
-    only_boxed, _ = math_reward([""] * 2, ["#### 42", "\\boxed{42}"], ["42"] * 2, [{}] * 2, formats=["boxed"], format_weight=0.5)
+    only_boxed, _ = math_reward(
+        [""] * 2, ["#### 42", "\\boxed{42}"], ["42"] * 2, [{}] * 2, formats=["boxed"], format_weight=0.5
+    )
     assert only_boxed == [0.0, 1.5]
 
 
@@ -109,7 +116,9 @@ def test_math_reward_through_the_config_and_scorer():
     scorer = RewardScorer.from_config(compose_config("reward=math", "reward.fn.format_weight=0.1").reward)
     scores = scorer(["p"] * 3, ["#### 1,000", "#### 7", "7"], ["1000", "8", "7"], [{}] * 3, [False] * 3)
     assert scores == pytest.approx([1.1, 0.1, 0.0])
-    assert scorer.metrics == pytest.approx({"correct": 1 / 3, "formatted": 2 / 3, "errors": 0.0, "timeouts": 0.0, "none": 0.0})
+    assert scorer.metrics == pytest.approx(
+        {"correct": 1 / 3, "formatted": 2 / 3, "errors": 0.0, "timeouts": 0.0, "none": 0.0}
+    )
 
 
 def test_math_reward_without_reference_names_the_sample():
@@ -164,7 +173,9 @@ def test_non_finite_reward_is_an_error(bad):
     def fn(prompts, responses, references, extras):
         return [1.0, bad, 2.0]
 
-    with pytest.raises(RewardError, match=rf"failed on sample 1 \(prompt 'prompt 1'.*returned {bad!r}, not a finite number"):
+    with pytest.raises(
+        RewardError, match=rf"failed on sample 1 \(prompt 'prompt 1'.*returned {bad!r}, not a finite number"
+    ):
         call(RewardScorer(fn=fn), ["a", "b", "c"])
     scorer = RewardScorer(fn=fn, on_error="zero")
     assert call(scorer, ["a", "b", "c"]) == [1.0, 0.0, 2.0] and scorer.errors == 1
@@ -179,7 +190,9 @@ def test_contract_violations():
             raise MemoryError("batch too big")
         return [0.5]
 
-    with pytest.raises(RewardError, match="raised on the batch of 2 but on no single sample: MemoryError: batch too big"):
+    with pytest.raises(
+        RewardError, match="raised on the batch of 2 but on no single sample: MemoryError: batch too big"
+    ):
         call(RewardScorer(fn=batch_only_failure), ["a", "b"])
     with pytest.raises(ConfigError, match="reward.on_error='ignore'; fix: use one of"):
         RewardScorer(fn=exact_length, on_error="ignore")
@@ -190,7 +203,11 @@ def test_overlong_penalty_applies_to_truncated_responses_only():
     assert call(scorer, ["ab", "abcd", "abc"], truncated=[False, True, False]) == [2.0, 3.5, 3.0]
     cfg = compose_config("reward=math", "reward.overlong_penalty=1.0").reward
     scorer = RewardScorer.from_config(cfg)
-    assert scorer(["p", "p", "p"], ["#### 5", "#### 9", "#### 5"], ["5"] * 3, [{}] * 3, [True, True, False]) == [0.0, -1.0, 1.0]
+    assert scorer(["p", "p", "p"], ["#### 5", "#### 9", "#### 5"], ["5"] * 3, [{}] * 3, [True, True, False]) == [
+        0.0,
+        -1.0,
+        1.0,
+    ]
 
 
 def test_a_bad_target_is_a_config_error():
@@ -209,9 +226,18 @@ def reward_model_dir(tmp_path_factory) -> str:
     from lit_ppo.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=128, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("reward_model")
     Qwen2ForSequenceClassification(config).save_pretrained(path)
@@ -222,7 +248,9 @@ def reward_model_dir(tmp_path_factory) -> str:
 def test_reward_model_scores_prompt_plus_response(reward_model_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    cfg = compose_config("reward=reward_model", f"reward.fn.model_dir={reward_model_dir}", "reward.fn.batch_size=2").reward
+    cfg = compose_config(
+        "reward=reward_model", f"reward.fn.model_dir={reward_model_dir}", "reward.fn.batch_size=2"
+    ).reward
     scorer = RewardScorer.from_config(cfg)
     assert isinstance(scorer.fn, SequenceClassifierReward)
     prompts, responses = ["1+1=", "What is 12+30? ", "x"], ["2", "42", "a much longer response"]
@@ -231,7 +259,9 @@ def test_reward_model_scores_prompt_plus_response(reward_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
     with torch.no_grad():  # one text at a time: no padding involved
-        expected = [float(model(**tokenizer(p + r, return_tensors="pt")).logits[0, 0]) for p, r in zip(prompts, responses)]
+        expected = [
+            float(model(**tokenizer(p + r, return_tensors="pt")).logits[0, 0]) for p, r in zip(prompts, responses)
+        ]
     assert scores == pytest.approx(expected, abs=1e-5)
     assert len(set(round(s, 6) for s in scores)) == 3 and all(math.isfinite(s) for s in scores)
 
@@ -264,8 +294,11 @@ class ScriptedEngine:
     def generate(self, prompt_token_ids, *, n, **_):
         from lit_ppo.rollout import Generation
 
-        return [Generation(prompt_index=i, token_ids=[1], truncated=False, text=self.responses[i][j], logprobs=[0.0])
-                for i in range(len(prompt_token_ids)) for j in range(n)]
+        return [
+            Generation(prompt_index=i, token_ids=[1], truncated=False, text=self.responses[i][j], logprobs=[0.0])
+            for i in range(len(prompt_token_ids))
+            for j in range(n)
+        ]
 
 
 def evaluate_with(responses: list[list[str]], references: list[str], scorer: RewardScorer) -> dict:
@@ -274,9 +307,17 @@ def evaluate_with(responses: list[list[str]], references: list[str], scorer: Rew
     from lit_ppo.prompts import Prompt, PromptSet
 
     prompts = PromptSet([Prompt([1, 2], f"q{i}", ref, {}) for i, ref in enumerate(references)], "test")
-    datamodule = RolloutDataModule(plan=None, train_prompts=prompts, eval_prompts=prompts,
-                                   rollout=RolloutConfig(eval_samples_per_prompt=2), scorer=scorer, tokenizer=None,
-                                   model_dir="", seed=0, engine=ScriptedEngine(responses))
+    datamodule = RolloutDataModule(
+        plan=None,
+        train_prompts=prompts,
+        eval_prompts=prompts,
+        rollout=RolloutConfig(eval_samples_per_prompt=2),
+        scorer=scorer,
+        tokenizer=None,
+        model_dir="",
+        seed=0,
+        engine=ScriptedEngine(responses),
+    )
     return datamodule.evaluate()
 
 

@@ -25,8 +25,18 @@ def one_step(paths, engine, tmp_path, *, shift: float, **ppo):
     # A sampler 1 nat off on every token would stop the run at rollout.max_logprob_abs_diff (the gate against
     # stale weights); this test simulates one on purpose, so the gate is off.
     rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, max_logprob_abs_diff=None)
-    trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], tmp_path, advantage_estimator="grpo",
-                                               kl_coef=0.0, kl_mode="loss", reward_fn=varied_reward, rollout=rollout, **ppo)
+    trainer, module, datamodule, _ = build_run(
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        reward_fn=varied_reward,
+        rollout=rollout,
+        **ppo,
+    )
     produce = datamodule.produce_rollout
 
     def shifted(step):
@@ -47,8 +57,13 @@ def paths(tiny_model_dir, arithmetic_files):
 
 def test_tis_weights_reach_the_loss_and_the_metrics(paths, engine, tmp_path):
     # rho = exp(-1) = 0.368 on every token (plus the tiny float32 vLLM-vs-trainer difference), below the cap of 2.
-    row, changed = one_step(paths, engine, tmp_path, shift=1.0,
-                            rollout_correction=RolloutCorrectionConfig(mode="tis", level="token", tis_cap=2.0))
+    row, changed = one_step(
+        paths,
+        engine,
+        tmp_path,
+        shift=1.0,
+        rollout_correction=RolloutCorrectionConfig(mode="tis", level="token", tis_cap=2.0),
+    )
     assert row["rollout_correction/weight_mean"] == pytest.approx(math.exp(-1.0), rel=1e-3)
     assert row["rollout_correction/weight_max"] == pytest.approx(math.exp(-1.0), rel=1e-3)
     assert row["rollout_correction/masked_fraction"] == 0.0
@@ -75,9 +90,20 @@ def test_the_configured_policy_loss_is_the_one_trained_with(paths, engine, tmp_p
     calls = []
     real = alg.POLICY_LOSSES[policy_loss]
     monkeypatch.setitem(alg.POLICY_LOSSES, policy_loss, lambda *a, **k: calls.append(1) or real(*a, **k))
-    clip = {"gspo": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
-            "cispo": {"clip_ratio_low": 1.0, "clip_ratio_high": 4.0}}[policy_loss]
-    trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], tmp_path, advantage_estimator="grpo",
-                                               kl_coef=0.0, kl_mode="loss", policy_loss=policy_loss, **clip)
+    clip = {
+        "gspo": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+        "cispo": {"clip_ratio_low": 1.0, "clip_ratio_high": 4.0},
+    }[policy_loss]
+    trainer, module, datamodule, _ = build_run(
+        paths[0],
+        engine,
+        paths[1],
+        tmp_path,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        policy_loss=policy_loss,
+        **clip,
+    )
     trainer.fit(module, datamodule=datamodule)
     assert len(calls) == 8  # 32 samples in micro-batches of 4: every micro-batch's loss

@@ -34,7 +34,7 @@ def long_prompt_files(tmp_path_factory):
         for i in range(count):
             a, b = (7 * i + 3) % 50, (11 * i + 5) % 50
             question = f"Question {i}: {a}+{b}="
-            records.append({"prompt": (preamble * 2)[:PROMPT_TOKENS - len(question)] + question, "answer": str(a + b)})
+            records.append({"prompt": (preamble * 2)[: PROMPT_TOKENS - len(question)] + question, "answer": str(a + b)})
         path = root / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         paths.append(path)
@@ -44,17 +44,33 @@ def long_prompt_files(tmp_path_factory):
 def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_overrides):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts, eval_prompts = load_prompts(files[0], tokenizer), load_prompts(files[1], tokenizer)
-    ppo = PPOConfig(**{"rollout_batch_size": 8, "n_samples_per_prompt": 4, "train_batch_size": 16,
-                       "micro_train_batch_size": 8, **ppo_overrides})
+    ppo = PPOConfig(
+        **{
+            "rollout_batch_size": 8,
+            "n_samples_per_prompt": 4,
+            "train_batch_size": 16,
+            "micro_train_batch_size": 8,
+            **ppo_overrides,
+        }
+    )
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
-    return RolloutDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=eval_prompts, rollout=rollout,
-                             scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
-                             seed=0, engine=engine)
+    return RolloutDataModule(
+        plan=plan,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        engine=engine,
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
-def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_model_dir, engine, long_prompt_files,
-                                                                        temperature):
+def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(
+    tiny_model_dir, engine, long_prompt_files, temperature
+):
     """Each sampled token's vLLM log-prob is log softmax(logits / T) of the model that sampled it (float32, 1e-3)."""
     rollout = RolloutConfig(max_response_tokens=12, temperature=temperature)
     datamodule = make_datamodule(tiny_model_dir, engine, long_prompt_files, rollout)
@@ -66,17 +82,18 @@ def test_rollout_batch_carries_vllm_logprobs_of_the_sampled_distribution(tiny_mo
     mb = pack(batch.prompt_ids, batch.response_ids, datamodule.tokenizer.pad_token_id, "cpu")
     T = mb.response_ids.shape[1]
     with torch.no_grad():
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                       logits_to_keep=T + 1).logits[:, :T]
+        logits = model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, logits_to_keep=T + 1
+        ).logits[:, :T]
     expected = (logits / temperature).log_softmax(-1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
     for row, logprobs in enumerate(batch.rollout_logprobs):
-        assert torch.allclose(torch.tensor(logprobs), expected[row, :len(logprobs)], atol=1e-3), row
+        assert torch.allclose(torch.tensor(logprobs), expected[row, : len(logprobs)], atol=1e-3), row
     if temperature != 1.0:  # the comparison can fail: the raw distribution is far from the sampled one
         raw = logits.log_softmax(-1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
         mask = mb.response_mask.bool()
         vllm = torch.zeros_like(raw)
         for row, logprobs in enumerate(batch.rollout_logprobs):
-            vllm[row, :len(logprobs)] = torch.tensor(logprobs)
+            vllm[row, : len(logprobs)] = torch.tensor(logprobs)
         assert (raw - vllm)[mask].abs().mean() > 0.02
 
 
@@ -88,8 +105,15 @@ def test_trainer_old_logprobs_equal_vllm_logprobs(tiny_model_dir, engine, long_p
     """make_experience's old log-probs of the sampled tokens equal vLLM's within 1e-3 per token (float32), at a
     temperature other than 1 too; the logged mean difference says so."""
     rollout = RolloutConfig(max_response_tokens=12, temperature=temperature)
-    _, module, datamodule, _ = build_run(tiny_model_dir, engine, long_prompt_files, tmp_path, rollout=rollout,
-                                         train_batch_size=16, micro_train_batch_size=8)
+    _, module, datamodule, _ = build_run(
+        tiny_model_dir,
+        engine,
+        long_prompt_files,
+        tmp_path,
+        rollout=rollout,
+        train_batch_size=16,
+        micro_train_batch_size=8,
+    )
     module.sync_weights(engine)
     batch = datamodule.produce_rollout(0)
     exp = module.make_experience(batch)
@@ -101,14 +125,17 @@ def test_trainer_old_logprobs_equal_vllm_logprobs(tiny_model_dir, engine, long_p
     assert float(exp.logprob_abs_diff_max) == pytest.approx(float(diff.max()), abs=1e-9)
 
 
-def test_an_engine_left_with_stale_weights_stops_the_run(tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch):
+def test_an_engine_left_with_stale_weights_stops_the_run(
+    tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch
+):
     """After an update at a high learning rate the engine is NOT given the new weights: the next rollout step's
     samples come from the old policy, and the gate stops the run naming that rollout step."""
     from lit_ppo.errors import RolloutMismatchError
 
     varied = lambda p, responses, r, e: [len(x) % 3 for x in responses]  # noqa: E731 - a learning signal
-    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=3,
-                                               actor_lr=5e-2, reward_fn=varied)
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=3, actor_lr=5e-2, reward_fn=varied
+    )
     synced = []
     real_sync = type(module).sync_weights
 
@@ -126,8 +153,9 @@ def test_an_engine_left_with_stale_weights_stops_the_run(tiny_model_dir, engine,
 
 def test_kl_to_reference_is_logged_only_with_a_reference_model(tiny_model_dir, engine, arithmetic_files, tmp_path):
     for estimator, kl_coef, logged in (("grpo", 0.0, False), ("dr_grpo", 0.0, False), ("gae", 0.05, True)):
-        trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path,
-                                                   advantage_estimator=estimator, kl_coef=kl_coef)
+        trainer, module, datamodule, _ = build_run(
+            tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator=estimator, kl_coef=kl_coef
+        )
         trainer.fit(module, datamodule=datamodule)
         row = module.history[-1]
         assert ("rollout/kl_to_reference" in row) is logged and ("rollout/kl_coef" in row) is logged, estimator
@@ -142,10 +170,23 @@ def test_reward_counts_are_summed_over_ranks_and_rates_averaged():
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     zeros = torch.zeros(2, 3)
-    exp = Experience(mask=mask, old_logp=zeros, advantages=zeros, returns=zeros, rewards=torch.tensor([1.0, 0.0]),
-                     kl=zeros, values=zeros)
-    row = rollout_metrics(exp, torch.zeros(2), {"errors": 3.0, "timeouts": 1.0, "none": 0.0, "correct": 0.5},
-                          world_size=2, count_metrics=COUNT_METRICS,
-                          global_sum=lambda x: 2 * x, global_max=lambda x: x)  # two ranks holding the same numbers
+    exp = Experience(
+        mask=mask,
+        old_logp=zeros,
+        advantages=zeros,
+        returns=zeros,
+        rewards=torch.tensor([1.0, 0.0]),
+        kl=zeros,
+        values=zeros,
+    )
+    row = rollout_metrics(
+        exp,
+        torch.zeros(2),
+        {"errors": 3.0, "timeouts": 1.0, "none": 0.0, "correct": 0.5},
+        world_size=2,
+        count_metrics=COUNT_METRICS,
+        global_sum=lambda x: 2 * x,
+        global_max=lambda x: x,
+    )  # two ranks holding the same numbers
     assert (row["rollout/reward_errors"], row["rollout/reward_timeouts"], row["rollout/reward_none"]) == (6.0, 2.0, 0.0)
     assert row["rollout/reward_correct"] == pytest.approx(0.5)

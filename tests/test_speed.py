@@ -31,9 +31,18 @@ from lit_ppo.report import write_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
-ON_POLICY = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "train_batch_size": 8, "micro_train_batch_size": 4,
-             "advantage_estimator": "grpo", "kl_coef": 0.01, "kl_mode": "loss", "kl_estimator": "k3",
-             "loss_agg_mode": "seq-mean-token-mean", "actor_lr": 1e-3}
+ON_POLICY = {
+    "rollout_batch_size": 4,
+    "n_samples_per_prompt": 2,
+    "train_batch_size": 8,
+    "micro_train_batch_size": 4,
+    "advantage_estimator": "grpo",
+    "kl_coef": 0.01,
+    "kl_mode": "loss",
+    "kl_estimator": "k3",
+    "loss_agg_mode": "seq-mean-token-mean",
+    "actor_lr": 1e-3,
+}
 
 
 class NullEngine:
@@ -60,18 +69,34 @@ class FixedBatchDataModule(RolloutDataModule):
 def fixed_batch(n_prompts: int = 4, n: int = 2, seed: int = 0) -> RolloutBatch:
     """Prompts of 3-20 tokens and responses of 1-14, random ids (4+: not special), rewards 0/1 differing in groups."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n_prompts)]
+    prompts = [
+        torch.randint(4, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n_prompts)
+    ]
     sample_prompts = [p for p in prompts for _ in range(n)]
     N = len(sample_prompts)
-    responses = [torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(N)]
+    responses = [
+        torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist() for _ in range(N)
+    ]
     rewards = torch.tensor([float(i % 2) for i in range(N)])
     positions = [i for i in range(n_prompts) for _ in range(n)]
-    return RolloutBatch(rollout_step=0, data_epoch=0, prompt_positions=positions, dataset_indices=positions,
-                        prompt_ids=sample_prompts, response_ids=responses, rollout_logprobs=None, rewards=rewards,
-                        truncated=torch.zeros(N, dtype=torch.bool), prompts=[""] * N, responses=[""] * N,
-                        references=[None] * N, generate_seconds=0.0, reward_seconds=0.0, reward_metrics={})
+    return RolloutBatch(
+        rollout_step=0,
+        data_epoch=0,
+        prompt_positions=positions,
+        dataset_indices=positions,
+        prompt_ids=sample_prompts,
+        response_ids=responses,
+        rollout_logprobs=None,
+        rewards=rewards,
+        truncated=torch.zeros(N, dtype=torch.bool),
+        prompts=[""] * N,
+        responses=[""] * N,
+        references=[None] * N,
+        generate_seconds=0.0,
+        reward_seconds=0.0,
+        reward_metrics={},
+    )
 
 
 def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
@@ -82,13 +107,28 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
     train_prompts = load_prompts(files[0], tokenizer)
     rollout = RolloutConfig(max_response_tokens=16)
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
-    datamodule = FixedBatchDataModule(plan=plan, train_prompts=train_prompts, eval_prompts=None, rollout=rollout,
-                                      scorer=RewardScorer(fn=integer_match), tokenizer=tokenizer, model_dir=model_dir,
-                                      seed=0, engine=NullEngine())
+    datamodule = FixedBatchDataModule(
+        plan=plan,
+        train_prompts=train_prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        engine=NullEngine(),
+    )
     datamodule.fixed_batch = batch
     torch.manual_seed(0)
-    module = PPOModule(model_dir=model_dir, ppo=ppo, plan=plan, max_response_tokens=rollout.max_response_tokens,
-                       pad_token_id=tokenizer.pad_token_id, temperature=0.7, max_logprob_abs_diff=0.5)
+    module = PPOModule(
+        model_dir=model_dir,
+        ppo=ppo,
+        plan=plan,
+        max_response_tokens=rollout.max_response_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=0.7,
+        max_logprob_abs_diff=0.5,
+    )
     calls = {"phase": "", "experience": 0, "reference": 0}
 
     def count_actor(*_):
@@ -135,22 +175,27 @@ def assert_same_gradients(a: list[dict], b: list[dict], rel: float = 1e-4) -> No
         for name in step_a:
             scale = float(step_b[name].abs().max())
             assert scale > 0, name
-            torch.testing.assert_close(step_a[name], step_b[name], rtol=rel, atol=rel * scale,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                step_a[name], step_b[name], rtol=rel, atol=rel * scale, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 # ---------------------------------------------------------------- the plan
 
 
-@pytest.mark.parametrize("overrides, source", [
-    ({}, "training forward"),  # on-policy, KL in the loss: nothing needs the old log-probs before the update
-    ({"train_batch_size": 4, "micro_train_batch_size": 2}, "experience forward"),  # 2 mini-batches
-    ({"ppo_epochs": 2}, "experience forward"),
-    ({"kl_mode": "reward", "kl_estimator": "k1", "advantage_estimator": "reinforce_pp"}, "experience forward"),
-    ({"rollout_correction": {"mode": "tis"}}, "experience forward"),
-    ({"old_logprobs": "recompute"}, "experience forward"),
-    ({"old_logprobs": "rollout", "ppo_epochs": 2}, "vLLM"),
-], ids=["on-policy", "two-mini-batches", "two-epochs", "kl-in-reward", "tis", "recompute", "rollout"])
+@pytest.mark.parametrize(
+    "overrides, source",
+    [
+        ({}, "training forward"),  # on-policy, KL in the loss: nothing needs the old log-probs before the update
+        ({"train_batch_size": 4, "micro_train_batch_size": 2}, "experience forward"),  # 2 mini-batches
+        ({"ppo_epochs": 2}, "experience forward"),
+        ({"kl_mode": "reward", "kl_estimator": "k1", "advantage_estimator": "reinforce_pp"}, "experience forward"),
+        ({"rollout_correction": {"mode": "tis"}}, "experience forward"),
+        ({"old_logprobs": "recompute"}, "experience forward"),
+        ({"old_logprobs": "rollout", "ppo_epochs": 2}, "vLLM"),
+    ],
+    ids=["on-policy", "two-mini-batches", "two-epochs", "kl-in-reward", "tis", "recompute", "rollout"],
+)
 def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
     from lit_ppo.config import parse_section
 
@@ -160,7 +205,9 @@ def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
     assert any(line.startswith("old log-probs") and source in line for line in plan.table().splitlines())
     write_plan(plan, tmp_path, "test")
     assert json.loads((tmp_path / "plan.json").read_text())["old_logprobs_source"] == source
-    if overrides.get("kl_mode") == "reward" or "rollout_correction" in overrides:  # on-policy, yet the forward runs: why
+    if (
+        overrides.get("kl_mode") == "reward" or "rollout_correction" in overrides
+    ):  # on-policy, yet the forward runs: why
         assert any("old log-probs: the update is on-policy" in n for n in plan.notes)
 
 
@@ -179,8 +226,9 @@ def test_old_logprobs_settings_that_cannot_work_are_refused():
 def test_on_policy_update_skips_the_actor_forward_with_the_same_gradients(tiny_model_dir, arithmetic_files, tmp_path):
     batch = fixed_batch()
     skipped, skipped_calls, skipped_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch)
-    forward, forward_calls, forward_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch,
-                                                         old_logprobs="recompute")
+    forward, forward_calls, forward_grads = run_one_step(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="recompute"
+    )
     assert skipped.plan.old_logprobs_source == "training forward"
     assert forward_calls["experience"] == 2 and skipped_calls["experience"] == 0  # 8 samples, micro-batches of 4
     assert skipped_calls["reference"] == forward_calls["reference"] == 2  # the reference log-probs keep their pass
@@ -197,17 +245,27 @@ def test_rollout_logprobs_as_old_ones(tiny_model_dir, arithmetic_files, tmp_path
     actor's own, as a vLLM in sync gives them), in every mini-batch of an off-policy update."""
     two_mini_batches = {"train_batch_size": 4, "micro_train_batch_size": 2}
     batch = fixed_batch()
-    forward, _, forward_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch,
-                                             old_logprobs="recompute", **two_mini_batches)
+    forward, _, forward_grads = run_one_step(
+        tiny_model_dir, arithmetic_files, tmp_path / "a", batch, old_logprobs="recompute", **two_mini_batches
+    )
     # What a vLLM in sync with the actor reports: the actor's log-probs of the sampled tokens at temperature 0.7.
-    module = PPOModule(model_dir=tiny_model_dir, ppo=forward.ppo, plan=forward.plan, max_response_tokens=16,
-                       pad_token_id=0, temperature=0.7)
+    module = PPOModule(
+        model_dir=tiny_model_dir,
+        ppo=forward.ppo,
+        plan=forward.plan,
+        max_response_tokens=16,
+        pad_token_id=0,
+        temperature=0.7,
+    )
     with torch.no_grad():
         mb = pack(batch.prompt_ids, batch.response_ids, 0, "cpu")
         logp = module.response_logprobs(module.actor, mb)
-    batch = dataclasses.replace(batch, rollout_logprobs=[logp[i, :len(r)].tolist() for i, r in enumerate(batch.response_ids)])
-    rollout, calls, grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="rollout",
-                                         **two_mini_batches)
+    batch = dataclasses.replace(
+        batch, rollout_logprobs=[logp[i, : len(r)].tolist() for i, r in enumerate(batch.response_ids)]
+    )
+    rollout, calls, grads = run_one_step(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="rollout", **two_mini_batches
+    )
     assert rollout.plan.old_logprobs_source == "vLLM" and calls["experience"] == 0
     assert rollout.actor_optimizer_steps == 2
     assert_same_gradients(grads, forward_grads)
@@ -238,16 +296,21 @@ def test_micro_batch_groups_by_token_budget_hand_case():
     assert budget == [[0], [3], [1, 2, 4]]
     assert padding_fraction(prompts, responses, budget) == pytest.approx(1 - 43 / (15 + 12 + 21))
     # ranks with fewer micro-batches split their largest until they run as many as the others
-    assert micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2, max_tokens=24, min_count=4) == \
-        [[0], [3], [1], [2, 4]]
+    assert micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2, max_tokens=24, min_count=4) == [
+        [0],
+        [3],
+        [1],
+        [2, 4],
+    ]
 
 
 def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, arithmetic_files, tmp_path):
     batch = fixed_batch(n_prompts=4, n=4)  # 16 samples; two mini-batches of 8, fixed micro-batches of 2
     settings = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 8, "micro_train_batch_size": 2}
     fixed, _, fixed_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch, **settings)
-    budget, _, budget_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "b", batch,
-                                           micro_train_max_tokens=48, **settings)
+    budget, _, budget_grads = run_one_step(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, micro_train_max_tokens=48, **settings
+    )
     assert budget.actor_optimizer_steps == fixed.actor_optimizer_steps == 2  # the plan's count (checked at runtime too)
     assert budget.plan.micro_train_max_tokens == 48
     assert_same_gradients(budget_grads, fixed_grads)

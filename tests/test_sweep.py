@@ -19,10 +19,24 @@ from tests.helpers import ROOT, read_csv
 def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"
     # Small and fast: each job still builds its model, starts its own vLLM engine and trains one rollout step.
-    cmd = [sys.executable, "train.py", "-m", "seed=0,1", "trainer.total_rollout_steps=1", "model.warm_start.enabled=false",
-           "data.n_train=16", "data.n_eval=4", "trainer.eval_every=0", "ppo.rollout_batch_size=8",
-           "ppo.train_batch_size=32", "ppo.micro_train_batch_size=32", "rollout.eval_samples_per_prompt=1",
-           *FIXTURE_MODEL, f"hydra.sweep.dir={sweep}", f"cache_dir={tmp_path / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "seed=0,1",
+        "trainer.total_rollout_steps=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=16",
+        "data.n_eval=4",
+        "trainer.eval_every=0",
+        "ppo.rollout_batch_size=8",
+        "ppo.train_batch_size=32",
+        "ppo.micro_train_batch_size=32",
+        "rollout.eval_samples_per_prompt=1",
+        *FIXTURE_MODEL,
+        f"hydra.sweep.dir={sweep}",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -33,7 +47,10 @@ def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
         assert f"seed={seed}" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
 
     rows = read_csv(sweep / "sweep_summary.csv")
-    assert [(r["job"], r["seed"], r["status"], r["rollout_steps"]) for r in rows] == [("0", "0", "done", "1"), ("1", "1", "done", "1")]
+    assert [(r["job"], r["seed"], r["status"], r["rollout_steps"]) for r in rows] == [
+        ("0", "0", "done", "1"),
+        ("1", "1", "done", "1"),
+    ]
     for column in ("eval_reward_initial", "eval_reward_final", "reward_final", "optimizer_steps_actor", "wall_seconds"):
         assert all(r[column] != "" for r in rows), column
     markdown = (sweep / "sweep_summary.md").read_text()
@@ -41,9 +58,11 @@ def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
 
 
 def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tmp_path):
-    for job, overrides, summary in (("10", ["ppo=grpo", "seed=1"], {"rollout_steps": 3, "eval_reward_final": 0.25}),
-                                    ("2", ["ppo=ppo", "seed=0"], {"rollout_steps": 3, "eval_reward_final": 0.5}),
-                                    ("3", ["+extra=1"], None)):
+    for job, overrides, summary in (
+        ("10", ["ppo=grpo", "seed=1"], {"rollout_steps": 3, "eval_reward_final": 0.25}),
+        ("2", ["ppo=ppo", "seed=0"], {"rollout_steps": 3, "eval_reward_final": 0.5}),
+        ("3", ["+extra=1"], None),
+    ):
         (tmp_path / job / ".hydra").mkdir(parents=True)
         (tmp_path / job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
         if summary:
@@ -51,7 +70,10 @@ def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tm
     write_sweep_summary(tmp_path)
     rows = read_csv(tmp_path / "sweep_summary.csv")
     assert [(r["job"], r["ppo"], r["seed"], r["extra"], r["status"], r["eval_reward_final"]) for r in rows] == [
-        ("2", "ppo", "0", "", "done", "0.5"), ("3", "", "", "1", "no summary.json", ""), ("10", "grpo", "1", "", "done", "0.25")]
+        ("2", "ppo", "0", "", "done", "0.5"),
+        ("3", "", "", "1", "no summary.json", ""),
+        ("10", "grpo", "1", "", "done", "0.25"),
+    ]
     assert "| 2 | `ppo=ppo` `seed=0` | done |  | 0.500 |" in (tmp_path / "sweep_summary.md").read_text()
 
 

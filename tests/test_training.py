@@ -12,8 +12,9 @@ from tests.helpers import build_run
 @pytest.mark.parametrize("ppo_epochs", [1, 2, 4])
 def test_ppo_epochs_and_batch_sizes_take_effect(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs):
     # 8 prompts x 4 samples = 32 samples per rollout step; train batch 8 -> 4 mini-batches per epoch.
-    trainer, module, datamodule, plan = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path,
-                                                  total_rollout_steps=2, ppo_epochs=ppo_epochs)
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=2, ppo_epochs=ppo_epochs
+    )
     expected_per_rollout_step = 8 * 4 * ppo_epochs // 8
     assert plan.optimizer_steps_per_rollout_step == expected_per_rollout_step
     assert plan.grad_accumulation_steps == 2
@@ -47,10 +48,14 @@ def test_broken_epoch_loop_is_caught(tiny_model_dir, engine, arithmetic_files, t
 
 
 def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmetic_files, tmp_path):
-    _, grpo, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="grpo", kl_coef=0.0)
+    _, grpo, _, _ = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="grpo", kl_coef=0.0
+    )
     assert grpo.critic is None and grpo.reference is None
     assert len(grpo.configure_optimizers()[0]) == 1
-    _, ppo, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="gae", kl_coef=0.05)
+    _, ppo, _, _ = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path, advantage_estimator="gae", kl_coef=0.05
+    )
     assert ppo.critic is not None and ppo.reference is not None
     assert not any(p.requires_grad for p in ppo.reference.parameters())
 
@@ -60,8 +65,14 @@ def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmet
     from lit_ppo.experience import pack
 
     # A reward that varies between samples, so the random policy gets a learning signal.
-    trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, actor_lr=5e-3,
-                                               reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses])
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir,
+        engine,
+        arithmetic_files,
+        tmp_path,
+        actor_lr=5e-3,
+        reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses],
+    )
     prompt = datamodule.train_prompts.prompts[0].prompt_ids
     response = datamodule.tokenizer("123", add_special_tokens=False).input_ids + [datamodule.tokenizer.eos_token_id]
 

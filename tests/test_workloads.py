@@ -9,19 +9,26 @@ from pathlib import Path
 from tests.helpers import read_csv, write_jsonl
 from tests.test_end_to_end import FIXTURE_MODEL, compose_config
 
-SMALL_RUN = ["trainer.total_rollout_steps=2", "trainer.eval_every=0", "model.warm_start.enabled=false",
-             "ppo.rollout_batch_size=4", "ppo.train_batch_size=16", "ppo.micro_train_batch_size=8", *FIXTURE_MODEL]
+SMALL_RUN = [
+    "trainer.total_rollout_steps=2",
+    "trainer.eval_every=0",
+    "model.warm_start.enabled=false",
+    "ppo.rollout_batch_size=4",
+    "ppo.train_batch_size=16",
+    "ppo.micro_train_batch_size=8",
+    *FIXTURE_MODEL,
+]
 
 
 def my_reward(prompts, responses, references, extras, *, log_path):
     """A user's reward (named by dotted path in the test): records each call; fails on records marked `fail`."""
     with open(log_path, "a") as f:
-        f.write(json.dumps({"prompts": prompts, "responses": responses, "references": references, "extras": extras}) + "\n")
+        f.write(
+            json.dumps({"prompts": prompts, "responses": responses, "references": references, "extras": extras}) + "\n"
+        )
     if any(extra["fail"] for extra in extras):
         raise RuntimeError("this record is marked to fail")
     return [len(response) / 8 for response in responses]
-
-
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:
@@ -31,15 +38,26 @@ def metrics_rows(output_dir: Path) -> list[dict]:
 def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path):
     from lit_ppo.training import train
 
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3, "fail": a == 4} for a, b in
-               [(1, 2), (3, 5), (4, 4), (6, 1)]]
+    records = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3, "fail": a == 4}
+        for a, b in [(1, 2), (3, 5), (4, 4), (6, 1)]
+    ]
     by_prompt = {r["prompt"]: r for r in records}
     train_file = write_jsonl(records, tmp_path / "train.jsonl")
     calls = tmp_path / "calls.jsonl"
-    cfg = compose_config("data=file", f"data.path={train_file}", "data.extra_keys=[level,fail]", "data.max_prompt_length=16",
-                         "reward=custom_example", "reward.fn._target_=tests.test_workloads.my_reward",
-                         f"+reward.fn.log_path={calls}", "reward.on_error=zero", *SMALL_RUN,
-                         f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}")
+    cfg = compose_config(
+        "data=file",
+        f"data.path={train_file}",
+        "data.extra_keys=[level,fail]",
+        "data.max_prompt_length=16",
+        "reward=custom_example",
+        "reward.fn._target_=tests.test_workloads.my_reward",
+        f"+reward.fn.log_path={calls}",
+        "reward.on_error=zero",
+        *SMALL_RUN,
+        f"output_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
     summary = train(cfg, tmp_path / "run", engine=engine)
     assert summary["rollout_steps"] == 2
 
@@ -76,9 +94,18 @@ def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
     rows = [{"question": q, "answer": a} for q, a in GSM8K_TRAIN]
     train_file = write_jsonl(rows + [{"question": "No answer field here?"}], tmp_path / "train.jsonl")
     eval_file = write_jsonl(rows[:2], tmp_path / "test.jsonl")
-    cfg = compose_config("data=gsm8k", f"data.path={train_file}", f"data.eval_path={eval_file}", "data.system_prompt=null",
-                         "data.max_prompt_length=100", "data.bad_records=skip", "reward=math", *SMALL_RUN,
-                         f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}")
+    cfg = compose_config(
+        "data=gsm8k",
+        f"data.path={train_file}",
+        f"data.eval_path={eval_file}",
+        "data.system_prompt=null",
+        "data.max_prompt_length=100",
+        "data.bad_records=skip",
+        "reward=math",
+        *SMALL_RUN,
+        f"output_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
     with caplog.at_level(logging.WARNING, logger="lit_ppo"):
         summary = train(cfg, tmp_path / "run", engine=engine)
 
@@ -89,5 +116,7 @@ def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 2
     for row in rows:  # the math reward's own metrics, and no reward errors
-        assert 0.0 <= float(row["rollout/reward_correct"]) <= 1.0 and 0.0 <= float(row["rollout/reward_formatted"]) <= 1.0
+        assert (
+            0.0 <= float(row["rollout/reward_correct"]) <= 1.0 and 0.0 <= float(row["rollout/reward_formatted"]) <= 1.0
+        )
         assert float(row["rollout/reward_errors"]) == 0.0

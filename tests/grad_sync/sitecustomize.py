@@ -31,6 +31,7 @@ if os.environ.get("LIT_PPO_COUNT_GRAD_SYNC"):
 
     for _name in ("reduce_scatter_single", "reduce_scatter_tensor"):
         if hasattr(dist, _name):
+
             def _counting(*args, _original=getattr(dist, _name), **kwargs):
                 _record("reduce_scatter")
                 return _original(*args, **kwargs)
