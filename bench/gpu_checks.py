@@ -878,6 +878,8 @@ def section_mfu(report: Report, cfg) -> None:
                 flush=True,
             )
             free_memory()
+    if cfg.profile:
+        profile_training_phases(args, model_dir, batch, tokenizer.pad_token_id, cfg)
     rows = []
     medians = {}
     for name, seconds in results.items():
@@ -925,6 +927,32 @@ SECTIONS = {
 }
 
 
+def profile_training_phases(args, model_dir, batch, pad_token_id, cfg) -> None:
+    """One run of each loop under torch.profiler: where lit-ppo's training phase spends what the plain loop does not.
+    The tables are of whole runs (model loading included); the operators that differ are what matters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.cuda else [])
+    sort = "self_cuda_time_total" if cfg.cuda else "self_cpu_time_total"
+    one_step = argparse.Namespace(**{**vars(args), "steps": 2})
+    for name in ("lit-ppo", "plain"):
+        with profile(activities=activities) as prof:
+            if name == "lit-ppo":
+                r = run_litppo(
+                    one_step,
+                    model_dir,
+                    arithmetic_prompt_file(64),
+                    batch,
+                    accelerator=cfg.accelerator,
+                    precision="bf16-mixed",
+                )
+            else:
+                r = run_plain(one_step, model_dir, batch, pad_token_id, device=str(cfg.device), precision="bf16-mixed")
+        print(f"\n### profile: {name} (training phases {r['train_s']} s), top operators by {sort}\n", flush=True)
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+        free_memory()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -936,6 +964,11 @@ def main() -> None:
         "--out",
         default=str(Path(os.environ["OUT"]) / "gpu_checks.json") if os.environ.get("OUT") else None,
         help="the JSON report (default: $OUT/gpu_checks.json when OUT is set)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="E: also run lit-ppo and the plain loop once each under torch.profiler and print their top operators",
     )
     parser.add_argument(
         "--budget-s",
@@ -966,6 +999,7 @@ def main() -> None:
         accelerator="cuda" if cuda else "cpu",
         precision="bf16-mixed",
         budget_s=args.budget_s,
+        profile=args.profile,
         small_model=SMOKE_MODEL if args.smoke else BENCH_24M,
         big_model=SMOKE_WIDE if args.smoke else QWEN05B,
         big_vocab=SMOKE_WIDE_VOCAB if args.smoke else QWEN05B_VOCAB,
