@@ -5,6 +5,9 @@ tokens. Autograd through log_softmax/gather/entropy keeps several such copies (f
 their gradients). Here one autograd function computes both quantities chunk by chunk in float32 and keeps only
 the logits themselves (already alive: the LM head's output) and one float per token; its backward writes the
 logits' gradient chunk by chunk. Peak: the logits, their gradient, and a few float32 chunks of CHUNK_TOKENS tokens.
+Each chunk takes few passes over its [tokens, V] floats (a fused log_softmax, in-place updates, no division at
+temperature 1): on a GPU these elementwise passes, not the matrix products, were the training phase's overhead
+against a plain loop (BENCHMARKS.md, "On a GPU"); on CPU the function ran 2x faster than before this change.
 
 Gradients, per token with p = softmax(x), log-prob l_y = x_y - logsumexp(x), entropy H = -sum p log p:
   d l_y / dx = onehot(y) - p,        dH / dx = -p * (log p + H).
@@ -36,12 +39,14 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for row, start, end in _chunks(B, T, chunk_tokens):
-            x = logits[row, start:end].float() / temperature
-            chunk_lse = torch.logsumexp(x, dim=-1)
-            logp[row, start:end] = x.gather(-1, targets[row, start:end, None]).squeeze(-1) - chunk_lse
-            log_p = x - chunk_lse[:, None]
-            entropy[row, start:end] = -(log_p.exp() * log_p).sum(-1)
-            lse[row, start:end] = chunk_lse
+            x = logits[row, start:end].float()
+            if temperature != 1.0:  # x / 1.0 is x: skip a pass over the chunk
+                x = x / temperature
+            log_p = torch.log_softmax(x, dim=-1)  # one fused kernel (max, exp-sum, subtract)
+            chosen = log_p.gather(-1, targets[row, start:end, None]).squeeze(-1)
+            logp[row, start:end] = chosen
+            lse[row, start:end] = x.gather(-1, targets[row, start:end, None]).squeeze(-1) - chosen
+            entropy[row, start:end] = -(log_p.exp().mul_(log_p)).sum(-1)
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.chunk_tokens = chunk_tokens
         ctx.temperature = temperature
@@ -59,15 +64,23 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         grad = logits if ctx.overwrite else torch.empty_like(logits)
         grad[:, T:].zero_()  # positions past T (e.g. the LM head's extra last one) get no gradient
         for row, start, end in _chunks(B, T, ctx.chunk_tokens):
-            log_p = logits[row, start:end].float() / ctx.temperature - lse[row, start:end, None]
+            x = logits[row, start:end].float()  # the logits themselves when float32: read-only here
+            if ctx.temperature != 1.0:
+                x = x / ctx.temperature
+            log_p = x - lse[row, start:end, None]
             p = log_p.exp()
-            chunk = torch.zeros_like(p)
             if grad_logp is not None:
                 g = grad_logp[row, start:end, None].float()
-                chunk.sub_(p * g).scatter_add_(-1, targets[row, start:end, None], g)
+                chunk = (p * -g).scatter_add_(-1, targets[row, start:end, None], g)
+            else:
+                chunk = torch.zeros_like(p)
             if grad_entropy is not None:
-                chunk.sub_(p * (log_p + entropy[row, start:end, None]) * grad_entropy[row, start:end, None].float())
-            grad[row, start:end] = (chunk / ctx.temperature).to(grad.dtype)
+                chunk.sub_(
+                    log_p.add_(entropy[row, start:end, None]).mul_(p).mul_(grad_entropy[row, start:end, None].float())
+                )
+            if ctx.temperature != 1.0:
+                chunk.div_(ctx.temperature)
+            grad[row, start:end] = chunk  # the copy casts to the logits' dtype
         return grad, None, None, None
 
 
