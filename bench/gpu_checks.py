@@ -842,7 +842,7 @@ def section_mfu(report: Report, cfg) -> None:
             steps=3,
             lr=1e-5,
             seed=0,
-            repeats=2,
+            repeats=cfg.e_repeats,
             prompt_length=128,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -965,6 +965,7 @@ def main() -> None:
         default=str(Path(os.environ["OUT"]) / "gpu_checks.json") if os.environ.get("OUT") else None,
         help="the JSON report (default: $OUT/gpu_checks.json when OUT is set)",
     )
+    parser.add_argument("--e-repeats", type=int, default=2, help="E: alternating repetitions of each loop")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -1000,6 +1001,7 @@ def main() -> None:
         precision="bf16-mixed",
         budget_s=args.budget_s,
         profile=args.profile,
+        e_repeats=args.e_repeats,
         small_model=SMOKE_MODEL if args.smoke else BENCH_24M,
         big_model=SMOKE_WIDE if args.smoke else QWEN05B,
         big_vocab=SMOKE_WIDE_VOCAB if args.smoke else QWEN05B_VOCAB,
