@@ -91,7 +91,6 @@ def build_run(
         model_dir=model_dir,
         ppo=ppo,
         plan=plan,
-        max_response_tokens=plan.max_response_tokens,
         pad_token_id=tokenizer.pad_token_id,
         gradient_checkpointing=gradient_checkpointing,
         eval_every=eval_every,

@@ -132,3 +132,38 @@ def check_same_rollout_step_shape(saved_plan: dict, plan) -> None:
             f"the checkpoint was written under another plan {planned}, this run plans {now}; "
             "fix: resume with the same ppo batch sizes and ppo_epochs"
         )
+
+
+MODULE_STATE = (
+    "rollout_step",
+    "actor_optimizer_steps",
+    "critic_optimizer_steps",
+    "samples_seen",
+    "kl_coef",
+    "history",
+    "eval_history",
+)
+"""PPOModule's attributes that a checkpoint holds (`module_state`)."""
+
+
+def module_state(module) -> dict:
+    """PPOModule's own state, checkpointed beside Lightning's (weights, optimizers, schedulers): its counters and
+    histories (MODULE_STATE), the skipped updates, the mini-batch shuffle's and the global random streams, and the
+    plan, against which a resumed run is checked."""
+    return {
+        **{k: getattr(module, k) for k in MODULE_STATE},
+        "skipped_updates": module.guarded_step.skipped,
+        "shuffle_generator": module.shuffle_generator.get_state(),
+        "rng": rng_state(),
+        "plan": module.plan.to_dict(),
+    }
+
+
+def restore_module_state(module, state: dict) -> None:
+    """The inverse of `module_state`, on a module built for the resumed run."""
+    for k in MODULE_STATE:
+        setattr(module, k, state[k])
+    module.guarded_step.skipped = state["skipped_updates"]
+    module.shuffle_generator.set_state(state["shuffle_generator"])
+    restore_rng_state(state["rng"])
+    check_same_rollout_step_shape(state["plan"], module.plan)

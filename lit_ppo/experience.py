@@ -260,14 +260,7 @@ def check_rollout_logprobs(
 
 
 def old_logprobs_from_training(
-    exp: Experience,
-    captured: Tensor,
-    captured_rows: Tensor,
-    *,
-    rollout_logprobs,
-    rollout_step: int,
-    kl_estimator: str,
-    max_logprob_abs_diff: float | None,
+    exp: Experience, captured: Tensor, captured_rows: Tensor, batch, ppo, max_logprob_abs_diff: float | None
 ) -> None:
     """Without an experience forward: the log-probs the training forwards took before the first optimizer step
     (`captured`, rows marked in `captured_rows`) become the experience's old log-probs (on-policy: every sample's)
@@ -276,23 +269,22 @@ def old_logprobs_from_training(
     if exp.old_logp is None:
         exp.old_logp = captured
         if exp.ref_logp is not None:
-            exp.kl = algo.KL_ESTIMATORS[kl_estimator](captured - exp.ref_logp) * exp.mask
-    if rollout_logprobs is not None:
-        rollout_logp = rollout_logp_tensor(rollout_logprobs, exp.mask)
+            exp.kl = algo.KL_ESTIMATORS[ppo.kl_estimator](captured - exp.ref_logp) * exp.mask
+    if batch.rollout_logprobs is not None:
+        rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, exp.mask)
         exp.logprob_abs_diff_mean, exp.logprob_abs_diff_max = check_rollout_logprobs(
-            rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff
+            batch.rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff
         )
 
 
-def rank_micro_batch_groups(
-    batch, indices: list[int], *, max_samples: int, max_tokens: int | None, data_parallel_size: int, device
-) -> list[list[int]]:
-    """This rank's micro-batches of `indices` (`micro_batch_groups`): `max_samples` samples each, or by token budget
-    (ppo.micro_train_max_tokens). Under data parallelism with a token budget every rank runs as many micro-batches
-    as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
+def rank_micro_batch_groups(batch, indices: list[int], ppo, plan, device) -> list[list[int]]:
+    """This rank's micro-batches of `indices` (`micro_batch_groups`): ppo.micro_train_batch_size samples each, or by
+    token budget (ppo.micro_train_max_tokens). Under data parallelism with a token budget every rank runs as many
+    micro-batches as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
+    max_samples, max_tokens = ppo.micro_train_batch_size, ppo.micro_train_max_tokens
     lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
     groups = micro_batch_groups(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens)
-    if max_tokens is not None and data_parallel_size > 1:
+    if max_tokens is not None and plan.data_parallel_size > 1:
         count = int(global_max(torch.tensor(float(len(groups)), device=device)))
         groups = micro_batch_groups(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens, min_count=count)
     return groups
@@ -351,7 +343,78 @@ def advantages_and_returns(
     return kl, advantages, returns
 
 
+def experience_from_forwards(
+    batch,
+    mask: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    values: Tensor | None,
+    ppo,
+    plan,
+    *,
+    kl_coef: float,
+    max_logprob_abs_diff: float | None,
+) -> tuple[Experience, dict[str, float]]:
+    """The rollout batch's experience from the experience forwards' outputs ([N, T] each; None where the run has no
+    such forward): vLLM's log-probs become the old ones where the plan takes them there (`plan.old_logprobs_source`)
+    and are checked against the experience forward's otherwise; then the advantages and the rollout correction's
+    weights. Also the correction's statistics, named for the log."""
+    source = plan.old_logprobs_source
+    rollout_logp = diff_mean = diff_max = None
+    if batch.rollout_logprobs is not None:
+        rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, mask)
+        if source == "vLLM":
+            old_logp = rollout_logp.clone()
+        if source == "experience forward":  # otherwise checked against the training forwards (train_on_experience)
+            diff_mean, diff_max = check_rollout_logprobs(
+                batch.rollout_step, old_logp, rollout_logp, mask, max_logprob_abs_diff
+            )
+    rewards = batch.rewards.to(mask.device)
+    kl, advantages, returns = advantages_and_returns(
+        rewards, mask, values, old_logp, ref_logp, ppo, kl_coef=kl_coef, group_size=plan.n_samples_per_prompt
+    )
+    exp = Experience(
+        mask=mask,
+        old_logp=old_logp,
+        advantages=advantages,
+        returns=returns,
+        rewards=rewards,
+        ref_logp=ref_logp,
+        kl=kl,
+        values=values,
+        rollout_logp=rollout_logp,
+        logprob_abs_diff_mean=diff_mean,
+        logprob_abs_diff_max=diff_max,
+    )
+    exp.rc_weights, exp.loss_mask, stats = rollout_correction(exp, ppo.rollout_correction)
+    return exp, {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
+
+
+def loss_denominators(exp: Experience, indices: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The mini-batch `indices`' response tokens, samples and policy-loss tokens (those the rollout correction keeps:
+    all unless MIS drops some), summed over ranks. The loss divides by the whole mini-batch's counts, not a
+    micro-batch's or a rank's, so that accumulation and data parallelism do not change it (docs/reference.md
+    section 3)."""
+    mask = exp.mask[indices]
+    samples = torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device)
+    num_tokens, num_seqs, num_policy_tokens = global_sum(
+        torch.stack([mask.sum(), samples, exp.loss_mask[indices].sum()])
+    )
+    return num_tokens, num_seqs, num_policy_tokens
+
+
 def kl_per_sequence(exp: Experience) -> float:
     """The global batch's mean KL to the reference per sequence (what the adaptive KL controller targets)."""
     count = torch.tensor(float(exp.mask.shape[0]), dtype=exp.mask.dtype, device=exp.mask.device)
     return float(global_sum((exp.kl * exp.mask).sum()) / global_sum(count))
+
+
+def next_kl_coef(kl_coef: float, exp: Experience, ppo, samples_per_rollout_step: int) -> float:
+    """The KL coefficient of the next rollout step: the adaptive controller's (`algo.adaptive_kl_coef`) on this batch's
+    KL per sequence when ppo.adaptive_kl_target is set and the run has a reference; otherwise `kl_coef` unchanged."""
+    if ppo.adaptive_kl_target is None or exp.kl is None:
+        return kl_coef
+    observed = kl_per_sequence(exp)
+    return algo.adaptive_kl_coef(
+        kl_coef, observed, ppo.adaptive_kl_target, samples_per_rollout_step, ppo.adaptive_kl_horizon
+    )

@@ -151,14 +151,15 @@ def rollout_step_row(
     *,
     counters: dict[str, int],
     plan,
+    ppo,
     extra: dict[str, float],
-    group_size: int | None = None,
     global_sum: Reduce = _identity,
     global_max: Reduce = _identity,
 ) -> dict[str, float]:
     """The logged row of one rollout step (before evaluation): the counters, the rollout statistics, the updates'
     means (`train_metrics`), `extra` (rollout correction, KL coefficient), and the timings of the slowest rank
-    (what the run waits for) with their sum."""
+    (what the run waits for) with their sum. Groups with a single reward are counted for the group estimators."""
+    group_size = plan.n_samples_per_prompt if ppo.advantage_estimator in algo.GROUP_ESTIMATORS else None
     row = dict(counters)
     row.update(
         rollout_metrics(

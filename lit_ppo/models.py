@@ -1,12 +1,15 @@
-"""The run's models from one Hugging Face directory: the actor, and the critic and reference model when the plan needs them."""
+"""The run's models from one Hugging Face directory: the actor, and the critic and reference model when the plan needs
+them; and their outputs at a micro-batch's response tokens."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from lit_ppo.experience import MicroBatch
 from lit_ppo.plan import StepPlan
 
 
@@ -52,3 +55,20 @@ def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -
         # Non-reentrant: parameters get gradients even though the layers' inputs (embeddings of ids) need none.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+def response_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """A language model's (the actor's, the reference's) logits at the positions that predict each response token,
+    [B, T + 1, V]. Responses end the row, so only the last T + 1 positions need the vocabulary-sized LM head; the
+    last one predicts nothing, but slicing it off would make autograd allocate a padded gradient of the whole. The
+    sampling temperature is applied where the logits are read (`logits.logprobs_and_entropy`), in float32 chunks."""
+    T = mb.response_ids.shape[1]
+    inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+    return model(**inputs, logits_to_keep=T + 1).logits
+
+
+def critic_values(critic: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """The critic's value at each response token's position, [B, T] in float32."""
+    T, start = mb.response_ids.shape[1], mb.prompt_width - 1
+    inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+    return critic(**inputs).logits[:, start : start + T][..., 0].float()  # the value head's one output

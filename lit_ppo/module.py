@@ -27,39 +27,27 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
-from lit_ppo.checkpoints import (
-    check_same_rollout_step_shape,
-    restore_rng_state,
-    rng_state,
-)
+from lit_ppo.checkpoints import module_state, restore_module_state
 from lit_ppo.config import PPOConfig
-from lit_ppo.distributed import (
-    full_tensors,
-    global_max,
-    global_sum,
-    gradient_sync,
-    shard_models,
-)
+from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
 from lit_ppo.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
     MicroBatch,
-    advantages_and_returns,
-    check_rollout_logprobs,
     dump_experience,
-    kl_per_sequence,
+    experience_from_forwards,
+    loss_denominators,
+    next_kl_coef,
     old_logprobs_from_training,
     packed_micro_batches,
     padded_tokens,
     rank_micro_batch_groups,
-    rollout_correction,
-    rollout_logp_tensor,
 )
 from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
-from lit_ppo.models import load_models
-from lit_ppo.optim import GuardedStep, adamw_with_schedule
+from lit_ppo.models import critic_values, load_models, response_logits
+from lit_ppo.optim import GuardedStep, actor_critic_optimizers
 from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
 from lit_ppo.report import write_metrics_csv
 
@@ -71,7 +59,6 @@ class PPOModule(L.LightningModule):
         model_dir: str,
         ppo: PPOConfig,
         plan: StepPlan,
-        max_response_tokens: int,
         pad_token_id: int,
         gradient_checkpointing: bool = False,
         eval_every: int = 0,
@@ -84,7 +71,6 @@ class PPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.ppo = ppo
         self.plan = plan
-        self.max_response_tokens = max_response_tokens
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
         self.metrics_path = metrics_path
@@ -127,45 +113,21 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ optimizers
 
     def configure_optimizers(self):
-        models = [(self.actor, self.ppo.actor_lr)] + (
-            [(self.critic, self.ppo.critic_lr)] if self.critic is not None else []
-        )
-        pairs = [adamw_with_schedule(model, lr, self.ppo, self.plan) for model, lr in models]
-        return [optimizer for optimizer, _ in pairs], [schedule for _, schedule in pairs]
+        return actor_critic_optimizers(self.actor, self.critic, self.ppo, self.plan)
 
     # ------------------------------------------------------------ forward helpers
 
-    def _logits(self, model, mb: MicroBatch) -> Tensor:
-        """Outputs at the positions that predict each response token: [B, T + 1, V] for a language model (the
-        last position predicts nothing: slicing it off would make autograd allocate a padded gradient of the
-        whole), [B, T, 1] for the critic. The sampling temperature is applied where the logits are read
-        (`logprobs_and_entropy(..., temperature=self.temperature)`), chunk by chunk in float32."""
-        T = mb.response_ids.shape[1]
-        kwargs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-        if model is not self.critic:
-            # Responses end the row, so only the last T + 1 positions need the LM head (vocab-sized).
-            return model(**kwargs, logits_to_keep=T + 1).logits
-        return model(**kwargs).logits[:, mb.prompt_width - 1 : mb.prompt_width - 1 + T]
-
     def _values(self, mb: MicroBatch) -> Tensor:
-        return self._logits(self.critic, mb)[..., 0].float()
+        return critic_values(self.critic, mb)
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.logits): never a float32 copy of the whole [B, T, V]."""
-        return logprobs_and_entropy(self._logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
+        return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
 
     def _micro_batch_groups(self, batch, indices: list[int]) -> list[list[int]]:
-        return rank_micro_batch_groups(
-            batch,
-            indices,
-            max_samples=self.ppo.micro_train_batch_size,
-            max_tokens=self.ppo.micro_train_max_tokens,
-            data_parallel_size=self.plan.data_parallel_size,
-            device=self.device,
-        )
+        return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
-    def _micro_batches(self, batch, indices: list[int], groups: list[list[int]] | None = None):
-        groups = groups if groups is not None else self._micro_batch_groups(batch, indices)
+    def _micro_batches(self, batch, groups: list[list[int]]):
         return packed_micro_batches(batch, groups, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------ experience
@@ -176,9 +138,8 @@ class PPOModule(L.LightningModule):
         N = len(batch.response_ids)
         T = max(1, max(len(r) for r in batch.response_ids))
 
-        def zeros() -> (
-            Tensor
-        ):  # float32 whatever the default dtype: under bf16-true Lightning makes bf16 the default here
+        # float32 whatever the default dtype: under bf16-true Lightning makes bf16 the default here
+        def zeros() -> Tensor:
             return torch.zeros(N, T, device=self.device, dtype=torch.float32)
 
         # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs_source): an exactly
@@ -193,7 +154,7 @@ class PPOModule(L.LightningModule):
         old_logp = zeros() if source == "experience forward" else None
         ref_logp = zeros() if self.reference is not None else None
         values = zeros() if self.critic is not None else None
-        for idx, mb in self._micro_batches(batch, list(range(N))):
+        for idx, mb in self._micro_batches(batch, self._micro_batch_groups(batch, list(range(N)))):
             t = mb.response_ids.shape[1]
             mask[idx, :t] = mb.response_mask
             if old_logp is not None:
@@ -202,41 +163,17 @@ class PPOModule(L.LightningModule):
                 ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
             if values is not None:
                 values[idx, :t] = self._values(mb)
-        rollout_logp = diff_mean = diff_max = None
-        if batch.rollout_logprobs is not None:
-            rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, mask)
-            if source == "vLLM":
-                old_logp = rollout_logp.clone()
-            if source == "experience forward":  # otherwise checked against the training forwards (train_on_experience)
-                diff_mean, diff_max = check_rollout_logprobs(
-                    batch.rollout_step, old_logp, rollout_logp, mask, self.max_logprob_abs_diff
-                )
-        rewards = batch.rewards.to(self.device)
-        kl, advantages, returns = advantages_and_returns(
-            rewards,
+        exp, self.rollout_correction_stats = experience_from_forwards(
+            batch,
             mask,
-            values,
             old_logp,
             ref_logp,
+            values,
             self.ppo,
+            self.plan,
             kl_coef=self.kl_coef,
-            group_size=self.plan.n_samples_per_prompt,
+            max_logprob_abs_diff=self.max_logprob_abs_diff,
         )
-        exp = Experience(
-            mask=mask,
-            old_logp=old_logp,
-            advantages=advantages,
-            returns=returns,
-            rewards=rewards,
-            ref_logp=ref_logp,
-            kl=kl,
-            values=values,
-            rollout_logp=rollout_logp,
-            logprob_abs_diff_mean=diff_mean,
-            logprob_abs_diff_max=diff_max,
-        )
-        exp.rc_weights, exp.loss_mask, stats = rollout_correction(exp, self.ppo.rollout_correction)
-        self.rollout_correction_stats = {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
         if os.environ.get(DUMP_ADVANTAGES_ENV):
             dump_experience(
                 Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp, self.global_rank, self.plan.data_parallel_size
@@ -269,23 +206,11 @@ class PPOModule(L.LightningModule):
             for indices in minibatches:
                 use_counts[epoch, indices] += 1
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
-                mask = exp.mask[indices]
-                # Denominators of the whole mini-batch over micro-batches and ranks, so that
-                # accumulation and data parallelism do not change the loss (docs/reference.md section 3). The policy loss
-                # counts only the tokens the rollout correction keeps (all of them unless MIS drops some).
-                num_tokens, num_seqs, num_policy_tokens = global_sum(
-                    torch.stack(
-                        [
-                            mask.sum(),
-                            torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device),
-                            exp.loss_mask[indices].sum(),
-                        ]
-                    )
-                )
+                num_tokens, num_seqs, num_policy_tokens = loss_denominators(exp, indices)
                 groups = self._micro_batch_groups(batch, indices)
                 positions += sum(padded_tokens(*lengths, g) for g in groups)
                 real_tokens += sum(lengths[0][i] + lengths[1][i] for i in indices)
-                for position, (idx, mb) in enumerate(self._micro_batches(batch, indices, groups)):
+                for position, (idx, mb) in enumerate(self._micro_batches(batch, groups)):
                     rows = exp.rows(idx, mb.response_ids.shape[1])
                     with gradient_sync(position == len(groups) - 1, self.trainer.strategy.model, models, self.sharded):
                         metrics, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
@@ -296,31 +221,17 @@ class PPOModule(L.LightningModule):
                             captured_rows[idx] = 1.0
                         if self.critic is not None:  # the update's value loss, one micro-batch's share at a time
                             per_update.add({"critic/value_loss": self._critic_backward(mb, rows, num_tokens, world)})
-                per_update.add(
-                    {"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)}
-                )
+                grad_norm = self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)
+                per_update.add({"actor/grad_norm": grad_norm})
                 self.actor_optimizer_steps += 1
                 if self.critic is not None:
-                    per_update.add(
-                        {
-                            "critic/grad_norm": self.guarded_step(
-                                self.critic, optimizers[1], schedulers[1], self.rollout_step
-                            )
-                        }
-                    )
+                    grad_norm = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
+                    per_update.add({"critic/grad_norm": grad_norm})
                     self.critic_optimizer_steps += 1
                 per_update.count()
         self.last_sample_use_counts = use_counts
         if captured is not None:
-            old_logprobs_from_training(
-                exp,
-                captured,
-                captured_rows,
-                rollout_logprobs=batch.rollout_logprobs,
-                rollout_step=batch.rollout_step,
-                kl_estimator=self.ppo.kl_estimator,
-                max_logprob_abs_diff=self.max_logprob_abs_diff,
-            )
+            old_logprobs_from_training(exp, captured, captured_rows, batch, self.ppo, self.max_logprob_abs_diff)
         metrics = update_metrics(
             per_micro_batch,
             per_update,
@@ -341,9 +252,8 @@ class PPOModule(L.LightningModule):
         """One micro-batch's share of the actor loss, backpropagated; its metrics and log-probs (detached)."""
         # Log-probs and entropy in float32 chunks; the entropy's gradient is computed only when the loss uses it
         # (entropy_coef > 0). The logits hold their own gradient after the backward pass.
-        logp, entropy = logprobs_and_entropy(
-            self._logits(self.actor, mb), mb.response_ids, temperature=self.temperature
-        )
+        logits = response_logits(self.actor, mb)  # [B, T + 1, V]
+        logp, entropy = logprobs_and_entropy(logits, mb.response_ids, temperature=self.temperature)
         mask = mb.response_mask
         # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
         # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).
@@ -365,7 +275,7 @@ class PPOModule(L.LightningModule):
             kl_estimator=p.kl_estimator,
             kl_coef=self.kl_coef,
         )
-        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_tokens)
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.plan.max_response_tokens)
         # Scaled by the world size because DDP averages gradients over ranks.
         loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
         self.manual_backward(loss)
@@ -411,7 +321,7 @@ class PPOModule(L.LightningModule):
 
         self.rollout_step = batch.rollout_step + 1
         self.samples_seen += self.plan.samples_per_rollout_step
-        self._update_kl_coef(exp)
+        self.kl_coef = next_kl_coef(self.kl_coef, exp, self.ppo, self.plan.samples_per_rollout_step)
         timings = {
             "timing/generate_s": batch.generate_seconds,
             "timing/reward_s": batch.reward_seconds,
@@ -425,18 +335,6 @@ class PPOModule(L.LightningModule):
     def sync_weights(self, engine) -> None:
         engine.wake_up()
         engine.sync_weights(self.full_actor_tensors())
-
-    def _update_kl_coef(self, exp: Experience) -> None:
-        if self.ppo.adaptive_kl_target is None or exp.kl is None:
-            return
-        observed = kl_per_sequence(exp)
-        self.kl_coef = algo.adaptive_kl_coef(
-            self.kl_coef,
-            observed,
-            self.ppo.adaptive_kl_target,
-            self.plan.samples_per_rollout_step,
-            self.ppo.adaptive_kl_horizon,
-        )
 
     def _rollout_step_row(
         self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]
@@ -458,10 +356,8 @@ class PPOModule(L.LightningModule):
             timings,
             counters=counters,
             plan=self.plan,
+            ppo=self.ppo,
             extra=extra,
-            group_size=self.plan.n_samples_per_prompt
-            if self.ppo.advantage_estimator in algo.GROUP_ESTIMATORS
-            else None,
             global_sum=global_sum,
             global_max=global_max,
         )
@@ -494,34 +390,8 @@ class PPOModule(L.LightningModule):
         """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
         return self.guarded_step.skipped
 
-    @skipped_updates.setter
-    def skipped_updates(self, value: int) -> None:
-        self.guarded_step.skipped = value
-
-    # The module's own state in a checkpoint, beside Lightning's (weights, optimizers, schedulers).
-    CHECKPOINTED = (
-        "rollout_step",
-        "actor_optimizer_steps",
-        "critic_optimizer_steps",
-        "samples_seen",
-        "kl_coef",
-        "skipped_updates",
-        "history",
-        "eval_history",
-    )
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_ppo"] = {
-            **{k: getattr(self, k) for k in self.CHECKPOINTED},
-            "shuffle_generator": self.shuffle_generator.get_state(),
-            "rng": rng_state(),
-            "plan": self.plan.to_dict(),
-        }
+        checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint["lit_ppo"]
-        for k in self.CHECKPOINTED:
-            setattr(self, k, state[k])
-        self.shuffle_generator.set_state(state["shuffle_generator"])
-        restore_rng_state(state["rng"])
-        check_same_rollout_step_shape(state["plan"], self.plan)
+        restore_module_state(self, checkpoint["lit_ppo"])

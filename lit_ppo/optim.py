@@ -20,6 +20,13 @@ def adamw_with_schedule(model: torch.nn.Module, lr: float, ppo: PPOConfig, plan:
     return optimizer, {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}
 
 
+def actor_critic_optimizers(actor: torch.nn.Module, critic: torch.nn.Module | None, ppo: PPOConfig, plan: StepPlan):
+    """Lightning's `configure_optimizers` answer: the actor's optimizer and schedule, then the critic's if it exists."""
+    models = [(actor, ppo.actor_lr)] + ([(critic, ppo.critic_lr)] if critic is not None else [])
+    pairs = [adamw_with_schedule(model, lr, ppo, plan) for model, lr in models]
+    return [optimizer for optimizer, _ in pairs], [schedule for _, schedule in pairs]
+
+
 class GuardedStep:
     """Clip and apply one update; a non-finite gradient skips it (counted) instead of corrupting the weights, and
     `max_consecutive` skipped in a row stop the run. The scheduler steps either way: its length is the plan's."""

@@ -376,7 +376,7 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
         kl_coef=0.0,
     )
     plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 1, 1, 8, max_turns=2, max_episode_tokens=8)
-    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, max_response_tokens=8, pad_token_id=0)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0)
     module.manual_backward = lambda loss: loss.backward()
     prompt, response = [20, 21, 22], [30, 31, 40, 41, 42, 32, 33]
     policy_mask = [1, 1, 0, 0, 0, 1, 1]  # turn, observation, turn

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from lit_ppo.experience import Experience
+from lit_ppo.config import PPOConfig
+from lit_ppo.experience import Experience, loss_denominators, next_kl_coef
 from lit_ppo.metrics import MeanOver, rollout_metrics, unbiased_variance
 
 
@@ -116,3 +117,19 @@ def test_experience_rows_cut_samples_and_width_and_keep_missing_fields_missing()
     assert torch.equal(rows.values, t([[3, 4]]))
     assert torch.equal(rows.rewards, t([0]))
     assert rows.ref_logp is None and rows.kl is None
+
+
+def test_loss_denominators_count_the_whole_mini_batch():
+    exp = experience(loss_mask=t([[1, 0, 0], [1, 1, 1]]))  # the rollout correction dropped one token of sample 0
+    num_tokens, num_seqs, num_policy_tokens = loss_denominators(exp, [0, 1])
+    assert (float(num_tokens), float(num_seqs), float(num_policy_tokens)) == (5.0, 2.0, 4.0)  # 2 + 3, 2, 1 + 3
+    assert [float(x) for x in loss_denominators(exp, [1])] == [3.0, 1.0, 3.0]
+
+
+def test_next_kl_coef_follows_the_adaptive_controller_and_otherwise_stays():
+    exp = experience(kl=t([[0.1, 0.1, 5.0], [0.2, 0.0, 0.0]]))  # the 5.0 is off the mask
+    adaptive = PPOConfig(kl_coef=0.05, adaptive_kl_target=0.1, adaptive_kl_horizon=10)
+    # KL per sequence (0.1 + 0.1 + 0.2) / 2 = 0.2; error 0.2 / 0.1 - 1 = 1, clipped to 0.2; x (1 + 0.2 * 2 / 10)
+    assert next_kl_coef(0.05, exp, adaptive, 2) == pytest.approx(0.05 * 1.04)
+    assert next_kl_coef(0.05, exp, PPOConfig(kl_coef=0.05), 2) == 0.05  # no target: a fixed coefficient
+    assert next_kl_coef(0.05, experience(), adaptive, 2) == 0.05  # no reference, no KL

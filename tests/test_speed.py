@@ -124,7 +124,6 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
         model_dir=model_dir,
         ppo=ppo,
         plan=plan,
-        max_response_tokens=rollout.max_response_tokens,
         pad_token_id=tokenizer.pad_token_id,
         temperature=0.7,
         max_logprob_abs_diff=0.5,
@@ -253,7 +252,6 @@ def test_rollout_logprobs_as_old_ones(tiny_model_dir, arithmetic_files, tmp_path
         model_dir=tiny_model_dir,
         ppo=forward.ppo,
         plan=forward.plan,
-        max_response_tokens=16,
         pad_token_id=0,
         temperature=0.7,
     )
