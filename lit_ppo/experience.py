@@ -1,4 +1,6 @@
-"""The data that flows from a rollout into the PPO updates: packed micro-batches and the typed experience.
+"""The data that flows from a rollout into the PPO updates: packed micro-batches, the typed experience, and the
+tensor work between them (advantages and returns, the rollout-mismatch correction, loss denominators, the adaptive
+KL coefficient's step).
 
 Shapes: N samples of this rank's rollout batch, P the widest prompt of a micro-batch, T the longest
 response (of the whole batch for `Experience`, of the micro-batch for `MicroBatch`).
@@ -142,12 +144,6 @@ def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[li
                 "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.check_token_ids=false "
                 "turns this check off"
             )
-
-
-def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target] without materialising the full log-softmax; [B, T]."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 @dataclass

@@ -3,8 +3,8 @@
 For a 151,936-token vocabulary one float32 copy of a micro-batch's logits [B, T, V] is 2.3 GiB at 4 x 1,024
 tokens. Autograd through log_softmax/gather/entropy keeps several such copies (float32 upcast, softmax, log-softmax,
 their gradients). Here one autograd function computes both quantities chunk by chunk in float32 and keeps only
-the logits themselves (already alive: the LM head's output) and one float per token; its backward writes the
-logits' gradient chunk by chunk. Peak: the logits, their gradient, and a few float32 chunks of CHUNK_TOKENS tokens.
+the logits themselves (already alive: the LM head's output) and two floats per token (logsumexp, entropy); its
+backward writes the logits' gradient chunk by chunk. Peak: the logits, their gradient, and a few float32 chunks of CHUNK_TOKENS tokens.
 Each chunk takes few passes over its [tokens, V] floats (a fused log_softmax, in-place updates, no division at
 temperature 1): on a GPU these elementwise passes, not the matrix products, were the training phase's overhead
 against a plain loop (BENCHMARKS.md, "On a GPU"); on CPU the function ran 2x faster than before this change.

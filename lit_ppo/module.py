@@ -250,10 +250,11 @@ class PPOModule(L.LightningModule):
         self, mb: MicroBatch, e: Experience, num_tokens, num_seqs, world: int
     ) -> tuple[dict[str, float], Tensor]:
         """One micro-batch's share of the actor loss, backpropagated; its metrics and log-probs (detached)."""
-        # Log-probs and entropy in float32 chunks; the entropy's gradient is computed only when the loss uses it
-        # (entropy_coef > 0). The logits hold their own gradient after the backward pass.
-        logits = response_logits(self.actor, mb)  # [B, T + 1, V]
+        # Float32 chunks; entropy's gradient only when the loss uses it. The logits [B, T + 1, V] are not kept here:
+        # autograd frees them (their gradient written over them) once the LM head's backward has read them.
+        logits = response_logits(self.actor, mb)
         logp, entropy = logprobs_and_entropy(logits, mb.response_ids, temperature=self.temperature)
+        del logits
         mask = mb.response_mask
         # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
         # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).

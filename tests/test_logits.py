@@ -38,6 +38,23 @@ def test_values_and_gradients_match_autograd(chunk_tokens, entropy_weight):
     )
     assert torch.allclose(grad.double(), ref_grad, atol=1e-5)
     assert grad[:, 5].abs().max() == 0  # the extra position gets no gradient
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_gradient_through_the_entropy_alone_matches_autograd(temperature):
+    # An entropy bonus without a log-prob term in the loss: the backward gets no gradient for the log-probs.
+    torch.manual_seed(1)
+    leaf = (3 * torch.randn(2, 6, 50)).requires_grad_()
+    logits = leaf * 1.0
+    expected_logits = (logits.detach() / temperature).double().requires_grad_()
+    targets = torch.randint(0, 50, (2, 5))
+    weights = torch.randn(2, 5)
+    _, entropy = logprobs_and_entropy(logits, targets, chunk_tokens=3, temperature=temperature)
+    (grad,) = torch.autograd.grad((entropy * weights).sum(), leaf)
+    _, ref_entropy = reference(expected_logits, targets)
+    (ref_grad,) = torch.autograd.grad((ref_entropy * weights).sum(), expected_logits)
+    assert torch.allclose(entropy.double(), ref_entropy, atol=1e-5)
+    assert torch.allclose(grad.double(), ref_grad / temperature, atol=1e-5)
     assert torch.equal(logits.detach(), grad)  # computed in the logits' own memory
 
 
