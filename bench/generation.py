@@ -1,7 +1,7 @@
 """Generation: vLLM (lit-ppo's engine) against Hugging Face `generate`, same prompts, same fixed length.
 
 Both sample at temperature 1 (no top-k, no top-p) and suppress end-of-sequence until the length limit,
-so each generates exactly prompts x samples x response_length tokens. The two alternate, several times.
+so each generates exactly prompts x samples x response_tokens tokens. The two alternate, several times.
 
     .venv/bin/python bench/generation.py            # the measurement
     .venv/bin/python bench/generation.py --smoke    # checks that it runs
@@ -59,11 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16, help="prompts per generation call")
     parser.add_argument("--samples-per-prompt", type=int, default=4)
-    parser.add_argument("--response-length", type=int, default=64, help="tokens generated per sample (fixed)")
+    parser.add_argument("--response-tokens", type=int, default=64, help="tokens generated per sample (fixed)")
     add_common_args(parser, repeats=3)
     args = parser.parse_args()
     if args.smoke:
-        args.prompts, args.samples_per_prompt, args.response_length, args.repeats = 4, 2, 16, 1
+        args.prompts, args.samples_per_prompt, args.response_tokens, args.repeats = 4, 2, 16, 1
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,18 +74,18 @@ def main() -> None:
         "generation: vLLM (lit-ppo's engine) vs Hugging Face generate",
         args,
         model=model_description(model_dir),
-        sizes=f"{args.prompts} prompts x {args.samples_per_prompt} samples x {args.response_length} tokens "
+        sizes=f"{args.prompts} prompts x {args.samples_per_prompt} samples x {args.response_tokens} tokens "
         f"(fixed length), temperature 1, {args.repeats} repetitions, alternating",
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     records = read_jsonl(arithmetic_prompt_file(max(64, args.prompts)))[: args.prompts]
     prompt_ids = [tokenizer(r["prompt"]).input_ids for r in records]
-    engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
+    engine = start_engine(model_dir, engine_max_model_len(args.response_tokens), seed=args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if torch.get_num_threads() != threads_before:
         print(f"note: torch threads changed from {threads_before} to {torch.get_num_threads()} when vLLM started")
 
-    n, length = args.samples_per_prompt, args.response_length
+    n, length = args.samples_per_prompt, args.response_tokens
     tokens = len(prompt_ids) * n * length
 
     def run_vllm(seed: int) -> float:

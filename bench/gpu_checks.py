@@ -684,7 +684,7 @@ def section_bf16(report: Report, cfg) -> None:
             samples_per_prompt=2,
             train_batch_size=4,
             micro_batch_size=4,
-            response_length=8 if cfg.smoke else 64,
+            response_tokens=8 if cfg.smoke else 64,
             steps=2,
             lr=lr,
             seed=0,
@@ -702,7 +702,7 @@ def section_bf16(report: Report, cfg) -> None:
             model_dir,
             arithmetic_prompt_file(64),
             ppo,
-            max_response_tokens=args.response_length,
+            max_response_tokens=args.response_tokens,
             total_rollout_steps=2,
             engine=NullEngine(),
             out_dir=CACHE / "gpu_checks-D",
@@ -710,7 +710,7 @@ def section_bf16(report: Report, cfg) -> None:
             accelerator=cfg.accelerator,
             precision=precision,
         )
-        datamodule.fixed_batch = fixed_batch(10, 2, 16, args.response_length)
+        datamodule.fixed_batch = fixed_batch(10, 2, 16, args.response_tokens)
         before = {n: p.detach().clone() for n, p in module.actor.named_parameters()}
         compute_dtypes = set()
         hook = module.actor.model.layers[0].mlp.gate_proj.register_forward_hook(
@@ -825,7 +825,7 @@ def section_mfu(report: Report, cfg) -> None:
             samples_per_prompt=2,
             train_batch_size=4,
             micro_batch_size=2,
-            response_length=16,
+            response_tokens=16,
             steps=2,
             lr=1e-5,
             seed=0,
@@ -838,7 +838,7 @@ def section_mfu(report: Report, cfg) -> None:
             samples_per_prompt=4,
             train_batch_size=32,
             micro_batch_size=8,
-            response_length=512,
+            response_tokens=512,
             steps=3,
             lr=1e-5,
             seed=0,
@@ -847,9 +847,9 @@ def section_mfu(report: Report, cfg) -> None:
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = fixed_batch(
-        args.rollout_batch_size, args.samples_per_prompt, args.prompt_length, args.response_length, args.seed
+        args.rollout_batch_size, args.samples_per_prompt, args.prompt_length, args.response_tokens, args.seed
     )
-    N, P, T = len(batch.response_ids), args.prompt_length, args.response_length
+    N, P, T = len(batch.response_ids), args.prompt_length, args.response_tokens
     flops = training_flops(shape, N, P, T)
     results: dict[str, list[float]] = {"lit-ppo": [], "plain": []}
     for rep in range(args.repeats):

@@ -78,7 +78,7 @@ def measure(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_file = arithmetic_prompt_file(64)
     prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[: args.prompts]]
-    batch = make_fixed_batch(prompt_ids, args.samples, args.response_length, range(4, len(tokenizer)), seed=0)
+    batch = make_fixed_batch(prompt_ids, args.samples, args.response_tokens, range(4, len(tokenizer)), seed=0)
     ppo = PPOConfig(
         rollout_batch_size=args.prompts,
         n_samples_per_prompt=args.samples,
@@ -92,7 +92,7 @@ def measure(args) -> dict:
         model_dir,
         prompt_file,
         ppo,
-        max_response_tokens=args.response_length,
+        max_response_tokens=args.response_tokens,
         total_rollout_steps=1,
         engine=NullEngine(),
         out_dir=CACHE / "memory_estimate",
@@ -111,7 +111,7 @@ def measure(args) -> dict:
             data_parallel_size=1,
             micro_batch_size=args.micro_batch,
             prompt_tokens=max(len(p) for p in prompt_ids),
-            response_tokens=args.response_length,
+            response_tokens=args.response_tokens,
             gradient_checkpointing=args.checkpointing,
             critic=plan.critic_enabled,
             reference=plan.reference_enabled,
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--response-length", type=int, default=512)
+    parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--model", help=argparse.SUPPRESS)  # one measurement, in a child process
     parser.add_argument("--checkpointing", type=int, help=argparse.SUPPRESS)
@@ -146,11 +146,11 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
     if args.smoke:
-        args.models, args.prompts, args.samples, args.micro_batch, args.response_length = ["tiny"], 2, 2, 4, 32
+        args.models, args.prompts, args.samples, args.micro_batch, args.response_tokens = ["tiny"], 2, 2, 4, 32
     print(f"$ {command_line()}")
     print(
         f"rollout batch {args.prompts} prompts x {args.samples} samples, micro-batch {args.micro_batch}, "
-        f"{args.response_length} response tokens, PPO (critic + reference), float32, CPU"
+        f"{args.response_tokens} response tokens, PPO (critic + reference), float32, CPU"
     )
     worst = 0.0
     for model in args.models:

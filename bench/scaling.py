@@ -32,7 +32,7 @@ from common import (
 FACTORS = (1, 2, 4)
 
 
-def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, response_length: int) -> dict:
+def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, response_tokens: int) -> dict:
     ppo = grpo_preset(
         kl_coef=0.0,
         rollout_batch_size=rollout_batch_size,
@@ -47,7 +47,7 @@ def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, resp
         model_dir,
         prompt_file,
         ppo,
-        max_response_tokens=response_length,
+        max_response_tokens=response_tokens,
         total_rollout_steps=args.steps,
         engine=engine,
         out_dir=CACHE / "scaling-run",
@@ -71,20 +71,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout step at 1x")
     parser.add_argument("--samples-per-prompt", type=int, default=4)
-    parser.add_argument("--response-length", type=int, default=64, help="tokens per response at 1x (fixed)")
+    parser.add_argument("--response-tokens", type=int, default=64, help="tokens per response at 1x (fixed)")
     parser.add_argument("--train-batch-size", type=int, default=32, help="samples per optimizer step (fixed)")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward (fixed)")
     parser.add_argument("--steps", type=int, default=3, help="rollout steps per run; the first is warm-up, not counted")
     add_common_args(parser, repeats=2)
     args = parser.parse_args()
     if args.smoke:
-        args.rollout_batch_size, args.samples_per_prompt, args.response_length = 2, 2, 8
+        args.rollout_batch_size, args.samples_per_prompt, args.response_tokens = 2, 2, 8
         args.train_batch_size, args.micro_batch_size, args.steps, args.repeats = 4, 2, 2, 1
     if args.steps < 2:
         raise SystemExit(f"--steps={args.steps}: need at least 2 rollout steps (the first is warm-up); fix: --steps 3")
 
     model_dir = bench_model_dir(args)
-    R, n, T = args.rollout_batch_size, args.samples_per_prompt, args.response_length
+    R, n, T = args.rollout_batch_size, args.samples_per_prompt, args.response_tokens
     configs = (
         [("1x", R, T)]
         + [(f"batch {f}x", R * f, T) for f in FACTORS[1:]]

@@ -96,7 +96,7 @@ def run_litppo(
         model_dir,
         prompt_file,
         ppo,
-        max_response_tokens=args.response_length,
+        max_response_tokens=args.response_tokens,
         total_rollout_steps=args.steps,
         engine=NullEngine(),
         out_dir=CACHE / "train_phase-run",
@@ -168,7 +168,7 @@ def run_plain(
     input_ids, attention_mask, position_ids, P = (
         t.to(device) if isinstance(t, torch.Tensor) else t for t in plain_tensors(batch, pad_id)
     )
-    N, T = len(batch.response_ids), args.response_length
+    N, T = len(batch.response_ids), args.response_tokens
 
     def compute():
         return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
@@ -244,14 +244,14 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--train-batch-size", type=int, default=32, help="samples per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
-    parser.add_argument("--response-length", type=int, default=64, help="tokens per response")
+    parser.add_argument("--response-tokens", type=int, default=64, help="tokens per response")
     parser.add_argument("--steps", type=int, default=3, help="rollout steps per run; the first is warm-up, not counted")
     parser.add_argument("--lr", type=float, default=1e-5)
     add_common_args(parser, repeats=3)
     args = parser.parse_args()
     if args.smoke:
         args.rollout_batch_size, args.samples_per_prompt, args.train_batch_size, args.micro_batch_size = 4, 2, 4, 2
-        args.response_length, args.steps, args.repeats = 16, 2, 1
+        args.response_tokens, args.steps, args.repeats = 16, 2, 1
     if args.steps < 2:
         raise SystemExit(f"--steps={args.steps}: need at least 2 rollout steps (the first is warm-up); fix: --steps 3")
 
@@ -262,9 +262,9 @@ def main() -> None:
     prompt_file = arithmetic_prompt_file(max(64, args.rollout_batch_size), args.seed)
     prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[: args.rollout_batch_size]]
     batch = make_fixed_batch(
-        prompt_ids, args.samples_per_prompt, args.response_length, range(4, len(tokenizer)), args.seed
+        prompt_ids, args.samples_per_prompt, args.response_tokens, range(4, len(tokenizer)), args.seed
     )  # ids 0-3 are special tokens
-    N, T = len(batch.response_ids), args.response_length
+    N, T = len(batch.response_ids), args.response_tokens
     P = max(len(p) for p in batch.prompt_ids)
     optimizer_steps = N // args.train_batch_size
     print_header(

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="n_samples_per_prompt = TRL num_generations")
     parser.add_argument("--train-batch-size", type=int, default=32, help="samples per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
-    parser.add_argument("--response-length", type=int, default=64, help="tokens per response (fixed)")
+    parser.add_argument("--response-tokens", type=int, default=64, help="tokens per response (fixed)")
     parser.add_argument("--steps", type=int, default=5, help="rollout steps per run; the first is warm-up, not counted")
     parser.add_argument(
         "--lr", type=float, default=None, help="learning rate of both (default: the GRPO preset's actor_lr)"
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.smoke:
         args.rollout_batch_size, args.samples_per_prompt, args.train_batch_size, args.micro_batch_size = 2, 2, 2, 2
-        args.response_length, args.steps, args.repeats, args.prompts = 16, 2, 1, 64
+        args.response_tokens, args.steps, args.repeats, args.prompts = 16, 2, 1, 64
     if args.lr is None:
         args.lr = grpo_preset().actor_lr
     return args
@@ -94,7 +94,7 @@ def mapping(args) -> str:
         f"loss_type=grpo, scale_rewards=group -> one generation round = {N // B} optimizer steps (TRL global steps); "
         f"max_steps={args.steps * (N // B)}\n"
         f"          both: lr={args.lr:g} constant, torch.optim.AdamW (TRL optim=adamw_torch), weight_decay=0, clip 0.2/0.2, max_grad_norm=1, float32, "
-        f"temperature 1, exactly {args.response_length} response tokens (EOS suppressed until then)"
+        f"temperature 1, exactly {args.response_tokens} response tokens (EOS suppressed until then)"
     )
 
 
@@ -112,13 +112,13 @@ def run_litppo(args, model_dir: Path, prompt_file: Path) -> dict:
         actor_lr=args.lr,
         shuffle_seed=args.seed,
     )
-    engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
+    engine = start_engine(model_dir, engine_max_model_len(args.response_tokens), seed=args.seed)
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
         model_dir,
         prompt_file,
         ppo,
-        max_response_tokens=args.response_length,
+        max_response_tokens=args.response_tokens,
         total_rollout_steps=args.steps,
         engine=engine,
         out_dir=CACHE / "vs_trl-run",
@@ -187,7 +187,7 @@ def run_trl(args, model_dir: Path, prompt_file: Path) -> dict:
         num_generations=args.samples_per_prompt,
         num_iterations=1,
         max_steps=args.steps * per_rollout,
-        max_completion_length=args.response_length,
+        max_completion_length=args.response_tokens,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -198,9 +198,9 @@ def run_trl(args, model_dir: Path, prompt_file: Path) -> dict:
         use_vllm=use_vllm,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3,
-        vllm_max_model_length=engine_max_model_len(args.response_length),
+        vllm_max_model_length=engine_max_model_len(args.response_tokens),
         # Fixed length: Hugging Face min_new_tokens, vLLM min_tokens.
-        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": args.response_length},
+        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": args.response_tokens},
         logging_steps=1,
         save_strategy="no",
         report_to="none",

@@ -36,14 +36,14 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--train-batch-size", type=int, default=32, help="samples per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
-    parser.add_argument("--response-length", type=int, default=64, help="tokens per response (fixed)")
+    parser.add_argument("--response-tokens", type=int, default=64, help="tokens per response (fixed)")
     parser.add_argument("--steps", type=int, default=4, help="rollout steps of the run; the first is warm-up")
     parser.add_argument("--syncs", type=int, default=10, help="timed weight syncs after the run")
     add_common_args(parser, repeats=1)
     args = parser.parse_args()
     if args.smoke:
         args.rollout_batch_size, args.samples_per_prompt, args.train_batch_size, args.micro_batch_size = 2, 2, 4, 2
-        args.response_length, args.steps, args.syncs = 16, 2, 3
+        args.response_tokens, args.steps, args.syncs = 16, 2, 3
 
     model_dir = bench_model_dir(args)
     N = args.rollout_batch_size * args.samples_per_prompt
@@ -52,11 +52,11 @@ def main() -> None:
         args,
         model=model_description(model_dir),
         run=f"{args.rollout_batch_size} prompts x {args.samples_per_prompt} samples = {N} samples x "
-        f"{args.response_length} tokens, train_batch_size={args.train_batch_size}, "
+        f"{args.response_tokens} tokens, train_batch_size={args.train_batch_size}, "
         f"micro_batch_size={args.micro_batch_size}, {args.steps} rollout steps x {args.repeats} "
         f"run(s) (first step of each is warm-up), then {args.syncs} timed syncs",
     )
-    engine = start_engine(model_dir, engine_max_model_len(args.response_length), seed=args.seed)
+    engine = start_engine(model_dir, engine_max_model_len(args.response_tokens), seed=args.seed)
     ppo = grpo_preset(
         kl_coef=0.0,
         rollout_batch_size=args.rollout_batch_size,
@@ -73,7 +73,7 @@ def main() -> None:
             model_dir,
             prompt_file,
             ppo,
-            max_response_tokens=args.response_length,
+            max_response_tokens=args.response_tokens,
             total_rollout_steps=args.steps,
             engine=engine,
             out_dir=CACHE / "weight_sync-run",
