@@ -56,6 +56,7 @@ from train_phase import FixedBatchDataModule, NullEngine, make_fixed_batch, run_
 
 from lit_ppo.config import PPOConfig, RolloutCorrectionConfig
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+from lit_ppo.precision import resolve_precision
 from lit_ppo.rollout import Generation
 
 QWEN05B = ModelSize(
@@ -800,7 +801,8 @@ def training_flops(shape: ModelShape, sequences: int, prompt_tokens: int, respon
 def section_mfu(report: Report, cfg) -> None:
     from transformers import AutoTokenizer
 
-    n, repeats, inner = (512, 3, 4) if cfg.smoke else (8192, 5, 10)
+    # On a CPU an 8192^3 product takes minutes: 2048^3 reaches its peak already.
+    n, repeats, inner = (512, 3, 4) if cfg.smoke else ((8192, 5, 10) if cfg.cuda else (2048, 3, 3))
     peaks = {
         "bf16": matmul_peak(cfg.device, torch.bfloat16, n, repeats, inner),
         "float32": matmul_peak(cfg.device, torch.float32, n, repeats, inner // 2 or 1),
@@ -817,9 +819,28 @@ def section_mfu(report: Report, cfg) -> None:
     )
     free_memory()
 
-    model_dir = shape_dir(cfg.big_model, cfg.big_vocab, cfg.device)
+    # The precision a run gets here with `precision: auto`: bf16-mixed on a GPU, float32 on a CPU without native bf16.
+    precision = resolve_precision("auto", cfg.accelerator)
+    peak_dtype = "float32" if precision == "32-true" else "bf16"
+    small = cfg.e_model == "24m" and not cfg.smoke
+    model_dir = (
+        shape_dir(cfg.small_model, None, cfg.device) if small else shape_dir(cfg.big_model, cfg.big_vocab, cfg.device)
+    )
     shape = model_shape(model_dir)
-    if cfg.smoke:
+    if small:  # bench/train_phase.py's workload: what a CPU trains in reasonable time
+        args = argparse.Namespace(
+            rollout_batch_size=16,
+            samples_per_prompt=4,
+            train_batch_size=32,
+            micro_batch_size=8,
+            response_tokens=64,
+            steps=3,
+            lr=1e-5,
+            seed=0,
+            repeats=cfg.e_repeats,
+            prompt_length=16,
+        )
+    elif cfg.smoke:
         args = argparse.Namespace(
             rollout_batch_size=4,
             samples_per_prompt=2,
@@ -866,11 +887,11 @@ def section_mfu(report: Report, cfg) -> None:
                     arithmetic_prompt_file(64),
                     batch,
                     accelerator=cfg.accelerator,
-                    precision="bf16-mixed",
+                    precision=precision,
                 )
             else:
                 r = run_plain(
-                    args, model_dir, batch, tokenizer.pad_token_id, device=str(cfg.device), precision="bf16-mixed"
+                    args, model_dir, batch, tokenizer.pad_token_id, device=str(cfg.device), precision=precision
                 )
             results[name] += r["train_s"]
             print(
@@ -879,7 +900,7 @@ def section_mfu(report: Report, cfg) -> None:
             )
             free_memory()
     if cfg.profile:
-        profile_training_phases(args, model_dir, batch, tokenizer.pad_token_id, cfg)
+        profile_training_phases(args, model_dir, batch, tokenizer.pad_token_id, cfg, precision)
     rows = []
     medians = {}
     for name, seconds in results.items():
@@ -888,18 +909,18 @@ def section_mfu(report: Report, cfg) -> None:
         s = sorted(seconds)[len(seconds) // 2]
         medians[name] = s
         rows.append(
-            [name, len(seconds), s, N * (P + T) / s, N * T / s, flops / s / 1e12, flops / s / peaks["bf16"]["mean"]]
+            [name, len(seconds), s, N * (P + T) / s, N * T / s, flops / s / 1e12, flops / s / peaks[peak_dtype]["mean"]]
         )
     report.note(
-        f"model {describe(model_dir)}; bf16-mixed (float32 weights and AdamW, bf16 autocast); fixed batch "
+        f"model {describe(model_dir)}; {precision} ({PRECISION_WORDS[precision]}); fixed batch "
         f"{N} sequences x ({P} prompt + {T} response) tokens, {N // args.train_batch_size} AdamW steps of "
         f"{args.train_batch_size} sequences in micro-batches of {args.micro_batch_size}; {args.steps} rollout "
         f"steps per run, the first not counted; runs alternate. Model FLOPs per training phase "
         f"{flops:.3e} = {' '.join(training_flops.__doc__.split(':', 1)[1].split())} MFU = model FLOP/s / measured "
-        "bf16 matmul peak (mean)."
+        f"{peak_dtype} matmul peak (mean)."
     )
     report.table(
-        "training phase (GRPO, bf16-mixed)",
+        f"training phase (GRPO, {precision})",
         [
             "loop",
             "timed steps",
@@ -907,13 +928,20 @@ def section_mfu(report: Report, cfg) -> None:
             "tokens/s (all positions)",
             "response tokens/s",
             "model TFLOP/s",
-            "MFU (of measured bf16 peak)",
+            f"MFU (of measured {peak_dtype} peak)",
         ],
         rows,
     )
     if len(medians) == 2:
         report.note(f"lit-ppo / plain loop tokens per second: {medians['plain'] / medians['lit-ppo']:.3f} (medians)")
     report.data = {"peaks": peaks, "rows": rows, "flops": flops, "train_s": results}
+
+
+PRECISION_WORDS = {
+    "bf16-mixed": "float32 weights and AdamW, bf16 autocast",
+    "32-true": "float32 throughout",
+    "bf16-true": "bf16 weights and AdamW",
+}
 
 
 # ---------------------------------------------------------------- main
@@ -927,7 +955,7 @@ SECTIONS = {
 }
 
 
-def profile_training_phases(args, model_dir, batch, pad_token_id, cfg) -> None:
+def profile_training_phases(args, model_dir, batch, pad_token_id, cfg, precision: str) -> None:
     """One run of each loop under torch.profiler: where lit-ppo's training phase spends what the plain loop does not.
     The tables are of whole runs (model loading included); the operators that differ are what matters."""
     from torch.profiler import ProfilerActivity, profile
@@ -944,10 +972,10 @@ def profile_training_phases(args, model_dir, batch, pad_token_id, cfg) -> None:
                     arithmetic_prompt_file(64),
                     batch,
                     accelerator=cfg.accelerator,
-                    precision="bf16-mixed",
+                    precision=precision,
                 )
             else:
-                r = run_plain(one_step, model_dir, batch, pad_token_id, device=str(cfg.device), precision="bf16-mixed")
+                r = run_plain(one_step, model_dir, batch, pad_token_id, device=str(cfg.device), precision=precision)
         print(f"\n### profile: {name} (training phases {r['train_s']} s), top operators by {sort}\n", flush=True)
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
         free_memory()
@@ -966,6 +994,12 @@ def main() -> None:
         help="the JSON report (default: $OUT/gpu_checks.json when OUT is set)",
     )
     parser.add_argument("--e-repeats", type=int, default=2, help="E: alternating repetitions of each loop")
+    parser.add_argument(
+        "--e-model",
+        choices=["0.5b", "24m"],
+        default=None,
+        help="E: the Qwen2.5-0.5B shape (default on cuda) or the 24 M bench model (default on cpu)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -1002,6 +1036,7 @@ def main() -> None:
         budget_s=args.budget_s,
         profile=args.profile,
         e_repeats=args.e_repeats,
+        e_model=args.e_model or ("0.5b" if cuda else "24m"),
         small_model=SMOKE_MODEL if args.smoke else BENCH_24M,
         big_model=SMOKE_WIDE if args.smoke else QWEN05B,
         big_vocab=SMOKE_WIDE_VOCAB if args.smoke else QWEN05B_VOCAB,
