@@ -74,6 +74,11 @@ def parse_args(argv=None):
         "users get it for an on-policy run (one optimizer step per generation round; TRL's GRPOConfig defaults incl. "
         "bf16, lit-ppo's precision auto and old_logprobs auto)",
     )
+    parser.add_argument(
+        "--trl-float32",
+        action="store_true",
+        help="with --settings defaults: TRL's defaults except bf16=False (its float32 column)",
+    )
     parser.add_argument("--worker", choices=("lit-ppo", "trl"), default=None, help=argparse.SUPPRESS)
     add_common_args(parser, repeats=3)
     args = parser.parse_args(argv)
@@ -209,6 +214,7 @@ def run_trl(args, model_dir: Path, prompt_file: Path) -> dict:
             save_strategy="no",
             report_to="none",
             disable_tqdm=True,
+            **({"bf16": False} if args.trl_float32 else {}),
         )
         per_rollout = 1
     else:
