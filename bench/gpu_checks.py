@@ -829,44 +829,30 @@ def section_mfu(report: Report, cfg) -> None:
         shape_dir(cfg.small_model, None, cfg.device) if small else shape_dir(cfg.big_model, cfg.big_vocab, cfg.device)
     )
     shape = model_shape(model_dir)
-    if small:  # bench/train_phase.py's workload: what a CPU trains in reasonable time
-        args = argparse.Namespace(
-            rollout_batch_size=16,
-            samples_per_prompt=4,
-            train_batch_size=32,
-            micro_batch_size=8,
-            response_tokens=64,
-            steps=3,
-            lr=1e-5,
-            seed=0,
-            repeats=cfg.e_repeats,
-            prompt_length=16,
-        )
-    elif cfg.smoke:
-        args = argparse.Namespace(
+    # GRPO on a fixed batch: 16 prompts x 4 samples, 2 AdamW steps of 32 in micro-batches of 8, 3 rollout steps
+    # (the first warm-up). Response and prompt lengths by model: the 24 M one is bench/train_phase.py's workload.
+    args = argparse.Namespace(
+        rollout_batch_size=16,
+        samples_per_prompt=4,
+        train_batch_size=32,
+        micro_batch_size=8,
+        response_tokens=64 if small else 512,
+        steps=3,
+        lr=1e-5,
+        seed=0,
+        repeats=cfg.e_repeats,
+        prompt_length=16 if small else 128,
+    )
+    if cfg.smoke:
+        vars(args).update(
             rollout_batch_size=4,
             samples_per_prompt=2,
             train_batch_size=4,
             micro_batch_size=2,
             response_tokens=16,
             steps=2,
-            lr=1e-5,
-            seed=0,
             repeats=1,
             prompt_length=8,
-        )
-    else:
-        args = argparse.Namespace(
-            rollout_batch_size=16,
-            samples_per_prompt=4,
-            train_batch_size=32,
-            micro_batch_size=8,
-            response_tokens=512,
-            steps=3,
-            lr=1e-5,
-            seed=0,
-            repeats=cfg.e_repeats,
-            prompt_length=128,
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = fixed_batch(

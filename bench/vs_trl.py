@@ -118,28 +118,23 @@ def mapping(args) -> str:
 
 
 def run_litppo(args, model_dir: Path, prompt_file: Path) -> dict:
-    if args.settings == "defaults":  # the preset's own micro-batch size; the whole rollout batch in one update
-        ppo = grpo_preset(
-            kl_coef=0.0,
-            rollout_batch_size=args.rollout_batch_size,
-            n_samples_per_prompt=args.samples_per_prompt,
-            train_batch_size=samples_per_rollout_step(args),
-            # the preset's micro-batch size where it divides the batch (it does at the default sizes)
-            micro_train_batch_size=math.gcd(grpo_preset().micro_train_batch_size, samples_per_rollout_step(args)),
-            actor_lr=args.lr,
-            shuffle_seed=args.seed,
-        )
+    N = samples_per_rollout_step(args)
+    if args.settings == "defaults":
+        # The whole rollout batch in one update, in the preset's micro-batches where they divide it (at the default
+        # sizes they do), with the preset's PPO epochs.
+        batching = dict(train_batch_size=N, micro_train_batch_size=math.gcd(grpo_preset().micro_train_batch_size, N))
     else:
-        ppo = grpo_preset(
-            kl_coef=0.0,
-            rollout_batch_size=args.rollout_batch_size,
-            n_samples_per_prompt=args.samples_per_prompt,
-            train_batch_size=args.train_batch_size,
-            micro_train_batch_size=args.micro_batch_size,
-            ppo_epochs=1,
-            actor_lr=args.lr,
-            shuffle_seed=args.seed,
+        batching = dict(
+            train_batch_size=args.train_batch_size, micro_train_batch_size=args.micro_batch_size, ppo_epochs=1
         )
+    ppo = grpo_preset(
+        kl_coef=0.0,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.samples_per_prompt,
+        actor_lr=args.lr,
+        shuffle_seed=args.seed,
+        **batching,
+    )
     engine = start_engine(model_dir, engine_max_model_len(args.response_tokens), seed=args.seed)
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
@@ -172,7 +167,7 @@ def run_litppo(args, model_dir: Path, prompt_file: Path) -> dict:
         "optimizer_steps": module.actor_optimizer_steps,
         "startup_seconds": first_step_started - PROCESS_START,
         "generator": "vLLM (in-process, lit-ppo's engine)",
-        "precision": plan.precision if hasattr(plan, "precision") else "?",
+        "precision": plan.precision,
     }
 
 
@@ -184,7 +179,8 @@ def run_trl(args, model_dir: Path, prompt_file: Path) -> dict:
 
     from lit_ppo.rewards import integer_match
 
-    per_rollout = optimizer_steps_per_rollout_step(args)
+    # TRL counts optimizer steps; at its defaults one generation round is one of them.
+    per_rollout = 1 if args.settings == "defaults" else optimizer_steps_per_rollout_step(args)
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -216,48 +212,46 @@ def run_trl(args, model_dir: Path, prompt_file: Path) -> dict:
             disable_tqdm=True,
             **({"bf16": False} if args.trl_float32 else {}),
         )
-        per_rollout = 1
     else:
-        config = None
-    config = config or GRPOConfig(
-        output_dir=str(CACHE / "vs_trl-trl"),
-        seed=args.seed,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        # torch.optim.AdamW with its defaults, as lit-ppo builds it (TRL's default would be the fused kernel).
-        optim="adamw_torch",
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=args.train_batch_size // args.micro_batch_size,
-        generation_batch_size=samples_per_rollout_step(args),
-        num_generations=args.samples_per_prompt,
-        num_iterations=1,
-        max_steps=args.steps * per_rollout,
-        max_completion_length=args.response_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        use_vllm=use_vllm,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.3,
-        vllm_max_model_length=engine_max_model_len(args.response_tokens),
-        # Fixed length: Hugging Face min_new_tokens, vLLM min_tokens.
-        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": args.response_tokens},
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+        config = GRPOConfig(
+            output_dir=str(CACHE / "vs_trl-trl"),
+            seed=args.seed,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            # torch.optim.AdamW with its defaults, as lit-ppo builds it (TRL's default would be the fused kernel).
+            optim="adamw_torch",
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            per_device_train_batch_size=args.micro_batch_size,
+            gradient_accumulation_steps=args.train_batch_size // args.micro_batch_size,
+            generation_batch_size=samples_per_rollout_step(args),
+            num_generations=args.samples_per_prompt,
+            num_iterations=1,
+            max_steps=args.steps * per_rollout,
+            max_completion_length=args.response_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            beta=0.0,
+            epsilon=0.2,
+            loss_type="grpo",
+            scale_rewards="group",
+            use_vllm=use_vllm,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.3,
+            vllm_max_model_length=engine_max_model_len(args.response_tokens),
+            # Fixed length: Hugging Face min_new_tokens, vLLM min_tokens.
+            generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": args.response_tokens},
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     dataset = Dataset.from_list(read_jsonl(prompt_file))  # columns: prompt, answer
