@@ -13,7 +13,7 @@ import argparse
 import time
 
 import torch
-from common import add_common_args, bench_model_dir, command_line
+from common import add_common_args, bench_model_dir, command_line, stats
 
 from lit_ppo.precision import cpu_has_native_bf16
 
@@ -40,14 +40,10 @@ def main() -> None:
             loss.backward()
             model.zero_grad()
             seconds[name].append(time.perf_counter() - started)
-    for name, values in seconds.items():
-        print(
-            f"{name:>14}: forward + backward of {args.sequences} x {args.tokens} tokens, median {sorted(values)[len(values) // 2]:.2f} s"
-        )
-    ratio = (
-        sorted(seconds["bf16 autocast"])[len(seconds["bf16 autocast"]) // 2]
-        / sorted(seconds["float32"])[len(seconds["float32"]) // 2]
-    )
+    median = {name: stats(values)["median"] for name, values in seconds.items()}
+    for name, value in median.items():
+        print(f"{name:>14}: forward + backward of {args.sequences} x {args.tokens} tokens, median {value:.2f} s")
+    ratio = median["bf16 autocast"] / median["float32"]
     print(f"bf16 autocast / float32: {ratio:.1f}x")
 
 
