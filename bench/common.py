@@ -134,8 +134,12 @@ class FixedLengthEngine(VLLMEngine):
         self.llm.generate = generate_fixed_length
 
 
-def start_engine(model_dir: str | Path, max_model_len: int, seed: int = 0) -> FixedLengthEngine:
-    return FixedLengthEngine(str(model_dir), dtype="float32", max_model_len=max_model_len, seed=seed)
+def start_engine(
+    model_dir: str | Path, max_model_len: int, seed: int = 0, *, dtype: str = "float32", fixed_length: bool = True
+) -> VLLMEngine:
+    """lit-ppo's vLLM engine; `fixed_length`: every response exactly max_tokens long (FixedLengthEngine)."""
+    engine_class = FixedLengthEngine if fixed_length else VLLMEngine
+    return engine_class(str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed)
 
 
 def grpo_preset(**overrides) -> PPOConfig:
@@ -164,10 +168,13 @@ def build_run(
     accelerator: str = "cpu",
     precision: str = "32-true",
     eval_prompt_file: str | Path | None = None,
+    max_model_len: int | None = None,
+    reward_fn=integer_match,
     **rollout_settings,
 ):
     """A real run without Hydra, built by the product's `lit_ppo.build.build_run`; evaluation only with
-    `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `rollout_settings`:
+    `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `max_model_len`: vLLM's context
+    (default: an arithmetic prompt plus the response); `reward_fn`: a lit-ppo-signature reward; `rollout_settings`:
     RolloutConfig fields beyond the response length."""
     from transformers import AutoTokenizer
 
@@ -176,7 +183,7 @@ def build_run(
     model_dir = str(model_dir)
     rollout = RolloutConfig(
         max_response_tokens=max_response_tokens,
-        max_model_len=engine_max_model_len(max_response_tokens),
+        max_model_len=max_model_len or engine_max_model_len(max_response_tokens),
         **rollout_settings,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -199,7 +206,7 @@ def build_run(
         tokenizer=tokenizer,
         train_prompts=train_prompts,
         eval_prompts=eval_prompts,
-        scorer=RewardScorer(fn=integer_match),
+        scorer=RewardScorer(fn=reward_fn),
         output_dir=out_dir,
         seed=seed,
         engine=engine,

@@ -97,14 +97,16 @@ def micro_batch_groups(
 ) -> list[list[int]]:
     """Split the samples `indices` (one mini-batch, or the whole batch for the experience pass) into micro-batches.
 
-    Fixed size (max_tokens None): consecutive runs of `max_samples`, in the given order. Token budget: the samples
-    sorted by length (longest first), each micro-batch filled while its padded size (`padded_tokens`) stays within
-    `max_tokens`; a sample longer than the budget gets a micro-batch of its own. Sorting puts samples of similar
-    length together, so a micro-batch pads little. `min_count`: split the largest micro-batches in two until there
-    are at least this many (data-parallel ranks must run as many forwards, FSDP gathers weights in each)."""
-    if max_tokens is None:
-        return [indices[start : start + max_samples] for start in range(0, len(indices), max_samples)]
+    Both ways take the samples sorted by length (prompt + response, longest first; ties keep their order), so that
+    samples of similar length share a micro-batch and pad little. The split does not change the update: the loss
+    denominators are the mini-batch's (`loss_denominators`), and every micro-batch's gradient is summed into the
+    same step. Fixed size (max_tokens None): consecutive runs of `max_samples` of that order. Token budget: each
+    micro-batch filled while its padded size (`padded_tokens`) stays within `max_tokens`; a sample longer than the
+    budget gets a micro-batch of its own. `min_count`: split the largest micro-batches in two until there are at
+    least this many (data-parallel ranks must run as many forwards, FSDP gathers weights in each)."""
     order = sorted(indices, key=lambda i: prompt_lengths[i] + response_lengths[i], reverse=True)
+    if max_tokens is None:
+        return [order[start : start + max_samples] for start in range(0, len(order), max_samples)]
     groups: list[list[int]] = []
     for i in order:
         if groups and padded_tokens(prompt_lengths, response_lengths, groups[-1] + [i]) <= max_tokens:

@@ -285,9 +285,12 @@ def test_skipped_forward_still_catches_a_sampler_out_of_sync(tiny_model_dir, ari
 def test_micro_batch_groups_by_token_budget_hand_case():
     prompts, responses = [5, 5, 3, 3, 3], [10, 1, 2, 9, 2]  # totals 15, 6, 5, 12, 5
     fixed = micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2)
-    assert fixed == [[0, 1], [2, 3], [4]]
-    # 2 x 15 + 2 x 12 + 5 x 1... fixed: [0,1] 2 x (5+10) = 30, [2,3] 2 x (3+9) = 24, [4] 1 x 5 = 5: 59 positions
-    assert padding_fraction(prompts, responses, fixed) == pytest.approx(1 - 43 / 59)
+    # fixed size, longest first (ties keep their order): 0, 3, 1, 2, 4 in runs of 2
+    assert fixed == [[0, 3], [1, 2], [4]]
+    # [0,3] 2 x (5+10) = 30, [1,2] 2 x (5+2) = 14, [4] 1 x 5 = 5: 49 positions; in the given order it would be
+    # [0,1] 30 + [2,3] 2 x (3+9) = 24 + [4] 5 = 59
+    assert padding_fraction(prompts, responses, fixed) == pytest.approx(1 - 43 / 49)
+    assert padding_fraction(prompts, responses, [[0, 1], [2, 3], [4]]) == pytest.approx(1 - 43 / 59)
     # longest first: [0] 15, [0,3] would be 2 x 15 = 30 > 24, so [0]; [3, 1] = 2 x (5 + 9) = 28 > 24, so [3];
     # [1, 2, 4] = 3 x (5 + 2) = 21 <= 24
     budget = micro_batch_groups(prompts, responses, [0, 1, 2, 3, 4], max_samples=2, max_tokens=24)

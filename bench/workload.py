@@ -1,0 +1,101 @@
+"""The realistic variable-length workload of bench/vs_trl.py: long prompts, and a warm-started policy whose responses
+vary in length the way a reasoning model's do.
+
+- Prompts: 60-200 tokens (uniform), a paragraph of notes and then the question `Question: a+b=` (the character
+  tokenizer makes one token per character).
+- Policy: the 24 M bench model after a short supervised warm start on demonstrations whose responses are some working
+  and then `#### <answer>` (GSM8K's answer format), their lengths drawn log-uniformly from 8-256 tokens. The policy
+  learns that format and where to stop, not the sum: most groups get different rewards, some get none.
+- Reward (`hash_answer_match`): 1.0 when the integer after the last `####` is the answer, the same function for
+  both frameworks.
+
+Built once and cached in .cache/lit_ppo/bench/ (the warm start takes a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from pathlib import Path
+
+from common import BENCH_MODEL, CACHE, SMOKE_MODEL, build_model_dir, read_jsonl
+
+from lit_ppo.arithmetic import make_problems, write_jsonl
+from lit_ppo.warmstart import cache_key, supervised_warm_start
+
+PROMPT_TOKENS = (60, 200)
+RESPONSE_TOKENS = (8, 256)
+WORDS = "add the ones then tens carry sum digit check so we get next keep write it first last both make one".split()
+ANSWER_MARK = "####"
+WARM_START = {"steps": 300, "batch_size": 16, "lr": 1e-3}
+SMOKE_WARM_START = {"steps": 4, "batch_size": 4, "lr": 1e-3}
+_ANSWER = re.compile(ANSWER_MARK + r"\s*(-?\d+)\s*$")
+
+
+def words(rng: random.Random, n_chars: int) -> str:
+    """Space-separated words from WORDS, exactly `n_chars` characters long (cut mid-word when needed)."""
+    text = ""
+    while len(text) < n_chars:
+        text += rng.choice(WORDS) + " "
+    return text[:n_chars]
+
+
+def prompt_text(rng: random.Random, question: str) -> str:
+    """`Notes: ...` then the question on its own line, PROMPT_TOKENS characters in all (uniform)."""
+    total = rng.randint(*PROMPT_TOKENS)
+    head, tail = "Notes: ", f"\nQuestion: {question}"
+    return head + words(rng, max(0, total - len(head) - len(tail))) + tail
+
+
+def response_text(rng: random.Random, answer: str) -> str:
+    """Working, then `#### <answer>`; its length log-uniform in RESPONSE_TOKENS (the end-of-sequence token adds 1)."""
+    low, high = RESPONSE_TOKENS
+    total = round(math.exp(rng.uniform(math.log(low), math.log(high)))) - 1
+    tail = f"{ANSWER_MARK} {answer}"
+    working = words(rng, max(0, total - len(tail) - 1))
+    return (working.rstrip() + " " if working.strip() else "") + tail
+
+
+def hash_answer_match(prompts, responses, references, extras, **_) -> list[float]:
+    """1.0 when the response ends with `#### <integer>` and the integer is the reference, else 0.0."""
+    scores = []
+    for response, reference in zip(responses, references):
+        match = _ANSWER.search(response)
+        scores.append(1.0 if match and reference is not None and int(match.group(1)) == int(reference) else 0.0)
+    return scores
+
+
+def realistic_prompt_file(n_prompts: int, seed: int = 0) -> Path:
+    """A JSONL of `n_prompts` records {prompt, answer}: notes + an a+b question (0 <= a, b <= 49)."""
+    path = CACHE / f"realistic-{n_prompts}-{seed}.jsonl"
+    if not path.exists():
+        problems, _ = make_problems(seed=seed, max_operand=49, n_train=n_prompts, n_eval=0)
+        rng = random.Random(seed)
+        write_jsonl([{"prompt": prompt_text(rng, p["prompt"]), "answer": p["answer"]} for p in problems], path)
+    return path
+
+
+def realistic_model_dir(prompt_file: Path, *, smoke: bool = False, seed: int = 0) -> Path:
+    """The warm-started bench model (cached): demonstrations are this file's prompts with `response_text` answers,
+    right only half of the time (the rest one too high), so the rewards of a group differ."""
+    from transformers import AutoTokenizer
+
+    base = build_model_dir(SMOKE_MODEL if smoke else BENCH_MODEL, seed)
+    settings = SMOKE_WARM_START if smoke else WARM_START
+    out = CACHE / f"warm-{cache_key(base.name, settings, prompt_file.name, RESPONSE_TOKENS, WORDS, seed)}"
+    records = read_jsonl(prompt_file)
+
+    def demonstration(rng: random.Random) -> tuple[str, str]:
+        record = rng.choice(records)
+        answer = int(record["answer"]) + (0 if rng.random() < 0.5 else 1)
+        return record["prompt"], response_text(rng, str(answer))
+
+    return supervised_warm_start(
+        str(base), out, demonstration, AutoTokenizer.from_pretrained(base), seed=seed, **settings
+    )
+
+
+def max_model_len() -> int:
+    """Room for the longest prompt and the longest response."""
+    return PROMPT_TOKENS[1] + RESPONSE_TOKENS[1]
