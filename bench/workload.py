@@ -4,12 +4,13 @@ vary in length the way a reasoning model's do.
 - Prompts: 60-200 tokens (uniform), a paragraph of notes and then the question `Question: a+b=` (the character
   tokenizer makes one token per character).
 - Policy: the 24 M bench model after a short supervised warm start on demonstrations whose responses are some working
-  and then `#### <answer>` (GSM8K's answer format), their lengths drawn log-uniformly from 8-256 tokens. The policy
+  and then `#### <answer>` (GSM8K's answer format), their lengths drawn log-uniformly from 8-256 tokens (8-32 in
+  --smoke runs, which cut responses there). The policy
   learns that format and where to stop, not the sum: most groups get different rewards, some get none.
 - Reward (`hash_answer_match`): 1.0 when the integer after the last `####` is the answer, the same function for
   both frameworks.
 
-Built once and cached in .cache/lit_ppo/bench/ (the warm start takes about 6 minutes on 2 cores).
+Built once and cached in .cache/lit_ppo/bench/ (the warm start takes about 4 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from lit_ppo.warmstart import cache_key, supervised_warm_start
 PROMPT_TOKENS = (60, 200)
 RESPONSE_TOKENS = (8, 256)
 WORDS = "add the ones then tens carry sum digit check so we get next keep write it first last both make one".split()
+WORKING = "add the ones, then carry the tens. "
 ANSWER_MARK = "####"
-WARM_START = {"steps": 100, "batch_size": 16, "lr": 2e-3}
+WARM_START = {"steps": 150, "batch_size": 8, "lr": 1e-3}
 SMOKE_WARM_START = {"steps": 4, "batch_size": 4, "lr": 1e-3}
 _ANSWER = re.compile(ANSWER_MARK + r"\s*(-?\d+)\s*$")
 
@@ -51,11 +53,14 @@ def prompt_text(rng: random.Random, question: str) -> str:
 
 
 def response_text(rng: random.Random, answer: str) -> str:
-    """Working, then `#### <answer>`; its length log-uniform in RESPONSE_TOKENS (the end-of-sequence token adds 1)."""
+    """Working (WORKING repeated), then `#### <answer>`; its length log-uniform in RESPONSE_TOKENS (the
+    end-of-sequence token adds 1). The working is a fixed sentence so that a short warm start learns the format and
+    where to stop; what the timing depends on is how long the responses are."""
     low, high = RESPONSE_TOKENS
     total = round(math.exp(rng.uniform(math.log(low), math.log(high)))) - 1
     tail = f"{ANSWER_MARK} {answer}"
-    working = words(rng, max(0, total - len(tail) - 1))
+    n_chars = max(0, total - len(tail) - 1)
+    working = (WORKING * (n_chars // len(WORKING) + 1))[:n_chars]
     return (working.rstrip() + " " if working.strip() else "") + tail
 
 
@@ -85,7 +90,7 @@ def realistic_model_dir(prompt_file: Path, *, smoke: bool = False, seed: int = 0
 
     base = build_model_dir(SMOKE_MODEL if smoke else BENCH_MODEL, seed)
     settings = SMOKE_WARM_START if smoke else WARM_START
-    out = CACHE / f"warm-{cache_key(base.name, settings, prompt_file.name, RESPONSE_TOKENS, WORDS, seed)}"
+    out = CACHE / f"warm-{cache_key(base.name, settings, prompt_file.name, RESPONSE_TOKENS, WORKING, seed)}"
     records = read_jsonl(prompt_file)
 
     def demonstration(rng: random.Random) -> tuple[str, str]:
