@@ -5,12 +5,15 @@ vary in length the way a reasoning model's do.
   tokenizer makes one token per character).
 - Policy: the 24 M bench model after a short supervised warm start on demonstrations whose responses are some working
   and then `#### <answer>` (GSM8K's answer format), their lengths drawn log-uniformly from 8-256 tokens (8-32 in
-  --smoke runs, which cut responses there). The policy
-  learns that format and where to stop, not the sum: most groups get different rewards, some get none.
+  --smoke runs, which cut responses there). The policy learns that format and where to stop, not the sum.
+  Sampled at temperature 1 (32 prompts, seed 0) its responses run from 10 to 256 tokens, mean 76, and about 3 % are
+  right: most groups of 8 get no reward signal. That is the start of a hard task; what the timing depends on is the
+  lengths, and both frameworks do the same work either way.
 - Reward (`hash_answer_match`): 1.0 when the integer after the last `####` is the answer, the same function for
   both frameworks.
 
-Built once and cached in .cache/lit_ppo/bench/ (the warm start takes about 4 minutes on 2 cores).
+Built once and cached in .cache/lit_ppo/bench/ (the warm start, 150 steps of 8 demonstrations, takes
+minutes on 2 cores).
 """
 
 from __future__ import annotations
