@@ -10,7 +10,8 @@ held-out prompts; the x axis is training wall-clock seconds without those evalua
 - TRL: `GRPOConfig()` defaults (bf16 where the config says so, loss_type, optimizer, linear schedule, beta=0, ...)
   with only what defines the task taken from lit-ppo's run: learning rate, prompts per generation round, samples per
   prompt, optimizer steps per round and the response budget (TRL's own default lr, 1e-6, is for billion-parameter
-  models and moves this one nowhere in the time budget).
+  models and moves this one nowhere in the time budget). `--trl-float32` sets bf16=False, for a CPU without native
+  bf16, where TRL's default bf16 autocast runs emulated and a race would take hours (bench/cpu_bf16.py).
 
     .venv/bin/python bench/race.py              # the race; PNG, Markdown and JSON in bench/results/
     .venv/bin/python bench/race.py --smoke      # checks that it runs
@@ -45,6 +46,12 @@ def parse_args(argv=None):
     parser.add_argument("--rollout-steps", type=int, default=30, help="rollout steps (generation rounds) per run")
     parser.add_argument("--eval-every", type=int, default=2, help="rollout steps between evaluations")
     parser.add_argument("--target", type=float, default=0.8, help="held-out greedy accuracy to reach")
+    parser.add_argument(
+        "--trl-float32",
+        action="store_true",
+        help="TRL's defaults except bf16=False: on a CPU without native bf16 (no AVX512-BF16 or AMX) TRL's default "
+        "bf16 autocast runs its matrix products emulated, 30-180x slower (bench/cpu_bf16.py)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the PNG/MD/JSON go")
     parser.add_argument("--worker", choices=FRAMEWORKS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -202,6 +209,7 @@ def run_trl(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        **({"bf16": False} if args.trl_float32 else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eval_tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -235,7 +243,8 @@ def run_trl(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict
         "optimizer_steps": trainer.state.global_step,
         "expected_optimizer_steps": args.rollout_steps * steps_per_round,
         "precision": "bf16 autocast" if config.bf16 else "float32",
-        "settings": f"GRPOConfig defaults + lr {config.learning_rate:g}, num_generations {config.num_generations}, "
+        "settings": f"GRPOConfig defaults{' (but bf16=False)' if args.trl_float32 else ''} + lr "
+        f"{config.learning_rate:g}, num_generations {config.num_generations}, "
         f"per_device_train_batch_size {config.per_device_train_batch_size}, steps_per_generation "
         f"{config.steps_per_generation}, max_completion_length {max_tokens} (loss_type {config.loss_type}, beta "
         f"{config.beta:g}, {config.lr_scheduler_type.value} schedule, optim {config.optim.value})",
@@ -289,7 +298,8 @@ def main() -> None:
         "time to accuracy: lit-ppo GRPO vs TRL GRPOTrainer",
         args,
         model=f"the default experiment's tiny model after its warm start (cache {cfg.cache_dir})",
-        mapping="lit-ppo `ppo=grpo` at its defaults; TRL GRPOConfig defaults with lit-ppo's lr and batch shape",
+        mapping="lit-ppo `ppo=grpo` at its defaults; TRL GRPOConfig defaults with lit-ppo's lr and batch shape"
+        + (" and bf16=False" if args.trl_float32 else ""),
         runs=f"{args.repeats} repetitions x 2 frameworks, alternating which goes first; {args.rollout_steps} rollout "
         f"steps each, greedy accuracy on the held-out prompts every {args.eval_every}",
     )
