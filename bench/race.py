@@ -173,8 +173,16 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
         **settings,
     )
     trainer.fit(module, datamodule=datamodule)
+    rows = module.history
     return {
         "points": clock.points,
+        # Mean seconds per rollout step of each phase (evaluations are outside them), the first step apart.
+        "first_step_phases": {k.removeprefix("timing/"): rows[0][k] for k in rows[0] if k.startswith("timing/")},
+        "phases": {
+            k.removeprefix("timing/"): sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1)
+            for k in rows[0]
+            if k.startswith("timing/")
+        },
         "optimizer_steps": module.actor_optimizer_steps,
         "expected_optimizer_steps": plan.total_optimizer_steps,
         "precision": f"{plan.precision}, vLLM {plan.rollout_dtype}",
