@@ -335,6 +335,11 @@ def main() -> None:
                 f"(planned {result['expected_optimizer_steps']}); startup {result['startup_seconds']:.1f} s",
                 flush=True,
             )
+            for label, key in (("first rollout step", "first_step_phases"), ("later steps, mean", "phases")):
+                if key in result:  # lit-ppo's own timings (TRL's are not split by phase)
+                    print(
+                        f"  {label}: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in result[key].items())
+                    )
 
     stamp = datetime.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)

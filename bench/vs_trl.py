@@ -157,7 +157,8 @@ def mapping(args, setting: str) -> str:
             f"lit-ppo ppo=grpo, kl_coef=0, rollout_batch_size={args.rollout_batch_size} x n_samples_per_prompt="
             f"{args.samples_per_prompt}, train_batch_size={N} (one mini-batch), the preset's micro-batches, precision "
             f"auto ({resolve_precision('auto', 'cpu')} here), vLLM dtype following it\n"
-            f"          TRL GRPOConfig() defaults (bf16, loss_type, optimizer, schedule, beta=0, ...) with "
+            f"          TRL GRPOConfig() defaults ({'but bf16=False' if args.trl_float32 else 'bf16'}, loss_type "
+            f"dapo, fused AdamW, linear schedule, beta=0, ...) with "
             f"num_generations={args.samples_per_prompt}, per_device_train_batch_size={N}: one generation round of "
             f"{args.rollout_batch_size} prompts = one optimizer step; lr={args.lr:g} for both"
         )
@@ -232,6 +233,7 @@ def run_litppo(args, w: Workload, setting: str) -> dict:
         "phases": phases,
         "rewards": [r["rollout/reward_mean"] for r in rows],
         "response_length_mean": sum(r["rollout/response_length_mean"] for r in rows) / len(rows),
+        "response_length_per_step": [r["rollout/response_length_mean"] for r in rows],
         "response_length_max": max(r["rollout/response_length_max"] for r in rows),
         "padding_fraction": sum(r["perf/padding_fraction"] for r in rows) / len(rows),
         "optimizer_steps": module.actor_optimizer_steps,
@@ -273,6 +275,7 @@ def run_trl(args, w: Workload, setting: str) -> dict:
         max_completion_length=w.max_response_tokens,
         generation_kwargs=fixed or None,
         save_strategy="no",
+        logging_steps=1,  # a reward entry per optimizer step (TRL's default, 10, logs once in a 4-step run)
         report_to="none",
         disable_tqdm=True,
     )
@@ -309,7 +312,6 @@ def run_trl(args, w: Workload, setting: str) -> dict:
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=0.3,
             vllm_max_model_length=w.max_model_len,
-            logging_steps=1,
             dataloader_num_workers=0,
             **common,
         )
@@ -352,6 +354,7 @@ def run_trl(args, w: Workload, setting: str) -> dict:
         "phases": {"generate_and_score_s": sum(steady_generate) / max(1, len(steady_generate))},
         "rewards": rewards,
         "response_length_mean": sum(every) / max(1, len(every)),
+        "response_length_per_step": [sum(step) / max(1, len(step)) for step in lengths],
         "response_length_max": max(every, default=0),
         "padding_fraction": sum(padding) / max(1, len(padding)),
         "optimizer_steps": trainer.state.global_step,
@@ -446,7 +449,8 @@ def main() -> None:
                 results[(name, setting)][framework].append(r)
                 print(
                     f"repetition {rep + 1} {name}/{setting} {framework:<8}: {fmt(stats(r['step_seconds']))} per "
-                    f"rollout step; mean response {r['response_length_mean']:.1f} tokens; reward at step "
+                    f"rollout step; mean response {r['response_length_mean']:.1f} tokens (per rollout step "
+                    f"{', '.join(f'{n:.0f}' for n in r['response_length_per_step'])}); reward at step "
                     f"{args.steps} {r['rewards'][-1]:.3f}; startup {r['startup_seconds']:.1f} s; process "
                     f"{r['process_seconds']:.1f} s",
                     flush=True,

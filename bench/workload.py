@@ -6,9 +6,12 @@ vary in length the way a reasoning model's do.
 - Policy: the 24 M bench model after a short supervised warm start on demonstrations whose responses are some working
   and then `#### <answer>` (GSM8K's answer format), their lengths drawn log-uniformly from 8-256 tokens (8-32 in
   --smoke runs, which cut responses there). The policy learns that format and where to stop, not the sum.
-  Sampled at temperature 1 (32 prompts, seed 0) its responses run from 10 to 256 tokens, mean 76, and about 3 % are
-  right: most groups of 8 get no reward signal. That is the start of a hard task; what the timing depends on is the
-  lengths, and both frameworks do the same work either way.
+  Sampled with HF `generate` at temperature 1 (32 prompts, seed 0) its responses run 10-256 tokens, mean 76, one
+  prompt at a time, and 8-256, mean 83, in one left-padded batch; about 3 % are right, so most groups of 8 get no
+  reward signal. How long the responses stay depends on the updates: at lr 2e-4 they shorten within a few rollout
+  steps (faster under TRL's defaults than under lit-ppo's), so a timing that compares frameworks uses a small lr
+  (bench/vs_trl.py --lr 1e-6, TRL's default) and reports the lengths each framework sampled.
+  The warm start runs under bf16 autocast where the CPU has native bf16, so the model differs between machines.
 - Reward (`hash_answer_match`): 1.0 when the integer after the last `####` is the answer, the same function for
   both frameworks.
 

@@ -161,7 +161,7 @@ class PPOModule(L.LightningModule):
                 old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
             if ref_logp is not None:
                 ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
-            if values is not None:  # zero past each response's end: the padding's values depend on the micro-batch
+            if values is not None:  # zero off the response mask (padding, observations)
                 values[idx, :t] = self._values(mb) * mb.response_mask
         exp, self.rollout_correction_stats = experience_from_forwards(
             batch,
