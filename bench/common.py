@@ -342,6 +342,13 @@ def print_header(title: str, args, **settings) -> None:
     print("=" * 100, flush=True)
 
 
+def phase_means(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per rollout step of each phase (`timing/*` of module.history, prefix dropped) over `rows` (none: {})."""
+    if not rows:
+        return {}
+    return {k.removeprefix("timing/"): sum(r[k] for r in rows) / len(rows) for k in rows[0] if k.startswith("timing/")}
+
+
 def stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"median": float("nan"), "mean": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}

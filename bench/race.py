@@ -33,7 +33,17 @@ PROCESS_START = time.perf_counter()
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from common import CACHE, ROOT, add_common_args, build_run, command_line, print_header, read_jsonl, start_engine  # noqa: E402
+from common import (
+    CACHE,
+    ROOT,
+    add_common_args,
+    build_run,
+    command_line,
+    phase_means,
+    print_header,
+    read_jsonl,
+    start_engine,
+)  # noqa: E402
 
 from lit_ppo.rewards import integer_match  # noqa: E402
 
@@ -177,12 +187,8 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
     return {
         "points": clock.points,
         # Mean seconds per rollout step of each phase (evaluations are outside them), the first step apart.
-        "first_step_phases": {k.removeprefix("timing/"): rows[0][k] for k in rows[0] if k.startswith("timing/")},
-        "phases": {
-            k.removeprefix("timing/"): sum(r[k] for r in rows[1:]) / max(1, len(rows) - 1)
-            for k in rows[0]
-            if k.startswith("timing/")
-        },
+        "first_step_phases": phase_means(rows[:1]),
+        "phases": phase_means(rows[1:]),
         "optimizer_steps": module.actor_optimizer_steps,
         "expected_optimizer_steps": plan.total_optimizer_steps,
         "precision": f"{plan.precision}, vLLM {plan.rollout_dtype}",

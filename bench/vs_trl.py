@@ -46,6 +46,7 @@ from common import (  # noqa: E402
     fmt,
     grpo_preset,
     model_description,
+    phase_means,
     print_header,
     read_jsonl,
     start_engine,
@@ -221,12 +222,7 @@ def run_litppo(args, w: Workload, setting: str) -> dict:
     )
     trainer.fit(module, datamodule=datamodule)
     rows = module.history
-    steady = rows[1:]
-    phases = {
-        k.removeprefix("timing/"): sum(r[k] for r in steady) / max(1, len(steady))
-        for k in rows[0]
-        if k.startswith("timing/")
-    }
+    phases = phase_means(rows[1:])  # main() asks for at least 2 rollout steps
     first_step_started = clock.ends[0] - rows[0]["timing/rollout_step_s"]
     return {
         "step_seconds": clock.steady_step_seconds(),
