@@ -6,6 +6,7 @@ import gc
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -102,9 +103,26 @@ class VLLMEngine:
                 enable_prefix_caching=True,
                 **kwargs,
             )
+        self._warm_up()
         self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
         if enable_sleep_mode and not self.sleep_supported:
             log.info("vLLM sleep mode is not supported on this device; the engine stays resident")
+
+    def _warm_up(self) -> None:
+        """One greedy token with its log-prob, so that the first rollout step does not pay vLLM's one-time cost.
+
+        vLLM ranks each sampled token's log-prob with a function it compiles with torch.compile on first use (Inductor
+        on CPU: 2-2.6 s on the project's CPU machines, more than ten later rollout steps of the default experiment);
+        the JIT warm-up vLLM runs at start-up for such kernels is off under enforce_eager. Greedy, so no random
+        generator moves; the prefix cache is reset after it. Measured in BENCHMARKS.md (race, third machine);
+        tests/test_speed.py checks that a rollout batch right after start-up compiles nothing."""
+        from vllm import SamplingParams
+
+        started = time.perf_counter()
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+        self.llm.generate([{"prompt_token_ids": [0]}], params, use_tqdm=False)
+        self.llm.reset_prefix_cache()
+        log.info("vLLM warm-up (its log-prob kernel's compilation): %.1f s", time.perf_counter() - started)
 
     def generate(
         self,

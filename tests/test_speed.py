@@ -317,3 +317,37 @@ def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, 
     assert_same_gradients(budget_grads, fixed_grads)
     padding, padding_fixed = budget.history[-1]["perf/padding_fraction"], fixed.history[-1]["perf/padding_fraction"]
     assert 0 <= padding < padding_fixed
+
+
+def test_the_first_rollout_batch_after_engine_start_compiles_nothing(tiny_model_dir):
+    """vLLM compiles its log-prob ranking kernel (torch.compile) on first use; VLLMEngine pays that at start-up
+    (`_warm_up`), so the first rollout step is timed like the others. Checked in a fresh process (this one's engine
+    may have compiled it already) on a rollout-sized call: 48 prompts of 100 tokens x 4 samples at temperature 0.7,
+    more prefill than one vLLM scheduler step takes (4,096 tokens)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import random, time
+import torch._dynamo.utils as dynamo_utils
+from lit_ppo.rollout import VLLMEngine
+engine = VLLMEngine({tiny_model_dir!r}, max_model_len=128, seed=0)
+compiled_at_start = dynamo_utils.counters["frames"]["total"]
+rng = random.Random(0)
+prompts = [[rng.randrange(3, 40) for _ in range(100)] for _ in range(48)]
+started = time.perf_counter()
+out = engine.generate(prompts, n=4, temperature=0.7, top_p=1.0, max_tokens=16, seeds=list(range(48)))
+print("FIRST_GENERATE_S", time.perf_counter() - started)
+print("RESPONSES", len(out), "WITH_LOGPROBS", sum(len(g.logprobs) == len(g.token_ids) > 0 for g in out))
+print("FRAMES_COMPILED_AT_START", compiled_at_start)
+print("FRAMES_COMPILED_AFTER", dynamo_utils.counters["frames"]["total"] - compiled_at_start)
+"""
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    keys = ("FIRST_GENERATE_S", "RESPONSES", "FRAMES_COMPILED_AT_START", "FRAMES_COMPILED_AFTER")
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(keys))
+    assert "FRAMES_COMPILED_AFTER" in lines, result.stderr[-3000:]
+    assert lines["RESPONSES"] == "192 WITH_LOGPROBS 192"
+    assert int(lines["FRAMES_COMPILED_AT_START"]) >= 1  # the warm-up compiled it (else this test checks nothing)
+    assert int(lines["FRAMES_COMPILED_AFTER"]) == 0, result.stdout
