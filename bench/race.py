@@ -2,8 +2,9 @@
 
 Both start from the model `make train` starts from (the tiny model after the product's cached supervised warm start)
 and train on its a+b= prompts with the integer_match reward. Every few rollout steps the clock stops and the same
-evaluator (Hugging Face greedy decoding in float32, this file's `greedy_accuracy`) scores the policy on the 200
-held-out prompts; the x axis is training wall-clock seconds without those evaluations.
+evaluator (Hugging Face greedy decoding of a float32 copy of the weights, this file's `GreedyAccuracy`) scores the
+policy on the 200 held-out prompts; the x axis is training wall-clock seconds without those evaluations. Start-up
+(process start to the first evaluation: imports, models, vLLM's engine and its warm-up) is reported apart.
 
 - lit-ppo: `python train.py ppo=grpo` as the product composes it (Hydra: every default, precision auto), run through
   the product's `build_run` with this file's evaluator as a callback.
@@ -93,8 +94,28 @@ def prepare(args, cfg, work_dir: Path) -> tuple[str, Path, Path]:
     return prepare_model(cfg, train_records), train_path, eval_path
 
 
+class GreedyAccuracy:
+    """Share of `records` whose greedy response (Hugging Face generate, float32, no sampling) is the answer.
+
+    The same evaluator for both frameworks: it copies the trained weights into its own float32 model before each
+    evaluation, since a model Accelerate prepared for mixed precision (TRL's) runs every forward under bf16 autocast
+    whatever the caller asks."""
+
+    def __init__(self, model_dir: str, records: list[dict], max_new_tokens: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.records, self.max_new_tokens = records, max_new_tokens
+
+    def __call__(self, trained) -> float:
+        with torch.no_grad():
+            self.model.load_state_dict(trained.state_dict())
+        return greedy_accuracy(self.model, self.tokenizer, self.records, self.max_new_tokens)
+
+
 def greedy_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int) -> float:
-    """Share of `records` whose greedy response (Hugging Face generate, float32, no sampling) is the answer."""
+    """Share of `records` whose greedy response (Hugging Face generate, no sampling) is the answer."""
     was_training = model.training
     model.eval()
     tokenizer.padding_side = "left"
@@ -140,7 +161,6 @@ class RaceClock:
 
 def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict], work_dir: Path) -> dict:
     from omegaconf import OmegaConf
-    from transformers import AutoTokenizer
 
     from lit_ppo.config import RolloutConfig, parse_config, parse_section
     from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -148,8 +168,7 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
     ppo, _ = parse_config(cfg)
     rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
     precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    clock = RaceClock(lambda model: greedy_accuracy(model, tokenizer, eval_records, rollout.max_response_tokens))
+    clock = RaceClock(GreedyAccuracy(model_dir, eval_records, rollout.max_response_tokens))
 
     class Evaluations(L.Callback):
         def on_train_start(self, trainer, module):
@@ -226,8 +245,7 @@ def run_trl(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict
         **({"bf16": False} if args.trl_float32 else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eval_tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    clock = RaceClock(lambda model: greedy_accuracy(model, eval_tokenizer, eval_records, max_tokens))
+    clock = RaceClock(GreedyAccuracy(model_dir, eval_records, max_tokens))
 
     class Evaluations(TrainerCallback):
         def on_train_begin(self, train_args, state, control, model=None, **kwargs):
@@ -355,14 +373,19 @@ def main() -> None:
     lines = [f"# Time to {args.target:g} held-out greedy accuracy (`{command_line()}`)", ""]
     for framework, runs in results.items():
         lines += [f"- {framework}: {runs[0]['settings']}; {runs[0]['precision']}"]
-    lines += ["", "| framework | repetition | start | end | training s to the end | training s to target |"]
-    lines += ["|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| framework | repetition | start | end | training s to the end | training s to target | start-up s "
+        "| start-up + training s to target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for framework, runs in results.items():
         for i, run in enumerate(runs):
-            points, reached = run["points"], time_to(run["points"], args.target)
+            points, reached, startup = run["points"], time_to(run["points"], args.target), run["startup_seconds"]
             lines.append(
                 f"| {framework} | {i + 1} | {points[0]['accuracy']:.3f} | {points[-1]['accuracy']:.3f} | "
-                f"{points[-1]['train_seconds']:.1f} | {'not reached' if reached is None else f'{reached:.1f}'} |"
+                f"{points[-1]['train_seconds']:.1f} | {'not reached' if reached is None else f'{reached:.1f}'} | "
+                f"{startup:.1f} | {'not reached' if reached is None else f'{startup + reached:.1f}'} |"
             )
     lines += ["", "Every evaluation (rollout step, training seconds, accuracy):", ""]
     for framework, runs in results.items():
@@ -373,13 +396,21 @@ def main() -> None:
             lines.append(f"- {framework} {i + 1}: {pts}")
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    medians = {f: [time_to(r["points"], args.target) for r in runs] for f, runs in results.items()}
-    lit, trl = medians["lit-ppo"], medians["trl"]
-    if all(t is not None for t in lit + trl):
-        ratio = sorted(lit)[len(lit) // 2] / sorted(trl)[len(trl) // 2]
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    reached = {f: [time_to(r["points"], args.target) for r in runs] for f, runs in results.items()}
+    if all(t is not None for ts in reached.values() for t in ts):
+        ratio = median(reached["lit-ppo"]) / median(reached["trl"])
         print(
-            f"time to {args.target:g}: lit-ppo / TRL = {ratio:.2f} (medians; goal <= 0.5: {'met' if ratio <= 0.5 else 'not met'})"
+            f"time to {args.target:g} (training s): lit-ppo / TRL = {ratio:.2f} (medians; goal <= 0.5: "
+            f"{'met' if ratio <= 0.5 else 'not met'})"
         )
+        with_startup = {
+            f: median([t + r["startup_seconds"] for t, r in zip(reached[f], runs)]) for f, runs in results.items()
+        }
+        print(f"  with start-up: lit-ppo / TRL = {with_startup['lit-ppo'] / with_startup['trl']:.2f} (medians)")
     else:
         print(f"time to {args.target:g}: not reached by every run (see the table); no ratio")
     print(f"figure: {png}\ntable : {md}\ncommand : {command_line()}")
