@@ -16,7 +16,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +26,11 @@ CACHE = ROOT / ".cache" / "lit_ppo" / "bench"
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from lit_ppo.arithmetic import make_problems, write_jsonl  # noqa: E402
 from lit_ppo.build import build_run as build_product_run  # noqa: E402
 from lit_ppo.build import quiet_known_warnings
-from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig, parse_section
+from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
 from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
 from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.prompts import load_prompts  # noqa: E402
@@ -142,14 +141,17 @@ def start_engine(
     return engine_class(str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed)
 
 
+def compose_run_config(*overrides: str) -> RunConfig:
+    """The typed settings `python train.py <overrides>` runs, composed by Hydra from conf/."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return RunConfig.from_hydra(compose(config_name="config", overrides=list(overrides)))
+
+
 def grpo_preset(**overrides) -> PPOConfig:
-    """lit-ppo's `ppo=grpo` config group (conf/ppo/grpo.yaml over conf/ppo/ppo.yaml), then `overrides`."""
-    base = OmegaConf.load(ROOT / "conf" / "ppo" / "ppo.yaml")
-    grpo = OmegaConf.load(ROOT / "conf" / "ppo" / "grpo.yaml")
-    grpo.pop("defaults", None)
-    values = OmegaConf.to_container(OmegaConf.merge(base, grpo), resolve=True)
-    values.update(overrides)
-    return parse_section(PPOConfig, values, "ppo")
+    """lit-ppo's `ppo=grpo` preset as Hydra composes it, then `overrides`."""
+    return replace(compose_run_config("ppo=grpo").ppo, **overrides)
 
 
 def build_run(
@@ -178,8 +180,6 @@ def build_run(
     RolloutConfig fields beyond the response length."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.precision import resolve_rollout_dtype
-
     model_dir = str(model_dir)
     rollout = RolloutConfig(
         max_response_tokens=max_response_tokens,
@@ -189,31 +189,26 @@ def build_run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
-    plan = compute_plan(
-        ppo,
-        RunLengthConfig(total_rollout_steps=total_rollout_steps),
-        len(train_prompts),
-        1,
-        max_response_tokens,
-        precision=precision,
-        rollout_dtype=resolve_rollout_dtype(precision, rollout.dtype),
-    )
-    trainer, module, datamodule = build_product_run(
-        plan=plan,
+    config = RunConfig(
+        seed=seed,
         ppo=ppo,
         rollout=rollout,
+        trainer=TrainerConfig(total_rollout_steps=total_rollout_steps, eval_every=0),
+        strategy=StrategyConfig(accelerator=accelerator, precision=precision),
+    )
+    config = replace(config, model=replace(config.model, gradient_checkpointing=gradient_checkpointing))
+    plan = compute_plan(config, len(train_prompts))
+    trainer, module, datamodule = build_product_run(
+        config,
+        plan,
         model_dir=model_dir,
         tokenizer=tokenizer,
-        train_prompts=train_prompts,
-        eval_prompts=eval_prompts,
+        prompts=(train_prompts, eval_prompts),
         scorer=RewardScorer(fn=reward_fn),
         output_dir=out_dir,
-        seed=seed,
         engine=engine,
-        gradient_checkpointing=gradient_checkpointing,
         callbacks=callbacks,
         datamodule_class=datamodule_class,
-        accelerator=accelerator,
     )
     return trainer, module, datamodule, plan
 

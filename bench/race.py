@@ -40,6 +40,7 @@ from common import (
     add_common_args,
     build_run,
     command_line,
+    compose_run_config,
     phase_means,
     print_header,
     read_jsonl,
@@ -74,23 +75,19 @@ def parse_args(argv=None):
 
 
 def compose(args):
-    """The product's config for `python train.py ppo=grpo` (smoke: a small model and warm start)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
+    """The product's settings for `python train.py ppo=grpo` (smoke: a small model and warm start)."""
     overrides = ["ppo=grpo", f"trainer.total_rollout_steps={args.rollout_steps}", f"seed={args.seed}"]
     if args.smoke:
         overrides += ["model.tiny.num_layers=1", "model.warm_start.steps=2"]
         overrides += ["ppo.rollout_batch_size=4", "ppo.train_batch_size=8", "ppo.micro_train_batch_size=4"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_run_config(*overrides)
 
 
 def prepare(args, cfg, work_dir: Path) -> tuple[str, Path, Path]:
     """(warm-started model directory, train prompts, eval prompts): the product's own, cached like make train's."""
     from lit_ppo.training import prepare_data, prepare_model
 
-    train_path, eval_path, train_records = prepare_data(cfg, work_dir)
+    train_path, eval_path, train_records = prepare_data(cfg.data, work_dir)
     return prepare_model(cfg, train_records), train_path, eval_path
 
 
@@ -160,13 +157,9 @@ class RaceClock:
 
 
 def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict], work_dir: Path) -> dict:
-    from omegaconf import OmegaConf
-
-    from lit_ppo.config import RolloutConfig, parse_config, parse_section
     from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 
-    ppo, _ = parse_config(cfg)
-    rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
+    ppo, rollout = cfg.ppo, cfg.rollout
     precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
     clock = RaceClock(GreedyAccuracy(model_dir, eval_records, rollout.max_response_tokens))
 
@@ -223,12 +216,10 @@ def run_trl(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_ppo.config import parse_config
-
-    ppo, _ = parse_config(cfg)
+    ppo = cfg.ppo
     samples = ppo.rollout_batch_size * ppo.n_samples_per_prompt
     steps_per_round = samples // ppo.train_batch_size  # lit-ppo's optimizer steps per rollout step (ppo_epochs 1)
-    max_tokens = int(cfg.rollout.max_response_tokens)
+    max_tokens = cfg.rollout.max_response_tokens
     config = GRPOConfig(
         output_dir=str(work_dir / "trl-run"),
         seed=cfg.seed,

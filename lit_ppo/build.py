@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import lightning as L
 
-from lit_ppo.config import PPOConfig, RolloutConfig
+from lit_ppo.config import RunConfig
 from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.module import PPOModule
 from lit_ppo.plan import StepPlan
@@ -47,62 +47,54 @@ def quiet_known_warnings() -> None:
 
 
 def build_run(
-    *,
+    config: RunConfig,
     plan: StepPlan,
-    ppo: PPOConfig,
-    rollout: RolloutConfig,
+    *,
     model_dir: str,
     tokenizer,
-    train_prompts: PromptSet,
-    eval_prompts: PromptSet | None,
+    prompts: tuple[PromptSet, PromptSet | None],
     scorer: RewardScorer,
     output_dir: str | Path,
-    seed: int = 0,
     engine=None,
-    chat_template: bool = False,
-    gradient_checkpointing: bool = False,
-    eval_every: int = 0,
-    metrics_path: str | None = None,
-    max_consecutive_skipped_updates: int = 3,
     callbacks: Sequence[L.Callback] = (),
     loggers: Sequence = (),
-    accelerator: str = "cpu",
-    devices: int = 1,
-    num_nodes: int = 1,
     strategy: Any = "auto",
     datamodule_class: type[RolloutDataModule] = RolloutDataModule,
 ) -> tuple[L.Trainer, PPOModule, RolloutDataModule]:
-    """The trainer, module and data module of one run. `engine`: a vLLM engine to share (single process only);
-    None starts one per rank in the data module's setup."""
+    """The trainer, module and data module of one run: `config` and its `plan`, the initial policy's directory and
+    tokenizer, the (train, eval) prompts, the scorer, and where metrics.csv goes. `engine`: a vLLM engine to share
+    (single process only); None starts one per rank in the data module's setup. `strategy`: the Lightning strategy
+    built from `config.strategy.lightning`."""
     quiet_known_warnings()
+    train_prompts, eval_prompts = prompts
     datamodule = datamodule_class(
         plan=plan,
         train_prompts=train_prompts,
         eval_prompts=eval_prompts,
-        rollout=rollout,
+        rollout=config.rollout,
         scorer=scorer,
         tokenizer=tokenizer,
         model_dir=model_dir,
-        seed=seed,
+        seed=config.seed,
         engine=engine,
-        chat_template=chat_template,
+        chat_template=config.data.chat_template,
     )
     module = PPOModule(
         model_dir=model_dir,
-        ppo=ppo,
+        ppo=config.ppo,
         plan=plan,
         pad_token_id=tokenizer.pad_token_id,
-        gradient_checkpointing=gradient_checkpointing,
-        eval_every=eval_every,
-        metrics_path=metrics_path,
-        max_consecutive_skipped_updates=max_consecutive_skipped_updates,
-        temperature=rollout.temperature,
-        max_logprob_abs_diff=rollout.max_logprob_abs_diff,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        eval_every=config.trainer.eval_every,
+        metrics_path=str(Path(output_dir) / "metrics.csv"),
+        max_consecutive_skipped_updates=config.trainer.max_consecutive_skipped_updates,
+        temperature=config.rollout.temperature,
+        max_logprob_abs_diff=config.rollout.max_logprob_abs_diff,
     )
     trainer = L.Trainer(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
+        accelerator=config.strategy.accelerator,
+        devices=config.strategy.devices,
+        num_nodes=config.strategy.num_nodes,
         strategy=strategy,
         precision=plan.precision,
         logger=list(loggers) or False,

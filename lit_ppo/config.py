@@ -1,8 +1,11 @@
-"""Every config dataclass of lit-ppo and the Hydra cfg -> StepPlan helpers.
+"""The typed settings of a run: one frozen dataclass per config section, and `RunConfig`, which holds them all.
 
-One dataclass per config section (`ppo`, `trainer` run length, `rollout`); their defaults equal the YAML defaults
-in conf/ (tests/test_config.py checks it). `parse_section` builds one from a Hydra section, refusing unknown keys;
-`make_plan` turns a composed Hydra config into the `StepPlan` (lit_ppo/plan.py, which stays free of Hydra).
+`RunConfig.from_hydra` is the only road from Hydra into the code: it parses every section of the composed config,
+refuses unknown keys in one line (`parse_section`), and each dataclass validates itself in `__post_init__`, so a
+`RunConfig` that exists is a valid one. Below the entry point nothing reads a `DictConfig`; the `_target_` nodes that
+Hydra instantiates (`reward.fn`, `strategy.lightning`, `logger.extra`, `rollout.environment`) travel as plain dicts.
+The dataclasses' defaults equal the default YAML files in conf/ (tests/test_config.py checks it). `compute_plan`
+(lit_ppo/plan.py) turns a `RunConfig` into the step plan; this module imports nothing of the plan.
 """
 
 from __future__ import annotations
@@ -10,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Mapping
-
-from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -26,9 +28,22 @@ from lit_ppo.algorithms import (
     ROLLOUT_CORRECTION_MODES,
 )
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import OLD_LOGPROBS, StepPlan, compute_plan
-from lit_ppo.plan import positive as _positive
-from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
+from lit_ppo.memory import ModelShape
+
+OLD_LOGPROBS = ("auto", "recompute", "rollout")  # ppo.old_logprobs
+MISSING = "???"  # Hydra's mark of a value the user must set
+
+
+def positive(section: str, **values: Any) -> None:
+    """Refuse anything but a positive integer, naming the key."""
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(
+                f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more"
+            )
+
+
+_positive = positive
 
 
 @dataclass(frozen=True)
@@ -139,17 +154,8 @@ class PPOConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
-    def validate(self) -> None:
-        """The checks that do not need the dataset size (`compute_plan` calls this first)."""
+    def __post_init__(self) -> None:
         validate_ppo(self)
-
-
-@dataclass(frozen=True)
-class RunLengthConfig:
-    """The `trainer` section: how long the run is. Exactly one of the two is set."""
-
-    total_rollout_steps: int | None = None
-    data_epochs: float | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,14 @@ class RolloutConfig:
     check_token_ids: bool = True
     """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
 
+    def __post_init__(self) -> None:
+        validate_rollout(self)
+
+    def response_budget_tokens(self) -> int:
+        """The most tokens one sample's response can have: `max_response_tokens` for a single-turn response, which is
+        one turn's budget in an episode, whose whole response (turns and observations) is `episode_tokens()`."""
+        return self.episode_tokens() or self.max_response_tokens
+
     def episode_tokens(self) -> int:
         """The token budget of one episode's response (turns and observations); 0 without an environment."""
         if self.environment is None:
@@ -208,20 +222,55 @@ class RolloutConfig:
 
 
 def parse_section(cls: type, values: Mapping[str, Any], section: str):
-    """Build a config dataclass, refusing unknown keys with a one-line message."""
+    """Build a config dataclass from a section's values, refusing unknown keys and unset (`???`) values with a
+    one-line message; nested sections (`ppo.rollout_correction`, `model.tiny`, ...) are dataclasses too."""
+    prefix = f"{section}." if section else ""
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
+        hints = [
+            f"{prefix}{k} (did you mean {prefix}{close[0]}?)"
+            for k in unknown
+            for close in [get_close_matches(k, names, 1)]
+            if close
+        ]
         raise ConfigError(
-            f"{section}: unknown key(s) {', '.join(section + '.' + k for k in unknown)}; "
-            f"fix: remove them or use one of {', '.join(names)}"
+            f"{section or 'config'}: unknown key(s) {', '.join(prefix + k for k in unknown)}; fix: remove them"
+            + (f" or correct {', '.join(hints)}" if hints else "")
+            + f" (the keys of {section or 'the root'}: {', '.join(names)})"
         )
     types = typing.get_type_hints(cls)
     values = dict(values)
-    for name, value in values.items():  # nested sections (ppo.rollout_correction, ...) are dataclasses too
-        if dataclasses.is_dataclass(types[name]) and isinstance(value, Mapping):
-            values[name] = parse_section(types[name], value, f"{section}.{name}")
+    for name, value in values.items():
+        missing = _first_missing(value, f"{prefix}{name}")
+        if missing:
+            raise ConfigError(
+                f"{missing} is not set (???); fix: set {missing}=<value> on the command line or in the config"
+            )
+        nested = _dataclass_of(types[name])
+        if nested is not None and isinstance(value, Mapping):
+            values[name] = parse_section(nested, value, f"{prefix}{name}")
     return cls(**values)
+
+
+def _dataclass_of(hint) -> type | None:
+    """The dataclass of a field's type hint (`X` or `X | None`), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    candidates = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _first_missing(value, key: str) -> str | None:
+    """The first key under `value` still holding Hydra's `???`, else None."""
+    if isinstance(value, str) and value == MISSING:
+        return key
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            found = _first_missing(v, f"{key}.{k}")
+            if found:
+                return found
+    return None
 
 
 def validate_ppo(ppo: PPOConfig) -> None:
@@ -324,8 +373,204 @@ def validate_ppo(ppo: PPOConfig) -> None:
         )
 
 
-def data_parallel_size(cfg: DictConfig) -> int:
-    return int(cfg.strategy.devices) * int(cfg.strategy.num_nodes)
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The `trainer` section: how long the run is (exactly one of the two lengths is set) and what it does on the way."""
+
+    total_rollout_steps: int | None = 30
+    """Run length in rollout steps ..."""
+    data_epochs: float | None = None
+    """... or in passes over the prompts."""
+    eval_every: int = 10
+    """Rollout steps between evaluations (also at the start and the end); 0: none during the run."""
+    checkpoint_every: int = 10
+    """Rollout steps between checkpoints (also at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """The last K checkpoints are kept."""
+    max_consecutive_skipped_updates: int = 3
+    """Non-finite loss or gradient: the update is skipped; the run stops after this many in a row."""
+
+
+RUN_LENGTH_KEYS = ("total_rollout_steps", "data_epochs")
+"""The `trainer` keys that only say how long the run is."""
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """`model.tiny`: the shape of the locally built Qwen2-architecture model (lit_ppo/tiny.py)."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_position_embeddings: int = 128
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """`model.warm_start`: supervised training of the tiny model on demonstrations before RL (lit_ppo/warmstart.py)."""
+
+    enabled: bool = True
+    steps: int = 1500
+    """Optimizer steps of supervised training."""
+    batch_size: int = 64
+    """Demonstrations per step."""
+    lr: float = 1.0e-3
+    teacher_accuracy: float = 0.35
+    """Share of demonstrations with the right answer; the rest are one too high."""
+    tool_call_rate: float | None = None
+    """With an environment: the teacher calls the tool this often and guesses otherwise; null: no tool calls."""
+    tool_use_practice: float = 0.0
+    """With tool_call_rate: further demonstrations of using a call once made."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The `model` group: the policy (and the critic's and reference's initial weights)."""
+
+    path: str | None = None
+    """A local directory (or hub name) of a causal LM; null builds the tiny model."""
+    gradient_checkpointing: bool = False
+    architecture: ModelShape | None = None
+    """The shape for the memory estimate of `mode=plan` where config.json is not on this machine."""
+    tiny: TinyModelConfig | None = field(default_factory=TinyModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The `data` group: the training and held-out prompts (generated arithmetic problems, or the user's files)."""
+
+    source: str = "arithmetic"
+    """arithmetic (generated problems) or file."""
+    seed: int = 0
+    """arithmetic: the problems' seed."""
+    max_operand: int = 49
+    n_train: int = 2000
+    n_eval: int = 200
+    operation: str = "+"
+    min_operand: int = 0
+    path: str | None = None
+    """file: the training prompts (JSONL, Parquet or a `datasets` folder)."""
+    eval_path: str | None = None
+    """file: the held-out prompts; null: no evaluation."""
+    prompt_key: str = "prompt"
+    answer_key: str | None = "answer"
+    extra_keys: list[str] = field(default_factory=list)
+    chat_template: bool = False
+    system_prompt: str | None = None
+    max_prompt_length: int = 32
+    """Tokens (after the chat template); longer prompts follow bad_records."""
+    bad_records: str = "error"
+    """error: stop at the first bad record (file and line); skip: drop and count them."""
+    expected_prompts: int | None = None
+    """mode=plan on a machine without data.path: the number of training prompts."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("arithmetic", "file"):
+            raise ConfigError(f"data.source={self.source!r}; fix: use 'arithmetic' or 'file'")
+        if self.source == "file" and not self.path:
+            raise ConfigError(
+                "data.path is not set; fix: data.path=<your prompt file> (JSONL, Parquet or a datasets folder)"
+            )
+        if self.bad_records not in ("error", "skip"):
+            raise ConfigError(f"data.bad_records={self.bad_records!r}; fix: use 'error' or 'skip'")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """The `reward` group: the reward function and how it is called (lit_ppo/rewards.py, docs/rewards.md)."""
+
+    fn: dict = field(default_factory=lambda: {"_target_": "lit_ppo.rewards.integer_match", "_partial_": True})
+    """The function or callable class by dotted path (`_target_`), built by Hydra."""
+    signature: str = "auto"
+    """auto | lit_ppo | trl | verl | openrlhf: how to call fn (auto: from its parameter names)."""
+    on_error: str = "raise"
+    """raise: stop naming the sample; zero: score 0 and count it."""
+    workers: int = 0
+    """0: score in this process; N: in N worker processes, one sample at a time each."""
+    timeout_s: float | None = 60
+    """With workers > 0: seconds per sample before its worker is killed (then on_error)."""
+    overlong_penalty: float = 0.0
+    """Subtracted from responses that hit the response budget."""
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong shaping: 0 off; else a linear penalty over the last N tokens before the response budget."""
+    overlong_penalty_factor: float = 1.0
+    """... reaching -factor at the response budget."""
+    solved_threshold: float = 1.0
+    """pass@k: a sample solves its prompt at this reward (a `correct` metric decides where returned)."""
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """The `strategy` group: devices, nodes, precision and the Lightning strategy."""
+
+    name: str = "single"
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "auto"
+    """bf16-mixed where the device computes bf16 natively, else 32-true (lit_ppo/precision.py)."""
+    device_memory_gib: float | None = None
+    """Memory of one device for the plan's warning; null: detected where a GPU is present."""
+    lightning: dict | None = None
+    """The Lightning strategy (`_target_` and its arguments), built by Hydra; null: Lightning's choice."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """The `logger` group: metrics.csv is always written; `extra` is a further Lightning logger (W&B, TensorBoard)."""
+
+    name: str = "csv"
+    extra: dict | None = None
+
+
+MODES = ("train", "plan")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run's settings: conf/config.yaml's root keys and one typed section per config group."""
+
+    mode: str = "train"
+    """train, or plan (print and save the step plan, load nothing)."""
+    seed: int = 0
+    output_dir: str | None = None
+    """null: Hydra's run directory."""
+    cache_dir: str = ".cache/lit_ppo"
+    """The tiny model and the warm start, reused across runs."""
+    verbose: bool = False
+    resume: str | None = None
+    """null: start fresh; auto: continue from the latest checkpoint in output_dir; or a .ckpt path."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
+
+    @classmethod
+    def from_hydra(cls, cfg) -> RunConfig:
+        """The typed settings of a composed Hydra config (a `DictConfig`), or ConfigError naming the first bad key."""
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        values.pop("hydra", None)  # Hydra's own node, when a caller composed with return_hydra_config=True
+        return parse_section(cls, values, "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def count_records(path: Path) -> int:
@@ -342,44 +587,17 @@ def count_records(path: Path) -> int:
     return len(datasets.load_from_disk(str(path)))
 
 
-def planned_dataset_size(cfg: DictConfig) -> tuple[int, str]:
+def planned_dataset_size(data: DataConfig) -> tuple[int, str]:
     """The number of training prompts, known before loading any model or tokenizer."""
-    data = cfg.data
     if data.source == "arithmetic":
-        return int(data.n_train), "generated arithmetic problems"
+        return data.n_train, "generated arithmetic problems"
     path = Path(data.path)
     if path.exists():
         return count_records(path), f"records in {path} (before length filtering)"
-    if data.get("expected_prompts"):
-        return int(data.expected_prompts), f"data.expected_prompts ({path} is not on this machine)"
+    if data.expected_prompts:
+        return data.expected_prompts, f"data.expected_prompts ({path} is not on this machine)"
     raise ConfigError(
         f"data.path={path} does not exist; fix: point data.path at your prompt file (or set data.expected_prompts for mode=plan)"
-    )
-
-
-def parse_config(cfg: DictConfig) -> tuple[PPOConfig, RunLengthConfig]:
-    ppo = parse_section(PPOConfig, OmegaConf.to_container(cfg.ppo, resolve=True), "ppo")
-    length = RunLengthConfig(total_rollout_steps=cfg.trainer.total_rollout_steps, data_epochs=cfg.trainer.data_epochs)
-    ppo.validate()
-    return ppo, length
-
-
-def make_plan(cfg: DictConfig, dataset_prompts: int) -> StepPlan:
-    ppo, length = parse_config(cfg)
-    rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    validate_rollout(rollout)
-    precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
-    return compute_plan(
-        ppo,
-        length,
-        dataset_prompts,
-        data_parallel_size(cfg),
-        int(cfg.rollout.max_response_tokens),
-        precision=precision,
-        rollout_dtype=resolve_rollout_dtype(precision, cfg.rollout.get("dtype")),
-        top_p=float(cfg.rollout.top_p),
-        max_turns=rollout.max_turns if rollout.environment else 1,
-        max_episode_tokens=rollout.episode_tokens(),
     )
 
 

@@ -34,6 +34,9 @@ from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rewards import RewardScorer
 from lit_ppo.rollout import Generation, VLLMEngine, sampling_seeds
 
+REWARD_COUNTS = ("errors", "timeouts", "none")
+"""The scorer's per-call counts (`RewardScorer.metrics`), summed over a rollout step's generation rounds."""
+
 
 def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
     """rollout.stop_token_ids, plus the chat template's end-of-turn token when prompts use the template."""
@@ -285,7 +288,7 @@ class RolloutDataModule(L.LightningDataModule):
         plan = self.plan
         first_round = self.next_generation_round
         groups, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
-        errors = self.round_metrics.get("errors", 0.0)
+        counts = {k: self.round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
         positions = self.rank_positions(plan.rollout_batch_size)
         if plan.dynamic_sampling:
@@ -297,7 +300,7 @@ class RolloutDataModule(L.LightningDataModule):
                 if len(kept) >= plan.rollout_batch_size or rounds == plan.max_generation_rounds:
                     break
                 groups, g_s, r_s = self.generate_round(rollout_step, rounds)
-                errors += self.round_metrics.get("errors", 0.0)
+                counts = {k: counts[k] + self.round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
             dropped = len(uniform)
             if len(kept) < plan.rollout_batch_size:
@@ -330,7 +333,7 @@ class RolloutDataModule(L.LightningDataModule):
             references=[group.prompt.reference for _, group, _ in samples],
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
-            reward_metrics=self.batch_reward_metrics(groups, errors)
+            reward_metrics=self.batch_reward_metrics(groups, counts)
             if plan.dynamic_sampling
             else dict(self.round_metrics),
             generation_rounds=rounds,
@@ -348,13 +351,13 @@ class RolloutDataModule(L.LightningDataModule):
         torch.distributed.all_gather_object(gathered, groups)
         return [group for share in gathered for group in share]
 
-    def batch_reward_metrics(self, groups: list[PromptGroup], errors: float) -> dict[str, float]:
-        """Means of the reward function's per-sample metrics over this rank's samples, and this rank's reward errors
-        in all of the step's rounds."""
+    def batch_reward_metrics(self, groups: list[PromptGroup], counts: dict[str, float]) -> dict[str, float]:
+        """Means of the reward function's per-sample metrics over this rank's kept samples, and this rank's counts of
+        reward errors, timeouts and None scores (REWARD_COUNTS) in all of the step's rounds."""
         keys = set.intersection(*(set(g.sample_metrics) for g in groups)) if groups else set()
         values = {k: [x for g in groups for x in g.sample_metrics[k]] for k in sorted(keys)}
         metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in values.items()}
-        metrics["errors"] = float(errors)
+        metrics.update({k: float(v) for k, v in counts.items()})
         return metrics
 
     def run_episodes(

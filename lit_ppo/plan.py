@@ -15,16 +15,13 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lit_ppo.config import PPOConfig, RunConfig, positive
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.precision import describe as describe_precision
+from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 
-if TYPE_CHECKING:  # the config dataclasses (lit_ppo.config) import this module for make_plan
-    from lit_ppo.config import PPOConfig, RunLengthConfig
-
-
-OLD_LOGPROBS = ("auto", "recompute", "rollout")  # ppo.old_logprobs
 # StepPlan.old_logprobs_source: where the PPO ratio's old log-probs come from in this run.
 OLD_LOGPROBS_SOURCES = {
     "experience forward": "a no-grad forward of the actor before the updates",
@@ -178,34 +175,21 @@ class StepPlan:
         return "\n".join(lines)
 
 
-def positive(section: str, **values: Any) -> None:
-    """Refuse anything but a positive integer, naming the key."""
-    for key, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(
-                f"{section}.{key}={value!r} must be a positive integer; fix: set {section}.{key} to 1 or more"
-            )
+def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
+    """Derive every count of the run from its typed settings and the number of training prompts, or raise
+    ConfigError naming the inconsistent keys.
 
-
-def compute_plan(
-    ppo: PPOConfig,
-    run: RunLengthConfig,
-    dataset_prompts: int,
-    data_parallel_size: int = 1,
-    max_response_tokens: int = 0,
-    *,
-    precision: str = "32-true",
-    rollout_dtype: str = "float32",
-    top_p: float = 1.0,
-    max_turns: int = 1,
-    max_episode_tokens: int = 0,
-) -> StepPlan:
-    """Derive every count of the run, or raise ConfigError naming the inconsistent keys.
-
-    `precision` and `rollout_dtype` are resolved (`lit_ppo.precision`); `top_p` is vLLM's. With an environment
-    (`max_episode_tokens` > 0) a sample is an episode of up to `max_turns` turns whose response is at most
-    `max_episode_tokens` tokens, which is then the response width the trainer plans for."""
-    ppo.validate()
+    The precision and vLLM's dtype are resolved here (`lit_ppo.precision`). With an environment a sample is an episode
+    of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
+    response width the trainer plans for."""
+    ppo, run, rollout = config.ppo, config.trainer, config.rollout
+    data_parallel_size = config.strategy.data_parallel_size
+    precision = resolve_precision(config.strategy.precision, config.strategy.accelerator)
+    rollout_dtype = resolve_rollout_dtype(precision, rollout.dtype)
+    top_p = rollout.top_p
+    max_response_tokens = rollout.max_response_tokens
+    max_turns = rollout.max_turns if rollout.environment else 1
+    max_episode_tokens = rollout.episode_tokens()
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
         raise ConfigError(
             f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node"

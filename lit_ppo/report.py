@@ -7,12 +7,11 @@ import json
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from lit_ppo.atomic import (
     atomic_path,
     write_text_atomic,
 )
+from lit_ppo.config import ModelConfig, RunConfig, StrategyConfig
 from lit_ppo.console import show
 from lit_ppo.memory import (
     GIB,
@@ -104,20 +103,21 @@ def write_curves(output_dir: Path, history: list[dict], evals: list[dict]) -> Pa
     return path
 
 
-def model_shape(cfg: DictConfig) -> tuple[ModelShape | None, str]:
+def model_shape(model: ModelConfig) -> tuple[ModelShape | None, str]:
     """The model's shape without loading it: its config.json when model.path is a local directory, else the
     experiment's `model.architecture`, else the tiny model's settings; (None, why) when none is known."""
-    model = cfg.model
-    if model.get("path"):
+    if model.path:
         config_json = Path(str(model.path)) / "config.json"
         if config_json.exists():
             return ModelShape.from_hf_config(json.loads(config_json.read_text())), str(config_json)
-        if model.get("architecture"):
-            return ModelShape(**OmegaConf.to_container(model.architecture, resolve=True)), "model.architecture"
+        if model.architecture:
+            return model.architecture, "model.architecture"
         return None, f"{config_json} is not on this machine and the experiment sets no model.architecture"
     from lit_ppo.tiny import tiny_vocab_size
 
     tiny = model.tiny
+    if tiny is None:
+        return None, "model.path and model.tiny are both null"
     return ModelShape(
         vocab_size=tiny_vocab_size(),
         hidden_size=int(tiny.hidden_size),
@@ -130,8 +130,8 @@ def model_shape(cfg: DictConfig) -> tuple[ModelShape | None, str]:
     ), "model.tiny"
 
 
-def on_gpu(cfg: DictConfig) -> bool:
-    accelerator = str(cfg.strategy.accelerator)
+def on_gpu(strategy: StrategyConfig) -> bool:
+    accelerator = strategy.accelerator
     if accelerator in ("gpu", "cuda"):
         return True
     if accelerator == "auto":
@@ -141,11 +141,11 @@ def on_gpu(cfg: DictConfig) -> bool:
     return False
 
 
-def device_memory_gib(cfg: DictConfig) -> float | None:
+def device_memory_gib(strategy: StrategyConfig) -> float | None:
     """strategy.device_memory_gib, else the first GPU's memory when there is one and the run uses GPUs."""
-    if cfg.strategy.get("device_memory_gib"):
-        return float(cfg.strategy.device_memory_gib)
-    if on_gpu(cfg):
+    if strategy.device_memory_gib:
+        return float(strategy.device_memory_gib)
+    if on_gpu(strategy):
         import torch
 
         if torch.cuda.is_available():
@@ -153,51 +153,51 @@ def device_memory_gib(cfg: DictConfig) -> float | None:
     return None
 
 
-def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
-    shape, _ = model_shape(cfg)
+def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
+    shape, _ = model_shape(config.model)
     if shape is None:
         return None
-    rollout = cfg.rollout
+    rollout, strategy = config.rollout, config.strategy
     return estimate_memory(
         shape,
         MemoryInputs(
             precision=plan.precision,
-            strategy=str(cfg.strategy.name),
+            strategy=strategy.name,
             data_parallel_size=plan.data_parallel_size,
             micro_batch_size=plan.micro_train_batch_size,
-            prompt_tokens=int(cfg.data.max_prompt_length),
+            prompt_tokens=config.data.max_prompt_length,
             response_tokens=plan.max_response_tokens,
-            gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+            gradient_checkpointing=config.model.gradient_checkpointing,
             critic=plan.critic_enabled,
             reference=plan.reference_enabled,
             rollout_dtype=plan.rollout_dtype,
             rollout_sequences=plan.samples_per_rank_per_rollout_step,
-            max_model_len=int(rollout.max_model_len),
-            on_gpu=on_gpu(cfg),
-            gpu_memory_utilization=float(rollout.gpu_memory_utilization),
-            tensor_parallel_size=int(rollout.tensor_parallel_size),
-            vllm_sleeps=bool(rollout.sleep_between_steps),
-            cpu_kv_cache_gib=float(rollout.kv_cache_gib),
-            device_memory_gib=device_memory_gib(cfg),
+            max_model_len=rollout.max_model_len,
+            on_gpu=on_gpu(strategy),
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            vllm_sleeps=rollout.sleep_between_steps,
+            cpu_kv_cache_gib=rollout.kv_cache_gib,
+            device_memory_gib=device_memory_gib(strategy),
             grad_accumulation_steps=plan.grad_accumulation_steps,
         ),
     )
 
 
-def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | None = None) -> None:
+def write_plan(plan: StepPlan, output_dir: Path, source: str, config: RunConfig | None = None) -> None:
     """plan.json and the printed tables: the step plan and, given the config, the memory estimate."""
     output_dir.mkdir(parents=True, exist_ok=True)
     record = plan.to_dict()
     show(plan.table().replace("Step plan", f"Step plan (dataset: {source})"))
-    if cfg is not None:
-        memory = memory_estimate(cfg, plan)
-        shape_source = model_shape(cfg)[1]
+    if config is not None:
+        memory = memory_estimate(config, plan)
+        shape_source = model_shape(config.model)[1]
         record["memory"] = None if memory is None else {**memory.to_dict(), "model_shape_from": shape_source}
         if memory is None:
             show(f"Memory per device: no estimate ({shape_source})")
         else:
             table = memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})")
-            if cfg.mode == "plan":
+            if config.mode == "plan":
                 show(table)
             else:  # the console stays short while training: one line, the table in run.log and plan.json
                 logging.getLogger("lit_ppo.console").info(table)

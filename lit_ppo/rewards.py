@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from lit_ppo.algorithms import overlong_penalty
+from lit_ppo.config import RunConfig
 from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
@@ -426,7 +427,9 @@ class RewardScorer:
     # DAPO's soft overlong shaping (`algorithms.overlong_penalty`): off while overlong_buffer_tokens is 0
     overlong_buffer_tokens: int = 0
     overlong_penalty_factor: float = 1.0
-    max_response_tokens: int = 0  # rollout.max_response_tokens, the end of the buffer
+    # The end of the overlong buffer: the most tokens a response can have (a whole episode's, turns and observations,
+    # with an environment; `RolloutConfig.response_budget_tokens`).
+    response_budget_tokens: int = 0
     signature: str = "auto"  # auto | lit_ppo | trl | verl | openrlhf (see RewardCall)
     reference_key: str | None = "answer"  # the reference's column name, for TRL-style functions
     workers: int = 0  # 0: call the function in this process; N: in N worker processes, one sample each
@@ -440,10 +443,11 @@ class RewardScorer:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"reward.on_error={self.on_error!r}; fix: use one of {list(ON_ERROR)}")
-        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.max_response_tokens:
+        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.response_budget_tokens:
             raise ConfigError(
-                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, rollout.max_response_tokens="
-                f"{self.max_response_tokens}); fix: e.g. a quarter of max_response_tokens, or 0 to turn the shaping off"
+                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, {self.response_budget_tokens}) "
+                "(the response budget: rollout.max_response_tokens, or rollout.max_episode_tokens with an environment); "
+                "fix: e.g. a quarter of the budget, or 0 to turn the shaping off"
             )
         if self.signature not in SIGNATURES:
             raise ConfigError(f"reward.signature={self.signature!r}; fix: use one of {', '.join(SIGNATURES)}")
@@ -459,9 +463,13 @@ class RewardScorer:
         self.pool = RewardWorkers(self.call, int(self.workers), self.timeout_s) if self.workers else None
 
     @classmethod
-    def from_config(cls, reward, max_response_tokens: int = 0, answer_key: str | None = "answer") -> RewardScorer:
-        """The scorer of a `reward` config group (conf/reward/*.yaml); `answer_key` is `data.answer_key`."""
+    def from_config(cls, config: RunConfig) -> RewardScorer:
+        """The scorer of a run: the `reward` settings, the references from `data.answer_key`, and the overlong
+        shaping measured against the most tokens a response can have (`RolloutConfig.response_budget_tokens`: a
+        whole episode's with an environment, not one turn's)."""
         import hydra
+
+        reward = config.reward
 
         try:
             fn = hydra.utils.instantiate(reward.fn)
@@ -479,14 +487,14 @@ class RewardScorer:
             fn=fn,
             on_error=reward.on_error,
             overlong_penalty=reward.overlong_penalty,
-            overlong_buffer_tokens=int(reward.get("overlong_buffer_tokens", 0)),
-            overlong_penalty_factor=float(reward.get("overlong_penalty_factor", 1.0)),
-            max_response_tokens=max_response_tokens,
-            solved_threshold=float(reward.get("solved_threshold", 1.0)),
-            signature=reward.get("signature", "auto"),
-            reference_key=answer_key,
-            workers=int(reward.get("workers", 0)),
-            timeout_s=reward.get("timeout_s", 60.0),
+            overlong_buffer_tokens=reward.overlong_buffer_tokens,
+            overlong_penalty_factor=reward.overlong_penalty_factor,
+            response_budget_tokens=config.rollout.response_budget_tokens(),
+            solved_threshold=reward.solved_threshold,
+            signature=reward.signature,
+            reference_key=config.data.answer_key,
+            workers=reward.workers,
+            timeout_s=reward.timeout_s,
         )
 
     def close(self) -> None:
@@ -530,7 +538,7 @@ class RewardScorer:
                 )
             shaping = overlong_penalty(
                 torch.tensor(lengths),
-                max_response_tokens=self.max_response_tokens,
+                max_response_tokens=self.response_budget_tokens,
                 buffer_tokens=self.overlong_buffer_tokens,
                 penalty_factor=self.overlong_penalty_factor,
             )

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lit_ppo.config import make_plan, planned_dataset_size
+from lit_ppo.config import RunConfig, planned_dataset_size
 from lit_ppo.console import show
-from lit_ppo.errors import ConfigError
+from lit_ppo.plan import compute_plan
 from lit_ppo.report import write_plan
 
 log = logging.getLogger("lit_ppo")
@@ -24,16 +24,16 @@ def output_dir_of(cfg: DictConfig) -> Path:
 
 
 def main(cfg: DictConfig) -> dict | None:
-    """Entry point behind `python train.py`; returns the summary (None in plan mode)."""
-    if cfg.mode not in ("train", "plan"):
-        raise ConfigError(f"mode={cfg.mode!r}; fix: use mode=train or mode=plan")
+    """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
+    becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
+    config = RunConfig.from_hydra(cfg)
     output_dir = output_dir_of(cfg)
-    size, source = planned_dataset_size(cfg)
-    plan = make_plan(cfg, size)
-    if cfg.mode == "plan":
-        write_plan(plan, output_dir, source, cfg)
+    size, source = planned_dataset_size(config.data)
+    plan = compute_plan(config, size)
+    if config.mode == "plan":
+        write_plan(plan, output_dir, source, config)
         show(f"plan written to {output_dir / 'plan.json'}")
         return None
     from lit_ppo.training import train  # heavy imports only when training
 
-    return train(cfg, output_dir)
+    return train(config, output_dir)

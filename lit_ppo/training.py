@@ -7,6 +7,7 @@ files and the model caches, which the other ranks only read. Rank 0 alone writes
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import signal
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import yaml
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -26,10 +27,11 @@ from lit_ppo.atomic import (
 )
 from lit_ppo.build import build_run, quiet_known_warnings
 from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
-from lit_ppo.config import RolloutConfig, make_plan, parse_config, parse_section
+from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import SampleTableLogger
+from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
@@ -38,9 +40,9 @@ from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_
 log = logging.getLogger("lit_ppo")
 
 
-def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
+def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     """The directory of the initial policy: a given model, or the tiny model (warm-started), cached."""
-    model = cfg.model
+    model = config.model
     if model.path:
         return str(model.path)
     from lit_ppo.tiny import (
@@ -50,13 +52,13 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         save_model_dir,
     )
 
-    cache = Path(cfg.cache_dir)
-    tiny = OmegaConf.to_container(model.tiny, resolve=True)
-    base_dir = cache / f"tiny-{cache_key(tiny, cfg.seed, TOKENIZER_VERSION)}"
+    cache = Path(config.cache_dir)
+    tiny = dataclasses.asdict(model.tiny)
+    base_dir = cache / f"tiny-{cache_key(tiny, config.seed, TOKENIZER_VERSION)}"
     if not (base_dir / "config.json").exists():
         tokenizer = build_char_tokenizer()
         with atomic_path(base_dir) as tmp:
-            save_model_dir(build_tiny_model(tokenizer, seed=cfg.seed, **tiny), tokenizer, tmp)
+            save_model_dir(build_tiny_model(tokenizer, seed=config.seed, **tiny), tokenizer, tmp)
     warm = model.warm_start
     if not warm.enabled:
         return str(base_dir)
@@ -64,19 +66,13 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         raise ConfigError(
             "model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false"
         )
-    key_parts = [
-        base_dir.name,
-        OmegaConf.to_container(warm, resolve=True),
-        OmegaConf.to_container(cfg.data, resolve=True),
-        cfg.seed,
-    ]
-    environment = cfg.rollout.get("environment")
-    environment = OmegaConf.to_container(environment, resolve=True) if environment is not None else None
-    if warm.get("tool_call_rate") is not None:  # the demonstrations are written in the environment's format
+    environment = config.rollout.environment
+    key_parts = [base_dir.name, dataclasses.asdict(warm), dataclasses.asdict(config.data), config.seed]
+    if warm.tool_call_rate is not None:  # the demonstrations are written in the environment's format
         key_parts.append(environment)
     key = cache_key(*key_parts)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    if warm.get("tool_call_rate") is not None:  # a teacher that sometimes calls the environment's tool
+    if warm.tool_call_rate is not None:  # a teacher that sometimes calls the environment's tool
         from lit_ppo.environments import build_environment_factory
 
         make_environment = build_environment_factory(environment)
@@ -87,8 +83,8 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
             )
         demos = tool_demonstration_sampler(
             train_records,
-            tool_call_rate=float(warm.tool_call_rate),
-            tool_use_practice=float(warm.get("tool_use_practice", 0.0)),
+            tool_call_rate=warm.tool_call_rate,
+            tool_use_practice=warm.tool_use_practice,
             environment=make_environment(),
         )
     else:
@@ -101,36 +97,32 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         steps=warm.steps,
         batch_size=warm.batch_size,
         lr=warm.lr,
-        seed=cfg.seed,
+        seed=config.seed,
     )
     return str(out)
 
 
-def prepare_data(cfg: DictConfig, output_dir: Path, write: bool = True):
+def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
     """Train/eval prompt files: generated for the arithmetic task (written when `write`, else only
     named: rank 0 wrote them), else the user's files."""
-    data = cfg.data
     if data.source == "arithmetic":
         train, evaluation = make_problems(
             seed=data.seed,
             max_operand=data.max_operand,
             n_train=data.n_train,
             n_eval=data.n_eval,
-            operation=data.get("operation", "+"),
-            min_operand=int(data.get("min_operand", 0)),
+            operation=data.operation,
+            min_operand=data.min_operand,
         )
         train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)
             write_jsonl(evaluation, eval_path)
         return train_path, eval_path, train
-    if data.source != "file":
-        raise ConfigError(f"data.source={data.source!r}; fix: use 'arithmetic' or 'file'")
-    return Path(data.path), (Path(data.eval_path) if data.get("eval_path") else None), None
+    return Path(data.path), (Path(data.eval_path) if data.eval_path else None), None
 
 
-def load_prompt_sets(cfg: DictConfig, train_path: Path, eval_path: Path | None, tokenizer):
-    data = cfg.data
+def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
     kwargs = dict(
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
@@ -178,19 +170,20 @@ class RolloutProgressBar(L.Callback):
             self.bar.close()
 
 
-def extra_loggers(cfg: DictConfig, output_dir: Path, resume_from: Path | None = None) -> list:
+def extra_loggers(config: RunConfig, output_dir: Path, resume_from: Path | None = None) -> list:
     """The `logger` group's extra Lightning logger (W&B, TensorBoard), if any; metrics.csv is the module's own
     (resume-safe). `resume_from`: the checkpoint being resumed."""
-    if not cfg.logger.get("extra"):
+    logger: LoggerConfig = config.logger
+    if not logger.extra:
         return []
     extra = {"save_dir": str(output_dir)}
-    parameters = inspect.signature(hydra.utils.get_object(cfg.logger.extra._target_)).parameters
+    parameters = inspect.signature(hydra.utils.get_object(logger.extra["_target_"])).parameters
     if "run_config" in parameters:
         # The run config, for trackers that record it; not instantiated recursively: its _target_ nodes are data here.
-        extra.update(run_config=OmegaConf.to_container(cfg, resolve=True), _recursive_=False, _convert_="all")
+        extra.update(run_config=config.to_dict(), _recursive_=False, _convert_="all")
     if "resume_dir" in parameters and resume_from is not None:
         extra["resume_dir"] = str(Path(resume_from).parent.parent)  # <run>/checkpoints/<file>.ckpt
-    return [hydra.utils.instantiate(cfg.logger.extra, **extra)]
+    return [hydra.utils.instantiate(logger.extra, **extra)]
 
 
 def stop_started_ranks(trainer: L.Trainer) -> None:
@@ -208,67 +201,53 @@ def stop_started_ranks(trainer: L.Trainer) -> None:
         child.wait()
 
 
-def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
+def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
     quiet_known_warnings()
-    if engine is not None and cfg.strategy.name != "single":
+    if engine is not None and config.strategy.name != "single":
         raise ConfigError(
             "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
         )
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
     started = time.perf_counter()
-    L.seed_everything(cfg.seed, workers=True)
-    ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
+    L.seed_everything(config.seed, workers=True)
     rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    train_path, eval_path, train_records = prepare_data(cfg, output_dir, write=rank_zero)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero)
     started_model = time.perf_counter()
-    model_dir = prepare_model(cfg, train_records)
+    model_dir = prepare_model(config, train_records)
     warm_start_seconds = time.perf_counter() - started_model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
-    plan = make_plan(cfg, len(train_prompts))
+    train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
+    plan = compute_plan(config, len(train_prompts))
     if rank_zero:
-        write_plan(plan, output_dir, train_prompts.describe(), cfg)
+        write_plan(plan, output_dir, train_prompts.describe(), config)
 
-    rollout = parse_section(RolloutConfig, OmegaConf.to_container(cfg.rollout, resolve=True), "rollout")
-    scorer = RewardScorer.from_config(
-        cfg.reward, max_response_tokens=int(cfg.rollout.max_response_tokens), answer_key=cfg.data.get("answer_key")
-    )
+    scorer = RewardScorer.from_config(config)
+    trainer_cfg = config.trainer
     checkpoints = RolloutCheckpoint(
-        output_dir / "checkpoints", every=cfg.trainer.checkpoint_every, keep=cfg.trainer.keep_checkpoints
+        output_dir / "checkpoints", every=trainer_cfg.checkpoint_every, keep=trainer_cfg.keep_checkpoints
     )
-    resume_from = resolve_resume(cfg.resume, output_dir / "checkpoints")
+    resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    strategy = cfg.strategy
+    strategy = config.strategy
     trainer, module, datamodule = build_run(
-        plan=plan,
-        ppo=ppo,
-        rollout=rollout,
+        config,
+        plan,
         model_dir=model_dir,
         tokenizer=tokenizer,
-        train_prompts=train_prompts,
-        eval_prompts=eval_prompts,
+        prompts=(train_prompts, eval_prompts),
         scorer=scorer,
         output_dir=output_dir,
-        seed=cfg.seed,
         engine=engine,
-        chat_template=bool(cfg.data.chat_template),
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        eval_every=cfg.trainer.eval_every,
-        metrics_path=str(output_dir / "metrics.csv"),
-        max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
         callbacks=[RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
-        loggers=extra_loggers(cfg, output_dir, resume_from),
-        accelerator=strategy.accelerator,
-        devices=strategy.devices,
-        num_nodes=strategy.num_nodes,
-        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.get("lightning") else "auto",
+        loggers=extra_loggers(config, output_dir, resume_from),
+        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.lightning else "auto",
     )
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:

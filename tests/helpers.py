@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,8 +11,8 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
 from lit_ppo.build import build_run as build_product_run
-from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
-from lit_ppo.plan import compute_plan
+from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
+from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
 
@@ -23,6 +24,37 @@ def compose_config(*overrides: str):
     """The Hydra config `python train.py <overrides>` would run, composed in this process."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
+
+
+def compose_run_config(*overrides: str) -> RunConfig:
+    """The typed settings `python train.py <overrides>` would run."""
+    return RunConfig.from_hydra(compose_config(*overrides))
+
+
+def run_config(
+    *,
+    ppo: PPOConfig | None = None,
+    rollout: RolloutConfig | None = None,
+    steps: int | None = 1,
+    data_epochs: float | None = None,
+    dp: int = 1,
+    precision: str = "32-true",
+    **sections,
+) -> RunConfig:
+    """A RunConfig built in code: the given sections, `steps` rollout steps (or `data_epochs`), `dp` CPU ranks in
+    `precision` (float32 unless a test asks: `auto` would follow this machine's bf16 support)."""
+    return RunConfig(
+        ppo=ppo or PPOConfig(),
+        rollout=rollout or RolloutConfig(),
+        trainer=TrainerConfig(total_rollout_steps=steps, data_epochs=data_epochs),
+        strategy=StrategyConfig(accelerator="cpu", devices=dp, precision=precision),
+        **sections,
+    )
+
+
+def plan_of(dataset_prompts: int, **kwargs) -> StepPlan:
+    """The product's plan (`compute_plan`) of `run_config(**kwargs)` over `dataset_prompts` prompts."""
+    return compute_plan(run_config(**kwargs), dataset_prompts)
 
 
 def write_jsonl(records: list[dict], path: Path) -> Path:
@@ -65,30 +97,22 @@ def build_run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     eval_prompts = load_prompts(files[1], tokenizer)
-    plan = compute_plan(
-        ppo,
-        RunLengthConfig(total_rollout_steps=total_rollout_steps),
-        len(train_prompts),
-        1,
-        rollout.max_response_tokens,
-        max_turns=rollout.max_turns if rollout.environment else 1,
-        max_episode_tokens=rollout.episode_tokens(),
+    config = run_config(ppo=ppo, rollout=rollout, steps=total_rollout_steps)
+    config = dataclasses.replace(
+        config,
+        trainer=dataclasses.replace(config.trainer, eval_every=eval_every),
+        model=dataclasses.replace(config.model, gradient_checkpointing=gradient_checkpointing),
     )
+    plan = compute_plan(config, len(train_prompts))
     trainer, module, datamodule = build_product_run(
-        plan=plan,
-        ppo=ppo,
-        rollout=rollout,
+        config,
+        plan,
         model_dir=model_dir,
         tokenizer=tokenizer,
-        train_prompts=train_prompts,
-        eval_prompts=eval_prompts,
+        prompts=(train_prompts, eval_prompts),
         scorer=RewardScorer(fn=reward_fn),
         output_dir=tmp_path,
-        seed=0,
         engine=engine,
-        gradient_checkpointing=gradient_checkpointing,
-        eval_every=eval_every,
-        metrics_path=str(Path(tmp_path) / "metrics.csv"),
         callbacks=callbacks,
     )
     return trainer, module, datamodule, plan

@@ -64,20 +64,19 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.config import PPOConfig, RolloutConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer
+    from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(eval_path, tokenizer)
-    plan = compute_plan(
-        PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4),
-        RunLengthConfig(total_rollout_steps=1),
+    plan = plan_of(
         len(prompts),
-        world,
-        4,
+        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4),
+        dp=world,
+        rollout=RolloutConfig(max_response_tokens=4),
     )
     # Reward 1 for the response "1": each prompt's second pass@2 sample solves it, no greedy response does.
     scorer = RewardScorer(fn=lambda prompts, responses, references, extras: [float(r == "1") for r in responses])

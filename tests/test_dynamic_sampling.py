@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path
-from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RunLengthConfig
+from lit_ppo.config import DynamicSamplingConfig, PPOConfig
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
-from lit_ppo.plan import compute_plan
-from tests.helpers import build_run
+from tests.helpers import build_run, plan_of
 from tests.test_resume import Crash, CrashAfter, assert_same_weights
 
 ROLLOUT_BATCH = 8  # prompts per rollout step (and per generation round)
@@ -133,7 +132,7 @@ def test_plan_states_the_rounds_and_refuses_data_epochs():
         kl_mode="loss",
         dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=3, prompts_per_round=16),
     )
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=5), 100)
+    plan = plan_of(100, ppo=ppo, steps=5)
     assert (plan.prompts_per_generation_round, plan.max_generation_rounds, plan.generation_rounds_per_data_epoch) == (
         16,
         3,
@@ -142,4 +141,4 @@ def test_plan_states_the_rounds_and_refuses_data_epochs():
     assert plan.optimizer_steps_per_rollout_step == 4
     assert "rounds of 16 prompts (3 at most)" in plan.table() and "stay 4" in plan.table()
     with pytest.raises(ConfigError, match="trainer.total_rollout_steps"):
-        compute_plan(ppo, RunLengthConfig(data_epochs=1.0), 100)
+        plan_of(100, ppo=ppo, steps=None, data_epochs=1.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, compose_config, read_csv
+from tests.helpers import ROOT, compose_run_config, read_csv
 
 # The tiny architecture of the shared `engine` fixture, so in-process runs can reuse that engine.
 FIXTURE_MODEL = [
@@ -150,7 +150,7 @@ def test_the_preset_list_is_complete():
 def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
     from lit_ppo.training import train
 
-    cfg = compose_config(
+    cfg = compose_run_config(
         f"ppo={preset}",
         "trainer.total_rollout_steps=2",
         "trainer.eval_every=0",

@@ -362,10 +362,10 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     """The actor's gradient from PPOModule._actor_backward on a packed episode equals the gradient of the loss
     written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
     tokens; advantages put on the observation tokens change nothing."""
-    from lit_ppo.config import PPOConfig, RunLengthConfig
+    from lit_ppo.config import PPOConfig, RolloutConfig
     from lit_ppo.experience import Experience
     from lit_ppo.module import PPOModule
-    from lit_ppo.plan import compute_plan
+    from tests.helpers import plan_of
 
     ppo = PPOConfig(
         rollout_batch_size=1,
@@ -375,7 +375,11 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
         advantage_estimator="reinforce_pp",
         kl_coef=0.0,
     )
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 1, 1, 8, max_turns=2, max_episode_tokens=8)
+    plan = plan_of(
+        1,
+        ppo=ppo,
+        rollout=RolloutConfig(max_response_tokens=8, environment={"_target_": "x"}, max_turns=2, max_episode_tokens=8),
+    )
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0)
     module.manual_backward = lambda loss: loss.backward()
     prompt, response = [20, 21, 22], [30, 31, 40, 41, 42, 32, 33]
@@ -475,11 +479,11 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     observations), as TRL-style tool setups do; =environment: the sum of the environment's step rewards."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.config import PPOConfig, RolloutConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer
+    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     seen = []
@@ -502,15 +506,7 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
                 "result_format": "={}\n",
             },
         )
-        plan = compute_plan(
-            ppo,
-            RunLengthConfig(total_rollout_steps=1),
-            len(prompts),
-            1,
-            8,
-            max_turns=2,
-            max_episode_tokens=rollout.episode_tokens(),
-        )
+        plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
         engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
         dm = RolloutDataModule(
             plan=plan,
@@ -537,11 +533,11 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     on a shortfall, filled back; the batch keeps the episodes' policy masks and ids."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RolloutConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
@@ -564,15 +560,7 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
             "result_format": "={}\n",
         },
     )
-    plan = compute_plan(
-        ppo,
-        RunLengthConfig(total_rollout_steps=1),
-        len(prompts),
-        1,
-        8,
-        max_turns=2,
-        max_episode_tokens=rollout.episode_tokens(),
-    )
+    plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
     engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
     dm = RolloutDataModule(
         plan=plan,

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_end_to_end import FIXTURE_MODEL, compose_config
+from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import (
@@ -18,6 +18,7 @@ from lit_ppo.loggers import (
     make_wandb_logger,
     resolve_wandb_mode,
 )
+from tests.helpers import compose_run_config
 
 SAMPLES = [{"prompt": "3+4=", "response": "7", "reward": 1.0}, {"prompt": "10+5=", "response": "16", "reward": 0.0}]
 
@@ -132,7 +133,7 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
     from lit_ppo.training import train
 
     out = tmp_path / "run"
-    cfg = compose_config(
+    cfg = compose_run_config(
         "logger=wandb",
         "trainer.total_rollout_steps=2",
         "trainer.eval_every=1",
@@ -193,9 +194,9 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     ]
-    train(compose_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     run_id = (out / "wandb_run_id").read_text().strip()
-    train(compose_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
+    train(compose_run_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # both parts write to one run
     records = read_wandb_records(runs[-1])
@@ -204,7 +205,7 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
     steps = [row["rollout_step"] for row in history_rows(records) if "rollout/reward_mean" in row]
     assert steps == [2]  # the resumed part logs only what is new
     # A fresh start in the same directory (no resume) is a new W&B run.
-    train(compose_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     assert (out / "wandb_run_id").read_text().strip() != run_id
 
 
@@ -249,7 +250,7 @@ def test_tensorboard_logger_config_writes_events_against_the_rollout_step(tmp_pa
     import hydra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = compose_config("logger=tensorboard")
+    cfg = compose_run_config("logger=tensorboard")
     logger = hydra.utils.instantiate(cfg.logger.extra, save_dir=str(tmp_path))
     for step in (1, 2):
         logger.log_metrics({"rollout/reward_mean": 0.25 * step}, step=step)

@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from tests.helpers import compose_run_config
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,12 +57,12 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     import shutil
 
     import yaml
-    from test_end_to_end import FIXTURE_MODEL, compose_config
+    from test_end_to_end import FIXTURE_MODEL
 
     from lit_ppo.training import train
 
     run = tmp_path / "run"
-    cfg = compose_config(
+    cfg = compose_run_config(
         "trainer.total_rollout_steps=2",
         "trainer.eval_every=1",
         "model.warm_start.enabled=false",

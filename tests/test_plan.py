@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from lit_ppo import run as run_module
-from lit_ppo.config import PPOConfig, RunLengthConfig, parse_section
+from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import compute_plan
-from tests.helpers import compose_config
+from tests.helpers import compose_config, plan_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -33,14 +32,21 @@ PLAN_KEYS = (
 )
 
 
-def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2000, dp: int = 1, tokens: int = 0):
+def make_plan(ppo: dict | None = None, run: dict | None = None, dataset: int = 2000, dp: int = 1, tokens: int = 8):
     """compute_plan on a small valid base config (32 prompts x 4 samples, train batch 64, micro 16)."""
     base = dict(
         rollout_batch_size=32, n_samples_per_prompt=4, ppo_epochs=1, train_batch_size=64, micro_train_batch_size=16
     )
     base.update(ppo or {})
     length = dict(total_rollout_steps=10, data_epochs=None) if run is None else run
-    return compute_plan(PPOConfig(**base), RunLengthConfig(**length), dataset, dp, tokens)
+    return plan_of(
+        dataset,
+        ppo=PPOConfig(**base),
+        steps=length["total_rollout_steps"],
+        data_epochs=length["data_epochs"],
+        dp=dp,
+        rollout=RolloutConfig(max_response_tokens=tokens),
+    )
 
 
 # ---------------------------------------------------------------- docs/reference.md section 1 examples

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from lit_ppo import precision as prec
-from lit_ppo.config import make_plan
 from lit_ppo.errors import ConfigError
-from tests.helpers import ROOT, compose_config, read_csv
+from lit_ppo.plan import compute_plan
+from tests.helpers import ROOT, compose_config, compose_run_config, read_csv
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
@@ -54,7 +54,7 @@ def test_unsupported_precision_is_one_line(precision, named):
 
 def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
-    plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
+    plan = compute_plan(compose_run_config("strategy.accelerator=cpu"), 2000)
     assert (plan.precision, plan.rollout_dtype) == ("bf16-mixed", "bfloat16")
     table = plan.table()
     assert (
@@ -62,7 +62,7 @@ def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     )
     assert not plan.warnings
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
-    plan = make_plan(compose_config("strategy.accelerator=cpu"), 2000)
+    plan = compute_plan(compose_run_config("strategy.accelerator=cpu"), 2000)
     assert (plan.precision, plan.rollout_dtype) == ("32-true", "float32")
 
 
@@ -73,7 +73,7 @@ def test_every_strategy_config_defaults_to_auto():
 
 
 def test_plan_warns_about_bf16_true_and_top_p():
-    plan = make_plan(compose_config("strategy.precision=bf16-true", "rollout.top_p=0.9"), 2000)
+    plan = compute_plan(compose_run_config("strategy.precision=bf16-true", "rollout.top_p=0.9"), 2000)
     assert len(plan.warnings) == 2
     assert "bf16-mixed" in plan.warnings[1] and "off-distribution" in plan.warnings[0]
     assert all("\n" not in w for w in plan.warnings)
@@ -85,25 +85,16 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     from transformers import AutoTokenizer
 
     from lit_ppo import datamodule as dm
-    from lit_ppo.config import PPOConfig, RunLengthConfig
-    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from tests.helpers import plan_of
 
     started = {}
     monkeypatch.setattr(dm, "VLLMEngine", lambda model_dir, **kwargs: started.update(kwargs) or object())
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):
-        plan = compute_plan(
-            PPOConfig(),
-            RunLengthConfig(total_rollout_steps=1),
-            len(prompts),
-            1,
-            8,
-            precision="bf16-mixed",
-            rollout_dtype=prec.resolve_rollout_dtype("bf16-mixed", configured),
-        )
+        plan = plan_of(len(prompts), rollout=dm.RolloutConfig(dtype=configured), precision="bf16-mixed")
         datamodule = dm.RolloutDataModule(
             plan=plan,
             train_prompts=prompts,
@@ -133,7 +124,7 @@ FIXTURE_MODEL = [
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
     from lit_ppo.training import train
 
-    cfg = compose_config(
+    cfg = compose_run_config(
         f"strategy.precision={precision}",
         "trainer.total_rollout_steps=2",
         "trainer.eval_every=0",

@@ -117,10 +117,10 @@ def test_custom_keys_and_no_reference(tokenizer, tmp_path):
 
 def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokenizer, tmp_path, monkeypatch):
     """A chat-formatted JSONL prompt set through a real rollout: vLLM is asked with exactly the expected ids."""
-    from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+    from lit_ppo.config import PPOConfig, RolloutConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import compute_plan
     from lit_ppo.rewards import RewardScorer, integer_match
+    from tests.helpers import plan_of
 
     prompts = load_prompts(
         write_jsonl(RECORDS, tmp_path / "train.jsonl"),
@@ -131,7 +131,7 @@ def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokeni
     )
     ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
     rollout = RolloutConfig(max_response_tokens=4)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(prompts), 1, rollout.max_response_tokens)
+    plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
     datamodule = RolloutDataModule(
         plan=plan,
         train_prompts=prompts,

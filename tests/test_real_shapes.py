@@ -114,11 +114,11 @@ def make_datamodule(
     rollout_batch_size: int = 16,
     n_samples_per_prompt: int = 4,
 ):
-    from lit_ppo.config import PPOConfig, RunLengthConfig
+    from lit_ppo.config import PPOConfig
     from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.plan import compute_plan
     from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, evaluation = (load_prompts(f, tokenizer, chat_template=chat_template) for f in files)
@@ -128,7 +128,7 @@ def make_datamodule(
         train_batch_size=rollout_batch_size * n_samples_per_prompt,
         micro_train_batch_size=16,
     )
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train), 1, rollout.max_response_tokens)
+    plan = plan_of(len(train), ppo=ppo, rollout=rollout)
     return RolloutDataModule(
         plan=plan,
         train_prompts=train,

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_ppo.config import PPOConfig, RunLengthConfig
-from lit_ppo.plan import compute_plan
 from lit_ppo.report import TIMING_KEYS, write_summary
+from tests.helpers import plan_of
 
 
 def run_state(rows: list[dict]) -> SimpleNamespace:
@@ -28,7 +27,7 @@ def row(**timings: float) -> dict:
     return {"rollout/generated_tokens": 100, "rollout/reward_mean": 0.5, **timings}
 
 
-PLAN = compute_plan(PPOConfig(), RunLengthConfig(total_rollout_steps=2), dataset_prompts=64)
+PLAN = plan_of(64, steps=2)
 TIMINGS = {metric: 1.5 for metric in TIMING_KEYS.values()}
 
 

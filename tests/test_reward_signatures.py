@@ -9,14 +9,17 @@ import pytest
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, detect_signature
-from tests.test_end_to_end import compose_config
+from tests.helpers import compose_run_config
 
 PEER = "tests.fixtures.peer_rewards"
 
 
 def scorer_for(target: str, *overrides: str, answer_key: str = "answer") -> RewardScorer:
-    cfg = compose_config("reward=custom_example", f"reward.fn._target_={target}", *overrides)
-    return RewardScorer.from_config(cfg.reward, answer_key=answer_key)
+    key = "null" if answer_key is None else answer_key
+    cfg = compose_run_config(
+        "reward=custom_example", f"reward.fn._target_={target}", f"data.answer_key={key}", *overrides
+    )
+    return RewardScorer.from_config(cfg)
 
 
 @pytest.mark.parametrize(
@@ -108,8 +111,8 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
     """math-verify's own SIGALRM timeout works in process (main thread) and in a worker's main thread, and
     what it cannot decide is a reward timeout, not a silent 0."""
     overrides = ["reward=math", "reward.fn.timeout_s=1", f"reward.workers={workers}", "reward.timeout_s=30"]
-    cfg = compose_config(*overrides, "reward.on_error=zero")
-    scorer = RewardScorer.from_config(cfg.reward)
+    cfg = compose_run_config(*overrides, "reward.on_error=zero")
+    scorer = RewardScorer.from_config(cfg)
     try:
         scores = scorer(["q0", "q1"], ["#### 5", PATHOLOGICAL], ["5", "5"], [{}] * 2, [False] * 2)
         assert scores == [1.0, 0.0]
@@ -131,7 +134,7 @@ def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_p
     from lit_ppo.training import train
     from tests.test_end_to_end import FIXTURE_MODEL
 
-    cfg = compose_config(
+    cfg = compose_run_config(
         "reward=custom_example",
         "reward.fn._target_=tests.fixtures.peer_rewards.flaky_verifier",
         f"+reward.fn.state_dir={tmp_path}",

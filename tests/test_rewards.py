@@ -10,7 +10,7 @@ import torch
 from lit_ppo.errors import ConfigError
 from lit_ppo.math_reward import extract_answer, math_reward
 from lit_ppo.rewards import RewardError, RewardScorer, SequenceClassifierReward
-from tests.test_end_to_end import compose_config
+from tests.helpers import compose_run_config
 
 # ------------------------------------------------------------------ the math verifier
 
@@ -113,7 +113,7 @@ def test_format_weight_and_last_number_fallback():
 
 
 def test_math_reward_through_the_config_and_scorer():
-    scorer = RewardScorer.from_config(compose_config("reward=math", "reward.fn.format_weight=0.1").reward)
+    scorer = RewardScorer.from_config(compose_run_config("reward=math", "reward.fn.format_weight=0.1"))
     scores = scorer(["p"] * 3, ["#### 1,000", "#### 7", "7"], ["1000", "8", "7"], [{}] * 3, [False] * 3)
     assert scores == pytest.approx([1.1, 0.1, 0.0])
     assert scorer.metrics == pytest.approx(
@@ -122,7 +122,7 @@ def test_math_reward_through_the_config_and_scorer():
 
 
 def test_math_reward_without_reference_names_the_sample():
-    scorer = RewardScorer.from_config(compose_config("reward=math").reward)
+    scorer = RewardScorer.from_config(compose_run_config("reward=math"))
     with pytest.raises(RewardError, match=r"failed on sample 1 \(prompt 'b'.*no reference answer .*data.answer_key"):
         scorer(["a", "b"], ["#### 1", "#### 2"], ["1", None], [{}, {}], [False, False])
 
@@ -201,7 +201,7 @@ def test_contract_violations():
 def test_overlong_penalty_applies_to_truncated_responses_only():
     scorer = RewardScorer(fn=exact_length, overlong_penalty=0.5)
     assert call(scorer, ["ab", "abcd", "abc"], truncated=[False, True, False]) == [2.0, 3.5, 3.0]
-    cfg = compose_config("reward=math", "reward.overlong_penalty=1.0").reward
+    cfg = compose_run_config("reward=math", "reward.overlong_penalty=1.0")
     scorer = RewardScorer.from_config(cfg)
     assert scorer(["p", "p", "p"], ["#### 5", "#### 9", "#### 5"], ["5"] * 3, [{}] * 3, [True, True, False]) == [
         0.0,
@@ -211,7 +211,7 @@ def test_overlong_penalty_applies_to_truncated_responses_only():
 
 
 def test_a_bad_target_is_a_config_error():
-    cfg = compose_config("reward=custom_example", "reward.fn._target_=tests.test_rewards.no_such_function").reward
+    cfg = compose_run_config("reward=custom_example", "reward.fn._target_=tests.test_rewards.no_such_function")
     with pytest.raises(ConfigError, match="reward.fn: cannot build 'tests.test_rewards.no_such_function'"):
         RewardScorer.from_config(cfg)
 
@@ -248,9 +248,7 @@ def reward_model_dir(tmp_path_factory) -> str:
 def test_reward_model_scores_prompt_plus_response(reward_model_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    cfg = compose_config(
-        "reward=reward_model", f"reward.fn.model_dir={reward_model_dir}", "reward.fn.batch_size=2"
-    ).reward
+    cfg = compose_run_config("reward=reward_model", f"reward.fn.model_dir={reward_model_dir}", "reward.fn.batch_size=2")
     scorer = RewardScorer.from_config(cfg)
     assert isinstance(scorer.fn, SequenceClassifierReward)
     prompts, responses = ["1+1=", "What is 12+30? ", "x"], ["2", "42", "a much longer response"]
@@ -275,7 +273,7 @@ def test_reward_model_configuration_errors(reward_model_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["arithmetic", "math", "custom_example"])
 def test_every_reward_config_builds_a_scorer(name):
-    scorer = RewardScorer.from_config(compose_config(f"reward={name}").reward)
+    scorer = RewardScorer.from_config(compose_run_config(f"reward={name}"))
     assert callable(scorer.fn) and scorer.on_error == "raise"
 
 
@@ -323,7 +321,7 @@ def evaluate_with(responses: list[list[str]], references: list[str], scorer: Rew
 
 def test_pass_at_k_with_format_weight_counts_only_correct_answers():
     # Prompt 0: two well-formatted wrong answers (reward 0.1 each from format_weight); prompt 1: one right answer.
-    scorer = RewardScorer.from_config(compose_config("reward=math", "reward.fn.format_weight=0.1").reward)
+    scorer = RewardScorer.from_config(compose_run_config("reward=math", "reward.fn.format_weight=0.1"))
     result = evaluate_with([["#### 5", "#### 9"], ["#### 8", "#### 7"]], ["4", "7"], scorer)
     assert result["eval/pass@2"] == 0.5
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ppo.config import PPOConfig, RolloutConfig, RunLengthConfig
+from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.experience import pack
-from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
-from tests.helpers import build_run
+from tests.helpers import build_run, plan_of
 
 PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
 
@@ -53,7 +52,7 @@ def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_over
             **ppo_overrides,
         }
     )
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
+    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout)
     return RolloutDataModule(
         plan=plan,
         train_prompts=train_prompts,

@@ -18,17 +18,16 @@ from lit_ppo.config import (
     PPOConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
-    RunLengthConfig,
     validate_ppo,
 )
 from lit_ppo.datamodule import RolloutBatch, RolloutDataModule
 from lit_ppo.errors import ConfigError, RolloutMismatchError
 from lit_ppo.experience import micro_batch_groups, pack, padding_fraction
 from lit_ppo.module import PPOModule
-from lit_ppo.plan import compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_plan
 from lit_ppo.rewards import RewardScorer, integer_match
+from tests.helpers import plan_of
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
 ON_POLICY = {
@@ -106,7 +105,7 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     rollout = RolloutConfig(max_response_tokens=16)
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), len(train_prompts), 1, rollout.max_response_tokens)
+    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout)
     datamodule = FixedBatchDataModule(
         plan=plan,
         train_prompts=train_prompts,
@@ -199,7 +198,7 @@ def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
     from lit_ppo.config import parse_section
 
     ppo = parse_section(PPOConfig, {**ON_POLICY, **overrides}, "ppo")
-    plan = compute_plan(ppo, RunLengthConfig(total_rollout_steps=1), 64)
+    plan = plan_of(64, ppo=ppo)
     assert plan.old_logprobs_source == source
     assert any(line.startswith("old log-probs") and source in line for line in plan.table().splitlines())
     write_plan(plan, tmp_path, "test")

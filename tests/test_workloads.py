@@ -6,8 +6,8 @@ import json
 import logging
 from pathlib import Path
 
-from tests.helpers import read_csv, write_jsonl
-from tests.test_end_to_end import FIXTURE_MODEL, compose_config
+from tests.helpers import compose_run_config, read_csv, write_jsonl
+from tests.test_end_to_end import FIXTURE_MODEL
 
 SMALL_RUN = [
     "trainer.total_rollout_steps=2",
@@ -45,7 +45,7 @@ def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path)
     by_prompt = {r["prompt"]: r for r in records}
     train_file = write_jsonl(records, tmp_path / "train.jsonl")
     calls = tmp_path / "calls.jsonl"
-    cfg = compose_config(
+    cfg = compose_run_config(
         "data=file",
         f"data.path={train_file}",
         "data.extra_keys=[level,fail]",
@@ -94,7 +94,7 @@ def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
     rows = [{"question": q, "answer": a} for q, a in GSM8K_TRAIN]
     train_file = write_jsonl(rows + [{"question": "No answer field here?"}], tmp_path / "train.jsonl")
     eval_file = write_jsonl(rows[:2], tmp_path / "test.jsonl")
-    cfg = compose_config(
+    cfg = compose_run_config(
         "data=gsm8k",
         f"data.path={train_file}",
         f"data.eval_path={eval_file}",
