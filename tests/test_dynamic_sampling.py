@@ -26,8 +26,25 @@ def even_answers_are_uniform(prompts, responses, references, extras):
     ]
 
 
+def trl_reward_none_for_multiples_of_3(prompts, completions, answer, **kwargs):
+    """A TRL-style reward: None ("does not apply") for every sample of a prompt whose answer is a multiple of 3,
+    otherwise `even_answers_are_uniform`'s score."""
+    scores = even_answers_are_uniform(prompts, completions, answer, [{}] * len(completions))
+    return [None if int(a) % 3 == 0 else s for s, a in zip(scores, answer)]
+
+
 def run(
-    paths, engine, tmp_path, *, steps=4, rounds=3, on_shortfall="fill", callbacks=(), resume_from=None, crash_after=None
+    paths,
+    engine,
+    tmp_path,
+    *,
+    steps=4,
+    rounds=3,
+    on_shortfall="fill",
+    callbacks=(),
+    resume_from=None,
+    crash_after=None,
+    reward_fn=even_answers_are_uniform,
 ):
     callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=1, keep=10), *callbacks]
     callbacks += [CrashAfter(crash_after)] if crash_after else []
@@ -37,7 +54,7 @@ def run(
         paths[1],
         tmp_path,
         total_rollout_steps=steps,
-        reward_fn=even_answers_are_uniform,
+        reward_fn=reward_fn,
         callbacks=callbacks,
         advantage_estimator="grpo",
         kl_coef=0.0,
@@ -94,6 +111,20 @@ def test_refill_keeps_the_planned_optimizer_steps_and_counts_what_it_drew(full_r
     )
     assert max(r["rollout/generation_rounds"] for r in module.history) > 1
     assert first_round > plan.generation_rounds_per_data_epoch == 8
+
+
+def test_reward_counts_are_summed_over_every_round(paths, engine, tmp_path):
+    """rollout/reward_none (and the other scorer counts: errors, timeouts) count the samples of every generation
+    round of the step, the dropped groups' included; they used to vanish under dynamic sampling."""
+    module, datamodule, _, _ = run(paths, engine, tmp_path, steps=2, reward_fn=trl_reward_none_for_multiples_of_3)
+    answers = [int(p.reference) for p in datamodule.train_prompts.prompts]
+    first_round = 0
+    for row in module.history:
+        rounds = row["rollout/generation_rounds"]
+        drawn = [i for r in range(first_round, first_round + rounds) for i in datamodule.round_prompt_indices(r)]
+        first_round += rounds
+        assert row["rollout/reward_none"] == 4 * sum(answers[i] % 3 == 0 for i in drawn) > 0  # 4 samples a prompt
+        assert row["rollout/reward_errors"] == row["rollout/reward_timeouts"] == 0
 
 
 def test_resume_mid_run_matches_an_uninterrupted_run(paths, engine, full_run, tmp_path):

@@ -380,6 +380,16 @@ BAD_OVERRIDES = [
     ("grpo_one_sample", ["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=1"], ["ppo.n_samples_per_prompt"]),
     ("micro_x_ranks", ["strategy.devices=4"], ["ppo.micro_train_batch_size"]),
     ("bad_mode", ["mode=dry"], ["mode"]),
+    # Misspelled keys in every group (Hydra tells the user to add `+`; then the typed settings refuse them).
+    ("unknown_reward_key", ["+reward.timeout=5"], ["reward.timeout", "did you mean reward.timeout_s"]),
+    ("unknown_trainer_key", ["+trainer.total_rolout_steps=5"], ["trainer.total_rolout_steps", "total_rollout_steps"]),
+    ("unknown_model_key", ["+model.gradient_checkpoint=true"], ["model.gradient_checkpoint", "gradient_checkpointing"]),
+    ("unknown_data_key", ["+data.max_prompt_len=64"], ["data.max_prompt_len"]),
+    ("unknown_strategy_key", ["+strategy.gpus=2"], ["strategy.gpus"]),
+    ("unknown_tiny_key", ["+model.tiny.layers=2"], ["model.tiny.layers"]),
+    ("unknown_rollout_key", ["+rollout.temprature=0.7"], ["rollout.temprature", "rollout.temperature"]),
+    ("unknown_root_key", ["+sed=1"], ["sed", "seed"]),
+    ("unset_data_path", ["data=file"], ["data.path", "not set"]),
 ]
 
 

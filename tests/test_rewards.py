@@ -335,3 +335,15 @@ def test_pass_at_k_without_a_correct_metric_uses_the_solved_threshold():
     assert result["eval/pass@2"] == 0.5
     result = evaluate_with([["1", "2"], ["3", "4"]], ["2", "9"], RewardScorer(fn=partial, solved_threshold=0.5))
     assert result["eval/pass@2"] == 1.0
+
+
+def test_dapo_overlong_shaping_measures_an_episode_against_the_episode_budget():
+    """In an episode rollout.max_response_tokens is one turn's budget; the overlong shaping compares the whole
+    episode (turns and observations, up to rollout.max_episode_tokens=2048 here) with the episode's budget, so an
+    episode of 1,500 tokens under gsm8k_tools' 1,024-token turns is not penalized."""
+    config = compose_run_config("+experiment=gsm8k_tools", "ppo=dapo", "reward.overlong_buffer_tokens=512")
+    assert (config.rollout.max_response_tokens, config.rollout.response_budget_tokens()) == (1024, 2048)
+    scorer = RewardScorer.from_config(config)
+    scores = scorer(["q"] * 3, ["#### 5"] * 3, ["5"] * 3, [{}] * 3, [False] * 3, lengths=[1500, 1800, 2048])
+    # Linear over the last 512 tokens before 2048: 1500 is before the buffer; 1800 is 264 into it.
+    assert scores == pytest.approx([1.0, 1.0 - 264 / 512, 0.0])
