@@ -396,7 +396,7 @@ def describe(model_dir: Path) -> str:
 def section_checkpointing(report: Report, cfg) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lit_ppo.experience import pack
+    from lit_ppo.batching import pack
     from lit_ppo.logits import logprobs_and_entropy
     from lit_ppo.models import prepare_for_training
 

@@ -15,7 +15,6 @@ run is warm-up (optimizer state allocation) and not counted.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import torch
@@ -34,31 +33,9 @@ from common import (
 )
 
 from lit_ppo import algorithms as algo
-from lit_ppo.datamodule import RolloutBatch, RolloutDataModule
+from lit_ppo.batch import RolloutBatch
 from lit_ppo.prompts import load_prompts
-
-
-class NullEngine:
-    """Stands in for vLLM: the training phase needs neither generation nor weight sync."""
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def sync_weights(self, named_tensors) -> None:
-        pass
-
-
-class FixedBatchDataModule(RolloutDataModule):
-    """Serves the same rollout batch at every rollout step instead of generating one."""
-
-    fixed_batch: RolloutBatch
-
-    def produce_rollout(self, rollout_step: int) -> RolloutBatch:
-        self.next_rollout_step = rollout_step + 1
-        return dataclasses.replace(self.fixed_batch, rollout_step=rollout_step)
+from lit_ppo.testing import FixedBatchDataModule, NullEngine
 
 
 def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: range, seed: int) -> RolloutBatch:

@@ -242,9 +242,6 @@ def ppo_policy_loss(
     return loss, clip_active
 
 
-policy_loss = ppo_policy_loss  # the name the clipped surrogate had before the registry
-
-
 def gspo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -412,13 +409,6 @@ def value_loss(
     clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
     clipped = (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).to(values.dtype)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax over the last dim, without materialising the probabilities twice."""
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    shifted = logits - logits.max(dim=-1, keepdim=True).values.detach()  # exact, and stable for large logits
-    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * shifted).sum(-1)
 
 
 # ---------------------------------------------------------------- aggregation

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
 from lit_ppo.distributed import global_sum, world_size
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
@@ -44,40 +45,6 @@ def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: boo
     if chat_template and rollout.stop_at_end_of_turn:
         ids += [i for i in end_of_turn_token_ids(tokenizer) if i not in ids]
     return ids
-
-
-@dataclass
-class RolloutBatch:
-    """This rank's samples of one rollout step; samples of a prompt are contiguous."""
-
-    rollout_step: int
-    data_epoch: int
-    prompt_positions: list[int]  # per sample: its prompt's position in the GLOBAL rollout batch
-    dataset_indices: list[int]  # per sample: its prompt's index in the training prompts
-    prompt_ids: list[list[int]]  # per sample
-    response_ids: list[list[int]]  # per sample
-    # per sample, per response token: the sampler's (vLLM's) log-prob of the sampled token, after temperature
-    # and top-p; None for batches that no sampler produced (benchmarks with fixed responses)
-    rollout_logprobs: list[list[float]] | None
-    rewards: torch.Tensor  # [N]
-    truncated: torch.Tensor  # [N] bool
-    prompts: list[str]
-    responses: list[str]
-    references: list
-    generate_seconds: float
-    reward_seconds: float
-    reward_metrics: dict[str, float]
-    # Dynamic sampling (global counts, the same on every rank); one round of rollout_batch_size prompts without it.
-    generation_rounds: int = 1
-    dropped_groups: int = 0  # groups of equal rewards left out of the batch
-    filled_groups: int = 0  # of those, groups put back to fill a shortfall (on_shortfall=fill)
-    prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
-    # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
-    policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
-    episode_ids: list[list[int]] | None = (
-        None  # per sample: prompt + response as vLLM saw them (rollout.check_token_ids)
-    )
-    episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)
 
 
 @dataclass
@@ -223,13 +190,6 @@ class RolloutDataModule(L.LightningDataModule):
         batch = order[offset * size : (offset + 1) * size]
         positions = self.rank_positions(size)
         return batch[positions.start : positions.stop].tolist()
-
-    def prompt_indices(self, rollout_step: int) -> list[int]:
-        """Without dynamic sampling: this rank's prompts at `rollout_step` (round = rollout step)."""
-        return self.round_prompt_indices(rollout_step)
-
-    def data_epoch(self, rollout_step: int) -> int:
-        return rollout_step // self.plan.rollout_steps_per_data_epoch
 
     # ------------------------------------------------------------ rollouts
 
@@ -535,5 +495,4 @@ class RolloutDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
-        # Checkpoints from before generation rounds: one round per rollout step.
-        self.next_generation_round = state.get("next_generation_round", self.next_rollout_step)
+        self.next_generation_round = state["next_generation_round"]

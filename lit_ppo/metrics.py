@@ -12,7 +12,10 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.config import PPOConfig
 from lit_ppo.experience import Experience
+from lit_ppo.plan import StepPlan
 from lit_ppo.rewards import COUNT_METRICS
 
 Reduce = Callable[[Tensor], Tensor]
@@ -144,14 +147,14 @@ class MeanOver:
 
 
 def rollout_step_row(
-    batch,
+    batch: RolloutBatch,
     exp: Experience,
     train_metrics: dict[str, float],
     timings: dict[str, float],
     *,
     counters: dict[str, int],
-    plan,
-    ppo,
+    plan: StepPlan,
+    ppo: PPOConfig,
     extra: dict[str, float],
     global_sum: Reduce = _identity,
     global_max: Reduce = _identity,
@@ -173,7 +176,7 @@ def rollout_step_row(
             global_max=global_max,
         )
     )
-    if getattr(batch, "episode_stats", None):  # multi-turn episodes
+    if batch.episode_stats:  # multi-turn episodes
         row.update(episode_metrics(batch.episode_stats, global_sum=global_sum, device=exp.mask.device))
     if exp.logprob_abs_diff_mean is not None:  # already global
         row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
@@ -181,8 +184,10 @@ def rollout_step_row(
     if plan.dynamic_sampling:  # global counts already, the same on every rank
         row.update(
             {
-                f"rollout/{k}": getattr(batch, k)
-                for k in ("generation_rounds", "dropped_groups", "filled_groups", "prompts_consumed")
+                "rollout/generation_rounds": batch.generation_rounds,
+                "rollout/dropped_groups": batch.dropped_groups,
+                "rollout/filled_groups": batch.filled_groups,
+                "rollout/prompts_consumed": batch.prompts_consumed,
             }
         )
     row.update(extra)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from lit_ppo.experience import MicroBatch
+from lit_ppo.batching import MicroBatch
 from lit_ppo.plan import StepPlan
 
 

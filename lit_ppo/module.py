@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
 from lit_ppo.checkpoints import module_state, restore_module_state
 from lit_ppo.config import PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
@@ -34,15 +36,11 @@ from lit_ppo.errors import ConfigError
 from lit_ppo.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
-    MicroBatch,
     dump_experience,
     experience_from_forwards,
     loss_denominators,
     next_kl_coef,
     old_logprobs_from_training,
-    packed_micro_batches,
-    padded_tokens,
-    rank_micro_batch_groups,
 )
 from lit_ppo.logits import logprobs_and_entropy
 from lit_ppo.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
@@ -124,16 +122,16 @@ class PPOModule(L.LightningModule):
         """In float32 chunks (lit_ppo.logits): never a float32 copy of the whole [B, T, V]."""
         return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
 
-    def _micro_batch_groups(self, batch, indices: list[int]) -> list[list[int]]:
+    def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
-    def _micro_batches(self, batch, groups: list[list[int]]):
+    def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
         return packed_micro_batches(batch, groups, self.pad_token_id, self.device)
 
     # ------------------------------------------------------------ experience
 
     @torch.no_grad()
-    def make_experience(self, batch) -> Experience:
+    def make_experience(self, batch: RolloutBatch) -> Experience:
         """Old log-probs, reference log-probs and values (once per rollout step), then advantages."""
         N = len(batch.response_ids)
         T = max(1, max(len(r) for r in batch.response_ids))
@@ -185,7 +183,7 @@ class PPOModule(L.LightningModule):
     def minibatch_schedule(self, num_samples: int) -> list[list[list[int]]]:
         return minibatch_schedule(self.plan, num_samples, self.shuffle_generator)
 
-    def train_on_experience(self, batch, exp: Experience) -> dict[str, float]:
+    def train_on_experience(self, batch: RolloutBatch, exp: Experience) -> dict[str, float]:
         """`ppo_epochs` passes over the batch, one optimizer step per mini-batch; returns the updates' mean metrics."""
         optimizers, schedulers = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]

@@ -115,7 +115,7 @@ def advantages(name: str, b, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
 
 def policy_loss_terms(model, b) -> torch.Tensor:
     logp = token_logprobs(model, b["features"], b["targets"])
-    loss, _ = alg.policy_loss(logp, b["old_logp"], b["policy_advantages"], **CLIP)
+    loss, _ = alg.ppo_policy_loss(logp, b["old_logp"], b["policy_advantages"], **CLIP)
     return loss  # [B, T]
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from lit_ppo.batching import pack
 from lit_ppo.environments import (
     CalculatorEnvironment,
     CalculatorError,
@@ -26,7 +27,6 @@ from lit_ppo.episodes import (
     run_episodes,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
-from lit_ppo.experience import pack
 from lit_ppo.prompts import Prompt
 from lit_ppo.rollout import Generation
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lit_ppo.batching import pack
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.datamodule import RolloutDataModule
-from lit_ppo.experience import pack
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
 from tests.helpers import build_run, plan_of

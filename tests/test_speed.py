@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.batching import micro_batch_groups, pack, padding_fraction
 from lit_ppo.build import TRAINER_FLAGS
 from lit_ppo.config import (
     PPOConfig,
@@ -20,13 +22,12 @@ from lit_ppo.config import (
     RolloutCorrectionConfig,
     validate_ppo,
 )
-from lit_ppo.datamodule import RolloutBatch, RolloutDataModule
 from lit_ppo.errors import ConfigError, RolloutMismatchError
-from lit_ppo.experience import micro_batch_groups, pack, padding_fraction
 from lit_ppo.module import PPOModule
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_plan
 from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.testing import FixedBatchDataModule, NullEngine
 from tests.helpers import plan_of
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
@@ -42,27 +43,6 @@ ON_POLICY = {
     "loss_agg_mode": "seq-mean-token-mean",
     "actor_lr": 1e-3,
 }
-
-
-class NullEngine:
-    """Stands in for vLLM: these runs train on a fixed batch."""
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def sync_weights(self, named_tensors) -> None:
-        pass
-
-
-class FixedBatchDataModule(RolloutDataModule):
-    fixed_batch: RolloutBatch
-
-    def produce_rollout(self, rollout_step: int) -> RolloutBatch:
-        self.next_rollout_step = rollout_step + 1
-        return dataclasses.replace(self.fixed_batch, rollout_step=rollout_step)
 
 
 def fixed_batch(n_prompts: int = 4, n: int = 2, seed: int = 0) -> RolloutBatch:

@@ -62,7 +62,7 @@ def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmeti
 
 def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmetic_files, tmp_path):
     """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
-    from lit_ppo.experience import pack
+    from lit_ppo.batching import pack
 
     # A reward that varies between samples, so the random policy gets a learning signal.
     trainer, module, datamodule, _ = build_run(

@@ -1,0 +1,42 @@
+"""The rollout batch: what the rollout side (lit_ppo/datamodule.py and the engines) hands to the training side
+(lit_ppo/module.py, batching.py, experience.py, metrics.py). Both import it; neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's samples of one rollout step; samples of a prompt are contiguous. Per-sample lists are in the
+    same order; N is their length."""
+
+    rollout_step: int
+    data_epoch: int
+    prompt_positions: list[int]  # per sample: its prompt's position in the GLOBAL rollout batch
+    dataset_indices: list[int]  # per sample: its prompt's index in the training prompts
+    prompt_ids: list[list[int]]  # per sample
+    response_ids: list[list[int]]  # per sample
+    # per sample, per response token: the sampler's (vLLM's) log-prob of the sampled token, after temperature
+    # and top-p; None for batches that no sampler produced (benchmarks with fixed responses)
+    rollout_logprobs: list[list[float]] | None
+    rewards: torch.Tensor  # [N]
+    truncated: torch.Tensor  # [N] bool
+    prompts: list[str]
+    responses: list[str]
+    references: list
+    generate_seconds: float
+    reward_seconds: float
+    reward_metrics: dict[str, float]
+    # Dynamic sampling (global counts, the same on every rank); one round of rollout_batch_size prompts without it.
+    generation_rounds: int = 1
+    dropped_groups: int = 0  # groups of equal rewards left out of the batch
+    filled_groups: int = 0  # of those, groups put back to fill a shortfall (on_shortfall=fill)
+    prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
+    # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
+    policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
+    episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (check_token_ids)
+    episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)
