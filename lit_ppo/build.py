@@ -14,6 +14,7 @@ import lightning as L
 
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.datamodule import RolloutDataModule
+from lit_ppo.hf_engine import HFEngine
 from lit_ppo.module import PPOModule
 from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import PromptSet
@@ -73,7 +74,8 @@ def build_run(
     datamodule_class: type[RolloutDataModule] = RolloutDataModule,
 ) -> tuple[L.Trainer, PPOModule, RolloutDataModule]:
     """The trainer, module and data module of one run. `engine`: a vLLM engine to share (single process only);
-    None starts one per rank in the data module's setup."""
+    None starts one per rank in the data module's setup. With rollout.engine=hf the data module is given an
+    `HFEngine` on the module's actor."""
     quiet_known_warnings()
     datamodule = datamodule_class(
         plan=plan,
@@ -99,6 +101,16 @@ def build_run(
         temperature=rollout.temperature,
         max_logprob_abs_diff=rollout.max_logprob_abs_diff,
     )
+    if rollout.engine == "hf":  # the actor itself generates: the engine holds the module's model, not a copy
+        if engine is not None:
+            raise ValueError("build_run: rollout.engine=hf generates with this run's actor; pass engine=None")
+        datamodule.engine = HFEngine(
+            module.actor,
+            tokenizer,
+            precision=plan.precision,
+            seed=seed,
+            max_batch_sequences=rollout.hf_max_batch_sequences,
+        )
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,

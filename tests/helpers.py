@@ -73,6 +73,7 @@ def build_run(
         rollout.max_response_tokens,
         max_turns=rollout.max_turns if rollout.environment else 1,
         max_episode_tokens=rollout.episode_tokens(),
+        rollout_engine=rollout.engine,
     )
     trainer, module, datamodule = build_product_run(
         plan=plan,
