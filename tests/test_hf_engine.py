@@ -274,3 +274,22 @@ def test_the_plan_names_the_engine():
     hf = make_plan(compose_config("rollout.engine=hf", "strategy=ddp", "strategy.devices=2"), 1000)
     assert "shares its weights, no sync" in hf.table() and "vLLM dtype" not in hf.table()
     assert "weights synced after each rollout step" in make_plan(compose_config(), 1000).table()
+
+
+def test_ddp_on_cpu_samples_and_trains_as_one_process(tmp_path):
+    """`strategy=ddp strategy.devices=2 strategy.accelerator=cpu rollout.engine=hf`: each rank's actor generates its
+    half of every rollout batch (no collective inside generate), and the samples of both rollout steps, their
+    advantages and the final actor are those of one process (tests/test_ddp.py's settings, float32)."""
+    from tests.test_ddp import DDP, experience, final_actor, train_cli
+
+    single = train_cli(tmp_path / "single", tmp_path / "cache", "rollout.engine=hf", "rollout.temperature=0.7")
+    ddp = train_cli(tmp_path / "ddp", tmp_path / "cache", "rollout.engine=hf", "rollout.temperature=0.7", *DDP)
+    for step in range(2):
+        one, two = experience(single, step, world=1), experience(ddp, step, world=2)
+        assert two["shard_sizes"] == [64, 64]
+        assert two["prompt_positions"] == one["prompt_positions"] and two["response_ids"] == one["response_ids"]
+        assert torch.allclose(two["advantages"], one["advantages"], atol=1e-5)
+    rows = read_csv(ddp / "metrics.csv")
+    assert all(float(r["rollout/logprob_abs_diff"]) < 1e-4 for r in rows)
+    ours, theirs = final_actor(ddp), final_actor(single)
+    assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in theirs)
