@@ -14,6 +14,7 @@ import lightning as L
 
 from lit_ppo.config import RunConfig
 from lit_ppo.datamodule import RolloutDataModule
+from lit_ppo.hf_engine import HFEngine
 from lit_ppo.module import PPOModule
 from lit_ppo.plan import StepPlan
 from lit_ppo.prompts import PromptSet
@@ -64,7 +65,8 @@ def build_run(
     """The trainer, module and data module of one run: `config` and its `plan`, the initial policy's directory and
     tokenizer, the (train, eval) prompts, the scorer, and where metrics.csv goes. `engine`: a vLLM engine to share
     (single process only); None starts one per rank in the data module's setup. `strategy`: the Lightning strategy
-    built from `config.strategy.lightning`."""
+    built from `config.strategy.lightning`. With rollout.engine=hf the data module is given an `HFEngine` on the
+    module's actor."""
     quiet_known_warnings()
     train_prompts, eval_prompts = prompts
     datamodule = datamodule_class(
@@ -91,6 +93,17 @@ def build_run(
         temperature=config.rollout.temperature,
         max_logprob_abs_diff=config.rollout.max_logprob_abs_diff,
     )
+    rollout = config.rollout
+    if rollout.engine == "hf":  # the actor itself generates: the engine holds the module's model, not a copy
+        if engine is not None:
+            raise ValueError("build_run: rollout.engine=hf generates with this run's actor; pass engine=None")
+        datamodule.engine = HFEngine(
+            module.actor,
+            tokenizer,
+            precision=plan.precision,
+            seed=config.seed,
+            max_batch_sequences=rollout.hf_max_batch_sequences,
+        )
     trainer = L.Trainer(
         accelerator=config.strategy.accelerator,
         devices=config.strategy.devices,

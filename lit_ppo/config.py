@@ -158,8 +158,16 @@ class PPOConfig:
         validate_ppo(self)
 
 
+ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
+    engine: str = "vllm"
+    """vllm: a vLLM engine in this process, the actor's weights synced into it after each rollout step; hf: the actor
+    itself generates through Hugging Face generate (lit_ppo/hf_engine.py: no vLLM, no copy, no sync; not with FSDP)."""
+    hf_max_batch_sequences: int | None = None
+    """With engine=hf: sequences per generate call at most (a batch's KV cache and logits); null: a call's all."""
     max_response_tokens: int = 8
     """Tokens generated per response at most."""
     temperature: float = 1.0
@@ -559,6 +567,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
+        validate_rollout_engine(self.rollout, self.strategy)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -602,7 +611,11 @@ def planned_dataset_size(data: DataConfig) -> tuple[int, str]:
 
 
 def validate_rollout(rollout: RolloutConfig) -> None:
-    """The episode settings (the others are checked where they are used)."""
+    """The engine's name and the episode settings (the others are checked where they are used)."""
+    if rollout.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
+    if rollout.hf_max_batch_sequences is not None:
+        _positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
     _positive("rollout", max_turns=rollout.max_turns)
     if rollout.max_episode_tokens is not None:
         _positive("rollout", max_episode_tokens=rollout.max_episode_tokens)
@@ -617,4 +630,25 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.max_turns={rollout.max_turns} without rollout.environment: nothing answers the "
             "policy between turns; fix: set rollout.environment._target_ (docs/environments.md) or max_turns=1"
+        )
+
+
+def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
+    """rollout.engine=hf against the strategy and its precision."""
+    from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
+
+    if rollout.engine != "hf":
+        return
+    precision = resolve_precision(strategy.precision, strategy.accelerator)
+    target = str((strategy.lightning or {}).get("_target_") or "")
+    if strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy")):
+        raise ConfigError(
+            "rollout.engine=hf with strategy=fsdp: a sharded actor would gather every layer for every generated token, "
+            "on all ranks in lock-step; fix: strategy=ddp (each rank holds the whole actor) or rollout.engine=vllm"
+        )
+    own = resolve_rollout_dtype(precision, None)
+    if rollout.dtype is not None and rollout.dtype != own:
+        raise ConfigError(
+            f"rollout.dtype={rollout.dtype} with rollout.engine=hf: the actor generates in the trainer's precision "
+            f"(strategy.precision={precision}: {own}); fix: rollout.dtype=null"
         )

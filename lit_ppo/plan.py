@@ -68,7 +68,8 @@ class StepPlan:
     generation_rounds_per_data_epoch: int = 0
     dynamic_sampling_on_shortfall: str = "fill"
     precision: str = "32-true"  # resolved (lit_ppo.precision): 32-true, bf16-mixed or bf16-true
-    rollout_dtype: str = "float32"  # vLLM's dtype
+    rollout_dtype: str = "float32"  # vLLM's dtype (rollout.engine=hf: the trainer's compute dtype)
+    rollout_engine: str = "vllm"  # rollout.engine: vllm, or hf (the actor generates; shares its weights, no sync)
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (padded tokens / forward-backward / rank)
     # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
@@ -165,7 +166,12 @@ class StepPlan:
             ("critic", "yes" if self.critic_enabled else "no", ""),
             ("reference model", "yes" if self.reference_enabled else "no", ""),
             ("precision", self.precision, describe_precision(self.precision)),
-            ("vLLM dtype", self.rollout_dtype, "sampling"),
+            *(
+                [("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")]
+                if self.rollout_engine == "hf"
+                else [("engine", "vllm", "vLLM in this process: the actor's weights synced after each rollout step")]
+            ),
+            ("vLLM dtype" if self.rollout_engine == "vllm" else "rollout dtype", self.rollout_dtype, "sampling"),
         ]
         width = max(len(r[0]) for r in rows)
         lines = ["Step plan", "-" * (width + 30)]
@@ -326,6 +332,7 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         dynamic_sampling_on_shortfall=ds.on_shortfall,
         precision=precision,
         rollout_dtype=rollout_dtype,
+        rollout_engine=rollout.engine,
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
         max_turns=max_turns,

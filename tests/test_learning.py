@@ -20,6 +20,7 @@ RUNS = {
     "cispo": ["ppo=cispo"],
     "temperature_0.7": ["rollout.temperature=0.7"],
     "bf16_mixed": ["strategy.precision=bf16-mixed"],
+    "hf_engine": ["rollout.engine=hf"],  # issue 28: the actor generates through Hugging Face generate, no vLLM
 }
 
 
