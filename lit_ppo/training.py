@@ -25,11 +25,12 @@ from lit_ppo.atomic import (
     atomic_path,
 )
 from lit_ppo.build import build_run, quiet_known_warnings
-from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
+from lit_ppo.checkpoints import RolloutCheckpoint, check_run_directory, resolve_resume
 from lit_ppo.config import RolloutConfig, make_plan, parse_config, parse_section
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import SampleTableLogger
+from lit_ppo.preemption import Preemption
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
@@ -223,6 +224,7 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     ppo, _ = parse_config(cfg)  # fail on config errors before anything heavy
     rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
+        check_run_directory(cfg, output_dir)  # before this run writes anything into it
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     train_path, eval_path, train_records = prepare_data(cfg, output_dir, write=rank_zero)
@@ -263,7 +265,12 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
         eval_every=cfg.trainer.eval_every,
         metrics_path=str(output_dir / "metrics.csv"),
         max_consecutive_skipped_updates=cfg.trainer.max_consecutive_skipped_updates,
-        callbacks=[RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
+        callbacks=[
+            RolloutProgressBar(plan.total_rollout_steps),
+            checkpoints,
+            Preemption(checkpoints),
+            SampleTableLogger(),
+        ],
         loggers=extra_loggers(cfg, output_dir, resume_from),
         accelerator=strategy.accelerator,
         devices=strategy.devices,
