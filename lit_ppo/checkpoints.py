@@ -155,8 +155,8 @@ def check_run_directory(cfg, output_dir: Path) -> None:
             f"resume={resume} is older than {found[-1].name} in the same directory, whose rotation would then mix two "
             f"runs; fix: resume=auto, or resume into another output_dir"
         )
-    saved_config = path.parent.parent / "config.yaml"
-    if not saved_config.is_file():
+    saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
+    if path.parent.name != "checkpoints" or not saved_config.is_file():
         return
     differences = config_differences(OmegaConf.load(saved_config), cfg)
     if differences:

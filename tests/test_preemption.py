@@ -125,9 +125,15 @@ def test_sigterm_during_updates_stops_at_once_when_the_steps_start_is_on_disk(pa
     assert_resumes_like(full, paths, engine, out, at=2)
 
 
-@pytest.mark.slow
-def test_sigterm_to_train_py_checkpoints_exits_143_and_resumes_bitwise(tmp_path):
-    common = [
+RUN_TIMEOUT_S = 600
+
+
+def train_py(out: Path, *overrides: str, wait: bool = True, tmp: Path) -> subprocess.Popen:
+    """`python train.py` into `out` in its own process group (Lightning's other ranks are in it), output in files (a
+    pipe left unread would fill)."""
+    command = [
+        sys.executable,
+        "train.py",
         "trainer.total_rollout_steps=4",
         "trainer.checkpoint_every=0",  # only the preemption writes one before the end
         "trainer.eval_every=0",
@@ -135,37 +141,63 @@ def test_sigterm_to_train_py_checkpoints_exits_143_and_resumes_bitwise(tmp_path)
         "data.n_train=64",
         "data.n_eval=8",
         "ppo.ppo_epochs=2",
-        "strategy.precision=32-true",
+        "strategy.precision=32-true",  # exact comparison: the same precision on every machine
+        f"output_dir={out}",
+        *overrides,
     ]
+    name = f"{out.name}{'-resumed' if 'resume=auto' in overrides else ''}"
+    logs = [open(tmp / f"{name}.{stream}", "w") for stream in ("stdout", "stderr")]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=logs[0], stderr=logs[1], start_new_session=True)
+    process.output = lambda: "".join((tmp / f"{name}.{stream}").read_text() for stream in ("stdout", "stderr"))
+    if wait:
+        try:
+            process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return process
 
-    def command(out: Path, *extra: str) -> list[str]:
-        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
 
-    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert full.returncode == 0, full.stderr[-3000:]
+def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None:
+    full = train_py(tmp_path / "full", *overrides, tmp=tmp_path)
+    assert full.returncode == 0, full.output()[-3000:]
 
     out = tmp_path / "preempted"
-    logs = [open(tmp_path / name, "w+") for name in ("stdout", "stderr")]  # files: a pipe left unread would fill
-    process = subprocess.Popen(command(out), cwd=ROOT, stdout=logs[0], stderr=logs[1], text=True)
-    deadline = time.time() + 600
-    metrics = out / "metrics.csv"
+    process = train_py(out, *overrides, wait=False, tmp=tmp_path)
+    deadline, metrics = time.time() + RUN_TIMEOUT_S, out / "metrics.csv"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1 + 2):  # header + step 2's row
         assert process.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
         time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-    stdout, stderr = ((tmp_path / name).read_text() for name in ("stdout", "stderr"))
-    assert process.returncode == 143, stderr[-3000:]
-    lines = [line for line in (stdout + stderr).splitlines() if line.startswith("preempted by SIGTERM")]
-    assert len(lines) == 1, stdout + stderr
+    process.send_signal(signal.SIGTERM)  # rank 0: it forwards the signal to the ranks Lightning started
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    output = process.output()
+    assert process.returncode == 143, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("preempted by SIGTERM")]
+    assert len(lines) == 1, output[-3000:]
     saved = list_checkpoints(out / "checkpoints")
     assert len(saved) == 1 and saved[0].name != "rollout_step=000004.ckpt", "signalled too late to test anything"
     assert not (out / "actor").exists()
 
-    resumed = subprocess.run(command(out, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = train_py(out, *overrides, "resume=auto", tmp=tmp_path)
+    assert resumed.returncode == 0, resumed.output()[-3000:]
     assert_same_weights(
         load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(out / "actor" / "model.safetensors")
     )
     rows = metrics.read_text().splitlines()
     assert len(rows) == 1 + 4  # header + one row per rollout step: no gap, no repeat
+
+
+@pytest.mark.slow
+def test_sigterm_to_train_py_checkpoints_exits_143_and_resumes_bitwise(tmp_path):
+    sigterm_after_two_steps_then_resume(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_ddp_run_checkpoints_exits_143_and_resumes_bitwise(tmp_path):
+    sigterm_after_two_steps_then_resume(
+        tmp_path, "strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu", "ppo.train_batch_size=128"
+    )
