@@ -5,7 +5,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.console import setup_logging, show_error
 from lit_ppo.errors import UserError
@@ -17,6 +17,11 @@ def launcher_rank() -> int:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
+
+
+# hydra.run.dir (conf/config.yaml): the run's output_dir when one is given, so Hydra leaves no empty
+# outputs/<date>/<time>/.hydra behind in the working directory; registered before Hydra composes the config.
+OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: output_dir or default, replace=True)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -32,6 +37,8 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger("lit_ppo").debug("%s: %s", type(error).__name__, error)
         show_error(f"error: {error}")
         sys.exit(2)
+    except SystemExit:  # a preempted run (lit_ppo.preemption.Preempted) exits with its status, already reported
+        raise
     except BaseException:
         logging.getLogger("lit_ppo.console").exception("the run failed")  # the traceback in run.log too
         raise

@@ -19,6 +19,7 @@ from lit_ppo.atomic import (
     replace_durably,
     temporary_sibling,
 )
+from lit_ppo.config import RunConfig
 from lit_ppo.errors import (
     ConfigError,
     DynamicSamplingShortfallError,
@@ -54,9 +55,18 @@ def save_atomic(trainer: L.Trainer, path: Path) -> Path:
     return path
 
 
-def prune(directory: Path, keep: int) -> None:
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+def prune(directory: Path, keep: int, newest: Path | None = None) -> None:
+    """Keep `keep` checkpoints: `newest` (the one the running run just wrote, whatever its number) and the
+    highest-numbered others."""
+    if keep <= 0:
+        return
+    others = [p for p in list_checkpoints(directory) if newest is None or p != Path(newest)]
+    for old in others[: len(others) - (keep - 1 if newest is not None else keep)]:
         old.unlink(missing_ok=True)
+
+
+def step_of(path: Path) -> int:
+    return int(_NAME.match(Path(path).name).group(1))
 
 
 def resolve_resume(resume: str | None, directory: Path) -> Path | None:
@@ -70,6 +80,101 @@ def resolve_resume(resume: str | None, directory: Path) -> Path | None:
     if not path.is_file():
         raise ConfigError(f"resume={resume}: no such checkpoint file; fix: give a .ckpt path or resume=auto")
     return path
+
+
+RUN_LENGTH_KEYS = (
+    "trainer.total_rollout_steps",
+    "trainer.data_epochs",
+)
+"""What a resumed run may change about the run itself: how long it goes on."""
+
+UNTRACKED_KEYS = (
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "resume",
+    "output_dir",
+    "cache_dir",
+    "verbose",
+    "mode",
+    "logger",
+)
+"""Keys (or key prefixes) that change what is recorded or where, not what is trained: free on resume too."""
+
+
+def _flat(config, prefix: str = "") -> dict:
+    if isinstance(config, dict):
+        flat = {}
+        for key, value in config.items():
+            flat.update(_flat(value, f"{prefix}{key}."))
+        return flat or {prefix[:-1]: {}}
+    return {prefix[:-1]: config}
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """`key: saved -> current` for every key that differs between two configs (`RunConfig.to_dict()`s), except the
+    run length and the keys that do not change the training."""
+    a, b = _flat(saved), _flat(current)
+    free = RUN_LENGTH_KEYS + UNTRACKED_KEYS
+    return [
+        f"{key}: {a.get(key, '(absent)')} -> {b.get(key, '(absent)')}"
+        for key in sorted(a.keys() | b.keys())
+        if a.get(key, _MISSING) != b.get(key, _MISSING) and not any(key == k or key.startswith(k + ".") for k in free)
+    ]
+
+
+_MISSING = object()
+
+
+def check_run_directory(config: RunConfig, output_dir: Path) -> None:
+    """One run per directory, checked before anything is written into it: a fresh run (`resume` unset) refuses a
+    directory that holds checkpoints, and a resumed run refuses a checkpoint written under another config (but
+    for the run length) or older than the directory's latest. Rotation keeps the highest step numbers, so a second
+    run in the same directory would otherwise lose its own checkpoints and `resume=auto` pick up the first run's."""
+    import yaml
+
+    directory = Path(output_dir) / "checkpoints"
+    found = list_checkpoints(directory)
+    resume = config.resume
+    if resume in (None, "", "none"):
+        if found:
+            raise ConfigError(
+                f"output_dir={output_dir} already holds another run's checkpoints (latest {found[-1].name}); "
+                "fix: resume=auto to continue that run, or give this run another output_dir"
+            )
+        return
+    path = resolve_resume(resume, directory)
+    if path is None:
+        return
+    if found and path.parent.resolve() == directory.resolve() and step_of(path) < step_of(found[-1]):
+        raise ConfigError(
+            f"resume={resume} is older than {found[-1].name} in the same directory, whose rotation would then mix two "
+            f"runs; fix: resume=auto, or resume into another output_dir"
+        )
+    saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
+    if path.parent.name != "checkpoints" or not saved_config.is_file():
+        return
+    differences = config_differences(yaml.safe_load(saved_config.read_text()), config.to_dict())
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise ConfigError(
+            f"resume={resume}: {path.name} was written under another config ({shown}); only the run length "
+            f"({', '.join(RUN_LENGTH_KEYS)}) may change on resume; fix: resume with the values in {saved_config}, "
+            "or start a new run in another output_dir"
+        )
+
+
+def check_same_models(saved_state: dict, module) -> None:
+    """The checkpoint's models (actor, critic, reference) are the ones this run builds: another algorithm (a PPO
+    checkpoint, with a critic, resumed with ppo=grpo) is refused in one line, not with a state-dict traceback."""
+    saved = {key.split(".", 1)[0] for key in saved_state}
+    now = {name for name in ("actor", "critic", "reference") if getattr(module, name, None) is not None}
+    if saved != now:
+        raise ConfigError(
+            f"the checkpoint holds the models {sorted(saved)} but this run builds {sorted(now)} (another algorithm: "
+            "a critic or a reference model present in one and not the other); fix: resume with the checkpoint's "
+            "ppo settings, or start a new run in another output_dir"
+        )
 
 
 class RolloutCheckpoint(L.Callback):
@@ -87,7 +192,7 @@ class RolloutCheckpoint(L.Callback):
         path = save_atomic(trainer, checkpoint_path(self.directory, module.rollout_step))
         self.last_saved = module.rollout_step
         if trainer.is_global_zero:
-            prune(self.directory, self.keep)
+            prune(self.directory, self.keep, newest=path)
         return path
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:

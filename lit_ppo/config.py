@@ -399,10 +399,6 @@ class TrainerConfig:
     """Non-finite loss or gradient: the update is skipped; the run stops after this many in a row."""
 
 
-RUN_LENGTH_KEYS = ("total_rollout_steps", "data_epochs")
-"""The `trainer` keys that only say how long the run is."""
-
-
 @dataclass(frozen=True)
 class TinyModelConfig:
     """`model.tiny`: the shape of the locally built Qwen2-architecture model (lit_ppo/tiny.py)."""

@@ -31,6 +31,7 @@ from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
+from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rewards import RewardScorer
 from lit_ppo.rollout import Generation, VLLMEngine, sampling_seeds
@@ -204,18 +205,19 @@ class RolloutDataModule(L.LightningDataModule):
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
         started = time.perf_counter()
         engine.wake_up()
-        if self.make_environment is not None:
-            generations = self.run_episodes(
-                prompts,
-                positions,
-                n,
-                temperature=self.rollout.temperature,
-                top_p=self.rollout.top_p,
-                purpose=purpose,
-                where=f"rollout step {rollout_step}",
-            )
-        else:
-            generations = engine.generate(
+
+        def generate() -> list:
+            if self.make_environment is not None:
+                return self.run_episodes(
+                    prompts,
+                    positions,
+                    n,
+                    temperature=self.rollout.temperature,
+                    top_p=self.rollout.top_p,
+                    purpose=purpose,
+                    where=f"rollout step {rollout_step}",
+                )
+            return engine.generate(
                 [p.prompt_ids for p in prompts],
                 n=n,
                 temperature=self.rollout.temperature,
@@ -224,9 +226,16 @@ class RolloutDataModule(L.LightningDataModule):
                 seeds=sampling_seeds(self.seed, purpose, positions, n),
                 **self.stop_kwargs(),
             )
+
+        # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
+        # (lit_ppo.preemption), and the stop points after them stop every rank together.
+        generations = interruptibly(generate)
+        stop_point(self.device)
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        rewards, metrics = self.rewards_of(prompts, generations)
+        scored = interruptibly(lambda: self.rewards_of(prompts, generations))
+        stop_point(self.device)
+        rewards, metrics = scored
         reward_seconds = time.perf_counter() - started
         self.next_generation_round += 1
         groups = [

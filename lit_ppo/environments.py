@@ -25,7 +25,8 @@ import math
 import operator
 import re
 import threading
-from typing import Any, Protocol, runtime_checkable
+import time
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from lit_ppo.errors import ConfigError
 
@@ -99,6 +100,47 @@ def call_with_timeout(fn, args: tuple, timeout_s: float | None):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def call_all_with_timeout(calls: list[tuple[Callable, tuple]], timeout_s: float | None) -> list[tuple[bool, Any]]:
+    """Every fn(*args) of `calls` at once, each in its own daemon thread, waiting at most `timeout_s` seconds for all
+    of them together: per call (True, value) or (False, the exception), an EnvironmentTimeout for a call still
+    running at the deadline. So a tool that hangs costs one timeout per turn, not one per episode in series.
+    `timeout_s=None`: called inline, one after another, with no limit. The episodes' environments are separate
+    objects, so they run concurrently only with each other's state, never an episode with itself."""
+    if timeout_s is None:
+        outcomes = []
+        for fn, args in calls:
+            try:
+                outcomes.append((True, fn(*args)))
+            except Exception as e:
+                outcomes.append((False, e))
+        return outcomes
+    finished: list[tuple[bool, Any] | None] = [None] * len(calls)
+
+    def run(i: int, fn, args) -> None:
+        try:
+            finished[i] = (True, fn(*args))
+        except BaseException as e:  # handed to the caller's thread
+            finished[i] = (False, e)
+
+    threads = [
+        threading.Thread(target=run, args=(i, fn, args), daemon=True, name="lit-ppo-environment")
+        for i, (fn, args) in enumerate(calls)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    outcomes = []
+    for i, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():  # a hung call keeps its thread (Python cannot stop one); its episode is over
+            outcomes.append(
+                (False, EnvironmentTimeout(f"no result after rollout.environment_timeout_s={timeout_s:g}s"))
+            )
+        else:
+            outcomes.append(finished[i])
+    return outcomes
 
 
 def check_step_result(result) -> tuple[Observation, float, bool, dict]:

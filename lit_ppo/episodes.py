@@ -19,7 +19,7 @@ from typing import Callable
 
 from lit_ppo.environments import (
     EnvironmentTimeout,
-    call_with_timeout,
+    call_all_with_timeout,
     check_step_result,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure
@@ -162,35 +162,39 @@ def run_episodes(
     positions = sample_positions or list(range(len(running)))
     takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
 
-    def guarded(r: _Running, what: str, fn, args):
-        """Call the environment; a failure stops the run (on_error=raise) or ends the episode with reward 0."""
-        try:
-            return call_with_timeout(fn, args, settings.timeout_s)
-        except Exception as e:
-            timed_out = isinstance(e, EnvironmentTimeout)
-            if settings.on_error == "raise":
-                raise EnvironmentFailure(
-                    f"{where}: the environment {type(r.environment).__name__}.{what} "
-                    f"{'timed out' if timed_out else 'failed'} in episode {positions[r.position]} (turn {r.episode.turns}, "
-                    f"prompt {r.prompt.text[:200]!r}): {type(e).__name__}: {e}; fix: correct the environment, or set "
-                    "reward.on_error=zero to score such episodes 0"
-                ) from e
-            r.episode.failure = "timeout" if timed_out else "error"
-            r.episode.reward = 0.0
-            r.active = False
-            log.info(
-                "environment: episode %d %s and scores 0: %s",
-                positions[r.position],
-                r.episode.failure,
-                e,
-                extra={"console": False},
-            )
-            return None
+    def failed(r: _Running, what: str, e: BaseException) -> None:
+        """An environment call failed: stop the run (on_error=raise) or end the episode with reward 0."""
+        if not isinstance(e, Exception):  # KeyboardInterrupt, a preemption: not the environment's failure
+            raise e
+        timed_out = isinstance(e, EnvironmentTimeout)
+        if settings.on_error == "raise":
+            raise EnvironmentFailure(
+                f"{where}: the environment {type(r.environment).__name__}.{what} "
+                f"{'timed out' if timed_out else 'failed'} in episode {positions[r.position]} (turn {r.episode.turns}, "
+                f"prompt {r.prompt.text[:200]!r}): {type(e).__name__}: {e}; fix: correct the environment, or set "
+                "reward.on_error=zero to score such episodes 0"
+            ) from e
+        r.episode.failure = "timeout" if timed_out else "error"
+        r.episode.reward = 0.0
+        r.active = False
+        log.info(
+            "environment: episode %d %s and scores 0: %s",
+            positions[r.position],
+            r.episode.failure,
+            e,
+            extra={"console": False},
+        )
 
-    for r in running:
-        record = {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
-        first = guarded(r, "reset", r.environment.reset, (record,))
-        if r.active and first:
+    def records(r: _Running) -> dict:
+        return {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
+
+    # Every episode's reset, then each turn's steps, run concurrently under one timeout (call_all_with_timeout).
+    resets = call_all_with_timeout([(r.environment.reset, (records(r),)) for r in running], settings.timeout_s)
+    for r, (ok, first) in zip(running, resets):
+        if not ok:
+            failed(r, "reset", first)
+            continue
+        if first:
             ids = (
                 encoder(first, [])
                 if isinstance(first, list)
@@ -221,19 +225,26 @@ def run_episodes(
             stop_token_ids=settings.stop_token_ids,
             stop=settings.stop,
         )
+        actions = []
         for r, context, out in zip(active, contexts, outputs):
             ep = r.episode
             r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))
             ep.turns += 1
             ep.episode_ids = context + list(out.token_ids)  # what vLLM was given and gave back
             ep.truncated = out.truncated
-            action = (
+            actions.append(
                 list(out.token_ids)
                 if takes_ids[r.position]
                 else tokenizer.decode(out.token_ids, skip_special_tokens=True)
             )
-            result = guarded(r, "step", lambda a, env=r.environment: check_step_result(env.step(a)), (action,))
-            if result is None:
+        steps = call_all_with_timeout(
+            [(lambda a, env=r.environment: check_step_result(env.step(a)), (a,)) for r, a in zip(active, actions)],
+            settings.timeout_s,
+        )
+        for r, out, (ok, result) in zip(active, outputs, steps):
+            ep = r.episode
+            if not ok:
+                failed(r, "step", result)
                 continue
             observation, reward, done, info = result
             ep.reward += reward

@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
+from lit_ppo import preemption
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
-from lit_ppo.checkpoints import module_state, restore_module_state
+from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
 from lit_ppo.config import PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
@@ -152,15 +153,21 @@ class PPOModule(L.LightningModule):
         old_logp = zeros() if source == "experience forward" else None
         ref_logp = zeros() if self.reference is not None else None
         values = zeros() if self.critic is not None else None
-        for idx, mb in self._micro_batches(batch, self._micro_batch_groups(batch, list(range(N)))):
-            t = mb.response_ids.shape[1]
-            mask[idx, :t] = mb.response_mask
-            if old_logp is not None:
-                old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
-            if ref_logp is not None:
-                ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
-            if values is not None:  # zero off the response mask (padding, observations)
-                values[idx, :t] = self._values(mb) * mb.response_mask
+
+        def forwards() -> None:
+            for idx, mb in self._micro_batches(batch, self._micro_batch_groups(batch, list(range(N)))):
+                t = mb.response_ids.shape[1]
+                mask[idx, :t] = mb.response_mask
+                if old_logp is not None:
+                    old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
+                if ref_logp is not None:
+                    ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
+                if values is not None:  # zero off the response mask (padding, observations)
+                    values[idx, :t] = self._values(mb) * mb.response_mask
+
+        # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption).
+        preemption.interruptibly(forwards)
+        preemption.stop_point(self.device)
         exp, self.rollout_correction_stats = experience_from_forwards(
             batch,
             mask,
@@ -209,6 +216,9 @@ class PPOModule(L.LightningModule):
                 positions += sum(padded_tokens(*lengths, g) for g in groups)
                 real_tokens += sum(lengths[0][i] + lengths[1][i] for i in indices)
                 for position, (idx, mb) in enumerate(self._micro_batches(batch, groups)):
+                    # The optimizer steps change the models: the step is dropped on preemption only if its start
+                    # is on disk; otherwise it finishes and the run stops after it.
+                    preemption.stop_point(self.device, module=self)
                     rows = exp.rows(idx, mb.response_ids.shape[1])
                     with gradient_sync(position == len(groups) - 1, self.trainer.strategy.model, models, self.sharded):
                         metrics, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
@@ -393,4 +403,5 @@ class PPOModule(L.LightningModule):
         checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_same_models(checkpoint.get("state_dict", {}), self)  # Lightning loads the weights after this hook
         restore_module_state(self, checkpoint["lit_ppo"])

@@ -15,7 +15,10 @@ metrics that are logged as `rollout/reward_<name>` means. A callable object work
 Reward functions written for TRL, verl or OpenRLHF are called as those frameworks call them
 (`reward.signature`, `auto` by default: told apart by their parameter names; see `RewardCall`).
 With `reward.workers > 0` each sample is scored in a worker process under `reward.timeout_s`
-(`RewardWorkers`): a verifier that hangs or kills its process costs that sample, not the run.
+(`RewardWorkers`): a verifier that hangs or kills its process costs that sample, not the run. With the default
+`reward.workers=0` each call of the function in this process is cut after `reward.timeout_s` (`call_with_deadline`):
+a batch call that runs past it is scored again one sample at a time under the same limit, so the slow samples are
+found and count as timeouts; that is serial, so for a verifier that often hangs use workers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import multiprocessing
 import pickle
 import re
 import signal
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -405,6 +409,54 @@ class RewardWorkers:
         self.workers = []
 
 
+# ------------------------------------------------------------------ in-process calls under a time limit
+
+
+class _DeadlinePassed(BaseException):
+    """Raised inside a reward call that ran past its limit; a BaseException, so that the reward's own
+    `except Exception` does not take it for a failure it could score."""
+
+
+DEADLINE_SIGNAL = signal.SIGUSR2  # not SIGALRM: math-verify times its parsing with SIGALRM in the same thread
+
+
+def call_with_deadline(fn, timeout_s: float | None):
+    """fn() in this (the main) thread, cut after `timeout_s` seconds: a timer thread then signals the main thread,
+    whose handler raises inside the call. That stops Python code, sleeps and waits on I/O at once, and a single
+    long call into C code (a regex, a solver) when it returns; a call that kills the process is not survived
+    (reward.workers > 0 is for those). Raises TimeoutError when cut. Without a limit, or off the main thread
+    (where no signal handler runs), fn() is called as it is."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        return fn()
+    lock, state = threading.Lock(), {"armed": True, "fired": False}
+
+    def on_signal(signum, frame) -> None:
+        if state["armed"] and state["fired"]:
+            state["armed"] = False  # once
+            raise _DeadlinePassed()
+
+    def fire() -> None:
+        with lock:
+            if state["armed"]:
+                state["fired"] = True
+                signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
+
+    previous = signal.signal(DEADLINE_SIGNAL, on_signal)
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    try:
+        try:
+            timer.start()
+            return fn()
+        finally:
+            timer.cancel()
+            with lock:  # no signal is sent after this; one already sent finds the handler disarmed
+                state["armed"] = False
+            signal.signal(DEADLINE_SIGNAL, previous)
+    except _DeadlinePassed:  # also when it lands while leaving the call
+        raise TimeoutError(f"no result after reward.timeout_s={timeout_s:g}s") from None
+
+
 # ------------------------------------------------------------------ the scorer
 
 
@@ -433,7 +485,8 @@ class RewardScorer:
     signature: str = "auto"  # auto | lit_ppo | trl | verl | openrlhf (see RewardCall)
     reference_key: str | None = "answer"  # the reference's column name, for TRL-style functions
     workers: int = 0  # 0: call the function in this process; N: in N worker processes, one sample each
-    timeout_s: float | None = 60.0  # per sample, with workers > 0
+    # workers > 0: per sample (its worker is killed); workers = 0: per call (the batch, then one sample at a time)
+    timeout_s: float | None = 60.0
     solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
     errors: int = 0
     timeouts: int = 0
@@ -517,8 +570,15 @@ class RewardScorer:
             scores, extra_metrics = self._score_in_workers(prompts, responses, references, extras)
         else:
             try:
-                result = self.call(prompts, responses, references, extras)
-            except Exception as batch_error:  # find the sample that fails, one by one
+                result = call_with_deadline(lambda: self.call(prompts, responses, references, extras), self.timeout_s)
+            except Exception as batch_error:  # find the sample that fails (or is slow), one by one
+                if isinstance(batch_error, TimeoutError):
+                    log.warning(
+                        "reward: the call on the batch of %d ran past reward.timeout_s=%gs and was cut; scoring its "
+                        "samples one at a time, each under the same limit",
+                        len(responses),
+                        self.timeout_s,
+                    )
                 scores, extra_metrics = self._score_one_by_one(prompts, responses, references, extras, batch_error)
             else:
                 scores, extra_metrics = self._checked(result, len(responses))
@@ -580,7 +640,12 @@ class RewardScorer:
         scores, extra_metrics, failed = [], defaultdict(list), 0
         for i in range(len(responses)):
             try:
-                one, metrics = self._checked(self.call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), 1)
+                one, metrics = self._checked(
+                    call_with_deadline(
+                        lambda: self.call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
+                    ),
+                    1,
+                )
             except Exception as e:
                 self._sample_failed(i, prompts, responses, e)
                 failed += 1
@@ -589,7 +654,7 @@ class RewardScorer:
             scores.extend(one)
             for k, v in metrics.items():
                 extra_metrics[k].extend(v)
-        if responses and not failed:
+        if responses and not failed and not isinstance(batch_error, TimeoutError):  # a slow batch, fine one by one
             raise RewardError(
                 f"reward function {_name(self.fn)} raised on the batch of {len(responses)} but on no single "
                 f"sample: {type(batch_error).__name__}: {batch_error}; fix: make it work on whole batches"

@@ -26,12 +26,13 @@ from lit_ppo.atomic import (
     atomic_path,
 )
 from lit_ppo.build import build_run, quiet_known_warnings
-from lit_ppo.checkpoints import RolloutCheckpoint, resolve_resume
+from lit_ppo.checkpoints import RolloutCheckpoint, check_run_directory, resolve_resume
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.errors import ConfigError
 from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.plan import compute_plan
+from lit_ppo.preemption import Preemption
 from lit_ppo.prompts import load_prompts
 from lit_ppo.report import write_curves, write_plan, write_summary
 from lit_ppo.rewards import RewardScorer
@@ -215,6 +216,7 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     L.seed_everything(config.seed, workers=True)
     rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
+        check_run_directory(config, output_dir)  # before this run writes anything into it
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero)
@@ -245,7 +247,12 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
         scorer=scorer,
         output_dir=output_dir,
         engine=engine,
-        callbacks=[RolloutProgressBar(plan.total_rollout_steps), checkpoints, SampleTableLogger()],
+        callbacks=[
+            RolloutProgressBar(plan.total_rollout_steps),
+            checkpoints,
+            Preemption(checkpoints),
+            SampleTableLogger(),
+        ],
         loggers=extra_loggers(config, output_dir, resume_from),
         strategy=hydra.utils.instantiate(strategy.lightning) if strategy.lightning else "auto",
     )

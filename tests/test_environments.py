@@ -578,3 +578,40 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)
     assert batch.episode_ids == [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     assert len(engine.calls) == 4  # 2 turns x 2 generation rounds
+
+
+class RecordedHangingEnvironment(CalculatorEnvironment):
+    """A tool that hangs on every call, recording when each call began."""
+
+    started: list[float] = []
+
+    def step(self, action):
+        RecordedHangingEnvironment.started.append(time.monotonic())
+        time.sleep(30)
+
+
+def test_a_hanging_tool_costs_one_timeout_per_turn_not_one_per_episode():
+    """32 episodes whose tool hangs: their steps are waited for together, so every one has begun before the first
+    one's timeout ran out (in series each would start a timeout after the previous one)."""
+    tok = merging_tokenizer()
+    prompts = [
+        Prompt(prompt_ids=chars(tok, f"{i}+1="), text=f"{i}+1=", reference=str(i + 1), extras={}) for i in range(8)
+    ]
+    RecordedHangingEnvironment.started = []
+    timeout_s = 1.0
+    episodes = run_episodes(
+        ScriptedEngine([chars(tok, "[1+1]")]),
+        prompts,
+        4,
+        RecordedHangingEnvironment,
+        tok,
+        settings(timeout_s=timeout_s, on_error="zero"),
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=None,
+        where="rollout step 0",
+    )
+    starts = RecordedHangingEnvironment.started
+    assert len(starts) == 32 and max(starts) - min(starts) < timeout_s
+    assert [ep.failure for ep in episodes] == ["timeout"] * 32 and episode_stats(episodes)["environment_timeouts"] == 32

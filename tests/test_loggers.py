@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -204,7 +205,9 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
     assert run.run_id == run_id
     steps = [row["rollout_step"] for row in history_rows(records) if "rollout/reward_mean" in row]
     assert steps == [2]  # the resumed part logs only what is new
-    # A fresh start in the same directory (no resume) is a new W&B run.
+    # A fresh start in the same directory (no resume) is a new W&B run; a directory holding checkpoints refuses a
+    # fresh run (one run per directory), so its checkpoints go first, as a user would delete them.
+    shutil.rmtree(out / "checkpoints")
     train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     assert (out / "wandb_run_id").read_text().strip() != run_id
 

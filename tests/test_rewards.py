@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -347,3 +348,30 @@ def test_dapo_overlong_shaping_measures_an_episode_against_the_episode_budget():
     scores = scorer(["q"] * 3, ["#### 5"] * 3, ["5"] * 3, [{}] * 3, [False] * 3, lengths=[1500, 1800, 2048])
     # Linear over the last 512 tokens before 2048: 1500 is before the buffer; 1800 is 264 into it.
     assert scores == pytest.approx([1.0, 1.0 - 264 / 512, 0.0])
+
+
+class SleepsOnHang:
+    """A reward that sleeps far past any limit on the response "hang" (a verifier stuck on one sample)."""
+
+    def __init__(self):
+        self.finished_sleeping = False
+
+    def __call__(self, prompts, responses, references, extras):
+        if "hang" in responses:
+            time.sleep(60)
+            self.finished_sleeping = True
+        return [1.0] * len(responses)
+
+
+def test_a_reward_sleeping_past_timeout_s_in_process_is_cut_and_counted():
+    """The default reward.workers=0: the batch call is cut at reward.timeout_s, then each sample is scored alone
+    under the same limit; only the sample that hangs scores 0, counted as a timeout."""
+    reward = SleepsOnHang()
+    scorer = RewardScorer(fn=reward, on_error="zero", timeout_s=0.5)
+    assert scorer.workers == 0
+    scores = scorer(["p"] * 4, ["1", "2", "hang", "4"], ["1"] * 4, [{}] * 4, [False] * 4)
+    assert scores == [1.0, 1.0, 0.0, 1.0] and not reward.finished_sleeping
+    assert scorer.timeouts == 1 and scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0
+    raising = RewardScorer(fn=SleepsOnHang(), timeout_s=0.5)  # on_error=raise names the sample
+    with pytest.raises(RewardError, match="timed out on sample 2 .*reward.timeout_s=0.5s"):
+        raising(["p"] * 4, ["1", "2", "hang", "4"], ["1"] * 4, [{}] * 4, [False] * 4)

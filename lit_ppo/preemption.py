@@ -1,0 +1,211 @@
+"""Preemption: SIGTERM (and SIGUSR1) stop the run at the next safe point with a checkpoint of the last completed
+rollout step, and the process exits with 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1).
+
+Why that status: it is what the scheduler would have seen had the signal's default action killed the process (a
+shell reports exactly 128 + N for a child killed by signal N), so whatever treats "killed by the scheduler's signal"
+as "not finished" (SLURM's RequeueExit, Kubernetes' restartPolicy: OnFailure, torchrun's restarts, a retry loop in a
+batch script) requeues the run instead of taking it for a finished one, as it would with 0.
+
+Lightning 2.6 has its own SIGTERM handling, which this replaces for the duration of `fit` (Lightning's teardown puts
+the earlier handlers back): its handler broadcasts a tensor from inside the signal handler, a collective at whatever
+point the rank was interrupted in, and its loops then stop with `SIGTERMException`, a SystemExit with status 0 and no
+checkpoint. Its SLURM auto-requeue handler for SIGUSR1 writes `hpc_ckpt_N.ckpt` from inside the handler, in the middle
+of an update, non-atomically, where `resume=auto` never looks. What is kept of Lightning: forwarding the signal to the
+ranks its launcher started, and `Preempted` is a `SIGTERMException`, so Lightning's `on_exception` hooks see the kind
+of exception they expect.
+
+Safe points. A rollout step first produces data that nothing keeps (generation, rewards, the experience forwards) and
+then changes the models (optimizer steps). The first part runs in `interruptible` regions: the signal handler raises
+inside them, so even one long vLLM call or a hanging reward stops within a fraction of a second, and the region's
+work is dropped. Each region is followed by `stop_point`, where the ranks agree (an all-reduce of the flag; every
+rank passes the same stop points in the same order) and, if any rank was signalled, all raise `Preempted` together.
+The optimizer steps cannot be dropped halfway, so between micro-batches the run stops only when the last completed
+rollout step is already on disk (nothing is saved then); otherwise the step finishes and the run stops after it (at
+`on_train_batch_end`), saving that step. A dropped step leaves the data position and the random streams as they were
+at its start (restored from the snapshot taken in `on_train_batch_start`), so the checkpoint is exactly the one the
+previous step would have written and a resumed run repeats the dropped step bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, restore_rng_state, rng_state
+from lit_ppo.console import show
+from lit_ppo.distributed import global_max
+
+log = logging.getLogger("lit_ppo")
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_status(signum: int) -> int:
+    """128 + the signal's number: what a shell reports for a process that signal killed."""
+    return 128 + int(signum)
+
+
+class Preempted(SIGTERMException):
+    """The run stopped on a preemption signal; a SystemExit whose code is the process's exit status."""
+
+    def __init__(self, signum: int):
+        super().__init__(exit_status(signum))
+        self.signum = int(signum)
+
+
+class _Interrupt(BaseException):
+    """Raised by the signal handler inside an interruptible region; a BaseException, so that code catching
+    Exception (a reward's or an environment's error handling) does not take it for their failure."""
+
+
+class Preemption(L.Callback):
+    """Handles SIGTERM/SIGUSR1 during `fit` (see the module's docstring). Put it after `checkpoints` in the
+    trainer's callbacks: at the end of a step the regular checkpoint is then written first."""
+
+    _active: Preemption | None = None  # the one handling signals now (signals belong to the process)
+
+    def __init__(self, checkpoints: RolloutCheckpoint):
+        self.checkpoints = checkpoints
+        self.requested: int | None = None  # the signal received, if any
+        self.abandoned = False  # the step in progress was dropped at a stop point
+        self._depth = 0  # nesting of interruptible regions
+        self._handlers: dict[int, object] = {}
+        self._trainer: L.Trainer | None = None
+        self._step_start: tuple[dict, dict] | None = None
+
+    # ------------------------------------------------------------ signals
+
+    def on_train_start(self, trainer, module) -> None:
+        # After Lightning registered its own handlers (just before the fit loop runs), so these replace them.
+        self.requested, self.abandoned, self._depth, self._trainer = None, False, 0, trainer
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals are delivered to the main thread only
+        for signum in PREEMPTION_SIGNALS:
+            self._handlers[signum] = signal.signal(signum, self._on_signal)
+        Preemption._active = self
+
+    def teardown(self, trainer, module, stage: str) -> None:
+        for signum, handler in self._handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, handler)
+        self._handlers = {}
+        if Preemption._active is self:
+            Preemption._active = None
+
+    def _on_signal(self, signum: int, frame) -> None:
+        first = self.requested is None
+        if first:
+            self.requested = signum
+            log.info("preemption: received %s; stopping at the next safe point", signal.Signals(signum).name)
+            # Lightning's own launcher started the other ranks as child processes: they get the signal too.
+            launcher = getattr(self._trainer.strategy, "launcher", None) if self._trainer else None
+            for child in list(getattr(launcher, "procs", None) or []):
+                if child.poll() is None:
+                    child.send_signal(signum)
+        if self._depth > 0:
+            self._depth = 0  # raised once: the region's cleanup must not be interrupted again
+            raise _Interrupt()
+
+    # ------------------------------------------------------------ safe points
+
+    def interruptibly(self, fn):
+        """fn() in a region whose work is dropped on preemption: its result, or None when a signal arrived (before
+        or during it). The caller must pass a `stop_point` right after it, which then stops the run."""
+        if self.requested is not None:
+            return None
+        self._depth += 1
+        try:
+            try:
+                if self.requested is not None:  # arrived between the check above and the region's start
+                    return None
+                return fn()
+            finally:
+                self._depth = 0
+        except _Interrupt:  # also one raised while leaving the region
+            return None
+
+    def agreed(self, device: torch.device | None = None) -> int | None:
+        """The signal any rank received (the largest number), or None; a collective under data parallelism."""
+        flag = torch.tensor([self.requested or 0], dtype=torch.int64, device=device)
+        signum = int(global_max(flag).item())
+        return signum or None
+
+    def stop_point(self, *, step_on_disk_or_dropped: bool = True, device=None) -> None:
+        """Stop here (every rank together) if a preemption signal arrived; `step_on_disk_or_dropped=False` where the
+        step in progress can neither be dropped nor skipped (optimizer steps whose start is not on disk)."""
+        signum = self.agreed(device)
+        if signum is not None and step_on_disk_or_dropped:
+            self.abandoned = True
+            raise Preempted(signum)
+
+    def step_start_on_disk(self, module) -> bool:
+        """Whether the state at the start of the step in progress is already saved (then it may be dropped
+        even after optimizer steps)."""
+        return self.checkpoints.last_saved == module.rollout_step
+
+    # ------------------------------------------------------------ the rollout step's edges
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        datamodule = trainer.datamodule
+        self._step_start = (rng_state(), dict(datamodule.state_dict()) if datamodule is not None else {})
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        signum = self.agreed(module.device)
+        if signum is not None:
+            raise Preempted(signum)
+
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        if not isinstance(exception, Preempted):
+            return
+        launcher = getattr(trainer.strategy, "launcher", None)
+        children = list(getattr(launcher, "procs", None) or [])
+        if children:
+            # Lightning's observer thread SIGKILLs rank 0 once a child exits non-zero, as the other ranks will
+            # (with this same status) after the save below: rank 0 waits for them itself instead.
+            launcher.procs.clear()
+        written = False
+        if self.abandoned and not self.step_start_on_disk(module):
+            # Dropped before any optimizer step: put back what the step had moved, then save the previous step.
+            rng, data = self._step_start
+            restore_rng_state(rng)
+            if trainer.datamodule is not None:
+                trainer.datamodule.load_state_dict(data)
+        if self.checkpoints.last_saved != module.rollout_step:
+            self.checkpoints.save(trainer, module)
+            written = True
+        if trainer.is_global_zero:
+            path = checkpoint_path(self.checkpoints.directory, module.rollout_step)
+            show(
+                f"preempted by {signal.Signals(exception.signum).name}: stopped after rollout step {module.rollout_step}"
+                f" of {module.plan.total_rollout_steps}; checkpoint {path} {'written' if written else 'already on disk'}"
+                f"; exiting with status {exception.code} (continue with resume=auto)"
+            )
+        for child in children:
+            child.wait()
+
+
+def active() -> Preemption | None:
+    """The Preemption handling signals in this process's `fit`, if any."""
+    return Preemption._active
+
+
+def interruptibly(fn):
+    """`Preemption.interruptibly` of the active handler; fn() without one."""
+    handler = active()
+    return fn() if handler is None else handler.interruptibly(fn)
+
+
+def stop_point(device=None, *, step_on_disk_or_dropped: bool = True, module=None) -> None:
+    """`Preemption.stop_point` of the active handler; nothing without one. With `module`, the step may be dropped
+    only if its start is on disk (optimizer steps have run)."""
+    handler = active()
+    if handler is None:
+        return
+    if module is not None:
+        step_on_disk_or_dropped = handler.step_start_on_disk(module)
+    handler.stop_point(step_on_disk_or_dropped=step_on_disk_or_dropped, device=device)

@@ -1,0 +1,203 @@
+"""Preemption: SIGTERM stops the run at the next safe point with a checkpoint of the last completed rollout step, the
+process exits with 143, and a resumed run ends bitwise where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
+from lit_ppo.preemption import Preempted, Preemption
+from lit_ppo.rewards import integer_match
+from tests.helpers import ROOT, build_run
+from tests.test_resume import assert_same_weights, counters
+
+ROLLOUT_SAMPLES = 16 * 4  # rollout_batch_size x n_samples_per_prompt: tells a rollout batch from an evaluation
+
+
+class SignalWhileScoring:
+    """A reward that, scoring the rollout batch of step index `at`, signals its own process and then hangs: only a
+    preemption that interrupts the reward gets the run out of it."""
+
+    def __init__(self, at: int):
+        self.at, self.rollout_batches, self.hang_ended = at, 0, False
+
+    def __call__(self, prompts, responses, references, extras):
+        if len(responses) == ROLLOUT_SAMPLES:
+            if self.rollout_batches == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(120)
+                self.hang_ended = True
+            self.rollout_batches += 1
+        return integer_match(prompts, responses, references, extras)
+
+
+class SignalAtOptimizerStep(L.Callback):
+    """Signals its own process at the first optimizer step of step index `at`, in the middle of the updates."""
+
+    def __init__(self, at: int):
+        self.at, self.sent = at, False
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        if module.rollout_step == self.at and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(paths, engine, out: Path, *, steps=4, every=0, resume_from=None, reward_fn=integer_match, extra=()):
+    checkpoints = RolloutCheckpoint(out / "checkpoints", every=every, keep=2)
+    trainer, module, datamodule, _ = build_run(
+        paths[0],
+        engine,
+        paths[1],
+        out,
+        total_rollout_steps=steps,
+        ppo_epochs=2,
+        kl_coef=0.05,
+        callbacks=[checkpoints, Preemption(checkpoints), *extra],
+        reward_fn=reward_fn,
+        rollout_batch_size=16,
+        train_batch_size=16,
+        micro_train_batch_size=8,
+    )
+    torch.manual_seed(0)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
+    return module
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_dir, arithmetic_files):
+    return tiny_model_dir, arithmetic_files
+
+
+@pytest.fixture(scope="module")
+def full(paths, engine, tmp_path_factory):
+    """The uninterrupted run the preempted ones are compared with."""
+    return run(paths, engine, tmp_path_factory.mktemp("full"))
+
+
+def assert_resumes_like(full, paths, engine, out: Path, at: int) -> None:
+    resumed = run(paths, engine, out, resume_from=checkpoint_path(out / "checkpoints", at))
+    assert counters(resumed) == counters(full)
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+    assert_same_weights(resumed.critic.state_dict(), full.critic.state_dict())
+    assert [r["rollout/reward_mean"] for r in resumed.history] == [r["rollout/reward_mean"] for r in full.history]
+
+
+def test_sigterm_while_scoring_drops_the_step_and_saves_the_previous_one(paths, engine, tmp_path, full, capsys):
+    out, reward = tmp_path / "preempted", SignalWhileScoring(at=2)
+    with pytest.raises(Preempted) as stopped:
+        run(paths, engine, out, reward_fn=reward)  # checkpoint_every=0: nothing on disk before the signal
+    assert stopped.value.code == 143 and not reward.hang_ended  # the hanging reward was cut, not waited out
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000002.ckpt"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "preempted" in line]
+    assert len(lines) == 1 and "rollout_step=000002.ckpt written" in lines[0], lines
+    saved = torch.load(checkpoint_path(out / "checkpoints", 2), weights_only=False)
+    assert saved["lit_ppo"]["rollout_step"] == 2 and len(saved["lit_ppo"]["history"]) == 2
+    assert_resumes_like(full, paths, engine, out, at=2)
+
+
+def test_sigterm_during_updates_finishes_the_step_when_its_start_is_not_on_disk(paths, engine, tmp_path, full):
+    out = tmp_path / "preempted"
+    with pytest.raises(Preempted):
+        run(paths, engine, out, extra=[SignalAtOptimizerStep(at=2)])
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000003.ckpt"]
+    assert_resumes_like(full, paths, engine, out, at=3)
+
+
+def test_sigterm_during_updates_stops_at_once_when_the_steps_start_is_on_disk(paths, engine, tmp_path, full, capsys):
+    out = tmp_path / "preempted"
+    with pytest.raises(Preempted):
+        run(paths, engine, out, every=1, extra=[SignalAtOptimizerStep(at=2)])
+    # Step 3's updates were abandoned after their first micro-batch: nothing newer than step 2 is written.
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "rollout_step=000002.ckpt"
+    lines = [line for line in capsys.readouterr().out.splitlines() if "preempted" in line]
+    assert len(lines) == 1 and "already on disk" in lines[0], lines
+    assert_resumes_like(full, paths, engine, out, at=2)
+
+
+RUN_TIMEOUT_S = 600
+
+
+def train_py(out: Path, *overrides: str, wait: bool = True, tmp: Path) -> subprocess.Popen:
+    """`python train.py` into `out` in its own process group (Lightning's other ranks are in it), output in files (a
+    pipe left unread would fill)."""
+    command = [
+        sys.executable,
+        "train.py",
+        "trainer.total_rollout_steps=4",
+        "trainer.checkpoint_every=0",  # only the preemption writes one before the end
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        "ppo.ppo_epochs=2",
+        "strategy.precision=32-true",  # exact comparison: the same precision on every machine
+        f"output_dir={out}",
+        *overrides,
+    ]
+    name = f"{out.name}{'-resumed' if 'resume=auto' in overrides else ''}"
+    logs = [open(tmp / f"{name}.{stream}", "w") for stream in ("stdout", "stderr")]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=logs[0], stderr=logs[1], start_new_session=True)
+    process.output = lambda: "".join((tmp / f"{name}.{stream}").read_text() for stream in ("stdout", "stderr"))
+    if wait:
+        try:
+            process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    return process
+
+
+def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None:
+    full = train_py(tmp_path / "full", *overrides, tmp=tmp_path)
+    assert full.returncode == 0, full.output()[-3000:]
+
+    out = tmp_path / "preempted"
+    process = train_py(out, *overrides, wait=False, tmp=tmp_path)
+    deadline, metrics = time.time() + RUN_TIMEOUT_S, out / "metrics.csv"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1 + 2):  # header + step 2's row
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)  # rank 0: it forwards the signal to the ranks Lightning started
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    output = process.output()
+    assert process.returncode == 143, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("preempted by SIGTERM")]
+    assert len(lines) == 1, output[-3000:]
+    saved = list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1 and saved[0].name != "rollout_step=000004.ckpt", "signalled too late to test anything"
+    assert not (out / "actor").exists()
+
+    resumed = train_py(out, *overrides, "resume=auto", tmp=tmp_path)
+    assert resumed.returncode == 0, resumed.output()[-3000:]
+    assert_same_weights(
+        load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(out / "actor" / "model.safetensors")
+    )
+    rows = metrics.read_text().splitlines()
+    assert len(rows) == 1 + 4  # header + one row per rollout step: no gap, no repeat
+
+
+@pytest.mark.slow
+def test_sigterm_to_train_py_checkpoints_exits_143_and_resumes_bitwise(tmp_path):
+    sigterm_after_two_steps_then_resume(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_process_ddp_run_checkpoints_exits_143_and_resumes_bitwise(tmp_path):
+    sigterm_after_two_steps_then_resume(
+        tmp_path, "strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu", "ppo.train_batch_size=128"
+    )
