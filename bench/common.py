@@ -59,8 +59,11 @@ SMOKE_MODEL = ModelSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=
 """About 0.1 M parameters: checks that a script runs, measures nothing."""
 
 
-def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
-    """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached."""
+def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached.
+    `vocab_size`: the embedding widened to it (random rows too; the character tokenizer only ever emits the first
+    ids), for a real model's LM-head cost, e.g. Qwen2.5's 151,936; that one is built on the GPU where there is one
+    (random initialization of 0.5 B parameters is quicker there)."""
     from lit_ppo.tiny import (
         TOKENIZER_VERSION,
         build_char_tokenizer,
@@ -68,12 +71,17 @@ def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
         save_model_dir,
     )
 
-    key = hashlib.sha256(json.dumps([asdict(size), seed, TOKENIZER_VERSION]).encode()).hexdigest()[:12]
+    key_parts = [asdict(size), seed, TOKENIZER_VERSION] + ([vocab_size] if vocab_size else [])
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
     path = CACHE / f"model-{key}"
     if not (path / "config.json").exists():
         tokenizer = build_char_tokenizer()
+        with torch.device("cuda" if vocab_size and torch.cuda.is_available() else "cpu"):
+            model = build_tiny_model(tokenizer, seed=seed, **asdict(size))
+            if vocab_size:
+                model.resize_token_embeddings(vocab_size, mean_resizing=False)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        save_model_dir(build_tiny_model(tokenizer, seed=seed, **asdict(size)), tokenizer, tmp)
+        save_model_dir(model.to("cpu"), tokenizer, tmp)
         tmp.rename(path)
     return path
 

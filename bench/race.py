@@ -12,7 +12,7 @@ policy on the 200 held-out prompts; the x axis is training wall-clock seconds wi
   with only what defines the task taken from lit-ppo's run: learning rate, prompts per generation round, samples per
   prompt, optimizer steps per round and the response budget (TRL's own default lr, 1e-6, is for billion-parameter
   models and moves this one nowhere in the time budget). `--trl-float32` sets bf16=False, for a CPU without native
-  bf16, where TRL's default bf16 autocast runs emulated and a race would take hours (bench/cpu_bf16.py).
+  bf16, where TRL's default bf16 autocast runs emulated and a race would take hours (BENCHMARKS.md, "bf16 on a CPU without native bf16").
 
     .venv/bin/python bench/race.py              # the race; PNG, Markdown and JSON in bench/results/
     .venv/bin/python bench/race.py --smoke      # checks that it runs
@@ -62,7 +62,7 @@ def parse_args(argv=None):
         "--trl-float32",
         action="store_true",
         help="TRL's defaults except bf16=False: on a CPU without native bf16 (no AVX512-BF16 or AMX) TRL's default "
-        "bf16 autocast runs its matrix products emulated, 30-180x slower (bench/cpu_bf16.py)",
+        "bf16 autocast runs its matrix products emulated, 30-180x slower (BENCHMARKS.md, 'bf16 on a CPU without native bf16')",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the PNG/MD/JSON go")
     parser.add_argument("--worker", choices=FRAMEWORKS, default=None, help=argparse.SUPPRESS)

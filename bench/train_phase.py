@@ -35,34 +35,7 @@ from common import (
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.prompts import load_prompts
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
-
-
-def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: range, seed: int) -> RolloutBatch:
-    """n random responses of exactly `length` tokens per prompt, and random 0/1 rewards (so advantages are not 0)."""
-    g = torch.Generator().manual_seed(seed)
-    sample_prompts = [p for p in prompt_ids for _ in range(n)]
-    N = len(sample_prompts)
-    responses = torch.randint(vocab.start, vocab.stop, (N, length), generator=g).tolist()
-    rewards = torch.randint(0, 2, (N,), generator=g).float()
-    positions = [i for i in range(len(prompt_ids)) for _ in range(n)]
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=positions,
-        dataset_indices=positions,
-        prompt_ids=sample_prompts,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=rewards,
-        truncated=torch.ones(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 
 
 def run_litppo(
@@ -238,7 +211,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_file = arithmetic_prompt_file(max(64, args.rollout_batch_size), args.seed)
     prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[: args.rollout_batch_size]]
-    batch = make_fixed_batch(
+    batch = random_rollout_batch(
         prompt_ids, args.samples_per_prompt, args.response_tokens, range(4, len(tokenizer)), args.seed
     )  # ids 0-3 are special tokens
     N, T = len(batch.response_ids), args.response_tokens
