@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -162,6 +163,21 @@ def grpo_preset(**overrides) -> PPOConfig:
     return replace(compose_run_config("ppo=grpo").ppo, **overrides)
 
 
+def grpo_for(args, **overrides) -> PPOConfig:
+    """The GRPO preset without a KL term, one PPO epoch, at the benchmark's batch options (--rollout-batch-size,
+    --samples-per-prompt, --train-batch-size, --micro-batch-size, --seed), then `overrides`."""
+    settings = dict(
+        kl_coef=0.0,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.samples_per_prompt,
+        train_batch_size=args.train_batch_size,
+        micro_train_batch_size=args.micro_batch_size,
+        ppo_epochs=1,
+        shuffle_seed=args.seed,
+    )
+    return grpo_preset(**{**settings, **overrides})
+
+
 def build_run(
     model_dir: str | Path,
     prompt_file: str | Path,
@@ -224,6 +240,28 @@ def build_run(
 def engine_max_model_len(max_response_tokens: int, max_prompt_tokens: int = 16) -> int:
     """Room for an arithmetic prompt (at most 6 tokens) plus the response."""
     return max_prompt_tokens + max_response_tokens
+
+
+RESULT_PREFIX = "RESULT "
+"""A worker subprocess prints its result as one line: this prefix, then JSON."""
+
+
+def print_result(result: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(script: str, worker_args: list[str], log_path: Path, label: str) -> dict:
+    """Runs `script` again with this process's arguments plus `worker_args` in a subprocess (one framework, one vLLM
+    engine per process), its stderr in `log_path`; returns the result it printed (print_result)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(script).resolve()), *sys.argv[1:], *worker_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode or not lines:
+        tail = "\n".join(log_path.read_text().splitlines()[-25:])
+        raise SystemExit(f"the {label} failed (exit {proc.returncode}); its log is {log_path}; last lines:\n{tail}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 class RolloutClock(L.Callback):

@@ -26,7 +26,7 @@ from common import (
     build_run,
     command_line,
     fmt,
-    grpo_preset,
+    grpo_for,
     model_description,
     print_header,
     stats,
@@ -41,7 +41,7 @@ from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_bat
 def run_litppo(
     args, model_dir, prompt_file, batch: RolloutBatch, accelerator: str = "cpu", precision: str = "32-true"
 ) -> dict:
-    ppo = grpo_preset(**ppo_settings(args))
+    ppo = grpo_for(args, actor_lr=args.lr)
     trainer, module, datamodule, plan = build_run(
         model_dir,
         prompt_file,
@@ -63,19 +63,6 @@ def run_litppo(
         "experience_s": [r["timing/experience_s"] for r in steady],
         "optimizer_steps": module.actor_optimizer_steps,
     }
-
-
-def ppo_settings(args) -> dict:
-    return dict(
-        kl_coef=0.0,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.samples_per_prompt,
-        train_batch_size=args.train_batch_size,
-        micro_train_batch_size=args.micro_batch_size,
-        ppo_epochs=1,
-        actor_lr=args.lr,
-        shuffle_seed=args.seed,
-    )
 
 
 # ---------------------------------------------------------------- the plain loop
