@@ -33,6 +33,7 @@ from lit_ppo.build import build_run as build_product_run  # noqa: E402
 from lit_ppo.build import quiet_known_warnings
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
 from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
+from lit_ppo.memory import ModelShape  # noqa: E402
 from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.prompts import load_prompts  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
@@ -87,20 +88,13 @@ def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = Non
     return path
 
 
-def count_parameters(model_dir: str | Path) -> int:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
-
-
 def model_description(model_dir: str | Path) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return (
         f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, "
         f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, "
-        f"{count_parameters(model_dir) / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}"
+        f"{ModelShape.from_hf_config(config).parameters() / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}"
     )
 
 
