@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -32,6 +33,7 @@ from lit_ppo.build import build_run as build_product_run  # noqa: E402
 from lit_ppo.build import quiet_known_warnings
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
 from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
+from lit_ppo.memory import ModelShape  # noqa: E402
 from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.prompts import load_prompts  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
@@ -59,8 +61,11 @@ SMOKE_MODEL = ModelSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=
 """About 0.1 M parameters: checks that a script runs, measures nothing."""
 
 
-def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
-    """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached."""
+def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = None) -> Path:
+    """The model directory (weights and tokenizer) of `size` with random weights; built once, then cached.
+    `vocab_size`: the embedding widened to it (random rows too; the character tokenizer only ever emits the first
+    ids), for a real model's LM-head cost, e.g. Qwen2.5's 151,936; that one is built on the GPU where there is one
+    (random initialization of 0.5 B parameters is quicker there)."""
     from lit_ppo.tiny import (
         TOKENIZER_VERSION,
         build_char_tokenizer,
@@ -68,21 +73,19 @@ def build_model_dir(size: ModelSize, seed: int = 0) -> Path:
         save_model_dir,
     )
 
-    key = hashlib.sha256(json.dumps([asdict(size), seed, TOKENIZER_VERSION]).encode()).hexdigest()[:12]
+    key_parts = [asdict(size), seed, TOKENIZER_VERSION] + ([vocab_size] if vocab_size else [])
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:12]
     path = CACHE / f"model-{key}"
     if not (path / "config.json").exists():
         tokenizer = build_char_tokenizer()
+        with torch.device("cuda" if vocab_size and torch.cuda.is_available() else "cpu"):
+            model = build_tiny_model(tokenizer, seed=seed, **asdict(size))
+            if vocab_size:
+                model.resize_token_embeddings(vocab_size, mean_resizing=False)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        save_model_dir(build_tiny_model(tokenizer, seed=seed, **asdict(size)), tokenizer, tmp)
+        save_model_dir(model.to("cpu"), tokenizer, tmp)
         tmp.rename(path)
     return path
-
-
-def count_parameters(model_dir: str | Path) -> int:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
 
 
 def model_description(model_dir: str | Path) -> str:
@@ -91,7 +94,7 @@ def model_description(model_dir: str | Path) -> str:
         f"{config['model_type']} hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, "
         f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, "
-        f"{count_parameters(model_dir) / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}"
+        f"{ModelShape.from_hf_config(config).parameters() / 1e6:.1f} M parameters, {config.get('torch_dtype') or config.get('dtype')}"
     )
 
 
@@ -152,6 +155,21 @@ def compose_run_config(*overrides: str) -> RunConfig:
 def grpo_preset(**overrides) -> PPOConfig:
     """lit-ppo's `ppo=grpo` preset as Hydra composes it, then `overrides`."""
     return replace(compose_run_config("ppo=grpo").ppo, **overrides)
+
+
+def grpo_for(args, **overrides) -> PPOConfig:
+    """The GRPO preset without a KL term, one PPO epoch, at the benchmark's batch options (--rollout-batch-size,
+    --samples-per-prompt, --train-batch-size, --micro-batch-size, --seed), then `overrides`."""
+    settings = dict(
+        kl_coef=0.0,
+        rollout_batch_size=args.rollout_batch_size,
+        n_samples_per_prompt=args.samples_per_prompt,
+        train_batch_size=args.train_batch_size,
+        micro_train_batch_size=args.micro_batch_size,
+        ppo_epochs=1,
+        shuffle_seed=args.seed,
+    )
+    return grpo_preset(**{**settings, **overrides})
 
 
 def build_run(
@@ -216,6 +234,28 @@ def build_run(
 def engine_max_model_len(max_response_tokens: int, max_prompt_tokens: int = 16) -> int:
     """Room for an arithmetic prompt (at most 6 tokens) plus the response."""
     return max_prompt_tokens + max_response_tokens
+
+
+RESULT_PREFIX = "RESULT "
+"""A worker subprocess prints its result as one line: this prefix, then JSON."""
+
+
+def print_result(result: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def run_worker(script: str, worker_args: list[str], log_path: Path, label: str) -> dict:
+    """Runs `script` again with this process's arguments plus `worker_args` in a subprocess (one framework, one vLLM
+    engine per process), its stderr in `log_path`; returns the result it printed (print_result)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(script).resolve()), *sys.argv[1:], *worker_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode or not lines:
+        tail = "\n".join(log_path.read_text().splitlines()[-25:])
+        raise SystemExit(f"the {label} failed (exit {proc.returncode}); its log is {log_path}; last lines:\n{tail}")
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 class RolloutClock(L.Callback):

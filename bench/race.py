@@ -12,7 +12,7 @@ policy on the 200 held-out prompts; the x axis is training wall-clock seconds wi
   with only what defines the task taken from lit-ppo's run: learning rate, prompts per generation round, samples per
   prompt, optimizer steps per round and the response budget (TRL's own default lr, 1e-6, is for billion-parameter
   models and moves this one nowhere in the time budget). `--trl-float32` sets bf16=False, for a CPU without native
-  bf16, where TRL's default bf16 autocast runs emulated and a race would take hours (bench/cpu_bf16.py).
+  bf16, where TRL's default bf16 autocast runs emulated and a race would take hours (BENCHMARKS.md, "bf16 on a CPU without native bf16").
 
     .venv/bin/python bench/race.py              # the race; PNG, Markdown and JSON in bench/results/
     .venv/bin/python bench/race.py --smoke      # checks that it runs
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,13 +42,14 @@ from common import (
     compose_run_config,
     phase_means,
     print_header,
+    print_result,
     read_jsonl,
+    run_worker,
     start_engine,
 )  # noqa: E402
 
 from lit_ppo.rewards import integer_match  # noqa: E402
 
-RESULT_PREFIX = "RESULT "
 FRAMEWORKS = ("lit-ppo", "trl")
 
 
@@ -62,7 +62,7 @@ def parse_args(argv=None):
         "--trl-float32",
         action="store_true",
         help="TRL's defaults except bf16=False: on a CPU without native bf16 (no AVX512-BF16 or AMX) TRL's default "
-        "bf16 autocast runs its matrix products emulated, 30-180x slower (bench/cpu_bf16.py)",
+        "bf16 autocast runs its matrix products emulated, 30-180x slower (BENCHMARKS.md, 'bf16 on a CPU without native bf16')",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where the PNG/MD/JSON go")
     parser.add_argument("--worker", choices=FRAMEWORKS, default=None, help=argparse.SUPPRESS)
@@ -313,7 +313,7 @@ def main() -> None:
         model_dir, train_path, eval_path = prepare(args, cfg, work_dir)
         run = run_litppo if args.worker == "lit-ppo" else run_trl
         result = run(args, cfg, model_dir, train_path, read_jsonl(eval_path), work_dir)
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        print_result(result)
         return
 
     prepare(args, cfg, work_dir)  # the warm start, before anything is timed
@@ -329,17 +329,12 @@ def main() -> None:
     results: dict[str, list[dict]] = {f: [] for f in FRAMEWORKS}
     for rep in range(args.repeats):
         for framework in FRAMEWORKS if rep % 2 == 0 else FRAMEWORKS[::-1]:
-            log_path = work_dir / f"{framework}-{rep}.log"
-            cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker", framework]
-            with open(log_path, "w") as log:
-                proc = subprocess.run(
-                    cmd + ["--work-dir", str(work_dir)], stdout=subprocess.PIPE, stderr=log, text=True
-                )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-            if proc.returncode or not lines:
-                tail = "\n".join(log_path.read_text().splitlines()[-25:])
-                raise SystemExit(f"the {framework} run failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-            result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+            result = run_worker(
+                __file__,
+                ["--worker", framework, "--work-dir", str(work_dir)],
+                work_dir / f"{framework}-{rep}.log",
+                f"{framework} run",
+            )
             results[framework].append(result)
             reached = time_to(result["points"], args.target)
             print(

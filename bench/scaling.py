@@ -22,7 +22,7 @@ from common import (
     build_run,
     command_line,
     engine_max_model_len,
-    grpo_preset,
+    grpo_for,
     model_description,
     print_header,
     start_engine,
@@ -33,15 +33,7 @@ FACTORS = (1, 2, 4)
 
 
 def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, response_tokens: int) -> dict:
-    ppo = grpo_preset(
-        kl_coef=0.0,
-        rollout_batch_size=rollout_batch_size,
-        n_samples_per_prompt=args.samples_per_prompt,
-        train_batch_size=args.train_batch_size,
-        micro_train_batch_size=args.micro_batch_size,
-        ppo_epochs=1,
-        shuffle_seed=args.seed,
-    )
+    ppo = grpo_for(args, rollout_batch_size=rollout_batch_size)
     clock = RolloutClock()
     trainer, module, datamodule, plan = build_run(
         model_dir,

@@ -26,7 +26,7 @@ from common import (
     build_run,
     command_line,
     fmt,
-    grpo_preset,
+    grpo_for,
     model_description,
     print_header,
     stats,
@@ -35,40 +35,13 @@ from common import (
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.prompts import load_prompts
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
-
-
-def make_fixed_batch(prompt_ids: list[list[int]], n: int, length: int, vocab: range, seed: int) -> RolloutBatch:
-    """n random responses of exactly `length` tokens per prompt, and random 0/1 rewards (so advantages are not 0)."""
-    g = torch.Generator().manual_seed(seed)
-    sample_prompts = [p for p in prompt_ids for _ in range(n)]
-    N = len(sample_prompts)
-    responses = torch.randint(vocab.start, vocab.stop, (N, length), generator=g).tolist()
-    rewards = torch.randint(0, 2, (N,), generator=g).float()
-    positions = [i for i in range(len(prompt_ids)) for _ in range(n)]
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=positions,
-        dataset_indices=positions,
-        prompt_ids=sample_prompts,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=rewards,
-        truncated=torch.ones(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 
 
 def run_litppo(
     args, model_dir, prompt_file, batch: RolloutBatch, accelerator: str = "cpu", precision: str = "32-true"
 ) -> dict:
-    ppo = grpo_preset(**ppo_settings(args))
+    ppo = grpo_for(args, actor_lr=args.lr)
     trainer, module, datamodule, plan = build_run(
         model_dir,
         prompt_file,
@@ -90,19 +63,6 @@ def run_litppo(
         "experience_s": [r["timing/experience_s"] for r in steady],
         "optimizer_steps": module.actor_optimizer_steps,
     }
-
-
-def ppo_settings(args) -> dict:
-    return dict(
-        kl_coef=0.0,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.samples_per_prompt,
-        train_batch_size=args.train_batch_size,
-        micro_train_batch_size=args.micro_batch_size,
-        ppo_epochs=1,
-        actor_lr=args.lr,
-        shuffle_seed=args.seed,
-    )
 
 
 # ---------------------------------------------------------------- the plain loop
@@ -238,7 +198,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_file = arithmetic_prompt_file(max(64, args.rollout_batch_size), args.seed)
     prompt_ids = [p.prompt_ids for p in load_prompts(prompt_file, tokenizer).prompts[: args.rollout_batch_size]]
-    batch = make_fixed_batch(
+    batch = random_rollout_batch(
         prompt_ids, args.samples_per_prompt, args.response_tokens, range(4, len(tokenizer)), args.seed
     )  # ids 0-3 are special tokens
     N, T = len(batch.response_ids), args.response_tokens

@@ -23,10 +23,7 @@ Needs TRL: `make .venv/bench-installed` (trl==1.16.0, accelerate).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Callable
 
 PROCESS_START = time.perf_counter()
 
+import common  # noqa: E402
 from common import (  # noqa: E402
     CACHE,
     RolloutClock,
@@ -48,6 +46,7 @@ from common import (  # noqa: E402
     model_description,
     phase_means,
     print_header,
+    print_result,
     read_jsonl,
     start_engine,
     stats,
@@ -58,7 +57,6 @@ from workload import max_model_len as realistic_max_model_len  # noqa: E402
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype  # noqa: E402
 from lit_ppo.rewards import integer_match  # noqa: E402
 
-RESULT_PREFIX = "RESULT "
 WORKLOADS = ("fixed", "realistic")
 SETTINGS = ("defaults", "matched")
 GOALS = {("fixed", "defaults"): 0.75, ("realistic", "defaults"): 0.50}  # issue 14; matched has none of its own
@@ -364,21 +362,13 @@ def run_trl(args, w: Workload, setting: str) -> dict:
 
 
 def run_worker(framework: str, workload_name: str, setting: str, args, rep: int) -> dict:
-    log_path = CACHE / "vs_trl-logs" / f"{workload_name}-{setting}-{framework}-{rep}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    cmd += ["--worker", framework, "--workload", workload_name, "--setting", setting]
     started = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode or not lines:
-        tail = "\n".join(log_path.read_text().splitlines()[-25:])
-        raise SystemExit(
-            f"the {framework} worker ({workload_name}, {setting}) of repetition {rep + 1} failed "
-            f"(exit {proc.returncode}); its log is {log_path}; last lines:\n{tail}"
-        )
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result = common.run_worker(
+        __file__,
+        ["--worker", framework, "--workload", workload_name, "--setting", setting],
+        CACHE / "vs_trl-logs" / f"{workload_name}-{setting}-{framework}-{rep}.log",
+        f"{framework} worker ({workload_name}, {setting}) of repetition {rep + 1}",
+    )
     result["process_seconds"] = time.perf_counter() - started
     return result
 
@@ -414,7 +404,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         run = run_litppo if args.worker == "lit-ppo" else run_trl
-        print(RESULT_PREFIX + json.dumps(run(args, workload(args.workload, args), args.setting)), flush=True)
+        print_result(run(args, workload(args.workload, args), args.setting))
         return
 
     N = samples_per_rollout_step(args)

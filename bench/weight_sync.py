@@ -22,7 +22,7 @@ from common import (
     command_line,
     engine_max_model_len,
     fmt,
-    grpo_preset,
+    grpo_for,
     model_description,
     print_header,
     start_engine,
@@ -57,15 +57,7 @@ def main() -> None:
         f"run(s) (first step of each is warm-up), then {args.syncs} timed syncs",
     )
     engine = start_engine(model_dir, engine_max_model_len(args.response_tokens), seed=args.seed)
-    ppo = grpo_preset(
-        kl_coef=0.0,
-        rollout_batch_size=args.rollout_batch_size,
-        n_samples_per_prompt=args.samples_per_prompt,
-        train_batch_size=args.train_batch_size,
-        micro_train_batch_size=args.micro_batch_size,
-        ppo_epochs=1,
-        shuffle_seed=args.seed,
-    )
+    ppo = grpo_for(args)
     prompt_file = arithmetic_prompt_file(max(256, args.rollout_batch_size * args.steps), args.seed)
     rows, syncs = [], []
     for rep in range(args.repeats):

@@ -15,7 +15,7 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   intermediate-size ones (gate, up, SiLU(gate), their product), counted with torch's saved-tensor hooks; its
   SDPA path with padding also keeps a [B, 1, S, S] mask per layer. The layer whose backward runs needs about
   as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time
-  (measured: about one layer's activations on top; bench/memory_estimate.py).
+  (measured: about one layer's activations on top; BENCHMARKS.md, "Memory").
 - logits: the LM head's output on the response positions [B, T, V] in the compute dtype (lit_ppo.logits writes their
   gradient over them), plus
   a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
@@ -24,8 +24,8 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   sleeps (frees it) while training when rollout.sleep_between_steps is on.
 
 The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
-(everything above except a sleeping vLLM). bench/memory_estimate.py compares the training phase with a
-measured CPU peak.
+(everything above except a sleeping vLLM). BENCHMARKS.md ("Memory", "On a GPU") compares the training phase with
+measured peaks; tests/test_gpu.py checks it against the CUDA allocator's.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.build import build_run as build_product_run
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
+from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
@@ -39,15 +40,17 @@ def run_config(
     data_epochs: float | None = None,
     dp: int = 1,
     precision: str = "32-true",
+    accelerator: str = "cpu",
     **sections,
 ) -> RunConfig:
-    """A RunConfig built in code: the given sections, `steps` rollout steps (or `data_epochs`), `dp` CPU ranks in
-    `precision` (float32 unless a test asks: `auto` would follow this machine's bf16 support)."""
+    """A RunConfig built in code: the given sections, `steps` rollout steps (or `data_epochs`), `dp` ranks (CPU
+    unless `accelerator` says) in `precision` (float32 unless a test asks: `auto` would follow this machine's bf16
+    support)."""
     return RunConfig(
         ppo=ppo or PPOConfig(),
         rollout=rollout or RolloutConfig(),
         trainer=TrainerConfig(total_rollout_steps=steps, data_epochs=data_epochs),
-        strategy=StrategyConfig(accelerator="cpu", devices=dp, precision=precision),
+        strategy=StrategyConfig(accelerator=accelerator, devices=dp, precision=precision),
         **sections,
     )
 
@@ -80,6 +83,9 @@ def build_run(
     reward_fn=integer_match,
     callbacks=(),
     gradient_checkpointing=False,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
+    datamodule_class=RolloutDataModule,
     **ppo_overrides,
 ):
     ppo = PPOConfig(
@@ -97,7 +103,9 @@ def build_run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     eval_prompts = load_prompts(files[1], tokenizer)
-    config = run_config(ppo=ppo, rollout=rollout, steps=total_rollout_steps)
+    config = run_config(
+        ppo=ppo, rollout=rollout, steps=total_rollout_steps, accelerator=accelerator, precision=precision
+    )
     config = dataclasses.replace(
         config,
         trainer=dataclasses.replace(config.trainer, eval_every=eval_every),
@@ -114,5 +122,6 @@ def build_run(
         output_dir=tmp_path,
         engine=engine,
         callbacks=callbacks,
+        datamodule_class=datamodule_class,
     )
     return trainer, module, datamodule, plan
