@@ -73,7 +73,7 @@ class _SeededSampler(LogitsProcessor):
             probs = logp.exp()
             cdf = probs.cumsum(-1)
             u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in self.generators])
-            thresholds = (u.to(cdf.device, torch.float32) * cdf[:, -1]).unsqueeze(-1)
+            thresholds = (u.float().to(cdf.device) * cdf[:, -1]).unsqueeze(-1)  # MPS has no float64
             tokens = torch.searchsorted(cdf, thresholds, right=True).squeeze(-1)
             # A threshold rounded up to the total would index past the end or a zero-probability tail token.
             last_positive = (probs > 0).cumsum(-1).argmax(-1)

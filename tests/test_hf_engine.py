@@ -69,7 +69,14 @@ def test_greedy_outputs_equal_vllm(actor, tokenizer, vllm):
     hf = HFEngine(actor, tokenizer)
     prompts = long_prompts(tokenizer, 16, 100, 115, seed=1)
     kwargs = dict(n=1, temperature=0.0, top_p=1.0, max_tokens=12, seeds=None)
-    ours, theirs = hf.generate(prompts, **kwargs), vllm.generate(prompts, **kwargs)
+    # A model's own generation config (Qwen2.5-Instruct's has a repetition penalty) must not change what is sampled:
+    # vLLM ignores it once sampling parameters are given.
+    actor.generation_config.repetition_penalty = 5.0
+    try:
+        ours = hf.generate(prompts, **kwargs)
+    finally:
+        actor.generation_config.repetition_penalty = None
+    theirs = vllm.generate(prompts, **kwargs)
     assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
     assert [g.text for g in ours] == [g.text for g in theirs] and [g.truncated for g in ours] == [
         g.truncated for g in theirs
