@@ -229,7 +229,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
         # (lit_ppo.preemption), and the stop points after them stop every rank together.
-        generations = interruptibly(generate)
+        # Tensor-parallel engines run collectives inside generate: only their end is a stop point.
+        generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
         stop_point(self.device)
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()

@@ -165,8 +165,12 @@ class PPOModule(L.LightningModule):
                 if values is not None:  # zero off the response mask (padding, observations)
                     values[idx, :t] = self._values(mb) * mb.response_mask
 
-        # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption).
-        preemption.interruptibly(forwards)
+        # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
+        # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.
+        if self.sharded:
+            forwards()
+        else:
+            preemption.interruptibly(forwards)
         preemption.stop_point(self.device)
         exp, self.rollout_correction_stats = experience_from_forwards(
             batch,

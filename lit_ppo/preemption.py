@@ -17,7 +17,8 @@ of exception they expect.
 Safe points. A rollout step first produces data that nothing keeps (generation, rewards, the experience forwards) and
 then changes the models (optimizer steps). The first part runs in `interruptible` regions: the signal handler raises
 inside them, so even one long vLLM call or a hanging reward stops within a fraction of a second, and the region's
-work is dropped. Each region is followed by `stop_point`, where the ranks agree (an all-reduce of the flag; every
+work is dropped (not where the region itself runs collectives: FSDP's forwards, a tensor-parallel engine; those
+are only stopped at their end). Each region is followed by `stop_point`, where the ranks agree (an all-reduce of the flag; every
 rank passes the same stop points in the same order) and, if any rank was signalled, all raise `Preempted` together.
 The optimizer steps cannot be dropped halfway, so between micro-batches the run stops only when the last completed
 rollout step is already on disk (nothing is saved then); otherwise the step finishes and the run stops after it (at
@@ -38,7 +39,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, restore_rng_state, rng_state
 from lit_ppo.console import show
-from lit_ppo.distributed import global_max
+from lit_ppo.distributed import global_max, world_size
 
 log = logging.getLogger("lit_ppo")
 
@@ -73,7 +74,7 @@ class Preemption(L.Callback):
         self.checkpoints = checkpoints
         self.requested: int | None = None  # the signal received, if any
         self.abandoned = False  # the step in progress was dropped at a stop point
-        self._depth = 0  # nesting of interruptible regions
+        self._depth = 0  # > 0 inside an interruptible region
         self._handlers: dict[int, object] = {}
         self._trainer: L.Trainer | None = None
         self._step_start: tuple[dict, dict] | None = None
@@ -131,15 +132,16 @@ class Preemption(L.Callback):
 
     def agreed(self, device: torch.device | None = None) -> int | None:
         """The signal any rank received (the largest number), or None; a collective under data parallelism."""
+        if world_size() == 1:
+            return self.requested  # no tensor: no device synchronisation for a flag this process holds
         flag = torch.tensor([self.requested or 0], dtype=torch.int64, device=device)
         signum = int(global_max(flag).item())
         return signum or None
 
-    def stop_point(self, *, step_on_disk_or_dropped: bool = True, device=None) -> None:
-        """Stop here (every rank together) if a preemption signal arrived; `step_on_disk_or_dropped=False` where the
-        step in progress can neither be dropped nor skipped (optimizer steps whose start is not on disk)."""
+    def stop_point(self, device=None) -> None:
+        """Stop here, every rank together, if a preemption signal arrived on any of them."""
         signum = self.agreed(device)
-        if signum is not None and step_on_disk_or_dropped:
+        if signum is not None:
             self.abandoned = True
             raise Preempted(signum)
 
@@ -200,12 +202,12 @@ def interruptibly(fn):
     return fn() if handler is None else handler.interruptibly(fn)
 
 
-def stop_point(device=None, *, step_on_disk_or_dropped: bool = True, module=None) -> None:
-    """`Preemption.stop_point` of the active handler; nothing without one. With `module`, the step may be dropped
-    only if its start is on disk (optimizer steps have run)."""
+def stop_point(device=None, *, module=None) -> None:
+    """`Preemption.stop_point` of the active handler; nothing without one. With `module` (during its optimizer
+    steps), only where the step's start is on disk: elsewhere the step must finish first."""
     handler = active()
     if handler is None:
         return
-    if module is not None:
-        step_on_disk_or_dropped = handler.step_start_on_disk(module)
-    handler.stop_point(step_on_disk_or_dropped=step_on_disk_or_dropped, device=device)
+    if module is not None and not handler.step_start_on_disk(module):
+        return  # it could not stop here anyway: no collective (the same answer on every rank)
+    handler.stop_point(device)
