@@ -19,7 +19,9 @@ from typing import Callable
 
 from lit_ppo.environments import (
     EnvironmentTimeout,
+    TokenIds,
     call_with_timeout,
+    check_observation,
     check_step_result,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure
@@ -107,8 +109,8 @@ class ObservationEncoder:
                 after_turn = after_turn[len(text) :]
         self.before, self.after = after_turn.split(self.PROBE_OBSERVATION, 1)
 
-    def __call__(self, observation: str | list[int], turn_ids: list[int]) -> list[int]:
-        if isinstance(observation, list):
+    def __call__(self, observation: str | TokenIds, turn_ids: list[int]) -> list[int]:
+        if isinstance(observation, TokenIds):
             return [int(i) for i in observation]
         if not (self.before or self.after):
             return list(self.tokenizer(observation, add_special_tokens=False).input_ids)
@@ -127,6 +129,7 @@ class _Running:
     environment: object
     episode: Episode
     active: bool = True
+    failure_message: str = ""
 
     def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
         ep = self.episode
@@ -161,6 +164,7 @@ def run_episodes(
             running.append(_Running(len(running), prompt, make_environment(), episode))
     positions = sample_positions or list(range(len(running)))
     takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
+    vocab_size = len(tokenizer)
 
     def guarded(r: _Running, what: str, fn, args):
         """Call the environment; a failure stops the run (on_error=raise) or ends the episode with reward 0."""
@@ -176,6 +180,7 @@ def run_episodes(
                     "reward.on_error=zero to score such episodes 0"
                 ) from e
             r.episode.failure = "timeout" if timed_out else "error"
+            r.failure_message = f"{type(r.environment).__name__}.{what}: {type(e).__name__}: {e}"
             r.episode.reward = 0.0
             r.active = False
             log.info(
@@ -189,11 +194,13 @@ def run_episodes(
 
     for r in running:
         record = {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
-        first = guarded(r, "reset", r.environment.reset, (record,))
+        first = guarded(
+            r, "reset", lambda rec, env=r.environment: check_observation(env.reset(rec), "reset", vocab_size), (record,)
+        )
         if r.active and first:
             ids = (
                 encoder(first, [])
-                if isinstance(first, list)
+                if isinstance(first, TokenIds)
                 else list(tokenizer(first, add_special_tokens=False).input_ids)
             )
             if len(ids) >= settings.max_episode_tokens:
@@ -232,7 +239,9 @@ def run_episodes(
                 if takes_ids[r.position]
                 else tokenizer.decode(out.token_ids, skip_special_tokens=True)
             )
-            result = guarded(r, "step", lambda a, env=r.environment: check_step_result(env.step(a)), (action,))
+            result = guarded(
+                r, "step", lambda a, env=r.environment: check_step_result(env.step(a), vocab_size), (action,)
+            )
             if result is None:
                 continue
             observation, reward, done, info = result
@@ -250,6 +259,17 @@ def run_episodes(
                 continue
             r.append(ids, policy=False)
             ep.observation_tokens += len(ids)
+    failed = [r.episode.failure for r in running if r.episode.failure]
+    if failed:  # on_error=zero: counted in rollout/environment_errors and _timeouts, and said, as reward failures are
+        log.warning(
+            "%s: %d of %d episodes scored 0 after environment errors and %d after timeouts (reward.on_error=zero); "
+            "the first: %s",
+            where,
+            failed.count("error"),
+            len(running),
+            failed.count("timeout"),
+            next(r.failure_message for r in running if r.episode.failure),
+        )
     episodes = []
     for r in running:
         ep = r.episode
