@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import numbers
 import pickle
 import re
 import signal
@@ -520,7 +521,14 @@ class RewardScorer:
                 none += 1
                 scores[i] = 0.0
             elif not _is_finite_number(score):
-                self._sample_failed(i, prompts, responses, ValueError(f"returned {score!r}, not a finite number"))
+                self._sample_failed(
+                    i,
+                    prompts,
+                    responses,
+                    ValueError(
+                        f"returned {score!r}, not a finite number (a float, int or bool; not {type(score).__name__})"
+                    ),
+                )
                 scores[i] = 0.0
         scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
         if self.overlong_buffer_tokens:
@@ -635,10 +643,16 @@ class RewardScorer:
 
 
 def _is_finite_number(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
+    """A real number (bool included) that is finite. Text is not one: float("1.0") would take the string "1.0"
+    from a function that formats its scores, and "0.5 " or "1,0" next time."""
+    if not isinstance(x, numbers.Real):
+        item = getattr(x, "item", None)  # a 0-d tensor or NumPy array holds one number
+        if getattr(x, "ndim", None) != 0 or item is None:
+            return False
+        x = item()
+        if not isinstance(x, numbers.Real):
+            return False
+    return math.isfinite(float(x))
 
 
 def _clip(text: str, limit: int = 300) -> str:
