@@ -139,8 +139,13 @@ def detect_signature(fn) -> str:
     Exactly one of `responses` (lit-ppo), `completions` (TRL), `solution_str` (verl), `queries` (OpenRLHF)
     decides; a function naming none of them but taking four positional arguments is lit-ppo's
     `(prompts, responses, references, extras)` under other names. Anything else is a ConfigError."""
-    parameters = _parameters(fn)
-    found = [name for name, marker in SIGNATURE_MARKERS.items() if marker in parameters]
+    return convention_of(_parameters(fn), _name(fn))
+
+
+def convention_of(parameters: dict[str, inspect.Parameter], name: str) -> str:
+    """`detect_signature` on a function's parameters (`name` for the message): also for a class's `__call__`
+    that is not built yet (the pre-flight checks, lit_ppo/preflight.py)."""
+    found = [convention for convention, marker in SIGNATURE_MARKERS.items() if marker in parameters]
     if len(found) == 1:
         return found[0]
     positional = [
@@ -152,9 +157,10 @@ def detect_signature(fn) -> str:
         return "lit_ppo"
     shown = f"({', '.join(parameters)})" if parameters else "(parameters unknown)"
     raise ConfigError(
-        f"reward.signature=auto cannot tell how to call {_name(fn)}{shown}: it names "
+        f"reward.signature=auto cannot tell how to call {name}{shown}: it names "
         f"{' and '.join(SIGNATURE_MARKERS[f] for f in found) if found else 'none'} of "
-        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}"
+        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}, "
+        "or give it the parameters of one of them (docs/rewards.md)"
     )
 
 

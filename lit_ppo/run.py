@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from lit_ppo import preflight as checks
 from lit_ppo.config import make_plan, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
@@ -23,10 +24,129 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def preflight(cfg: DictConfig) -> None:
+    """The pre-flight checks of lit_ppo/preflight.py on this config, before the plan and before any model loads
+    (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
+    checks what is on this machine and plans without the rest."""
+    training = cfg.mode == "train"
+    checks.make_importable(Path.cwd())
+    rollout, data = cfg.rollout, cfg.data
+    environment = rollout.get("environment")
+    checks.check_environment_turns(environment is not None, int(rollout.max_turns))
+    if environment is not None and environment.get("_target_"):
+        checks.resolve_target(environment._target_, "rollout.environment")
+    spec = OmegaConf.to_container(cfg.reward.fn, resolve=True)
+    target = checks.resolve_target(spec.get("_target_"), "reward.fn")
+    bound = {k: v for k, v in spec.items() if not k.startswith("_")}
+    checks.check_reward_convention(
+        checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
+        f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}",
+        str(cfg.reward.get("signature", "auto")),
+        data.get("answer_key"),
+        list(data.get("extra_keys") or []),
+    )
+    files = []
+    if data.source == "file":
+        files = [(Path(data[key]), f"data.{key}") for key in ("path", "eval_path") if data.get(key)]
+        for path, key in files:
+            if path.is_file() and path.suffix in (".jsonl", ".json"):
+                checks.check_utf8(path, key)
+
+    tokenizer, max_positions, positions_source = None, None, ""
+    if cfg.model.get("path"):
+        model = checks.find_model_files(str(cfg.model.path), required=training, offline=checks.hub_offline())
+        if model is not None:
+            max_positions, positions_source = model.max_positions, model.source
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model.directory)
+            except Exception as e:
+                if training:
+                    raise ConfigError(
+                        f"model.path={cfg.model.path}: its tokenizer cannot be loaded from {model.directory} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix: save the tokenizer "
+                        "beside the model (tokenizer.save_pretrained)"
+                    ) from None
+    else:  # the tiny model: its shape is in the config and its tokenizer is built, not loaded
+        from lit_ppo.tiny import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+        max_positions, positions_source = int(cfg.model.tiny.max_position_embeddings), "model.tiny"
+    if tokenizer is not None:
+        note = checks.pad_token_note(
+            str(cfg.model.get("path") or "the tiny model"), tokenizer.pad_token, tokenizer.eos_token
+        )
+        if note:
+            show(note)
+
+    longest = None
+    if tokenizer is not None and (data.source == "arithmetic" or all(path.exists() for path, _ in files)):
+        longest = longest_prompt(cfg, tokenizer, [path for path, _ in files])
+    if environment is not None:
+        response_tokens = int(rollout.max_episode_tokens or int(rollout.max_turns) * int(rollout.max_response_tokens))
+        response_key = (
+            "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns x max_response_tokens"
+        )
+    else:
+        response_tokens, response_key = int(rollout.max_response_tokens), "rollout.max_response_tokens"
+    checks.check_lengths(
+        max_model_len=int(rollout.max_model_len),
+        max_positions=max_positions,
+        positions_source=positions_source,
+        response_tokens=response_tokens,
+        response_key=response_key,
+        longest_prompt=longest,
+    )
+
+
+def longest_prompt(cfg: DictConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
+    """The longest prompt in tokens as the run will see it (after the chat template, within
+    data.max_prompt_length under data.bad_records), and where it is."""
+    from lit_ppo.prompts import format_prompt, load_prompts
+
+    data = cfg.data
+    chat = bool(data.chat_template)
+    if data.source == "arithmetic":
+        from lit_ppo.arithmetic import make_problems
+
+        train, evaluation = make_problems(
+            seed=data.seed,
+            max_operand=data.max_operand,
+            n_train=data.n_train,
+            n_eval=data.n_eval,
+            operation=data.get("operation", "+"),
+            min_operand=int(data.get("min_operand", 0)),
+        )
+        texts = [
+            format_prompt(r["prompt"], tokenizer, chat_template=chat, system_prompt=data.system_prompt)
+            for r in train + evaluation
+        ]
+        return max(
+            ((len(tokenizer(t, add_special_tokens=not chat).input_ids), f"the arithmetic prompt {t!r}") for t in texts),
+            default=None,
+        )
+    prompts = []
+    for path in paths:  # the same reading and filtering as the run's (training.load_prompt_sets)
+        prompts += load_prompts(
+            path,
+            tokenizer,
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            extra_keys=list(data.extra_keys),
+            chat_template=chat,
+            system_prompt=data.system_prompt,
+            max_prompt_length=data.max_prompt_length,
+            bad_records=data.bad_records,
+        ).prompts
+    return max(((len(p.prompt_ids), p.location) for p in prompts), default=None)
+
+
 def main(cfg: DictConfig) -> dict | None:
     """Entry point behind `python train.py`; returns the summary (None in plan mode)."""
     if cfg.mode not in ("train", "plan"):
         raise ConfigError(f"mode={cfg.mode!r}; fix: use mode=train or mode=plan")
+    preflight(cfg)
     output_dir = output_dir_of(cfg)
     size, source = planned_dataset_size(cfg)
     plan = make_plan(cfg, size)

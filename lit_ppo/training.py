@@ -230,6 +230,8 @@ def train(cfg: DictConfig, output_dir: Path, engine=None) -> dict | None:
     model_dir = prepare_model(cfg, train_records)
     warm_start_seconds = time.perf_counter() - started_model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
+        tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(cfg, train_path, eval_path, tokenizer)
     plan = make_plan(cfg, len(train_prompts))
     if rank_zero:
