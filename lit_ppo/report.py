@@ -34,17 +34,18 @@ TIMING_KEYS = {
 }
 
 
-def write_metrics_csv(path: str | Path, history: list[dict]) -> None:
-    """metrics.csv, one row per rollout step, rewritten whole (atomically) so a resumed run has no gaps or repeats."""
+def write_metrics_csv(path: str | Path, history: list[dict], initial: dict | None = None) -> None:
+    """metrics.csv, one row per rollout step, rewritten whole (atomically) so a resumed run has no gaps or repeats;
+    `initial`, the evaluation before any update, is its rollout_step 0 row."""
     columns = ["rollout_step", "optimizer_step", "data_epoch", "samples_seen"]
-    for row in history:
+    for row in [*history, *([initial] if initial else [])]:
         columns += [k for k in row if k not in columns]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows(history)
+        writer.writerows([initial, *history] if initial else history)
 
 
 def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
