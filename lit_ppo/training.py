@@ -64,15 +64,13 @@ def prepare_model(cfg: DictConfig, train_records: list[dict] | None) -> str:
         raise ConfigError(
             "model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false"
         )
-    key_parts = [
-        base_dir.name,
-        OmegaConf.to_container(warm, resolve=True),
-        OmegaConf.to_container(cfg.data, resolve=True),
-        cfg.seed,
-    ]
+    # Keyed on what the warm start reads: the base model, its own settings, the seed and the training records
+    # themselves (not the data settings: data.n_eval or data.eval_path leave them as they are), and for tool
+    # demonstrations the environment whose format they are written in.
+    key_parts = [base_dir.name, OmegaConf.to_container(warm, resolve=True), train_records, cfg.seed]
     environment = cfg.rollout.get("environment")
     environment = OmegaConf.to_container(environment, resolve=True) if environment is not None else None
-    if warm.get("tool_call_rate") is not None:  # the demonstrations are written in the environment's format
+    if warm.get("tool_call_rate") is not None:
         key_parts.append(environment)
     key = cache_key(*key_parts)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
