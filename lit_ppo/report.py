@@ -144,14 +144,23 @@ def on_gpu(cfg: DictConfig) -> bool:
 
 def device_memory_gib(cfg: DictConfig) -> float | None:
     """strategy.device_memory_gib, else the first GPU's memory when there is one and the run uses GPUs."""
+    return device_memory(cfg)[0]
+
+
+def device_memory(cfg: DictConfig) -> tuple[float | None, str]:
+    """(device memory in GiB, where it comes from): the experiment's declared devices (strategy.accelerator and
+    strategy.device_memory_gib), so that `mode=plan` away from them estimates for them, not for the machine it
+    runs on; else the GPU found here when the run uses GPUs; else unknown."""
+    kind = "GPU" if on_gpu(cfg) else str(cfg.strategy.accelerator)
     if cfg.strategy.get("device_memory_gib"):
-        return float(cfg.strategy.device_memory_gib)
+        return float(cfg.strategy.device_memory_gib), f"{kind} of strategy.device_memory_gib"
     if on_gpu(cfg):
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / GIB
-    return None
+            return torch.cuda.get_device_properties(0).total_memory / GIB, f"{torch.cuda.get_device_name(0)} found here"
+        return None, "GPU of unknown memory (set strategy.device_memory_gib)"
+    return None, "this machine's CPU"
 
 
 def memory_estimate(cfg: DictConfig, plan: StepPlan) -> MemoryEstimate | None:
@@ -193,11 +202,18 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, cfg: DictConfig | 
     if cfg is not None:
         memory = memory_estimate(cfg, plan)
         shape_source = model_shape(cfg)[1]
-        record["memory"] = None if memory is None else {**memory.to_dict(), "model_shape_from": shape_source}
+        device_source = device_memory(cfg)[1]
+        record["memory"] = (
+            None
+            if memory is None
+            else {**memory.to_dict(), "model_shape_from": shape_source, "device_from": device_source}
+        )
         if memory is None:
             show(f"Memory per device: no estimate ({shape_source})")
         else:
-            table = memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})")
+            table = memory.table().replace(
+                "(estimate)", f"(estimate; model shape from {shape_source}; device: {device_source})"
+            )
             if cfg.mode == "plan":
                 show(table)
             else:  # the console stays short while training: one line, the table in run.log and plan.json
