@@ -137,6 +137,39 @@ def check_reward_convention(
     return convention
 
 
+def check_environment_convention(target: Any, arguments: Mapping[str, Any], name: str) -> None:
+    """An environment class (`rollout.environment._target_`) bound, not built: its constructor takes `arguments`,
+    and it has `reset(record)` and `step(action)` (docs/environments.md). A factory function is only bound to
+    `arguments` (what it returns is known only by calling it)."""
+    try:
+        inspect.signature(target).bind(**arguments)
+    except TypeError as e:
+        raise ConfigError(
+            f"rollout.environment: {name} cannot be built from the arguments {sorted(arguments)}: {e}; fix: give only "
+            "the arguments it takes, beside _target_"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): building it will tell
+        return
+    if not inspect.isclass(target):
+        return
+    for method, argument in (("reset", "record"), ("step", "action")):
+        function = getattr(target, method, None)
+        if not callable(function):
+            raise ConfigError(
+                f"rollout.environment: {name} has no {method}({argument}) method; fix: implement the protocol of "
+                "docs/environments.md: reset(record) and step(action) -> (observation, reward, done, info)"
+            )
+        try:
+            inspect.signature(function).bind(None, None)  # (self, record) / (self, action)
+        except TypeError as e:
+            raise ConfigError(
+                f"rollout.environment: {name}.{method} cannot be called as {method}({argument}): {e}; fix: give it "
+                f"the signature {method}(self, {argument}) (docs/environments.md)"
+            ) from None
+        except ValueError:
+            continue
+
+
 def check_environment_turns(has_environment: bool, max_turns: int) -> None:
     """An environment answers between the policy's turns: with one turn it never gets to."""
     if has_environment and max_turns < 2:

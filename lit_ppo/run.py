@@ -34,7 +34,11 @@ def preflight(cfg: DictConfig) -> None:
     environment = rollout.get("environment")
     checks.check_environment_turns(environment is not None, int(rollout.max_turns))
     if environment is not None and environment.get("_target_"):
-        checks.resolve_target(environment._target_, "rollout.environment")
+        environment_class = checks.resolve_target(environment._target_, "rollout.environment")
+        arguments = {
+            k: v for k, v in OmegaConf.to_container(environment, resolve=True).items() if not k.startswith("_")
+        }
+        checks.check_environment_convention(environment_class, arguments, str(environment._target_))
     spec = OmegaConf.to_container(cfg.reward.fn, resolve=True)
     target = checks.resolve_target(spec.get("_target_"), "reward.fn")
     bound = {k: v for k, v in spec.items() if not k.startswith("_")}

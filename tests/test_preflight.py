@@ -221,6 +221,66 @@ def test_the_working_directory_is_importable_and_a_missing_module_names_the_path
     assert str(tmp_path) in line and "PYTHONPATH" in line
 
 
+ENVIRONMENTS = """
+class NoAction:
+    def reset(self, record):
+        return None
+
+    def step(self):
+        return None, 0.0, True, {}
+
+
+class NoReset:
+    def step(self, action):
+        return None, 0.0, True, {}
+
+
+class Tool:
+    def __init__(self, digits=3):
+        self.digits = digits
+
+    def reset(self, record):
+        return None
+
+    def step(self, action):
+        return None, 0.0, True, {}
+"""
+
+
+@pytest.mark.parametrize(
+    "target, extra, expected",
+    [
+        ("my_environments.NoAction", [], "my_environments.NoAction.step cannot be called as step(action)"),
+        ("my_environments.NoReset", [], "my_environments.NoReset has no reset(record) method"),
+        (
+            "my_environments.Tool",
+            ["+rollout.environment.digit=4"],
+            "my_environments.Tool cannot be built from the arguments ['digit']",
+        ),
+    ],
+)
+def test_an_environment_is_bound_against_the_protocol_without_building_it(
+    tmp_path, monkeypatch, import_path, target, extra, expected
+):
+    (tmp_path / "my_environments.py").write_text(ENVIRONMENTS)
+    monkeypatch.chdir(tmp_path)
+    overrides = ["mode=plan", "+experiment=tool_arithmetic", f"rollout.environment._target_={target}"]
+    for key in ("call_start", "call_end", "result_format", "error_format", "max_calls"):
+        overrides.append(f"~rollout.environment.{key}")
+    message = refused(tmp_path, *overrides, *extra, error=ConfigError)
+    assert expected in message and "fix:" in message
+    # The protocol's own signatures pass.
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}",
+            *overrides[:2],
+            "rollout.environment._target_=my_environments.Tool",
+            *overrides[3:],
+        )
+    )
+    assert (tmp_path / "ok" / "plan.json").exists()
+
+
 def test_an_environment_with_one_turn_is_refused(tmp_path):
     message = refused(tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.max_turns=1", error=ConfigError)
     assert "rollout.environment is set but rollout.max_turns=1" in message and "fix: set rollout.max_turns" in message
