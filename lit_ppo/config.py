@@ -581,7 +581,7 @@ class RunConfig:
 def count_records(path: Path) -> int:
     """Records in a prompt file without tokenizing them (for `mode=plan`)."""
     if path.suffix in (".jsonl", ".json"):
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return sum(1 for line in f if line.strip())
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq

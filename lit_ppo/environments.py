@@ -9,7 +9,9 @@ An environment is any object with two methods (docs/environments.md):
 `action` is the text of the policy's turn (its token ids decoded for reading only: the trainer keeps the ids
 vLLM produced); an environment whose class sets `takes_token_ids = True` gets the turn's token ids instead.
 An observation is text (tokenized once by the episode loop, wrapped in the chat template's turn separators when
-`data.chat_template=true`) or a list of token ids (appended as they are). `reward` adds up over the episode.
+`data.chat_template=true`), token ids marked as such, `TokenIds([...])` (appended as they are), or None. Anything
+else (a plain list, a number) is refused: `[12, 7]` from a tool that returns numbers would otherwise be read as
+token ids. `reward` adds up over the episode.
 `info` may say `tool_call: True` (counted in `rollout/tool_calls`) and carry numbers (logged as means).
 An environment may list `stop: list[str]`, texts that end a policy turn; each must be a single token.
 
@@ -30,7 +32,22 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 from lit_ppo.errors import ConfigError
 
-Observation = str | list[int] | None
+
+class TokenIds(tuple):
+    """An observation that is token ids of the policy's tokenizer, appended to the episode as they are:
+    `return TokenIds([151665, 198]), 0.0, False, {}`. The marker says so explicitly; a plain list is refused,
+    since a tool's result that happens to be a list of numbers is not token ids."""
+
+    __slots__ = ()
+
+    def __new__(cls, ids=()):
+        return super().__new__(cls, ids)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
+
+
+Observation = str | TokenIds | None
 
 
 @runtime_checkable
@@ -143,19 +160,42 @@ def call_all_with_timeout(calls: list[tuple[Callable, tuple]], timeout_s: float 
     return outcomes
 
 
-def check_step_result(result) -> tuple[Observation, float, bool, dict]:
+def check_step_result(result, vocab_size: int | None = None) -> tuple[Observation, float, bool, dict]:
     """The environment's step result, checked: (observation, finite reward, done, info)."""
     if not isinstance(result, tuple) or len(result) != 4:
         raise TypeError(f"step returned {type(result).__name__}, not (observation, reward, done, info)")
     observation, reward, done, info = result
+    if isinstance(reward, (str, bytes)):  # float("1.0") would take it
+        raise TypeError(f"step returned the reward {reward!r} (a {type(reward).__name__}); return a float")
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"step returned the reward {reward}, not a finite number")
-    if observation is not None and not isinstance(observation, (str, list)):
-        raise TypeError(
-            f"step returned an observation of type {type(observation).__name__}; return text, token ids or None"
-        )
-    return observation, reward, bool(done), dict(info or {})
+    return check_observation(observation, "step", vocab_size), reward, bool(done), dict(info or {})
+
+
+def check_observation(observation, method: str, vocab_size: int | None = None) -> Observation:
+    """An observation as the protocol allows it: text, `TokenIds` (ints in the vocabulary), or None; anything
+    else raises TypeError (ValueError for ids outside `vocab_size`), in one line saying what to return."""
+    if observation is None or isinstance(observation, str):
+        return observation
+    if isinstance(observation, TokenIds):
+        bad = [i for i in observation if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise TypeError(f"{method} returned {observation!r}: token ids must be ints, not {bad[0]!r}")
+        if vocab_size is not None:
+            outside = [i for i in observation if not 0 <= i < vocab_size]
+            if outside:
+                raise ValueError(
+                    f"{method} returned {observation!r}: the id {outside[0]} is outside the tokenizer's "
+                    f"{vocab_size} ids; return text (a str) unless these are ids of the policy's tokenizer"
+                )
+        return observation
+    shown = repr(observation)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise TypeError(
+        f"{method} returned the observation {shown} (a {type(observation).__name__}); an observation is text, "
+        "lit_ppo.environments.TokenIds([...]) for token ids, or None: return str(...) of a tool's result"
+    )
 
 
 # ------------------------------------------------------------------ the calculator

@@ -19,7 +19,9 @@ from typing import Callable
 
 from lit_ppo.environments import (
     EnvironmentTimeout,
+    TokenIds,
     call_all_with_timeout,
+    check_observation,
     check_step_result,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure
@@ -107,8 +109,8 @@ class ObservationEncoder:
                 after_turn = after_turn[len(text) :]
         self.before, self.after = after_turn.split(self.PROBE_OBSERVATION, 1)
 
-    def __call__(self, observation: str | list[int], turn_ids: list[int]) -> list[int]:
-        if isinstance(observation, list):
+    def __call__(self, observation: str | TokenIds, turn_ids: list[int]) -> list[int]:
+        if isinstance(observation, TokenIds):
             return [int(i) for i in observation]
         if not (self.before or self.after):
             return list(self.tokenizer(observation, add_special_tokens=False).input_ids)
@@ -127,6 +129,7 @@ class _Running:
     environment: object
     episode: Episode
     active: bool = True
+    failure_message: str = ""
 
     def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
         ep = self.episode
@@ -161,6 +164,7 @@ def run_episodes(
             running.append(_Running(len(running), prompt, make_environment(), episode))
     positions = sample_positions or list(range(len(running)))
     takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
+    vocab_size = len(tokenizer)
 
     def failed(r: _Running, what: str, e: BaseException) -> None:
         """An environment call failed: stop the run (on_error=raise) or end the episode with reward 0."""
@@ -175,6 +179,7 @@ def run_episodes(
                 "reward.on_error=zero to score such episodes 0"
             ) from e
         r.episode.failure = "timeout" if timed_out else "error"
+        r.failure_message = f"{type(r.environment).__name__}.{what}: {type(e).__name__}: {e}"
         r.episode.reward = 0.0
         r.active = False
         log.info(
@@ -189,7 +194,13 @@ def run_episodes(
         return {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
 
     # Every episode's reset, then each turn's steps, run concurrently under one timeout (call_all_with_timeout).
-    resets = call_all_with_timeout([(r.environment.reset, (records(r),)) for r in running], settings.timeout_s)
+    resets = call_all_with_timeout(
+        [
+            (lambda rec, env=r.environment: check_observation(env.reset(rec), "reset", vocab_size), (records(r),))
+            for r in running
+        ],
+        settings.timeout_s,
+    )
     for r, (ok, first) in zip(running, resets):
         if not ok:
             failed(r, "reset", first)
@@ -197,7 +208,7 @@ def run_episodes(
         if first:
             ids = (
                 encoder(first, [])
-                if isinstance(first, list)
+                if isinstance(first, TokenIds)
                 else list(tokenizer(first, add_special_tokens=False).input_ids)
             )
             if len(ids) >= settings.max_episode_tokens:
@@ -238,7 +249,10 @@ def run_episodes(
                 else tokenizer.decode(out.token_ids, skip_special_tokens=True)
             )
         steps = call_all_with_timeout(
-            [(lambda a, env=r.environment: check_step_result(env.step(a)), (a,)) for r, a in zip(active, actions)],
+            [
+                (lambda a, env=r.environment: check_step_result(env.step(a), vocab_size), (a,))
+                for r, a in zip(active, actions)
+            ],
             settings.timeout_s,
         )
         for r, out, (ok, result) in zip(active, outputs, steps):
@@ -261,6 +275,19 @@ def run_episodes(
                 continue
             r.append(ids, policy=False)
             ep.observation_tokens += len(ids)
+    failed_kinds = [r.episode.failure for r in running if r.episode.failure]
+    if (
+        failed_kinds
+    ):  # on_error=zero: counted in rollout/environment_errors and _timeouts, and said, as reward failures are
+        log.warning(
+            "%s: %d of %d episodes scored 0 after environment errors and %d after timeouts (reward.on_error=zero); "
+            "the first: %s",
+            where,
+            failed_kinds.count("error"),
+            len(running),
+            failed_kinds.count("timeout"),
+            next(r.failure_message for r in running if r.episode.failure),
+        )
     episodes = []
     for r in running:
         ep = r.episode

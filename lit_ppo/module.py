@@ -307,7 +307,26 @@ class PPOModule(L.LightningModule):
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
         self.sync_weights(self.trainer.datamodule.start_engine())
         if not self.eval_history:
-            self._evaluate()
+            self._log_initial_evaluation(self._evaluate())
+
+    def _initial_row(self) -> dict[str, Any] | None:
+        """The evaluation before any update, as the rollout_step 0 row of metrics.csv and the loggers; None when the
+        run has none (no held-out prompts). Built from `eval_history`, which checkpoints keep, so a resumed run
+        writes it again."""
+        if not self.eval_history or self.eval_history[0]["rollout_step"] != 0:
+            return None
+        evaluation = {k: v for k, v in self.eval_history[0].items() if k.startswith("eval/")}
+        return {"rollout_step": 0, "optimizer_step": 0, "data_epoch": 0, "samples_seen": 0, **evaluation}
+
+    def _log_initial_evaluation(self, result: dict[str, Any]) -> None:
+        row = self._initial_row()
+        if not result or row is None:
+            return
+        if self.metrics_path and self.trainer.is_global_zero:
+            write_metrics_csv(self.metrics_path, self.history, initial=row)
+        numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+        for logger in self.loggers:
+            logger.log_metrics(numeric, step=0)
 
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
@@ -391,7 +410,7 @@ class PPOModule(L.LightningModule):
         row["actor/skipped_updates"] = self.skipped_updates
         self.history.append(row)
         if self.metrics_path and self.trainer.is_global_zero:
-            write_metrics_csv(self.metrics_path, self.history)
+            write_metrics_csv(self.metrics_path, self.history, initial=self._initial_row())
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=self.rollout_step)

@@ -24,6 +24,7 @@ class Prompt:
     text: str  # the prompt as the model sees it (after the chat template)
     reference: str | None
     extras: dict[str, Any]
+    location: str = ""  # file:line (or row) it came from, for messages
 
 
 @dataclass
@@ -72,7 +73,7 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
         for i, record in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", record
     elif path.suffix in (".jsonl", ".json"):
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -173,7 +174,7 @@ def load_prompts(
             continue
         reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
         extras = {k: record[k] for k in extra_keys}
-        result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras))
+        result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location))
     if not result.prompts:
         raise DataError(
             f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents"

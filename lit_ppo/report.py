@@ -33,17 +33,18 @@ TIMING_KEYS = {
 }
 
 
-def write_metrics_csv(path: str | Path, history: list[dict]) -> None:
-    """metrics.csv, one row per rollout step, rewritten whole (atomically) so a resumed run has no gaps or repeats."""
+def write_metrics_csv(path: str | Path, history: list[dict], initial: dict | None = None) -> None:
+    """metrics.csv, one row per rollout step, rewritten whole (atomically) so a resumed run has no gaps or repeats;
+    `initial`, the evaluation before any update, is its rollout_step 0 row."""
     columns = ["rollout_step", "optimizer_step", "data_epoch", "samples_seen"]
-    for row in history:
+    for row in [*history, *([initial] if initial else [])]:
         columns += [k for k in row if k not in columns]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        writer.writerows(history)
+        writer.writerows([initial, *history] if initial else history)
 
 
 def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
@@ -143,14 +144,23 @@ def on_gpu(strategy: StrategyConfig) -> bool:
 
 def device_memory_gib(strategy: StrategyConfig) -> float | None:
     """strategy.device_memory_gib, else the first GPU's memory when there is one and the run uses GPUs."""
+    return device_memory(strategy)[0]
+
+
+def device_memory(strategy: StrategyConfig) -> tuple[float | None, str]:
+    """(device memory in GiB, where it comes from): the experiment's declared devices (strategy.accelerator and
+    strategy.device_memory_gib), so that `mode=plan` away from them estimates for them, not for the machine it
+    runs on; else the GPU found here when the run uses GPUs; else unknown."""
+    kind = "GPU" if on_gpu(strategy) else strategy.accelerator
     if strategy.device_memory_gib:
-        return float(strategy.device_memory_gib)
+        return float(strategy.device_memory_gib), f"{kind} of strategy.device_memory_gib"
     if on_gpu(strategy):
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(0).total_memory / GIB
-    return None
+            return torch.cuda.get_device_properties(0).total_memory / GIB, f"{torch.cuda.get_device_name(0)} found here"
+        return None, "GPU of unknown memory (set strategy.device_memory_gib)"
+    return None, "this machine's CPU"
 
 
 def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
@@ -192,11 +202,18 @@ def write_plan(plan: StepPlan, output_dir: Path, source: str, config: RunConfig 
     if config is not None:
         memory = memory_estimate(config, plan)
         shape_source = model_shape(config.model)[1]
-        record["memory"] = None if memory is None else {**memory.to_dict(), "model_shape_from": shape_source}
+        device_source = device_memory(config.strategy)[1]
+        record["memory"] = (
+            None
+            if memory is None
+            else {**memory.to_dict(), "model_shape_from": shape_source, "device_from": device_source}
+        )
         if memory is None:
             show(f"Memory per device: no estimate ({shape_source})")
         else:
-            table = memory.table().replace("(estimate)", f"(estimate; model shape from {shape_source})")
+            table = memory.table().replace(
+                "(estimate)", f"(estimate; model shape from {shape_source}; device: {device_source})"
+            )
             if config.mode == "plan":
                 show(table)
             else:  # the console stays short while training: one line, the table in run.log and plan.json

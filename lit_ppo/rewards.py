@@ -28,6 +28,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import numbers
 import pickle
 import re
 import signal
@@ -143,8 +144,13 @@ def detect_signature(fn) -> str:
     Exactly one of `responses` (lit-ppo), `completions` (TRL), `solution_str` (verl), `queries` (OpenRLHF)
     decides; a function naming none of them but taking four positional arguments is lit-ppo's
     `(prompts, responses, references, extras)` under other names. Anything else is a ConfigError."""
-    parameters = _parameters(fn)
-    found = [name for name, marker in SIGNATURE_MARKERS.items() if marker in parameters]
+    return convention_of(_parameters(fn), _name(fn))
+
+
+def convention_of(parameters: dict[str, inspect.Parameter], name: str) -> str:
+    """`detect_signature` on a function's parameters (`name` for the message): also for a class's `__call__`
+    that is not built yet (the pre-flight checks, lit_ppo/preflight.py)."""
+    found = [convention for convention, marker in SIGNATURE_MARKERS.items() if marker in parameters]
     if len(found) == 1:
         return found[0]
     positional = [
@@ -156,9 +162,10 @@ def detect_signature(fn) -> str:
         return "lit_ppo"
     shown = f"({', '.join(parameters)})" if parameters else "(parameters unknown)"
     raise ConfigError(
-        f"reward.signature=auto cannot tell how to call {_name(fn)}{shown}: it names "
+        f"reward.signature=auto cannot tell how to call {name}{shown}: it names "
         f"{' and '.join(SIGNATURE_MARKERS[f] for f in found) if found else 'none'} of "
-        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}"
+        f"{', '.join(SIGNATURE_MARKERS.values())}; fix: set reward.signature to one of {', '.join(SIGNATURES[1:])}, "
+        "or give it the parameters of one of them (docs/rewards.md)"
     )
 
 
@@ -588,7 +595,14 @@ class RewardScorer:
                 none += 1
                 scores[i] = 0.0
             elif not _is_finite_number(score):
-                self._sample_failed(i, prompts, responses, ValueError(f"returned {score!r}, not a finite number"))
+                self._sample_failed(
+                    i,
+                    prompts,
+                    responses,
+                    ValueError(
+                        f"returned {score!r}, not a finite number (a float, int or bool; not {type(score).__name__})"
+                    ),
+                )
                 scores[i] = 0.0
         scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
         if self.overlong_buffer_tokens:
@@ -708,10 +722,16 @@ class RewardScorer:
 
 
 def _is_finite_number(x) -> bool:
-    try:
-        return math.isfinite(float(x))
-    except (TypeError, ValueError):
-        return False
+    """A real number (bool included) that is finite. Text is not one: float("1.0") would take the string "1.0"
+    from a function that formats its scores, and "0.5 " or "1,0" next time."""
+    if not isinstance(x, numbers.Real):
+        item = getattr(x, "item", None)  # a 0-d tensor or NumPy array holds one number
+        if getattr(x, "ndim", None) != 0 or item is None:
+            return False
+        x = item()
+        if not isinstance(x, numbers.Real):
+            return False
+    return math.isfinite(float(x))
 
 
 def _clip(text: str, limit: int = 300) -> str:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lit_ppo.config import RunConfig, planned_dataset_size
+from lit_ppo import preflight as checks
+from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
+from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
 from lit_ppo.report import write_plan
 
@@ -23,10 +25,129 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def preflight(config: RunConfig) -> None:
+    """The pre-flight checks of lit_ppo/preflight.py on these settings, before the plan and before any model loads
+    (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
+    checks what is on this machine and plans without the rest."""
+    training = config.mode == "train"
+    rollout, data = config.rollout, config.data
+    environment = rollout.environment
+    checks.check_environment_turns(environment is not None, rollout.max_turns)
+    if environment is not None and environment.get("_target_"):
+        environment_class = checks.resolve_target(environment["_target_"], "rollout.environment")
+        arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
+        checks.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
+    spec = config.reward.fn
+    target = checks.resolve_target(spec.get("_target_"), "reward.fn")
+    bound = {k: v for k, v in spec.items() if not k.startswith("_")}
+    checks.check_reward_convention(
+        checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
+        f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}",
+        config.reward.signature,
+        data.answer_key,
+        list(data.extra_keys),
+    )
+    files = []
+    if data.source == "file":
+        files = [
+            (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
+        ]
+        for path, key in files:
+            if path.is_file() and path.suffix in (".jsonl", ".json"):
+                checks.check_utf8(path, key)
+
+    tokenizer, max_positions, positions_source = None, None, ""
+    if config.model.path:
+        model = checks.find_model_files(config.model.path, required=training, offline=checks.hub_offline())
+        if model is not None:
+            max_positions, positions_source = model.max_positions, model.source
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model.directory)
+            except Exception as e:
+                if training:
+                    raise ConfigError(
+                        f"model.path={config.model.path}: its tokenizer cannot be loaded from {model.directory} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix: save the tokenizer "
+                        "beside the model (tokenizer.save_pretrained)"
+                    ) from None
+    elif config.model.tiny is not None:  # the tiny model: its shape is in the config and its tokenizer is built
+        from lit_ppo.tiny import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+        max_positions, positions_source = config.model.tiny.max_position_embeddings, "model.tiny"
+    if tokenizer is not None:
+        note = checks.pad_token_note(config.model.path or "the tiny model", tokenizer.pad_token, tokenizer.eos_token)
+        if note:
+            show(note)
+
+    longest = None
+    if tokenizer is not None and (data.source == "arithmetic" or all(path.exists() for path, _ in files)):
+        longest = longest_prompt(data, tokenizer, [path for path, _ in files])
+    if environment is not None:
+        response_key = (
+            "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns x max_response_tokens"
+        )
+    else:
+        response_key = "rollout.max_response_tokens"
+    checks.check_lengths(
+        max_model_len=rollout.max_model_len,
+        max_positions=max_positions,
+        positions_source=positions_source,
+        response_tokens=rollout.response_budget_tokens(),
+        response_key=response_key,
+        longest_prompt=longest,
+    )
+
+
+def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
+    """The longest prompt in tokens as the run will see it (after the chat template, within
+    data.max_prompt_length under data.bad_records), and where it is."""
+    from lit_ppo.prompts import format_prompt, load_prompts
+
+    chat = data.chat_template
+    if data.source == "arithmetic":
+        from lit_ppo.arithmetic import make_problems
+
+        train, evaluation = make_problems(
+            seed=data.seed,
+            max_operand=data.max_operand,
+            n_train=data.n_train,
+            n_eval=data.n_eval,
+            operation=data.operation,
+            min_operand=data.min_operand,
+        )
+        texts = [
+            format_prompt(r["prompt"], tokenizer, chat_template=chat, system_prompt=data.system_prompt)
+            for r in train + evaluation
+        ]
+        return max(
+            ((len(tokenizer(t, add_special_tokens=not chat).input_ids), f"the arithmetic prompt {t!r}") for t in texts),
+            default=None,
+        )
+    prompts = []
+    for path in paths:  # the same reading and filtering as the run's (training.load_prompt_sets)
+        prompts += load_prompts(
+            path,
+            tokenizer,
+            prompt_key=data.prompt_key,
+            answer_key=data.answer_key,
+            extra_keys=list(data.extra_keys),
+            chat_template=chat,
+            system_prompt=data.system_prompt,
+            max_prompt_length=data.max_prompt_length,
+            bad_records=data.bad_records,
+        ).prompts
+    return max(((len(p.prompt_ids), p.location) for p in prompts), default=None)
+
+
 def main(cfg: DictConfig) -> dict | None:
     """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
+    checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
+    preflight(config)
     output_dir = output_dir_of(cfg)
     size, source = planned_dataset_size(config.data)
     plan = compute_plan(config, size)

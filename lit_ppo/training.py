@@ -67,9 +67,12 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
         raise ConfigError(
             "model.warm_start.enabled=true needs demonstrations from data.source=arithmetic; fix: set model.warm_start.enabled=false"
         )
+    # Keyed on what the warm start reads: the base model, its own settings, the seed and the training records
+    # themselves (not the data settings: data.n_eval or data.eval_path leave them as they are), and for tool
+    # demonstrations the environment whose format they are written in.
+    key_parts = [base_dir.name, dataclasses.asdict(warm), train_records, config.seed]
     environment = config.rollout.environment
-    key_parts = [base_dir.name, dataclasses.asdict(warm), dataclasses.asdict(config.data), config.seed]
-    if warm.tool_call_rate is not None:  # the demonstrations are written in the environment's format
+    if warm.tool_call_rate is not None:
         key_parts.append(environment)
     key = cache_key(*key_parts)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -224,6 +227,8 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     model_dir = prepare_model(config, train_records)
     warm_start_seconds = time.perf_counter() - started_model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
+        tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts))
     if rank_zero:

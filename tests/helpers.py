@@ -71,6 +71,12 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def rollout_step_rows(path: Path) -> list[dict]:
+    """metrics.csv's rows of rollout steps 1, 2, ...: without its rollout_step 0 row (the evaluation before any
+    update, which has no training metrics)."""
+    return [row for row in read_csv(path) if float(row["rollout_step"]) > 0]
+
+
 def build_run(
     model_dir: str,
     engine,

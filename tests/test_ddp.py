@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from lit_ppo.experience import DUMP_ADVANTAGES_ENV
-from tests.helpers import ROOT, read_csv
+from tests.helpers import ROOT, rollout_step_rows
 
 RUN_TIMEOUT_S = 420
 DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
@@ -153,7 +153,7 @@ def experience(run: Path, rollout_step: int, world: int) -> dict:
 
 
 def metrics(run: Path) -> list[dict]:
-    return read_csv(run / "metrics.csv")
+    return rollout_step_rows(run / "metrics.csv")
 
 
 def final_actor(run: Path) -> dict[str, torch.Tensor]:

@@ -101,8 +101,10 @@ def test_cli_run_writes_every_output_file(cli_run):
     assert 0 < summary["tokens_generated"] <= 2 * 32 * 4 * 8
     assert 0.0 <= summary["eval_reward_initial"] <= 1.0 and 0.0 <= summary["eval_reward_final"] <= 1.0
     rows = read_csv(cli_run / "metrics.csv")
-    assert [int(float(r["rollout_step"])) for r in rows] == [1, 2]
-    assert [int(float(r["optimizer_step"])) for r in rows] == [2, 4]
+    assert [int(float(r["rollout_step"])) for r in rows] == [0, 1, 2]  # 0: the evaluation before any update
+    assert [int(float(r["optimizer_step"])) for r in rows] == [0, 2, 4]
+    assert float(rows[0]["eval/reward"]) == pytest.approx(summary["eval_reward_initial"])
+    assert rows[0]["rollout/reward_mean"] == ""
     assert {
         "data_epoch",
         "samples_seen",

@@ -16,6 +16,7 @@ from lit_ppo.batching import pack
 from lit_ppo.environments import (
     CalculatorEnvironment,
     CalculatorError,
+    TokenIds,
     build_environment_factory,
     safe_arithmetic,
     stop_token_ids_of,
@@ -237,7 +238,7 @@ def test_observations_follow_the_chat_template(tiny_model_dir):
     assert encoder("=540", [5, im_end]) == tok(wrapped, add_special_tokens=False).input_ids
     # A turn that did not end its message (it stopped at the tool call's end) gets the end-of-turn token first.
     assert encoder("=540", [5]) == [im_end] + tok(wrapped, add_special_tokens=False).input_ids
-    assert encoder([7, 8], [5]) == [7, 8]  # ids are appended as they are
+    assert encoder(TokenIds([7, 8]), [5]) == [7, 8]  # marked ids are appended as they are
 
 
 def test_max_turns_truncates():
@@ -346,6 +347,100 @@ def test_environment_failures_follow_on_error(environment, failure):
     assert [ep.failure for ep in episodes] == [failure, failure] and [ep.reward for ep in episodes] == [0.0, 0.0]
     stats = episode_stats(episodes)
     assert stats[f"environment_{failure}s" if failure == "timeout" else "environment_errors"] == 2
+
+
+class ObservingEnvironment(CalculatorEnvironment):
+    """Answers every tool call with the observation it was built with."""
+
+    observation = None
+
+    def step(self, action):
+        return self.observation, 0.0, False, {"tool_call": True}
+
+
+def observing(observation):
+    return type("NumbersTool", (ObservingEnvironment,), {"observation": observation})
+
+
+@pytest.mark.parametrize(
+    "observation", [[12, 7], [56088], ["result:", "42"], 42, 4.5, TokenIds([56088]), TokenIds(["7"])]
+)
+def test_an_observation_is_text_marked_token_ids_or_none(observation):
+    """A tool returning numbers is not token ids: a plain list, a number, or ids outside the vocabulary are
+    refused in one line naming the environment and what to return, under reward.on_error like any failure."""
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    kwargs = dict(temperature=1.0, top_p=1.0, seeds=None, where="rollout step 1")
+    with pytest.raises(EnvironmentFailure) as info:
+        run_episodes(
+            ScriptedEngine([chars(tok, "[1+1]")]),
+            prompts,
+            1,
+            observing(observation),
+            tok,
+            settings(),
+            ObservationEncoder(tok, False),
+            **kwargs,
+        )
+    message = str(info.value)
+    assert "\n" not in message and "NumbersTool.step" in message
+    assert "TokenIds" in message or "str" in message
+    episodes = run_episodes(
+        ScriptedEngine([chars(tok, "[1+1]")]),
+        prompts,
+        2,
+        observing(observation),
+        tok,
+        settings(on_error="zero"),
+        ObservationEncoder(tok, False),
+        **kwargs,
+    )
+    assert [ep.failure for ep in episodes] == ["error", "error"]
+
+
+def test_marked_token_ids_and_text_observations_are_appended():
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    call = chars(tok, "[1+1]")
+    for observation, ids in [(TokenIds(chars(tok, "=2")), chars(tok, "=2")), ("=2", tok("=2").input_ids)]:
+        [ep] = run_episodes(
+            ScriptedEngine([call]),
+            prompts,
+            1,
+            observing(observation),
+            tok,
+            settings(max_turns=2),
+            ObservationEncoder(tok, False),
+            temperature=1.0,
+            top_p=1.0,
+            seeds=None,
+            where="test",
+        )
+        assert ep.failure is None and ep.token_ids == call + ids + call
+
+
+def test_environment_failures_under_on_error_zero_are_counted_and_said(caplog):
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    with caplog.at_level("WARNING", logger="lit_ppo"):
+        episodes = run_episodes(
+            ScriptedEngine([chars(tok, "[1+1]")]),
+            prompts,
+            3,
+            RaisingEnvironment,
+            tok,
+            settings(on_error="zero"),
+            ObservationEncoder(tok, False),
+            temperature=1.0,
+            top_p=1.0,
+            seeds=None,
+            where="rollout step 2",
+        )
+    assert episode_stats(episodes)["environment_errors"] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "rollout step 2: 3 of 3 episodes scored 0 after environment errors" in warnings[0]
+    assert "RaisingEnvironment.step: RuntimeError: the sandbox is down" in warnings[0]
 
 
 def test_turn_ending_text_must_be_one_token():

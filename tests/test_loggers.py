@@ -152,6 +152,10 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
     records = read_wandb_records(run_dir)
     rows = [row for row in history_rows(records) if "rollout/reward_mean" in row]
     assert [row["rollout_step"] for row in rows] == [1, 2]
+    # The evaluation before any update, at rollout_step 0, as in metrics.csv.
+    initial = [r for r in history_rows(records) if r.get("rollout_step") == 0 and "eval/reward" in r]
+    assert len(initial) == 1 and initial[0]["eval/reward"] == pytest.approx(summary["eval_reward_initial"])
+    assert "eval/pass@4" in initial[0] and "rollout/reward_mean" not in initial[0]
     for key in (
         "rollout/reward_mean",
         "rollout/kl_to_reference",
@@ -247,6 +251,33 @@ def test_sample_table_goes_to_the_console_without_wandb(capsys):
     printed = capsys.readouterr().out
     assert printed.count("eval samples at rollout step 10") == 1 and "rollout step 5" not in printed
     assert "10+5=" in printed and "16" in printed and "reward" in printed
+
+
+def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_ppo.training import train
+
+    out = tmp_path / "run"
+    cfg = compose_run_config(
+        "logger=tensorboard",
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={out}",
+        f"cache_dir={tmp_path / 'cache'}",
+        *FIXTURE_MODEL,
+    )
+    summary = train(cfg, out, engine=engine)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    evals = events.Scalars("eval/reward")
+    assert [e.step for e in evals] == [0, 1, 2]
+    assert evals[0].value == pytest.approx(summary["eval_reward_initial"])
+    assert evals[-1].value == pytest.approx(summary["eval_reward_final"])
+    assert [e.step for e in events.Scalars("rollout/reward_mean")] == [1, 2]
 
 
 def test_tensorboard_logger_config_writes_events_against_the_rollout_step(tmp_path):

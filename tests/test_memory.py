@@ -120,7 +120,10 @@ def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, ca
     cfg = compose_config("+experiment=qwen7b", "mode=plan", f"output_dir={tmp_path}", "strategy.device_memory_gib=32")
     run_module.main(cfg)
     out = capsys.readouterr().out
-    assert "Memory per device (estimate; model shape from model.architecture)" in out
+    assert (
+        "Memory per device (estimate; model shape from model.architecture; device: GPU of strategy.device_memory_gib)"
+        in out
+    )
     assert "activations, checkpointing" in out and "vLLM reservation" in out
     memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
     assert memory["device_memory_gib"] == 32 and memory["peak_gib"] > 32
@@ -132,6 +135,22 @@ def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, ca
         "logits",
         "vLLM weights",
     }
+
+
+@pytest.mark.parametrize("experiment", ["qwen7b", "qwen1.5b", "qwen0.5b", "gsm8k_tools"])
+def test_an_experiment_is_estimated_for_the_gpus_it_is_for_and_fits_them(experiment, tmp_path, capsys):
+    """`+experiment=qwen7b mode=plan` on this CPU machine estimates the 80 GB GPUs the experiment declares (vLLM
+    reserving its share of one), not this machine, and each experiment's own estimate fits them (else a warning)."""
+    cfg = compose_config(f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}")
+    run_module.main(cfg)
+    out = capsys.readouterr().out
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
+    assert memory["device_memory_gib"] == 79.6 and memory["device_from"] == "GPU of strategy.device_memory_gib"
+    assert "device: GPU of strategy.device_memory_gib" in out
+    rows = {row["what"]: row for row in memory["rows"]}
+    assert "vLLM reservation" in rows and "vLLM KV cache (CPU)" not in rows
+    assert rows["vLLM reservation"]["gib"] == pytest.approx(0.6 * 79.6, abs=0.01)
+    assert memory["peak_gib"] <= 79.6 and memory["warning"] is None, memory["warning"]
 
 
 def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):

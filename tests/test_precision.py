@@ -11,7 +11,7 @@ import pytest
 from lit_ppo import precision as prec
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
-from tests.helpers import ROOT, compose_config, compose_run_config, read_csv
+from tests.helpers import ROOT, compose_config, compose_run_config, rollout_step_rows
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
@@ -142,7 +142,7 @@ def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_pa
     )
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["precision"] == prec.resolve_precision(precision, "auto")
-    rows = read_csv(tmp_path / "metrics.csv")
+    rows = rollout_step_rows(tmp_path / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert float(rows[-1]["actor/skipped_updates"]) == 0
 
@@ -217,7 +217,7 @@ def check_fsdp_run(run: Path, precision: str) -> None:
         summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 6
     )
     assert json.loads((run / "plan.json").read_text())["precision"] == prec.resolve_precision(precision, "cpu")
-    rows = read_csv(run / "metrics.csv")
+    rows = rollout_step_rows(run / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert all(float(r["rollout/logprob_abs_diff"]) < 0.05 for r in rows)  # the engines follow the actor
 

@@ -8,7 +8,7 @@ import random
 from transformers import AutoTokenizer
 
 from lit_ppo.rollout import sampling_seeds
-from tests.helpers import read_csv
+from tests.helpers import rollout_step_rows
 
 
 def long_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
@@ -224,7 +224,7 @@ def test_gsm8k_format_run_completes(tmp_path):
     ]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = read_csv(out / "metrics.csv")
+    rows = rollout_step_rows(out / "metrics.csv")
     assert len(rows) == 2 and "eval/pass@4" in rows[-1]
     assert all(0.0 <= float(r["eval/pass@4"]) <= 1.0 for r in rows if r.get("eval/pass@4"))
     summary = json.loads((out / "summary.json").read_text())

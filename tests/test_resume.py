@@ -142,7 +142,9 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
         load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(crashed / "actor" / "model.safetensors")
     )
     rows = (crashed / "metrics.csv").read_text().splitlines()
-    assert len(rows) == 1 + 6  # header + one row per rollout step: no gap, no repeat
+    assert (
+        len(rows) == 1 + 1 + 6
+    )  # header + the evaluation before any update + one row per rollout step: no gap, no repeat
 
 
 KILL_DURING_WRITE = """

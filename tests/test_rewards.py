@@ -169,7 +169,7 @@ def test_on_error_zero_scores_zero_and_counts_exactly():
     assert scorer.errors == 4 and scorer.metrics["errors"] == 0.0
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "high"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "high", "1.0", b"1"])
 def test_non_finite_reward_is_an_error(bad):
     def fn(prompts, responses, references, extras):
         return [1.0, bad, 2.0]
@@ -180,6 +180,24 @@ def test_non_finite_reward_is_an_error(bad):
         call(RewardScorer(fn=fn), ["a", "b", "c"])
     scorer = RewardScorer(fn=fn, on_error="zero")
     assert call(scorer, ["a", "b", "c"]) == [1.0, 0.0, 2.0] and scorer.errors == 1
+
+
+def test_rewards_are_real_numbers_bools_included():
+    import numpy as np
+
+    def fn(prompts, responses, references, extras):
+        return [True, 2, np.float32(0.5), torch.tensor(0.25), np.bool_(False)]
+
+    assert call(RewardScorer(fn=fn), ["a"] * 5) == [1.0, 2.0, 0.5, 0.25, 0.0]
+
+    def text_scores(prompts, responses, references, extras):
+        return ["1.0" for _ in responses]
+
+    with pytest.raises(RewardError) as info:
+        call(RewardScorer(fn=text_scores), ["a", "b"])
+    message = str(info.value)
+    assert "\n" not in message and "text_scores failed on sample 0" in message
+    assert "returned '1.0', not a finite number (a float, int or bool; not str)" in message
 
 
 def test_contract_violations():

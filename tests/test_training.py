@@ -90,3 +90,30 @@ def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmet
     after_actor = actor_logprobs()
     assert torch.allclose(after_vllm, after_actor, atol=1e-3), (after_vllm, after_actor)
     assert (after_vllm - before_vllm).abs().max() > 1e-2
+
+
+def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
+    """The 1,500-step warm start is redone only when what it reads changes (its settings, the seed, the training
+    records, the base model): not for data.n_eval, which changes only the held-out prompts."""
+    from lit_ppo.training import prepare_data, prepare_model
+    from tests.helpers import compose_config
+
+    def warm_dir(*overrides: str) -> str:
+        cfg = compose_config(
+            f"cache_dir={tmp_path / 'cache'}",
+            "model.warm_start.steps=2",
+            "model.warm_start.batch_size=4",
+            "model.tiny.hidden_size=32",
+            "model.tiny.num_layers=1",
+            "model.tiny.intermediate_size=64",
+            *overrides,
+        )
+        _, _, records = prepare_data(cfg, tmp_path / "data", write=False)
+        return prepare_model(cfg, records)
+
+    first = warm_dir("data.n_eval=200")
+    assert warm_dir("data.n_eval=100") == first  # the same training records: the cached warm start
+    assert warm_dir("data.n_eval=100", "data.n_train=1000") != first  # other demonstrations
+    assert warm_dir("data.max_operand=60") != first
+    assert warm_dir("model.warm_start.teacher_accuracy=0.5") != first
+    assert len(list((tmp_path / "cache").glob("warm-*"))) == 4

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from tests.helpers import compose_run_config, read_csv, write_jsonl
+from tests.helpers import compose_run_config, rollout_step_rows, write_jsonl
 from tests.test_end_to_end import FIXTURE_MODEL
 
 SMALL_RUN = [
@@ -32,7 +32,7 @@ def my_reward(prompts, responses, references, extras, *, log_path):
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:
-    return read_csv(output_dir / "metrics.csv")
+    return rollout_step_rows(output_dir / "metrics.csv")
 
 
 def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path):

@@ -1,0 +1,313 @@
+"""Pre-flight checks: what a user can get wrong, caught before any model loads, each in one line.
+
+`mode=plan` and every training run pass through them (`run.py:preflight`, the one caller, which reads the
+values out of the config). They read only what is cheap to read: the model's config.json and tokenizer files,
+the prompt files, a reward function's or environment's signature (bound, never called). Each function here
+takes plain values (paths, numbers, callables) and raises a `UserError` naming the key or file:line and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lit_ppo.errors import ConfigError, DataError
+
+# ------------------------------------------------------------------ dotted paths
+
+
+def make_importable(directory: Path) -> None:
+    """Put `directory` (the working directory) first on the import path, as `python -m` and Hydra's own
+    examples lead users to expect: `reward.fn._target_=my_rewards.score` finds ./my_rewards.py. Worker processes
+    started with `spawn` inherit the path."""
+    entry = str(directory.resolve())
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+
+def _searched() -> str:
+    """The import path as a user reads it: the folders searched, the installed packages summarized."""
+    folders = [p for p in sys.path if p and "site-packages" not in p and "/lib/python" not in p]
+    return ", ".join(folders) + ", then the installed packages"
+
+
+def resolve_target(dotted: str, key: str) -> Any:
+    """The object a `_target_` names (imported, not built); ConfigError naming `key` and where it looked."""
+    module_name, _, attribute = str(dotted).rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{key}._target_={dotted!r} is not a dotted path; fix: name it as module.function")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ConfigError(
+                f"{key}._target_={dotted}: no module {e.name!r} on the import path (searched {_searched()}); fix: "
+                f"run train.py from the folder holding {e.name.split('.')[0]}/ or {e.name.split('.')[0]}.py, or add "
+                "that folder to PYTHONPATH"
+            ) from e
+        raise ConfigError(
+            f"{key}._target_={dotted}: importing {module_name} failed, it needs the module {e.name!r}, which is "
+            "not installed; fix: install it in this environment"
+        ) from e
+    except Exception as e:
+        raise ConfigError(
+            f"{key}._target_={dotted}: importing {module_name} raised {type(e).__name__}: {e}; fix: correct that module"
+        ) from e
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise ConfigError(
+            f"{key}._target_={dotted}: {module_name} ({getattr(module, '__file__', '?')}) has no {attribute!r}; "
+            "fix: name a function or class the module defines"
+        ) from None
+
+
+# ------------------------------------------------------------------ call conventions
+
+
+def call_parameters(target: Any, bound: Mapping[str, Any], partial: bool) -> dict[str, inspect.Parameter]:
+    """The parameters the run will call with: those of a function left after `bound` keywords (Hydra's
+    `_partial_: true`), or of a class's `__call__` (its instance, built from `bound`, is what gets called)."""
+    if inspect.isclass(target) and not partial:
+        call = getattr(target, "__call__", None)  # noqa: B004 - the class's own method, unbound
+        if call is None or call is object.__call__:
+            return {}
+        parameters = list(inspect.signature(call).parameters.values())[1:]  # without self
+        return {p.name: p for p in parameters}
+    parameters = dict(inspect.signature(target).parameters)
+    for name in bound:
+        if name in parameters:  # bound by keyword: still accepted, with a default now
+            parameters[name] = parameters[name].replace(default=bound[name], kind=inspect.Parameter.KEYWORD_ONLY)
+    return parameters
+
+
+# How lit_ppo.rewards.RewardCall calls each convention (for messages; the binding below mirrors it).
+CONVENTION_CALLS = {
+    "lit_ppo": "fn(prompts, responses, references, extras)",
+    "trl": "fn(prompts=..., completions=..., <data.answer_key>=..., <data.extra_keys>=...)",
+    "verl": "fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) per sample",
+    "openrlhf": "fn(queries, prompts, labels)",
+}
+
+
+def check_reward_convention(
+    parameters: dict[str, inspect.Parameter],
+    name: str,
+    signature: str,
+    reference_key: str | None,
+    extra_keys: Iterable[str],
+) -> str:
+    """The convention `signature` (auto: told from the parameter names) under which the reward function
+    will be called, after binding the arguments of that call to `parameters` without calling it; a
+    ConfigError naming the function when they do not bind."""
+    from lit_ppo.rewards import SIGNATURES, convention_of
+
+    if signature not in SIGNATURES:
+        raise ConfigError(f"reward.signature={signature!r}; fix: use one of {', '.join(SIGNATURES)}")
+    convention = convention_of(parameters, name) if signature == "auto" else signature
+    variadic = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+    def accepted(keywords: dict) -> dict:
+        return keywords if variadic else {k: v for k, v in keywords.items() if k in parameters}
+
+    if convention == "lit_ppo":
+        args, kwargs = ([], [], [], []), {}
+    elif convention == "trl":
+        columns = {k: [] for k in [*(extra_keys or []), *([reference_key] if reference_key else [])]}
+        args, kwargs = (), {"prompts": [], "completions": [], **accepted(columns)}
+    elif convention == "verl":
+        args, kwargs = (), accepted(dict.fromkeys(("data_source", "solution_str", "ground_truth", "extra_info")))
+    else:
+        args, kwargs = ([], [], []), {}
+    try:
+        inspect.Signature(list(parameters.values())).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"reward.fn: {name}({', '.join(parameters)}) cannot be called as the {convention} convention calls it, "
+            f"{CONVENTION_CALLS[convention]}: {e}; fix: give it those parameters (docs/rewards.md) or set "
+            "reward.signature to its convention"
+        ) from None
+    return convention
+
+
+def check_environment_convention(target: Any, arguments: Mapping[str, Any], name: str) -> None:
+    """An environment class (`rollout.environment._target_`) bound, not built: its constructor takes `arguments`,
+    and it has `reset(record)` and `step(action)` (docs/environments.md). A factory function is only bound to
+    `arguments` (what it returns is known only by calling it)."""
+    try:
+        inspect.signature(target).bind(**arguments)
+    except TypeError as e:
+        raise ConfigError(
+            f"rollout.environment: {name} cannot be built from the arguments {sorted(arguments)}: {e}; fix: give only "
+            "the arguments it takes, beside _target_"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): building it will tell
+        return
+    if not inspect.isclass(target):
+        return
+    for method, argument in (("reset", "record"), ("step", "action")):
+        function = getattr(target, method, None)
+        if not callable(function):
+            raise ConfigError(
+                f"rollout.environment: {name} has no {method}({argument}) method; fix: implement the protocol of "
+                "docs/environments.md: reset(record) and step(action) -> (observation, reward, done, info)"
+            )
+        try:
+            inspect.signature(function).bind(None, None)  # (self, record) / (self, action)
+        except TypeError as e:
+            raise ConfigError(
+                f"rollout.environment: {name}.{method} cannot be called as {method}({argument}): {e}; fix: give it "
+                f"the signature {method}(self, {argument}) (docs/environments.md)"
+            ) from None
+        except ValueError:
+            continue
+
+
+def check_environment_turns(has_environment: bool, max_turns: int) -> None:
+    """An environment answers between the policy's turns: with one turn it never gets to."""
+    if has_environment and max_turns < 2:
+        raise ConfigError(
+            f"rollout.environment is set but rollout.max_turns={max_turns}: an episode ends after the policy's first "
+            "turn, so it never reads a tool's result; fix: set rollout.max_turns to 2 or more (e.g. 4), or "
+            "rollout.environment=null for single-turn responses"
+        )
+
+
+# ------------------------------------------------------------------ files
+
+
+def check_utf8(path: Path, key: str) -> None:
+    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line."""
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; {key}); fix: "
+                    "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`"
+                ) from None
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where the model's config.json and tokenizer were found, and what config.json says."""
+
+    directory: Path
+    config: dict
+    source: str  # for messages: the config.json's path
+
+    @property
+    def max_positions(self) -> int | None:
+        config = self.config.get("text_config", self.config)  # multimodal configs nest the language model's
+        value = config.get("max_position_embeddings")
+        return int(value) if value else None
+
+
+def find_model_files(model_path: str, *, required: bool, offline: bool) -> ModelFiles | None:
+    """The model's config.json without loading the model: a local directory, else a hub name already in the
+    Hugging Face cache, else (online, `required`) downloaded, config.json only. `required` (a training run):
+    a missing directory or an unreachable hub name is a ConfigError; else (`mode=plan`) None."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.path={model_path} is a directory without config.json; fix: point model.path at a saved "
+                "Hugging Face model (save_pretrained) or a hub name"
+            )
+        return ModelFiles(path, json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    looks_local = model_path.startswith(("/", ".", "~")) or model_path.count("/") != 1 or path.exists()
+    if looks_local:
+        if not required:
+            return None
+        raise ConfigError(
+            f"model.path={model_path} does not exist on this machine; fix: point model.path at a local model "
+            "directory or a hub name such as Qwen/Qwen2.5-0.5B"
+        )
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(model_path, "config.json")
+    if isinstance(cached, str):
+        return ModelFiles(Path(cached).parent, json.loads(Path(cached).read_text()), cached)
+    if not required:
+        return None
+    if offline:
+        raise ConfigError(
+            f"model.path={model_path} is a hub name, not in the Hugging Face cache, and the hub is offline "
+            "(HF_HUB_OFFLINE=1); fix: download it first (`hf download "
+            f"{model_path}`), point model.path at a local copy, or unset HF_HUB_OFFLINE"
+        )
+    try:
+        downloaded = hf_hub_download(model_path, "config.json")
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.path={model_path}: its config.json cannot be fetched from the Hugging Face hub ({first}); fix: "
+            "check the name and the network, or point model.path at a local model directory"
+        ) from None
+    return ModelFiles(Path(downloaded).parent, json.loads(Path(downloaded).read_text()), downloaded)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def pad_token_note(name: str, pad_token: str | None, eos_token: str | None) -> str | None:
+    """None when the tokenizer has a pad token; else the note that its eos token pads (padding positions are
+    masked out of attention and loss, so which id fills them does not matter); ConfigError with neither."""
+    if pad_token is not None:
+        return None
+    if eos_token is None:
+        raise ConfigError(
+            f"the tokenizer of {name} has neither a pad token nor an eos token; fix: add a pad token to the "
+            "tokenizer (tokenizer.add_special_tokens({'pad_token': ...}) and save_pretrained)"
+        )
+    return f"tokenizer: {name} has no pad token; padding with its eos token {eos_token!r} (padding is masked out)"
+
+
+# ------------------------------------------------------------------ lengths
+
+
+def check_lengths(
+    *,
+    max_model_len: int,
+    max_positions: int | None,
+    positions_source: str,
+    response_tokens: int,
+    response_key: str,
+    longest_prompt: tuple[int, str] | None,
+) -> None:
+    """Every sequence vLLM generates is prompt + response tokens within `rollout.max_model_len`, which the
+    model's positions bound: vLLM would otherwise cut responses short without a word (the plan would count
+    tokens that are never generated), or refuse a prompt minutes into the run. `longest_prompt`: the data's
+    longest prompt in tokens and where it is (file:line), None when the data is not on this machine."""
+    if max_positions is not None and max_model_len > max_positions:
+        raise ConfigError(
+            f"rollout.max_model_len={max_model_len} exceeds the model's {max_positions} positions "
+            f"(max_position_embeddings in {positions_source}); fix: set rollout.max_model_len={max_positions} or less"
+        )
+    if response_tokens >= max_model_len:
+        room = f" (the model has {max_positions} positions)" if max_positions is not None else ""
+        raise ConfigError(
+            f"{response_key}={response_tokens} leaves no room for a prompt in rollout.max_model_len={max_model_len}: "
+            f"prompt + response must fit in it, and vLLM would cut the responses short{room}; fix: lower "
+            f"{response_key} or raise rollout.max_model_len"
+        )
+    if longest_prompt is not None:
+        tokens, where = longest_prompt
+        if tokens + response_tokens > max_model_len:
+            fits = max_model_len - response_tokens
+            raise ConfigError(
+                f"{where}: a prompt of {tokens} tokens + {response_key}={response_tokens} = "
+                f"{tokens + response_tokens} > rollout.max_model_len={max_model_len}; fix: set "
+                f"rollout.max_model_len={tokens + response_tokens} or more"
+                + (f" (at most {max_positions}, the model's positions)" if max_positions else "")
+                + f", or data.max_prompt_length={fits} (longer prompts then follow data.bad_records)"
+            )

@@ -1,0 +1,286 @@
+"""The pre-flight checks (lit_ppo/preflight.py): every input a user can get wrong is refused before the plan and
+before any model loads, in one line naming the key or file:line and the fix (exit 2 from train.py).
+
+Through `lit_ppo.run.main` in this process (`no_training` makes sure nothing would train), and through `train.py`
+where the exit code and the single line are the point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from lit_ppo import run as run_module
+from lit_ppo.errors import ConfigError, UserError
+from tests.helpers import compose_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Replace lit_ppo.training so that a check that lets a config through can never start a real run."""
+    calls = []
+    fake = types.ModuleType("lit_ppo.training")
+    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
+    monkeypatch.setitem(sys.modules, "lit_ppo.training", fake)
+    return calls
+
+
+@pytest.fixture
+def import_path(monkeypatch):
+    """sys.path restored after the test (the pre-flight puts the working directory on it)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def refused(tmp_path, *overrides, error=UserError) -> str:
+    cfg = compose_config(f"output_dir={tmp_path / 'out'}", *overrides)
+    with pytest.raises(error) as info:
+        run_module.main(cfg)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert not (tmp_path / "out" / "plan.json").exists()  # refused before the plan
+    return message
+
+
+def train_py(cwd: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={cwd / 'hydra'}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# ------------------------------------------------------------------ lengths against max_model_len and the model
+
+
+def test_response_longer_than_the_model_is_refused_not_cut(tmp_path):
+    """The issue's run: max_response_tokens=200 on a 128-position model exited 0 with responses cut at 76."""
+    line = one_error_line(train_py(tmp_path, "rollout.max_response_tokens=200", f"output_dir={tmp_path / 'out'}"))
+    assert "rollout.max_response_tokens=200" in line and "rollout.max_model_len=128" in line and "fix:" in line
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_max_model_len_above_the_models_positions(tmp_path, tiny_model_dir, no_training):
+    message = refused(tmp_path, "mode=train", f"model.path={tiny_model_dir}", "rollout.max_model_len=256")
+    assert "rollout.max_model_len=256 exceeds the model's 128 positions" in message
+    assert f"{tiny_model_dir}/config.json" in message and "fix: set rollout.max_model_len=128 or less" in message
+    assert no_training == []
+    # The tiny model's positions come from its config block, in mode=plan too.
+    message = refused(tmp_path, "mode=plan", "model.tiny.max_position_embeddings=64", "rollout.max_model_len=128")
+    assert "exceeds the model's 64 positions (max_position_embeddings in model.tiny)" in message
+
+
+def test_prompts_longer_than_max_model_len_found_in_the_data(tmp_path, tiny_model_dir, no_training):
+    """data=file's defaults (max_prompt_length 512) with max_model_len 128: found by vLLM minutes in before."""
+    records = [{"prompt": "1+1=", "answer": "2"}] * 40 + [{"prompt": "1+" * 70 + "1=", "answer": "71"}]
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    overrides = ["data=file", f"data.path={path}", f"model.path={tiny_model_dir}", "model.warm_start.enabled=false"]
+    for mode in ("plan", "train"):
+        message = refused(tmp_path, f"mode={mode}", *overrides)
+        assert (
+            f"{path}:41: a prompt of 142 tokens + rollout.max_response_tokens=8 = 150 > rollout.max_model_len=128"
+            in (message)
+        )
+        assert "fix: set rollout.max_model_len=150 or more (at most 128, the model's positions)" in message
+        assert "data.max_prompt_length=120" in message
+    assert no_training == []
+    # Within the limit the same data plans.
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}",
+            "mode=plan",
+            *overrides,
+            "data.max_prompt_length=64",
+            "data.bad_records=skip",
+        )
+    )
+    assert (tmp_path / "ok" / "plan.json").exists()
+
+
+# ------------------------------------------------------------------ the model's files
+
+
+def test_missing_model_directory_and_offline_hub_name(tmp_path, monkeypatch, no_training):
+    message = refused(tmp_path, "mode=train", f"model.path={tmp_path / 'no-such-model'}")
+    assert f"model.path={tmp_path / 'no-such-model'} does not exist on this machine; fix:" in message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    message = refused(tmp_path, "mode=train", "model.path=lit-ppo-tests/no-such-model")
+    assert "model.path=lit-ppo-tests/no-such-model is a hub name, not in the Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE=1" in message
+    assert no_training == []
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_the_plan_says_so(tmp_path, tiny_model_dir, capsys):
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    # The same tokenizer with an eos token and no pad token, as many base models' tokenizers are.
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    assert AutoTokenizer.from_pretrained(model).pad_token is None
+    run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'out'}", f"model.path={model}"))
+    assert f"tokenizer: {model} has no pad token; padding with its eos token '<|endoftext|>'" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ data files
+
+
+def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
+    line = one_error_line(
+        train_py(tmp_path, "mode=plan", "data=file", f"data.path={path}", f"output_dir={tmp_path / 'out'}")
+    )
+    assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16; data.path)" in line and "fix: re-encode" in line
+
+
+# ------------------------------------------------------------------ reward functions and environments
+
+REWARDS = """
+def texts_and_gold(texts, gold):
+    return [0.0 for _ in texts]
+
+
+def two_lists(prompts, responses):
+    return [0.0 for _ in responses]
+
+
+def needs_a_threshold(prompts, completions, answer, *, threshold):
+    return [0.0 for _ in completions]
+
+
+def score(prompts, responses, references, extras):
+    return [float(r.strip() == ref) for r, ref in zip(responses, references)]
+"""
+
+
+@pytest.mark.parametrize(
+    "function, expected",
+    [
+        ("texts_and_gold", "reward.signature=auto cannot tell how to call my_rewards.texts_and_gold(texts, gold)"),
+        ("two_lists", "my_rewards.two_lists(prompts, responses) cannot be called as the lit_ppo convention calls it"),
+        ("needs_a_threshold", "missing a required argument: 'threshold'"),
+    ],
+)
+def test_a_reward_function_in_neither_convention_is_refused_without_calling_it(
+    tmp_path, monkeypatch, import_path, no_training, function, expected
+):
+    """Bound against the convention it will be called with, before the run: it used to fail at the first
+    rollout, with a message suggesting reward.on_error=zero (which would score every sample 0)."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)  # my_rewards.py is in the working directory
+    message = refused(tmp_path, "mode=train", "reward=custom_example", f"reward.fn._target_=my_rewards.{function}")
+    assert expected in message and "fix:" in message and "on_error" not in message
+    assert no_training == []
+
+
+def test_the_working_directory_is_importable_and_a_missing_module_names_the_path(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    proc = train_py(
+        tmp_path,
+        "mode=plan",
+        "reward=custom_example",
+        "reward.fn._target_=my_rewards.score",
+        f"output_dir={tmp_path / 'a'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "reward=custom_example",
+            "reward.fn._target_=not_here.score",
+            f"output_dir={tmp_path / 'b'}",
+        )
+    )
+    assert "reward.fn._target_=not_here.score: no module 'not_here' on the import path (searched " in line
+    assert str(tmp_path) in line and "PYTHONPATH" in line
+
+
+ENVIRONMENTS = """
+class NoAction:
+    def reset(self, record):
+        return None
+
+    def step(self):
+        return None, 0.0, True, {}
+
+
+class NoReset:
+    def step(self, action):
+        return None, 0.0, True, {}
+
+
+class Tool:
+    def __init__(self, digits=3):
+        self.digits = digits
+
+    def reset(self, record):
+        return None
+
+    def step(self, action):
+        return None, 0.0, True, {}
+"""
+
+
+@pytest.mark.parametrize(
+    "target, extra, expected",
+    [
+        ("my_environments.NoAction", [], "my_environments.NoAction.step cannot be called as step(action)"),
+        ("my_environments.NoReset", [], "my_environments.NoReset has no reset(record) method"),
+        (
+            "my_environments.Tool",
+            ["+rollout.environment.digit=4"],
+            "my_environments.Tool cannot be built from the arguments ['digit']",
+        ),
+    ],
+)
+def test_an_environment_is_bound_against_the_protocol_without_building_it(
+    tmp_path, monkeypatch, import_path, target, extra, expected
+):
+    (tmp_path / "my_environments.py").write_text(ENVIRONMENTS)
+    monkeypatch.chdir(tmp_path)
+    overrides = ["mode=plan", "+experiment=tool_arithmetic", f"rollout.environment._target_={target}"]
+    for key in ("call_start", "call_end", "result_format", "error_format", "max_calls"):
+        overrides.append(f"~rollout.environment.{key}")
+    message = refused(tmp_path, *overrides, *extra, error=ConfigError)
+    assert expected in message and "fix:" in message
+    # The protocol's own signatures pass.
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}",
+            *overrides[:2],
+            "rollout.environment._target_=my_environments.Tool",
+            *overrides[3:],
+        )
+    )
+    assert (tmp_path / "ok" / "plan.json").exists()
+
+
+def test_an_environment_with_one_turn_is_refused(tmp_path):
+    message = refused(tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.max_turns=1", error=ConfigError)
+    assert "rollout.environment is set but rollout.max_turns=1" in message and "fix: set rollout.max_turns" in message
