@@ -26,8 +26,8 @@ OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: o
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from lit_ppo.run import main as run
-    from lit_ppo.run import output_dir_of
+    from lit_ppo.run.entry import main as run
+    from lit_ppo.run.entry import output_dir_of
 
     setup_logging(output_dir_of(cfg), verbose=bool(cfg.get("verbose", False)), rank=launcher_rank())
     try:

@@ -1,7 +1,7 @@
 """Shared set-up of the benchmarks: the model, the prompts, a real lit-ppo run, timing, and the header.
 
-Every script builds the same Qwen2-architecture model with lit_ppo.tiny's character tokenizer and random
-weights (cached in .cache/lit_ppo/bench/), draws prompts from lit_ppo.arithmetic, and prints a header
+Every script builds the same Qwen2-architecture model with lit_ppo.demo.tiny's character tokenizer and random
+weights (cached in .cache/lit_ppo/bench/), draws prompts from lit_ppo.demo.arithmetic, and prints a header
 with the machine and the exact command line, so that a printed figure can be reproduced.
 """
 
@@ -28,18 +28,18 @@ CACHE = ROOT / ".cache" / "lit_ppo" / "bench"
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lit_ppo.arithmetic import make_problems, write_jsonl  # noqa: E402
-from lit_ppo.build import build_run as build_product_run  # noqa: E402
-from lit_ppo.build import quiet_known_warnings
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
-from lit_ppo.datamodule import RolloutDataModule  # noqa: E402
+from lit_ppo.demo.arithmetic import make_problems, write_jsonl  # noqa: E402
 from lit_ppo.memory import ModelShape  # noqa: E402
 from lit_ppo.plan import compute_plan  # noqa: E402
-from lit_ppo.prompts import load_prompts  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
-from lit_ppo.rollout import VLLMEngine  # noqa: E402
+from lit_ppo.rollout.datamodule import RolloutDataModule  # noqa: E402
+from lit_ppo.rollout.engine import VLLMEngine  # noqa: E402
+from lit_ppo.rollout.prompts import load_prompts  # noqa: E402
+from lit_ppo.run.build import build_run as build_product_run  # noqa: E402
+from lit_ppo.run.build import quiet_known_warnings
 
-quiet_known_warnings()  # the product's filters (lit_ppo.build), for runs built here
+quiet_known_warnings()  # the product's filters (lit_ppo.run.build), for runs built here
 
 
 # ---------------------------------------------------------------- the model
@@ -66,7 +66,7 @@ def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = Non
     `vocab_size`: the embedding widened to it (random rows too; the character tokenizer only ever emits the first
     ids), for a real model's LM-head cost, e.g. Qwen2.5's 151,936; that one is built on the GPU where there is one
     (random initialization of 0.5 B parameters is quicker there)."""
-    from lit_ppo.tiny import (
+    from lit_ppo.demo.tiny import (
         TOKENIZER_VERSION,
         build_char_tokenizer,
         build_tiny_model,
@@ -192,7 +192,7 @@ def build_run(
     reward_fn=integer_match,
     **rollout_settings,
 ):
-    """A real run without Hydra, built by the product's `lit_ppo.build.build_run`; evaluation only with
+    """A real run without Hydra, built by the product's `lit_ppo.run.build.build_run`; evaluation only with
     `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `max_model_len`: vLLM's context
     (default: an arithmetic prompt plus the response); `reward_fn`: a lit-ppo-signature reward; `rollout_settings`:
     RolloutConfig fields beyond the response length."""

@@ -26,7 +26,7 @@ from common import (
     stats,
 )
 
-from lit_ppo.rollout import sampling_seeds
+from lit_ppo.rollout.engine import sampling_seeds
 
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], *, n: int, length: int, seed: int) -> list[list[int]]:

@@ -5,7 +5,7 @@ policy's (--response-lengths, HF sampling at temperature 1). Each batch: 16 prom
 micro-batches by the product's `micro_batch_groups` (fixed size, longest first). Printed per layout: positions laid out
 per real token and the padding share.
 
-- lit-ppo (`lit_ppo.batching.pack`): prompts left-padded, responses right-padded: rows x (widest prompt + longest
+- lit-ppo (`lit_ppo.training.batching.pack`): prompts left-padded, responses right-padded: rows x (widest prompt + longest
   response) per micro-batch;
 - contiguous: prompt and response together, right-padded: rows x the longest prompt + response per micro-batch;
 - one padded batch (TRL): all 128 rows x (widest prompt + longest response) of the batch.
@@ -21,7 +21,7 @@ import random
 from common import read_jsonl
 from workload import realistic_prompt_file
 
-from lit_ppo.batching import micro_batch_groups, padded_tokens
+from lit_ppo.training.batching import micro_batch_groups, padded_tokens
 
 # Response lengths of 32 samples of the warm-started policy (HF generate, temperature 1, one prompt at a time, seed 0).
 MEASURED_RESPONSE_LENGTHS = [10, 10, 11, 11, 14, 16, 16, 16, 16, 16, 24, 24, 27, 30, 32, 47, 53, 57, 67, 78, 82, 92]

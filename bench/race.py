@@ -85,7 +85,7 @@ def compose(args):
 
 def prepare(args, cfg, work_dir: Path) -> tuple[str, Path, Path]:
     """(warm-started model directory, train prompts, eval prompts): the product's own, cached like make train's."""
-    from lit_ppo.training import prepare_data, prepare_model
+    from lit_ppo.run.train import prepare_data, prepare_model
 
     train_path, eval_path, train_records = prepare_data(cfg.data, work_dir)
     return prepare_model(cfg, train_records), train_path, eval_path

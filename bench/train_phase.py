@@ -34,7 +34,7 @@ from common import (
 
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.prompts import load_prompts
+from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from common import BENCH_MODEL, CACHE, SMOKE_MODEL, build_model_dir, read_jsonl
 
-from lit_ppo.arithmetic import make_problems, write_jsonl
+from lit_ppo.demo.arithmetic import make_problems, write_jsonl
+from lit_ppo.demo.warmstart import cache_key, supervised_warm_start
 from lit_ppo.precision import cpu_has_native_bf16
-from lit_ppo.warmstart import cache_key, supervised_warm_start
 
 PROMPT_TOKENS = (60, 200)
 RESPONSE_TOKENS = (8, 256)

@@ -1,5 +1,5 @@
-"""The rollout batch: what the rollout side (lit_ppo/datamodule.py and the engines) hands to the training side
-(lit_ppo/module.py, batching.py, experience.py, metrics.py). Both import it; neither imports the other.
+"""The rollout batch: what the rollout side (lit_ppo/rollout/datamodule.py and the engines) hands to the training side
+(lit_ppo/training/module.py, batching.py, experience.py, metrics.py). Both import it; neither imports the other.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
 class RolloutConfig:
     engine: str = "vllm"
     """vllm: a vLLM engine in this process, the actor's weights synced into it after each rollout step; hf: the actor
-    itself generates through Hugging Face generate (lit_ppo/hf_engine.py: no vLLM, no copy, no sync; not with FSDP)."""
+    itself generates through Hugging Face generate (lit_ppo/rollout/hf_engine.py: no vLLM, no copy, no sync; not with FSDP)."""
     hf_max_batch_sequences: int | None = None
     """With engine=hf: sequences per generate call at most (a batch's KV cache and logits); null: a call's all."""
     max_response_tokens: int = 8
@@ -401,7 +401,7 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """`model.tiny`: the shape of the locally built Qwen2-architecture model (lit_ppo/tiny.py)."""
+    """`model.tiny`: the shape of the locally built Qwen2-architecture model (lit_ppo/demo/tiny.py)."""
 
     hidden_size: int = 128
     num_layers: int = 4
@@ -413,7 +413,7 @@ class TinyModelConfig:
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    """`model.warm_start`: supervised training of the tiny model on demonstrations before RL (lit_ppo/warmstart.py)."""
+    """`model.warm_start`: supervised training of the tiny model on demonstrations before RL (lit_ppo/demo/warmstart.py)."""
 
     enabled: bool = True
     steps: int = 1500

@@ -16,9 +16,9 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   SDPA path with padding also keeps a [B, 1, S, S] mask per layer. The layer whose backward runs needs about
   as much again. Checkpointing keeps one hidden vector per layer and token and recomputes one layer at a time
   (measured: about one layer's activations on top; BENCHMARKS.md, "Memory").
-- logits: the LM head's output on the response positions [B, T, V] in the compute dtype (lit_ppo.logits writes their
+- logits: the LM head's output on the response positions [B, T, V] in the compute dtype (lit_ppo.training.logits writes their
   gradient over them), plus
-  a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.logits).
+  a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.training.logits).
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
   sleeps (frees it) while training when rollout.sleep_between_steps is on.
@@ -45,7 +45,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYER_HIDDEN_VECTORS = 10  # kept per token and decoder layer for the backward pass (see the module docstring)
 LAYER_INTERMEDIATE_VECTORS = 4
 LOGPROB_CHUNK_TOKENS = (
-    256  # lit_ppo.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
+    256  # lit_ppo.training.logits.CHUNK_TOKENS: tokens per float32 chunk of the log-prob / entropy computation
 )
 LOGPROB_CHUNKS_ALIVE = 4  # float32 chunk temporaries alive at once in its backward
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (LLM class, GPU and CPU)  # tokens per float32 chunk of the log-prob / entropy computation

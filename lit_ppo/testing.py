@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.datamodule import RolloutDataModule
+from lit_ppo.rollout.datamodule import RolloutDataModule
 
 
 class NullEngine:

@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from lit_ppo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(
@@ -34,14 +34,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model_dir):
-    from lit_ppo.rollout import VLLMEngine
+    from lit_ppo.rollout.engine import VLLMEngine
 
     return VLLMEngine(tiny_model_dir, max_model_len=128, seed=0)
 
 
 @pytest.fixture(scope="session")
 def arithmetic_files(tmp_path_factory):
-    from lit_ppo.arithmetic import make_problems, write_jsonl
+    from lit_ppo.demo.arithmetic import make_problems, write_jsonl
 
     train, evaluation = make_problems(seed=0, max_operand=20, n_train=64, n_eval=16)
     root = tmp_path_factory.mktemp("data")

@@ -1,4 +1,4 @@
-"""A real run without Hydra for tests: small batches on the tiny model, built by the product's `lit_ppo.build.build_run`."""
+"""A real run without Hydra for tests: small batches on the tiny model, built by the product's `lit_ppo.run.build.build_run`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
-from lit_ppo.build import build_run as build_product_run
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
-from lit_ppo.datamodule import RolloutDataModule
 from lit_ppo.plan import StepPlan, compute_plan
-from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.run.build import build_run as build_product_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

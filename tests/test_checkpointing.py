@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_ppo.batching import pack
+from lit_ppo.training.batching import pack
 from tests.helpers import build_run
 
 

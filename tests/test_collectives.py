@@ -44,7 +44,7 @@ class ScriptedEngine:
     """Stands in for vLLM: response i of a prompt is `i` characters of the prompt's last one."""
 
     def generate(self, prompt_token_ids, *, n, temperature, top_p, max_tokens, seeds, **_):
-        from lit_ppo.rollout import Generation
+        from lit_ppo.rollout.engine import Generation
 
         return [
             Generation(
@@ -65,9 +65,9 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     from transformers import AutoTokenizer
 
     from lit_ppo.config import PPOConfig, RolloutConfig
-    from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from lit_ppo import run as run_module
+from lit_ppo.run import entry as run_module
 from tests.helpers import CONF, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -12,7 +12,7 @@ import yaml
 
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
-from lit_ppo.rollout import VLLMEngine
+from lit_ppo.rollout.engine import VLLMEngine
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

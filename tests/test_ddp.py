@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ppo.experience import DUMP_ADVANTAGES_ENV
+from lit_ppo.training.experience import DUMP_ADVANTAGES_ENV
 from tests.helpers import ROOT, rollout_step_rows
 
 RUN_TIMEOUT_S = 420
@@ -170,7 +170,9 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
     assert console.count("Step plan") == 1 and console.count("run finished") == 1
     rank1_log = (run / "logs" / "run.rank1.log").read_text()  # rank 1 keeps its own log
     # rank 1 started an engine of its own: VLLMEngine logs its warm-up once the engine is up
-    assert "INFO lit_ppo.rollout: vLLM warm-up (its log-prob kernel's compilation): " in rank1_log, rank1_log[-2000:]
+    assert "INFO lit_ppo.rollout.engine: vLLM warm-up (its log-prob kernel's compilation): " in rank1_log, rank1_log[
+        -2000:
+    ]
     plan = json.loads((run / "plan.json").read_text())
     assert plan["data_parallel_size"] == 2 and plan["samples_per_rank_per_rollout_step"] == 64
     assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 samples / 128 per update x 2 PPO epochs

@@ -92,7 +92,7 @@ def make_policy(batch) -> torch.nn.Linear:
 
 
 def token_logprobs(model, features, targets) -> torch.Tensor:
-    # Not lit_ppo.logits.logprobs_and_entropy: that one computes in float32, and this test compares in float64.
+    # Not lit_ppo.training.logits.logprobs_and_entropy: that one computes in float32, and this test compares in float64.
     return model(features).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
 
 

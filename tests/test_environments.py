@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from lit_ppo.batching import pack
 from lit_ppo.environments import (
     CalculatorEnvironment,
     CalculatorError,
@@ -21,15 +20,16 @@ from lit_ppo.environments import (
     safe_arithmetic,
     stop_token_ids_of,
 )
-from lit_ppo.episodes import (
+from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
+from lit_ppo.rollout.engine import Generation
+from lit_ppo.rollout.episodes import (
     EpisodeSettings,
     ObservationEncoder,
     episode_stats,
     run_episodes,
 )
-from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
-from lit_ppo.prompts import Prompt
-from lit_ppo.rollout import Generation
+from lit_ppo.rollout.prompts import Prompt
+from lit_ppo.training.batching import pack
 
 # ------------------------------------------------------------------ the calculator
 
@@ -89,7 +89,7 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
     encodes to the single token "12". A pipeline that re-encodes decoded turns changes the ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from lit_ppo.tiny import (
+    from lit_ppo.demo.tiny import (
         CHARS,
         EOS_TOKEN,
         PAD_TOKEN,
@@ -458,8 +458,8 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
     tokens; advantages put on the observation tokens change nothing."""
     from lit_ppo.config import PPOConfig, RolloutConfig
-    from lit_ppo.experience import Experience
-    from lit_ppo.module import PPOModule
+    from lit_ppo.training.experience import Experience
+    from lit_ppo.training.module import PPOModule
     from tests.helpers import plan_of
 
     ppo = PPOConfig(
@@ -546,7 +546,7 @@ def test_warm_start_demonstrations_use_the_environment_format():
     observation is never imitated, and in the practice demonstrations neither is the decision to call."""
     import random
 
-    from lit_ppo.warmstart import tool_demonstration_sampler
+    from lit_ppo.demo.warmstart import tool_demonstration_sampler
 
     sample = tool_demonstration_sampler(
         [{"prompt": "123*456=", "answer": "56088"}],
@@ -575,9 +575,9 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     from transformers import AutoTokenizer
 
     from lit_ppo.config import PPOConfig, RolloutConfig
-    from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -629,9 +629,9 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     from transformers import AutoTokenizer
 
     from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RolloutConfig
-    from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -6,8 +6,8 @@ import inspect
 
 import lit_ppo.errors as errors
 from lit_ppo.errors import ConfigError
-from lit_ppo.prompts import DataError
 from lit_ppo.rewards import RewardError
+from lit_ppo.rollout.prompts import DataError
 
 
 def test_every_user_error_has_the_one_base_and_keeps_its_builtin_one():

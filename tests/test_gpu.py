@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
-from lit_ppo.rollout import Generation
+from lit_ppo.rollout.engine import Generation
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 from tests.helpers import build_run, compose_run_config
 
@@ -37,7 +37,7 @@ QWEN05B_VOCAB = 151936
 
 
 def build_model(path: Path, vocab_size: int | None = None, **size) -> str:
-    from lit_ppo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
     tokenizer = build_char_tokenizer()
     with torch.device(DEVICE):  # random initialization of 0.5 B parameters is quicker on the GPU
@@ -148,9 +148,9 @@ def test_gradient_checkpointing_recomputes_each_layer_and_lowers_the_peak(model_
     checkpointing each decoder layer runs twice (recomputed in backward) and the peak above the weights is lower."""
     from transformers import AutoModelForCausalLM
 
-    from lit_ppo.batching import pack
-    from lit_ppo.logits import logprobs_and_entropy
-    from lit_ppo.models import prepare_for_training
+    from lit_ppo.training.batching import pack
+    from lit_ppo.training.logits import logprobs_and_entropy
+    from lit_ppo.training.models import prepare_for_training
 
     B, P, T = 4, 128, 1024
     batch = fixed_batch(1, B, P, T)
@@ -281,7 +281,7 @@ def test_fsdp2_bf16_mixed_keeps_float32_master_weights_that_lr_1e6_moves(model_2
     from transformers import AutoModelForCausalLM
 
     from lit_ppo.distributed import shard_models
-    from lit_ppo.models import prepare_for_training
+    from lit_ppo.training.models import prepare_for_training
 
     ids = torch.randint(4, 100, (8, 256), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     fractions, dtypes = {}, {}

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ppo.batching import pack
 from lit_ppo.config import RolloutConfig
 from lit_ppo.errors import ConfigError
-from lit_ppo.hf_engine import HFEngine
 from lit_ppo.plan import compute_plan
-from lit_ppo.rollout import sampling_seeds
+from lit_ppo.rollout.engine import sampling_seeds
+from lit_ppo.rollout.hf_engine import HFEngine
+from lit_ppo.training.batching import pack
 from tests.helpers import ROOT, build_run, compose_run_config, read_csv
 from tests.test_real_shapes import long_prompts
 from tests.test_sampling import long_prompt_files  # noqa: F401, F811 - a fixture: 16 prompts of 110 tokens

@@ -11,7 +11,7 @@ from tests.helpers import ROOT
 IMPORT_EACH_FIRST = """
 import importlib, pkgutil, sys
 import lit_ppo
-names = sorted(f"lit_ppo.{m.name}" for m in pkgutil.iter_modules(lit_ppo.__path__))
+names = sorted(m.name for m in pkgutil.walk_packages(lit_ppo.__path__, "lit_ppo."))
 for name in names:
     for loaded in [k for k in sys.modules if k == "lit_ppo" or k.startswith("lit_ppo.")]:
         del sys.modules[loaded]  # third-party modules stay loaded: only the package's own order matters
@@ -75,5 +75,22 @@ def test_no_import_circle_even_through_type_hints():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check sees a circle
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = lit_ppo_import_graph()
-    assert len(graph) >= 25 and "lit_ppo.plan" in graph["lit_ppo.build"]
+    assert len(graph) >= 25 and "lit_ppo.plan" in graph["lit_ppo.run.build"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_rollout_and_training_never_import_each_other():
+    """The two sides of a rollout step meet only at lit_ppo.batch.RolloutBatch (and the spine above them)."""
+    graph = lit_ppo_import_graph()
+    for side, other in (("lit_ppo.rollout", "lit_ppo.training"), ("lit_ppo.training", "lit_ppo.rollout")):
+        crossing = sorted(
+            f"{module} -> {imported}"
+            for module, imports in graph.items()
+            if module == side or module.startswith(side + ".")
+            for imported in imports
+            if imported == other or imported.startswith(other + ".")
+        )
+        assert crossing == [], crossing
+    assert any(m.startswith("lit_ppo.rollout.") for m in graph) and any(
+        m.startswith("lit_ppo.training.") for m in graph
+    )

@@ -13,7 +13,7 @@ import pytest
 from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.loggers import (
+from lit_ppo.run.loggers import (
     SampleTableLogger,
     drop_secrets,
     make_wandb_logger,
@@ -131,7 +131,7 @@ def test_auto_mode_falls_back_to_offline_when_the_server_cannot_be_reached(tmp_p
 
 
 def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path, no_wandb_credentials):
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     out = tmp_path / "run"
     cfg = compose_run_config(
@@ -184,7 +184,7 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
 
 def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_credentials):
     """logger=wandb offline: the run id is kept in the run directory, and resume=auto writes to that run."""
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     out = tmp_path / "run"
     common = [
@@ -256,7 +256,7 @@ def test_sample_table_goes_to_the_console_without_wandb(capsys):
 def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     out = tmp_path / "run"
     cfg = compose_run_config(

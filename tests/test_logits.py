@@ -1,11 +1,11 @@
-"""Chunked log-probs and entropy (lit_ppo.logits) against autograd through the plain formulas, in float64."""
+"""Chunked log-probs and entropy (lit_ppo.training.logits) against autograd through the plain formulas, in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lit_ppo.logits import logprobs_and_entropy
+from lit_ppo.training.logits import logprobs_and_entropy
 
 
 def reference(logits, targets):

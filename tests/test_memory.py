@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_ppo import run as run_module
 from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

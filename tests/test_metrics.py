@@ -1,4 +1,4 @@
-"""Tests of lit_ppo.metrics and lit_ppo.experience on hand-written tensors.
+"""Tests of lit_ppo.training.metrics and lit_ppo.training.experience on hand-written tensors.
 
 Every expected value is worked out by hand in a comment; the code under test never produces one.
 """
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lit_ppo.config import PPOConfig
-from lit_ppo.experience import Experience, loss_denominators, next_kl_coef
-from lit_ppo.metrics import MeanOver, rollout_metrics, unbiased_variance
+from lit_ppo.training.experience import Experience, loss_denominators, next_kl_coef
+from lit_ppo.training.metrics import MeanOver, rollout_metrics, unbiased_variance
 
 
 def t(x) -> torch.Tensor:

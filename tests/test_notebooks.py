@@ -74,7 +74,7 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     import yaml
     from test_end_to_end import FIXTURE_MODEL
 
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     run = tmp_path / "run"
     cfg = compose_run_config(

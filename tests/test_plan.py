@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_ppo import run as run_module
 from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError
+from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config, plan_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,11 +320,11 @@ def test_known_ppo_keys_are_accepted():
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """Replace lit_ppo.training so that a test can never start a real run; records calls instead."""
+    """Replace lit_ppo.run.train so that a test can never start a real run; records calls instead."""
     calls = []
-    fake = types.ModuleType("lit_ppo.training")
+    fake = types.ModuleType("lit_ppo.run.train")
     fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
-    monkeypatch.setitem(sys.modules, "lit_ppo.training", fake)
+    monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
     return calls
 
 

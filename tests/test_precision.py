@@ -84,9 +84,9 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     """rollout.dtype=null follows the precision: the engine is asked for bfloat16 under bf16-mixed."""
     from transformers import AutoTokenizer
 
-    from lit_ppo import datamodule as dm
-    from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout import datamodule as dm
+    from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
 
     started = {}
@@ -122,7 +122,7 @@ FIXTURE_MODEL = [
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "auto"])
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     cfg = compose_run_config(
         f"strategy.precision={precision}",

@@ -1,7 +1,7 @@
-"""The pre-flight checks (lit_ppo/preflight.py): every input a user can get wrong is refused before the plan and
+"""The pre-flight checks (lit_ppo/run/preflight.py): every input a user can get wrong is refused before the plan and
 before any model loads, in one line naming the key or file:line and the fix (exit 2 from train.py).
 
-Through `lit_ppo.run.main` in this process (`no_training` makes sure nothing would train), and through `train.py`
+Through `lit_ppo.run.entry.main` in this process (`no_training` makes sure nothing would train), and through `train.py`
 where the exit code and the single line are the point."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_ppo import run as run_module
 from lit_ppo.errors import ConfigError, UserError
+from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """Replace lit_ppo.training so that a check that lets a config through can never start a real run."""
+    """Replace lit_ppo.run.train so that a check that lets a config through can never start a real run."""
     calls = []
-    fake = types.ModuleType("lit_ppo.training")
+    fake = types.ModuleType("lit_ppo.run.train")
     fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
-    monkeypatch.setitem(sys.modules, "lit_ppo.training", fake)
+    monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
     return calls
 
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.prompts import DataError, load_prompts
+from lit_ppo.rollout.prompts import DataError, load_prompts
 from tests.helpers import write_jsonl
 
 RECORDS = [
@@ -118,8 +118,8 @@ def test_custom_keys_and_no_reference(tokenizer, tmp_path):
 def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokenizer, tmp_path, monkeypatch):
     """A chat-formatted JSONL prompt set through a real rollout: vLLM is asked with exactly the expected ids."""
     from lit_ppo.config import PPOConfig, RolloutConfig
-    from lit_ppo.datamodule import RolloutDataModule
     from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout.datamodule import RolloutDataModule
     from tests.helpers import plan_of
 
     prompts = load_prompts(
@@ -232,7 +232,7 @@ def test_skip_counts_each_reason_exactly(fmt, tokenizer, tmp_path):
 
 
 def test_skip_counts_reach_the_log(tokenizer, tmp_path, caplog):
-    from lit_ppo.training import load_prompt_sets
+    from lit_ppo.run.train import load_prompt_sets
     from tests.test_end_to_end import compose_config
 
     train = write_jsonl([GOOD, GOOD, {"prompt": ""}, {"prompt": "x" * 50, "answer": "1"}], tmp_path / "train.jsonl")

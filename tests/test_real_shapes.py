@@ -7,7 +7,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from lit_ppo.rollout import sampling_seeds
+from lit_ppo.rollout.engine import sampling_seeds
 from tests.helpers import rollout_step_rows
 
 
@@ -42,7 +42,7 @@ def test_seeded_generation_survives_prefills_larger_than_one_scheduler_step(tiny
 
 def test_end_of_turn_token_is_read_from_the_chat_template(tiny_model_dir):
     """The tiny tokenizer's template is Qwen's shape: turns end with <|im_end|>, which is not its EOS."""
-    from lit_ppo.prompts import end_of_turn_token_ids
+    from lit_ppo.rollout.prompts import end_of_turn_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -115,9 +115,9 @@ def make_datamodule(
     n_samples_per_prompt: int = 4,
 ):
     from lit_ppo.config import PPOConfig
-    from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.prompts import load_prompts
     from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -173,8 +173,8 @@ def test_gsm8k_format_run_completes(tmp_path):
     import sys
     from pathlib import Path
 
-    from lit_ppo.prompts import format_prompt
-    from lit_ppo.tiny import build_char_tokenizer
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.rollout.prompts import format_prompt
 
     root = Path(__file__).resolve().parents[1]
     write_gsm8k_file(tmp_path / "train.jsonl", 32, seed=0)

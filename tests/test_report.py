@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_ppo.report import TIMING_KEYS, write_summary
+from lit_ppo.run.report import TIMING_KEYS, write_summary
 from tests.helpers import plan_of
 
 

@@ -184,7 +184,7 @@ def test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable(paths
 
 
 def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypatch):
-    import lit_ppo.module as module_code
+    import lit_ppo.training.module as module_code
 
     original = module_code.algo.aggregate_loss
     calls = {"n": 0}
@@ -214,7 +214,7 @@ def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypa
 
 
 def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine, tmp_path, monkeypatch):
-    import lit_ppo.module as module_code
+    import lit_ppo.training.module as module_code
 
     original = module_code.algo.aggregate_loss
     monkeypatch.setattr(module_code.algo, "aggregate_loss", lambda *a, **k: original(*a, **k) * float("nan"))

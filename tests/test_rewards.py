@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.math_reward import extract_answer, math_reward
 from lit_ppo.rewards import RewardError, RewardScorer, SequenceClassifierReward
+from lit_ppo.rewards.math_verifier import extract_answer, math_reward
 from tests.helpers import compose_run_config
 
 # ------------------------------------------------------------------ the math verifier
@@ -242,7 +242,7 @@ def test_a_bad_target_is_a_config_error():
 def reward_model_dir(tmp_path_factory) -> str:
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from lit_ppo.tiny import build_char_tokenizer
+    from lit_ppo.demo.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
@@ -309,7 +309,7 @@ class ScriptedEngine:
         pass
 
     def generate(self, prompt_token_ids, *, n, **_):
-        from lit_ppo.rollout import Generation
+        from lit_ppo.rollout.engine import Generation
 
         return [
             Generation(prompt_index=i, token_ids=[1], truncated=False, text=self.responses[i][j], logprobs=[0.0])
@@ -320,8 +320,8 @@ class ScriptedEngine:
 
 def evaluate_with(responses: list[list[str]], references: list[str], scorer: RewardScorer) -> dict:
     from lit_ppo.config import RolloutConfig
-    from lit_ppo.datamodule import RolloutDataModule
-    from lit_ppo.prompts import Prompt, PromptSet
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import Prompt, PromptSet
 
     prompts = PromptSet([Prompt([1, 2], f"q{i}", ref, {}) for i, ref in enumerate(references)], "test")
     datamodule = RolloutDataModule(

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ppo.batching import pack
 from lit_ppo.config import PPOConfig, RolloutConfig
-from lit_ppo.datamodule import RolloutDataModule
-from lit_ppo.prompts import load_prompts
 from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.training.batching import pack
 from tests.helpers import build_run, plan_of
 
 PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
@@ -163,9 +163,9 @@ def test_kl_to_reference_is_logged_only_with_a_reference_model(tiny_model_dir, e
 
 def test_reward_counts_are_summed_over_ranks_and_rates_averaged():
     """Two ranks with 3 reward errors each logged 3 (a mean of counts); they are 6. Rates stay the ranks' mean."""
-    from lit_ppo.experience import Experience
-    from lit_ppo.metrics import rollout_metrics
     from lit_ppo.rewards import COUNT_METRICS
+    from lit_ppo.training.experience import Experience
+    from lit_ppo.training.metrics import rollout_metrics
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     zeros = torch.zeros(2, 3)

@@ -14,8 +14,6 @@ import torch
 from transformers import AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.batching import micro_batch_groups, pack, padding_fraction
-from lit_ppo.build import TRAINER_FLAGS
 from lit_ppo.config import (
     PPOConfig,
     RolloutConfig,
@@ -23,11 +21,13 @@ from lit_ppo.config import (
     validate_ppo,
 )
 from lit_ppo.errors import ConfigError, RolloutMismatchError
-from lit_ppo.module import PPOModule
-from lit_ppo.prompts import load_prompts
-from lit_ppo.report import write_plan
 from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.run.build import TRAINER_FLAGS
+from lit_ppo.run.report import write_plan
 from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.training.batching import micro_batch_groups, pack, padding_fraction
+from lit_ppo.training.module import PPOModule
 from tests.helpers import plan_of
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
@@ -310,7 +310,7 @@ def test_the_first_rollout_batch_after_engine_start_compiles_nothing(tiny_model_
     code = f"""
 import random, time
 import torch._dynamo.utils as dynamo_utils
-from lit_ppo.rollout import VLLMEngine
+from lit_ppo.rollout.engine import VLLMEngine
 engine = VLLMEngine({tiny_model_dir!r}, max_model_len=128, seed=0)
 compiled_at_start = dynamo_utils.counters["frames"]["total"]
 rng = random.Random(0)

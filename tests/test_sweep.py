@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.sweep import SweepSummary, write_sweep_summary
+from lit_ppo.run.sweep import SweepSummary, write_sweep_summary
 from tests.helpers import ROOT, read_csv
 
 

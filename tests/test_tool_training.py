@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_ppo.batching import pack
 from lit_ppo.config import RolloutConfig
 from lit_ppo.environments import CalculatorEnvironment
+from lit_ppo.training.batching import pack
 from tests.helpers import build_run
 
 

@@ -62,7 +62,7 @@ def test_critic_and_reference_only_when_needed(tiny_model_dir, engine, arithmeti
 
 def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmetic_files, tmp_path):
     """After an update, vLLM's log-probs of a fixed response equal the actor's (1e-3) and have changed."""
-    from lit_ppo.batching import pack
+    from lit_ppo.training.batching import pack
 
     # A reward that varies between samples, so the random policy gets a learning signal.
     trainer, module, datamodule, _ = build_run(
@@ -95,7 +95,7 @@ def test_weight_sync_makes_vllm_match_the_actor(tiny_model_dir, engine, arithmet
 def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
     """The 1,500-step warm start is redone only when what it reads changes (its settings, the seed, the training
     records, the base model): not for data.n_eval, which changes only the held-out prompts."""
-    from lit_ppo.training import prepare_data, prepare_model
+    from lit_ppo.run.train import prepare_data, prepare_model
     from tests.helpers import compose_config
 
     def warm_dir(*overrides: str) -> str:

@@ -36,7 +36,7 @@ def metrics_rows(output_dir: Path) -> list[dict]:
 
 
 def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path):
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     records = [
         {"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3, "fail": a == 4}
@@ -89,7 +89,7 @@ GSM8K_TRAIN = [
 
 def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
     """`python train.py data=gsm8k reward=math` on a GSM8K-format file, with one bad record skipped."""
-    from lit_ppo.training import train
+    from lit_ppo.run.train import train
 
     rows = [{"question": q, "answer": a} for q, a in GSM8K_TRAIN]
     train_file = write_jsonl(rows + [{"question": "No answer field here?"}], tmp_path / "train.jsonl")

@@ -25,8 +25,8 @@ from lit_ppo.environments import (
     check_step_result,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure
-from lit_ppo.prompts import Prompt, end_of_turn_token_ids
-from lit_ppo.rollout import Generation
+from lit_ppo.rollout.engine import Generation
+from lit_ppo.rollout.prompts import Prompt, end_of_turn_token_ids
 
 log = logging.getLogger("lit_ppo")
 

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from lit_ppo.batching import MicroBatch
 from lit_ppo.plan import StepPlan
+from lit_ppo.training.batching import MicroBatch
 
 
 def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = False):

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lit_ppo import preflight as checks
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
-from lit_ppo.report import write_plan
+from lit_ppo.run import preflight as checks
+from lit_ppo.run.report import write_plan
 
 log = logging.getLogger("lit_ppo")
 
@@ -26,7 +26,7 @@ def output_dir_of(cfg: DictConfig) -> Path:
 
 
 def preflight(config: RunConfig) -> None:
-    """The pre-flight checks of lit_ppo/preflight.py on these settings, before the plan and before any model loads
+    """The pre-flight checks of lit_ppo/run/preflight.py on these settings, before the plan and before any model loads
     (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
     checks what is on this machine and plans without the rest."""
     training = config.mode == "train"
@@ -73,7 +73,7 @@ def preflight(config: RunConfig) -> None:
                         "beside the model (tokenizer.save_pretrained)"
                     ) from None
     elif config.model.tiny is not None:  # the tiny model: its shape is in the config and its tokenizer is built
-        from lit_ppo.tiny import build_char_tokenizer
+        from lit_ppo.demo.tiny import build_char_tokenizer
 
         tokenizer = build_char_tokenizer()
         max_positions, positions_source = config.model.tiny.max_position_embeddings, "model.tiny"
@@ -104,11 +104,11 @@ def preflight(config: RunConfig) -> None:
 def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
     """The longest prompt in tokens as the run will see it (after the chat template, within
     data.max_prompt_length under data.bad_records), and where it is."""
-    from lit_ppo.prompts import format_prompt, load_prompts
+    from lit_ppo.rollout.prompts import format_prompt, load_prompts
 
     chat = data.chat_template
     if data.source == "arithmetic":
-        from lit_ppo.arithmetic import make_problems
+        from lit_ppo.demo.arithmetic import make_problems
 
         train, evaluation = make_problems(
             seed=data.seed,
@@ -155,6 +155,6 @@ def main(cfg: DictConfig) -> dict | None:
         write_plan(plan, output_dir, source, config)
         show(f"plan written to {output_dir / 'plan.json'}")
         return None
-    from lit_ppo.training import train  # heavy imports only when training
+    from lit_ppo.run.train import train  # heavy imports only when training
 
     return train(config, output_dir)

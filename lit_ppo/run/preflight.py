@@ -107,7 +107,7 @@ def check_reward_convention(
     """The convention `signature` (auto: told from the parameter names) under which the reward function
     will be called, after binding the arguments of that call to `parameters` without calling it; a
     ConfigError naming the function when they do not bind."""
-    from lit_ppo.rewards import SIGNATURES, convention_of
+    from lit_ppo.rewards.calling import SIGNATURES, convention_of
 
     if signature not in SIGNATURES:
         raise ConfigError(f"reward.signature={signature!r}; fix: use one of {', '.join(SIGNATURES)}")

@@ -14,9 +14,9 @@ from torch import Tensor
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.experience import Experience
 from lit_ppo.plan import StepPlan
-from lit_ppo.rewards import COUNT_METRICS
+from lit_ppo.rewards.scorer import COUNT_METRICS
+from lit_ppo.training.experience import Experience
 
 Reduce = Callable[[Tensor], Tensor]
 

@@ -29,12 +29,14 @@ from torch import Tensor
 from lit_ppo import algorithms as algo
 from lit_ppo import preemption
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
 from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
 from lit_ppo.config import PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
-from lit_ppo.experience import (
+from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
+from lit_ppo.run.report import write_metrics_csv
+from lit_ppo.training.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
+from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
     dump_experience,
@@ -43,12 +45,10 @@ from lit_ppo.experience import (
     next_kl_coef,
     old_logprobs_from_training,
 )
-from lit_ppo.logits import logprobs_and_entropy
-from lit_ppo.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
-from lit_ppo.models import critic_values, load_models, response_logits
-from lit_ppo.optim import GuardedStep, actor_critic_optimizers
-from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
-from lit_ppo.report import write_metrics_csv
+from lit_ppo.training.logits import logprobs_and_entropy
+from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
+from lit_ppo.training.models import critic_values, load_models, response_logits
+from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 
 
 class PPOModule(L.LightningModule):
@@ -120,7 +120,7 @@ class PPOModule(L.LightningModule):
         return critic_values(self.critic, mb)
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
-        """In float32 chunks (lit_ppo.logits): never a float32 copy of the whole [B, T, V]."""
+        """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
         return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
 
     def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:

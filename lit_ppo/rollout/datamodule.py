@@ -28,13 +28,13 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
 from lit_ppo.distributed import global_sum, world_size
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
-from lit_ppo.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
-from lit_ppo.prompts import Prompt, PromptSet, end_of_turn_token_ids
-from lit_ppo.rewards import RewardScorer
-from lit_ppo.rollout import Generation, VLLMEngine, sampling_seeds
+from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
+from lit_ppo.rollout.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
+from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
 """The scorer's per-call counts (`RewardScorer.metrics`), summed over a rollout step's generation rounds."""
@@ -341,7 +341,7 @@ class RolloutDataModule(L.LightningDataModule):
         purpose: str | None,
         where: str,
     ) -> list:
-        """n episodes per prompt (lit_ppo.episodes); `positions` are the prompts' global positions. Turn t of the
+        """n episodes per prompt (lit_ppo.rollout.episodes); `positions` are the prompts' global positions. Turn t of the
         episode at global sample position q is seeded base(purpose, turn t) + q, so the episodes do not depend on the
         number of ranks; `purpose=None` samples unseeded (greedy evaluation)."""
         samples = [position * n + j for position in positions for j in range(n)]

@@ -42,7 +42,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from lit_ppo.rollout import Generation
+from lit_ppo.rollout.engine import Generation
 
 
 class _SeededSampler(LogitsProcessor):

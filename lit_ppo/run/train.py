@@ -21,22 +21,22 @@ from lightning.pytorch.utilities import rank_zero_only
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from lit_ppo.arithmetic import make_problems, write_jsonl
 from lit_ppo.atomic import (
     atomic_path,
 )
-from lit_ppo.build import build_run, quiet_known_warnings
 from lit_ppo.checkpoints import RolloutCheckpoint, check_run_directory, resolve_resume
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
+from lit_ppo.demo.arithmetic import make_problems, write_jsonl
+from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError
-from lit_ppo.loggers import SampleTableLogger
 from lit_ppo.plan import compute_plan
 from lit_ppo.preemption import Preemption
-from lit_ppo.prompts import load_prompts
-from lit_ppo.report import write_curves, write_plan, write_summary
-from lit_ppo.rewards import RewardScorer
-from lit_ppo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
+from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.run.build import build_run, quiet_known_warnings
+from lit_ppo.run.loggers import SampleTableLogger
+from lit_ppo.run.report import write_curves, write_plan, write_summary
 
 log = logging.getLogger("lit_ppo")
 
@@ -46,7 +46,7 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     model = config.model
     if model.path:
         return str(model.path)
-    from lit_ppo.tiny import (
+    from lit_ppo.demo.tiny import (
         TOKENIZER_VERSION,
         build_char_tokenizer,
         build_tiny_model,

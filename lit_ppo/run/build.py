@@ -1,6 +1,6 @@
 """One construction path: the Lightning trainer, `PPOModule` and `RolloutDataModule` of a run, wired from a plan.
 
-`train.py` (through `lit_ppo.training.train`), the tests (`tests/helpers.py`) and the benchmarks (`bench/common.py`)
+`train.py` (through `lit_ppo.run.train.train`), the tests (`tests/helpers.py`) and the benchmarks (`bench/common.py`)
 all build their runs here, so the trainer flags the product depends on and the warning filters cannot drift apart.
 """
 
@@ -13,12 +13,12 @@ from typing import Any, Sequence
 import lightning as L
 
 from lit_ppo.config import RunConfig
-from lit_ppo.datamodule import RolloutDataModule
-from lit_ppo.hf_engine import HFEngine
-from lit_ppo.module import PPOModule
 from lit_ppo.plan import StepPlan
-from lit_ppo.prompts import PromptSet
-from lit_ppo.rewards import RewardScorer
+from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.rollout.hf_engine import HFEngine
+from lit_ppo.rollout.prompts import PromptSet
+from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
     max_epochs=1,  # one Lightning epoch is the whole run: the data module streams plan.total_rollout_steps batches

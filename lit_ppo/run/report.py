@@ -114,7 +114,7 @@ def model_shape(model: ModelConfig) -> tuple[ModelShape | None, str]:
         if model.architecture:
             return model.architecture, "model.architecture"
         return None, f"{config_json} is not on this machine and the experiment sets no model.architecture"
-    from lit_ppo.tiny import tiny_vocab_size
+    from lit_ppo.demo.tiny import tiny_vocab_size
 
     tiny = model.tiny
     if tiny is None:

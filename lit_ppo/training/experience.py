@@ -1,6 +1,6 @@
 """The typed experience of a rollout step and the tensor work on it (advantages and returns, the rollout-mismatch
 correction, loss denominators, the adaptive KL coefficient's step); the micro-batches it is computed on are
-lit_ppo/batching.py's.
+lit_ppo/training/batching.py's.
 
 Shapes: N samples of this rank's rollout batch, P the widest prompt of a micro-batch, T the longest
 response (of the whole batch for `Experience`, of the micro-batch for `MicroBatch`).

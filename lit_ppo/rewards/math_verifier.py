@@ -6,7 +6,7 @@ answer formats count (and a reward for using one), and an opt-in last-number fal
 
 Use as `reward.fn` (conf/reward/math.yaml):
 
-    fn: {_target_: lit_ppo.math_reward.math_reward, _partial_: true, format_weight: 0.1}
+    fn: {_target_: lit_ppo.rewards.math_verifier.math_reward, _partial_: true, format_weight: 0.1}
 
 References may be a bare answer (`42`, `\\frac{1}{2}`), a GSM8K answer field (`reasoning ... #### 42`)
 or a MATH solution with a `\\boxed{...}` answer: the same extraction is applied to them.

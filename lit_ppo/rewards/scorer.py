@@ -1,0 +1,300 @@
+"""The scorer: calls the user's reward function on a batch and enforces its contract (finite numbers, one per
+response, failures raised or counted), then applies the overlong shaping."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lit_ppo.algorithms import overlong_penalty
+from lit_ppo.config import RunConfig
+from lit_ppo.errors import ConfigError, RewardError
+from lit_ppo.rewards.calling import SIGNATURES, RewardCall, _name, detect_signature
+from lit_ppo.rewards.workers import RewardWorkers, _Timeout, call_with_deadline
+
+log = logging.getLogger("lit_ppo")
+
+
+ON_ERROR = ("raise", "zero")
+
+
+# Reward metrics that count samples (the others are per-sample means): summed over data-parallel ranks, not averaged.
+COUNT_METRICS = ("errors", "timeouts", "none")
+
+
+@dataclass
+class RewardScorer:
+    """Calls the user's reward function on a batch and enforces its contract.
+
+    A sample whose reward raises, times out, kills its worker, or is not a finite number stops the run
+    (`on_error=raise`, naming the sample) or scores 0 and is counted (`on_error=zero`): `errors` and
+    `timeouts` count them over the run, and `metrics["errors"]`, `metrics["timeouts"]` in the last call
+    (logged as `rollout/reward_errors`, `rollout/reward_timeouts`). From a TRL-style function a None score
+    ("not applicable") scores 0 and is counted in `metrics["none"]`; from the others it is an error.
+
+    `solved` tells which samples solved their prompt (for pass@k): the reward function's own `correct`
+    metric when it returns one, else a reward of at least `solved_threshold`."""
+
+    fn: Callable[..., Any]
+    on_error: str = "raise"  # raise: stop with the sample; zero: score 0 and count it
+    overlong_penalty: float = 0.0  # subtracted from responses that hit the length limit
+    # DAPO's soft overlong shaping (`algorithms.overlong_penalty`): off while overlong_buffer_tokens is 0
+    overlong_buffer_tokens: int = 0
+    overlong_penalty_factor: float = 1.0
+    # The end of the overlong buffer: the most tokens a response can have (a whole episode's, turns and observations,
+    # with an environment; `RolloutConfig.response_budget_tokens`).
+    response_budget_tokens: int = 0
+    signature: str = "auto"  # auto | lit_ppo | trl | verl | openrlhf (see RewardCall)
+    reference_key: str | None = "answer"  # the reference's column name, for TRL-style functions
+    workers: int = 0  # 0: call the function in this process; N: in N worker processes, one sample each
+    # workers > 0: per sample (its worker is killed); workers = 0: per call (the batch, then one sample at a time)
+    timeout_s: float | None = 60.0
+    solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
+    errors: int = 0
+    timeouts: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the last call's per-sample metrics, averaged
+    sample_metrics: dict[str, list[float]] = field(default_factory=dict)  # the last call's, per sample
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"reward.on_error={self.on_error!r}; fix: use one of {list(ON_ERROR)}")
+        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.response_budget_tokens:
+            raise ConfigError(
+                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, {self.response_budget_tokens}) "
+                "(the response budget: rollout.max_response_tokens, or rollout.max_episode_tokens with an environment); "
+                "fix: e.g. a quarter of the budget, or 0 to turn the shaping off"
+            )
+        if self.signature not in SIGNATURES:
+            raise ConfigError(f"reward.signature={self.signature!r}; fix: use one of {', '.join(SIGNATURES)}")
+        if int(self.workers) < 0 or (self.timeout_s is not None and self.timeout_s <= 0):
+            raise ConfigError(
+                f"reward.workers={self.workers}, reward.timeout_s={self.timeout_s}; "
+                "fix: workers >= 0 (0: in process) and timeout_s > 0 or null"
+            )
+        chosen = detect_signature(self.fn) if self.signature == "auto" else self.signature
+        how = "chosen by reward.signature=auto from its parameters" if self.signature == "auto" else "reward.signature"
+        log.info("reward: %s, called with the %s signature (%s)", _name(self.fn), chosen, how)
+        self.call = RewardCall(self.fn, chosen, self.reference_key)
+        self.pool = RewardWorkers(self.call, int(self.workers), self.timeout_s) if self.workers else None
+
+    @classmethod
+    def from_config(cls, config: RunConfig) -> RewardScorer:
+        """The scorer of a run: the `reward` settings, the references from `data.answer_key`, and the overlong
+        shaping measured against the most tokens a response can have (`RolloutConfig.response_budget_tokens`: a
+        whole episode's with an environment, not one turn's)."""
+        import hydra
+
+        reward = config.reward
+
+        try:
+            fn = hydra.utils.instantiate(reward.fn)
+        except Exception as e:
+            raise ConfigError(
+                f"reward.fn: cannot build {reward.fn.get('_target_')!r}: {e}; fix: name an importable "
+                "function (with _partial_: true) or callable class by its dotted path"
+            ) from e
+        if not callable(fn):
+            raise ConfigError(
+                f"reward.fn built {type(fn).__name__}, which is not callable; fix: add `_partial_: true` "
+                "for a function, or name a class with __call__"
+            )
+        return cls(
+            fn=fn,
+            on_error=reward.on_error,
+            overlong_penalty=reward.overlong_penalty,
+            overlong_buffer_tokens=reward.overlong_buffer_tokens,
+            overlong_penalty_factor=reward.overlong_penalty_factor,
+            response_budget_tokens=config.rollout.response_budget_tokens(),
+            solved_threshold=reward.solved_threshold,
+            signature=reward.signature,
+            reference_key=config.data.answer_key,
+            workers=reward.workers,
+            timeout_s=reward.timeout_s,
+        )
+
+    def close(self) -> None:
+        """Stop the worker processes (they are daemons: they also end with this process)."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def __call__(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        references: list,
+        extras: list[dict],
+        truncated: list[bool],
+        lengths: list[int] | None = None,
+    ) -> list[float]:
+        """Scores of the responses; `lengths` (tokens per response) are needed for the overlong shaping."""
+        errors_before, timeouts_before = self.errors, self.timeouts
+        if self.pool is not None:
+            scores, extra_metrics = self._score_in_workers(prompts, responses, references, extras)
+        else:
+            try:
+                result = call_with_deadline(lambda: self.call(prompts, responses, references, extras), self.timeout_s)
+            except Exception as batch_error:  # find the sample that fails (or is slow), one by one
+                if isinstance(batch_error, TimeoutError):
+                    log.warning(
+                        "reward: the call on the batch of %d ran past reward.timeout_s=%gs and was cut; scoring its "
+                        "samples one at a time, each under the same limit",
+                        len(responses),
+                        self.timeout_s,
+                    )
+                scores, extra_metrics = self._score_one_by_one(prompts, responses, references, extras, batch_error)
+            else:
+                scores, extra_metrics = self._checked(result, len(responses))
+        none = 0
+        for i, score in enumerate(scores):
+            if score is None and self.call.signature == "trl":  # TRL's "does not apply to this sample"
+                none += 1
+                scores[i] = 0.0
+            elif not _is_finite_number(score):
+                self._sample_failed(
+                    i,
+                    prompts,
+                    responses,
+                    ValueError(
+                        f"returned {score!r}, not a finite number (a float, int or bool; not {type(score).__name__})"
+                    ),
+                )
+                scores[i] = 0.0
+        scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
+        if self.overlong_buffer_tokens:
+            if lengths is None:
+                raise ValueError(
+                    "RewardScorer: reward.overlong_buffer_tokens is set but no response lengths were given"
+                )
+            shaping = overlong_penalty(
+                torch.tensor(lengths),
+                max_response_tokens=self.response_budget_tokens,
+                buffer_tokens=self.overlong_buffer_tokens,
+                penalty_factor=self.overlong_penalty_factor,
+            )
+            scores = [s + float(p) for s, p in zip(scores, shaping)]
+        errors, timeouts = self.errors - errors_before, self.timeouts - timeouts_before
+        if errors or timeouts:
+            log.warning(
+                "reward: %d of %d samples scored 0 after reward errors and %d after timeouts (reward.on_error=zero)",
+                errors,
+                len(scores),
+                timeouts,
+            )
+        self.metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in extra_metrics.items()}
+        self.metrics.update(errors=float(errors), timeouts=float(timeouts), none=float(none))
+        # Per sample only where every sample has a value (a sample whose reward failed has none).
+        self.sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
+        return scores
+
+    def solved(self, scores: list[float]) -> list[bool]:
+        """Per sample of the last call (whose `scores` are given): did it solve its prompt? A well-formatted
+        wrong answer can earn reward (`format_weight`), so the reward function's `correct` metric decides
+        where there is one; otherwise a reward of at least `solved_threshold`."""
+        correct = self.sample_metrics.get("correct")
+        if correct is not None and len(correct) == len(scores):
+            return [c > 0 for c in correct]
+        return [s >= self.solved_threshold for s in scores]
+
+    def _checked(self, result, n: int) -> tuple[list, dict[str, list[float]]]:
+        scores, extra_metrics = result
+        scores = list(scores)
+        if len(scores) != n:
+            raise RewardError(
+                f"reward function {_name(self.fn)} returned {len(scores)} scores for {n} responses; "
+                "fix: return one float per response"
+            )
+        return scores, dict(extra_metrics)
+
+    def _score_one_by_one(self, prompts, responses, references, extras, batch_error):
+        scores, extra_metrics, failed = [], defaultdict(list), 0
+        for i in range(len(responses)):
+            try:
+                one, metrics = self._checked(
+                    call_with_deadline(
+                        lambda: self.call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
+                    ),
+                    1,
+                )
+            except Exception as e:
+                self._sample_failed(i, prompts, responses, e)
+                failed += 1
+                scores.append(0.0)
+                continue
+            scores.extend(one)
+            for k, v in metrics.items():
+                extra_metrics[k].extend(v)
+        if responses and not failed and not isinstance(batch_error, TimeoutError):  # a slow batch, fine one by one
+            raise RewardError(
+                f"reward function {_name(self.fn)} raised on the batch of {len(responses)} but on no single "
+                f"sample: {type(batch_error).__name__}: {batch_error}; fix: make it work on whole batches"
+            )
+        return scores, extra_metrics
+
+    def _score_in_workers(self, prompts, responses, references, extras):
+        outcomes = self.pool.run(list(zip(prompts, responses, references, extras)))
+        scores, extra_metrics = [], defaultdict(list)
+        for i, (status, payload) in enumerate(outcomes):
+            if status == "ok":
+                one, metrics = payload
+                if len(one) == 1:
+                    scores.append(one[0])
+                    for k, v in metrics.items():
+                        extra_metrics[k].extend(v)
+                    continue
+                failure, timed_out = RewardError(f"returned {len(one)} scores for 1 response"), False
+            elif status == "error":
+                name, message, timed_out = payload
+                failure = (_Timeout if timed_out else RewardError)(f"{name}: {message}")
+            else:
+                failure, timed_out = (_Timeout if status == "timeout" else RewardError)(payload), status == "timeout"
+            self._sample_failed(i, prompts, responses, failure, timed_out=timed_out)
+            scores.append(0.0)
+        return scores, extra_metrics
+
+    def _sample_failed(self, i: int, prompts, responses, error: Exception, *, timed_out: bool | None = None) -> None:
+        if timed_out is None:
+            timed_out = isinstance(error, TimeoutError)
+        if self.on_error == "raise":
+            what = f"{type(error).__name__}: {error}" if not isinstance(error, (_Timeout, RewardError)) else str(error)
+            raise RewardError(
+                f"reward function {_name(self.fn)} {'timed out' if timed_out else 'failed'} on sample {i} "
+                f"(prompt {_clip(prompts[i])!r}, response {_clip(responses[i])!r}): {what}; fix: correct the function, "
+                "or set reward.on_error=zero to score such samples 0"
+            ) from error
+        if timed_out:
+            self.timeouts += 1
+        else:
+            self.errors += 1
+        log.info(
+            "reward: sample %d %s and scores 0 (prompt %r, response %r): %s",
+            i,  # run.log only: one per sample
+            "timed out" if timed_out else "failed",
+            _clip(prompts[i], 80),
+            _clip(responses[i], 80),
+            error,
+            extra={"console": False},
+        )
+
+
+def _is_finite_number(x) -> bool:
+    """A real number (bool included) that is finite. Text is not one: float("1.0") would take the string "1.0"
+    from a function that formats its scores, and "0.5 " or "1,0" next time."""
+    if not isinstance(x, numbers.Real):
+        item = getattr(x, "item", None)  # a 0-d tensor or NumPy array holds one number
+        if getattr(x, "ndim", None) != 0 or item is None:
+            return False
+        x = item()
+        if not isinstance(x, numbers.Real):
+            return False
+    return math.isfinite(float(x))
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"

@@ -1,0 +1,200 @@
+"""Bounded reward calls: worker processes that score one sample each under `reward.timeout_s` (`RewardWorkers`),
+and the in-process time limit of the default `reward.workers=0` (`call_with_deadline`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import wait
+from typing import Any
+
+from lit_ppo.errors import ConfigError, RewardError
+from lit_ppo.rewards.calling import RewardCall, _name
+
+log = logging.getLogger("lit_ppo")
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _worker_main(conn, call: RewardCall) -> None:
+    """A worker process: score one sample at a time in its main thread (where math-verify's SIGALRM
+    timeouts work), answer (index, "ok", (scores, metrics)) or (index, "error", (type, message, timed out))."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops the workers
+    conn.send(("ready",))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        index, sample = task
+        try:
+            scores, metrics = call(*([x] for x in sample))
+            reply = (index, "ok", (list(scores), dict(metrics)))
+            conn.send(reply)
+        except BaseException as e:  # math-verify's TimeoutException is a BaseException
+            timed_out = isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower()
+            conn.send((index, "error", (type(e).__name__, str(e)[:2000], timed_out)))
+
+
+class _Worker:
+    def __init__(self, context, call: RewardCall):
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, call), daemon=True, name="lit-ppo-reward")
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.task: tuple[int, float] | None = None  # (sample index, start time)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+        self.conn.close()
+
+
+class RewardWorkers:
+    """`workers` processes that score one sample each at a time, each under `timeout_s` seconds.
+
+    A sample whose worker does not answer in time is killed with its worker; a worker that dies
+    (os._exit, a segfault, the OOM killer) takes only its sample. Either way a fresh worker replaces
+    it. Workers start with `spawn`: forking a process that holds vLLM's and torch's threads is unsafe."""
+
+    START_TIMEOUT_S = 300.0  # importing the reward's module (torch, sympy) on a busy machine
+
+    def __init__(self, call: RewardCall, workers: int, timeout_s: float | None):
+        try:
+            pickle.dumps(call)
+        except Exception as e:
+            raise ConfigError(
+                f"reward.workers={workers} needs a reward function that can be sent to another process "
+                f"({_name(call.fn)}: {e}); fix: use a module-level function or class, or reward.workers=0"
+            ) from e
+        self.call, self.size, self.timeout_s = call, workers, timeout_s
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[_Worker] = []
+        self.restarts = 0
+
+    def _start_workers(self) -> None:
+        self.workers = [w for w in self.workers if w.process.is_alive()]
+        while len(self.workers) < self.size:
+            self.workers.append(_Worker(self.context, self.call))
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.stop()
+        self.workers.remove(worker)
+        self.workers.append(_Worker(self.context, self.call))
+        self.restarts += 1
+
+    def run(self, samples: list[tuple]) -> list[tuple[str, Any]]:
+        """One outcome per sample: ("ok", (scores, metrics)), ("error", (type, message, timed out)),
+        ("timeout", message) or ("died", message)."""
+        self._start_workers()
+        outcomes: list = [None] * len(samples)
+        pending = deque(range(len(samples)))
+        started = time.monotonic()
+        while pending or any(w.task for w in self.workers):
+            now = time.monotonic()
+            for worker in self.workers:
+                if worker.ready and worker.task is None and pending:
+                    index = pending.popleft()
+                    worker.conn.send((index, samples[index]))
+                    worker.task = (index, now)
+            deadlines = [w.task[1] + self.timeout_s for w in self.workers if w.task and self.timeout_s]
+            deadlines += [started + self.START_TIMEOUT_S for w in self.workers if not w.ready]
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            wait([w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], timeout)
+            now = time.monotonic()
+            for worker in list(self.workers):
+                message = None
+                if worker.conn.poll():
+                    try:
+                        message = worker.conn.recv()
+                    except (EOFError, OSError):
+                        message = None
+                if message is not None:
+                    if message[0] == "ready":
+                        worker.ready = True
+                        continue
+                    index, status, payload = message
+                    outcomes[index] = (status, payload)
+                    worker.task = None
+                elif not worker.process.is_alive():
+                    code = worker.process.exitcode
+                    if worker.task is None:  # died while starting: the function cannot be loaded there
+                        worker.stop()
+                        raise RewardError(
+                            f"a reward worker process exited with code {code} before scoring anything "
+                            f"({_name(self.call.fn)}); fix: make its module importable, or set reward.workers=0"
+                        )
+                    outcomes[worker.task[0]] = ("died", f"killed its worker process (exit code {code})")
+                    self._replace(worker)
+                elif worker.task and self.timeout_s and now - worker.task[1] > self.timeout_s:
+                    outcomes[worker.task[0]] = ("timeout", f"no result after reward.timeout_s={self.timeout_s:g}s")
+                    self._replace(worker)
+                elif not worker.ready and now - started > self.START_TIMEOUT_S:
+                    raise RewardError(
+                        f"reward workers did not start in {self.START_TIMEOUT_S:.0f}s; fix: set reward.workers=0"
+                    )
+        return outcomes
+
+    def close(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                worker.conn.send(None)
+            worker.stop()
+        self.workers = []
+
+
+class _DeadlinePassed(BaseException):
+    """Raised inside a reward call that ran past its limit; a BaseException, so that the reward's own
+    `except Exception` does not take it for a failure it could score."""
+
+
+DEADLINE_SIGNAL = signal.SIGUSR2  # not SIGALRM: math-verify times its parsing with SIGALRM in the same thread
+
+
+def call_with_deadline(fn, timeout_s: float | None):
+    """fn() in this (the main) thread, cut after `timeout_s` seconds: a timer thread then signals the main thread,
+    whose handler raises inside the call. That stops Python code, sleeps and waits on I/O at once, and a single
+    long call into C code (a regex, a solver) when it returns; a call that kills the process is not survived
+    (reward.workers > 0 is for those). Raises TimeoutError when cut. Without a limit, or off the main thread
+    (where no signal handler runs), fn() is called as it is."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        return fn()
+    lock, state = threading.Lock(), {"armed": True, "fired": False}
+
+    def on_signal(signum, frame) -> None:
+        if state["armed"] and state["fired"]:
+            state["armed"] = False  # once
+            raise _DeadlinePassed()
+
+    def fire() -> None:
+        with lock:
+            if state["armed"]:
+                state["fired"] = True
+                signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
+
+    previous = signal.signal(DEADLINE_SIGNAL, on_signal)
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    try:
+        try:
+            timer.start()
+            return fn()
+        finally:
+            timer.cancel()
+            with lock:  # no signal is sent after this; one already sent finds the handler disarmed
+                state["armed"] = False
+            signal.signal(DEADLINE_SIGNAL, previous)
+    except _DeadlinePassed:  # also when it lands while leaving the call
+        raise TimeoutError(f"no result after reward.timeout_s={timeout_s:g}s") from None
