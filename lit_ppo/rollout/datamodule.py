@@ -64,6 +64,17 @@ class PromptGroup:
         return max(self.rewards) != min(self.rewards)
 
 
+def select_informative_groups(drawn: list[PromptGroup], rollout_batch_size: int) -> tuple[list[PromptGroup], int, int]:
+    """Dynamic sampling's choice from the groups drawn in a rollout step (all ranks', in global order): the first
+    `rollout_batch_size` groups whose rewards differ, completed with the uniform groups drawn first when there are too
+    few (on_shortfall=fill), so the choice depends on nothing but the data order. Returns (the batch's groups, uniform
+    groups dropped, uniform groups filled back in)."""
+    informative = [g for g in drawn if g.informative]
+    uniform = [g for g in drawn if not g.informative]
+    filled = max(0, rollout_batch_size - len(informative))
+    return (informative + uniform[:filled])[:rollout_batch_size], len(uniform), filled
+
+
 class _RolloutStream(IterableDataset):
     def __init__(self, datamodule: "RolloutDataModule"):
         self.datamodule = datamodule
@@ -107,7 +118,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
-        self.round_metrics: dict[str, float] = {}  # the last generation round's reward metrics (means; counts)
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.environment)
         if self.make_environment is not None:
@@ -194,9 +204,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ rollouts
 
-    def generate_round(self, rollout_step: int, round_in_step: int) -> tuple[list[PromptGroup], float, float]:
-        """Generate and score this rank's share of the next round of prompts; (groups, generate s, reward s)."""
-        engine = self.start_engine()
+    def generate_round(
+        self, rollout_step: int, round_in_step: int
+    ) -> tuple[list[PromptGroup], dict[str, float], float, float]:
+        """Generate and score this rank's share of the next round of prompts: (groups, the round's reward metrics,
+        generate s, reward s)."""
         indices = self.round_prompt_indices(self.next_generation_round)
         positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
@@ -204,27 +216,16 @@ class RolloutDataModule(L.LightningDataModule):
         # The first round keeps the seeds a run without dynamic sampling has.
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
         started = time.perf_counter()
-        engine.wake_up()
 
         def generate() -> list:
-            if self.make_environment is not None:
-                return self.run_episodes(
-                    prompts,
-                    positions,
-                    n,
-                    temperature=self.rollout.temperature,
-                    top_p=self.rollout.top_p,
-                    purpose=purpose,
-                    where=f"rollout step {rollout_step}",
-                )
-            return engine.generate(
-                [p.prompt_ids for p in prompts],
-                n=n,
+            return self.generate(
+                prompts,
+                positions,
+                n,
                 temperature=self.rollout.temperature,
                 top_p=self.rollout.top_p,
-                max_tokens=self.rollout.max_response_tokens,
-                seeds=sampling_seeds(self.seed, purpose, positions, n),
-                **self.stop_kwargs(),
+                purpose=purpose,
+                where=f"rollout step {rollout_step}",
             )
 
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
@@ -234,9 +235,8 @@ class RolloutDataModule(L.LightningDataModule):
         stop_point(self.device)
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        scored = interruptibly(lambda: self.rewards_of(prompts, generations))
+        rewards, metrics, counts = interruptibly(lambda: self.rewards_of(prompts, generations))
         stop_point(self.device)
-        rewards, metrics = scored
         reward_seconds = time.perf_counter() - started
         self.next_generation_round += 1
         groups = [
@@ -249,7 +249,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
             for i in range(len(prompts))
         ]
-        return groups, generate_seconds, reward_seconds
+        return groups, counts, generate_seconds, reward_seconds
 
     def produce_rollout(self, rollout_step: int) -> RolloutBatch:
         """This rank's samples of `rollout_step`. With dynamic sampling, rounds of prompts are generated until
@@ -257,34 +257,27 @@ class RolloutDataModule(L.LightningDataModule):
         `max_generation_rounds`); each rank then takes its contiguous share of them."""
         plan = self.plan
         first_round = self.next_generation_round
-        groups, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
-        counts = {k: self.round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
+        groups, round_metrics, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
+        counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
         positions = self.rank_positions(plan.rollout_batch_size)
         if plan.dynamic_sampling:
-            kept: list[PromptGroup] = []
-            uniform: list[PromptGroup] = []
-            while True:
-                for group in self.all_groups(groups):  # every rank sees the same groups in the same order
-                    (kept if group.informative else uniform).append(group)
-                if len(kept) >= plan.rollout_batch_size or rounds == plan.max_generation_rounds:
-                    break
-                groups, g_s, r_s = self.generate_round(rollout_step, rounds)
-                counts = {k: counts[k] + self.round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
+            drawn = self.all_groups(groups)  # every rank sees the same groups in the same order
+            while sum(g.informative for g in drawn) < plan.rollout_batch_size and rounds < plan.max_generation_rounds:
+                groups, round_metrics, g_s, r_s = self.generate_round(rollout_step, rounds)
+                drawn += self.all_groups(groups)
+                counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
-            dropped = len(uniform)
-            if len(kept) < plan.rollout_batch_size:
-                if plan.dynamic_sampling_on_shortfall == "stop":
-                    self.next_generation_round = first_round  # a resume retries this rollout step from its first round
-                    raise DynamicSamplingShortfallError(
-                        f"rollout step {rollout_step}: {len(kept)} of {plan.rollout_batch_size} prompt groups had differing "
-                        f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
-                        "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
-                        "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
-                    )
-                filled = plan.rollout_batch_size - len(kept)
-                kept += uniform[:filled]  # the groups drawn first: the choice depends on nothing but the data order
-            groups = kept[: plan.rollout_batch_size]
+            informative = sum(g.informative for g in drawn)
+            if informative < plan.rollout_batch_size and plan.dynamic_sampling_on_shortfall == "stop":
+                self.next_generation_round = first_round  # a resume retries this rollout step from its first round
+                raise DynamicSamplingShortfallError(
+                    f"rollout step {rollout_step}: {informative} of {plan.rollout_batch_size} prompt groups had differing "
+                    f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
+                    "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
+                    "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
+                )
+            groups, dropped, filled = select_informative_groups(drawn, plan.rollout_batch_size)
             groups = groups[positions.start : positions.stop]
         self.next_rollout_step = rollout_step + 1
         samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
@@ -303,9 +296,7 @@ class RolloutDataModule(L.LightningDataModule):
             references=[group.prompt.reference for _, group, _ in samples],
             generate_seconds=generate_seconds,
             reward_seconds=reward_seconds,
-            reward_metrics=self.batch_reward_metrics(groups, counts)
-            if plan.dynamic_sampling
-            else dict(self.round_metrics),
+            reward_metrics=self.batch_reward_metrics(groups, counts) if plan.dynamic_sampling else round_metrics,
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
@@ -369,20 +360,59 @@ class RolloutDataModule(L.LightningDataModule):
             sample_positions=samples,
         )
 
-    def rewards_of(self, prompts: list[Prompt], generations: list) -> tuple[list[float], dict[str, list[float]]]:
-        """Rewards and per-sample metrics of a round; sets `round_metrics`. Episodes are scored by their environment
-        (the sum of its step rewards), or with rollout.episode_reward=reward by the reward function on the whole
-        response, like single-turn responses."""
+    def rewards_of(
+        self, prompts: list[Prompt], samples: list
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+        """(rewards, per-sample metrics, metrics: their means and the scorer's counts) of samples of `prompts`.
+        Episodes are scored by their environment (the sum of its step rewards), or with rollout.episode_reward=reward
+        by the reward function on the whole response, like single-turn responses."""
         if self.make_environment is None or self.rollout.episode_reward == "reward":
-            rewards = self.score(prompts, generations)
-            self.round_metrics = dict(self.scorer.metrics)
-            return rewards, self.scorer.sample_metrics
-        rewards = [g.reward for g in generations]
-        keys = set.intersection(*(set(g.info) for g in generations)) if generations else set()
-        per_sample = {k: [g.info[k] for g in generations] for k in sorted(keys)}
-        self.round_metrics = {k: sum(v) / max(len(v), 1) for k, v in per_sample.items()}
-        self.round_metrics["errors"] = 0.0  # the environment's failures are counted as rollout/environment_errors
-        return rewards, per_sample
+            rewards = self.score(prompts, samples)
+            return rewards, dict(self.scorer.sample_metrics), dict(self.scorer.metrics)
+        rewards = [g.reward for g in samples]
+        keys = set.intersection(*(set(g.info) for g in samples)) if samples else set()
+        per_sample = {k: [g.info[k] for g in samples] for k in sorted(keys)}
+        metrics = {k: sum(v) / max(len(v), 1) for k, v in per_sample.items()}
+        metrics["errors"] = 0.0  # the environment's failures are counted as rollout/environment_errors
+        return rewards, per_sample, metrics
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        positions: list[int],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        purpose: str | None,
+        where: str,
+    ) -> list:
+        """n samples of each prompt (`positions`: the prompts' global positions), prompt by prompt: an episode each
+        with an environment, else one response each. The one generation path of rollouts and evaluation; `purpose`
+        seeds the samples (None: unseeded, for greedy decoding)."""
+        engine = self.start_engine()
+        engine.wake_up()
+        if self.make_environment is not None:
+            return self.run_episodes(
+                prompts, positions, n, temperature=temperature, top_p=top_p, purpose=purpose, where=where
+            )
+        return engine.generate(
+            [p.prompt_ids for p in prompts],
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=self.rollout.max_response_tokens,
+            seeds=None if purpose is None else sampling_seeds(self.seed, purpose, positions, n),
+            **self.stop_kwargs(),
+        )
+
+    def solved(self, rewards: list[float], sample_metrics: dict[str, list[float]]) -> list[bool]:
+        """Per sample: did it solve its prompt? The reward's own `correct` metric where it returns one (a well-formatted
+        wrong answer can earn reward), else a reward of at least `reward.solved_threshold`."""
+        correct = sample_metrics.get("correct")
+        if correct is not None and len(correct) == len(rewards):
+            return [c > 0 for c in correct]
+        return [r >= self.scorer.solved_threshold for r in rewards]
 
     def episode_fields(self, samples: list) -> dict:
         """The RolloutBatch fields of multi-turn episodes (none for single-turn responses)."""
@@ -426,60 +456,20 @@ class RolloutDataModule(L.LightningDataModule):
         rank returns the same numbers; `eval/samples` are the first greedy samples of rank 0's share."""
         if not self.eval_prompts:
             return {}
-        engine = self.start_engine()
-        engine.wake_up()
-        positions = self.rank_positions(len(self.eval_prompts))
-        prompts = self.eval_prompts.prompts[positions.start : positions.stop]
-        ids = [p.prompt_ids for p in prompts]
+        positions = list(self.rank_positions(len(self.eval_prompts)))
+        prompts = self.eval_prompts.prompts[positions[0] : positions[-1] + 1] if positions else []
         k = k or self.rollout.eval_samples_per_prompt
         greedy, greedy_rewards, solved = [], [], []
         episodic = self.make_environment is not None
         if prompts:  # a rank can have none when there are fewer eval prompts than ranks
-            if episodic:
-                greedy = self.run_episodes(
-                    prompts, list(positions), 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation"
-                )
-                greedy_rewards, _ = self.rewards_of(prompts, greedy)
-            else:
-                greedy = engine.generate(
-                    ids,
-                    n=1,
-                    temperature=0.0,
-                    top_p=1.0,
-                    max_tokens=self.rollout.max_response_tokens,
-                    seeds=None,
-                    **self.stop_kwargs(),
-                )
-                greedy_rewards = self.score(prompts, greedy)
+            greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
+            greedy_rewards, _, _ = self.rewards_of(prompts, greedy)
             if k > 1:
-                if episodic:
-                    sampled = self.run_episodes(
-                        prompts,
-                        list(positions),
-                        k,
-                        temperature=self.rollout.eval_temperature,
-                        top_p=1.0,
-                        purpose="eval",
-                        where="evaluation",
-                    )
-                    rewards, metrics = self.rewards_of(prompts, sampled)
-                    correct = metrics.get("correct")
-                    sample_solved = (
-                        [c > 0 for c in correct]
-                        if correct is not None
-                        else [r >= self.scorer.solved_threshold for r in rewards]
-                    )
-                else:
-                    sampled = engine.generate(
-                        ids,
-                        n=k,
-                        temperature=self.rollout.eval_temperature,
-                        top_p=1.0,
-                        max_tokens=self.rollout.max_response_tokens,
-                        seeds=sampling_seeds(self.seed, "eval", positions, k),
-                        **self.stop_kwargs(),
-                    )
-                    sample_solved = self.scorer.solved(self.score(prompts, sampled))
+                temperature = self.rollout.eval_temperature
+                sampled = self.generate(
+                    prompts, positions, k, temperature=temperature, top_p=1.0, purpose="eval", where="evaluation"
+                )
+                sample_solved = self.solved(*self.rewards_of(prompts, sampled)[:2])
                 solved = [any(sample_solved[i * k : (i + 1) * k]) for i in range(len(prompts))]
         sums = [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)]
         if episodic:
