@@ -181,6 +181,15 @@ def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
     assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16; data.path)" in line and "fix: re-encode" in line
 
 
+def test_a_prompt_key_that_names_no_field_is_answered_with_the_key_to_set(tmp_path):
+    """It was answered "fix: repair the record or set data.bad_records=skip", which would skip every record."""
+    path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"}] * 40)
+    message = refused(tmp_path, "mode=plan", "data=file", f"data.path={path}", error=ConfigError)
+    assert f"{path}:1: data.prompt_key='prompt' is not a field of the records" in message
+    assert "['answer', 'question']" in message and "fix: set data.prompt_key to the field" in message
+    assert "bad_records" not in message
+
+
 # ------------------------------------------------------------------ reward functions and environments
 
 REWARDS = """
