@@ -17,7 +17,7 @@ import pytest
 
 from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.run import entry as run_module
-from tests.helpers import compose_config
+from tests.helpers import compose_config, compose_run_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,17 +133,40 @@ def test_missing_model_directory_and_offline_hub_name(tmp_path, monkeypatch, no_
     assert no_training == []
 
 
+def model_without_pad_token(tiny_model_dir, tmp_path) -> Path:
+    """The tiny model with the same tokenizer but no pad token, as many base models' tokenizers are."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    return model
+
+
 def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_the_plan_says_so(tmp_path, tiny_model_dir, capsys):
     from transformers import AutoTokenizer
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model_dir, model)
-    # The same tokenizer with an eos token and no pad token, as many base models' tokenizers are.
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    model = model_without_pad_token(tiny_model_dir, tmp_path)
     assert AutoTokenizer.from_pretrained(model).pad_token is None
     run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'out'}", f"model.path={model}"))
     assert f"tokenizer: {model} has no pad token; padding with its eos token '<|endoftext|>'" in capsys.readouterr().out
+
+
+def test_a_run_with_a_tokenizer_without_a_pad_token_trains(tmp_path, tiny_model_dir, engine):
+    """It crashed after vLLM started (the micro-batches are padded with the pad token's id)."""
+    from lit_ppo.run.train import train
+
+    model = model_without_pad_token(tiny_model_dir, tmp_path)
+    cfg = compose_run_config(
+        f"model.path={model}",
+        "trainer.total_rollout_steps=1",
+        "trainer.eval_every=0",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
+    summary = train(cfg, tmp_path / "run", engine=engine)
+    assert summary["rollout_steps"] == 1 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
 
 
 # ------------------------------------------------------------------ data files
@@ -156,6 +179,15 @@ def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
         train_py(tmp_path, "mode=plan", "data=file", f"data.path={path}", f"output_dir={tmp_path / 'out'}")
     )
     assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16; data.path)" in line and "fix: re-encode" in line
+
+
+def test_a_prompt_key_that_names_no_field_is_answered_with_the_key_to_set(tmp_path):
+    """It was answered "fix: repair the record or set data.bad_records=skip", which would skip every record."""
+    path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"}] * 40)
+    message = refused(tmp_path, "mode=plan", "data=file", f"data.path={path}", error=ConfigError)
+    assert f"{path}:1: data.prompt_key='prompt' is not a field of the records" in message
+    assert "['answer', 'question']" in message and "fix: set data.prompt_key to the field" in message
+    assert "bad_records" not in message
 
 
 # ------------------------------------------------------------------ reward functions and environments

@@ -157,8 +157,17 @@ def load_prompts(
             raise DataError(f"{location}: {detail}; fix: repair the record or set data.bad_records=skip")
         result.skipped[reason] += 1
 
+    first = True
     for location, record in _read_records(path):
         missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
+        if missing and first:  # missing from the very first record: a key setting that names no field of the file
+            settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
+            named = ", ".join(f"{settings.get(k, 'data.extra_keys')}={k!r}" for k in missing)
+            raise ConfigError(
+                f"{location}: {named} is not a field of the records (the first has {sorted(record)}); fix: set "
+                f"{settings.get(missing[0], 'data.extra_keys')} to the field that holds it"
+            )
+        first = False
         if missing:
             reject(location, "missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
             continue

@@ -63,12 +63,14 @@ def preflight(config: RunConfig) -> None:
             max_positions, positions_source = model.max_positions, model.source
             from transformers import AutoTokenizer
 
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(model.directory)
+            try:  # a hub model's tokenizer by its name when training (fetched as the run would); else what is here
+                tokenizer = AutoTokenizer.from_pretrained(
+                    config.model.path if training and not model.local else model.directory
+                )
             except Exception as e:
                 if training:
                     raise ConfigError(
-                        f"model.path={config.model.path}: its tokenizer cannot be loaded from {model.directory} "
+                        f"model.path={config.model.path}: its tokenizer cannot be loaded "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix: save the tokenizer "
                         "beside the model (tokenizer.save_pretrained)"
                     ) from None
@@ -110,14 +112,17 @@ def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int,
     if data.source == "arithmetic":
         from lit_ppo.demo.arithmetic import make_problems
 
-        train, evaluation = make_problems(
-            seed=data.seed,
-            max_operand=data.max_operand,
-            n_train=data.n_train,
-            n_eval=data.n_eval,
-            operation=data.operation,
-            min_operand=data.min_operand,
-        )
+        try:
+            train, evaluation = make_problems(
+                seed=data.seed,
+                max_operand=data.max_operand,
+                n_train=data.n_train,
+                n_eval=data.n_eval,
+                operation=data.operation,
+                min_operand=data.min_operand,
+            )
+        except ValueError as e:  # its messages name the data keys and the fix
+            raise ConfigError(str(e)) from e
         texts = [
             format_prompt(r["prompt"], tokenizer, chat_template=chat, system_prompt=data.system_prompt)
             for r in train + evaluation

@@ -203,6 +203,7 @@ class ModelFiles:
     directory: Path
     config: dict
     source: str  # for messages: the config.json's path
+    local: bool = True  # False: a hub name (its snapshot in the cache may hold config.json alone)
 
     @property
     def max_positions(self) -> int | None:
@@ -235,7 +236,7 @@ def find_model_files(model_path: str, *, required: bool, offline: bool) -> Model
 
     cached = try_to_load_from_cache(model_path, "config.json")
     if isinstance(cached, str):
-        return ModelFiles(Path(cached).parent, json.loads(Path(cached).read_text()), cached)
+        return ModelFiles(Path(cached).parent, json.loads(Path(cached).read_text()), cached, local=False)
     if not required:
         return None
     if offline:
@@ -252,7 +253,7 @@ def find_model_files(model_path: str, *, required: bool, offline: bool) -> Model
             f"model.path={model_path}: its config.json cannot be fetched from the Hugging Face hub ({first}); fix: "
             "check the name and the network, or point model.path at a local model directory"
         ) from None
-    return ModelFiles(Path(downloaded).parent, json.loads(Path(downloaded).read_text()), downloaded)
+    return ModelFiles(Path(downloaded).parent, json.loads(Path(downloaded).read_text()), downloaded, local=False)
 
 
 def hub_offline() -> bool:
