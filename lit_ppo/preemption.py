@@ -91,6 +91,9 @@ class Preemption(L.Callback):
         Preemption._active = self
 
     def teardown(self, trainer, module, stage: str) -> None:
+        self._deactivate()
+
+    def _deactivate(self) -> None:
         for signum, handler in self._handlers.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, handler)
@@ -162,8 +165,15 @@ class Preemption(L.Callback):
             raise Preempted(signum)
 
     def on_exception(self, trainer, module, exception: BaseException) -> None:
-        if not isinstance(exception, Preempted):
-            return
+        # Lightning calls no `teardown` hook after an exception: stop handling signals here (a later `fit` in this
+        # process must not see this one's flag).
+        try:
+            if isinstance(exception, Preempted):
+                self._stop(trainer, module, exception)
+        finally:
+            self._deactivate()
+
+    def _stop(self, trainer, module, exception: Preempted) -> None:
         launcher = getattr(trainer.strategy, "launcher", None)
         children = list(getattr(launcher, "procs", None) or [])
         if children:

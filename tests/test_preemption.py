@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
-from lit_ppo.preemption import Preempted, Preemption
+from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
 from tests.helpers import ROOT, build_run
 from tests.test_resume import assert_same_weights, counters
@@ -28,13 +28,13 @@ class SignalWhileScoring:
     """A reward that, scoring the rollout batch of step index `at`, signals its own process and then hangs: only a
     preemption that interrupts the reward gets the run out of it."""
 
-    def __init__(self, at: int):
-        self.at, self.rollout_batches, self.hang_ended = at, 0, False
+    def __init__(self, at: int, signum: int = signal.SIGTERM):
+        self.at, self.signum, self.rollout_batches, self.hang_ended = at, signum, 0, False
 
     def __call__(self, prompts, responses, references, extras):
         if len(responses) == ROLLOUT_SAMPLES:
             if self.rollout_batches == self.at:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), self.signum)
                 time.sleep(120)
                 self.hang_ended = True
             self.rollout_batches += 1
@@ -104,6 +104,15 @@ def test_sigterm_while_scoring_drops_the_step_and_saves_the_previous_one(paths, 
     saved = torch.load(checkpoint_path(out / "checkpoints", 2), weights_only=False)
     assert saved["lit_ppo"]["rollout_step"] == 2 and len(saved["lit_ppo"]["history"]) == 2
     assert_resumes_like(full, paths, engine, out, at=2)
+
+
+def test_sigusr1_stops_the_same_way_with_status_138(paths, engine, tmp_path):
+    out, reward = tmp_path / "preempted", SignalWhileScoring(at=1, signum=signal.SIGUSR1)
+    with pytest.raises(Preempted) as stopped:
+        run(paths, engine, out, steps=2, reward_fn=reward)
+    assert stopped.value.code == 138 and not reward.hang_ended
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000001.ckpt"]
+    assert active() is None  # a later fit in this process does not inherit the flag
 
 
 def test_sigterm_during_updates_finishes_the_step_when_its_start_is_not_on_disk(paths, engine, tmp_path, full):
