@@ -164,14 +164,19 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
         )
 
 
-def check_same_models(saved_state: dict, module) -> None:
-    """The checkpoint's models (actor, critic, reference) are the ones this run builds: another algorithm (a PPO
-    checkpoint, with a critic, resumed with ppo=grpo) is refused in one line, not with a state-dict traceback."""
-    saved = {key.split(".", 1)[0] for key in saved_state}
-    now = {name for name in ("actor", "critic", "reference") if getattr(module, name, None) is not None}
+def check_same_models(saved_plan: dict, plan) -> None:
+    """The checkpoint's models (actor, critic, reference), as its plan states them, are the ones this run builds:
+    another algorithm (a PPO checkpoint, with a critic, resumed with ppo=grpo) is refused in one line, not with a
+    state-dict traceback. Read from the plan, not the weights: an FSDP checkpoint's weights are loaded apart."""
+
+    def models(critic: bool, reference: bool) -> list[str]:
+        return ["actor"] + ["critic"] * critic + ["reference"] * reference
+
+    saved = models(saved_plan["critic_enabled"], saved_plan["reference_enabled"])
+    now = models(plan.critic_enabled, plan.reference_enabled)
     if saved != now:
         raise ConfigError(
-            f"the checkpoint holds the models {sorted(saved)} but this run builds {sorted(now)} (another algorithm: "
+            f"the checkpoint holds the models {saved} but this run builds {now} (another algorithm: "
             "a critic or a reference model present in one and not the other); fix: resume with the checkpoint's "
             "ppo settings, or start a new run in another output_dir"
         )

@@ -426,5 +426,5 @@ class PPOModule(L.LightningModule):
         checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_same_models(checkpoint.get("state_dict", {}), self)  # Lightning loads the weights after this hook
+        check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)  # Lightning loads the weights after this hook
         restore_module_state(self, checkpoint["lit_ppo"])
