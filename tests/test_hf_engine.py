@@ -21,7 +21,7 @@ from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.training.batching import pack
-from tests.helpers import ROOT, build_run, compose_run_config, read_csv
+from tests.helpers import ROOT, build_run, compose_run_config, read_csv, rollout_step_rows
 from tests.test_real_shapes import long_prompts
 from tests.test_sampling import long_prompt_files  # noqa: F401, F811 - a fixture: 16 prompts of 110 tokens
 from tests.test_tool_training import ENVIRONMENT
@@ -244,8 +244,8 @@ def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = read_csv(out / "metrics.csv")
-    assert [int(float(r["rollout_step"])) for r in rows] == [1, 2]
+    assert [int(float(r["rollout_step"])) for r in read_csv(out / "metrics.csv")] == [0, 1, 2]  # 0: the first eval
+    rows = rollout_step_rows(out / "metrics.csv")
     plan = json.loads((out / "plan.json").read_text())
     assert plan["rollout_engine"] == "hf"
     limit = 1e-4 if plan["precision"] == "32-true" else 2e-2  # bf16-mixed: both sides compute in bf16 autocast
@@ -293,7 +293,7 @@ def test_ddp_on_cpu_samples_and_trains_as_one_process(tmp_path):
         assert two["shard_sizes"] == [64, 64]
         assert two["prompt_positions"] == one["prompt_positions"] and two["response_ids"] == one["response_ids"]
         assert torch.allclose(two["advantages"], one["advantages"], atol=1e-5)
-    rows = read_csv(ddp / "metrics.csv")
+    rows = rollout_step_rows(ddp / "metrics.csv")
     assert all(float(r["rollout/logprob_abs_diff"]) < 1e-4 for r in rows)
     ours, theirs = final_actor(ddp), final_actor(single)
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in theirs)

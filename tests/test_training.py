@@ -96,10 +96,10 @@ def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
     """The 1,500-step warm start is redone only when what it reads changes (its settings, the seed, the training
     records, the base model): not for data.n_eval, which changes only the held-out prompts."""
     from lit_ppo.run.train import prepare_data, prepare_model
-    from tests.helpers import compose_config
+    from tests.helpers import compose_run_config
 
     def warm_dir(*overrides: str) -> str:
-        cfg = compose_config(
+        cfg = compose_run_config(
             f"cache_dir={tmp_path / 'cache'}",
             "model.warm_start.steps=2",
             "model.warm_start.batch_size=4",
@@ -108,7 +108,7 @@ def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
             "model.tiny.intermediate_size=64",
             *overrides,
         )
-        _, _, records = prepare_data(cfg, tmp_path / "data", write=False)
+        _, _, records = prepare_data(cfg.data, tmp_path / "data", write=False)
         return prepare_model(cfg, records)
 
     first = warm_dir("data.n_eval=200")

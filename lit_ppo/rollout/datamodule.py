@@ -235,8 +235,9 @@ class RolloutDataModule(L.LightningDataModule):
         stop_point(self.device)
         generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        rewards, metrics, counts = interruptibly(lambda: self.rewards_of(prompts, generations))
-        stop_point(self.device)
+        scored = interruptibly(lambda: self.rewards_of(prompts, generations))
+        stop_point(self.device)  # a preemption during scoring stops here (`scored` is then None)
+        rewards, metrics, counts = scored
         reward_seconds = time.perf_counter() - started
         self.next_generation_round += 1
         groups = [
