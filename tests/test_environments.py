@@ -6,7 +6,9 @@ written out); tests/test_tool_training.py runs it with the real vLLM engine and 
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from lit_ppo.rollout.episodes import (
 )
 from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.training.batching import pack
+from tests.helpers import ROOT
 
 # ------------------------------------------------------------------ the calculator
 
@@ -710,3 +713,53 @@ def test_a_hanging_tool_costs_one_timeout_per_turn_not_one_per_episode():
     starts = RecordedHangingEnvironment.started
     assert len(starts) == 32 and max(starts) - min(starts) < timeout_s
     assert [ep.failure for ep in episodes] == ["timeout"] * 32 and episode_stats(episodes)["environment_timeouts"] == 32
+
+
+# ------------------------------------------------------------------ the docs' verl tool wrapper
+
+
+class AsyncVerlStyleTool:
+    """A stand-in with verl's BaseTool interface: every method a coroutine; create(create_kwargs=...) returns
+    (instance_id, response); execute returns (response, step reward, metrics)."""
+
+    def __init__(self, config, tool_schema):
+        self.instances = {}
+
+    async def create(self, instance_id=None, create_kwargs=None, **kwargs):
+        await asyncio.sleep(0)
+        instance_id = instance_id or f"i{len(self.instances)}"
+        self.instances[instance_id] = {"answer": str((create_kwargs or {})["ground_truth"]), "calls": 0}
+        return instance_id, SimpleNamespace(text=None)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(0)
+        self.instances[instance_id]["calls"] += 1
+        return SimpleNamespace(text=str(eval(parameters["expression"], {}))), 0.1, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return float(self.instances[instance_id]["calls"] > 0)
+
+    async def release(self, instance_id, **kwargs):
+        del self.instances[instance_id]
+
+
+def test_the_docs_verl_tool_wrapper_runs_async_tools_in_the_episode_threads():
+    """docs/environments.md's VerlToolEnvironment, run as the episode loop runs environments (each call in its own
+    worker thread, lit_ppo.environments.call_all_with_timeout): verl's coroutine methods are awaited, the tool's
+    response text is the observation, and the observations pass the protocol's check."""
+    from lit_ppo.environments import call_all_with_timeout, check_observation, check_step_result
+
+    docs = (ROOT / "docs" / "environments.md").read_text()
+    code = docs[docs.index("class VerlToolEnvironment:") :]
+    code = "import asyncio, json, re\n\n\n" + code[: code.index("```")]
+    namespace: dict = {}
+    exec(compile(code, "docs/environments.md", "exec"), namespace)
+    environments = [namespace["VerlToolEnvironment"](AsyncVerlStyleTool, {}) for _ in range(3)]
+    records = [{"prompt": f"{i}*7=", "reference": str(i * 7)} for i in range(3)]
+    resets = call_all_with_timeout([(e.reset, (r,)) for e, r in zip(environments, records)], timeout_s=10)
+    assert [ok for ok, _ in resets] == [True] * 3 and [check_observation(v, "reset") for _, v in resets] == [None] * 3
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+    steps = call_all_with_timeout([(e.step, (call,)) for e in environments], timeout_s=10)
+    assert [check_step_result(v) for ok, v in steps if ok] == [("42", 0.1, False, {"tool_call": True})] * 3
+    finals = call_all_with_timeout([(e.step, ("#### 42",)) for e in environments], timeout_s=10)
+    assert [check_step_result(v) for ok, v in finals if ok] == [(None, 1.0, True, {"tool_call": False})] * 3
