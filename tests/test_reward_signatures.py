@@ -34,16 +34,16 @@ def test_peer_reward_functions_are_called_as_their_framework_calls_them(name, si
     scores = scorer(["1+1=", "2+2=", "3+3="], ["2", "5", "6"], ["2", "4", "6"], [{}] * 3, [False, False, True])
     assert scores == [1.0, 0.0, 1.0]
     if signature == "verl":  # the dict's other numeric entries become metrics; the string one is dropped
-        assert scorer.metrics["acc"] == pytest.approx(2 / 3) and "pred" not in scorer.metrics
+        assert scores.metrics["acc"] == pytest.approx(2 / 3) and "pred" not in scores.metrics
     if signature == "openrlhf":
-        assert scorer.metrics["exact"] == pytest.approx(2 / 3)
+        assert scores.metrics["exact"] == pytest.approx(2 / 3)
 
 
 def test_trl_columns_by_name_and_none_means_not_applicable():
     scorer = scorer_for(f"{PEER}.trl_accuracy", answer_key="answer")
     scores = scorer(["a", "b"], ["x 7", "y"], [7, None], [{"topic": "t"}] * 2, [False, False])
     assert scores == [1.0, 0.0]
-    assert scorer.metrics["none"] == 1.0 and scorer.metrics["errors"] == 0.0
+    assert scores.metrics["none"] == 1.0 and scores.metrics["errors"] == 0.0
     # the reference column goes by data.answer_key's name
     with pytest.raises(RewardError, match="unexpected keyword argument 'solution'|NoneType"):
         scorer_for(f"{PEER}.trl_accuracy", answer_key="solution")(["a"], ["7"], ["7"], [{}], [False])
@@ -72,7 +72,7 @@ def test_a_verifier_that_hangs_is_timed_out_named_and_its_worker_replaced():
     try:
         scores = scorer(["p0", "p1", "p2"], ["ok", "sleep now", "ok"], [None] * 3, [{}] * 3, [False] * 3)
         assert scores == [1.0, 0.0, 1.0]
-        assert scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0 and scorer.timeouts == 1
+        assert scores.metrics["timeouts"] == 1.0 and scores.metrics["errors"] == 0.0 and scorer.timeouts == 1
         assert scorer.pool.restarts == 1 and len(scorer.pool.workers) == 2
         assert scorer(["p"], ["ok"], [None], [{}], [False]) == [1.0]  # the rebuilt pool scores
         scorer.on_error = "raise"
@@ -91,7 +91,7 @@ def test_a_verifier_that_kills_its_process_costs_only_its_sample():
     try:
         scores = scorer(["p0", "p1", "p2"], ["ok", "exit", "ok"], [None] * 3, [{}] * 3, [False] * 3)
         assert scores == [1.0, 0.0, 1.0]
-        assert scorer.metrics["errors"] == 1.0 and scorer.metrics["timeouts"] == 0.0 and scorer.pool.restarts == 1
+        assert scores.metrics["errors"] == 1.0 and scores.metrics["timeouts"] == 0.0 and scorer.pool.restarts == 1
         scorer.on_error = "raise"
         with pytest.raises(
             RewardError,
@@ -116,7 +116,7 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
     try:
         scores = scorer(["q0", "q1"], ["#### 5", PATHOLOGICAL], ["5", "5"], [{}] * 2, [False] * 2)
         assert scores == [1.0, 0.0]
-        assert scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0
+        assert scores.metrics["timeouts"] == 1.0 and scores.metrics["errors"] == 0.0
         scorer.on_error = "raise"
         with pytest.raises(
             RewardError,

@@ -117,9 +117,10 @@ def test_math_reward_through_the_config_and_scorer():
     scorer = RewardScorer.from_config(compose_run_config("reward=math", "reward.fn.format_weight=0.1"))
     scores = scorer(["p"] * 3, ["#### 1,000", "#### 7", "7"], ["1000", "8", "7"], [{}] * 3, [False] * 3)
     assert scores == pytest.approx([1.1, 0.1, 0.0])
-    assert scorer.metrics == pytest.approx(
+    assert scores.metrics == pytest.approx(
         {"correct": 1 / 3, "formatted": 2 / 3, "errors": 0.0, "timeouts": 0.0, "none": 0.0}
     )
+    assert scores.sample_metrics == {"correct": [1.0, 0.0, 0.0], "formatted": [1.0, 1.0, 0.0]}
 
 
 def test_math_reward_without_reference_names_the_sample():
@@ -162,11 +163,9 @@ def test_on_error_zero_scores_zero_and_counts_exactly():
     scorer = RewardScorer(fn=fails_on_bad, on_error="zero")
     scores = call(scorer, ["ok", "bad", "ok", "bad", "bad", "ok"])
     assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-    assert scorer.errors == 3 and scorer.metrics == {"ones": 1.0, "errors": 3.0, "timeouts": 0.0, "none": 0.0}
-    call(scorer, ["bad", "ok"])
-    assert scorer.errors == 4 and scorer.metrics["errors"] == 1.0  # run total, and this call's count
-    call(scorer, ["ok"])
-    assert scorer.errors == 4 and scorer.metrics["errors"] == 0.0
+    assert scorer.errors == 3 and scores.metrics == {"ones": 1.0, "errors": 3.0, "timeouts": 0.0, "none": 0.0}
+    assert call(scorer, ["bad", "ok"]).metrics["errors"] == 1.0 and scorer.errors == 4  # this call's, the run's
+    assert call(scorer, ["ok"]).metrics["errors"] == 0.0 and scorer.errors == 4
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "high", "1.0", b"1"])
@@ -389,7 +388,7 @@ def test_a_reward_sleeping_past_timeout_s_in_process_is_cut_and_counted():
     assert scorer.workers == 0
     scores = scorer(["p"] * 4, ["1", "2", "hang", "4"], ["1"] * 4, [{}] * 4, [False] * 4)
     assert scores == [1.0, 1.0, 0.0, 1.0] and not reward.finished_sleeping
-    assert scorer.timeouts == 1 and scorer.metrics["timeouts"] == 1.0 and scorer.metrics["errors"] == 0.0
+    assert scorer.timeouts == 1 and scores.metrics["timeouts"] == 1.0 and scores.metrics["errors"] == 0.0
     raising = RewardScorer(fn=SleepsOnHang(), timeout_s=0.5)  # on_error=raise names the sample
     with pytest.raises(RewardError, match="timed out on sample 2 .*reward.timeout_s=0.5s"):
         raising(["p"] * 4, ["1", "2", "hang", "4"], ["1"] * 4, [{}] * 4, [False] * 4)

@@ -8,7 +8,7 @@ import math
 import numbers
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,18 +29,27 @@ ON_ERROR = ("raise", "zero")
 COUNT_METRICS = ("errors", "timeouts", "none")
 
 
+class Scores(list):
+    """One call's rewards, one float per response (a list), with what the call measured: `sample_metrics` (the reward
+    function's per-sample metrics that every sample has) and `metrics` (their means, and this call's counts of
+    `errors`, `timeouts` and TRL's `none`, COUNT_METRICS). Returned, not kept by the scorer: each caller holds the
+    metrics of its own call."""
+
+    def __init__(self, values: list[float], sample_metrics: dict[str, list[float]], metrics: dict[str, float]):
+        super().__init__(values)
+        self.sample_metrics = sample_metrics
+        self.metrics = metrics
+
+
 @dataclass
 class RewardScorer:
     """Calls the user's reward function on a batch and enforces its contract.
 
     A sample whose reward raises, times out, kills its worker, or is not a finite number stops the run
     (`on_error=raise`, naming the sample) or scores 0 and is counted (`on_error=zero`): `errors` and
-    `timeouts` count them over the run, and `metrics["errors"]`, `metrics["timeouts"]` in the last call
+    `timeouts` count them over the run, and the returned `Scores.metrics["errors"]`, `["timeouts"]` in that call
     (logged as `rollout/reward_errors`, `rollout/reward_timeouts`). From a TRL-style function a None score
-    ("not applicable") scores 0 and is counted in `metrics["none"]`; from the others it is an error.
-
-    `solved` tells which samples solved their prompt (for pass@k): the reward function's own `correct`
-    metric when it returns one, else a reward of at least `solved_threshold`."""
+    ("not applicable") scores 0 and is counted in `metrics["none"]`; from the others it is an error."""
 
     fn: Callable[..., Any]
     on_error: str = "raise"  # raise: stop with the sample; zero: score 0 and count it
@@ -57,10 +66,8 @@ class RewardScorer:
     # workers > 0: per sample (its worker is killed); workers = 0: per call (the batch, then one sample at a time)
     timeout_s: float | None = 60.0
     solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
-    errors: int = 0
-    timeouts: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # the last call's per-sample metrics, averaged
-    sample_metrics: dict[str, list[float]] = field(default_factory=dict)  # the last call's, per sample
+    errors: int = 0  # over the run
+    timeouts: int = 0  # over the run
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -132,8 +139,9 @@ class RewardScorer:
         extras: list[dict],
         truncated: list[bool],
         lengths: list[int] | None = None,
-    ) -> list[float]:
-        """Scores of the responses; `lengths` (tokens per response) are needed for the overlong shaping."""
+    ) -> Scores:
+        """Scores of the responses, with the call's metrics; `lengths` (tokens per response) are needed for the
+        overlong shaping."""
         errors_before, timeouts_before = self.errors, self.timeouts
         if self.pool is not None:
             scores, extra_metrics = self._score_in_workers(prompts, responses, references, extras)
@@ -187,20 +195,11 @@ class RewardScorer:
                 len(scores),
                 timeouts,
             )
-        self.metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in extra_metrics.items()}
-        self.metrics.update(errors=float(errors), timeouts=float(timeouts), none=float(none))
+        metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in extra_metrics.items()}
+        metrics.update(errors=float(errors), timeouts=float(timeouts), none=float(none))
         # Per sample only where every sample has a value (a sample whose reward failed has none).
-        self.sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
-        return scores
-
-    def solved(self, scores: list[float]) -> list[bool]:
-        """Per sample of the last call (whose `scores` are given): did it solve its prompt? A well-formatted
-        wrong answer can earn reward (`format_weight`), so the reward function's `correct` metric decides
-        where there is one; otherwise a reward of at least `solved_threshold`."""
-        correct = self.sample_metrics.get("correct")
-        if correct is not None and len(correct) == len(scores):
-            return [c > 0 for c in correct]
-        return [s >= self.solved_threshold for s in scores]
+        sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
+        return Scores(scores, sample_metrics, metrics)
 
     def _checked(self, result, n: int) -> tuple[list, dict[str, list[float]]]:
         scores, extra_metrics = result

@@ -31,13 +31,13 @@ from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
-from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rewards.scorer import RewardScorer, Scores
 from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
 from lit_ppo.rollout.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
-"""The scorer's per-call counts (`RewardScorer.metrics`), summed over a rollout step's generation rounds."""
+"""The scorer's per-call counts (`Scores.metrics`), summed over a rollout step's generation rounds."""
 
 
 def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
@@ -368,8 +368,8 @@ class RolloutDataModule(L.LightningDataModule):
         Episodes are scored by their environment (the sum of its step rewards), or with rollout.episode_reward=reward
         by the reward function on the whole response, like single-turn responses."""
         if self.make_environment is None or self.rollout.episode_reward == "reward":
-            rewards = self.score(prompts, samples)
-            return rewards, dict(self.scorer.sample_metrics), dict(self.scorer.metrics)
+            scores = self.score(prompts, samples)
+            return list(scores), scores.sample_metrics, scores.metrics
         rewards = [g.reward for g in samples]
         keys = set.intersection(*(set(g.info) for g in samples)) if samples else set()
         per_sample = {k: [g.info[k] for g in samples] for k in sorted(keys)}
@@ -428,7 +428,7 @@ class RolloutDataModule(L.LightningDataModule):
     def stop_kwargs(self) -> dict:
         return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
 
-    def score(self, prompts: list, generations: list) -> list[float]:
+    def score(self, prompts: list, generations: list) -> Scores:
         """Rewards of generations; `g.prompt_index` points into `prompts`."""
         of = [prompts[g.prompt_index] for g in generations]
         return self.scorer(
