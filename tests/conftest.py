@@ -14,6 +14,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+@pytest.fixture
+def no_training(monkeypatch):
+    """Replace lit_ppo.run.train so that a test can never start a real run; records the calls instead (a check that
+    lets a config through reaches it)."""
+    import types
+
+    calls = []
+    fake = types.ModuleType("lit_ppo.run.train")
+    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
+    monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir

@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -316,16 +315,6 @@ def test_known_ppo_keys_are_accepted():
 
 
 # ---------------------------------------------------------------- through the Hydra configs
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    """Replace lit_ppo.run.train so that a test can never start a real run; records calls instead."""
-    calls = []
-    fake = types.ModuleType("lit_ppo.run.train")
-    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
-    monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
-    return calls
 
 
 def test_hydra_plan_mode_default_config(tmp_path, capsys):

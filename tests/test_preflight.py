@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,6 @@ from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config, compose_run_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def no_training(monkeypatch):
-    """Replace lit_ppo.run.train so that a check that lets a config through can never start a real run."""
-    calls = []
-    fake = types.ModuleType("lit_ppo.run.train")
-    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
-    monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
-    return calls
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 from lit_ppo.atomic import atomic_path
+from lit_ppo.config import DataConfig
 
 OPERATIONS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
@@ -33,6 +34,18 @@ def make_problems(
     compute = OPERATIONS[operation]
     records = [{"prompt": f"{a}{operation}{b}=", "answer": str(compute(a, b))} for a, b in pairs[: n_train + n_eval]]
     return records[:n_train], records[n_train:]
+
+
+def problems_of(data: DataConfig) -> tuple[list[dict], list[dict]]:
+    """The train and eval records that the `data` settings of the arithmetic task describe (`make_problems`)."""
+    return make_problems(
+        seed=data.seed,
+        max_operand=data.max_operand,
+        n_train=data.n_train,
+        n_eval=data.n_eval,
+        operation=data.operation,
+        min_operand=data.min_operand,
+    )
 
 
 def write_jsonl(records: list[dict], path: str | Path) -> Path:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from lit_ppo.config import DataConfig
 from lit_ppo.errors import (
     ConfigError,
     DataError,  # noqa: E402,F401 - defined with every user error; importable from here too
@@ -189,3 +190,19 @@ def load_prompts(
             f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents"
         )
     return result
+
+
+def load_data_prompts(path: str | Path, tokenizer, data: DataConfig) -> PromptSet:
+    """`load_prompts` with the `data` settings: the one way the run (run/train.py) and its pre-flight
+    (run/entry.py) read a prompt file, so the pre-flight measures the prompts the run will train on."""
+    return load_prompts(
+        path,
+        tokenizer,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        extra_keys=list(data.extra_keys),
+        chat_template=data.chat_template,
+        system_prompt=data.system_prompt,
+        max_prompt_length=data.max_prompt_length,
+        bad_records=data.bad_records,
+    )

@@ -106,21 +106,14 @@ def preflight(config: RunConfig) -> None:
 def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
     """The longest prompt in tokens as the run will see it (after the chat template, within
     data.max_prompt_length under data.bad_records), and where it is."""
-    from lit_ppo.rollout.prompts import format_prompt, load_prompts
+    from lit_ppo.rollout.prompts import format_prompt, load_data_prompts
 
     chat = data.chat_template
     if data.source == "arithmetic":
-        from lit_ppo.demo.arithmetic import make_problems
+        from lit_ppo.demo.arithmetic import problems_of
 
         try:
-            train, evaluation = make_problems(
-                seed=data.seed,
-                max_operand=data.max_operand,
-                n_train=data.n_train,
-                n_eval=data.n_eval,
-                operation=data.operation,
-                min_operand=data.min_operand,
-            )
+            train, evaluation = problems_of(data)
         except ValueError as e:  # its messages name the data keys and the fix
             raise ConfigError(str(e)) from e
         texts = [
@@ -131,19 +124,8 @@ def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int,
             ((len(tokenizer(t, add_special_tokens=not chat).input_ids), f"the arithmetic prompt {t!r}") for t in texts),
             default=None,
         )
-    prompts = []
-    for path in paths:  # the same reading and filtering as the run's (training.load_prompt_sets)
-        prompts += load_prompts(
-            path,
-            tokenizer,
-            prompt_key=data.prompt_key,
-            answer_key=data.answer_key,
-            extra_keys=list(data.extra_keys),
-            chat_template=chat,
-            system_prompt=data.system_prompt,
-            max_prompt_length=data.max_prompt_length,
-            bad_records=data.bad_records,
-        ).prompts
+    # the same reading and filtering as the run's (run/train.py:load_prompt_sets)
+    prompts = [p for path in paths for p in load_data_prompts(path, tokenizer, data).prompts]
     return max(((len(p.prompt_ids), p.location) for p in prompts), default=None)
 
 

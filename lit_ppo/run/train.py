@@ -27,13 +27,13 @@ from lit_ppo.atomic import (
 from lit_ppo.checkpoints import RolloutCheckpoint, check_run_directory, resolve_resume
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
-from lit_ppo.demo.arithmetic import make_problems, write_jsonl
+from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
 from lit_ppo.preemption import Preemption
 from lit_ppo.rewards.scorer import RewardScorer
-from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
 from lit_ppo.run.report import write_curves, write_plan, write_summary
@@ -110,14 +110,7 @@ def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
     """Train/eval prompt files: generated for the arithmetic task (written when `write`, else only
     named: rank 0 wrote them), else the user's files."""
     if data.source == "arithmetic":
-        train, evaluation = make_problems(
-            seed=data.seed,
-            max_operand=data.max_operand,
-            n_train=data.n_train,
-            n_eval=data.n_eval,
-            operation=data.operation,
-            min_operand=data.min_operand,
-        )
+        train, evaluation = problems_of(data)
         train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)
@@ -127,17 +120,8 @@ def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
 
 
 def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
-    kwargs = dict(
-        prompt_key=data.prompt_key,
-        answer_key=data.answer_key,
-        extra_keys=list(data.extra_keys),
-        chat_template=data.chat_template,
-        system_prompt=data.system_prompt,
-        max_prompt_length=data.max_prompt_length,
-        bad_records=data.bad_records,
-    )
-    train = load_prompts(train_path, tokenizer, **kwargs)
-    evaluation = load_prompts(eval_path, tokenizer, **kwargs) if eval_path else None
+    train = load_data_prompts(train_path, tokenizer, data)
+    evaluation = load_data_prompts(eval_path, tokenizer, data) if eval_path else None
     for name, prompt_set in (("train", train), ("eval", evaluation)):
         if prompt_set is not None and prompt_set.skipped:
             log.warning(
