@@ -40,3 +40,8 @@ class RolloutBatch:
     policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
     episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (check_token_ids)
     episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)
+    # Per sample: the policy version that generated it (the weights after that many rollout steps; the plan's schedule
+    # says which: StepPlan.generating_version); None for batches that no engine produced.
+    policy_versions: list[int] | None = None
+    # Seconds the trainer waited for this batch (mode=disaggregated: what generation cost the critical path).
+    wait_seconds: float | None = None

@@ -11,13 +11,20 @@ backend) and generates for a contiguous share of each rollout batch, whole promp
 The engine starts in `setup()`, once the trainer has set up the process group and knows this
 rank; each prompt's sampling seed depends on its position in the global rollout batch, so the
 samples do not depend on the number of ranks.
+
+With rollout.mode=disaggregated the engine is `RolloutWorkers` (lit_ppo/rollout/disaggregated.py): worker processes
+with engines of their own. Rollout step s is then requested ahead, right after the weight push of the policy version
+the plan's schedule gives it (`StepPlan.generating_version`: max(0, s - max_staleness)), so the workers generate it
+while the trainer trains the steps before; `produce_rollout` only waits for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import lightning as L
@@ -117,6 +124,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
+        self.log_dir: Path | None = None  # rollout.mode=disaggregated: where the workers' logs go (build_run sets it)
+        # rollout.mode=disaggregated: rollout steps requested from the workers and not yet consumed (their tickets),
+        # and those already received ((generations, policy versions, worker seconds); kept by checkpoints).
+        self.in_flight: dict[int, list] = {}
+        self.prefetched: dict[int, tuple[list[Generation], list[int], float]] = {}
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.environment)
@@ -154,6 +166,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.start_engine()
 
     def start_engine(self) -> VLLMEngine:
+        if self.engine is None and self.plan.rollout_mode == "disaggregated":
+            self.engine = self.start_workers()
         if self.engine is None:
             if self.world_size > 1 and "RANK" not in os.environ:
                 raise RuntimeError(
@@ -175,6 +189,34 @@ class RolloutDataModule(L.LightningDataModule):
             )
             self.engine_start_seconds = time.perf_counter() - started
         return self.engine
+
+    def start_workers(self):
+        """rollout.mode=disaggregated: the rollout worker processes, each with its own engine."""
+        from lit_ppo.rollout.disaggregated import RolloutWorkers
+
+        r = self.rollout
+        workers = RolloutWorkers(
+            engine_kwargs=dict(
+                model_dir=self.model_dir,
+                dtype=r.dtype or self.plan.rollout_dtype,
+                max_model_len=r.max_model_len,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_gib=r.kv_cache_gib,
+                seed=self.seed,
+                tensor_parallel_size=r.tensor_parallel_size,
+                enforce_eager=r.enforce_eager,
+            ),
+            workers=r.workers,
+            devices_per_worker=r.devices,
+            trainer_devices=self.plan.data_parallel_size,
+            log_dir=self.log_dir or Path("logs"),
+            start_timeout_s=r.worker_start_timeout_s,
+            batch_timeout_s=r.batch_timeout_s,
+            push_timeout_s=r.weight_push_timeout_s,
+            bucket_mib=r.weight_push_bucket_mib,
+        )
+        self.engine_start_seconds = workers.start_seconds
+        return workers
 
     def train_dataloader(self) -> DataLoader:
         self.start_engine()
@@ -231,9 +273,17 @@ class RolloutDataModule(L.LightningDataModule):
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
         # (lit_ppo.preemption), and the stop points after them stop every rank together.
         # Tensor-parallel engines run collectives inside generate: only their end is a stop point.
-        generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
+        # Rollout workers generate ahead; the wait for them is bounded and what it received is kept (checkpoints).
+        if self.plan.rollout_mode == "disaggregated":
+            generations, self.last_policy_versions, generate_seconds = self.scheduled_generations(rollout_step)
+            self.last_wait_seconds = time.perf_counter() - started
+        else:
+            generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
+            self.last_policy_versions = [rollout_step] * len(generations)  # the engine holds the newest weights
+            self.last_wait_seconds = None
         stop_point(self.device)
-        generate_seconds = time.perf_counter() - started
+        if self.plan.rollout_mode != "disaggregated":
+            generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
         scored = interruptibly(lambda: self.rewards_of(prompts, generations))
         stop_point(self.device)  # a preemption during scoring stops here (`scored` is then None)
@@ -302,8 +352,53 @@ class RolloutDataModule(L.LightningDataModule):
             dropped_groups=dropped,
             filled_groups=filled,
             prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
+            policy_versions=self.last_policy_versions,
+            wait_seconds=self.last_wait_seconds,
             **self.episode_fields([g for _, _, g in samples]),
         )
+
+    # ------------------------------------------------------------ the schedule (rollout.mode=disaggregated)
+
+    def submit_rollout(self, rollout_step: int) -> list:
+        """Request `rollout_step`'s generations from the workers (they generate them with the last version pushed).
+        Without dynamic sampling (refused in this mode) a rollout step is one generation round."""
+        prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
+        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
+        n = self.plan.n_samples_per_prompt
+        return self.engine.submit(
+            [p.prompt_ids for p in prompts],
+            n=n,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
+            max_tokens=self.rollout.max_response_tokens,
+            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
+            **self.stop_kwargs(),
+        )
+
+    def scheduled_generations(self, rollout_step: int) -> tuple[list[Generation], list[int], float]:
+        """`rollout_step`'s generations, their policy versions and the workers' generation seconds.
+
+        First requests every step up to rollout_step + max_staleness not yet requested: the workers hold version
+        `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k
+        and, at the start, to steps 0..k; the steps before were requested after their own versions' pushes."""
+        engine = self.start_engine()
+        last = min(rollout_step + self.plan.max_staleness, self.plan.total_rollout_steps - 1)
+        known = set(self.in_flight) | set(self.prefetched)
+        for step in range(max(known | {rollout_step - 1}) + 1, last + 1):
+            if self.plan.generating_version(step) != engine.version:
+                raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
+                    f"rollout step {step} is due for policy version {self.plan.generating_version(step)} but the "
+                    f"workers hold version {engine.version}"
+                )
+            self.in_flight[step] = self.submit_rollout(step)
+        self.receive_in_flight(upto=rollout_step)
+        return self.prefetched.pop(rollout_step)
+
+    def receive_in_flight(self, upto: int | None = None) -> None:
+        """Move the requested steps (those up to `upto`; all: None) from in flight to received, waiting for them."""
+        for step in sorted(self.in_flight):
+            if upto is None or step <= upto:
+                self.prefetched[step] = self.engine.collect(self.in_flight.pop(step))
 
     def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
         """Every rank's groups of one round, in global prompt order (rank 0's share first)."""
@@ -492,8 +587,21 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict:
-        return {"next_rollout_step": self.next_rollout_step, "next_generation_round": self.next_generation_round}
+        state = {"next_rollout_step": self.next_rollout_step, "next_generation_round": self.next_generation_round}
+        if self.plan.rollout_mode == "disaggregated":
+            # The steps generated ahead, by policy versions a resumed run no longer has: kept, waited for if in
+            # flight, so that a resume trains on exactly the samples an uninterrupted run would.
+            self.receive_in_flight()
+            state["prefetched"] = {
+                step: ([dataclasses.asdict(g) for g in gens], versions, seconds)
+                for step, (gens, versions, seconds) in self.prefetched.items()
+            }
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
         self.next_generation_round = state["next_generation_round"]
+        self.prefetched = {
+            int(step): ([Generation(**g) for g in gens], list(versions), float(seconds))
+            for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
+        }

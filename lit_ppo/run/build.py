@@ -81,6 +81,7 @@ def build_run(
         engine=engine,
         chat_template=config.data.chat_template,
     )
+    datamodule.log_dir = Path(output_dir) / "logs"  # rollout.mode=disaggregated: the rollout workers' logs
     module = PPOModule(
         model_dir=model_dir,
         ppo=config.ppo,

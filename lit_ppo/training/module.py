@@ -33,7 +33,7 @@ from lit_ppo.checkpoints import check_same_models, module_state, restore_module_
 from lit_ppo.config import PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
+from lit_ppo.plan import StepPlan, check_policy_versions, check_step_accounting, minibatch_schedule
 from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.training.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
 from lit_ppo.training.experience import (
@@ -331,6 +331,8 @@ class PPOModule(L.LightningModule):
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
         batch, _, _ = next(dataloader_iter)
+        # The proof of the generation schedule: every sample is of the policy version the plan states.
+        check_policy_versions(self.plan, batch.rollout_step, batch.policy_versions)
         engine = self.trainer.datamodule.engine
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
@@ -348,7 +350,7 @@ class PPOModule(L.LightningModule):
         )
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
         # 5. The new weights into vLLM, for the next rollout batch.
-        self.sync_weights(engine)
+        self.sync_weights(engine, version=batch.rollout_step + 1)
         sync_seconds = time.perf_counter() - started
 
         self.rollout_step = batch.rollout_step + 1
@@ -361,12 +363,19 @@ class PPOModule(L.LightningModule):
             "timing/train_s": train_seconds,
             "timing/weight_sync_s": sync_seconds,
         }
+        if batch.wait_seconds is not None:  # rollout workers: generation overlapped training; the wait is its cost
+            timings["timing/generate_s"] = batch.wait_seconds
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
     @torch.no_grad()
-    def sync_weights(self, engine) -> None:
+    def sync_weights(self, engine, version: int | None = None) -> None:
+        """Push the actor into the engine; `version`: the policy version it is (the rollout steps it has taken), which
+        rollout workers record on every sample they generate with it."""
         engine.wake_up()
-        engine.sync_weights(self.full_actor_tensors())
+        if getattr(engine, "versioned", False):  # rollout workers (rollout.mode=disaggregated)
+            engine.sync_weights(self.full_actor_tensors(), version=self.rollout_step if version is None else version)
+        else:
+            engine.sync_weights(self.full_actor_tensors())
 
     def _rollout_step_row(
         self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]
@@ -381,6 +390,12 @@ class PPOModule(L.LightningModule):
             **self.rollout_correction_stats,
             **({"rollout/kl_coef": self.kl_coef} if self.reference is not None else {}),
         }
+        if batch.policy_versions:  # rollout steps between the generating policy and the one this step starts from
+            extra["rollout/policy_version_lag"] = batch.rollout_step - sum(batch.policy_versions) / len(
+                batch.policy_versions
+            )
+        if batch.wait_seconds is not None:  # the workers' own generation time (overlapped with training)
+            extra["rollout/worker_generate_s"] = batch.generate_seconds
         row = rollout_step_row(
             batch,
             exp,

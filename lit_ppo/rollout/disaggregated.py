@@ -1,0 +1,429 @@
+"""Rollout workers (rollout.mode=disaggregated): processes with their own vLLM engines, started by the trainer.
+
+Channel (docs/async.md):
+- A TCPStore that the trainer hosts carries the small things: each worker's start signal, its ordered commands
+  (`cmd/<worker>/<n>`: generate a request, apply a received weight version, stop) and its answers (`result/...`,
+  pickled generations). A store and not a multiprocessing queue: it works the same when a worker runs on another
+  node (it connects to `host:port`), and every wait on it can be bounded and interleaved with a liveness check.
+- A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
+  and Lightning use) carries the weights: the trainer broadcasts the actor's tensors in buckets of at most
+  rollout.weight_push_bucket_mib, never through the disk. A thread in each worker receives them as soon as they are
+  sent, while its engine generates, so a push costs the trainer the transfer only; the worker applies a version when
+  its ordered commands reach it. That order is what makes the schedule exact: the trainer queues "apply version v"
+  before the requests that version must generate and after those of earlier versions (RolloutDataModule).
+
+No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
+line naming the side, the worker and its log file (RolloutWorkerError); each worker polls its parent and exits when
+the trainer is gone; `close` stops them (and kills what does not stop).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.rollout.engine import Generation
+
+POLL_S = 0.01  # how often a wait looks at the store and the workers' liveness
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The launcher's rendezvous variables: a worker must not join the trainer's process group with them (vLLM would)."""
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _gloo_group(store, rank: int, size: int, timeout_s: float, host: str):
+    """A gloo process group of its own over `store` (not torch.distributed's default group)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _timedelta(timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("weights/", store), rank, size, options)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterable[tuple[list[tuple[str, str, list[int]]], torch.Tensor]]:
+    """The tensors packed into flat byte buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own):
+    (per tensor: name, dtype, shape; the bucket's uint8 bytes). Streamed: one bucket's tensors are held at a time,
+    so a gathered FSDP tensor is freed once packed."""
+    entries, parts, size = [], [], 0
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if parts and size + nbytes > bucket_bytes:
+            yield entries, torch.cat(parts)
+            entries, parts, size = [], [], 0
+        entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)))
+        parts.append(tensor.cpu().reshape(-1).view(torch.uint8))
+        size += nbytes
+    if parts:
+        yield entries, torch.cat(parts)
+
+
+def unpack_bucket(entries: list[tuple[str, str, list[int]]], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of one bucket received as bytes (views into `flat`)."""
+    tensors, offset = [], 0
+    for name, dtype, shape in entries:
+        dtype = getattr(torch, dtype)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        tensors.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
+    return tensors
+
+
+class RolloutWorkers:
+    """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights, collects
+    results. Engine-like (`generate`, `sync_weights`, `wake_up`, `sleep`, `close`) so that evaluation runs through it
+    unchanged; rollouts use `submit` and `collect` to generate ahead."""
+
+    versioned = True  # sync_weights takes the policy version it pushes (PPOModule.sync_weights)
+
+    def __init__(
+        self,
+        *,
+        engine_kwargs: dict,
+        workers: int,
+        devices_per_worker: int,
+        trainer_devices: int,
+        log_dir: Path,
+        start_timeout_s: float,
+        batch_timeout_s: float,
+        push_timeout_s: float,
+        bucket_mib: int,
+        host: str | None = None,
+    ):
+        import torch.distributed as dist
+
+        self.workers = workers
+        self.batch_timeout_s = batch_timeout_s
+        self.push_timeout_s = push_timeout_s
+        self.bucket_bytes = bucket_mib * 2**20
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
+        self.store = dist.TCPStore(
+            self.host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(start_timeout_s)
+        )
+        self.store.set("spec", pickle.dumps({"engine": engine_kwargs, "push_timeout_s": push_timeout_s}))
+        self.commands = [0] * workers  # commands sent to each worker
+        self.tickets = 0
+        self.pushes = 0
+        self.version: int | None = None  # the last version pushed
+        self.procs: list[subprocess.Popen] = []
+        self.group = None
+        self.failed = False  # a worker failed or did not answer: close() kills instead of waiting for it
+        started = time.perf_counter()
+        try:
+            for i in range(workers):
+                self.procs.append(self._spawn(i, devices_per_worker, trainer_devices))
+            for i in range(workers):
+                self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.worker_start_timeout_s", i)
+            self.group = _gloo_group(self.store, 0, workers + 1, push_timeout_s, self.host)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - started
+
+    # ------------------------------------------------------------ processes
+
+    def log_file(self, worker: int) -> Path:
+        return self.log_dir / f"rollout_worker{worker}.log"
+
+    def _spawn(self, worker: int, devices_per_worker: int, trainer_devices: int) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+        # The worker imports this checkout of lit_ppo, whatever is installed.
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+        if torch.cuda.is_available():  # its own devices: the ones after the trainer's
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            first = trainer_devices + worker * devices_per_worker
+            mine = ids[first : first + devices_per_worker]
+            if len(mine) < devices_per_worker:
+                raise RolloutWorkerError(
+                    f"rollout worker {worker} needs devices {first}..{first + devices_per_worker - 1} after the "
+                    f"trainer's {trainer_devices}, but {len(ids)} are visible; fix: lower rollout.workers or "
+                    "rollout.devices, or make more devices visible"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        log = open(self.log_file(worker), "ab")
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "lit_ppo.rollout.disaggregated", self.host, str(self.store.port), str(worker)]
+                + [str(self.workers)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            log.close()
+
+    def _check_alive(self, what: str) -> None:
+        for i, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                last = self._error_line(i)
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker {i} (pid {proc.pid}) exited with code {code} while the trainer waited "
+                    f"for {what}{': ' + last if last else ''}; see {self.log_file(i)}"
+                )
+
+    def _error_line(self, worker: int) -> str:
+        key = f"error/{worker}"
+        return self.store.get(key).decode() if self.store.check([key]) else ""
+
+    def _wait(self, key: str, timeout_s: float, what: str, setting: str, worker: int) -> bytes:
+        """The value of `key` once a worker sets it; RolloutWorkerError when a worker dies or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            self._check_alive(what)
+            if time.monotonic() > deadline:
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker {worker} (pid {self.procs[worker].pid}) gave no {what} within "
+                    f"{setting}={timeout_s:g} s; see {self.log_file(worker)}; fix: raise {setting} if it is only slow"
+                )
+            time.sleep(POLL_S)
+        value = self.store.get(key)
+        self.store.delete_key(key)
+        return value
+
+    def _send(self, worker: int, command: tuple) -> None:
+        self.store.set(f"cmd/{worker}/{self.commands[worker]}", pickle.dumps(command))
+        self.commands[worker] += 1
+
+    # ------------------------------------------------------------ generation
+
+    def submit(self, prompt_token_ids: list[list[int]], **params) -> list[tuple[int, int, int]]:
+        """Queue generation of these prompts (contiguous shares over the workers, behind what each has queued);
+        returns the tickets to `collect`. `params`: those of `VLLMEngine.generate` (seeds: one per prompt)."""
+        tickets = []
+        n_prompts = len(prompt_token_ids)
+        for worker in range(self.workers):
+            start, stop = worker * n_prompts // self.workers, (worker + 1) * n_prompts // self.workers
+            share = dict(params)
+            if share.get("seeds") is not None:
+                share["seeds"] = share["seeds"][start:stop]
+            if isinstance(share.get("max_tokens"), list):
+                share["max_tokens"] = share["max_tokens"][start:stop]
+            self.tickets += 1
+            self._send(worker, ("generate", self.tickets, {"prompt_token_ids": prompt_token_ids[start:stop], **share}))
+            tickets.append((worker, self.tickets, start))
+        return tickets
+
+    def collect(self, tickets: list[tuple[int, int, int]]) -> tuple[list[Generation], list[int], float]:
+        """The generations of `submit`'s tickets in prompt order, each one's policy version, and the workers' longest
+        generation time (s)."""
+        generations, versions, seconds = [], [], 0.0
+        for worker, ticket, offset in tickets:
+            share, version, worker_seconds = pickle.loads(
+                self._wait(
+                    f"result/{worker}/{ticket}",
+                    self.batch_timeout_s,
+                    "rollout batch",
+                    "rollout.batch_timeout_s",
+                    worker,
+                )
+            )
+            for g in share:
+                g.prompt_index += offset
+            generations += share
+            versions += [version] * len(share)
+            seconds = max(seconds, worker_seconds)
+        return generations, versions, seconds
+
+    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
+        """`VLLMEngine.generate` on the workers, behind what they have queued (evaluation)."""
+        return self.collect(self.submit(prompt_token_ids, **params))[0]
+
+    # ------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Broadcast the tensors to every worker in buckets, then queue "apply `version`" behind each one's queued
+        requests: those generate with the version they were queued after."""
+        self._check_alive("the weight push")
+        push = self.pushes
+        for b, (entries, flat) in enumerate(weight_buckets(named_tensors, self.bucket_bytes)):
+            self.store.set(f"push/{push}/{b}", pickle.dumps((entries, flat.numel())))
+            started = time.monotonic()
+            try:
+                _broadcast(self.group, flat)
+            except RuntimeError as e:
+                self._check_alive("the weight push")  # a dead worker is the better message
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: the weight push of version {version} (bucket {b}, {flat.numel() / 2**20:.1f} MiB) did "
+                    f"not complete within rollout.weight_push_timeout_s={self.push_timeout_s:g} s "
+                    f"({time.monotonic() - started:.1f} s, {type(e).__name__}); a rollout worker is stuck: see "
+                    f"{', '.join(str(self.log_file(i)) for i in range(self.workers))}"
+                ) from None
+        self.store.set(f"push/{push}/done", b"1")
+        self.pushes += 1
+        self.version = version
+        for worker in range(self.workers):
+            self._send(worker, ("apply", push, version))
+
+    def wake_up(self) -> None:  # the workers' engines never sleep: they generate while the trainer trains
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers: a stop command behind their queues, then SIGKILL for what has not exited (at once
+        after a failure: a stuck worker never reads its queue)."""
+        if self.failed:
+            timeout_s = 0.0
+        for worker, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                try:
+                    self._send(worker, ("stop",))
+                except Exception:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+        self.group = None
+
+
+# ================================================================ the worker process
+
+
+def _watch_parent(parent: int) -> None:
+    """End this worker when the trainer is gone (SIGKILL leaves no chance to stop it): its parent changes."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _wait_key(store, key: str) -> bytes:
+    while not store.check([key]):
+        time.sleep(POLL_S)
+    value = store.get(key)
+    store.delete_key(key)
+    return value
+
+
+class _Receiver(threading.Thread):
+    """Receives every weight push as soon as the trainer sends it (while the engine generates); `take(push)` hands
+    one push's tensors to the main thread when its "apply" command comes up."""
+
+    def __init__(self, store, group):
+        super().__init__(daemon=True)
+        self.store, self.group = store, group
+        self.received: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.ready = threading.Condition()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            push = 0
+            while True:
+                tensors, bucket = [], 0
+                while True:
+                    key = f"push/{push}/{bucket}"
+                    while not (self.store.check([key]) or self.store.check([f"push/{push}/done"])):
+                        time.sleep(POLL_S)
+                    if not self.store.check([key]):
+                        break  # the push is complete
+                    entries, numel = pickle.loads(self.store.get(key))
+                    flat = torch.empty(numel, dtype=torch.uint8)
+                    _broadcast(self.group, flat)
+                    tensors += unpack_bucket(entries, flat)
+                    bucket += 1
+                with self.ready:
+                    self.received[push] = tensors
+                    self.ready.notify_all()
+                push += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            with self.ready:
+                self.failure = e
+                self.ready.notify_all()
+
+    def take(self, push: int) -> list[tuple[str, torch.Tensor]]:
+        with self.ready:
+            while push not in self.received and self.failure is None:
+                self.ready.wait(1.0)
+            if push not in self.received:
+                raise RuntimeError(f"receiving weight push {push} failed: {self.failure}")
+            return self.received.pop(push)
+
+
+def worker_main(host: str, port: int, worker: int, workers: int) -> None:
+    import torch.distributed as dist
+
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    store = dist.TCPStore(host, port, is_master=False, timeout=_timedelta(60))
+    try:
+        spec = pickle.loads(store.get("spec"))
+        from lit_ppo.rollout.engine import VLLMEngine
+
+        started = time.perf_counter()
+        engine = VLLMEngine(**spec["engine"])
+        print(f"rollout worker {worker}: engine started in {time.perf_counter() - started:.1f} s", flush=True)
+        store.set(f"ready/{worker}", b"1")
+        group = _gloo_group(store, worker + 1, workers + 1, spec["push_timeout_s"], host)
+        receiver = _Receiver(store, group)
+        receiver.start()
+        version = 0  # the engine starts from model_dir: the initial policy
+        n = 0
+        while True:
+            command = pickle.loads(_wait_key(store, f"cmd/{worker}/{n}"))
+            n += 1
+            if command[0] == "stop":
+                break
+            if command[0] == "apply":
+                _, push, version = command
+                engine.sync_weights(receiver.take(push))
+                print(f"rollout worker {worker}: policy version {version} applied", flush=True)
+            elif command[0] == "generate":
+                _, ticket, request = command
+                started = time.perf_counter()
+                generations = engine.generate(**request)
+                seconds = time.perf_counter() - started
+                store.set(f"result/{worker}/{ticket}", pickle.dumps((generations, version, seconds)))
+        engine.close()
+    except BaseException as e:
+        traceback.print_exc()
+        sys.stdout.flush()
+        last = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        try:
+            store.set(f"error/{worker}", last.encode())
+        finally:
+            os._exit(1)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the trainer, which stops the workers
+    worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

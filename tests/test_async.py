@@ -1,0 +1,256 @@
+"""Asynchronous rollouts (rollout.mode=disaggregated, docs/async.md): rollout workers with real vLLM engines in their
+own processes (gloo weight pushes), the schedule the plan states and the run proves, and the failures that must end
+a run in one line instead of hanging it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+
+from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig
+from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
+from lit_ppo.plan import check_policy_versions, compute_plan
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.training.logits import logprobs_and_entropy
+from lit_ppo.training.models import response_logits
+from tests.helpers import build_run, compose_run_config
+from tests.test_sampling import long_prompt_files  # noqa: F401 - a fixture: 16 prompts of 110 tokens
+
+TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
+
+
+def disaggregated(k: int, **kwargs) -> RolloutConfig:
+    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker."""
+    settings = dict(
+        max_response_tokens=6,
+        eval_samples_per_prompt=2,
+        temperature=0.8,
+        mode="disaggregated",
+        max_staleness=k,
+        worker_start_timeout_s=300.0,
+        batch_timeout_s=120.0,
+    )
+    return RolloutConfig(**{**settings, **kwargs})
+
+
+def digit_share(prompts, responses, references, extras, **_) -> list[float]:
+    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+class Recorder(L.Callback):
+    """The actor's weights of every policy version (v = after v rollout steps) and every trained batch."""
+
+    def __init__(self):
+        self.versions: list[dict[str, torch.Tensor]] = []
+        self.batches = []
+
+    def on_train_start(self, trainer, module):
+        self.versions.append(copy.deepcopy(module.actor.state_dict()))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.versions.append(copy.deepcopy(module.actor.state_dict()))
+
+
+class RecordingDataModule(RolloutDataModule):
+    batches: list = []
+
+    def produce_rollout(self, rollout_step):
+        batch = super().produce_rollout(rollout_step)
+        type(self).batches.append(batch)
+        return batch
+
+
+def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=None, datamodule_class=None, **ppo):
+    recorder = Recorder()
+    datamodule_class = datamodule_class or type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        engine,
+        files,
+        tmp_path,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        callbacks=[recorder, *callbacks],
+        datamodule_class=datamodule_class,
+        reward_fn=digit_share,
+        # 2 optimizer steps per rollout step: the policy moves between versions
+        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **ppo},
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if engine is None and datamodule.engine is not None:
+            datamodule.engine.close()
+    return module, datamodule_class.batches, recorder, plan
+
+
+# ---------------------------------------------------------------- settings and the plan
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.mode=async"], r"^rollout.mode='async' is unknown; fix: use one of colocated, disaggregated$"),
+        (["rollout.max_staleness=1"], r"^rollout.max_staleness=1 with rollout.mode=colocated: .*fix: rollout.mode"),
+        (
+            ["rollout.mode=disaggregated"],
+            r"ppo.rollout_correction.mode=none would .*fix: ppo.rollout_correction.mode=tis",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.engine=hf", "ppo.rollout_correction.mode=tis"],
+            r"with rollout.engine=hf: .*fix: rollout.engine=vllm",
+        ),
+        (
+            ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "ppo.rollout_correction.mode=tis"],
+            r"with 2 trainer ranks: .*fix: strategy=single",
+        ),
+        (
+            ["rollout.mode=disaggregated", "ppo=dapo", "ppo.rollout_correction.mode=tis"],
+            r"ppo.dynamic_sampling.enabled=true: .*fix:",
+        ),
+        (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
+        (["rollout.mode=disaggregated", "rollout.workers=0", "rollout.max_staleness=0"], r"rollout.workers=0 must"),
+        (["rollout.batch_timeout_s=0"], r"^rollout.batch_timeout_s=0 must be a positive number of seconds"),
+    ],
+)
+def test_async_settings_that_cannot_run_are_refused_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        compute_plan(compose_run_config(*overrides), 1000)
+    assert "\n" not in str(info.value)
+
+
+def test_the_plan_states_the_schedule_and_the_devices():
+    plan = compute_plan(
+        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers=2"), 2000
+    )
+    assert (plan.rollout_mode, plan.max_staleness, plan.rollout_workers) == ("disaggregated", 1, 2)
+    assert [plan.generating_version(s) for s in range(4)] == [0, 0, 1, 2]
+    table = plan.table()
+    assert "step 0 <- v0, step 1 <- v0, step 2 <- v1, step 3 <- v2, ..., step 29 <- v28" in table
+    assert "rollout workers" in table and "trainer: 1 device(s)" in table
+    assert "old log-probs are recomputed with the weights each step starts from" in table
+    colocated = compute_plan(compose_run_config(), 2000)
+    assert colocated.max_staleness == 0 and "step 0 <- v0" not in colocated.table()
+    synchronous = compute_plan(compose_run_config("rollout.mode=disaggregated", "rollout.max_staleness=0"), 2000)
+    assert [synchronous.generating_version(s) for s in range(3)] == [0, 1, 2]
+
+
+def test_a_sample_of_another_version_than_planned_stops_the_run_in_one_line():
+    plan = compute_plan(
+        compose_run_config("rollout.mode=disaggregated", "rollout.max_staleness=2", "ppo.rollout_correction.mode=tis"),
+        2000,
+    )
+    check_policy_versions(plan, 1, [0] * 4)  # steps 0..k are generated by the initial policy
+    check_policy_versions(plan, 4, [2] * 4)
+    with pytest.raises(StalenessError, match=r"^rollout step 4: 1 of 4 samples .*version\(s\) \[3\] \(lag \[1\]\)"):
+        check_policy_versions(plan, 4, [2, 2, 3, 2])  # newer than planned: "whatever was newest"
+    with pytest.raises(StalenessError, match="plan says version 2"):
+        check_policy_versions(plan, 4, [1] * 4)  # staler than the bound
+
+
+# ---------------------------------------------------------------- real rollout workers
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_model_dir, long_prompt_files, tmp_path_factory):  # noqa: F811
+    """3 rollout steps with max_staleness=1 on one rollout worker (its own process and vLLM engine)."""
+    out = tmp_path_factory.mktemp("one_step_off")
+    return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **TIS), out)
+
+
+def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off):
+    module, batches, _, plan, out = one_step_off
+    assert [b.rollout_step for b in batches] == [0, 1, 2]
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]  # max(0, s - 1)
+    assert all(len(b.policy_versions) == 32 for b in batches)
+    lags = [row["rollout/policy_version_lag"] for row in module.history]
+    assert lags == [0.0, 1.0, 1.0]
+    assert (out / "logs" / "rollout_worker0.log").exists()
+    assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
+
+
+def test_the_workers_log_probs_are_the_trainers_of_that_version(one_step_off, tiny_model_dir):
+    """The weights a worker generated with are the trainer's of the version it recorded: vLLM's log-probs of the
+    sampled tokens equal the trainer's under those weights (float32), as in synchronous runs."""
+    from lit_ppo.training.batching import packed_micro_batches
+
+    module, batches, recorder, _, _ = one_step_off
+    actor = copy.deepcopy(module.actor).eval()
+    for batch in batches:
+        version = batch.policy_versions[0]
+        actor.load_state_dict(recorder.versions[version])
+        (idx, mb), *_ = packed_micro_batches(batch, [list(range(len(batch.response_ids)))], 0, torch.device("cpu"))
+        with torch.no_grad():
+            logp = logprobs_and_entropy(response_logits(actor, mb), mb.response_ids, temperature=0.8)[0]
+        vllm = torch.zeros_like(logp)
+        for row, i in enumerate(idx):
+            vllm[row, : len(batch.rollout_logprobs[i])] = torch.tensor(batch.rollout_logprobs[i])
+        diff = ((logp - vllm).abs() * mb.response_mask).sum() / mb.response_mask.sum()
+        assert diff < 1e-4, (batch.rollout_step, version, float(diff))
+    # ... and against the version each step starts from, the samples of steps 1 and 2 are off-policy: the correction
+    # sees them (old log-probs recomputed; rollout/logprob_abs_diff measures old vs behaviour).
+    rows = module.history
+    assert rows[0]["rollout/logprob_abs_diff"] < 1e-4 and rows[2]["rollout/logprob_abs_diff"] > 1e-3
+
+
+@pytest.mark.slow
+def test_max_staleness_zero_reproduces_the_colocated_samples(tiny_model_dir, long_prompt_files, tmp_path, engine):  # noqa: F811
+    _, colocated, *_ = run(
+        tiny_model_dir,
+        long_prompt_files,
+        tmp_path / "colocated",
+        RolloutConfig(max_response_tokens=6, temperature=0.8, eval_samples_per_prompt=2),
+        engine=engine,
+    )
+    module, workers, *_ = run(tiny_model_dir, long_prompt_files, tmp_path / "k0", disaggregated(0))
+    assert [b.policy_versions[0] for b in workers] == [0, 1, 2]
+    for ours, theirs in zip(workers, colocated, strict=True):
+        assert ours.response_ids == theirs.response_ids and ours.prompt_ids == theirs.prompt_ids
+    assert all(row["rollout/logprob_abs_diff"] < 1e-4 for row in module.history)
+
+
+class KillWorker(L.Callback):
+    """SIGKILL (or SIGSTOP: stuck) the rollout worker during rollout step 1's updates."""
+
+    def __init__(self, sig):
+        self.sig, self.pid = sig, None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.pid is None:
+            self.pid = trainer.datamodule.engine.procs[0].pid
+            os.kill(self.pid, self.sig)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_run_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    kill = KillWorker(signal.SIGKILL)
+    with pytest.raises(RolloutWorkerError) as info:
+        run(
+            tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, batch_timeout_s=60.0), callbacks=[kill], **TIS
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"rollout worker 0 (pid {kill.pid}) exited with code -9" in message
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+
+
+@pytest.mark.slow
+def test_a_stuck_push_ends_within_its_timeout(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    stop = KillWorker(signal.SIGSTOP)
+    with pytest.raises(RolloutWorkerError, match=r"^trainer: the weight push of version 2 .*weight_push_timeout_s=3 s"):
+        run(
+            tiny_model_dir,
+            long_prompt_files,
+            tmp_path,
+            disaggregated(1, weight_push_timeout_s=3.0),
+            callbacks=[stop],
+            **TIS,
+        )
+    with pytest.raises(ProcessLookupError):  # the stuck worker was ended with the run
+        os.kill(stop.pid, 0)
