@@ -254,3 +254,143 @@ def test_a_stuck_push_ends_within_its_timeout(tiny_model_dir, long_prompt_files,
         )
     with pytest.raises(ProcessLookupError):  # the stuck worker was ended with the run
         os.kill(stop.pid, 0)
+
+
+@pytest.mark.slow
+def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A push whose bytes arrive wrong (here: in reverse order from the second push on) is caught where it is applied: the
+    worker compares its engine's log-probs of a probe sequence with the trainer's of that version and stops."""
+    import lit_ppo.rollout.disaggregated as channel
+
+    pack, pushes = channel.weight_buckets, []
+
+    def corrupted(named_tensors, bucket_bytes):
+        pushes.append(1)
+        for entries, flat in pack(named_tensors, bucket_bytes):
+            yield entries, (flat if len(pushes) == 1 else flat.flip(0))
+
+    monkeypatch.setattr(channel, "weight_buckets", corrupted)
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **TIS)
+    message = str(info.value)
+    assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
+    assert "after applying policy version 1 its log-probs of a probe sequence differ from the trainer's" in message
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path):
+    """`python train.py rollout.mode=disaggregated` (k = 1) killed with SIGKILL after a checkpoint, then resumed:
+    the same final weights as an uninterrupted run (the checkpoint keeps the step generated ahead by a version the
+    resumed run no longer has), and the killed trainer's rollout worker ends by itself."""
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
+    from tests.helpers import ROOT
+    from tests.test_resume import assert_same_weights
+
+    common = [
+        "trainer.total_rollout_steps=5",
+        "trainer.checkpoint_every=1",
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"cache_dir={tmp_path / 'cache'}",
+        "ppo.ppo_epochs=2",
+        "strategy.precision=32-true",
+        "rollout.mode=disaggregated",
+        "rollout.max_staleness=1",
+        "ppo.rollout_correction.mode=tis",
+    ]
+
+    def command(out, *extra: str) -> list[str]:
+        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
+
+    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    crashed = tmp_path / "crashed"
+    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 400
+    while not checkpoint_path(crashed / "checkpoints", 2).exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    workers = children_of(process.pid)
+    assert workers, "no rollout worker found"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{w}") and "zombie" not in open(f"/proc/{w}/status").read() for w in workers):
+        assert time.time() < deadline, f"rollout worker(s) {workers} outlived their trainer"
+        time.sleep(0.1)
+    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
+    assert killed_at.name != "rollout_step=000005.ckpt", "killed too late to test anything"
+
+    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(
+        load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(crashed / "actor" / "model.safetensors")
+    )
+    rows = (crashed / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 5  # header + the evaluation before any update + one row per rollout step
+
+
+def steps_to_gain(run, gain: float) -> int | None:
+    """The first evaluated rollout step whose held-out reward is `gain` above the start, or None."""
+    from tests.helpers import read_csv
+
+    rows = [r for r in read_csv(run / "metrics.csv") if r.get("eval/reward")]
+    start = float(rows[0]["eval/reward"])
+    return next((int(float(r["rollout_step"])) for r in rows if float(r["eval/reward"]) - start >= gain), None)
+
+
+@pytest.mark.slow
+def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp_path):
+    """`rollout.mode=disaggregated rollout.max_staleness=1` reaches a held-out gain of 0.4 in at most 1.25 x the
+    rollout steps the synchronous run needs (evaluated every 5 rollout steps; 38 = 1.25 x 30 steps at most)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    def train(out, *overrides):
+        command = [sys.executable, "train.py", "trainer.eval_every=5", f"output_dir={out}"]
+        command += [f"hydra.run.dir={out / 'hydra'}", *overrides]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return out
+
+    sync = steps_to_gain(train(tmp_path / "sync"), 0.4)
+    async_run = train(
+        tmp_path / "k1",
+        "trainer.total_rollout_steps=38",
+        "rollout.mode=disaggregated",
+        "rollout.max_staleness=1",
+        "ppo.rollout_correction.mode=tis",
+    )
+    one_step_off = steps_to_gain(async_run, 0.4)
+    assert sync is not None and one_step_off is not None and one_step_off <= 1.25 * sync, (sync, one_step_off)

@@ -214,6 +214,7 @@ class RolloutDataModule(L.LightningDataModule):
             batch_timeout_s=r.batch_timeout_s,
             push_timeout_s=r.weight_push_timeout_s,
             bucket_mib=r.weight_push_bucket_mib,
+            max_logprob_abs_diff=r.max_logprob_abs_diff,
         )
         self.engine_start_seconds = workers.start_seconds
         return workers
@@ -279,8 +280,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.last_wait_seconds = time.perf_counter() - started
         else:
             generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
-            self.last_policy_versions = [rollout_step] * len(generations)  # the engine holds the newest weights
-            self.last_wait_seconds = None
+            self.last_wait_seconds = None  # the engine holds the newest weights: version rollout_step
         stop_point(self.device)
         if self.plan.rollout_mode != "disaggregated":
             generate_seconds = time.perf_counter() - started
@@ -352,7 +352,10 @@ class RolloutDataModule(L.LightningDataModule):
             dropped_groups=dropped,
             filled_groups=filled,
             prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
-            policy_versions=self.last_policy_versions,
+            # One round per step in disaggregated mode (dynamic sampling is refused there): its versions, in order.
+            policy_versions=self.last_policy_versions
+            if plan.rollout_mode == "disaggregated"
+            else [rollout_step] * len(samples),
             wait_seconds=self.last_wait_seconds,
             **self.episode_fields([g for _, _, g in samples]),
         )

@@ -113,6 +113,7 @@ class RolloutWorkers:
         batch_timeout_s: float,
         push_timeout_s: float,
         bucket_mib: int,
+        max_logprob_abs_diff: float | None = None,
         host: str | None = None,
     ):
         import torch.distributed as dist
@@ -127,7 +128,8 @@ class RolloutWorkers:
         self.store = dist.TCPStore(
             self.host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(start_timeout_s)
         )
-        self.store.set("spec", pickle.dumps({"engine": engine_kwargs, "push_timeout_s": push_timeout_s}))
+        spec = {"engine": engine_kwargs, "push_timeout_s": push_timeout_s, "max_logprob_abs_diff": max_logprob_abs_diff}
+        self.store.set("spec", pickle.dumps(spec))
         self.commands = [0] * workers  # commands sent to each worker
         self.tickets = 0
         self.pushes = 0
@@ -263,9 +265,11 @@ class RolloutWorkers:
     # ------------------------------------------------------------ weights
 
     @torch.no_grad()
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe=None) -> None:
         """Broadcast the tensors to every worker in buckets, then queue "apply `version`" behind each one's queued
-        requests: those generate with the version they were queued after."""
+        requests: those generate with the version they were queued after. `probe`: (prompt ids, response ids, the
+        trainer's log-probs of the response at temperature 1), which each worker compares with its engine's once it
+        applied the version; a worker whose weights differ stops with the reason (reported at the trainer's next wait)."""
         self._check_alive("the weight push")
         push = self.pushes
         for b, (entries, flat) in enumerate(weight_buckets(named_tensors, self.bucket_bytes)):
@@ -286,7 +290,7 @@ class RolloutWorkers:
         self.pushes += 1
         self.version = version
         for worker in range(self.workers):
-            self._send(worker, ("apply", push, version))
+            self._send(worker, ("apply", push, version, probe))
 
     def wake_up(self) -> None:  # the workers' engines never sleep: they generate while the trainer trains
         pass
@@ -380,6 +384,22 @@ class _Receiver(threading.Thread):
             return self.received.pop(push)
 
 
+def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, version: int) -> None:
+    """The weights this worker just applied are the trainer's of that version: its engine's log-probs of the probe
+    sequence equal the trainer's (as rollout.max_logprob_abs_diff bounds them in colocated runs)."""
+    if probe is None or max_logprob_abs_diff is None:
+        return
+    prompt, response, expected = probe
+    got = engine.sequence_logprobs(prompt, response)
+    diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
+    if not diff <= max_logprob_abs_diff:  # NaN too
+        raise RuntimeError(
+            f"rollout worker {worker}: after applying policy version {version} its log-probs of a probe sequence "
+            f"differ from the trainer's by {diff:.3f} nats per token (more than rollout.max_logprob_abs_diff="
+            f"{max_logprob_abs_diff}): the pushed weights did not arrive intact"
+        )
+
+
 def worker_main(host: str, port: int, worker: int, workers: int) -> None:
     import torch.distributed as dist
 
@@ -404,9 +424,10 @@ def worker_main(host: str, port: int, worker: int, workers: int) -> None:
             if command[0] == "stop":
                 break
             if command[0] == "apply":
-                _, push, version = command
+                _, push, version, probe = command
                 engine.sync_weights(receiver.take(push))
                 print(f"rollout worker {worker}: policy version {version} applied", flush=True)
+                check_probe(engine, probe, spec["max_logprob_abs_diff"], worker, version)
             elif command[0] == "generate":
                 _, ticket, request = command
                 started = time.perf_counter()
@@ -425,5 +446,8 @@ def worker_main(host: str, port: int, worker: int, workers: int) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the trainer, which stops the workers
+    # Ctrl-C, and the SIGTERM/SIGUSR1 a scheduler sends to every process of a job, are the trainer's to handle: it
+    # checkpoints (which needs the workers' batches in flight) and then stops its workers; they end with it anyway.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

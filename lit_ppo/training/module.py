@@ -35,7 +35,7 @@ from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_s
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan, check_policy_versions, check_step_accounting, minibatch_schedule
 from lit_ppo.run.report import write_metrics_csv
-from lit_ppo.training.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
+from lit_ppo.training.batching import MicroBatch, pack, packed_micro_batches, padded_tokens, rank_micro_batch_groups
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -181,13 +181,32 @@ class PPOModule(L.LightningModule):
             self.ppo,
             self.plan,
             kl_coef=self.kl_coef,
-            max_logprob_abs_diff=self.max_logprob_abs_diff,
+            max_logprob_abs_diff=self.mismatch_bound(batch),
         )
         if os.environ.get(DUMP_ADVANTAGES_ENV):
             dump_experience(
                 Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp, self.global_rank, self.plan.data_parallel_size
             )
         return exp
+
+    def mismatch_bound(self, batch: RolloutBatch) -> float | None:
+        """rollout.max_logprob_abs_diff for this batch: the trainer's old log-probs against vLLM's catch a failed
+        weight sync only when both are of the same policy version. A stale batch (rollout.max_staleness > 0) differs
+        by what k updates changed, which is logged (rollout/logprob_abs_diff) and corrected, not a failure; its
+        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.disaggregated)."""
+        stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
+        return None if stale else self.max_logprob_abs_diff
+
+    @torch.no_grad()
+    def weight_probe(self, batch: RolloutBatch | None) -> tuple[list[int], list[int], list[float]] | None:
+        """A sequence and the actor's log-probs of its response tokens (temperature 1, as vLLM's prompt log-probs),
+        for rollout workers to check the weights they apply against: (prompt ids, response ids, log-probs)."""
+        if batch is None or not batch.response_ids or not batch.response_ids[0]:
+            return None
+        prompt, response = batch.prompt_ids[0], batch.response_ids[0]
+        mb = pack([prompt], [response], self.pad_token_id, self.device)
+        logp = logprobs_and_entropy(response_logits(self.actor, mb), mb.response_ids, temperature=1.0)[0][0]
+        return list(prompt), list(response), logp[: len(response)].tolist()
 
     # ------------------------------------------------------------ PPO updates
 
@@ -243,7 +262,7 @@ class PPOModule(L.LightningModule):
                 per_update.count()
         self.last_sample_use_counts = use_counts
         if captured is not None:
-            old_logprobs_from_training(exp, captured, captured_rows, batch, self.ppo, self.max_logprob_abs_diff)
+            old_logprobs_from_training(exp, captured, captured_rows, batch, self.ppo, self.mismatch_bound(batch))
         metrics = update_metrics(
             per_micro_batch,
             per_update,
@@ -350,7 +369,7 @@ class PPOModule(L.LightningModule):
         )
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
         # 5. The new weights into vLLM, for the next rollout batch.
-        self.sync_weights(engine, version=batch.rollout_step + 1)
+        self.sync_weights(engine, version=batch.rollout_step + 1, probe_batch=batch)
         sync_seconds = time.perf_counter() - started
 
         self.rollout_step = batch.rollout_step + 1
@@ -368,12 +387,16 @@ class PPOModule(L.LightningModule):
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
     @torch.no_grad()
-    def sync_weights(self, engine, version: int | None = None) -> None:
+    def sync_weights(self, engine, version: int | None = None, probe_batch: RolloutBatch | None = None) -> None:
         """Push the actor into the engine; `version`: the policy version it is (the rollout steps it has taken), which
-        rollout workers record on every sample they generate with it."""
+        rollout workers record on every sample they generate with it, and check against a probe of `probe_batch`."""
         engine.wake_up()
         if getattr(engine, "versioned", False):  # rollout workers (rollout.mode=disaggregated)
-            engine.sync_weights(self.full_actor_tensors(), version=self.rollout_step if version is None else version)
+            engine.sync_weights(
+                self.full_actor_tensors(),
+                version=self.rollout_step if version is None else version,
+                probe=self.weight_probe(probe_batch),
+            )
         else:
             engine.sync_weights(self.full_actor_tensors())
 
