@@ -2,7 +2,9 @@
 and a device split; validated against runs this machine can make, then used to predict a GPU node.
 
 The model (docs/async.md):
-- a phase's time scales inversely with the devices it runs on (data-parallel generation and training);
+- a phase's time scales inversely with the devices it runs on (data-parallel generation and training), except
+  generation's tail: the last, longest responses decode one token at a time however many devices there are, so
+  `tail_s` of a rollout batch's generation (a latency, devices mostly idle) does not shrink; the rest does;
 - colocated, all N devices take turns: generate(N) + reward + experience and train(N) + weight sync;
 - disaggregated, g devices generate and N - g train. With k = 0 nothing overlaps: generate(g) + reward + train(N - g)
   + push. With k >= 1 the workers generate step s + 1 while the trainer scores, trains and pushes step s, so a step
@@ -39,9 +41,10 @@ class Phases:
     train_s: float  # experience forwards + PPO updates
     weight_sync_s: float
     devices: float
+    tail_s: float = 0.0  # of generate_s: the latency of the longest responses, the same on any number of devices
 
     def generate(self, devices: float) -> float:
-        return self.generate_s * self.devices / devices
+        return self.tail_s + (self.generate_s - self.tail_s) * self.devices / devices
 
     def train(self, devices: float) -> float:
         return self.train_s * self.devices / devices
@@ -109,14 +112,19 @@ def validate(sync: Path, k0: Path, k1: Path, devices: float) -> None:
 def predict_node(devices: int = 8) -> None:
     """qwen7b (conf/experiment/qwen7b.yaml) on one node of `devices` GPUs: no phase times of it are measured here, so
     the prediction is given for the share of a colocated step spent generating (long 4,096-token responses: peers
-    report most of the step), with the step normalised to 1 and pushes of 2 % of the step (15 GB of bf16 weights)."""
-    print(f"qwen7b on {devices} GPUs: seconds per rollout step relative to colocated (= 1.00); push = 0.02")
-    print(f"{'generate share':>15}" + "".join(f"{f'{g} gen/{devices - g} train':>16}" for g in range(1, devices)))
-    for share in (0.5, 0.7, 0.8, 0.9):
-        p = Phases(generate_s=share, reward_s=0.01, train_s=1 - share - 0.03, weight_sync_s=0.02, devices=devices)
-        base = colocated_seconds(p, devices)
-        cells = [disaggregated_seconds(p, g, devices - g, 1, 0.02) / base for g in range(1, devices)]
-        print(f"{share:>15.2f}" + "".join(f"{c:>16.2f}" for c in cells))
+    report most of the step) and for the share of that generation which is the tail (the last, longest responses),
+    with the colocated step normalised to 1 and pushes of 2 % of it (15 GB of bf16 weights)."""
+    print(f"qwen7b on {devices} GPUs, k = 1: seconds per rollout step relative to colocated (= 1.00); push = 0.02")
+    print(
+        f"{'gen share':>10}{'tail share':>11}"
+        + "".join(f"{f'{g}gen/{devices - g}train':>14}" for g in range(1, devices))
+    )
+    for share in (0.5, 0.7, 0.9):
+        for tail in (0.0, 0.3, 0.6):
+            p = Phases(share, 0.01, 1 - share - 0.03, 0.02, devices, tail_s=tail * share)
+            base = colocated_seconds(p, devices)
+            cells = [disaggregated_seconds(p, g, devices - g, 1, 0.02) / base for g in range(1, devices)]
+            print(f"{share:>10.2f}{tail:>11.2f}" + "".join(f"{c:>14.2f}" for c in cells))
 
 
 def main() -> None:
