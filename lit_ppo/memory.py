@@ -22,6 +22,10 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
   sleeps (frees it) while training when rollout.sleep_between_steps is on.
+- rollout.engine=hf instead: no second copy of the weights (the actor generates), the KV cache of one
+  `generate` call (hf_max_batch_sequences sequences, or all of this rank's, x prompt + response tokens, in the compute
+  dtype) and the last position's float32 logits per sequence; freed when generation ends, so only the rollout
+  phase holds them.
 
 The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
 (everything above except a sleeping vLLM). BENCHMARKS.md ("Memory", "On a GPU") compares the training phase with
@@ -124,6 +128,8 @@ class MemoryInputs:
     cpu_kv_cache_gib: float = 1  # rollout.kv_cache_gib: vLLM's KV cache on CPU
     device_memory_gib: float | None = None
     grad_accumulation_steps: int = 1  # micro-batches per optimizer step per rank
+    rollout_engine: str = "vllm"  # rollout.engine: vllm (a second copy of the weights) or hf (the actor generates)
+    hf_batch_sequences: int | None = None  # rollout.hf_max_batch_sequences: sequences per HF generate call
 
 
 @dataclass
@@ -253,6 +259,32 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens",
         )
     )
+    if run.rollout_engine == "hf":
+        vllm = hf_generation_bytes(shape, run, c, rows)
+        vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
+    else:
+        vllm, vllm_while_training = vllm_bytes(shape, run, params, rows)
+    training = weights + grads + optimizer + extra + activations + logits
+    rollout = weights + optimizer + vllm
+    peak = max(training + vllm_while_training, rollout)
+    warning = None
+    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
+        warning = (
+            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
+            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+        )
+    return MemoryEstimate(
+        rows=rows,
+        training_bytes=training,
+        rollout_bytes=rollout,
+        peak_bytes=peak,
+        device_memory_gib=run.device_memory_gib,
+        warning=warning,
+    )
+
+
+def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) -> tuple[int, int]:
+    """(vLLM's bytes in the rollout phase, its bytes while training), their rows added to `rows`."""
     kv_bytes = DTYPE_BYTES[run.rollout_dtype]
     vllm_weights = params * kv_bytes // run.tensor_parallel_size
     rows.append(
@@ -286,21 +318,22 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     else:
         vllm = vllm_weights + int(run.cpu_kv_cache_gib * GIB)  # VLLM_CPU_KVCACHE_SPACE
         rows.append(("vLLM KV cache (CPU)", int(run.cpu_kv_cache_gib * GIB), "rollout.kv_cache_gib"))
-    vllm_while_training = 0 if (run.on_gpu and run.vllm_sleeps) else vllm
-    training = weights + grads + optimizer + extra + activations + logits
-    rollout = weights + optimizer + vllm
-    peak = max(training + vllm_while_training, rollout)
-    warning = None
-    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
-        warning = (
-            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
-            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+    return vllm, 0 if (run.on_gpu and run.vllm_sleeps) else vllm
+
+
+def hf_generation_bytes(shape: ModelShape, run: MemoryInputs, compute_bytes: int, rows: list) -> int:
+    """rollout.engine=hf: what one Hugging Face `generate` call holds beside the actor (its KV cache and the last
+    position's float32 logits per sequence), its row added to `rows`."""
+    sequences = min(run.rollout_sequences, run.hf_batch_sequences or run.rollout_sequences)
+    tokens = run.prompt_tokens + run.response_tokens  # a left-padded batch's width at its last step
+    kv = sequences * tokens * 2 * shape.num_layers * shape.kv_dim * compute_bytes
+    logits = sequences * shape.vocab_size * 4
+    rows.append(
+        (
+            "HF generate KV cache and logits",
+            kv + logits,
+            f"{sequences} sequences per generate call x {tokens} tokens; the actor's weights generate "
+            "(rollout.engine=hf: no second copy)",
         )
-    return MemoryEstimate(
-        rows=rows,
-        training_bytes=training,
-        rollout_bytes=rollout,
-        peak_bytes=peak,
-        device_memory_gib=run.device_memory_gib,
-        warning=warning,
     )
+    return kv + logits
