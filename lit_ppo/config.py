@@ -159,6 +159,9 @@ class PPOConfig:
 
 
 ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
+VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
+"""rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
+set (`vllm_only_settings_set`)."""
 
 
 @dataclass(frozen=True)
@@ -629,6 +632,16 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         )
 
 
+def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
+    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
+    return [
+        f"rollout.{name}={getattr(rollout, name)}"
+        for name in VLLM_ONLY_SETTINGS
+        if getattr(rollout, name) != defaults[name]
+    ]
+
+
 def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
     """rollout.engine=hf against the strategy and its precision."""
     from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -641,6 +654,12 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         raise ConfigError(
             "rollout.engine=hf with strategy=fsdp: a sharded actor would gather every layer for every generated token, "
             "on all ranks in lock-step; fix: strategy=ddp (each rank holds the whole actor) or rollout.engine=vllm"
+        )
+    if rollout.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} with rollout.engine=hf: the actor generates "
+            "whole on each rank (only vLLM splits a model over devices); fix: rollout.tensor_parallel_size=1 or "
+            "rollout.engine=vllm"
         )
     own = resolve_rollout_dtype(precision, None)
     if rollout.dtype is not None and rollout.dtype != own:

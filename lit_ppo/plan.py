@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_ppo.config import PPOConfig, RunConfig, positive
+from lit_ppo.config import PPOConfig, RunConfig, positive, vllm_only_settings_set
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.precision import describe as describe_precision
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -286,6 +286,9 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
     if old_logprobs_note:
         notes.append(old_logprobs_note)
+    unused = vllm_only_settings_set(rollout) if rollout.engine == "hf" else []
+    if unused:  # e.g. an experiment written for vLLM, run with rollout.engine=hf: said, not silently dropped
+        notes.append(f"rollout.engine=hf does not use the vLLM setting(s) {', '.join(unused)}")
     warnings = []
     if top_p < 1:
         warnings.append(
