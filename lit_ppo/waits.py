@@ -52,6 +52,8 @@ def strategy_timeout(strategy_class: type, collective_timeout_s: float) -> dict:
 def named_timeout(error: BaseException, rank: int) -> WaitTimeoutError | None:
     """The one-line error for a collective's timeout (None for any other error): what this rank waited for, where
     to look for the rank that did not come, and the setting to raise."""
+    # gloo raises a plain RuntimeError, the store a DistStoreError (one); lit-ppo's own errors (an environment's
+    # timeout, reward.on_error=raise) say what they are already.
     if _collective_timeout_s is None or isinstance(error, UserError) or not isinstance(error, RuntimeError):
         return None
     if not _BACKEND_TIMEOUT.search(str(error)):
