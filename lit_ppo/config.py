@@ -216,6 +216,9 @@ class RolloutConfig:
     """environment: the sum of the environment's step rewards; reward: reward.fn scores the episode's whole response."""
     check_token_ids: bool = True
     """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
+    engine_start_timeout_s: float | None = 1800.0
+    """Seconds the vLLM engine's start may take (loading the weights, profiling memory, compiling); past it the run
+    stops naming the wait (lit_ppo/waits.py); null: no limit."""
 
     def __post_init__(self) -> None:
         validate_rollout(self)
@@ -400,6 +403,17 @@ class TrainerConfig:
     """The last K checkpoints are kept."""
     max_consecutive_skipped_updates: int = 3
     """Non-finite loss or gradient: the update is skipped; the run stops after this many in a row."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a rank waits for the others in one collective (an all-reduce, the weight sync's gathers, a checkpoint's
+    barrier, the process group's start) before the run stops naming the phase it waited in (lit_ppo/waits.py); the
+    torch.distributed process group's timeout. Lightning's default; raise it when ranks legitimately drift further
+    apart (long evaluations, very uneven generation)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+            raise ConfigError(
+                f"trainer.collective_timeout_s={self.collective_timeout_s!r}; fix: a positive number of seconds"
+            )
 
 
 @dataclass(frozen=True)
@@ -622,6 +636,11 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(
             f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
             "seconds, or null for no limit"
+        )
+    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
+            "or null for no limit"
         )
     if rollout.episode_reward not in ("environment", "reward"):
         raise ConfigError(f"rollout.episode_reward={rollout.episode_reward!r}; fix: use environment or reward")

@@ -39,3 +39,8 @@ class RolloutMismatchError(UserError, RuntimeError):
 
 class EnvironmentFailure(UserError, RuntimeError):
     """An episode's environment raised or timed out (reward.on_error=raise); the message names the episode."""
+
+
+class WaitTimeoutError(UserError, RuntimeError):
+    """A wait ran past its limit (a collective, the engine's start); the message names what was waited for and the
+    setting to raise (lit_ppo/waits.py)."""

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
-from lit_ppo import preemption
+from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
 from lit_ppo.config import PPOConfig
@@ -305,8 +305,11 @@ class PPOModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
-        self.sync_weights(self.trainer.datamodule.start_engine())
+        engine = self.trainer.datamodule.start_engine()
+        waits.entering("the weight sync before rollout step 1")
+        self.sync_weights(engine)
         if not self.eval_history:
+            waits.entering("the evaluation before rollout step 1")
             self._log_initial_evaluation(self._evaluate())
 
     def _initial_row(self) -> dict[str, Any] | None:
@@ -330,7 +333,9 @@ class PPOModule(L.LightningModule):
 
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
+        waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
         batch, _, _ = next(dataloader_iter)
+        waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         engine = self.trainer.datamodule.engine
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
@@ -348,6 +353,7 @@ class PPOModule(L.LightningModule):
         )
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
         # 5. The new weights into vLLM, for the next rollout batch.
+        waits.entering(f"the weight sync after rollout step {batch.rollout_step + 1}")
         self.sync_weights(engine)
         sync_seconds = time.perf_counter() - started
 
@@ -395,6 +401,7 @@ class PPOModule(L.LightningModule):
         )
         last = self.rollout_step == self.plan.total_rollout_steps
         if last or (self.eval_every and self.rollout_step % self.eval_every == 0):
+            waits.entering(f"the evaluation after rollout step {self.rollout_step}")
             row.update(self._evaluate())
         return row
 
