@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
+from lit_ppo.packing import packing_unsupported
 from lit_ppo.plan import check_micro_batches
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
@@ -28,7 +29,7 @@ from lit_ppo.training.batching import (
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.module import PPOModule
-from tests.helpers import compose_run_config, plan_of
+from tests.helpers import compose_config, compose_run_config, plan_of
 
 TEMPERATURE = 0.7
 
@@ -203,6 +204,34 @@ def test_packing_on_a_model_whose_attention_cannot_read_packed_positions_is_refu
     ):
         resolve_packing(True, "rwkv9")
     assert resolve_packing(None, "rwkv9") is False  # auto: off, with a line
+    # the loaded model's attention (PPOModule refuses the same way): one that reads no packed position ids
+    assert packing_unsupported("qwen2", "sdpa") is None and packing_unsupported("qwen2", "flash_attention_2") is None
+    assert "attention implementation 'paged_attention'" in packing_unsupported("qwen2", "paged_attention")
+
+
+def test_the_pre_flight_resolves_packing_from_config_json(tmp_path, tiny_model_dir, capsys, no_training):
+    """Through train.py's entry (`mode=plan`, nothing loads): a model type without attention (mamba) plans padded
+    with a line saying why, and ppo.packing=true on it is refused in one line before the plan."""
+    import json
+    import shutil
+
+    from lit_ppo.run import entry
+
+    model = tmp_path / "mamba-like"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    out = tmp_path / "out"
+    entry.main(compose_config("mode=plan", f"output_dir={out}", f"model.path={model}"))
+    assert "packing: off, transformers' mamba models do not build their attention mask" in capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["packing"] is False
+    with pytest.raises(ConfigError, match="^ppo.packing=true: transformers' mamba models .*fix: set ppo.packing=false"):
+        entry.main(
+            compose_config("mode=plan", f"output_dir={tmp_path / 'refused'}", f"model.path={model}", "ppo.packing=true")
+        )
+    assert not (tmp_path / "refused" / "plan.json").exists()
+    entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'tiny'}", f"model.path={tiny_model_dir}"))
+    assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["packing"] is True
 
 
 # ---------------------------------------------------------------- the same update
