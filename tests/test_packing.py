@@ -322,6 +322,7 @@ def test_packed_and_padded_updates_are_the_same_update(preset, tiny_model_dir, a
     assert packed_row["perf/tokens_per_second"] > 0
 
 
+@pytest.mark.slow  # 2 runs of 3 rollout steps: about 20 s on 2 busy cores
 def test_packed_and_padded_runs_end_with_the_same_weights(tiny_model_dir, arithmetic_files, tmp_path):
     """3 rollout steps of ppo (critic, GAE, KL in the reward) on episodes: the final actors agree."""
     ppo = dataclasses.replace(
