@@ -23,6 +23,7 @@ from lit_ppo.run.preflight import resolve_packing
 from lit_ppo.testing import FixedBatchDataModule, NullEngine
 from lit_ppo.training.batching import (
     balanced_partition,
+    first_fit,
     pack,
     pack_samples,
     packed_micro_batch_groups,
@@ -155,6 +156,8 @@ def test_balanced_partition_hand_case():
     # two per group at most: 10 -> A, 1 -> B, 1 -> B (lighter), then B is full: 1 -> A
     assert balanced_partition([10, 1, 1, 1], list(range(4)), 2) == [[0], [1, 2, 3]]
     assert balanced_partition([10, 1, 1, 1], list(range(4)), 2, max_count=2) == [[0, 3], [1, 2]]
+    # rows of 10 tokens: 9 opens one, 7 another, 5 a third, 3 fits beside the 7
+    assert first_fit([5, 9, 3, 7], 10) == [[1], [3, 2], [0]]
 
 
 def test_packed_micro_batches_by_real_tokens():

