@@ -97,6 +97,12 @@ class PPOConfig:
     by length and cut into micro-batches under this budget (verl's dynamic batch size, OpenRLHF's max_tokens_per_gpu),
     so short samples are not padded to the longest of a fixed-size micro-batch; micro_train_batch_size is then unused
     for splitting. Loss denominators and optimizer steps are unchanged. null: fixed micro_train_batch_size."""
+    packing: bool | None = None
+    """Padding-free micro-batches: whole samples (prompt + response) laid end to end, position ids restarting at each,
+    attention kept within each sample by the model library (transformers' block-diagonal mask from packed position ids,
+    flash-attention's varlen kernel), the LM head only where a response token is predicted; micro_train_max_tokens then
+    counts real tokens. null: on wherever the model's attention supports packed position ids (the pre-flight reads
+    config.json; the plan says which); true: refused where it does not; false: padded rows."""
     old_logprobs: str = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: an experience forward of the actor before the updates;
     auto: skip that forward when the update is exactly on-policy (ppo_epochs=1, one mini-batch per rollout step, no KL

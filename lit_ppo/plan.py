@@ -71,7 +71,9 @@ class StepPlan:
     rollout_dtype: str = "float32"  # vLLM's dtype (rollout.engine=hf: the trainer's compute dtype)
     rollout_engine: str = "vllm"  # rollout.engine: vllm, or hf (the actor generates; shares its weights, no sync)
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
-    micro_train_max_tokens: int | None = None  # token-budget micro-batches (padded tokens / forward-backward / rank)
+    micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
+    packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
+    max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
     # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
     max_turns: int = 1
@@ -142,9 +144,26 @@ class StepPlan:
                     (
                         "micro batch",
                         self.micro_train_max_tokens,
-                        "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
+                        "real tokens / forward-backward / rank at most (balanced by real tokens; the count varies)"
+                        if self.packing
+                        else "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
                     )
                 ]
+            ),
+            (
+                "packing",
+                "on" if self.packing else "off",
+                "whole samples end to end, position ids from 0 at each; attention within a sample (transformers: "
+                "block-diagonal mask for sdpa/eager, flash-attention varlen); LM head at response positions only"
+                if self.packing
+                else "rows padded: prompts left, responses right (ppo.packing)",
+            ),
+            (
+                "micro-batch tokens",
+                self.max_micro_batch_tokens,
+                "real tokens at most, padded ~0 (row ends only; perf/padding_fraction)"
+                if self.packing
+                else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
             ),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
             *(
@@ -338,6 +357,8 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         rollout_engine=rollout.engine,
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
+        packing=ppo.packing is not False,  # null: on; the pre-flight resolved it where it knew the model's type
+        max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
         notes=notes,
@@ -384,6 +405,29 @@ def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, c
             f"rollout step {rollout_step}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
             f"but the plan says {expected} each (ppo_epochs={plan.ppo_epochs} x {plan.mini_batches_per_ppo_epoch} "
             "mini-batches); the update loop is not doing what the configuration says"
+        )
+
+
+def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[tuple[int, int]]) -> None:
+    """The runtime proof of one mini-batch's micro-batches on this rank, given as (samples, tokens) each (tokens: real
+    ones when packed, laid-out positions when padded): with a fixed micro-batch size, the gradient accumulation steps
+    the plan states, micro_train_batch_size samples each; with a token budget, each within it (a longer sample
+    alone)."""
+    budget = plan.micro_train_max_tokens
+    if budget is None:
+        sizes = [samples for samples, _ in micro_batches]
+        if len(sizes) != plan.grad_accumulation_steps or any(n != plan.micro_train_batch_size for n in sizes):
+            raise StepAccountingError(
+                f"rollout step {rollout_step}: a mini-batch ran as micro-batches of {sizes} samples, but the plan says "
+                f"{plan.grad_accumulation_steps} of {plan.micro_train_batch_size} (gradient accumulation); the "
+                "micro-batch split is not doing what the configuration says"
+            )
+        return
+    over = [(n, tokens) for n, tokens in micro_batches if tokens > budget and n > 1]
+    if over:
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
+            f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
         )
 
 

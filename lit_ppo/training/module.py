@@ -33,9 +33,10 @@ from lit_ppo.checkpoints import check_same_models, module_state, restore_module_
 from lit_ppo.config import PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import StepPlan, check_step_accounting, minibatch_schedule
+from lit_ppo.packing import one_row, packing_unsupported
+from lit_ppo.plan import StepPlan, check_micro_batches, check_step_accounting, minibatch_schedule
 from lit_ppo.run.report import write_metrics_csv
-from lit_ppo.training.batching import MicroBatch, packed_micro_batches, padded_tokens, rank_micro_batch_groups
+from lit_ppo.training.batching import MicroBatch, packed_micro_batches, rank_micro_batch_groups
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -45,9 +46,8 @@ from lit_ppo.training.experience import (
     next_kl_coef,
     old_logprobs_from_training,
 )
-from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
-from lit_ppo.training.models import critic_values, load_models, response_logits
+from lit_ppo.training.models import critic_values, load_models, response_logprobs_and_entropy
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 
 
@@ -79,6 +79,10 @@ class PPOModule(L.LightningModule):
         self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
         self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing)
+        attention = self.actor.config._attn_implementation
+        if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
+            raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
+        self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
         self.actor_optimizer_steps = 0
@@ -121,13 +125,13 @@ class PPOModule(L.LightningModule):
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
-        return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
+        return response_logprobs_and_entropy(model, mb, self.temperature)[0]
 
     def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
     def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
-        return packed_micro_batches(batch, groups, self.pad_token_id, self.device)
+        return packed_micro_batches(batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row)
 
     # ------------------------------------------------------------ experience
 
@@ -210,16 +214,20 @@ class PPOModule(L.LightningModule):
         captured = torch.zeros_like(exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
         captured_rows = torch.zeros(N, dtype=exp.mask.dtype, device=exp.mask.device)
         lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
-        positions = real_tokens = 0
+        positions = real_tokens = micro_batches = 0
         for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
             for indices in minibatches:
                 use_counts[epoch, indices] += 1
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
                 num_tokens, num_seqs, num_policy_tokens = loss_denominators(exp, indices)
                 groups = self._micro_batch_groups(batch, indices)
-                positions += sum(padded_tokens(*lengths, g) for g in groups)
-                real_tokens += sum(lengths[0][i] + lengths[1][i] for i in indices)
+                real = [sum(lengths[0][i] + lengths[1][i] for i in g) for g in groups]
+                laid_out = []
+                real_tokens += sum(real)
+                micro_batches += len(groups)
                 for position, (idx, mb) in enumerate(self._micro_batches(batch, groups)):
+                    positions += mb.positions
+                    laid_out.append((len(idx), real[position] if mb.packed else mb.positions))
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
@@ -233,6 +241,7 @@ class PPOModule(L.LightningModule):
                             captured_rows[idx] = 1.0
                         if self.critic is not None:  # the update's value loss, one micro-batch's share at a time
                             per_update.add({"critic/value_loss": self._critic_backward(mb, rows, num_tokens, world)})
+                check_micro_batches(self.plan, self.rollout_step, laid_out)
                 grad_norm = self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)
                 per_update.add({"actor/grad_norm": grad_norm})
                 self.actor_optimizer_steps += 1
@@ -253,6 +262,9 @@ class PPOModule(L.LightningModule):
             device=self.device,
             global_sum=global_sum,
         )
+        micro_batches = float(global_sum(torch.tensor(float(micro_batches), dtype=torch.float64, device=self.device)))
+        metrics["perf/real_tokens_per_micro_batch"] = metrics["perf/trained_tokens"] / max(micro_batches, 1.0)
+        metrics["perf/padded_tokens_per_micro_batch"] = metrics["perf/trained_positions"] / max(micro_batches, 1.0)
         metrics["actor/lr"] = schedulers[0].get_last_lr()[0]
         if self.critic is not None:
             metrics["critic/lr"] = schedulers[1].get_last_lr()[0]
@@ -262,11 +274,10 @@ class PPOModule(L.LightningModule):
         self, mb: MicroBatch, e: Experience, num_tokens, num_seqs, world: int
     ) -> tuple[dict[str, float], Tensor]:
         """One micro-batch's share of the actor loss, backpropagated; its metrics and log-probs (detached)."""
-        # Float32 chunks; entropy's gradient only when the loss uses it. The logits [B, T + 1, V] are not kept here:
-        # autograd frees them (their gradient written over them) once the LM head's backward has read them.
-        logits = response_logits(self.actor, mb)
-        logp, entropy = logprobs_and_entropy(logits, mb.response_ids, temperature=self.temperature)
-        del logits
+        # Float32 chunks; entropy's gradient only when the loss uses it. The logits ([n, V] packed, [B, T + 1, V]
+        # padded) are not kept here: autograd frees them (their gradient written over them) once the LM head's
+        # backward has read them.
+        logp, entropy = response_logprobs_and_entropy(self.actor, mb, self.temperature)
         mask = mb.response_mask
         # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
         # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).
@@ -352,6 +363,8 @@ class PPOModule(L.LightningModule):
             self.critic_optimizer_steps - critic_before,
         )
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
+        # Real tokens (prompt + response) through the training forwards and backwards, per second of the phase.
+        train_metrics["perf/tokens_per_second"] = train_metrics["perf/trained_tokens"] / max(train_seconds, 1e-9)
         # 5. The new weights into vLLM, for the next rollout batch.
         waits.entering(f"the weight sync after rollout step {batch.rollout_step + 1}")
         self.sync_weights(engine)
