@@ -39,3 +39,7 @@ class RolloutMismatchError(UserError, RuntimeError):
 
 class EnvironmentFailure(UserError, RuntimeError):
     """An episode's environment raised or timed out (reward.on_error=raise); the message names the episode."""
+
+
+class WeightSyncError(UserError, RuntimeError):
+    """The rollout engine does not serve the weights the trainer pushed (a LoRA adapter version missing or stale)."""
