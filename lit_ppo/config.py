@@ -643,6 +643,7 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
         validate_rollout_engine(self.rollout, self.strategy)
+        validate_lora_strategy(self.model.lora, self.strategy)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -726,4 +727,14 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         raise ConfigError(
             f"rollout.dtype={rollout.dtype} with rollout.engine=hf: the actor generates in the trainer's precision "
             f"(strategy.precision={precision}: {own}); fix: rollout.dtype=null"
+        )
+
+
+def validate_lora_strategy(lora: LoraConfig, strategy: StrategyConfig) -> None:
+    """model.lora under FSDP is not built yet (the adapter would have to be gathered apart from the sharded base)."""
+    target = str((strategy.lightning or {}).get("_target_") or "")
+    if lora.enabled and (strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy"))):
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with strategy=fsdp is not supported yet (the adapter is synced from whole "
+            "models only); fix: strategy=single or strategy=ddp (a LoRA run keeps one frozen base per device)"
         )

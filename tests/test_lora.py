@@ -20,6 +20,7 @@ from tests.helpers import compose_run_config, plan_of
         ("model.lora.rank=1024", "model.lora.rank"),
         ("model.lora.dropout=0.05", "model.lora.dropout"),
         ("model.lora.init=pissa", "model.lora.init"),
+        ("strategy=fsdp", "model.lora.rank"),
     ],
 )
 def test_adapters_vllm_cannot_serve_are_refused_in_one_line_naming_the_key(override, key):
@@ -108,7 +109,7 @@ def digits_share(prompts, responses, references, extras, **_):
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def lora_run(model_dir, engine, files, tmp_path, *, steps=3, **overrides):
+def lora_run(model_dir, engine, files, tmp_path, *, steps=3, max_logprob_abs_diff=0.5, **overrides):
     from lit_ppo.config import RolloutConfig
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from tests.helpers import build_run
@@ -124,7 +125,13 @@ def lora_run(model_dir, engine, files, tmp_path, *, steps=3, **overrides):
             return batch
 
     Recording.versions = []
-    rollout = RolloutConfig(max_response_tokens=8, temperature=0.7, max_model_len=128, eval_samples_per_prompt=2)
+    rollout = RolloutConfig(
+        max_response_tokens=8,
+        temperature=0.7,
+        max_model_len=128,
+        eval_samples_per_prompt=2,
+        max_logprob_abs_diff=max_logprob_abs_diff,
+    )
     trainer, module, datamodule, plan = build_run(
         model_dir,
         engine,
@@ -183,3 +190,140 @@ def test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_polic
         assert torch.equal(base[key], tensor), name
     score = [v for k, v in module.critic.named_parameters() if "score" in k and v.requires_grad]
     assert score and any(float(v.detach().abs().max()) > 0 for v in score)
+
+
+def test_a_skipped_adapter_sync_stops_the_run_within_one_rollout_step(
+    tiny_model_dir, lora_engine, long_prompt_files, tmp_path, monkeypatch
+):
+    """The engine keeps serving adapter version 1 (every sync after the first skipped, as in verl #7495): rollout
+    step 1's samples (the second rollout step) record version 1 where the trainer's adapter is version 2, and the
+    run stops there."""
+    from lit_ppo.errors import WeightSyncError
+
+    trainer, module, datamodule, versions = lora_run(tiny_model_dir, lora_engine, long_prompt_files, tmp_path)
+    real_sync, calls = lora_engine.sync_adapter, []
+
+    def first_sync_only(tensors, config, version):
+        calls.append(version)
+        return real_sync(tensors, config, version) if len(calls) == 1 else 0
+
+    monkeypatch.setattr(lora_engine, "sync_adapter", first_sync_only)
+    with pytest.raises(WeightSyncError, match=r"rollout step 2: vLLM sampled with LoRA adapter version\(s\) \[1\]"):
+        trainer.fit(module, datamodule=datamodule)
+    assert calls == [1, 2] and [set(v) for v in versions] == [{1}, {1}]
+
+
+@pytest.mark.slow
+def test_the_stale_weight_gate_stops_a_lora_run_whose_engine_serves_a_stale_adapter(
+    tiny_model_dir, lora_engine, long_prompt_files, tmp_path, monkeypatch
+):
+    """The engine is handed the initial adapter (B = 0) under each new version: versions agree, the weights do not.
+    The existing gate on |trainer - vLLM| log-probs (rollout.max_logprob_abs_diff) stops the run at the second rollout
+    step, the first sampled by the stale adapter."""
+    import lit_ppo.training.module as module_code
+    from lit_ppo.errors import RolloutMismatchError
+
+    trainer, module, datamodule, versions = lora_run(
+        tiny_model_dir, lora_engine, long_prompt_files, tmp_path, max_logprob_abs_diff=0.01
+    )
+    real, first = module_code.adapter_tensors, {}
+
+    def stale(model):
+        if not first:
+            first.update({k: v.detach().clone() for k, v in real(model).items()})
+        return first
+
+    monkeypatch.setattr(module_code, "adapter_tensors", stale)
+    with pytest.raises(RolloutMismatchError, match="rollout step 2: the trainer's log-probs"):
+        trainer.fit(module, datamodule=datamodule)
+    assert [set(v) for v in versions] == [{1}, {2}]
+
+
+LORA_TRAIN = [
+    "model.lora.rank=8",
+    "trainer.eval_every=0",
+    "model.warm_start.steps=20",
+    "data.n_train=64",
+    "data.n_eval=8",
+    "ppo.actor_lr=5e-3",
+    "reward.fn._target_=tests.test_lora.digits_share",  # rewards that differ: the adapter trains from step 1
+    "strategy.precision=32-true",
+]
+
+
+def train_command(out, *extra: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "train.py", *LORA_TRAIN, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
+
+
+@pytest.mark.slow
+def test_a_lora_run_checkpoints_the_adapter_not_the_base_and_saves_a_peft_adapter(tmp_path):
+    """`python train.py model.lora.rank=8 model.lora.save_merged=true`: checkpoints hold the adapters and the value
+    head but no frozen base tensor; actor/ is a PEFT adapter directory that peft loads onto the base and that gives
+    the merged model's (actor_merged/) outputs."""
+    import subprocess
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import ROOT
+
+    out = tmp_path / "run"
+    command = train_command(
+        out, "model.lora.save_merged=true", "trainer.total_rollout_steps=2", "trainer.checkpoint_every=1"
+    )
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = torch.load(out / "checkpoints" / "rollout_step=000002.ckpt", weights_only=False)
+    keys = set(checkpoint["state_dict"])
+    assert keys and all("lora_" in k or ".score." in k for k in keys), sorted(keys)[:5]
+    assert any(k.startswith("critic.") and ".score." in k for k in keys)
+    assert (out / "actor" / "adapter_config.json").exists() and (out / "actor" / "adapter_model.safetensors").exists()
+    import json
+
+    base_path = json.loads((out / "actor" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), out / "actor").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "actor_merged").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    with torch.no_grad():
+        assert torch.allclose(policy(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+        with policy.disable_adapter():
+            assert not torch.allclose(policy(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_sigkill_then_resume_auto_gives_the_bitwise_same_adapter(tmp_path):
+    """test_resume.py's SIGKILL pattern on a LoRA run: killed after a checkpoint, resumed with resume=auto (the frozen
+    base from model_dir, the adapter, its AdamW states, counters and RNG from the checkpoint), the final adapter is
+    bitwise the uninterrupted run's."""
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
+    from tests.helpers import ROOT
+
+    common = ("trainer.total_rollout_steps=4", "trainer.checkpoint_every=1", "ppo.ppo_epochs=2")
+    full = subprocess.run(train_command(tmp_path / "full", *common), cwd=ROOT, capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-3000:]
+    crashed = tmp_path / "crashed"
+    process = subprocess.Popen(
+        train_command(crashed, *common), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while not checkpoint_path(crashed / "checkpoints", 2).exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert list_checkpoints(crashed / "checkpoints")[-1].name != "rollout_step=000004.ckpt", "killed too late"
+    resumed = subprocess.run(train_command(crashed, *common, "resume=auto"), cwd=ROOT, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_file(tmp_path / "full" / "actor" / "adapter_model.safetensors")
+    b = load_file(crashed / "actor" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
