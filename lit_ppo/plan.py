@@ -175,8 +175,9 @@ class StepPlan:
                     (
                         "LoRA",
                         f"rank {self.lora_rank}",
-                        f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen, "
-                        "adapter (and value head) trained",
+                        f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen"
+                        + (" in bf16" if self.precision == "bf16-mixed" else "")
+                        + ", adapter (and value head) trained in float32",
                     )
                 ]
                 if self.lora_rank

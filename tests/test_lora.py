@@ -61,6 +61,35 @@ def test_the_plan_states_the_adapter_and_the_reference_without_a_copy():
     assert "LoRA" not in full and "adapter" not in full
 
 
+def test_qwen7b_lora_fits_one_80gb_gpu_where_full_parameter_qwen7b_does_not(tmp_path, capsys):
+    """`+experiment=qwen7b_lora mode=plan`: the frozen bf16 base once, no reference copy, float32 adapter states; the
+    estimate fits the experiment's 79.6 GiB GPU. Full-parameter qwen7b planned on one such GPU does not."""
+    import json
+
+    from lit_ppo.run import entry as run_module
+    from tests.helpers import compose_config
+
+    def memory(name, *overrides):
+        out = tmp_path / name
+        run_module.main(compose_config(*overrides, "mode=plan", f"output_dir={out}"))
+        return json.loads((out / "plan.json").read_text())["memory"], capsys.readouterr().out
+
+    lora, printed = memory("lora", "+experiment=qwen7b_lora")
+    rows = {row["what"]: row for row in lora["rows"]}
+    assert lora["device_memory_gib"] == 79.6 and lora["peak_gib"] <= 79.6 and lora["warning"] is None
+    assert rows["frozen base weights"]["bytes"] == 7_615_616_512 * 2  # Qwen2.5-7B's parameters in bf16, once
+    assert "no copy" in rows["frozen base weights"]["how"] and "reference" not in [r["what"] for r in lora["rows"]]
+    adapter = 28 * 32 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 2 * (3584 + 18944) + (18944 + 3584))
+    assert rows["trained weights (LoRA)"]["bytes"] == adapter * 4
+    assert rows["optimizer states"]["bytes"] == adapter * 8 and "vLLM LoRA adapter" in rows
+    assert "the actor with its adapter disabled (no copy of the weights)" in printed
+    full, _ = memory(
+        "full", "+experiment=qwen7b", "strategy=single", "strategy.devices=1", "strategy.accelerator=gpu",
+        "strategy.device_memory_gib=79.6",
+    )  # fmt: skip
+    assert full["peak_gib"] > 79.6 and full["warning"] and full["peak_gib"] > 2 * lora["peak_gib"]
+
+
 # ---------------------------------------------------------------- a real LoRA run against the real vLLM engine
 
 RANK = 8
