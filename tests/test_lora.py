@@ -356,3 +356,53 @@ def test_lora_sigkill_then_resume_auto_gives_the_bitwise_same_adapter(tmp_path):
     assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_under_bf16_mixed_the_frozen_base_is_bf16_and_only_the_float32_adapter_has_adamw_states(tiny_model_dir):
+    from lit_ppo.training.models import load_models
+    from lit_ppo.training.optim import actor_critic_optimizers
+    from tests.helpers import run_config
+
+    config = run_config(precision="bf16-mixed")
+    plan = plan_of(64, precision="bf16-mixed")
+    assert plan.critic_enabled and plan.reference_enabled
+    actor, critic, reference = load_models(tiny_model_dir, plan, lora=LoraConfig(rank=8))
+    assert reference is None
+    for model in (actor, critic):
+        trained = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        frozen = {k: p for k, p in model.named_parameters() if not p.requires_grad}
+        assert trained and frozen and all(p.dtype == torch.float32 for p in trained.values())
+        # (peft keeps the critic's untrained value head, 65 numbers, as it was: float32)
+        assert all(p.dtype == torch.bfloat16 for k, p in frozen.items() if ".score.original_module." not in k)
+    assert any(".score." in k for k, p in critic.named_parameters() if p.requires_grad)  # the value head, whole
+    (actor_opt, critic_opt), _ = actor_critic_optimizers(actor, critic, config.ppo, plan)
+    for model, optimizer in ((actor, actor_opt), (critic, critic_opt)):
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+@pytest.mark.slow
+def test_the_hf_engine_generates_with_the_lora_actor_itself(tiny_model_dir, long_prompt_files, tmp_path):
+    """rollout.engine=hf with model.lora: the peft actor generates (no vLLM, nothing pushed), its log-probs agree
+    with the trainer's, and the adapter trains."""
+    from lit_ppo.config import RolloutConfig
+    from tests.helpers import build_run, rollout_step_rows
+
+    rollout = RolloutConfig(engine="hf", max_response_tokens=8, temperature=0.7, max_model_len=128)
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        long_prompt_files,
+        tmp_path,
+        total_rollout_steps=2,
+        rollout=rollout,
+        reward_fn=digits_share,
+        lora=LoraConfig(rank=RANK),
+        actor_lr=5e-3,
+    )
+    assert datamodule.engine.model is module.actor
+    trainer.fit(module, datamodule=datamodule)
+    rows = rollout_step_rows(tmp_path / "metrics.csv")
+    assert [float(r["perf/weight_sync_bytes"]) for r in rows] == [0.0, 0.0]
+    assert all(float(r["rollout/logprob_abs_diff"]) < 1e-4 for r in rows)
+    assert any(float(p.detach().abs().max()) > 0 for k, p in module.actor.named_parameters() if "lora_B" in k)
