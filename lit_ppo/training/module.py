@@ -375,10 +375,12 @@ class PPOModule(L.LightningModule):
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
     @torch.no_grad()
-    def sync_weights(self, engine, version: int) -> None:
+    def sync_weights(self, engine, version: int | None = None) -> None:
         """The actor's weights into the engine: with LoRA into vLLM only the adapter, as adapter `version` (the engine
-        checks it serves it); otherwise every tensor. Records the bytes pushed (`perf/weight_sync_bytes`)."""
+        checks it serves it; None: the version of the actor after `self.rollout_step` rollout steps); otherwise every
+        tensor. Records the bytes pushed (`perf/weight_sync_bytes`)."""
         engine.wake_up()
+        version = adapter_version(self.rollout_step) if version is None else version
         if self.lora and hasattr(engine, "sync_adapter"):
             self.last_sync_bytes = engine.sync_adapter(adapter_tensors(self.actor), self.adapter_config(), version)
             return
