@@ -87,7 +87,7 @@ def main() -> None:
             prompt_file,
             ppo,
             max_response_tokens=args.response_tokens,
-            total_rollout_steps=args.steps,
+            total_rollout_steps=max(1, args.steps),  # --steps 0: the run is built but not fitted
             engine=engine,
             out_dir=CACHE / "weight_sync-run",
             seed=args.seed,
