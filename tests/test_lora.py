@@ -406,3 +406,50 @@ def test_the_hf_engine_generates_with_the_lora_actor_itself(tiny_model_dir, long
     assert [float(r["perf/weight_sync_bytes"]) for r in rows] == [0.0, 0.0]
     assert all(float(r["rollout/logprob_abs_diff"]) < 1e-4 for r in rows)
     assert any(float(p.detach().abs().max()) > 0 for k, p in module.actor.named_parameters() if "lora_B" in k)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path):
+    """test_ddp.py's comparison on a LoRA run: each rank keeps its frozen base and its own engine, and syncs its own
+    adapter; 2 CPU processes under DDP end with the adapter 1 process ends with."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import rollout_step_rows
+    from tests.test_ddp import DDP, train_cli
+
+    lora = ("model.lora.rank=8", "ppo.actor_lr=5e-3")
+    one = train_cli(tmp_path / "single", tmp_path / "cache", *lora)
+    two = train_cli(tmp_path / "ddp", tmp_path / "cache", *lora, *DDP)
+    a = load_file(one / "actor" / "adapter_model.safetensors")
+    b = load_file(two / "actor" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    for run in (one, two):
+        rows = rollout_step_rows(run / "metrics.csv")
+        assert all(float(r["perf/weight_sync_bytes"]) < 1e6 for r in rows)  # the adapter alone
+
+
+def test_an_adapter_the_engine_does_not_serve_after_the_sync_stops_the_run(lora_engine, monkeypatch):
+    """vLLM's worker drops the adapter (here: never adds it): `list_loras()` after the sync does not show the new
+    version, and the sync fails in one line instead of sampling from the base."""
+    import lit_ppo.rollout.engine as engine_code
+    from lit_ppo.errors import WeightSyncError
+
+    monkeypatch.setattr(engine_code, "_load_adapter_from_tensors", lambda worker, version, tensors, config: None)
+    config = {"r": RANK, "lora_alpha": 16, "target_modules": ["q_proj"], "bias": "none"}
+    with pytest.raises(WeightSyncError, match=r"vLLM serves adapter versions \[\] after loading version 7"):
+        lora_engine.sync_adapter({}, config, 7)
+
+
+def test_resuming_a_lora_run_from_a_checkpoint_without_its_adapter_is_refused(tiny_model_dir):
+    from lit_ppo.config import PPOConfig
+    from lit_ppo.training.module import PPOModule
+
+    plan = plan_of(64)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=PPOConfig(), plan=plan, pad_token_id=0, lora=LoraConfig(rank=8))
+    trained = {k: v for k, v in module.state_dict().items() if k not in module.frozen_parameter_names()}
+    assert trained and all("lora_" in k or ".score." in k for k in trained)
+    checkpoint = {"lit_ppo": {"plan": plan.to_dict()}, "state_dict": {}}  # e.g. written by a full-parameter run
+    with pytest.raises(ConfigError, match=r"the checkpoint lacks \d+ trained tensors of this LoRA run"):
+        module.on_load_checkpoint(checkpoint)
