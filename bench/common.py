@@ -137,11 +137,20 @@ class FixedLengthEngine(VLLMEngine):
 
 
 def start_engine(
-    model_dir: str | Path, max_model_len: int, seed: int = 0, *, dtype: str = "float32", fixed_length: bool = True
+    model_dir: str | Path,
+    max_model_len: int,
+    seed: int = 0,
+    *,
+    dtype: str = "float32",
+    fixed_length: bool = True,
+    max_lora_rank: int | None = None,
 ) -> VLLMEngine:
-    """lit-ppo's vLLM engine; `fixed_length`: every response exactly max_tokens long (FixedLengthEngine)."""
+    """lit-ppo's vLLM engine; `fixed_length`: every response exactly max_tokens long (FixedLengthEngine);
+    `max_lora_rank`: LoRA enabled (model.lora runs)."""
     engine_class = FixedLengthEngine if fixed_length else VLLMEngine
-    return engine_class(str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed)
+    return engine_class(
+        str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, max_lora_rank=max_lora_rank
+    )
 
 
 def compose_run_config(*overrides: str) -> RunConfig:
@@ -184,6 +193,7 @@ def build_run(
     accelerator: str = "cpu",
     precision: str = "32-true",
     max_model_len: int | None = None,
+    lora=None,
     **kwargs,
 ):
     """A real run without Hydra, from the benchmark's batch options: the settings as a `RunConfig`, then
@@ -203,7 +213,10 @@ def build_run(
         trainer=TrainerConfig(total_rollout_steps=total_rollout_steps, eval_every=0),
         strategy=StrategyConfig(accelerator=accelerator, precision=precision),
     )
-    config = replace(config, model=replace(config.model, gradient_checkpointing=gradient_checkpointing))
+    config = replace(
+        config,
+        model=replace(config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})),
+    )
     return run_from_config(config, model_dir, prompt_file, **{k: v for k, v in kwargs.items() if k in run_keys})
 
 

@@ -452,6 +452,84 @@ class WarmStartConfig:
     """With tool_call_rate: further demonstrations of using a call once made."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (vllm/config/lora.py)
+LORA_INITS = ("default", "gaussian")  # peft init_lora_weights that leave the base weights untouched
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """`model.lora`: a PEFT LoRA on the actor (and the critic's body, whose value head stays fully trainable); the base
+    weights frozen, the reference model is the actor with its adapter disabled, and only the adapter is synced into
+    vLLM (docs/lora.md). Settings vLLM cannot serve are refused here, before any model loads."""
+
+    rank: int = 0
+    """The LoRA rank r; 0: no LoRA (full-parameter training)."""
+    alpha: float = 16.0
+    """The LoRA scaling numerator: the update is (alpha / rank) B A."""
+    target_modules: str | list[str] = "all-linear"
+    """Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the LM head."""
+    dropout: float = 0.0
+    """Must be 0: the PPO ratio and the comparison with vLLM's log-probs assume a deterministic policy."""
+    init: str = "default"
+    """peft's init_lora_weights: default (A Kaiming-uniform, B zero) or gaussian; both leave the base untouched."""
+    use_dora: bool = False
+    """Refused when true: vLLM does not serve DoRA adapters."""
+    bias: str = "none"
+    """Refused unless none: vLLM does not serve adapter biases."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Refused when set: vLLM serves modules_to_save only for classification heads, not on a causal LM."""
+    save_merged: bool = False
+    """Also save the final policy merged into the base weights as a Hugging Face model (actor_merged/)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def vllm_max_lora_rank(self) -> int:
+        """The smallest max_lora_rank vLLM allows that holds this rank."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
+    def __post_init__(self) -> None:
+        validate_lora(self)
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """Refuse, naming the key, what the adapter-only sync into vLLM cannot serve."""
+    if not isinstance(lora.rank, int) or isinstance(lora.rank, bool) or lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank!r} must be 0 (no LoRA) or a positive integer; fix: e.g. 16")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
+            f"fix: model.lora.rank={VLLM_LORA_RANKS[-1]} or less"
+        )
+    if not lora.enabled:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be positive; fix: e.g. model.lora.alpha=2*rank")
+    if lora.dropout != 0:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout}: dropout makes the policy random in training but not in vLLM, so the "
+            "PPO ratio and the stale-weight check compare different functions; fix: model.lora.dropout=0"
+        )
+    if lora.use_dora:
+        raise ConfigError("model.lora.use_dora=true: vLLM cannot serve DoRA adapters; fix: model.lora.use_dora=false")
+    if lora.bias != "none":
+        raise ConfigError(f"model.lora.bias={lora.bias}: vLLM cannot serve adapter biases; fix: model.lora.bias=none")
+    if lora.modules_to_save:
+        raise ConfigError(
+            f"model.lora.modules_to_save={list(lora.modules_to_save)}: vLLM serves fully trained modules only for "
+            "classification heads, not on the policy; fix: model.lora.modules_to_save=[] (or full fine-tuning, rank=0)"
+        )
+    if lora.init not in LORA_INITS:
+        raise ConfigError(
+            f"model.lora.init={lora.init!r}: inits such as pissa, olora or loftq change the base weights, which vLLM "
+            f"keeps as loaded; fix: use one of {', '.join(LORA_INITS)}"
+        )
+    if not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty; fix: e.g. model.lora.target_modules=all-linear")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The `model` group: the policy (and the critic's and reference's initial weights)."""
@@ -463,6 +541,7 @@ class ModelConfig:
     """The shape for the memory estimate of `mode=plan` where config.json is not on this machine."""
     tiny: TinyModelConfig | None = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -587,6 +666,7 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
         validate_rollout_engine(self.rollout, self.strategy)
+        validate_lora_strategy(self.model.lora, self.strategy)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -691,4 +771,14 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         raise ConfigError(
             f"rollout.dtype={rollout.dtype} with rollout.engine=hf: the actor generates in the trainer's precision "
             f"(strategy.precision={precision}: {own}); fix: rollout.dtype=null"
+        )
+
+
+def validate_lora_strategy(lora: LoraConfig, strategy: StrategyConfig) -> None:
+    """model.lora under FSDP is not built yet (the adapter would have to be gathered apart from the sharded base)."""
+    target = str((strategy.lightning or {}).get("_target_") or "")
+    if lora.enabled and (strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy"))):
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with strategy=fsdp is not supported yet (the adapter is synced from whole "
+            "models only); fix: strategy=single or strategy=ddp (a LoRA run keeps one frozen base per device)"
         )

@@ -44,3 +44,7 @@ class EnvironmentFailure(UserError, RuntimeError):
 class WaitTimeoutError(UserError, RuntimeError):
     """A wait ran past its limit (a collective, the engine's start); the message names what was waited for and the
     setting to raise (lit_ppo/waits.py)."""
+
+
+class WeightSyncError(UserError, RuntimeError):
+    """The rollout engine does not serve the weights the trainer pushed (a LoRA adapter version missing or stale)."""

@@ -78,6 +78,12 @@ class StepPlan:
     # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
     max_turns: int = 1
     max_episode_tokens: int = 0
+    # model.lora: rank 0 trains every parameter; else a PEFT adapter on a frozen base, the reference is the actor with
+    # its adapter disabled (no copy), and only the adapter goes to vLLM (max_lora_rank: vLLM's slot size for it).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_target_modules: str | list[str] = ""
+    vllm_max_lora_rank: int = 0
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -183,12 +189,40 @@ class StepPlan:
             ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
             ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
             ("critic", "yes" if self.critic_enabled else "no", ""),
-            ("reference model", "yes" if self.reference_enabled else "no", ""),
+            *(
+                [
+                    (
+                        "LoRA",
+                        f"rank {self.lora_rank}",
+                        f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen"
+                        + (" in bf16" if self.precision == "bf16-mixed" else "")
+                        + ", adapter (and value head) trained in float32",
+                    )
+                ]
+                if self.lora_rank
+                else []
+            ),
+            (
+                "reference model",
+                "yes" if self.reference_enabled else "no",
+                "the actor with its adapter disabled (no copy of the weights)"
+                if self.reference_enabled and self.lora_rank
+                else "",
+            ),
             ("precision", self.precision, describe_precision(self.precision)),
             *(
                 [("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")]
                 if self.rollout_engine == "hf"
-                else [("engine", "vllm", "vLLM in this process: the actor's weights synced after each rollout step")]
+                else [
+                    (
+                        "engine",
+                        "vllm",
+                        f"vLLM in this process: the base loaded once, only the adapter synced after each rollout step "
+                        f"(a new adapter version; max_lora_rank {self.vllm_max_lora_rank})"
+                        if self.lora_rank
+                        else "vLLM in this process: the actor's weights synced after each rollout step",
+                    )
+                ]
             ),
             ("vLLM dtype" if self.rollout_engine == "vllm" else "rollout dtype", self.rollout_dtype, "sampling"),
         ]
@@ -208,6 +242,7 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
     of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
     response width the trainer plans for."""
     ppo, run, rollout = config.ppo, config.trainer, config.rollout
+    lora = config.model.lora
     data_parallel_size = config.strategy.data_parallel_size
     precision = resolve_precision(config.strategy.precision, config.strategy.accelerator)
     rollout_dtype = resolve_rollout_dtype(precision, rollout.dtype)
@@ -361,6 +396,10 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha if lora.enabled else 0.0,
+        lora_target_modules=lora.target_modules if lora.enabled else "",
+        vllm_max_lora_rank=lora.vllm_max_lora_rank if lora.enabled else 0,
         notes=notes,
         warnings=warnings,
     )

@@ -177,6 +177,7 @@ class RolloutDataModule(L.LightningDataModule):
                     enforce_eager=self.rollout.enforce_eager,
                     distributed=self.world_size > 1,
                     enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
+                    max_lora_rank=self.plan.vllm_max_lora_rank or None,
                 ),
                 self.rollout.engine_start_timeout_s,
             )
@@ -309,6 +310,7 @@ class RolloutDataModule(L.LightningDataModule):
             dropped_groups=dropped,
             filled_groups=filled,
             prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
+            adapter_versions=[getattr(g, "adapter_version", 0) for _, _, g in samples] if plan.lora_rank else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 

@@ -202,6 +202,18 @@ def lightning_strategy(config: RunConfig):
     return hydra.utils.instantiate(config.strategy.lightning, **timeout)
 
 
+def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool) -> None:
+    """The final LoRA policy: `actor/` a PEFT adapter directory (adapter_config.json naming the base, the adapter's
+    tensors) that `peft` and vLLM's LoRARequest load, with the tokenizer; with `merged`, also `actor_merged/`, the
+    adapter merged into the base weights as a plain Hugging Face model (in the base's dtype). The merge happens in
+    place: the run is over."""
+    actor.save_pretrained(output_dir / "actor")
+    tokenizer.save_pretrained(output_dir / "actor")
+    if merged:
+        actor.merge_and_unload().save_pretrained(output_dir / "actor_merged")
+        tokenizer.save_pretrained(output_dir / "actor_merged")
+
+
 def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
@@ -279,8 +291,11 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
 
     if not trainer.is_global_zero:
         return None
-    module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
-    tokenizer.save_pretrained(output_dir / "actor")
+    if module.lora:
+        save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged)
+    else:
+        module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
+        tokenizer.save_pretrained(output_dir / "actor")
     extra = {
         "warm_start_seconds": warm_start_seconds,
         "engine_start_seconds": datamodule.engine_start_seconds,

@@ -8,7 +8,7 @@ One `training_step` is one rollout step:
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
      `micro_train_max_tokens` padded tokens), one optimizer step each,
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
-  5. push the actor's weights into vLLM.
+  5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
 on its share of the rollout batch; advantage statistics, loss denominators and the logged metrics
@@ -30,9 +30,9 @@ from lit_ppo import algorithms as algo
 from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
-from lit_ppo.config import PPOConfig
+from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.packing import one_row, packing_unsupported
 from lit_ppo.plan import StepPlan, check_micro_batches, check_step_accounting, minibatch_schedule
 from lit_ppo.run.report import write_metrics_csv
@@ -47,7 +47,13 @@ from lit_ppo.training.experience import (
     old_logprobs_from_training,
 )
 from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
-from lit_ppo.training.models import critic_values, load_models, response_logprobs_and_entropy
+from lit_ppo.training.models import (
+    adapter_tensors,
+    critic_values,
+    is_lora,
+    load_models,
+    response_logprobs_and_entropy,
+)
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 
 
@@ -65,6 +71,7 @@ class PPOModule(L.LightningModule):
         metrics_path: str | None = None,
         temperature: float = 1.0,
         max_logprob_abs_diff: float | None = None,
+        lora: LoraConfig | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -78,11 +85,13 @@ class PPOModule(L.LightningModule):
         self.temperature = temperature
         self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
-        self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing)
+        self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing, lora)
         attention = self.actor.config._attn_implementation
         if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
+        self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
+        self.last_sync_bytes = 0  # pushed into the engine by the last weight sync
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
         self.actor_optimizer_steps = 0
@@ -127,6 +136,13 @@ class PPOModule(L.LightningModule):
         """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
         return response_logprobs_and_entropy(model, mb, self.temperature)[0]
 
+    def reference_logprobs(self, mb: MicroBatch) -> Tensor:
+        """The reference model's log-probs: with LoRA the actor with its adapter disabled (the frozen base), no copy."""
+        if self.lora:
+            with self.actor.disable_adapter():
+                return self.response_logprobs(self.actor, mb)
+        return self.response_logprobs(self.reference, mb)
+
     def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
@@ -155,7 +171,7 @@ class PPOModule(L.LightningModule):
             )
         mask = zeros()
         old_logp = zeros() if source == "experience forward" else None
-        ref_logp = zeros() if self.reference is not None else None
+        ref_logp = zeros() if self.plan.reference_enabled else None
         values = zeros() if self.critic is not None else None
 
         def forwards() -> None:
@@ -165,7 +181,7 @@ class PPOModule(L.LightningModule):
                 if old_logp is not None:
                     old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
                 if ref_logp is not None:
-                    ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
+                    ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
                     values[idx, :t] = self._values(mb) * mb.response_mask
 
@@ -318,7 +334,7 @@ class PPOModule(L.LightningModule):
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
         engine = self.trainer.datamodule.start_engine()
         waits.entering("the weight sync before rollout step 1")
-        self.sync_weights(engine)
+        self.sync_weights(engine, adapter_version(self.rollout_step))
         if not self.eval_history:
             waits.entering("the evaluation before rollout step 1")
             self._log_initial_evaluation(self._evaluate())
@@ -348,6 +364,7 @@ class PPOModule(L.LightningModule):
         batch, _, _ = next(dataloader_iter)
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         engine = self.trainer.datamodule.engine
+        check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
@@ -367,7 +384,7 @@ class PPOModule(L.LightningModule):
         train_metrics["perf/tokens_per_second"] = train_metrics["perf/trained_tokens"] / max(train_seconds, 1e-9)
         # 5. The new weights into vLLM, for the next rollout batch.
         waits.entering(f"the weight sync after rollout step {batch.rollout_step + 1}")
-        self.sync_weights(engine)
+        self.sync_weights(engine, adapter_version(batch.rollout_step + 1))
         sync_seconds = time.perf_counter() - started
 
         self.rollout_step = batch.rollout_step + 1
@@ -383,9 +400,29 @@ class PPOModule(L.LightningModule):
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
     @torch.no_grad()
-    def sync_weights(self, engine) -> None:
+    def sync_weights(self, engine, version: int | None = None) -> None:
+        """The actor's weights into the engine: with LoRA into vLLM only the adapter, as adapter `version` (the engine
+        checks it serves it; None: the version of the actor after `self.rollout_step` rollout steps); otherwise every
+        tensor. Records the bytes pushed (`perf/weight_sync_bytes`)."""
         engine.wake_up()
-        engine.sync_weights(self.full_actor_tensors())
+        version = adapter_version(self.rollout_step) if version is None else version
+        if self.lora and hasattr(engine, "sync_adapter"):
+            self.last_sync_bytes = engine.sync_adapter(adapter_tensors(self.actor), self.adapter_config(), version)
+            return
+        pushed = [0]
+
+        def counted():
+            for name, tensor in self.full_actor_tensors():
+                pushed[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        engine.sync_weights(counted())
+        self.last_sync_bytes = pushed[0]
+
+    def adapter_config(self) -> dict:
+        """The actor's peft adapter config as plain values (what vLLM reads from adapter_config.json)."""
+        config = self.actor.peft_config["default"].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
     def _rollout_step_row(
         self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]
@@ -398,7 +435,8 @@ class PPOModule(L.LightningModule):
         }
         extra = {
             **self.rollout_correction_stats,
-            **({"rollout/kl_coef": self.kl_coef} if self.reference is not None else {}),
+            **({"rollout/kl_coef": self.kl_coef} if self.plan.reference_enabled else {}),
+            "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
         row = rollout_step_row(
             batch,
@@ -442,9 +480,49 @@ class PPOModule(L.LightningModule):
         """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
         return self.guarded_step.skipped
 
+    def frozen_parameter_names(self) -> set[str]:
+        """The state_dict keys of parameters that never train (LoRA's base weights): loaded from model_dir, never
+        checkpointed."""
+        return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
+        if self.lora:  # the adapters and the value head, not the frozen base (model_dir has it)
+            frozen = self.frozen_parameter_names()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)  # Lightning loads the weights after this hook
+        if self.lora:
+            # Lightning then loads the checkpoint's keys only (strict_loading off): each trained one must be there.
+            self.strict_loading = False
+            wanted = set(self.state_dict()) - self.frozen_parameter_names()
+            missing = sorted(wanted - set(checkpoint["state_dict"]))
+            if missing:
+                raise ConfigError(
+                    f"the checkpoint lacks {len(missing)} trained tensors of this LoRA run (e.g. {missing[0]}); fix: "
+                    "resume with the model.lora settings it was written with"
+                )
         restore_module_state(self, checkpoint["lit_ppo"])
+
+
+def adapter_version(rollout_steps_trained: int) -> int:
+    """The LoRA adapter version of the actor after `rollout_steps_trained` rollout steps of updates: vLLM's adapter
+    id (from 1), increasing with every sync, and the same in a resumed run as in an uninterrupted one."""
+    return rollout_steps_trained + 1
+
+
+def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
+    """The runtime proof of the adapter-only sync: every sample of rollout step k (counted from 0; the message counts
+    from 1, as the stale-weight gate's does) was generated by adapter version k + 1 (the actor after k rollout steps).
+    A sync that was skipped or lost stops the run here, within one rollout step."""
+    if batch.adapter_versions is None or plan.rollout_engine != "vllm":
+        return  # no LoRA; or the engine is the actor itself (rollout.engine=hf)
+    expected = adapter_version(batch.rollout_step)
+    stale = sorted({v for v in batch.adapter_versions if v != expected})
+    if stale:
+        raise WeightSyncError(
+            f"rollout step {batch.rollout_step + 1}: vLLM sampled with LoRA adapter version(s) {stale}, but the trainer's "
+            f"adapter is version {expected}: the adapter sync did not reach the engine; fix: report it with "
+            "logs/run.log (the rollouts were not from the trained policy)"
+        )
