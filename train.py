@@ -26,10 +26,24 @@ OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: o
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from lit_ppo.threads import allowed_cores, use_cpu_threads
+
+    # Before torch loads (the next import): OpenMP reads its settings once. The ranks of a node share its cores.
+    # (A strategy.devices that is not a number is refused later, in one line, by the typed config: 1 until then.)
+    devices = str(cfg.strategy.get("devices") or 1)
+    local_processes = int(devices) if devices.isdigit() and int(devices) > 0 else 1
+    threads = use_cpu_threads(local_processes)
     from lit_ppo.run.entry import main as run
     from lit_ppo.run.entry import output_dir_of
 
     setup_logging(output_dir_of(cfg), verbose=bool(cfg.get("verbose", False)), rank=launcher_rank())
+    logging.getLogger("lit_ppo").info(
+        "CPU threads: %d per process (%d cores allowed, %d process(es) on this node, OMP_WAIT_POLICY=%s)",
+        threads,
+        allowed_cores(),
+        local_processes,
+        os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+    )
     try:
         run(cfg)
     except UserError as error:

@@ -137,11 +137,20 @@ class FixedLengthEngine(VLLMEngine):
 
 
 def start_engine(
-    model_dir: str | Path, max_model_len: int, seed: int = 0, *, dtype: str = "float32", fixed_length: bool = True
+    model_dir: str | Path,
+    max_model_len: int,
+    seed: int = 0,
+    *,
+    dtype: str = "float32",
+    fixed_length: bool = True,
+    max_lora_rank: int | None = None,
 ) -> VLLMEngine:
-    """lit-ppo's vLLM engine; `fixed_length`: every response exactly max_tokens long (FixedLengthEngine)."""
+    """lit-ppo's vLLM engine; `fixed_length`: every response exactly max_tokens long (FixedLengthEngine);
+    `max_lora_rank`: LoRA enabled (model.lora runs)."""
     engine_class = FixedLengthEngine if fixed_length else VLLMEngine
-    return engine_class(str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed)
+    return engine_class(
+        str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed, max_lora_rank=max_lora_rank
+    )
 
 
 def compose_run_config(*overrides: str) -> RunConfig:
@@ -179,34 +188,24 @@ def build_run(
     *,
     max_response_tokens: int,
     total_rollout_steps: int,
-    engine,
-    out_dir: str | Path,
     seed: int = 0,
-    callbacks=(),
-    datamodule_class=RolloutDataModule,
     gradient_checkpointing: bool = False,
     accelerator: str = "cpu",
     precision: str = "32-true",
-    eval_prompt_file: str | Path | None = None,
     max_model_len: int | None = None,
-    reward_fn=integer_match,
-    **rollout_settings,
+    lora=None,
+    **kwargs,
 ):
-    """A real run without Hydra, built by the product's `lit_ppo.run.build.build_run`; evaluation only with
-    `eval_prompt_file`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `max_model_len`: vLLM's context
-    (default: an arithmetic prompt plus the response); `reward_fn`: a lit-ppo-signature reward; `rollout_settings`:
-    RolloutConfig fields beyond the response length."""
-    from transformers import AutoTokenizer
-
-    model_dir = str(model_dir)
+    """A real run without Hydra, from the benchmark's batch options: the settings as a `RunConfig`, then
+    `run_from_config`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `max_model_len`: vLLM's context
+    (default: an arithmetic prompt plus the response); `kwargs`: run_from_config's, and RolloutConfig fields beyond the
+    response length."""
+    run_keys = ("engine", "out_dir", "callbacks", "datamodule_class", "eval_prompt_file", "reward_fn")
     rollout = RolloutConfig(
         max_response_tokens=max_response_tokens,
         max_model_len=max_model_len or engine_max_model_len(max_response_tokens),
-        **rollout_settings,
+        **{k: v for k, v in kwargs.items() if k not in run_keys},
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(prompt_file, tokenizer)
-    eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
     config = RunConfig(
         seed=seed,
         ppo=ppo,
@@ -214,7 +213,33 @@ def build_run(
         trainer=TrainerConfig(total_rollout_steps=total_rollout_steps, eval_every=0),
         strategy=StrategyConfig(accelerator=accelerator, precision=precision),
     )
-    config = replace(config, model=replace(config.model, gradient_checkpointing=gradient_checkpointing))
+    config = replace(
+        config,
+        model=replace(config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})),
+    )
+    return run_from_config(config, model_dir, prompt_file, **{k: v for k, v in kwargs.items() if k in run_keys})
+
+
+def run_from_config(
+    config: RunConfig,
+    model_dir: str | Path,
+    prompt_file: str | Path,
+    *,
+    engine,
+    out_dir: str | Path,
+    callbacks=(),
+    datamodule_class=RolloutDataModule,
+    eval_prompt_file: str | Path | None = None,
+    reward_fn=integer_match,
+):
+    """(trainer, module, datamodule, plan) of `config`'s run on these prompts, built by the product's
+    `lit_ppo.run.build.build_run`; evaluation only with `eval_prompt_file`. `reward_fn`: a lit-ppo-signature reward."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts = load_prompts(prompt_file, tokenizer)
+    eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
     plan = compute_plan(config, len(train_prompts))
     trainer, module, datamodule = build_product_run(
         config,

@@ -27,6 +27,7 @@ import datetime
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 PROCESS_START = time.perf_counter()
@@ -37,17 +38,18 @@ from common import (
     CACHE,
     ROOT,
     add_common_args,
-    build_run,
     command_line,
     compose_run_config,
     phase_means,
     print_header,
     print_result,
     read_jsonl,
+    run_from_config,
     run_worker,
     start_engine,
 )  # noqa: E402
 
+from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.rewards import integer_match  # noqa: E402
 
 FRAMEWORKS = ("lit-ppo", "trl")
@@ -157,10 +159,7 @@ class RaceClock:
 
 
 def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[dict], work_dir: Path) -> dict:
-    from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
-
     ppo, rollout = cfg.ppo, cfg.rollout
-    precision = resolve_precision(cfg.strategy.precision, cfg.strategy.accelerator)
     clock = RaceClock(GreedyAccuracy(model_dir, eval_records, rollout.max_response_tokens))
 
     class Evaluations(L.Callback):
@@ -172,27 +171,12 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
             if step > clock.points[-1]["rollout_step"] and (step % args.eval_every == 0 or step == args.rollout_steps):
                 clock.point(step, module.actor)
 
-    engine = start_engine(
-        model_dir,
-        rollout.max_model_len,
-        seed=cfg.seed,
-        dtype=resolve_rollout_dtype(precision, rollout.dtype),
-        fixed_length=False,
-    )
-    settings = {k: v for k, v in vars(rollout).items() if k not in ("max_response_tokens", "max_model_len")}
-    trainer, module, datamodule, plan = build_run(
-        model_dir,
-        train_path,
-        ppo,
-        max_response_tokens=rollout.max_response_tokens,
-        total_rollout_steps=args.rollout_steps,
-        engine=engine,
-        out_dir=work_dir / "lit-ppo-run",
-        seed=cfg.seed,
-        callbacks=[Evaluations()],
-        precision=precision,
-        max_model_len=rollout.max_model_len,
-        **settings,
+    # The product's settings whole (Hydra's composition of `ppo=grpo`); this file's evaluator replaces the run's own.
+    config = replace(cfg, trainer=replace(cfg.trainer, total_rollout_steps=args.rollout_steps, eval_every=0))
+    engine_dtype = compute_plan(config, len(read_jsonl(train_path))).rollout_dtype
+    engine = start_engine(model_dir, rollout.max_model_len, seed=cfg.seed, dtype=engine_dtype, fixed_length=False)
+    trainer, module, datamodule, plan = run_from_config(
+        config, model_dir, train_path, engine=engine, out_dir=work_dir / "lit-ppo-run", callbacks=[Evaluations()]
     )
     trainer.fit(module, datamodule=datamodule)
     rows = module.history

@@ -36,6 +36,9 @@ class RolloutBatch:
     dropped_groups: int = 0  # groups of equal rewards left out of the batch
     filled_groups: int = 0  # of those, groups put back to fill a shortfall (on_shortfall=fill)
     prompts_consumed: int = 0  # prompts drawn from the data in this rollout step
+    # LoRA runs (model.lora): per sample, the adapter version the engine sampled it with (the trainer checks it is
+    # its own); None without LoRA, and 0 where the engine shares the actor (rollout.engine=hf) or ran episodes.
+    adapter_versions: list[int] | None = None
     # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
     policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
     episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (check_token_ids)

@@ -3,6 +3,13 @@
 A checkpoint is written to `<name>.tmp` and renamed into place, so a crash during the write
 (out of memory, SIGKILL, a preempted node) leaves the previous checkpoints intact; stale
 `.tmp` files are never read back.
+
+A checkpoint is not bound to the number of ranks that wrote it: it holds full (unsharded) weights and optimizer
+states (DDP's are replicated; under FSDP2 Lightning's ModelParallelStrategy gathers them with
+`torch.distributed.checkpoint.state_dict`'s full-state options and, on load, scatters them to the new ranks' shards),
+the data position and the sampling seeds are global (a prompt's seed follows its position in the rollout batch), and
+every rank's random streams are kept (`rank_states`). A run resumes on any number of ranks (`RESHARD_KEYS`); on the
+same number it continues bitwise, each rank with its own streams.
 """
 
 from __future__ import annotations
@@ -14,12 +21,16 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from lit_ppo import waits
 from lit_ppo.atomic import (
     replace_durably,
     temporary_sibling,
 )
 from lit_ppo.config import RunConfig
+from lit_ppo.console import show
+from lit_ppo.distributed import world_size
 from lit_ppo.errors import (
     ConfigError,
     DynamicSamplingShortfallError,
@@ -88,10 +99,20 @@ RUN_LENGTH_KEYS = (
 )
 """What a resumed run may change about the run itself: how long it goes on."""
 
+RESHARD_KEYS = (
+    "strategy.devices",
+    "strategy.num_nodes",
+    "strategy.lightning.data_parallel_size",
+)
+"""The number of ranks, which a resumed run may change too (a run moved from 8 GPUs to 4, a requeued job on another
+node count): the checkpoint's states are full ones, resharded on load."""
+
 UNTRACKED_KEYS = (
     "trainer.eval_every",
     "trainer.checkpoint_every",
     "trainer.keep_checkpoints",
+    "trainer.collective_timeout_s",
+    "rollout.engine_start_timeout_s",
     "resume",
     "output_dir",
     "cache_dir",
@@ -115,7 +136,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     """`key: saved -> current` for every key that differs between two configs (`RunConfig.to_dict()`s), except the
     run length and the keys that do not change the training."""
     a, b = _flat(saved), _flat(current)
-    free = RUN_LENGTH_KEYS + UNTRACKED_KEYS
+    free = RUN_LENGTH_KEYS + RESHARD_KEYS + UNTRACKED_KEYS
     return [
         f"{key}: {a.get(key, '(absent)')} -> {b.get(key, '(absent)')}"
         for key in sorted(a.keys() | b.keys())
@@ -159,7 +180,8 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
         shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
         raise ConfigError(
             f"resume={resume}: {path.name} was written under another config ({shown}); only the run length "
-            f"({', '.join(RUN_LENGTH_KEYS)}) may change on resume; fix: resume with the values in {saved_config}, "
+            f"({', '.join(RUN_LENGTH_KEYS)}) and the number of ranks ({', '.join(RESHARD_KEYS[:2])}) may change on "
+            f"resume; fix: resume with the values in {saved_config}, "
             "or start a new run in another output_dir"
         )
 
@@ -194,6 +216,7 @@ class RolloutCheckpoint(L.Callback):
     def save(self, trainer: L.Trainer, module) -> Path | None:
         if module.rollout_step == self.last_saved:
             return None
+        waits.entering(f"writing the checkpoint of rollout step {module.rollout_step}")
         path = save_atomic(trainer, checkpoint_path(self.directory, module.rollout_step))
         self.last_saved = module.rollout_step
         if trainer.is_global_zero:
@@ -256,24 +279,48 @@ MODULE_STATE = (
 """PPOModule's attributes that a checkpoint holds (`module_state`)."""
 
 
+def rank_states(module) -> list[dict]:
+    """Every rank's own random streams (the global ones and the mini-batch shuffle's), in rank order. A collective
+    (every rank saves the checkpoint together); rank 0 writes them all into the one file."""
+    own = {"rng": rng_state(), "shuffle_generator": module.shuffle_generator.get_state()}
+    if world_size() == 1:
+        return [own]
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, own)
+    return gathered
+
+
 def module_state(module) -> dict:
     """PPOModule's own state, checkpointed beside Lightning's (weights, optimizers, schedulers): its counters and
-    histories (MODULE_STATE), the skipped updates, the mini-batch shuffle's and the global random streams, and the
-    plan, against which a resumed run is checked."""
+    histories (MODULE_STATE), the skipped updates, the mini-batch shuffle's and the global random streams (rank 0's,
+    and every rank's in `rank_states`), and the plan, against which a resumed run is checked."""
     return {
         **{k: getattr(module, k) for k in MODULE_STATE},
         "skipped_updates": module.guarded_step.skipped,
         "shuffle_generator": module.shuffle_generator.get_state(),
         "rng": rng_state(),
+        "rank_states": rank_states(module),
         "plan": module.plan.to_dict(),
     }
 
 
 def restore_module_state(module, state: dict) -> None:
-    """The inverse of `module_state`, on a module built for the resumed run."""
+    """The inverse of `module_state`, on a module built for the resumed run, on any number of ranks: on the number
+    that wrote the checkpoint each rank takes back its own random streams; on another, every rank takes rank 0's
+    (a rank's streams then cannot be the ones an uninterrupted run would have had: its share of the data differs)."""
     for k in MODULE_STATE:
         setattr(module, k, state[k])
     module.guarded_step.skipped = state["skipped_updates"]
-    module.shuffle_generator.set_state(state["shuffle_generator"])
-    restore_rng_state(state["rng"])
+    saved = state.get("rank_states") or []  # absent in checkpoints written before they were kept
+    rank, world = (dist.get_rank(), world_size()) if world_size() > 1 else (0, 1)
+    own = saved[rank] if len(saved) == world else {"rng": state["rng"], "shuffle_generator": state["shuffle_generator"]}
+    module.shuffle_generator.set_state(own["shuffle_generator"])
+    restore_rng_state(own["rng"])
     check_same_rollout_step_shape(state["plan"], module.plan)
+    saved_world = state["plan"]["data_parallel_size"]
+    if saved_world != module.plan.data_parallel_size and rank == 0:
+        show(
+            f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_world} "
+            f"rank(s) and continues on {module.plan.data_parallel_size}; weights and optimizer states are whole, "
+            "the data position and the sampling seeds global; each rank takes rank 0's random streams"
+        )

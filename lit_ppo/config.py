@@ -97,6 +97,12 @@ class PPOConfig:
     by length and cut into micro-batches under this budget (verl's dynamic batch size, OpenRLHF's max_tokens_per_gpu),
     so short samples are not padded to the longest of a fixed-size micro-batch; micro_train_batch_size is then unused
     for splitting. Loss denominators and optimizer steps are unchanged. null: fixed micro_train_batch_size."""
+    packing: bool | None = None
+    """Padding-free micro-batches: whole samples (prompt + response) laid end to end, position ids restarting at each,
+    attention kept within each sample by the model library (transformers' block-diagonal mask from packed position ids,
+    flash-attention's varlen kernel), the LM head only where a response token is predicted; micro_train_max_tokens then
+    counts real tokens. null: on wherever the model's attention supports packed position ids (the pre-flight reads
+    config.json; the plan says which); true: refused where it does not; false: padded rows."""
     old_logprobs: str = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: an experience forward of the actor before the updates;
     auto: skip that forward when the update is exactly on-policy (ppo_epochs=1, one mini-batch per rollout step, no KL
@@ -160,6 +166,9 @@ class PPOConfig:
 
 ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
+VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
+"""rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
+set (`vllm_only_settings_set`)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +223,9 @@ class RolloutConfig:
     """environment: the sum of the environment's step rewards; reward: reward.fn scores the episode's whole response."""
     check_token_ids: bool = True
     """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
+    engine_start_timeout_s: float | None = 1800.0
+    """Seconds the vLLM engine's start may take (loading the weights, profiling memory, compiling); past it the run
+    stops naming the wait (lit_ppo/waits.py); null: no limit."""
     # Asynchronous rollouts (docs/async.md): rollout workers with their own engines generate while the trainer trains.
     mode: str = "colocated"
     """colocated: vLLM in the trainer's process, generation and training take turns; disaggregated: `workers` rollout
@@ -424,6 +436,17 @@ class TrainerConfig:
     """The last K checkpoints are kept."""
     max_consecutive_skipped_updates: int = 3
     """Non-finite loss or gradient: the update is skipped; the run stops after this many in a row."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a rank waits for the others in one collective (an all-reduce, the weight sync's gathers, a checkpoint's
+    barrier, the process group's start) before the run stops naming the phase it waited in (lit_ppo/waits.py); the
+    torch.distributed process group's timeout. Lightning's default; raise it when ranks legitimately drift further
+    apart (long evaluations, very uneven generation)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+            raise ConfigError(
+                f"trainer.collective_timeout_s={self.collective_timeout_s!r}; fix: a positive number of seconds"
+            )
 
 
 @dataclass(frozen=True)
@@ -456,6 +479,84 @@ class WarmStartConfig:
     """With tool_call_rate: further demonstrations of using a call once made."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (vllm/config/lora.py)
+LORA_INITS = ("default", "gaussian")  # peft init_lora_weights that leave the base weights untouched
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """`model.lora`: a PEFT LoRA on the actor (and the critic's body, whose value head stays fully trainable); the base
+    weights frozen, the reference model is the actor with its adapter disabled, and only the adapter is synced into
+    vLLM (docs/lora.md). Settings vLLM cannot serve are refused here, before any model loads."""
+
+    rank: int = 0
+    """The LoRA rank r; 0: no LoRA (full-parameter training)."""
+    alpha: float = 16.0
+    """The LoRA scaling numerator: the update is (alpha / rank) B A."""
+    target_modules: str | list[str] = "all-linear"
+    """Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the LM head."""
+    dropout: float = 0.0
+    """Must be 0: the PPO ratio and the comparison with vLLM's log-probs assume a deterministic policy."""
+    init: str = "default"
+    """peft's init_lora_weights: default (A Kaiming-uniform, B zero) or gaussian; both leave the base untouched."""
+    use_dora: bool = False
+    """Refused when true: vLLM does not serve DoRA adapters."""
+    bias: str = "none"
+    """Refused unless none: vLLM does not serve adapter biases."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Refused when set: vLLM serves modules_to_save only for classification heads, not on a causal LM."""
+    save_merged: bool = False
+    """Also save the final policy merged into the base weights as a Hugging Face model (actor_merged/)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def vllm_max_lora_rank(self) -> int:
+        """The smallest max_lora_rank vLLM allows that holds this rank."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
+    def __post_init__(self) -> None:
+        validate_lora(self)
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """Refuse, naming the key, what the adapter-only sync into vLLM cannot serve."""
+    if not isinstance(lora.rank, int) or isinstance(lora.rank, bool) or lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank!r} must be 0 (no LoRA) or a positive integer; fix: e.g. 16")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
+            f"fix: model.lora.rank={VLLM_LORA_RANKS[-1]} or less"
+        )
+    if not lora.enabled:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be positive; fix: e.g. model.lora.alpha=2*rank")
+    if lora.dropout != 0:
+        raise ConfigError(
+            f"model.lora.dropout={lora.dropout}: dropout makes the policy random in training but not in vLLM, so the "
+            "PPO ratio and the stale-weight check compare different functions; fix: model.lora.dropout=0"
+        )
+    if lora.use_dora:
+        raise ConfigError("model.lora.use_dora=true: vLLM cannot serve DoRA adapters; fix: model.lora.use_dora=false")
+    if lora.bias != "none":
+        raise ConfigError(f"model.lora.bias={lora.bias}: vLLM cannot serve adapter biases; fix: model.lora.bias=none")
+    if lora.modules_to_save:
+        raise ConfigError(
+            f"model.lora.modules_to_save={list(lora.modules_to_save)}: vLLM serves fully trained modules only for "
+            "classification heads, not on the policy; fix: model.lora.modules_to_save=[] (or full fine-tuning, rank=0)"
+        )
+    if lora.init not in LORA_INITS:
+        raise ConfigError(
+            f"model.lora.init={lora.init!r}: inits such as pissa, olora or loftq change the base weights, which vLLM "
+            f"keeps as loaded; fix: use one of {', '.join(LORA_INITS)}"
+        )
+    if not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty; fix: e.g. model.lora.target_modules=all-linear")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The `model` group: the policy (and the critic's and reference's initial weights)."""
@@ -467,6 +568,7 @@ class ModelConfig:
     """The shape for the memory estimate of `mode=plan` where config.json is not on this machine."""
     tiny: TinyModelConfig | None = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -592,6 +694,8 @@ class RunConfig:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
         validate_rollout_engine(self.rollout, self.strategy)
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)
+        validate_rollout_mode_lora(self.rollout, self.model.lora)
+        validate_lora_strategy(self.model.lora, self.strategy)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -648,6 +752,11 @@ def validate_rollout(rollout: RolloutConfig) -> None:
             f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
             "seconds, or null for no limit"
         )
+    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
+            "or null for no limit"
+        )
     if rollout.episode_reward not in ("environment", "reward"):
         raise ConfigError(f"rollout.episode_reward={rollout.episode_reward!r}; fix: use environment or reward")
     if rollout.mode not in ROLLOUT_MODES:
@@ -679,6 +788,16 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         )
 
 
+def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
+    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
+    return [
+        f"rollout.{name}={getattr(rollout, name)}"
+        for name in VLLM_ONLY_SETTINGS
+        if getattr(rollout, name) != defaults[name]
+    ]
+
+
 def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
     """rollout.engine=hf against the strategy and its precision."""
     from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -692,11 +811,26 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
             "rollout.engine=hf with strategy=fsdp: a sharded actor would gather every layer for every generated token, "
             "on all ranks in lock-step; fix: strategy=ddp (each rank holds the whole actor) or rollout.engine=vllm"
         )
+    if rollout.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} with rollout.engine=hf: the actor generates "
+            "whole on each rank (only vLLM splits a model over devices); fix: rollout.tensor_parallel_size=1 or "
+            "rollout.engine=vllm"
+        )
     own = resolve_rollout_dtype(precision, None)
     if rollout.dtype is not None and rollout.dtype != own:
         raise ConfigError(
             f"rollout.dtype={rollout.dtype} with rollout.engine=hf: the actor generates in the trainer's precision "
             f"(strategy.precision={precision}: {own}); fix: rollout.dtype=null"
+        )
+
+
+def validate_rollout_mode_lora(rollout: RolloutConfig, lora: LoraConfig) -> None:
+    """rollout.mode=disaggregated with model.lora: not built together yet (the rollout workers take whole weights)."""
+    if rollout.mode == "disaggregated" and lora.enabled:
+        raise ConfigError(
+            f"rollout.mode=disaggregated with model.lora.rank={lora.rank}: the rollout workers receive whole weights "
+            "only, not an adapter (not built yet); fix: rollout.mode=colocated for LoRA runs, or model.lora.rank=0"
         )
 
 
@@ -736,4 +870,14 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         raise ConfigError(
             f"{where} with ppo.old_logprobs=rollout: the PPO ratio would be taken against the stale behaviour policy; "
             "fix: ppo.old_logprobs=auto (the old log-probs are recomputed with the weights the step starts from)"
+        )
+
+
+def validate_lora_strategy(lora: LoraConfig, strategy: StrategyConfig) -> None:
+    """model.lora under FSDP is not built yet (the adapter would have to be gathered apart from the sharded base)."""
+    target = str((strategy.lightning or {}).get("_target_") or "")
+    if lora.enabled and (strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy"))):
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with strategy=fsdp is not supported yet (the adapter is synced from whole "
+            "models only); fix: strategy=single or strategy=ddp (a LoRA run keeps one frozen base per device)"
         )

@@ -47,3 +47,12 @@ class StalenessError(UserError, RuntimeError):
 
 class RolloutWorkerError(UserError, RuntimeError):
     """A rollout worker died, failed or did not answer in time; the message names the side, the worker and its log."""
+
+
+class WaitTimeoutError(UserError, RuntimeError):
+    """A wait ran past its limit (a collective, the engine's start); the message names what was waited for and the
+    setting to raise (lit_ppo/waits.py)."""
+
+
+class WeightSyncError(UserError, RuntimeError):
+    """The rollout engine does not serve the weights the trainer pushed (a LoRA adapter version missing or stale)."""

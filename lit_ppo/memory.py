@@ -22,6 +22,15 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
   sleeps (frees it) while training when rollout.sleep_between_steps is on.
+- rollout.engine=hf instead: no second copy of the weights (the actor generates), the KV cache of one
+  `generate` call (hf_max_batch_sequences sequences, or all of this rank's, x prompt + response tokens, in the compute
+  dtype) and the last position's float32 logits per sequence; freed when generation ends, so only the rollout
+  phase holds them.
+
+With `model.lora` (rank > 0): the base weights once per model body (actor, critic) and frozen, in the compute dtype
+under bf16-mixed (no autocast copies then), no reference (the actor with its adapter disabled); gradients and AdamW
+states for the adapters (and the critic's value head) only, in float32; vLLM holds one adapter beside the base, in
+its max_lora_rank-sized slot. Activations are as without LoRA (the frozen base's layers still pass gradients back).
 
 The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
 (everything above except a sleeping vLLM). BENCHMARKS.md ("Memory", "On a GPU") compares the training phase with
@@ -85,6 +94,22 @@ class ModelShape:
     def parameters(self) -> int:
         return self.num_layers * self.layer_parameters() + self.embedding_parameters()
 
+    def lora_parameters(self, rank: int, target_modules) -> int:
+        """A LoRA adapter's parameters, rank x (in + out) per adapted linear layer of every decoder layer;
+        `all-linear` adapts all seven (the LM head is never adapted)."""
+        h, kv, q, i = self.hidden_size, self.kv_dim, self.q_dim, self.intermediate_size
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        names = list(shapes) if target_modules == "all-linear" else [t for t in target_modules if t in shapes]
+        return self.num_layers * sum(rank * sum(shapes[n]) for n in names)
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a Hugging Face config.json (Qwen2, Llama and alike)."""
@@ -124,6 +149,11 @@ class MemoryInputs:
     cpu_kv_cache_gib: float = 1  # rollout.kv_cache_gib: vLLM's KV cache on CPU
     device_memory_gib: float | None = None
     grad_accumulation_steps: int = 1  # micro-batches per optimizer step per rank
+    rollout_engine: str = "vllm"  # rollout.engine: vllm (a second copy of the weights) or hf (the actor generates)
+    hf_batch_sequences: int | None = None  # rollout.hf_max_batch_sequences: sequences per HF generate call
+    lora_rank: int = 0  # model.lora.rank; 0: full-parameter training
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.vllm_max_lora_rank)
 
 
 @dataclass
@@ -180,21 +210,50 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         raise ValueError(f"estimate_memory: precision {run.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
     size = PRECISION_BYTES[run.precision]
     params = shape.parameters()
-    trained = params * (2 if run.critic else 1)  # the critic has the actor's body (its head is one vector)
-    held = trained + (params if run.reference else 0)
+    lora = run.lora_rank > 0
     shard = run.data_parallel_size if run.strategy == "fsdp" else 1
     how_shard = f" / {shard} (FSDP)" if shard > 1 else ""
-    models = "actor" + (" + critic" if run.critic else "") + (" + reference" if run.reference else "")
     rows: list[tuple[str, int, str]] = []
-    weights = held * size["weight"] // shard
-    rows.append(("weights", weights, f"{models}: {held / 1e6:,.0f} M params x {size['weight']} B{how_shard}"))
+    if lora:
+        size = {**size, "grad": 4, "adam_state": 4}  # the adapters train in float32 whatever the base's dtype
+        bodies = 2 if run.critic else 1
+        adapter = shape.lora_parameters(run.lora_rank, run.lora_target_modules)
+        trained = adapter * bodies + (shape.hidden_size + 1 if run.critic else 0)  # + the critic's value head
+        base_bytes = size["compute"] if run.precision == "bf16-mixed" else size["weight"]
+        frozen = params * bodies * base_bytes // shard
+        models = "actor" + (" + critic" if run.critic else "")
+        rows.append(
+            (
+                "frozen base weights",
+                frozen,
+                f"{models}: {params * bodies / 1e6:,.0f} M params x {base_bytes} B{how_shard}"
+                + ("; reference: the actor with its adapter disabled, no copy" if run.reference else ""),
+            )
+        )
+        adapter_bytes = trained * 4 // shard
+        rows.append(
+            (
+                "trained weights (LoRA)",
+                adapter_bytes,
+                f"rank {run.lora_rank} adapters{' + value head' if run.critic else ''}: {trained / 1e6:,.1f} M "
+                f"params x 4 B ({trained / (params * bodies):.2%} of the frozen){how_shard}",
+            )
+        )
+        weights = frozen + adapter_bytes
+    else:
+        trained = params * (2 if run.critic else 1)  # the critic has the actor's body (its head is one vector)
+        held = trained + (params if run.reference else 0)
+        models = "actor" + (" + critic" if run.critic else "") + (" + reference" if run.reference else "")
+        weights = held * size["weight"] // shard
+        rows.append(("weights", weights, f"{models}: {held / 1e6:,.0f} M params x {size['weight']} B{how_shard}"))
     grads = trained * size["grad"] // shard
     rows.append(("gradients", grads, f"trained models x {size['grad']} B{how_shard}"))
     optimizer = trained * 2 * size["adam_state"] // shard
     rows.append(("optimizer states", optimizer, f"AdamW: 2 x {size['adam_state']} B per trained param{how_shard}"))
     extra = 0
     if run.strategy == "ddp" and run.data_parallel_size > 1:
-        extra = params * size["grad"]  # one model's backward at a time; buckets are per wrapped model
+        # one model's backward at a time; buckets are per wrapped model (with LoRA: its trained parameters only)
+        extra = (trained // (2 if lora and run.critic else 1) if lora else params) * size["grad"]
         rows.append(("DDP gradient buckets", extra, "a copy of the gradients of the model in backward"))
     if (
         shard > 1
@@ -218,7 +277,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
                 )
             )
             extra += unsharded
-    elif run.precision == "bf16-mixed":
+    elif run.precision == "bf16-mixed" and not lora:  # a LoRA base is stored in bf16: nothing to copy
         autocast = params * 2
         rows.append(("autocast weight copies", autocast, "bf16 copies of the weights of the model in training"))
         extra += autocast
@@ -253,6 +312,32 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens",
         )
     )
+    if run.rollout_engine == "hf":
+        vllm = hf_generation_bytes(shape, run, c, rows)
+        vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
+    else:
+        vllm, vllm_while_training = vllm_bytes(shape, run, params, rows)
+    training = weights + grads + optimizer + extra + activations + logits
+    rollout = weights + optimizer + vllm
+    peak = max(training + vllm_while_training, rollout)
+    warning = None
+    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
+        warning = (
+            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
+            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+        )
+    return MemoryEstimate(
+        rows=rows,
+        training_bytes=training,
+        rollout_bytes=rollout,
+        peak_bytes=peak,
+        device_memory_gib=run.device_memory_gib,
+        warning=warning,
+    )
+
+
+def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) -> tuple[int, int]:
+    """(vLLM's bytes in the rollout phase, its bytes while training), their rows added to `rows`."""
     kv_bytes = DTYPE_BYTES[run.rollout_dtype]
     vllm_weights = params * kv_bytes // run.tensor_parallel_size
     rows.append(
@@ -262,6 +347,10 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             f"{run.rollout_dtype}" + (f" / {run.tensor_parallel_size} (TP)" if run.tensor_parallel_size > 1 else ""),
         )
     )
+    if run.lora_rank > 0:  # one adapter in vLLM's slot of max_lora_rank, in the rollout dtype
+        slot = shape.lora_parameters(run.vllm_max_lora_rank or run.lora_rank, run.lora_target_modules) * kv_bytes
+        rows.append(("vLLM LoRA adapter", slot, f"one adapter in a max_lora_rank {run.vllm_max_lora_rank} slot"))
+        vllm_weights += slot
     # vLLM runs at most VLLM_MAX_NUM_SEQS sequences at once and queues the rest: a smaller KV cache is slower, not fatal.
     in_flight = min(run.rollout_sequences, VLLM_MAX_NUM_SEQS)
     kv_needed = (
@@ -286,21 +375,22 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     else:
         vllm = vllm_weights + int(run.cpu_kv_cache_gib * GIB)  # VLLM_CPU_KVCACHE_SPACE
         rows.append(("vLLM KV cache (CPU)", int(run.cpu_kv_cache_gib * GIB), "rollout.kv_cache_gib"))
-    vllm_while_training = 0 if (run.on_gpu and run.vllm_sleeps) else vllm
-    training = weights + grads + optimizer + extra + activations + logits
-    rollout = weights + optimizer + vllm
-    peak = max(training + vllm_while_training, rollout)
-    warning = None
-    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
-        warning = (
-            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
-            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+    return vllm, 0 if (run.on_gpu and run.vllm_sleeps) else vllm
+
+
+def hf_generation_bytes(shape: ModelShape, run: MemoryInputs, compute_bytes: int, rows: list) -> int:
+    """rollout.engine=hf: what one Hugging Face `generate` call holds beside the actor (its KV cache and the last
+    position's float32 logits per sequence), its row added to `rows`."""
+    sequences = min(run.rollout_sequences, run.hf_batch_sequences or run.rollout_sequences)
+    tokens = run.prompt_tokens + run.response_tokens  # a left-padded batch's width at its last step
+    kv = sequences * tokens * 2 * shape.num_layers * shape.kv_dim * compute_bytes
+    logits = sequences * shape.vocab_size * 4
+    rows.append(
+        (
+            "HF generate KV cache and logits",
+            kv + logits,
+            f"{sequences} sequences per generate call x {tokens} tokens; the actor's weights generate "
+            "(rollout.engine=hf: no second copy)",
         )
-    return MemoryEstimate(
-        rows=rows,
-        training_bytes=training,
-        rollout_bytes=rollout,
-        peak_bytes=peak,
-        device_memory_gib=run.device_memory_gib,
-        warning=warning,
     )
+    return kv + logits

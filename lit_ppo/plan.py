@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_ppo.config import PPOConfig, RunConfig, positive
+from lit_ppo.config import PPOConfig, RunConfig, positive, vllm_only_settings_set
 from lit_ppo.errors import ConfigError, StalenessError, StepAccountingError
 from lit_ppo.precision import describe as describe_precision
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
@@ -71,7 +71,9 @@ class StepPlan:
     rollout_dtype: str = "float32"  # vLLM's dtype (rollout.engine=hf: the trainer's compute dtype)
     rollout_engine: str = "vllm"  # rollout.engine: vllm, or hf (the actor generates; shares its weights, no sync)
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
-    micro_train_max_tokens: int | None = None  # token-budget micro-batches (padded tokens / forward-backward / rank)
+    micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
+    packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
+    max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
     # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
     max_turns: int = 1
@@ -82,6 +84,12 @@ class StepPlan:
     max_staleness: int = 0
     rollout_workers: int = 0
     rollout_devices_per_worker: int = 0
+    # model.lora: rank 0 trains every parameter; else a PEFT adapter on a frozen base, the reference is the actor with
+    # its adapter disabled (no copy), and only the adapter goes to vLLM (max_lora_rank: vLLM's slot size for it).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_target_modules: str | list[str] = ""
+    vllm_max_lora_rank: int = 0
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -159,9 +167,26 @@ class StepPlan:
                     (
                         "micro batch",
                         self.micro_train_max_tokens,
-                        "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
+                        "real tokens / forward-backward / rank at most (balanced by real tokens; the count varies)"
+                        if self.packing
+                        else "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
                     )
                 ]
+            ),
+            (
+                "packing",
+                "on" if self.packing else "off",
+                "whole samples end to end, position ids from 0 at each; attention within a sample (transformers: "
+                "block-diagonal mask for sdpa/eager, flash-attention varlen); LM head at response positions only"
+                if self.packing
+                else "rows padded: prompts left, responses right (ppo.packing)",
+            ),
+            (
+                "micro-batch tokens",
+                self.max_micro_batch_tokens,
+                "real tokens at most, padded ~0 (row ends only; perf/padding_fraction)"
+                if self.packing
+                else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
             ),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
             *(
@@ -181,12 +206,40 @@ class StepPlan:
             ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
             ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
             ("critic", "yes" if self.critic_enabled else "no", ""),
-            ("reference model", "yes" if self.reference_enabled else "no", ""),
+            *(
+                [
+                    (
+                        "LoRA",
+                        f"rank {self.lora_rank}",
+                        f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen"
+                        + (" in bf16" if self.precision == "bf16-mixed" else "")
+                        + ", adapter (and value head) trained in float32",
+                    )
+                ]
+                if self.lora_rank
+                else []
+            ),
+            (
+                "reference model",
+                "yes" if self.reference_enabled else "no",
+                "the actor with its adapter disabled (no copy of the weights)"
+                if self.reference_enabled and self.lora_rank
+                else "",
+            ),
             ("precision", self.precision, describe_precision(self.precision)),
             *(
                 [("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")]
                 if self.rollout_engine == "hf"
-                else [("engine", "vllm", "vLLM in this process: the actor's weights synced after each rollout step")]
+                else [
+                    (
+                        "engine",
+                        "vllm",
+                        f"vLLM in this process: the base loaded once, only the adapter synced after each rollout step "
+                        f"(a new adapter version; max_lora_rank {self.vllm_max_lora_rank})"
+                        if self.lora_rank
+                        else "vLLM in this process: the actor's weights synced after each rollout step",
+                    )
+                ]
             ),
             ("vLLM dtype" if self.rollout_engine == "vllm" else "rollout dtype", self.rollout_dtype, "sampling"),
             *(
@@ -225,6 +278,7 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
     of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
     response width the trainer plans for."""
     ppo, run, rollout = config.ppo, config.trainer, config.rollout
+    lora = config.model.lora
     data_parallel_size = config.strategy.data_parallel_size
     precision = resolve_precision(config.strategy.precision, config.strategy.accelerator)
     rollout_dtype = resolve_rollout_dtype(precision, rollout.dtype)
@@ -329,6 +383,9 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
             "recomputed with the weights each step starts from and ppo.rollout_correction="
             f"{ppo.rollout_correction.mode} weights the tokens by old / behaviour (vLLM's) probability (docs/async.md)"
         )
+    unused = vllm_only_settings_set(rollout) if rollout.engine == "hf" else []
+    if unused:  # e.g. an experiment written for vLLM, run with rollout.engine=hf: said, not silently dropped
+        notes.append(f"rollout.engine=hf does not use the vLLM setting(s) {', '.join(unused)}")
     warnings = []
     if top_p < 1:
         warnings.append(
@@ -378,12 +435,18 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         rollout_engine=rollout.engine,
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
+        packing=ppo.packing is not False,  # null: on; the pre-flight resolved it where it knew the model's type
+        max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
         rollout_mode=rollout.mode,
         max_staleness=k,
         rollout_workers=rollout.workers if rollout.mode == "disaggregated" else 0,
         rollout_devices_per_worker=rollout.devices if rollout.mode == "disaggregated" else 0,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha if lora.enabled else 0.0,
+        lora_target_modules=lora.target_modules if lora.enabled else "",
+        vllm_max_lora_rank=lora.vllm_max_lora_rank if lora.enabled else 0,
         notes=notes,
         warnings=warnings,
     )
@@ -444,6 +507,29 @@ def check_policy_versions(plan: StepPlan, rollout_step: int, policy_versions: li
             f"samples were generated by policy version(s) {wrong} (lag {[rollout_step - v for v in wrong]}), but the "
             f"plan says version {expected} (rollout.max_staleness={plan.max_staleness}, mode={plan.rollout_mode}); "
             "the rollout schedule is not what the plan states"
+        )
+
+
+def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[tuple[int, int]]) -> None:
+    """The runtime proof of one mini-batch's micro-batches on this rank, given as (samples, tokens) each (tokens: real
+    ones when packed, laid-out positions when padded): with a fixed micro-batch size, the gradient accumulation steps
+    the plan states, micro_train_batch_size samples each; with a token budget, each within it (a longer sample
+    alone)."""
+    budget = plan.micro_train_max_tokens
+    if budget is None:
+        sizes = [samples for samples, _ in micro_batches]
+        if len(sizes) != plan.grad_accumulation_steps or any(n != plan.micro_train_batch_size for n in sizes):
+            raise StepAccountingError(
+                f"rollout step {rollout_step}: a mini-batch ran as micro-batches of {sizes} samples, but the plan says "
+                f"{plan.grad_accumulation_steps} of {plan.micro_train_batch_size} (gradient accumulation); the "
+                "micro-batch split is not doing what the configuration says"
+            )
+        return
+    over = [(n, tokens) for n, tokens in micro_batches if tokens > budget and n > 1]
+    if over:
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
+            f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
         )
 
 

@@ -92,6 +92,7 @@ def build_run(
     accelerator: str = "cpu",
     precision: str = "32-true",
     datamodule_class=RolloutDataModule,
+    lora=None,
     **ppo_overrides,
 ):
     ppo = PPOConfig(
@@ -115,7 +116,9 @@ def build_run(
     config = dataclasses.replace(
         config,
         trainer=dataclasses.replace(config.trainer, eval_every=eval_every),
-        model=dataclasses.replace(config.model, gradient_checkpointing=gradient_checkpointing),
+        model=dataclasses.replace(
+            config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})
+        ),
     )
     plan = compute_plan(config, len(train_prompts))
     trainer, module, datamodule = build_product_run(

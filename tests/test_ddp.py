@@ -9,6 +9,7 @@ updated weights after each rollout step. Compared with one process on the same s
 - the logged rollout metrics are those of the whole rollout batch, not of rank 0's half;
 - the final actor is the same;
 - a run resumed from a DDP checkpoint continues exactly as the uninterrupted run;
+- the 2-process checkpoint, resumed by `resume=auto` on one process, continues as the 1-process run (resharding);
 - an error on one rank stops every rank.
 
 Settings that make the comparison meaningful: `reward.overlong_penalty=1` gives rewards that vary
@@ -132,6 +133,18 @@ def resumed_run(tmp_path_factory, cache, parallel_run) -> Path:
     out = tmp_path_factory.mktemp(f"resumed_{strategy}")
     checkpoint = shutil.copy(run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
     return train_cli(out, cache, *STRATEGIES[strategy], f"resume={checkpoint}")
+
+
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(tmp_path_factory, cache, parallel_run) -> Path:
+    """The 2-process run's directory as a requeued job finds it after rollout step 1 (its config.yaml and that
+    checkpoint), continued with `resume=auto` on one process of the same strategy."""
+    strategy, run = parallel_run
+    out = tmp_path_factory.mktemp(f"on_one_rank_{strategy}")
+    (out / "checkpoints").mkdir()
+    shutil.copy(run / "config.yaml", out / "config.yaml")
+    shutil.copy(run / "checkpoints" / "rollout_step=000001.ckpt", out / "checkpoints")
+    return train_cli(out, cache, *STRATEGIES[strategy], "strategy.devices=1", "resume=auto")
 
 
 def experience(run: Path, rollout_step: int, world: int) -> dict:
@@ -263,6 +276,30 @@ def test_resumed_run_continues_exactly(parallel_run, resumed_run):
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_two_rank_checkpoint_resumes_on_one_rank(single_run, parallel_run, resumed_on_one_rank):
+    """2 ranks -> 1: the checkpoint after rollout step 1 of the 2-process run, resumed by one process, makes the
+    update a 1-process run makes. Compared with the uninterrupted 1-process run: its second rollout step's samples
+    (exactly), advantages, and the final actor, within the tolerance of the 2-rank vs 1-rank comparison above (the
+    2-rank checkpoint's weights equal the 1-rank run's to float32 summation order)."""
+    log = (resumed_on_one_rank / "train.log").read_text()
+    assert "resharded: the checkpoint of rollout step 1 was written by 2 rank(s) and continues on 1" in log
+    summary = json.loads((resumed_on_one_rank / "summary.json").read_text())
+    single = json.loads((single_run / "summary.json").read_text())
+    assert summary["data_parallel_size"] == 1
+    for key in ("rollout_steps", "optimizer_steps_actor", "optimizer_steps_critic", "samples_generated"):
+        assert summary[key] == single[key], key
+    assert [r["rollout_step"] for r in metrics(resumed_on_one_rank)] == ["1", "2"]  # history carried, no repeat
+    assert not (resumed_on_one_rank / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
+    one, resumed = experience(single_run, 1, world=1), experience(resumed_on_one_rank, 1, world=1)
+    assert resumed["dataset_indices"] == one["dataset_indices"]  # the data position, carried
+    assert resumed["response_ids"] == one["response_ids"]
+    torch.testing.assert_close(resumed["advantages"], one["advantages"], atol=1e-5, rtol=0)
+    final, final_resumed = final_actor(single_run), final_actor(resumed_on_one_rank)
+    assert final.keys() == final_resumed.keys()
+    for name in final:
+        torch.testing.assert_close(final_resumed[name], final[name], atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 FAILING_REWARD = """
 import os
 
@@ -292,6 +329,47 @@ def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
     while live_processes_in_group(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not live_processes_in_group(pgid), "a rank outlived the failed run"
+
+
+HANGING_REWARD = """
+import os
+import time
+
+def hang_on_rank_1(prompts, responses, references, extras):
+    if os.environ["RANK"] == "1":
+        time.sleep(3600)
+    return [0.0] * len(responses)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_stops_the_run_naming_the_phase(tmp_path, cache, single_run):
+    """Rank 1's reward hangs in the first evaluation (no reward limit): rank 0 waits in that evaluation's all-reduce
+    for trainer.collective_timeout_s, then stops the run in one line naming the evaluation, and stops rank 1."""
+    (tmp_path / "rank_reward.py").write_text(HANGING_REWARD)
+    out = train_cli(
+        tmp_path / "run",
+        cache,
+        *DDP,
+        "data.n_eval=8",
+        "reward.fn._target_=rank_reward.hang_on_rank_1",
+        "reward.timeout_s=null",
+        "trainer.collective_timeout_s=30",
+        returncode=2,
+        pythonpath=(str(tmp_path),),
+    )
+    log = (out / "train.log").read_text()  # the error line follows the progress bar's last state
+    errors = [line[line.index("error: ") :] for line in log.splitlines() if "error: " in line]
+    assert errors == [
+        "error: rank 0 waited more than trainer.collective_timeout_s=30s for the other ranks in the evaluation before "
+        "rollout step 1; a rank hung or stopped there (its log: <run>/logs/run.rank<N>.log); fix: find what held it "
+        "up, or raise trainer.collective_timeout_s if the evaluation before rollout step 1 is only slow on some ranks"
+    ]
+    pgid = int((out / "pgid").read_text())
+    deadline = time.monotonic() + 10
+    while live_processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not live_processes_in_group(pgid), "a rank outlived the stopped run"
 
 
 @pytest.mark.slow

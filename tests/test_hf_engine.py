@@ -266,6 +266,7 @@ def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
             r"^rollout.engine=hf with strategy=fsdp: .*fix:",
         ),
         (["rollout.engine=hf", "strategy.precision=32-true", "rollout.dtype=bfloat16"], r"rollout.dtype=null$"),
+        (["rollout.engine=hf", "rollout.tensor_parallel_size=2"], r"^rollout.tensor_parallel_size=2 with .*fix:"),
     ],
 )
 def test_engine_settings_that_cannot_run_are_refused_in_one_line(overrides, match):
@@ -278,6 +279,14 @@ def test_the_plan_names_the_engine():
     hf = compute_plan(compose_run_config("rollout.engine=hf", "strategy=ddp", "strategy.devices=2"), 1000)
     assert "shares its weights, no sync" in hf.table() and "vLLM dtype" not in hf.table()
     assert "weights synced after each rollout step" in compute_plan(compose_run_config(), 1000).table()
+
+
+def test_the_plan_names_vllm_settings_the_hf_engine_does_not_use():
+    """An experiment written for vLLM run with rollout.engine=hf: its vLLM-only settings are named, not dropped silently."""
+    plan = compute_plan(compose_run_config("+experiment=qwen1.5b", "rollout.engine=hf"), 1000)
+    (note,) = [n for n in plan.notes if "does not use" in n]
+    assert "rollout.gpu_memory_utilization=" in note
+    assert not any("does not use" in n for n in compute_plan(compose_run_config("rollout.engine=hf"), 1000).notes)
 
 
 def test_ddp_on_cpu_samples_and_trains_as_one_process(tmp_path):

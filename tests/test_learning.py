@@ -21,6 +21,8 @@ RUNS = {
     "temperature_0.7": ["rollout.temperature=0.7"],
     "bf16_mixed": ["strategy.precision=bf16-mixed"],
     "hf_engine": ["rollout.engine=hf"],  # issue 28: the actor generates through Hugging Face generate, no vLLM
+    # issue 25: LoRA RL, adapter-only sync; LoRA wants ~10x the full fine-tuning learning rate (docs/lora.md)
+    "lora": ["model.lora.rank=16", "ppo.actor_lr=2e-3"],
 }
 
 

@@ -107,6 +107,28 @@ def test_checkpointing_ddp_fsdp_and_bf16_by_hand():
     assert true16["weights"] == 24288 // 2 and true16["optimizer states"] == 32384 // 2
 
 
+def test_hf_engine_counts_its_generate_cache_not_a_second_copy_of_the_weights():
+    # rollout.engine=hf: the actor generates, so no vLLM weights or reservation; one generate call of 4 sequences
+    # x (3 + 5) tokens holds its KV cache (2 layers x K and V x kv_dim 4 x 4 B) and one float32 logits row each.
+    hf = dataclasses.replace(RUN, rollout_engine="hf")
+    e = estimate_memory(SHAPE, hf)
+    r = rows(e)
+    assert not any(what.startswith("vLLM") for what in r)
+    kv_and_logits = 4 * 8 * 2 * 2 * 4 * 4 + 4 * 100 * 4
+    assert r["HF generate KV cache and logits"] == kv_and_logits
+    assert e.rollout_bytes == 24288 + 32384 + kv_and_logits
+    assert e.training_bytes == estimate_memory(SHAPE, RUN).training_bytes  # freed before training
+    halves = rows(estimate_memory(SHAPE, dataclasses.replace(hf, hf_batch_sequences=2)))
+    assert halves["HF generate KV cache and logits"] == kv_and_logits // 2
+
+
+def test_plan_mode_memory_follows_the_rollout_engine(tmp_path, capsys):
+    run_module.main(compose_config("+experiment=qwen1.5b", "mode=plan", "rollout.engine=hf", f"output_dir={tmp_path}"))
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
+    whats = [row["what"] for row in memory["rows"]]
+    assert "HF generate KV cache and logits" in whats and not any(w.startswith("vLLM") for w in whats)
+
+
 def test_over_the_device_memory_warns_in_one_line():
     cpu = dataclasses.replace(RUN, on_gpu=False, cpu_kv_cache_gib=0, device_memory_gib=100_000 / GIB)
     e = estimate_memory(SHAPE, cpu)

@@ -78,6 +78,31 @@ def test_only_the_run_length_and_what_is_recorded_may_change_on_resume(tmp_path)
     assert any(line.startswith("ppo.advantage_estimator: gae -> grpo") for line in changed), changed
 
 
+def test_the_number_of_ranks_and_the_waits_limits_may_change_on_resume():
+    """A requeued job on another node count (resharding: the checkpoint's states are whole), or with a longer limit
+    on a wait, continues the run; the strategy itself may not change (its checkpoint's layout is its own)."""
+
+    def settings(*overrides: str) -> dict:
+        return compose_run_config(*overrides).to_dict()
+
+    saved = settings("strategy=fsdp", "strategy.devices=8", "strategy.num_nodes=2")
+    assert config_differences(saved, settings("strategy=fsdp", "strategy.devices=4", "strategy.num_nodes=1")) == []
+    assert (
+        config_differences(
+            saved,
+            settings(
+                "strategy=fsdp",
+                "strategy.devices=8",
+                "strategy.num_nodes=2",
+                "trainer.collective_timeout_s=60",
+                "rollout.engine_start_timeout_s=60",
+            ),
+        )
+        == []
+    )
+    assert "strategy.name: fsdp -> ddp" in config_differences(saved, settings("strategy=ddp", "strategy.devices=8"))
+
+
 def write_checkpoints(directory: Path, steps: list[int]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for step in steps:

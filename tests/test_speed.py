@@ -287,6 +287,7 @@ def test_micro_batch_groups_by_token_budget_hand_case():
 def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, arithmetic_files, tmp_path):
     batch = fixed_batch(n_prompts=4, n=4)  # 16 samples; two mini-batches of 8, fixed micro-batches of 2
     settings = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 8, "micro_train_batch_size": 2}
+    settings["packing"] = False  # the padded layout's budget (packed micro-batches pad ~nothing: tests/test_packing.py)
     fixed, _, fixed_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch, **settings)
     budget, _, budget_grads = run_one_step(
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, micro_train_max_tokens=48, **settings

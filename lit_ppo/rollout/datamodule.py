@@ -42,6 +42,7 @@ from lit_ppo.rewards.scorer import RewardScorer, Scores
 from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
 from lit_ppo.rollout.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
+from lit_ppo.waits import start_within
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
 """The scorer's per-call counts (`Scores.metrics`), summed over a rollout step's generation rounds."""
@@ -93,6 +94,9 @@ class _RolloutStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
+    engine_class = VLLMEngine
+    """What `start_engine` starts (with the engine's settings), within rollout.engine_start_timeout_s."""
+
     def __init__(
         self,
         *,
@@ -175,17 +179,21 @@ class RolloutDataModule(L.LightningDataModule):
                     "the process group; call trainer.fit instead of starting it by hand"
                 )
             started = time.perf_counter()
-            self.engine = VLLMEngine(
-                self.model_dir,
-                dtype=self.rollout.dtype or self.plan.rollout_dtype,
-                max_model_len=self.rollout.max_model_len,
-                gpu_memory_utilization=self.rollout.gpu_memory_utilization,
-                kv_cache_gib=self.rollout.kv_cache_gib,
-                seed=self.seed,
-                tensor_parallel_size=self.rollout.tensor_parallel_size,
-                enforce_eager=self.rollout.enforce_eager,
-                distributed=self.world_size > 1,
-                enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
+            self.engine = start_within(
+                lambda: self.engine_class(
+                    self.model_dir,
+                    dtype=self.rollout.dtype or self.plan.rollout_dtype,
+                    max_model_len=self.rollout.max_model_len,
+                    gpu_memory_utilization=self.rollout.gpu_memory_utilization,
+                    kv_cache_gib=self.rollout.kv_cache_gib,
+                    seed=self.seed,
+                    tensor_parallel_size=self.rollout.tensor_parallel_size,
+                    enforce_eager=self.rollout.enforce_eager,
+                    distributed=self.world_size > 1,
+                    enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
+                    max_lora_rank=self.plan.vllm_max_lora_rank or None,
+                ),
+                self.rollout.engine_start_timeout_s,
             )
             self.engine_start_seconds = time.perf_counter() - started
         return self.engine
@@ -357,6 +365,7 @@ class RolloutDataModule(L.LightningDataModule):
             if plan.rollout_mode == "disaggregated"
             else [rollout_step] * len(samples),
             wait_seconds=self.last_wait_seconds,
+            adapter_versions=[getattr(g, "adapter_version", 0) for _, _, g in samples] if plan.lora_rank else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 

@@ -26,6 +26,7 @@ class Generation:
     truncated: bool  # stopped by the length limit, not by end-of-sequence
     text: str
     logprobs: list[float]  # per token: vLLM's log-probability of the sampled token, after temperature and top-p
+    adapter_version: int = 0  # the LoRA adapter version that sampled it (VLLMEngine.sync_adapter); 0: no adapter
 
 
 def sampling_seeds(seed: int, purpose: str, positions: Iterable[int], n: int) -> list[int]:
@@ -64,6 +65,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         distributed: bool = False,
         enable_sleep_mode: bool = False,
+        max_lora_rank: int | None = None,
     ):
         configure_vllm_environment(kv_cache_gib)
         from vllm.platforms import current_platform
@@ -83,6 +85,10 @@ class VLLMEngine:
             # max(max_model_len, 4096) tokens, so any single prompt fits. GPUs keep chunked prefill: CUDA
             # generators rewind.
             kwargs["enable_chunked_prefill"] = False
+        if max_lora_rank is not None:
+            # LoRA runs: the base stays as loaded and one adapter at a time serves every request (`sync_adapter`).
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        self.lora_request = None  # the adapter version every generate call uses (LoRA runs)
         with quiet_stderr():  # vLLM's C++ warnings and loading bars on fd 2 go to run.log, not the console
             from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
 
@@ -162,7 +168,8 @@ class VLLMEngine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        version = self.adapter_version
         generations = []
         for i, request in enumerate(outputs):
             for completion in request.outputs:
@@ -177,6 +184,7 @@ class VLLMEngine:
                             position[token].logprob
                             for position, token in zip(completion.logprobs, completion.token_ids)
                         ],
+                        adapter_version=version,
                     )
                 )
         return generations
@@ -193,13 +201,50 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    @property
+    def adapter_version(self) -> int:
+        """The LoRA adapter version that serves generate calls; 0: none (the base, or a full-parameter run)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @torch.no_grad()
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict, version: int) -> int:
+        """Load a LoRA adapter (peft's tensor names and adapter config) from memory as adapter `version` (>= 1), serve
+        every later generate call with it, and drop every other adapter; returns the bytes pushed.
+
+        vLLM has no public in-memory route (its LoRARequest names a directory), so the tensors go straight to the
+        worker's adapter manager in this process (`_load_adapter_from_tensors`), as verl's TensorLoRARequest does
+        through a patched loader; requests then name the version, which is already loaded, and nothing reads a disk.
+        The check after it (`list_loras`) fails the run in one line if the engine does not serve this version."""
+        if version < 1:
+            raise ValueError(f"sync_adapter: adapter versions start at 1 (vLLM's LoRA ids), got {version}")
+        # vLLM folds alpha / r into lora_B in place (LoRALayerWeights.optimize): it must get copies, never the
+        # trainer's tensors (which it would scale under the optimizer's feet). Copies also free FSDP's gathers.
+        copies = {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
+        for stale in self.llm.llm_engine.list_loras():  # the previous version, or another run's same id
+            self.llm.llm_engine.remove_lora(stale)
+        self.llm.collective_rpc(_load_adapter_from_tensors, args=(version, copies, peft_config))
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(f"policy-v{version}", version, f"in-memory:policy-v{version}")
+        served = set(self.llm.llm_engine.list_loras())
+        if served != {version}:
+            from lit_ppo.errors import WeightSyncError
+
+            raise WeightSyncError(
+                f"LoRA sync: vLLM serves adapter versions {sorted(served)} after loading version {version}; the "
+                "rollouts would not sample from the trained policy; fix: report it with logs/run.log (vLLM's LoRA "
+                "manager refused the adapter)"
+            )
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
+        return sum(t.numel() * t.element_size() for t in copies.values())
+
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
         """vLLM's log-probability of each response token given the prompt (teacher-forced)."""
         from vllm import SamplingParams
 
         ids = list(prompt_token_ids) + list(response_token_ids)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, lora_request=self.lora_request)[0]
         per_position = out.prompt_logprobs  # list (None for the first token) of {token_id: Logprob}
         return [per_position[j][ids[j]].logprob for j in range(len(prompt_token_ids), len(ids))]
 
@@ -220,3 +265,28 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         gc.collect()
+
+
+def _load_adapter_from_tensors(worker, version: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+    """Runs on the vLLM worker (in this process): build the LoRA model from `tensors` the way vLLM's own loader does
+    from a directory (same validation of the config against the engine's LoRA settings, same name mapping), then
+    add it to the adapter manager and activate it."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    adapter = manager._lora_model_cls.from_lora_tensors(
+        version,
+        tensors,
+        helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    manager._adapter_manager.add_adapter(adapter)
+    manager._adapter_manager.activate_adapter(version)

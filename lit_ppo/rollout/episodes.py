@@ -160,7 +160,14 @@ def run_episodes(
     running: list[_Running] = []
     for i, prompt in enumerate(prompts):
         for _ in range(n):
-            episode = Episode(prompt_index=i, token_ids=[], truncated=False, text="", logprobs=[])
+            episode = Episode(
+                prompt_index=i,
+                token_ids=[],
+                truncated=False,
+                text="",
+                logprobs=[],
+                adapter_version=getattr(engine, "adapter_version", 0),  # every turn of the episode uses this one
+            )
             running.append(_Running(len(running), prompt, make_environment(), episode))
     positions = sample_positions or list(range(len(running)))
     takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]

@@ -263,8 +263,10 @@ class HFEngine:
             eos_token_id=None,  # the stopping criterion handles every stop
             use_cache=True,
         )
-        own_config = self.model.generation_config
-        self.model.generation_config = GenerationConfig()
+        # A LoRA actor (a peft model) generates through its base model, whose generation config generate reads.
+        owner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        own_config = owner.generation_config
+        owner.generation_config = GenerationConfig()
         try:
             with self._generating() as device:
                 sequences = self.model.generate(
@@ -275,7 +277,7 @@ class HFEngine:
                     stopping_criteria=StoppingCriteriaList([stops]),
                 )
         finally:
-            self.model.generation_config = own_config
+            owner.generation_config = own_config
         responses = sequences[:, width:].cpu().tolist()
         logprobs = torch.stack(sampler.logprobs, dim=1).float().cpu().tolist()
         out = []

@@ -93,6 +93,7 @@ def build_run(
         max_consecutive_skipped_updates=config.trainer.max_consecutive_skipped_updates,
         temperature=config.rollout.temperature,
         max_logprob_abs_diff=config.rollout.max_logprob_abs_diff,
+        lora=config.model.lora,
     )
     rollout = config.rollout
     if rollout.engine == "hf":  # the actor itself generates: the engine holds the module's model, not a copy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -25,10 +26,11 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def preflight(config: RunConfig) -> None:
+def preflight(config: RunConfig) -> RunConfig:
     """The pre-flight checks of lit_ppo/run/preflight.py on these settings, before the plan and before any model loads
     (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
-    checks what is on this machine and plans without the rest."""
+    checks what is on this machine and plans without the rest. Returns the settings with ppo.packing resolved where
+    the model's type is known (`checks.resolve_packing`)."""
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
     environment = rollout.environment
@@ -56,11 +58,12 @@ def preflight(config: RunConfig) -> None:
             if path.is_file() and path.suffix in (".jsonl", ".json"):
                 checks.check_utf8(path, key)
 
-    tokenizer, max_positions, positions_source = None, None, ""
+    tokenizer, max_positions, positions_source, model_type = None, None, "", None
     if config.model.path:
         model = checks.find_model_files(config.model.path, required=training, offline=checks.hub_offline())
         if model is not None:
             max_positions, positions_source = model.max_positions, model.source
+            model_type = model.config.get("model_type")
             from transformers import AutoTokenizer
 
             try:  # a hub model's tokenizer by its name when training (fetched as the run would); else what is here
@@ -79,6 +82,7 @@ def preflight(config: RunConfig) -> None:
 
         tokenizer = build_char_tokenizer()
         max_positions, positions_source = config.model.tiny.max_position_embeddings, "model.tiny"
+        model_type = "qwen2"  # lit_ppo.demo.tiny builds a Qwen2 model
     if tokenizer is not None:
         note = checks.pad_token_note(config.model.path or "the tiny model", tokenizer.pad_token, tokenizer.eos_token)
         if note:
@@ -101,6 +105,8 @@ def preflight(config: RunConfig) -> None:
         response_key=response_key,
         longest_prompt=longest,
     )
+    packing = checks.resolve_packing(config.ppo.packing, model_type)
+    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing))
 
 
 def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
@@ -134,7 +140,7 @@ def main(cfg: DictConfig) -> dict | None:
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
-    preflight(config)
+    config = preflight(config)
     output_dir = output_dir_of(cfg)
     size, source = planned_dataset_size(config.data)
     plan = compute_plan(config, size)

@@ -312,3 +312,24 @@ def check_lengths(
                 + (f" (at most {max_positions}, the model's positions)" if max_positions else "")
                 + f", or data.max_prompt_length={fits} (longer prompts then follow data.bad_records)"
             )
+
+
+# ------------------------------------------------------------------ packing
+
+
+def resolve_packing(packing: bool | None, model_type: str | None) -> bool | None:
+    """ppo.packing for a model of `model_type` (config.json; None: not on this machine, `mode=plan`, left as set):
+    null becomes on where transformers reads the model's packed position ids and off (with a line saying why) where
+    not; true where not is refused."""
+    from lit_ppo.packing import packing_unsupported
+
+    if model_type is None or packing is False:
+        return packing
+    reason = packing_unsupported(model_type)
+    if reason and packing:
+        raise ConfigError(f"ppo.packing=true: {reason}; fix: set ppo.packing=false (padded micro-batches)")
+    if reason:
+        from lit_ppo.console import show
+
+        show(f"packing: off, {reason} (ppo.packing=null); micro-batches are padded")
+    return reason is None

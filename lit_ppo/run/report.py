@@ -190,6 +190,11 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             cpu_kv_cache_gib=rollout.kv_cache_gib,
             device_memory_gib=device_memory_gib(strategy),
             grad_accumulation_steps=plan.grad_accumulation_steps,
+            rollout_engine=rollout.engine,
+            hf_batch_sequences=rollout.hf_max_batch_sequences,
+            lora_rank=plan.lora_rank,
+            lora_target_modules=config.model.lora.target_modules,
+            vllm_max_lora_rank=plan.vllm_max_lora_rank,
         ),
     )
 

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from lit_ppo import waits
 from lit_ppo.atomic import (
     atomic_path,
 )
@@ -37,6 +39,7 @@ from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
 from lit_ppo.run.report import write_curves, write_plan, write_summary
+from lit_ppo.threads import allowed_cores
 
 log = logging.getLogger("lit_ppo")
 
@@ -189,6 +192,28 @@ def stop_started_ranks(trainer: L.Trainer) -> None:
         child.wait()
 
 
+def lightning_strategy(config: RunConfig):
+    """The Lightning strategy of `strategy.lightning`, its process group's timeout `trainer.collective_timeout_s`
+    (lit_ppo/waits.py); "auto" (Lightning's choice) when none is set."""
+    if not config.strategy.lightning:
+        return "auto"
+    strategy_class = hydra.utils.get_class(config.strategy.lightning["_target_"])
+    timeout = waits.strategy_timeout(strategy_class, config.trainer.collective_timeout_s)
+    return hydra.utils.instantiate(config.strategy.lightning, **timeout)
+
+
+def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool) -> None:
+    """The final LoRA policy: `actor/` a PEFT adapter directory (adapter_config.json naming the base, the adapter's
+    tensors) that `peft` and vLLM's LoRARequest load, with the tokenizer; with `merged`, also `actor_merged/`, the
+    adapter merged into the base weights as a plain Hugging Face model (in the base's dtype). The merge happens in
+    place: the run is over."""
+    actor.save_pretrained(output_dir / "actor")
+    tokenizer.save_pretrained(output_dir / "actor")
+    if merged:
+        actor.merge_and_unload().save_pretrained(output_dir / "actor_merged")
+        tokenizer.save_pretrained(output_dir / "actor_merged")
+
+
 def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
@@ -226,7 +251,6 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
-    strategy = config.strategy
     trainer, module, datamodule = build_run(
         config,
         plan,
@@ -243,7 +267,7 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
             SampleTableLogger(),
         ],
         loggers=extra_loggers(config, output_dir, resume_from),
-        strategy=hydra.utils.instantiate(strategy.lightning) if strategy.lightning else "auto",
+        strategy=lightning_strategy(config),
     )
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
@@ -254,8 +278,11 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
         # Under FSDP every rank takes part in gathering the actor's shards (before the engine's shutdown
         # can touch the process group); rank 0 saves them below.
         actor_state = dict(module.full_actor_tensors()) if module.sharded else None
-    except Exception:
+    except Exception as error:
         stop_started_ranks(trainer)
+        timed_out = waits.named_timeout(error, trainer.global_rank)
+        if timed_out is not None:
+            raise timed_out from error
         raise
     finally:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
@@ -264,12 +291,17 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
 
     if not trainer.is_global_zero:
         return None
-    module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
-    tokenizer.save_pretrained(output_dir / "actor")
+    if module.lora:
+        save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged)
+    else:
+        module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
+        tokenizer.save_pretrained(output_dir / "actor")
     extra = {
         "warm_start_seconds": warm_start_seconds,
         "engine_start_seconds": datamodule.engine_start_seconds,
         "data_parallel_size": plan.data_parallel_size,
+        "cpu_threads": torch.get_num_threads(),  # intra-op threads at the end (lit_ppo/threads.py)
+        "cpu_cores_allowed": allowed_cores(),
         "wall_seconds": time.perf_counter() - started,
         "skipped_prompts": dict(train_prompts.skipped),
     }

@@ -237,4 +237,10 @@ def update_metrics(
     positions, real = global_sum(
         torch.tensor([float(padded_positions), float(real_tokens)], dtype=torch.float64, device=device)
     ).tolist()
-    return {**actor, **per_update.means(), "perf/padding_fraction": 1 - real / max(positions, 1.0)}
+    return {
+        **actor,
+        **per_update.means(),
+        "perf/padding_fraction": 1 - real / max(positions, 1.0),
+        "perf/trained_tokens": real,  # real tokens through the training forwards, over ranks and PPO epochs
+        "perf/trained_positions": positions,  # positions they laid out (real tokens and padding)
+    }

@@ -1,5 +1,6 @@
 """The run's models from one Hugging Face directory: the actor, and the critic and reference model when the plan needs
-them; and their outputs at a micro-batch's response tokens."""
+them (with `model.lora`, PEFT adapters on a frozen base, and no reference copy); and their outputs at a micro-batch's
+response tokens."""
 
 from __future__ import annotations
 
@@ -9,16 +10,25 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from lit_ppo.config import LoraConfig
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
+from lit_ppo.training.logits import logprobs_and_entropy
 
 
-def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = False):
-    """(actor, critic or None, reference or None), in float32; the reference frozen."""
-    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = False, lora: LoraConfig | None = None):
+    """(actor, critic or None, reference or None), in float32; the reference frozen.
+
+    With `lora` enabled the actor and the critic are PEFT models: the base weights frozen (in bf16 under bf16-mixed,
+    which computes in bf16 anyway; else float32), the adapters (and the critic's value head) trainable in float32. No
+    reference model is loaded: it is the actor with its adapter disabled (`reference_logits`)."""
+    lora = lora if lora is not None and lora.enabled else None
+    base_dtype = torch.bfloat16 if lora is not None and plan.precision == "bf16-mixed" else torch.float32
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype)
     critic = None
     if plan.critic_enabled:
-        critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=base_dtype)
+        critic.score.float()
         # A zero value head: the critic starts at V = 0 everywhere, the same in every run and on every rank.
         torch.nn.init.zeros_(critic.score.weight)
         if critic.score.bias is not None:
@@ -28,12 +38,56 @@ def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = F
             "critic: the policy's weights with a new value head (%d -> 1), starting at zero", critic.score.in_features
         )
     reference = None
-    if plan.reference_enabled:
+    if plan.reference_enabled and lora is None:
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
     for model in (actor, critic):
         if model is not None:
             prepare_for_training(model, gradient_checkpointing)
+    if lora is not None:
+        actor = with_lora(actor, lora)
+        if critic is not None:  # the value head is new: trained whole (modules_to_save), beside the body's adapter
+            critic = with_lora(critic, lora, modules_to_save=["score"])
     return actor, critic, reference
+
+
+def peft_lora_config(lora: LoraConfig, modules_to_save: list[str] | None = None):
+    """peft's LoraConfig of `model.lora`; also the `adapter_config.json` that vLLM reads."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=targets,
+        lora_dropout=lora.dropout,
+        init_lora_weights=True if lora.init == "default" else lora.init,
+        bias="none",
+        modules_to_save=modules_to_save,
+    )
+
+
+def with_lora(model: torch.nn.Module, lora: LoraConfig, modules_to_save: list[str] | None = None):
+    """`model` as a PEFT model: base frozen, the adapter (and `modules_to_save`) trainable and in float32 whatever the
+    base's dtype, so that AdamW's states and updates keep float32 resolution."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, peft_lora_config(lora, modules_to_save))
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    return model.train()
+
+
+def is_lora(model: torch.nn.Module | None) -> bool:
+    return model is not None and hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The actor's adapter by peft's names (`base_model.model.<module>.lora_A.weight`), as vLLM and `save_pretrained`
+    read them: the only tensors a LoRA run syncs."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
 
 
 def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -68,7 +122,53 @@ def response_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
 
 
 def critic_values(critic: torch.nn.Module, mb: MicroBatch) -> Tensor:
-    """The critic's value at each response token's position, [B, T] in float32."""
+    """The critic's value at each response token's position, [B, T] in float32 (packed: zero where response_mask is).
+
+    Packed, the value head (hidden size -> 1, one dot product per position) runs in the critic's own forward at every
+    position and the values are gathered at the response positions: calling the decoder and the head apart would step
+    around the wrappers' hooks on the model's forward (FSDP gathers the root's parameters there), to save nothing."""
+    if mb.packed:
+        values = critic(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits  # [R, L, 1]
+        return scatter_responses(values.reshape(-1)[mb.head_index].float(), mb.response_mask)
     T, start = mb.response_ids.shape[1], mb.prompt_width - 1
     inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
     return critic(**inputs).logits[:, start : start + T][..., 0].float()  # the value head's one output
+
+
+def response_logprobs_and_entropy(model: torch.nn.Module, mb: MicroBatch, temperature: float) -> tuple[Tensor, Tensor]:
+    """A language model's log-probs of the response tokens and its entropy there, [B, T] each in float32, at the
+    sampling temperature (`logits.logprobs_and_entropy`). Packed: the LM head runs only at the positions that predict
+    a response token the policy wrote ([n, V] logits, never for a prompt token, an observation or padding); zero
+    elsewhere."""
+    if not mb.packed:
+        return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=temperature)
+    hidden = decoder_hidden_states(model, mb)  # [R * L, H]
+    logits = model.get_output_embeddings()(hidden[mb.head_index])  # [n, V]
+    targets = mb.response_ids[mb.response_mask > 0]  # [n], the same row-major order as head_index
+    logp, entropy = logprobs_and_entropy(logits[None], targets[None], temperature=temperature)
+    return scatter_responses(logp[0], mb.response_mask), scatter_responses(entropy[0], mb.response_mask)
+
+
+def decoder_hidden_states(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """The decoder's last hidden states of a packed micro-batch, [R * L, H], taken by a hook from the model's own
+    forward (so that what wraps the model's forward, FSDP's gathering of the root's parameters or a peft model's,
+    still runs), which computes the vocabulary logits of one position per row only (logits_to_keep=1)."""
+    captured: list[Tensor] = []
+
+    def keep(_module, _args, output) -> None:
+        captured.append(output[0])  # BaseModelOutputWithPast.last_hidden_state
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        # use_cache=False: with a cache transformers takes the positions for decoding steps and builds no packed mask
+        model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[0].reshape(-1, captured[0].shape[-1])
+
+
+def scatter_responses(values: Tensor, response_mask: Tensor) -> Tensor:
+    """[n] values at the response_mask's nonzero [B, T] entries (row-major) back into [B, T], zero elsewhere."""
+    return torch.zeros(response_mask.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        response_mask > 0, values
+    )

@@ -8,7 +8,7 @@ One `training_step` is one rollout step:
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
      `micro_train_max_tokens` padded tokens), one optimizer step each,
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
-  5. push the actor's weights into vLLM.
+  5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
 on its share of the rollout batch; advantage statistics, loss denominators and the logged metrics
@@ -27,15 +27,22 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
-from lit_ppo import preemption
+from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
-from lit_ppo.config import PPOConfig
+from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
-from lit_ppo.errors import ConfigError
-from lit_ppo.plan import StepPlan, check_policy_versions, check_step_accounting, minibatch_schedule
+from lit_ppo.errors import ConfigError, WeightSyncError
+from lit_ppo.packing import one_row, packing_unsupported
+from lit_ppo.plan import (
+    StepPlan,
+    check_micro_batches,
+    check_policy_versions,
+    check_step_accounting,
+    minibatch_schedule,
+)
 from lit_ppo.run.report import write_metrics_csv
-from lit_ppo.training.batching import MicroBatch, pack, packed_micro_batches, padded_tokens, rank_micro_batch_groups
+from lit_ppo.training.batching import MicroBatch, pack, packed_micro_batches, rank_micro_batch_groups
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -45,9 +52,14 @@ from lit_ppo.training.experience import (
     next_kl_coef,
     old_logprobs_from_training,
 )
-from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
-from lit_ppo.training.models import critic_values, load_models, response_logits
+from lit_ppo.training.models import (
+    adapter_tensors,
+    critic_values,
+    is_lora,
+    load_models,
+    response_logprobs_and_entropy,
+)
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 
 
@@ -65,6 +77,7 @@ class PPOModule(L.LightningModule):
         metrics_path: str | None = None,
         temperature: float = 1.0,
         max_logprob_abs_diff: float | None = None,
+        lora: LoraConfig | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -78,7 +91,13 @@ class PPOModule(L.LightningModule):
         self.temperature = temperature
         self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
-        self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing)
+        self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing, lora)
+        attention = self.actor.config._attn_implementation
+        if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
+            raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
+        self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
+        self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
+        self.last_sync_bytes = 0  # pushed into the engine by the last weight sync
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
         self.actor_optimizer_steps = 0
@@ -121,13 +140,20 @@ class PPOModule(L.LightningModule):
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
-        return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=self.temperature)[0]
+        return response_logprobs_and_entropy(model, mb, self.temperature)[0]
+
+    def reference_logprobs(self, mb: MicroBatch) -> Tensor:
+        """The reference model's log-probs: with LoRA the actor with its adapter disabled (the frozen base), no copy."""
+        if self.lora:
+            with self.actor.disable_adapter():
+                return self.response_logprobs(self.actor, mb)
+        return self.response_logprobs(self.reference, mb)
 
     def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
     def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
-        return packed_micro_batches(batch, groups, self.pad_token_id, self.device)
+        return packed_micro_batches(batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row)
 
     # ------------------------------------------------------------ experience
 
@@ -151,7 +177,7 @@ class PPOModule(L.LightningModule):
             )
         mask = zeros()
         old_logp = zeros() if source == "experience forward" else None
-        ref_logp = zeros() if self.reference is not None else None
+        ref_logp = zeros() if self.plan.reference_enabled else None
         values = zeros() if self.critic is not None else None
 
         def forwards() -> None:
@@ -161,7 +187,7 @@ class PPOModule(L.LightningModule):
                 if old_logp is not None:
                     old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
                 if ref_logp is not None:
-                    ref_logp[idx, :t] = self.response_logprobs(self.reference, mb)
+                    ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
                     values[idx, :t] = self._values(mb) * mb.response_mask
 
@@ -205,7 +231,7 @@ class PPOModule(L.LightningModule):
             return None
         prompt, response = batch.prompt_ids[0], batch.response_ids[0]
         mb = pack([prompt], [response], self.pad_token_id, self.device)
-        logp = logprobs_and_entropy(response_logits(self.actor, mb), mb.response_ids, temperature=1.0)[0][0]
+        logp = response_logprobs_and_entropy(self.actor, mb, temperature=1.0)[0][0]
         return list(prompt), list(response), logp[: len(response)].tolist()
 
     # ------------------------------------------------------------ PPO updates
@@ -229,16 +255,20 @@ class PPOModule(L.LightningModule):
         captured = torch.zeros_like(exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
         captured_rows = torch.zeros(N, dtype=exp.mask.dtype, device=exp.mask.device)
         lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
-        positions = real_tokens = 0
+        positions = real_tokens = micro_batches = 0
         for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
             for indices in minibatches:
                 use_counts[epoch, indices] += 1
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
                 num_tokens, num_seqs, num_policy_tokens = loss_denominators(exp, indices)
                 groups = self._micro_batch_groups(batch, indices)
-                positions += sum(padded_tokens(*lengths, g) for g in groups)
-                real_tokens += sum(lengths[0][i] + lengths[1][i] for i in indices)
+                real = [sum(lengths[0][i] + lengths[1][i] for i in g) for g in groups]
+                laid_out = []
+                real_tokens += sum(real)
+                micro_batches += len(groups)
                 for position, (idx, mb) in enumerate(self._micro_batches(batch, groups)):
+                    positions += mb.positions
+                    laid_out.append((len(idx), real[position] if mb.packed else mb.positions))
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
@@ -252,6 +282,7 @@ class PPOModule(L.LightningModule):
                             captured_rows[idx] = 1.0
                         if self.critic is not None:  # the update's value loss, one micro-batch's share at a time
                             per_update.add({"critic/value_loss": self._critic_backward(mb, rows, num_tokens, world)})
+                check_micro_batches(self.plan, self.rollout_step, laid_out)
                 grad_norm = self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)
                 per_update.add({"actor/grad_norm": grad_norm})
                 self.actor_optimizer_steps += 1
@@ -272,6 +303,9 @@ class PPOModule(L.LightningModule):
             device=self.device,
             global_sum=global_sum,
         )
+        micro_batches = float(global_sum(torch.tensor(float(micro_batches), dtype=torch.float64, device=self.device)))
+        metrics["perf/real_tokens_per_micro_batch"] = metrics["perf/trained_tokens"] / max(micro_batches, 1.0)
+        metrics["perf/padded_tokens_per_micro_batch"] = metrics["perf/trained_positions"] / max(micro_batches, 1.0)
         metrics["actor/lr"] = schedulers[0].get_last_lr()[0]
         if self.critic is not None:
             metrics["critic/lr"] = schedulers[1].get_last_lr()[0]
@@ -281,11 +315,10 @@ class PPOModule(L.LightningModule):
         self, mb: MicroBatch, e: Experience, num_tokens, num_seqs, world: int
     ) -> tuple[dict[str, float], Tensor]:
         """One micro-batch's share of the actor loss, backpropagated; its metrics and log-probs (detached)."""
-        # Float32 chunks; entropy's gradient only when the loss uses it. The logits [B, T + 1, V] are not kept here:
-        # autograd frees them (their gradient written over them) once the LM head's backward has read them.
-        logits = response_logits(self.actor, mb)
-        logp, entropy = logprobs_and_entropy(logits, mb.response_ids, temperature=self.temperature)
-        del logits
+        # Float32 chunks; entropy's gradient only when the loss uses it. The logits ([n, V] packed, [B, T + 1, V]
+        # padded) are not kept here: autograd frees them (their gradient written over them) once the LM head's
+        # backward has read them.
+        logp, entropy = response_logprobs_and_entropy(self.actor, mb, self.temperature)
         mask = mb.response_mask
         # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
         # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).
@@ -324,8 +357,11 @@ class PPOModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
-        self.sync_weights(self.trainer.datamodule.start_engine())
+        engine = self.trainer.datamodule.start_engine()
+        waits.entering("the weight sync before rollout step 1")
+        self.sync_weights(engine, self.rollout_step)
         if not self.eval_history:
+            waits.entering("the evaluation before rollout step 1")
             self._log_initial_evaluation(self._evaluate())
 
     def _initial_row(self) -> dict[str, Any] | None:
@@ -349,10 +385,13 @@ class PPOModule(L.LightningModule):
 
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
+        waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
         batch, _, _ = next(dataloader_iter)
+        waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample is of the policy version the plan states.
         check_policy_versions(self.plan, batch.rollout_step, batch.policy_versions)
         engine = self.trainer.datamodule.engine
+        check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
@@ -368,7 +407,10 @@ class PPOModule(L.LightningModule):
             self.critic_optimizer_steps - critic_before,
         )
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
+        # Real tokens (prompt + response) through the training forwards and backwards, per second of the phase.
+        train_metrics["perf/tokens_per_second"] = train_metrics["perf/trained_tokens"] / max(train_seconds, 1e-9)
         # 5. The new weights into vLLM, for the next rollout batch.
+        waits.entering(f"the weight sync after rollout step {batch.rollout_step + 1}")
         self.sync_weights(engine, version=batch.rollout_step + 1, probe_batch=batch)
         sync_seconds = time.perf_counter() - started
 
@@ -388,17 +430,35 @@ class PPOModule(L.LightningModule):
 
     @torch.no_grad()
     def sync_weights(self, engine, version: int | None = None, probe_batch: RolloutBatch | None = None) -> None:
-        """Push the actor into the engine; `version`: the policy version it is (the rollout steps it has taken), which
-        rollout workers record on every sample they generate with it, and check against a probe of `probe_batch`."""
+        """The actor's weights into the engine as policy `version` (the rollout steps it has taken; None:
+        `self.rollout_step`): with LoRA into vLLM only the adapter, as adapter `adapter_version(version)` (the engine
+        checks it serves it); otherwise every tensor, which rollout workers (rollout.mode=disaggregated) record on
+        every sample they generate with it and check against a probe of `probe_batch`. Records the bytes pushed
+        (`perf/weight_sync_bytes`)."""
         engine.wake_up()
-        if getattr(engine, "versioned", False):  # rollout workers (rollout.mode=disaggregated)
-            engine.sync_weights(
-                self.full_actor_tensors(),
-                version=self.rollout_step if version is None else version,
-                probe=self.weight_probe(probe_batch),
+        version = self.rollout_step if version is None else version
+        if self.lora and hasattr(engine, "sync_adapter"):
+            self.last_sync_bytes = engine.sync_adapter(
+                adapter_tensors(self.actor), self.adapter_config(), adapter_version(version)
             )
+            return
+        pushed = [0]
+
+        def counted():
+            for name, tensor in self.full_actor_tensors():
+                pushed[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        if getattr(engine, "versioned", False):  # rollout workers (rollout.mode=disaggregated)
+            engine.sync_weights(counted(), version=version, probe=self.weight_probe(probe_batch))
         else:
-            engine.sync_weights(self.full_actor_tensors())
+            engine.sync_weights(counted())
+        self.last_sync_bytes = pushed[0]
+
+    def adapter_config(self) -> dict:
+        """The actor's peft adapter config as plain values (what vLLM reads from adapter_config.json)."""
+        config = self.actor.peft_config["default"].to_dict()
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
     def _rollout_step_row(
         self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]
@@ -411,7 +471,8 @@ class PPOModule(L.LightningModule):
         }
         extra = {
             **self.rollout_correction_stats,
-            **({"rollout/kl_coef": self.kl_coef} if self.reference is not None else {}),
+            **({"rollout/kl_coef": self.kl_coef} if self.plan.reference_enabled else {}),
+            "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
         if batch.policy_versions:  # rollout steps between the generating policy and the one this step starts from
             extra["rollout/policy_version_lag"] = batch.rollout_step - sum(batch.policy_versions) / len(
@@ -433,6 +494,7 @@ class PPOModule(L.LightningModule):
         )
         last = self.rollout_step == self.plan.total_rollout_steps
         if last or (self.eval_every and self.rollout_step % self.eval_every == 0):
+            waits.entering(f"the evaluation after rollout step {self.rollout_step}")
             row.update(self._evaluate())
         return row
 
@@ -460,9 +522,49 @@ class PPOModule(L.LightningModule):
         """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
         return self.guarded_step.skipped
 
+    def frozen_parameter_names(self) -> set[str]:
+        """The state_dict keys of parameters that never train (LoRA's base weights): loaded from model_dir, never
+        checkpointed."""
+        return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
+        if self.lora:  # the adapters and the value head, not the frozen base (model_dir has it)
+            frozen = self.frozen_parameter_names()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)  # Lightning loads the weights after this hook
+        if self.lora:
+            # Lightning then loads the checkpoint's keys only (strict_loading off): each trained one must be there.
+            self.strict_loading = False
+            wanted = set(self.state_dict()) - self.frozen_parameter_names()
+            missing = sorted(wanted - set(checkpoint["state_dict"]))
+            if missing:
+                raise ConfigError(
+                    f"the checkpoint lacks {len(missing)} trained tensors of this LoRA run (e.g. {missing[0]}); fix: "
+                    "resume with the model.lora settings it was written with"
+                )
         restore_module_state(self, checkpoint["lit_ppo"])
+
+
+def adapter_version(rollout_steps_trained: int) -> int:
+    """The LoRA adapter version of the actor after `rollout_steps_trained` rollout steps of updates: vLLM's adapter
+    id (from 1), increasing with every sync, and the same in a resumed run as in an uninterrupted one."""
+    return rollout_steps_trained + 1
+
+
+def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
+    """The runtime proof of the adapter-only sync: every sample of rollout step k (counted from 0; the message counts
+    from 1, as the stale-weight gate's does) was generated by adapter version k + 1 (the actor after k rollout steps).
+    A sync that was skipped or lost stops the run here, within one rollout step."""
+    if batch.adapter_versions is None or plan.rollout_engine != "vllm":
+        return  # no LoRA; or the engine is the actor itself (rollout.engine=hf)
+    expected = adapter_version(batch.rollout_step)
+    stale = sorted({v for v in batch.adapter_versions if v != expected})
+    if stale:
+        raise WeightSyncError(
+            f"rollout step {batch.rollout_step + 1}: vLLM sampled with LoRA adapter version(s) {stale}, but the trainer's "
+            f"adapter is version {expected}: the adapter sync did not reach the engine; fix: report it with "
+            "logs/run.log (the rollouts were not from the trained policy)"
+        )

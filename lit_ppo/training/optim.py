@@ -15,7 +15,9 @@ from lit_ppo.plan import StepPlan
 def adamw_with_schedule(model: torch.nn.Module, lr: float, ppo: PPOConfig, plan: StepPlan):
     """AdamW and its LR schedule (warm-up, then constant or cosine), stepped once per optimizer step: the plan's
     `lr_total_steps` is the schedule's length. Returns Lightning's (optimizer, scheduler config)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=ppo.weight_decay)
+    # Only what trains: with LoRA the frozen base has no gradients and gets no AdamW states.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=ppo.weight_decay)
     schedule = algo.lr_lambda(plan.lr_warmup_steps, plan.lr_total_steps, ppo.lr_schedule)
     return optimizer, {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}
 

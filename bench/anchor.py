@@ -1,0 +1,225 @@
+"""The public anchor's single-GPU training-phase protocol (prime-rl's published figures on one H100: Qwen3-0.6B full RL
+11.9k tok/s, 11.1 % MFU; Qwen3-4B with LoRA r16 6.23k tok/s, 21.7 % MFU), run through lit-ppo's own training phase.
+
+Protocol: the model's shape with random weights (nothing downloaded); each rollout step one optimizer step over 2
+packed micro-batches of at most 16,384 real tokens (ppo.packing, ppo.micro_train_max_tokens=16384), gradient
+checkpointing on, GRPO without KL (no reference, no experience forward: exactly on-policy), `precision: auto`
+(bf16-mixed on a GPU), a fixed rollout batch of samples whose prompts are 100-300 tokens and responses fill the two
+micro-batches; the first rollout step is warm-up and not counted. The 4B shape trains LoRA r16 adapters (peft, all
+linear layers, alpha 32) on frozen weights.
+
+tok/s: real (prompt + response) tokens trained per second of the training phase (`timing/train_s`).
+MFU: model FLOPs per second / the device's dense bf16 peak (--peak-tflops; H100 SXM 989), with the model FLOPs of
+one forward and backward (bench/mfu.training_flops, per sample, S = its prompt + response tokens, R = its response):
+    6 x (decoder-layer parameters) x S  +  6 x vocab x hidden x R  +  12 x layers x q_dim x S^2
+(body, LM head at response positions only, attention scores and values without causal halving). Recomputation
+(gradient checkpointing) is not counted, and LoRA is counted as full training (6 x, as the anchor reports it), so
+MFU compares model work, not hardware work.
+
+    python bench/anchor.py --model qwen3-0.6b          # on one GPU: the anchor's first row
+    python bench/anchor.py --model qwen3-4b-lora       # the second
+    .venv/bin/python bench/anchor.py --smoke           # on a CPU: scaled down (2 x 1,024 tokens), checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from common import CACHE, arithmetic_prompt_file, build_run, command_line, grpo_preset
+from mfu import matmul_peak, training_flops
+
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.memory import ModelShape
+from lit_ppo.precision import resolve_precision
+from lit_ppo.testing import FixedBatchDataModule, NullEngine
+
+# Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B): tied embeddings, head_dim 128.
+SHAPES = {
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=3072,
+        vocab_size=151936,
+    ),  # fmt: skip
+    "qwen3-4b-lora": dict(
+        hidden_size=2560,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=9728,
+        vocab_size=151936,
+    ),  # fmt: skip
+    "smoke": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=4096,
+    ),  # fmt: skip
+}
+ANCHOR = {"qwen3-0.6b": (11.9e3, 11.1), "qwen3-4b-lora": (6.23e3, 21.7)}  # prime-rl, one H100: tok/s, MFU %
+SAMPLES_PER_PROMPT = 8
+
+
+def model_dir_of(name: str):
+    """A saved Qwen3 model of `name`'s shape with random weights (and the character tokenizer), built once."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from lit_ppo.demo.tiny import build_char_tokenizer, save_model_dir
+
+    path = CACHE / f"anchor-{name}"
+    if not (path / "config.json").exists():
+        config = Qwen3Config(**SHAPES[name], head_dim=128 if name != "smoke" else 32, tie_word_embeddings=True,
+                             max_position_embeddings=40960)  # fmt: skip
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        save_model_dir(model.to("cpu"), build_char_tokenizer(), path)
+    return path
+
+
+def anchor_batch(micro_batch_tokens: int, micro_batches: int, vocab: int, seed: int) -> RolloutBatch:
+    """Groups of SAMPLES_PER_PROMPT samples of one 100-300-token prompt, responses 100-1,500 tokens, until the real
+    tokens fill `micro_batches` x `micro_batch_tokens` (97 %: the partition needs some slack), random ids."""
+    rng = random.Random(seed)
+    budget = int(0.97 * micro_batches * micro_batch_tokens)
+    prompts, responses, total = [], [], 0
+    while True:
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(100, 300))]
+        group = [[rng.randrange(4, vocab) for _ in range(rng.randint(100, 1500))] for _ in range(SAMPLES_PER_PROMPT)]
+        size = SAMPLES_PER_PROMPT * len(prompt) + sum(map(len, group))
+        if total + size > budget:
+            break
+        prompts += [prompt] * SAMPLES_PER_PROMPT
+        responses += group
+        total += size
+    if not prompts:  # the smoke's budget holds no group of long responses: short ones
+        prompts = [[rng.randrange(4, vocab) for _ in range(100)]] * SAMPLES_PER_PROMPT
+        responses = [[rng.randrange(4, vocab) for _ in range(budget // SAMPLES_PER_PROMPT - 100)]] * SAMPLES_PER_PROMPT
+    N = len(prompts)
+    return RolloutBatch(
+        rollout_step=0,
+        data_epoch=0,
+        prompt_positions=[i // SAMPLES_PER_PROMPT for i in range(N)],
+        dataset_indices=[i // SAMPLES_PER_PROMPT for i in range(N)],
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_logprobs=None,
+        rewards=torch.tensor([float(rng.random() < 0.5) for _ in range(N)]),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        prompts=[""] * N,
+        responses=[""] * N,
+        references=[None] * N,
+        generate_seconds=0.0,
+        reward_seconds=0.0,
+        reward_metrics={},
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["qwen3-0.6b", "qwen3-4b-lora"], default="qwen3-0.6b")
+    parser.add_argument("--smoke", action="store_true", help="CPU-sized model and 2 x 1,024 tokens; measures nothing")
+    parser.add_argument("--steps", type=int, default=4, help="rollout steps; the first is warm-up, not counted")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak; default: 989 (H100 SXM)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    name = "smoke" if args.smoke else args.model
+    if args.smoke:
+        args.micro_batch_tokens, args.steps = 1024, 2
+    lora = name.endswith("lora") or args.smoke  # the smoke runs the LoRA path too (it is the one that can break)
+    model_dir = model_dir_of(name)
+    batch = anchor_batch(args.micro_batch_tokens, 2, SHAPES[name]["vocab_size"], args.seed)
+    N = len(batch.prompt_ids)
+    real = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    accelerator = "gpu" if cuda else "cpu"
+    precision = resolve_precision("auto", accelerator)
+    ppo = grpo_preset(
+        kl_coef=0.0,
+        rollout_batch_size=N // SAMPLES_PER_PROMPT,
+        n_samples_per_prompt=SAMPLES_PER_PROMPT,
+        train_batch_size=N,
+        micro_train_batch_size=1,
+        micro_train_max_tokens=args.micro_batch_tokens,
+        packing=True,
+        actor_lr=1e-5,
+    )
+    trainer, module, datamodule, plan = build_run(
+        model_dir,
+        arithmetic_prompt_file(max(64, N), args.seed),
+        ppo,
+        max_response_tokens=max(map(len, batch.response_ids)),
+        max_model_len=max(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)),
+        total_rollout_steps=args.steps,
+        engine=NullEngine(),
+        out_dir=CACHE / "anchor-run",
+        seed=args.seed,
+        datamodule_class=FixedBatchDataModule,
+        gradient_checkpointing=True,
+        accelerator=accelerator,
+        precision=precision,
+    )
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        module.actor = get_peft_model(module.actor, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    datamodule.fixed_batch = batch
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    wall = time.perf_counter() - started
+    steady = module.history[1:]
+    seconds = sorted(r["timing/train_s"] for r in steady)[len(steady) // 2]
+    tokens_per_s = real / seconds
+    shape = ModelShape.from_hf_config(
+        {
+            **SHAPES[name],
+            "head_dim": 128 if name != "smoke" else 32,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+        }
+    )
+    flops = sum(training_flops(shape, 1, len(p), len(r)) for p, r in zip(batch.prompt_ids, batch.response_ids))
+    if args.peak_tflops:
+        peak = args.peak_tflops * 1e12
+    elif cuda:
+        peak = 989e12
+    else:  # a CPU has no published peak here: the measured float32 matmul rate
+        peak = matmul_peak(torch.device("cpu"), torch.float32, 512, 3, 4)["max"]
+    mfu = flops / seconds / peak
+    print(f"command: {command_line()}")
+    print(
+        f"model: {name} shape ({'LoRA r16 on frozen weights' if lora else 'full RL'}), random weights; "
+        f"{precision}; gradient checkpointing on; {'cuda' if cuda else 'cpu'}"
+    )
+    last = steady[-1]
+    micro_batches = round(last["perf/trained_tokens"] / max(last["perf/real_tokens_per_micro_batch"], 1.0))
+    print(
+        f"batch: {N} samples, {real} real tokens in {micro_batches} "
+        f"packed micro-batches of <= {args.micro_batch_tokens} tokens (padding {steady[-1]['perf/padding_fraction']:.1%}); "
+        f"{module.actor_optimizer_steps} optimizer steps in {args.steps} rollout steps, the first one warm-up"
+    )
+    times = ", ".join(f"{r['timing/train_s']:.3f}" for r in steady)
+    print(f"training phase: {times} s (median {seconds:.3f} s)")
+    print(f"tokens/s: {tokens_per_s:.4g} real tokens per second of the training phase")
+    print(
+        f"MFU: {flops:.4g} model FLOPs / {seconds:.3f} s / {peak / 1e12:.4g} TFLOP/s peak = {mfu:.2%} "
+        "(6 x layer params x S + 6 x vocab x hidden x R + 12 x layers x q_dim x S^2, per sample)"
+    )
+    if name in ANCHOR:
+        anchor_tokens, anchor_mfu = ANCHOR[name]
+        print(
+            f"anchor (prime-rl, one H100): {anchor_tokens:.4g} tok/s, {anchor_mfu} % MFU; here {tokens_per_s / anchor_tokens:.2f}x tok/s"
+        )
+    print(f"wall: {wall:.1f} s for the whole fit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Bounded waits: every wait on something outside this rank's own computation has a limit, and when it runs out the
+run stops in one line naming what it waited for and the setting to raise.
+
+- Collectives (all-reduces, the weight sync's gathers under FSDP, a checkpoint's barrier, the process group's start):
+  the torch.distributed process group's timeout, `trainer.collective_timeout_s`, given to the Lightning strategy
+  (`strategy_timeout`). A rank then fails in the collective it waits in (gloo raises; NCCL's watchdog aborts the
+  communicator). Which collective that was is not in the backend's message, so the run marks its phases as it enters
+  them (`entering`) and `named_timeout` turns the backend's timeout into the one line naming the phase.
+- The vLLM engine's start: `rollout.engine_start_timeout_s`, a deadline in this process (`start_within`), since the
+  start also waits on the engine's own process and its compilation, not only on collectives.
+- Rewards and environment calls have their own limits (`reward.timeout_s`, `rollout.environment_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from datetime import timedelta
+
+from lit_ppo.errors import UserError, WaitTimeoutError
+from lit_ppo.rewards.workers import call_with_deadline
+
+COLLECTIVE_SETTING = "trainer.collective_timeout_s"
+ENGINE_START_SETTING = "rollout.engine_start_timeout_s"
+
+_phase = "the ranks' start (the process group's rendezvous)"  # what this rank is doing now, for the message
+_collective_timeout_s: float | None = None  # set by `strategy_timeout`, for the message
+
+# gloo: "Timed out waiting 5000ms for recv operation"; NCCL: "Watchdog caught collective operation timeout";
+# the store at the process group's start: "Timed out after 31 seconds waiting for clients".
+_BACKEND_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def entering(phase: str) -> None:
+    """Mark the phase this rank enters (`the weight sync after rollout step 3`): a collective that times out from now
+    on is reported as a wait in it."""
+    global _phase
+    _phase = phase
+
+
+def strategy_timeout(strategy_class: type, collective_timeout_s: float) -> dict:
+    """The keyword that gives a Lightning strategy its process group's timeout (DDPStrategy and ModelParallelStrategy
+    take `timeout`), or none for a strategy without one (a single device has no collectives)."""
+    global _collective_timeout_s
+    if "timeout" not in inspect.signature(strategy_class).parameters:
+        return {}
+    _collective_timeout_s = collective_timeout_s
+    return {"timeout": timedelta(seconds=collective_timeout_s)}
+
+
+def named_timeout(error: BaseException, rank: int) -> WaitTimeoutError | None:
+    """The one-line error for a collective's timeout (None for any other error): what this rank waited for, where
+    to look for the rank that did not come, and the setting to raise."""
+    # gloo raises a plain RuntimeError, the store a DistStoreError (one); lit-ppo's own errors (an environment's
+    # timeout, reward.on_error=raise) say what they are already.
+    if _collective_timeout_s is None or isinstance(error, UserError) or not isinstance(error, RuntimeError):
+        return None
+    if not _BACKEND_TIMEOUT.search(str(error)):
+        return None
+    return WaitTimeoutError(
+        f"rank {rank} waited more than {COLLECTIVE_SETTING}={_collective_timeout_s:g}s for the other ranks in "
+        f"{_phase}; a rank hung or stopped there (its log: <run>/logs/run.rank<N>.log); fix: find what held it up, "
+        f"or raise {COLLECTIVE_SETTING} if {_phase} is only slow on some ranks"
+    )
+
+
+def start_within(start, timeout_s: float | None, what: str = "the vLLM engine's start"):
+    """`start()`, stopped after `timeout_s` seconds (None: no limit) with the one line naming the wait. The deadline
+    interrupts Python code and waits on the engine's process at once, and a single long call into C when it returns
+    (`call_with_deadline`)."""
+    entering(what)
+    started = time.monotonic()
+    try:
+        return call_with_deadline(start, timeout_s)
+    except TimeoutError:
+        if timeout_s is None or time.monotonic() - started < timeout_s:
+            raise  # the engine's own timeout, not this deadline
+        raise WaitTimeoutError(
+            f"{what} took more than {ENGINE_START_SETTING}={timeout_s:g}s and was stopped (a model still "
+            "downloading, a device busy with another process, a compilation that does not end); fix: see "
+            f"<run>/logs/run.log for where it stood, or raise {ENGINE_START_SETTING} (null: no limit)"
+        ) from None

@@ -1,0 +1,353 @@
+"""Padding-free packing (ppo.packing, issue 26): whole samples end to end with position ids restarting at each sample,
+attention kept within each sample by transformers, the LM head only where a response token is predicted. Shapes users
+run: prompts of 100-300 tokens, ragged responses up to 256 tokens, multi-turn episodes with observations, sampling
+temperature 0.7. The runs are real rollout steps (Lightning trainer, PPOModule) on a fixed rollout batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.errors import ConfigError, StepAccountingError
+from lit_ppo.packing import packing_unsupported
+from lit_ppo.plan import check_micro_batches
+from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.run.build import TRAINER_FLAGS
+from lit_ppo.run.preflight import resolve_packing
+from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.training.batching import (
+    balanced_partition,
+    first_fit,
+    pack,
+    pack_samples,
+    packed_micro_batch_groups,
+)
+from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
+from lit_ppo.training.module import PPOModule
+from tests.helpers import compose_config, compose_run_config, plan_of
+
+TEMPERATURE = 0.7
+
+
+def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
+    """Prompts of 100-300 random ids, `n` responses each of 1-256 ids; episodes: responses that alternate the
+    policy's turns with observations of 5-30 tokens (policy mask 0)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return torch.randint(4, 40, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g).tolist()
+
+    prompts = [ids(100, 300) for _ in range(n_prompts)]
+    sample_prompts = [p for p in prompts for _ in range(n)]
+    responses, masks = [], []
+    for _ in sample_prompts:
+        response = ids(1, 256)
+        mask = [1] * len(response)
+        if episodes and len(response) > 60:  # an observation inside the response: the tool's answer
+            start = int(torch.randint(10, len(response) - 40, (1,), generator=g))
+            width = int(torch.randint(5, 31, (1,), generator=g))
+            mask[start : start + width] = [0] * width
+        responses.append(response)
+        masks.append(mask)
+    return sample_prompts, responses, (masks if episodes else None)
+
+
+def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
+    prompts, responses, masks = realistic_samples(n_prompts, n, seed, episodes)
+    N = len(prompts)
+    positions = [i for i in range(n_prompts) for _ in range(n)]
+    return RolloutBatch(
+        rollout_step=0,
+        data_epoch=0,
+        prompt_positions=positions,
+        dataset_indices=positions,
+        prompt_ids=prompts,
+        response_ids=responses,
+        rollout_logprobs=None,
+        rewards=torch.tensor([float((i * 7) % 3 == 0) for i in range(N)]),
+        truncated=torch.zeros(N, dtype=torch.bool),
+        prompts=[""] * N,
+        responses=[""] * N,
+        references=[None] * N,
+        generate_seconds=0.0,
+        reward_seconds=0.0,
+        reward_metrics={},
+        policy_masks=masks,
+        episode_ids=None if masks is None else [p + r for p, r in zip(prompts, responses)],
+    )
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_dir):
+    return prepare_for_training(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), False)
+
+
+# ---------------------------------------------------------------- the layout and the mask
+
+
+@pytest.mark.parametrize("one_row", [True, False], ids=["one-row", "balanced-rows"])
+def test_a_changed_token_in_one_sample_leaves_the_others_bitwise_unchanged(actor, one_row):
+    """Attention never crosses a sample boundary: changing a prompt token and a response token of sample 0 changes
+    its log-probs and leaves every other sample's log-probs, entropies and the critic-like hidden states bitwise equal.
+    (With a cache, transformers builds a plain causal mask over the row and sample 1 reads sample 0.)"""
+    prompts, responses, masks = realistic_samples(3, 2, seed=1, episodes=True)
+    mb = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks, one_row=one_row)
+    changed = [list(p) for p in prompts]
+    changed[0][5] = 4 if changed[0][5] != 4 else 5
+    changed_responses = [list(r) for r in responses]
+    changed_responses[0][0] = 4 if changed_responses[0][0] != 4 else 5
+    mb2 = pack_samples(changed, changed_responses, 0, "cpu", policy_masks=masks, one_row=one_row)
+    with torch.no_grad():
+        logp, entropy = response_logprobs_and_entropy(actor, mb, TEMPERATURE)
+        logp2, entropy2 = response_logprobs_and_entropy(actor, mb2, TEMPERATURE)
+    assert not torch.equal(logp[0], logp2[0])
+    assert torch.equal(logp[1:], logp2[1:]) and torch.equal(entropy[1:], entropy2[1:])
+
+
+def test_packed_layout_hand_case():
+    """Two samples in one row: ids end to end, positions from 0 at each, the head where response tokens are
+    predicted (not at the observation), nothing padded."""
+    mb = pack_samples([[5, 6, 7], [8, 9]], [[10, 11, 12], [13]], 0, "cpu", policy_masks=[[1, 0, 1], [1]], one_row=True)
+    assert mb.attention_mask is None and mb.packed
+    assert mb.input_ids.tolist() == [[5, 6, 7, 10, 11, 12, 8, 9, 13]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2]]
+    assert mb.response_ids.tolist() == [[10, 11, 12], [13, 0, 0]]
+    assert mb.response_mask.tolist() == [[1, 0, 1], [1, 0, 0]]
+    # 10 is predicted at position 2 (7), 12 at 4 (11), 13 at 7 (9)
+    assert mb.head_index.tolist() == [2, 4, 7]
+    assert mb.positions == 9
+
+
+def test_packed_logprobs_and_values_equal_padded(actor, tiny_model_dir):
+    """The same numbers as the padded layout (float32 rounding: other sums in attention), at the policy's tokens."""
+    from transformers import AutoModelForTokenClassification
+
+    prompts, responses, masks = realistic_samples(3, 2, seed=2, episodes=True)
+    padded = pack(prompts, responses, 0, "cpu", policy_masks=masks)
+    packed = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks)
+    assert packed.input_ids.numel() < padded.input_ids.numel()
+    with torch.no_grad():
+        a, ea = response_logprobs_and_entropy(actor, padded, TEMPERATURE)
+        b, eb = response_logprobs_and_entropy(actor, packed, TEMPERATURE)
+    mask = padded.response_mask
+    assert torch.equal(mask, packed.response_mask)
+    torch.testing.assert_close(a * mask, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ea * mask, eb, rtol=1e-5, atol=1e-5)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+    prepare_for_training(critic, False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            critic_values(critic, padded) * mask, critic_values(critic, packed), rtol=1e-5, atol=1e-5
+        )
+
+
+# ---------------------------------------------------------------- micro-batches by real tokens
+
+
+def test_balanced_partition_hand_case():
+    # longest first to the lightest: 9 -> A, 7 -> B, 6 -> B (7 < 9), 5 -> A, 4 -> B (13 < 14), 3 -> A
+    assert balanced_partition([5, 9, 3, 7, 6, 4], list(range(6)), 2) == [[1, 0, 2], [3, 4, 5]]
+    # two per group at most: 10 -> A, 1 -> B, 1 -> B (lighter), then B is full: 1 -> A
+    assert balanced_partition([10, 1, 1, 1], list(range(4)), 2) == [[0], [1, 2, 3]]
+    assert balanced_partition([10, 1, 1, 1], list(range(4)), 2, max_count=2) == [[0, 3], [1, 2]]
+    # rows of 10 tokens: 9 opens one, 7 another, 5 a third, 3 fits beside the 7
+    assert first_fit([5, 9, 3, 7], 10) == [[1], [3, 2], [0]]
+
+
+def test_packed_micro_batches_by_real_tokens():
+    prompts, responses = [100, 120, 300, 150, 110, 200], [250, 10, 200, 30, 5, 60]  # 350 130 500 180 115 260
+    # fixed size: the plan's count (3 of 2); 500, 350, 260 open them, 180 -> 260's, 130 -> 350's, 115 -> 500's
+    assert packed_micro_batch_groups(prompts, responses, list(range(6)), max_samples=2) == [[2, 4], [0, 1], [5, 3]]
+    # a budget of 700 real tokens: 1535 tokens need 3; each within the budget
+    groups = packed_micro_batch_groups(prompts, responses, list(range(6)), max_samples=2, max_tokens=700)
+    assert len(groups) == 3 and all(sum(prompts[i] + responses[i] for i in g) <= 700 for g in groups)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    # at least 4 when another rank needs 4
+    assert (
+        len(packed_micro_batch_groups(prompts, responses, list(range(6)), max_samples=2, max_tokens=700, min_count=4))
+        == 4
+    )
+
+
+def test_micro_batch_accounting_check_fires():
+    plan = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_batch_size=16))
+    check_micro_batches(plan, 0, [(16, 900)] * plan.grad_accumulation_steps)
+    with pytest.raises(StepAccountingError, match="micro-batches of \\[16, 16, 16, 8, 8\\] samples.*plan says 4 of 16"):
+        check_micro_batches(plan, 0, [(16, 900)] * 3 + [(8, 400), (8, 400)])
+    budget = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_max_tokens=1000))
+    check_micro_batches(budget, 0, [(3, 990), (1, 1500)])  # a longer sample alone
+    with pytest.raises(StepAccountingError, match="laid out 1200 tokens, over ppo.micro_train_max_tokens=1000"):
+        check_micro_batches(budget, 0, [(3, 1200)])
+
+
+# ---------------------------------------------------------------- settings and the plan
+
+
+def test_packing_is_on_by_default_and_the_plan_says_so():
+    plan = plan_of(64)
+    assert plan.packing
+    assert any(line.startswith("packing") and " on " in line for line in plan.table().splitlines())
+    off = plan_of(64, ppo=dataclasses.replace(compose_run_config("ppo.packing=false").ppo))
+    assert not off.packing
+    assert any(line.startswith("packing") and " off " in line for line in off.table().splitlines())
+
+
+def test_packing_on_a_model_whose_attention_cannot_read_packed_positions_is_refused():
+    assert resolve_packing(None, "qwen2") is True and resolve_packing(True, "qwen3") is True
+    assert resolve_packing(False, "qwen2") is False
+    with pytest.raises(
+        ConfigError,
+        match="ppo.packing=true: transformers has no modeling code for model_type='rwkv9'.*fix: set ppo.packing=false",
+    ):
+        resolve_packing(True, "rwkv9")
+    assert resolve_packing(None, "rwkv9") is False  # auto: off, with a line
+    # the loaded model's attention (PPOModule refuses the same way): one that reads no packed position ids
+    assert packing_unsupported("qwen2", "sdpa") is None and packing_unsupported("qwen2", "flash_attention_2") is None
+    assert "attention implementation 'paged_attention'" in packing_unsupported("qwen2", "paged_attention")
+
+
+def test_the_pre_flight_resolves_packing_from_config_json(tmp_path, tiny_model_dir, capsys, no_training):
+    """Through train.py's entry (`mode=plan`, nothing loads): a model type without attention (mamba) plans padded
+    with a line saying why, and ppo.packing=true on it is refused in one line before the plan."""
+    import json
+    import shutil
+
+    from lit_ppo.run import entry
+
+    model = tmp_path / "mamba-like"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    out = tmp_path / "out"
+    entry.main(compose_config("mode=plan", f"output_dir={out}", f"model.path={model}"))
+    assert "packing: off, transformers' mamba models do not build their attention mask" in capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["packing"] is False
+    with pytest.raises(ConfigError, match="^ppo.packing=true: transformers' mamba models .*fix: set ppo.packing=false"):
+        entry.main(
+            compose_config("mode=plan", f"output_dir={tmp_path / 'refused'}", f"model.path={model}", "ppo.packing=true")
+        )
+    assert not (tmp_path / "refused" / "plan.json").exists()
+    entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'tiny'}", f"model.path={tiny_model_dir}"))
+    assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["packing"] is True
+
+
+# ---------------------------------------------------------------- the same update
+
+
+def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1):
+    """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
+    optimizer step."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts = load_prompts(files[0], tokenizer)
+    config = dataclasses.replace(compose_run_config(), ppo=ppo)
+    rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
+    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout, steps=steps)
+    datamodule = FixedBatchDataModule(
+        plan=plan,
+        train_prompts=train_prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        engine=NullEngine(),
+    )
+    datamodule.fixed_batch = batch
+    torch.manual_seed(0)
+    module = PPOModule(
+        model_dir=model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id, temperature=TEMPERATURE
+    )
+    step, grads = module.guarded_step, []
+
+    class StepRecordingGrads:  # the module's guarded optimizer step, recording the gradients first
+        def __call__(self, model, optimizer, scheduler, rollout_step):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step(model, optimizer, scheduler, rollout_step)
+
+        def __getattr__(self, name):
+            return getattr(step, name)
+
+    module.guarded_step = StepRecordingGrads()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
+    trainer.fit(module, datamodule=datamodule)
+    return module, grads
+
+
+def assert_close_tensors(a: dict, b: dict, rel: float) -> None:
+    """Each tensor within `rel` relative (|a - b| / |b|, Euclidean norms; equal where b is zero: the critic's body
+    before its zero value head has moved). Float32 sums of the same terms in another order (other micro-batches,
+    other attention reductions) differ in the last bits of single entries, so entrywise ratios would read rounding."""
+    assert a.keys() == b.keys() and a
+    for name in a:
+        norm = float(b[name].norm())
+        if norm == 0:
+            assert float(a[name].norm()) == 0, name
+            continue
+        error = float((a[name] - b[name]).norm()) / norm
+        assert error <= rel, f"{name}: packed and padded gradients differ by {error:.2e} relative"
+
+
+@pytest.mark.parametrize("preset", ["ppo", "grpo", "gspo", "cispo"])
+def test_packed_and_padded_updates_are_the_same_update(preset, tiny_model_dir, arithmetic_files, tmp_path):
+    """Gradients of every optimizer step (actor, and critic with ppo) of a packed and a padded run on the same
+    rollout batch of episodes, float32, within 1e-5 of each tensor's largest: 2 mini-batches of 2 micro-batches
+    (packed: balanced by real tokens, so other samples share a micro-batch), loss denominators global."""
+    base = compose_run_config(f"ppo={preset}").ppo
+    ppo = dataclasses.replace(
+        base,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        actor_lr=1e-3,
+        critic_lr=1e-3,
+    )
+    batch = realistic_batch(n_prompts=2, episodes=True)
+    padded, padded_grads = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False)
+    )
+    packed, packed_grads = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, dataclasses.replace(ppo, packing=True)
+    )
+    assert len(padded_grads) == len(packed_grads) == (4 if preset == "ppo" else 2)
+    for a, b in zip(packed_grads, padded_grads):
+        assert_close_tensors(a, b, 1e-5)
+    padded_row, packed_row = padded.history[-1], packed.history[-1]
+    assert packed_row["perf/padding_fraction"] < 0.05 < padded_row["perf/padding_fraction"]
+    assert packed_row["perf/trained_tokens"] == padded_row["perf/trained_tokens"]
+    assert packed_row["perf/tokens_per_second"] > 0
+
+
+@pytest.mark.slow  # 2 runs of 3 rollout steps: about 20 s on 2 busy cores
+def test_packed_and_padded_runs_end_with_the_same_weights(tiny_model_dir, arithmetic_files, tmp_path):
+    """3 rollout steps of ppo (critic, GAE, KL in the reward) on episodes: the final actors agree."""
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        actor_lr=1e-3,
+        critic_lr=1e-3,
+    )
+    batch = realistic_batch(n_prompts=2, seed=3, episodes=True)
+    padded, _ = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False), 3
+    )
+    packed, _ = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, dataclasses.replace(ppo, packing=True), 3
+    )
+    assert packed.actor_optimizer_steps == padded.actor_optimizer_steps == 6
+    a, b = dict(packed.actor.named_parameters()), dict(padded.actor.named_parameters())
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    for name in a:  # Adam divides by the root of each entry's squared gradients: rounding grows, so 1e-4 of the move
+        moved = float((b[name].detach() - initial[name]).norm())
+        error = float((a[name].detach() - b[name].detach()).norm())
+        assert moved > 0 and error <= 1e-4 * moved, f"{name}: {error:.2e} apart after moving {moved:.2e}"

@@ -1,0 +1,58 @@
+"""CPU threads (lit_ppo/threads.py): a run's processes take the cores they may use (their affinity, here set with
+`taskset`), shared among the ranks of the node, and OpenMP's threads wait passively. Checked through `train.py`'s own
+start (`mode=plan`: the threads are set before torch loads, whatever the mode), as its run.log reports them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2, reason="taskset")
+
+
+def threads_line(tmp_path: Path, cores: str, *overrides: str, **env: str) -> str:
+    """The CPU-threads line of run.log of `taskset -c <cores> python train.py mode=plan <overrides>`."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
+    command = ["taskset", "-c", cores, sys.executable, "train.py", "mode=plan", f"output_dir={tmp_path}", *overrides]
+    result = subprocess.run(command, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in (tmp_path / "logs" / "run.log").read_text().splitlines() if "CPU threads:" in line]
+    assert len(lines) == 1
+    return lines[0].split("CPU threads: ", 1)[1]
+
+
+def test_one_allowed_core_gives_one_thread_that_waits_passively(tmp_path):
+    line = threads_line(tmp_path, "0")
+    assert line == "1 per process (1 cores allowed, 1 process(es) on this node, OMP_WAIT_POLICY=PASSIVE)"
+
+
+def threads_of(cores: str, local_processes: int, **env: str) -> str:
+    """torch's threads and the wait policy in `taskset -c <cores> python`, after `use_cpu_threads` (the function
+    train.py calls; torch alone loads faster than train.py's imports)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
+    code = (
+        "import os; from lit_ppo.threads import use_cpu_threads; "
+        f"print(use_cpu_threads({local_processes}), os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    command = ["taskset", "-c", cores, sys.executable, "-c", code]
+    env = {**clean, "PYTHONPATH": str(ROOT), **env}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def test_the_ranks_of_a_node_share_its_cores():
+    assert threads_of("0,1", local_processes=2) == "1 PASSIVE"  # two CPU ranks on 2 cores: 1 thread each
+    assert threads_of("0,1", local_processes=1) == "2 PASSIVE"
+
+
+def test_the_users_settings_win():
+    assert threads_of("0", local_processes=1, OMP_NUM_THREADS="2", OMP_WAIT_POLICY="ACTIVE") == "2 ACTIVE"
+    assert threads_of("0", local_processes=1, GOMP_SPINCOUNT="300000") == "1 None"  # libgomp's own default spin
