@@ -118,7 +118,7 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         (["rollout.mode=disaggregated", "rollout.workers=0", "rollout.max_staleness=0"], r"rollout.workers=0 must"),
         (["rollout.batch_timeout_s=0"], r"^rollout.batch_timeout_s=0 must be a positive number of seconds"),
         (
-            ["rollout.mode=disaggregated", "model.lora.rank=16"],
+            ["rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "model.lora.rank=16"],
             r"^rollout.mode=disaggregated with model.lora.rank=16: .*fix:",
         ),
     ],
