@@ -138,9 +138,9 @@ def test_an_engine_left_with_stale_weights_stops_the_run(
     synced = []
     real_sync = type(module).sync_weights
 
-    def sync_only_at_the_start(self, engine_):
+    def sync_only_at_the_start(self, engine_, *args, **kwargs):
         if not synced:
-            real_sync(self, engine_)
+            real_sync(self, engine_, *args, **kwargs)
         synced.append(self.rollout_step)
 
     monkeypatch.setattr(type(module), "sync_weights", sync_only_at_the_start)
