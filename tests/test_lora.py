@@ -97,14 +97,14 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir):
-    """A vLLM engine started once with the base weights and LoRA enabled (max_lora_rank fitted to RANK)."""
+    """A vLLM engine started once with the base weights and LoRA enabled (max_lora_rank fitted to RANK).
+
+    Not closed at the module's end: closing an in-process engine tears down vLLM's process-wide distributed state,
+    which the session's shared engine (tests/conftest.py) and later engines in this process still use ("pipeline
+    model parallel group is not initialized" in the next test that generates)."""
     from lit_ppo.rollout.engine import VLLMEngine
 
-    engine = VLLMEngine(
-        tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=LoraConfig(rank=RANK).vllm_max_lora_rank
-    )
-    yield engine
-    engine.close()
+    return VLLMEngine(tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=LoraConfig(rank=RANK).vllm_max_lora_rank)
 
 
 @pytest.fixture(scope="module")
