@@ -91,8 +91,12 @@ def test_the_strategys_process_group_gets_the_collective_timeout(strategy):
     assert lightning_strategy(config)._timeout == timedelta(seconds=7)
 
 
-def test_an_engine_start_past_its_limit_stops_the_run_naming_it(tiny_model_dir, arithmetic_files, tmp_path):
-    """The real vLLM engine, started by the data module inside `fit`, given less time than it takes to start."""
+def test_an_engine_start_past_its_limit_stops_the_run_naming_it(tiny_model_dir, arithmetic_files, tmp_path, engine):
+    """The real vLLM engine, started by the data module inside `fit`, given less time than it takes to start.
+
+    `engine` (the session's shared one, unused here) is started first, so vLLM is wholly imported before the deadline
+    cuts a start: cut during vLLM's first import, the half-imported package breaks every later engine in this process
+    ("module vllm has no attribute logging_utils")."""
     from lit_ppo.config import RolloutConfig
 
     rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, engine_start_timeout_s=0.5)
