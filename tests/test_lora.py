@@ -97,14 +97,13 @@ RANK = 8
 
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir):
-    """A vLLM engine started once with the base weights and LoRA enabled (max_lora_rank fitted to RANK).
-
-    Not closed at the module's end: closing an in-process engine tears down vLLM's process-wide distributed state,
-    which the session's shared engine (tests/conftest.py) and later engines in this process still use ("pipeline
-    model parallel group is not initialized" in the next test that generates)."""
+    """A vLLM engine started once with the base weights and LoRA enabled (max_lora_rank fitted to RANK), beside the
+    session's shared engine (closing it leaves that one working: tests/test_engine.py)."""
     from lit_ppo.rollout.engine import VLLMEngine
 
-    return VLLMEngine(tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=LoraConfig(rank=RANK).vllm_max_lora_rank)
+    lora = VLLMEngine(tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=LoraConfig(rank=RANK).vllm_max_lora_rank)
+    yield lora
+    lora.close()
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +176,6 @@ def lora_run(model_dir, engine, files, tmp_path, *, steps=3, max_logprob_abs_dif
     return trainer, module, datamodule, Recording.versions
 
 
-# slow (`make test-slow`): a LoRA-enabled vLLM engine beside the session's shared one broke later engines in
-# the same pytest process (vLLM's process-wide parallel state); run apart until the two can share a process.
-@pytest.mark.slow
 def test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_policy(
     tiny_model_dir, lora_engine, long_prompt_files, tmp_path
 ):
@@ -224,9 +220,6 @@ def test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_polic
     assert score and any(float(v.detach().abs().max()) > 0 for v in score)
 
 
-# slow (`make test-slow`): a LoRA-enabled vLLM engine beside the session's shared one broke later engines in
-# the same pytest process (vLLM's process-wide parallel state); run apart until the two can share a process.
-@pytest.mark.slow
 def test_a_skipped_adapter_sync_stops_the_run_within_one_rollout_step(
     tiny_model_dir, lora_engine, long_prompt_files, tmp_path, monkeypatch
 ):
@@ -436,9 +429,6 @@ def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path):
         assert all(float(r["perf/weight_sync_bytes"]) < 1e6 for r in rows)  # the adapter alone
 
 
-# slow (`make test-slow`): a LoRA-enabled vLLM engine beside the session's shared one broke later engines in
-# the same pytest process (vLLM's process-wide parallel state); run apart until the two can share a process.
-@pytest.mark.slow
 def test_an_adapter_the_engine_does_not_serve_after_the_sync_stops_the_run(lora_engine, monkeypatch):
     """vLLM's worker drops the adapter (here: never adds it): `list_loras()` after the sync does not show the new
     version, and the sync fails in one line instead of sampling from the base."""

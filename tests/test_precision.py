@@ -90,7 +90,12 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     from tests.helpers import plan_of
 
     started = {}
-    monkeypatch.setattr(dm, "VLLMEngine", lambda model_dir, **kwargs: started.update(kwargs) or object())
+    # The class start_engine starts (a stand-in that records its settings: no engine beside the session's shared one).
+    monkeypatch.setattr(
+        dm.RolloutDataModule,
+        "engine_class",
+        staticmethod(lambda model_dir, **kwargs: started.update(kwargs) or object()),
+    )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -109,6 +110,7 @@ class VLLMEngine:
                 enable_prefix_caching=True,
                 **kwargs,
             )
+        self._release = _own_shutdown(self.llm)
         self._warm_up()
         self.sleep_supported = enable_sleep_mode and torch.cuda.is_available()
         if enable_sleep_mode and not self.sleep_supported:
@@ -262,9 +264,56 @@ class VLLMEngine:
         the heap after startup, so the engine's reference cycles are never collected until shutdown unfreezes it."""
         if self.llm is None:
             return
-        self.llm.llm_engine.engine_core.shutdown()
+        self._release()
         self.llm = None
         gc.collect()
+
+
+_LIVE_ENGINE_CORES: set[int] = set()
+"""ids of the in-process vLLM engine cores not yet shut down (every VLLMEngine of this process)."""
+
+
+def _own_shutdown(llm) -> weakref.finalize:
+    """Replace the shutdown vLLM registers for an in-process engine (on close, or when the engine is garbage-collected)
+    with one that leaves vLLM's process-wide parallel groups alone while another engine of this process still uses
+    them.
+
+    vLLM's in-process EngineCore.shutdown ends with `cleanup_dist_env_and_memory()`, which destroys the tensor- and
+    pipeline-parallel groups of the whole process: a second engine in the process (a LoRA-enabled one beside the
+    rollout engine, a sweep's next job while the previous engine is collected) then fails at its next step with
+    "pipeline model parallel group is not initialized". The last engine to go still tears everything down, so a later
+    engine starts from a clean state."""
+    client = llm.llm_engine.engine_core  # vLLM's InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    core = client.engine_core
+    key = id(core)
+    _LIVE_ENGINE_CORES.add(key)
+    client._finalizer.detach()  # vLLM's own: weakref.finalize(client, core.shutdown)
+    client._finalizer = weakref.finalize(client, _shutdown_core, core, key)
+    return client._finalizer
+
+
+def _shutdown_core(core, key: int) -> None:
+    import vllm.v1.engine.core as core_module
+
+    _LIVE_ENGINE_CORES.discard(key)
+    if not _LIVE_ENGINE_CORES:
+        core.shutdown()
+        return
+    teardown = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = _free_memory_only
+    try:
+        core.shutdown()
+    finally:
+        core_module.cleanup_dist_env_and_memory = teardown
+
+
+def _free_memory_only() -> None:
+    """What vLLM's teardown does besides destroying the parallel groups: collect the engine's heap and free the
+    device's cached memory."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _load_adapter_from_tensors(worker, version: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:

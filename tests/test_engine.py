@@ -1,0 +1,33 @@
+"""The in-process vLLM engine's life cycle: several engines in one process (a LoRA-enabled engine beside the rollout
+engine, a sweep's jobs, the test session's shared engine) must not break one another when one of them goes."""
+
+from __future__ import annotations
+
+import gc
+
+
+def greedy_tokens(engine) -> list[int]:
+    prompt = [5, 9, 12, 7, 3, 14, 6, 11]
+    return engine.generate([prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seeds=None)[0].token_ids
+
+
+def test_an_engine_that_is_closed_or_collected_leaves_the_other_engines_of_the_process_generating(
+    engine, tiny_model_dir
+):
+    """vLLM's own in-process shutdown destroys the process-wide parallel groups; before lit-ppo's shutdown kept them
+    while another engine lived, the shared engine failed here with "pipeline model parallel group is not
+    initialized"."""
+    from lit_ppo.rollout.engine import VLLMEngine
+
+    expected = greedy_tokens(engine)
+    second = VLLMEngine(tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=8)
+    assert greedy_tokens(second) == expected  # LoRA enabled, no adapter loaded: the base weights
+    second.close()
+    assert greedy_tokens(engine) == expected
+    third = VLLMEngine(tiny_model_dir, max_model_len=128, seed=0)
+    del third  # dropped without close(): vLLM's finalizer runs when it is collected
+    gc.collect()
+    assert greedy_tokens(engine) == expected
+    fourth = VLLMEngine(tiny_model_dir, max_model_len=128, seed=0)  # engines still start after the others went
+    assert greedy_tokens(fourth) == expected
+    fourth.close()
