@@ -99,13 +99,13 @@ def test_an_engine_start_past_its_limit_stops_the_run_naming_it(tiny_model_dir, 
     ("module vllm has no attribute logging_utils")."""
     from lit_ppo.config import RolloutConfig
 
-    rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, engine_start_timeout_s=0.5)
+    rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, engine_start_timeout_s=0.05)
     trainer, module, datamodule, _ = build_run(tiny_model_dir, None, arithmetic_files, tmp_path, rollout=rollout)
     assert type(datamodule) is RolloutDataModule
     with pytest.raises(WaitTimeoutError) as raised:
         trainer.fit(module, datamodule=datamodule)
     assert str(raised.value).startswith(
-        "the vLLM engine's start took more than rollout.engine_start_timeout_s=0.5s and was stopped"
+        "the vLLM engine's start took more than rollout.engine_start_timeout_s=0.05s and was stopped"
     )
     assert datamodule.engine is None
 
