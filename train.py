@@ -42,7 +42,7 @@ def main(cfg: DictConfig) -> None:
         threads,
         allowed_cores(),
         local_processes,
-        os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins; the cores were free at start)"),
     )
     try:
         run(cfg)

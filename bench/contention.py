@@ -1,14 +1,17 @@
-"""`make train`'s warm start beside a competing CPU job, with OpenMP's threads spinning (before lit_ppo/threads.py)
-and waiting passively (after it).
+"""`make train`'s warm start beside a competing CPU job and on idle cores, with OpenMP's threads spinning (libgomp's
+default), always waiting passively (lit_ppo/threads.py until 2026-11-25) and as lit-ppo sets them now (passive only
+where the cores are oversubscribed at start).
 
 Each measurement is a real `python train.py` (the command `make train` runs) with a fresh temporary
 LIT_PPO_CACHE_DIR / cache_dir, so the warm start is not read from a cache, stopped after one rollout step; the figure is
 the run's own `warm_start_seconds` (summary.json). The competitor is `--competitors` processes each spinning in a
-busy loop, started before and stopped after each run. The two settings:
+busy loop, started before and stopped after each run. The settings:
 
-- before: `GOMP_SPINCOUNT=300000`, libgomp's own default spin count (what every run had before lit_ppo/threads.py;
-  lit-ppo leaves the wait policy alone when it is set), the threads as before (one per allowed core);
-- after: the product's default (`OMP_WAIT_POLICY=PASSIVE`, threads from the affinity).
+- spin: `GOMP_SPINCOUNT=300000`, libgomp's own default spin count (lit-ppo leaves the wait policy alone when it is
+  set), one thread per allowed core;
+- passive: `OMP_WAIT_POLICY=PASSIVE` always (what lit_ppo/threads.py set until 2026-11-25);
+- lit-ppo: the product's default (passive where, at start, the runnable processes and the run's threads exceed the
+  cores; libgomp's spin otherwise).
 
     .venv/bin/python bench/contention.py                            # 300 warm-start steps, idle and busy
     .venv/bin/python bench/contention.py --warm-start-steps 1500    # make train's full warm start
@@ -30,8 +33,9 @@ from pathlib import Path
 from common import ROOT, add_common_args, print_header
 
 SETTINGS = {
-    "before (libgomp spins)": {"GOMP_SPINCOUNT": "300000"},
-    "after (lit_ppo/threads.py)": {},
+    "spin (libgomp's default)": {"GOMP_SPINCOUNT": "300000"},
+    "passive (always)": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "lit-ppo (by the load at start)": {},
 }
 THREAD_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -41,8 +45,9 @@ def spin() -> None:
         pass
 
 
-def warm_start_seconds(steps: int, seed: int, env_overrides: dict[str, str], log_path: Path) -> float:
-    """One `train.py` run with a fresh cache; its warm start's seconds as the run measured them."""
+def warm_start_seconds(steps: int, seed: int, env_overrides: dict[str, str], log_path: Path) -> tuple[float, str]:
+    """One `train.py` run with a fresh cache; its warm start's seconds as the run measured them, and the wait policy
+    its run.log reports."""
     with tempfile.TemporaryDirectory(prefix="lit_ppo_contention_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in THREAD_KEYS}
         env.update(env_overrides, LIT_PPO_CACHE_DIR=tmp)
@@ -60,7 +65,11 @@ def warm_start_seconds(steps: int, seed: int, env_overrides: dict[str, str], log
         ]
         with open(log_path, "w") as log:
             subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-        return json.loads(Path(tmp, "run", "summary.json").read_text())["warm_start_seconds"]
+        lines = Path(tmp, "run", "logs", "run.log").read_text().splitlines()
+        policy = next(
+            (line.split("OMP_WAIT_POLICY=", 1)[1].rstrip(")") for line in lines if "CPU threads:" in line), "?"
+        )
+        return json.loads(Path(tmp, "run", "summary.json").read_text())["warm_start_seconds"], policy
 
 
 def main() -> None:
@@ -91,7 +100,7 @@ def main() -> None:
                 started = time.perf_counter()
                 try:
                     log = logs / f"{load}_{len(results)}.log"
-                    seconds = warm_start_seconds(steps, args.seed, overrides, log)
+                    seconds, policy = warm_start_seconds(steps, args.seed, overrides, log)
                 finally:
                     for process in competitors:
                         process.kill()
@@ -99,16 +108,20 @@ def main() -> None:
                 wall = time.perf_counter() - started
                 results.append((load, name, seconds))
                 print(
-                    f"{load:<5} {name:<28} warm start {seconds:8.1f} s ({1000 * seconds / steps:7.1f} ms/step); "
-                    f"whole run {wall:.0f} s; log {log}",
+                    f"{load:<5} {name:<31} warm start {seconds:8.1f} s ({1000 * seconds / steps:7.1f} ms/step); "
+                    f"whole run {wall:.0f} s; OMP_WAIT_POLICY={policy}; log {log}",
                     flush=True,
                 )
     print("-" * 100)
     for load in loads:
-        before, after = ([s for lo, n, s in results if lo == load and n == name] for name in SETTINGS)
-        mean_before, mean_after = sum(before) / len(before), sum(after) / len(after)
+        means = {}
+        for name in SETTINGS:
+            seconds = [s for lo, n, s in results if lo == load and n == name]
+            means[name] = sum(seconds) / len(seconds)
+        fastest = min(means.values())
         print(
-            f"{load:<5} warm start: before {mean_before:.1f} s, after {mean_after:.1f} s ({mean_before / mean_after:.2f}x)"
+            f"{load:<5} warm start (mean s): "
+            + ", ".join(f"{n} {m:.1f} ({m / fastest:.2f}x)" for n, m in means.items())
         )
 
 

@@ -51,8 +51,21 @@ class RolloutCorrectionConfig:
     """`ppo.rollout_correction`: weights on the policy loss for the mismatch between vLLM's sampling log-probs and
     the trainer's old log-probs (docs/algorithms.md)."""
 
-    mode: str = "none"
-    """none, tis (weight min(rho, tis_cap)) or mis (drop where rho leaves [mis_low, mis_high], else weight rho)."""
+    mode: str | None = None
+    """none, tis (weight min(rho, tis_cap)) or mis (drop where rho leaves [mis_low, mis_high], else weight rho); null:
+    tis where the samples are of an older policy (rollout.mode=disaggregated with max_staleness > 0), none elsewhere
+    (`RunConfig` resolves it; a PPOConfig used alone treats null as none)."""
+
+    def active(self) -> bool:
+        """Whether the loss is weighted (a mode other than none; null counts as none until resolved)."""
+        return self.mode not in (None, "none")
+
+    def resolved(self, staleness_steps: int) -> RolloutCorrectionConfig:
+        """mode=null made explicit for a run whose samples are up to `staleness_steps` rollout steps old."""
+        if self.mode is not None:
+            return self
+        return dataclasses.replace(self, mode="tis" if staleness_steps > 0 else "none")
+
     level: str = "token"
     """token: rho per token; sequence: the geometric mean of the sequence's token ratios, for all its tokens."""
     tis_cap: float = 2.0
@@ -374,10 +387,10 @@ def validate_ppo(ppo: PPOConfig) -> None:
             f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null"
         )
     rc = ppo.rollout_correction
-    if rc.mode not in ROLLOUT_CORRECTION_MODES or rc.level not in ROLLOUT_CORRECTION_LEVELS:
+    if (rc.mode is not None and rc.mode not in ROLLOUT_CORRECTION_MODES) or rc.level not in ROLLOUT_CORRECTION_LEVELS:
         raise ConfigError(
             f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
-            f"{', '.join(ROLLOUT_CORRECTION_MODES)}, level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+            f"{', '.join(ROLLOUT_CORRECTION_MODES)} (or null: by rollout.mode), level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
         )
     if rc.mode == "tis" and rc.tis_cap <= 0:
         raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
@@ -390,7 +403,7 @@ def validate_ppo(ppo: PPOConfig) -> None:
         raise ConfigError(
             f"ppo.old_logprobs={ppo.old_logprobs!r} is unknown; fix: use one of {', '.join(OLD_LOGPROBS)}"
         )
-    if ppo.old_logprobs == "rollout" and rc.mode != "none":
+    if ppo.old_logprobs == "rollout" and rc.active():
         raise ConfigError(
             f"ppo.old_logprobs=rollout takes vLLM's log-probs as the old ones, so "
             f"ppo.rollout_correction.mode={rc.mode} has no mismatch left to weight (its ratio is 1); fix: set "
@@ -692,6 +705,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
+        correction = self.ppo.rollout_correction
+        if correction.mode is None:  # by the rollout mode: on for samples of an older policy (docs/async.md)
+            resolved = dataclasses.replace(self.ppo, rollout_correction=correction.resolved(self.rollout.staleness()))
+            object.__setattr__(self, "ppo", resolved)  # replace() validated it again
         validate_rollout_engine(self.rollout, self.strategy)
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)
         validate_rollout_mode_lora(self.rollout, self.model.lora)

@@ -467,7 +467,7 @@ def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[
         return "experience forward", ""
     on_policy = ppo.ppo_epochs == 1 and mini_batches_per_ppo_epoch == 1
     kl_in_reward = ppo.kl_coef > 0 and ppo.kl_mode == "reward"
-    if on_policy and not kl_in_reward and ppo.rollout_correction.mode == "none":
+    if on_policy and not kl_in_reward and not ppo.rollout_correction.active():
         return "training forward", ""
     if not on_policy:  # the usual case (several updates per rollout step): nothing to say
         return "experience forward", ""

@@ -99,7 +99,7 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         (["rollout.mode=async"], r"^rollout.mode='async' is unknown; fix: use one of colocated, disaggregated$"),
         (["rollout.max_staleness=1"], r"^rollout.max_staleness=1 with rollout.mode=colocated: .*fix: rollout.mode"),
         (
-            ["rollout.mode=disaggregated"],
+            ["rollout.mode=disaggregated", "ppo.rollout_correction.mode=none"],
             r"ppo.rollout_correction.mode=none would .*fix: ppo.rollout_correction.mode=tis",
         ),
         (
@@ -127,6 +127,25 @@ def test_async_settings_that_cannot_run_are_refused_in_one_line(overrides, match
     with pytest.raises(ConfigError, match=match) as info:
         compute_plan(compose_run_config(*overrides), 1000)
     assert "\n" not in str(info.value)
+
+
+def test_the_correction_is_on_by_default_exactly_where_the_samples_are_of_an_older_policy():
+    """ppo.rollout_correction.mode=null: TIS under rollout.mode=disaggregated with k > 0 (the plan says so), none with
+    k = 0 and colocated; an explicit mode is kept."""
+    modes = {
+        overrides: compose_run_config(*overrides).ppo.rollout_correction.mode
+        for overrides in (
+            ("rollout.mode=disaggregated",),
+            ("rollout.mode=disaggregated", "rollout.max_staleness=2"),
+            ("rollout.mode=disaggregated", "rollout.max_staleness=0"),
+            (),
+            ("rollout.mode=disaggregated", "ppo.rollout_correction.mode=mis"),
+            ("ppo.rollout_correction.mode=tis",),
+        )
+    }
+    assert list(modes.values()) == ["tis", "tis", "none", "none", "mis", "tis"]
+    table = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000).table()
+    assert "ppo.rollout_correction=tis weights the tokens by old / behaviour" in table
 
 
 def test_the_plan_states_the_schedule_and_the_devices():

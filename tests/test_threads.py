@@ -1,13 +1,16 @@
 """CPU threads (lit_ppo/threads.py): a run's processes take the cores they may use (their affinity, here set with
-`taskset`), shared among the ranks of the node, and OpenMP's threads wait passively. Checked through `train.py`'s own
-start (`mode=plan`: the threads are set before torch loads, whatever the mode), as its run.log reports them."""
+`taskset`), shared among the ranks of the node, and OpenMP's threads wait passively where other processes compete for
+the cores at start (spinning otherwise). Checked through `train.py`'s own start (`mode=plan`: the threads are set
+before torch loads, whatever the mode), as its run.log reports them."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,9 +31,38 @@ def threads_line(tmp_path: Path, cores: str, *overrides: str, **env: str) -> str
     return lines[0].split("CPU threads: ", 1)[1]
 
 
-def test_one_allowed_core_gives_one_thread_that_waits_passively(tmp_path):
-    line = threads_line(tmp_path, "0")
+def spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def competing_processes(count: int):
+    """`count` busy-loop processes (a competing CPU job) for the duration of the block."""
+    processes = [multiprocessing.get_context("spawn").Process(target=spin, daemon=True) for _ in range(count)]
+    for process in processes:
+        process.start()
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+            process.join()
+
+
+def test_one_allowed_core_beside_a_competing_job_gives_one_thread_that_waits_passively(tmp_path):
+    with competing_processes(os.cpu_count()):
+        line = threads_line(tmp_path, "0")
     assert line == "1 per process (1 cores allowed, 1 process(es) on this node, OMP_WAIT_POLICY=PASSIVE)"
+
+
+def test_the_wait_policy_is_passive_only_where_the_cores_are_oversubscribed():
+    from lit_ppo.threads import oversubscribed
+
+    assert not oversubscribed(2, 0, host_cores=2)  # idle cores: libgomp's spin (2.1x faster, BENCHMARKS.md)
+    assert oversubscribed(2, 1, host_cores=2)
+    assert not oversubscribed(8, 8, host_cores=64)  # other jobs on other cores of a large node
+    assert not oversubscribed(2, None, host_cores=2)  # no /proc/loadavg: libgomp's default
 
 
 def threads_of(cores: str, local_processes: int, **env: str) -> str:
@@ -49,8 +81,10 @@ def threads_of(cores: str, local_processes: int, **env: str) -> str:
 
 
 def test_the_ranks_of_a_node_share_its_cores():
-    assert threads_of("0,1", local_processes=2) == "1 PASSIVE"  # two CPU ranks on 2 cores: 1 thread each
-    assert threads_of("0,1", local_processes=1) == "2 PASSIVE"
+    with competing_processes(os.cpu_count()):
+        assert threads_of("0,1", local_processes=2) == "1 PASSIVE"  # two CPU ranks on 2 cores: 1 thread each
+        assert threads_of("0,1", local_processes=1) == "2 PASSIVE"
+    assert threads_of("0,1", local_processes=1) == "2 None"  # nothing else runs: the threads spin as libgomp's default
 
 
 def test_the_users_settings_win():

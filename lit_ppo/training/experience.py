@@ -72,7 +72,7 @@ def rollout_correction(exp: Experience, rc) -> tuple[Tensor, Tensor, dict]:
     """Weights on the policy loss for the mismatch between vLLM's sampling log-probs and the old log-probs, the
     tokens the policy loss keeps, and their statistics (`ppo.rollout_correction`); all tokens with weight 1 when off."""
     mask = exp.mask
-    if rc.mode == "none":
+    if not rc.active():
         return mask.clone(), mask.clone(), {}
     if exp.rollout_logp is None:  # made by make_experience from batch.rollout_logprobs
         raise ValueError(
