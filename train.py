@@ -42,7 +42,12 @@ def main(cfg: DictConfig) -> None:
         threads,
         allowed_cores(),
         local_processes,
-        os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins; the cores were free at start)"),
+        os.environ.get("OMP_WAIT_POLICY")
+        or (
+            f"(unset: GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']})"
+            if "GOMP_SPINCOUNT" in os.environ
+            else "(unset: libgomp spins; the cores were free at start)"
+        ),
     )
     try:
         run(cfg)

@@ -66,9 +66,7 @@ def warm_start_seconds(steps: int, seed: int, env_overrides: dict[str, str], log
         with open(log_path, "w") as log:
             subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
         lines = Path(tmp, "run", "logs", "run.log").read_text().splitlines()
-        policy = next(
-            (line.split("OMP_WAIT_POLICY=", 1)[1].rstrip(")") for line in lines if "CPU threads:" in line), "?"
-        )
+        policy = next((line.split("OMP_WAIT_POLICY=", 1)[1][:-1] for line in lines if "CPU threads:" in line), "?")
         return json.loads(Path(tmp, "run", "summary.json").read_text())["warm_start_seconds"], policy
 
 
