@@ -28,10 +28,14 @@ OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: o
 def main(cfg: DictConfig) -> None:
     from lit_ppo.threads import allowed_cores, use_cpu_threads
 
-    # Before torch loads (the next import): OpenMP reads its settings once. The ranks of a node share its cores.
+    # Before torch loads (the next import): OpenMP reads its settings once. The ranks of a node share its cores, and
+    # so do the rollout workers of rollout.mode=disaggregated (they generate while the trainer trains).
     # (A strategy.devices that is not a number is refused later, in one line, by the typed config: 1 until then.)
     devices = str(cfg.strategy.get("devices") or 1)
     local_processes = int(devices) if devices.isdigit() and int(devices) > 0 else 1
+    workers = str(cfg.rollout.get("workers") or 1)
+    if cfg.rollout.get("mode") == "disaggregated" and workers.isdigit():
+        local_processes += int(workers)
     threads = use_cpu_threads(local_processes)
     from lit_ppo.run.entry import main as run
     from lit_ppo.run.entry import output_dir_of
