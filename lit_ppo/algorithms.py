@@ -358,8 +358,9 @@ def rollout_correction(
     global_max: GlobalSum = local_sum,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Weights [B, T] for the policy loss, the tokens that stay in it [B, T], and statistics over the whole (global)
-    batch: `weight_mean` and `weight_max` over the tokens kept, `masked_fraction` of the valid tokens dropped.
-    Padding gets weight 0 and is never kept."""
+    batch: `weight_mean` and `weight_max` over the tokens kept, `masked_fraction` of the valid tokens dropped (mis),
+    `truncated_fraction` of the valid tokens whose weight the cap cut (tis: rho > tis_cap). Padding gets weight 0 and
+    is never kept."""
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(f"unknown rollout correction mode {mode!r}; use one of {ROLLOUT_CORRECTION_MODES}")
     if level not in ROLLOUT_CORRECTION_LEVELS:
@@ -375,12 +376,14 @@ def rollout_correction(
     else:
         keep = mask * ((ratio >= mis_low) & (ratio <= mis_high)).to(mask.dtype)
         weights = ratio * keep
-    sums = global_sum(torch.stack([(weights * keep).sum(), keep.sum(), mask.sum()]))
+    truncated = mask * (ratio > tis_cap).to(mask.dtype) if mode == "tis" else torch.zeros_like(mask)
+    sums = global_sum(torch.stack([(weights * keep).sum(), keep.sum(), mask.sum(), truncated.sum()]))
     largest = weights.masked_fill(keep == 0, 0.0).max() if weights.numel() else weights.new_zeros(())
     stats = {
         "weight_mean": sums[0] / sums[1].clamp(min=1),
         "weight_max": global_max(largest),
         "masked_fraction": 1 - sums[1] / sums[2].clamp(min=1),
+        "truncated_fraction": sums[3] / sums[2].clamp(min=1),
     }
     return weights, keep, stats
 

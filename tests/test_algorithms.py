@@ -792,11 +792,13 @@ def rc(mode, level, **kw):
 
 
 def test_tis_token_by_hand():
-    # min(rho, 2): [2, 0.25, 1.5 | 0.5, 1.2]; all kept; mean 5.45 / 5 = 1.09
+    # min(rho, 2): [2, 0.25, 1.5 | 0.5, 1.2]; all kept; mean 5.45 / 5 = 1.09; rho = 3 truncated: 1 of 5 tokens
     weights, keep, stats = rc("tis", "token", tis_cap=2.0)
     close(weights, [[2.0, 0.25, 1.5, 0.0], [0.5, 1.2, 0.0, 0.0]])
     close(keep, RC_MASK)
-    assert stats == pytest.approx({"weight_mean": 1.09, "weight_max": 2.0, "masked_fraction": 0.0})
+    assert stats == pytest.approx(
+        {"weight_mean": 1.09, "weight_max": 2.0, "masked_fraction": 0.0, "truncated_fraction": 0.2}
+    )
 
 
 def test_mis_token_by_hand():
@@ -804,7 +806,9 @@ def test_mis_token_by_hand():
     weights, keep, stats = rc("mis", "token", mis_low=0.4, mis_high=2.0)
     close(weights, [[0.0, 0.0, 1.5, 0.0], [0.5, 1.2, 0.0, 0.0]])
     close(keep, [[0, 0, 1, 0], [1, 1, 0, 0]])
-    assert stats == pytest.approx({"weight_mean": 3.2 / 3, "weight_max": 1.5, "masked_fraction": 0.4})
+    assert stats == pytest.approx(
+        {"weight_mean": 3.2 / 3, "weight_max": 1.5, "masked_fraction": 0.4, "truncated_fraction": 0.0}
+    )
 
 
 SEQ0 = (3.0 * 0.25 * 1.5) ** (1 / 3)  # geometric mean of row 0: 1.125^(1/3) = 1.0400
@@ -812,11 +816,14 @@ SEQ1 = (0.5 * 1.2) ** (1 / 2)  # row 1: sqrt(0.6) = 0.7746
 
 
 def test_tis_sequence_by_hand():
-    # one ratio per sequence, truncated at 1: row 0 -> 1.0, row 1 stays 0.7746; mean (3*1 + 2*0.7746)/5
+    # one ratio per sequence, truncated at 1: row 0 -> 1.0 (its 3 tokens truncated), row 1 stays 0.7746;
+    # mean (3*1 + 2*0.7746)/5
     weights, keep, stats = rc("tis", "sequence", tis_cap=1.0)
     close(weights, [[1.0, 1.0, 1.0, 0.0], [SEQ1, SEQ1, 0.0, 0.0]])
     close(keep, RC_MASK)
-    assert stats == pytest.approx({"weight_mean": (3 + 2 * SEQ1) / 5, "weight_max": 1.0, "masked_fraction": 0.0})
+    assert stats == pytest.approx(
+        {"weight_mean": (3 + 2 * SEQ1) / 5, "weight_max": 1.0, "masked_fraction": 0.0, "truncated_fraction": 0.6}
+    )
     # uncapped (cap 2) both geometric means pass through
     weights, _, _ = rc("tis", "sequence", tis_cap=2.0)
     close(weights, [[SEQ0, SEQ0, SEQ0, 0.0], [SEQ1, SEQ1, 0.0, 0.0]])
@@ -827,14 +834,18 @@ def test_mis_sequence_by_hand():
     weights, keep, stats = rc("mis", "sequence", mis_low=0.8, mis_high=1.25)
     close(weights, [[SEQ0, SEQ0, SEQ0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     close(keep, [[1, 1, 1, 0], [0, 0, 0, 0]])
-    assert stats == pytest.approx({"weight_mean": SEQ0, "weight_max": SEQ0, "masked_fraction": 0.4})
+    assert stats == pytest.approx(
+        {"weight_mean": SEQ0, "weight_max": SEQ0, "masked_fraction": 0.4, "truncated_fraction": 0.0}
+    )
 
 
 def test_rollout_correction_none_and_errors():
     weights, keep, stats = rc("none", "token")
     close(weights, RC_MASK)
     close(keep, RC_MASK)
-    assert stats == pytest.approx({"weight_mean": 1.0, "weight_max": 1.0, "masked_fraction": 0.0})
+    assert stats == pytest.approx(
+        {"weight_mean": 1.0, "weight_max": 1.0, "masked_fraction": 0.0, "truncated_fraction": 0.0}
+    )
     with pytest.raises(ValueError, match="mode"):
         rc("icepop", "token")
     with pytest.raises(ValueError, match="level"):

@@ -67,6 +67,7 @@ def test_tis_weights_reach_the_loss_and_the_metrics(paths, engine, tmp_path):
     assert row["rollout_correction/weight_mean"] == pytest.approx(math.exp(-1.0), rel=1e-3)
     assert row["rollout_correction/weight_max"] == pytest.approx(math.exp(-1.0), rel=1e-3)
     assert row["rollout_correction/masked_fraction"] == 0.0
+    assert row["rollout_correction/truncated_fraction"] == 0.0  # every rho below the cap
     assert changed
 
 
