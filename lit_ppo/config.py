@@ -705,12 +705,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
+        validate_rollout_engine(self.rollout, self.strategy)
+        validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
+        # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction
         if correction.mode is None:  # by the rollout mode: on for samples of an older policy (docs/async.md)
             resolved = dataclasses.replace(self.ppo, rollout_correction=correction.resolved(self.rollout.staleness()))
             object.__setattr__(self, "ppo", resolved)  # replace() validated it again
-        validate_rollout_engine(self.rollout, self.strategy)
-        validate_rollout_mode(self.rollout, self.ppo, self.strategy)
         validate_rollout_mode_lora(self.rollout, self.model.lora)
         validate_lora_strategy(self.model.lora, self.strategy)
 

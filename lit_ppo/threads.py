@@ -8,8 +8,9 @@ of the threads, and the others then spin through their time slices: a warm start
 slower than idle (13-30x on earlier machines). With `OMP_WAIT_POLICY=PASSIVE` a waiting thread yields its core at
 once, but on idle cores that costs: every parallel region then ends in a sleep and a wake-up, and the same warm start
 took 2.1x as long (bench/contention.py, BENCHMARKS.md). So the policy follows the machine at start: PASSIVE when, with
-this process's threads, more processes want to run than the host has cores (`/proc/loadavg`'s runnable count, sampled
-a few times), libgomp's own spin otherwise. Ranks on one node share its cores (two CPU ranks on 2 cores take 1 thread
+the threads of the run's processes on this node, more threads want to run than the host has cores (`/proc/loadavg`'s
+runnable count, sampled a few times), or when the process may use fewer cores than the host has (the host-wide count
+cannot tell whether those cores are busy); libgomp's own spin otherwise. Ranks on one node share its cores (two CPU ranks on 2 cores take 1 thread
 each, not 2 each).
 
 Settings the user made win: OMP_NUM_THREADS and MKL_NUM_THREADS are only set when absent, and the wait policy is
@@ -51,9 +52,13 @@ def other_runnable_processes(samples: int = 5, interval_s: float = 0.01) -> int 
     return sorted(readings)[len(readings) // 2]
 
 
-def oversubscribed(threads: int, others_runnable: int | None, host_cores: int) -> bool:
-    """Whether this process's `threads` and the others that want to run now exceed the host's cores (spinning
-    threads would then burn the time slices of the threads they wait for)."""
+def oversubscribed(threads: int, others_runnable: int | None, host_cores: int, allowed: int) -> bool:
+    """Whether the node's run's `threads` (every local process's) and the others that want to run now exceed the
+    host's cores (spinning threads would then burn the time slices of the threads they wait for). A process allowed
+    fewer cores than the host has (a container's cpuset, SLURM's --cpus-per-task) cannot tell from the host-wide
+    count whether its own cores are busy: it waits passively."""
+    if allowed < host_cores:
+        return True
     return others_runnable is not None and threads + others_runnable > host_cores
 
 
@@ -66,8 +71,9 @@ def set_thread_environment(local_processes: int) -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         host_cores = os.cpu_count() or allowed_cores()
         mine = os.environ["OMP_NUM_THREADS"]
-        mine = int(mine) if mine.isdigit() else int(threads)  # a nested list such as "4,2": its outer level
-        if oversubscribed(mine, other_runnable_processes(), host_cores):
+        mine = int(mine) if mine.isdigit() else int(threads)  # not a plain number (a nested list "4,2"): the share
+        # The node's other processes of this run start after this check: count their threads too.
+        if oversubscribed(mine * local_processes, other_runnable_processes(), host_cores, allowed_cores()):
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 

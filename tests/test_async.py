@@ -102,6 +102,10 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             ["rollout.mode=disaggregated", "ppo.rollout_correction.mode=none"],
             r"ppo.rollout_correction.mode=none would .*fix: ppo.rollout_correction.mode=tis",
         ),
+        (  # the default correction (null -> tis) is not named in the error: the user's own setting is
+            ["rollout.mode=disaggregated", "ppo.old_logprobs=rollout"],
+            r"^rollout.mode=disaggregated \(rollout.max_staleness=1\) with ppo.old_logprobs=rollout: .*fix: ppo.old_logprobs=auto",
+        ),
         (
             ["rollout.mode=disaggregated", "rollout.engine=hf", "ppo.rollout_correction.mode=tis"],
             r"with rollout.engine=hf: .*fix: rollout.engine=vllm",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -271,40 +273,60 @@ class VLLMEngine:
 
 _LIVE_ENGINE_CORES: set[int] = set()
 """ids of the in-process vLLM engine cores not yet shut down (every VLLMEngine of this process)."""
+_LIVE_LOCK = threading.RLock()
+_VLLM_TEARDOWN = None  # vLLM's own cleanup_dist_env_and_memory, once _guard_teardown replaced it
 
 
-def _own_shutdown(llm) -> weakref.finalize:
-    """Replace the shutdown vLLM registers for an in-process engine (on close, or when the engine is garbage-collected)
-    with one that leaves vLLM's process-wide parallel groups alone while another engine of this process still uses
-    them.
+def _own_shutdown(llm):
+    """Route every shutdown of an in-process engine (close(), vLLM's own call, or the finalizer when the engine is
+    garbage-collected) through `_shutdown_core`, so that vLLM's process-wide parallel groups outlive it while another
+    engine of this process still uses them. Returns the callable that shuts it down.
 
     vLLM's in-process EngineCore.shutdown ends with `cleanup_dist_env_and_memory()`, which destroys the tensor- and
     pipeline-parallel groups of the whole process: a second engine in the process (a LoRA-enabled one beside the
     rollout engine, a sweep's next job while the previous engine is collected) then fails at its next step with
     "pipeline model parallel group is not initialized". The last engine to go still tears everything down, so a later
     engine starts from a clean state."""
-    client = llm.llm_engine.engine_core  # vLLM's InprocClient (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    core = client.engine_core
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None or not isinstance(getattr(client, "_finalizer", None), weakref.finalize):
+        return client.shutdown  # an engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1): nothing shared
+    _guard_teardown()
     key = id(core)
-    _LIVE_ENGINE_CORES.add(key)
+    with _LIVE_LOCK:
+        _LIVE_ENGINE_CORES.add(key)
+    vllm_shutdown = core.shutdown  # the bound method vLLM's finalizer holds
+    core.shutdown = functools.partial(_shutdown_core, vllm_shutdown, key)  # InprocClient.shutdown() calls this
     client._finalizer.detach()  # vLLM's own: weakref.finalize(client, core.shutdown)
-    client._finalizer = weakref.finalize(client, _shutdown_core, core, key)
+    client._finalizer = weakref.finalize(client, _shutdown_core, vllm_shutdown, key)
     return client._finalizer
 
 
-def _shutdown_core(core, key: int) -> None:
+def _shutdown_core(vllm_shutdown, key: int) -> None:
+    with _LIVE_LOCK:
+        _LIVE_ENGINE_CORES.discard(key)
+    vllm_shutdown()  # ends in _guarded_teardown, which looks at the engines still alive when it runs
+
+
+def _guard_teardown() -> None:
+    """Replace vLLM's teardown, once per process, by one that decides when it is called: free this engine's memory
+    while other engines live (a collection inside one shutdown may finalize another engine), everything otherwise."""
+    global _VLLM_TEARDOWN
     import vllm.v1.engine.core as core_module
 
-    _LIVE_ENGINE_CORES.discard(key)
-    if not _LIVE_ENGINE_CORES:
-        core.shutdown()
-        return
-    teardown = core_module.cleanup_dist_env_and_memory
-    core_module.cleanup_dist_env_and_memory = _free_memory_only
-    try:
-        core.shutdown()
-    finally:
-        core_module.cleanup_dist_env_and_memory = teardown
+    with _LIVE_LOCK:
+        if _VLLM_TEARDOWN is None:
+            _VLLM_TEARDOWN = core_module.cleanup_dist_env_and_memory
+            core_module.cleanup_dist_env_and_memory = _guarded_teardown
+
+
+def _guarded_teardown(*args, **kwargs) -> None:
+    with _LIVE_LOCK:
+        others = bool(_LIVE_ENGINE_CORES)
+    if others:
+        _free_memory_only()
+    else:
+        _VLLM_TEARDOWN(*args, **kwargs)
 
 
 def _free_memory_only() -> None:
