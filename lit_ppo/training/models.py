@@ -107,8 +107,9 @@ def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
     """peft's `disable_adapter()`: the frozen base alone, the reference policy of a LoRA run (forwards without
     gradients). peft also marks the adapter's parameters untrainable for the duration; they are marked trainable again
     inside, because FSDP2 reads which parameters train at the model's first forward, which may be this one, to fix the
-    dtypes it reduces their gradients in (under bf16-mixed it would then reduce the adapter's in bf16 and fail to store
-    them on its float32 shards)."""
+    dtypes it reduces their gradients in. Seeing none, under bf16-mixed it reduces the adapter's gradients in bf16, not
+    float32 (seen in a 2-rank on-policy GRPO run), or fails to store a bf16 gradient on a float32 shard (the FSDP
+    worker of tests/test_lora.py)."""
     trained = [p for p in model.parameters() if p.requires_grad]
     with model.disable_adapter():
         for parameter in trained:
