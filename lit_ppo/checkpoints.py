@@ -204,6 +204,28 @@ def check_same_models(saved_plan: dict, plan) -> None:
         )
 
 
+def check_same_adapters(saved_plan: dict, plan) -> None:
+    """The checkpoint's LoRA adapters (rank, alpha, target modules, as its plan states them) are the ones this run
+    builds. Where the checkpoint's keys cannot be read (FSDP loads them apart, not strictly: the frozen base is not
+    in a LoRA checkpoint), a full-parameter checkpoint or other adapters would otherwise leave this run's adapters at
+    their initial values without a word."""
+
+    def adapters(plan_dict: dict) -> dict:  # a plan written before LoRA existed trained no adapter
+        targets = plan_dict.get("lora_target_modules", "")
+        return {
+            "rank": plan_dict.get("lora_rank", 0),
+            "alpha": plan_dict.get("lora_alpha", 0.0),
+            "targets": targets if isinstance(targets, str) else sorted(targets),
+        }
+
+    saved, now = adapters(saved_plan), adapters(plan.to_dict())
+    if saved != now:
+        raise ConfigError(
+            f"the checkpoint was written with the adapters {saved} but this run trains {now}; fix: resume with the "
+            "model.lora settings it was written with, or start a new run in another output_dir"
+        )
+
+
 class RolloutCheckpoint(L.Callback):
     """Saves after every `every` rollout steps and at the end of training."""
 

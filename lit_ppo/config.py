@@ -713,7 +713,6 @@ class RunConfig:
             resolved = dataclasses.replace(self.ppo, rollout_correction=correction.resolved(self.rollout.staleness()))
             object.__setattr__(self, "ppo", resolved)  # replace() validated it again
         validate_rollout_mode_lora(self.rollout, self.model.lora)
-        validate_lora_strategy(self.model.lora, self.strategy)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -888,14 +887,4 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         raise ConfigError(
             f"{where} with ppo.old_logprobs=rollout: the PPO ratio would be taken against the stale behaviour policy; "
             "fix: ppo.old_logprobs=auto (the old log-probs are recomputed with the weights the step starts from)"
-        )
-
-
-def validate_lora_strategy(lora: LoraConfig, strategy: StrategyConfig) -> None:
-    """model.lora under FSDP is not built yet (the adapter would have to be gathered apart from the sharded base)."""
-    target = str((strategy.lightning or {}).get("_target_") or "")
-    if lora.enabled and (strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy"))):
-        raise ConfigError(
-            f"model.lora.rank={lora.rank} with strategy=fsdp is not supported yet (the adapter is synced from whole "
-            "models only); fix: strategy=single or strategy=ddp (a LoRA run keeps one frozen base per device)"
         )

@@ -1,5 +1,5 @@
 """Data parallelism: reductions over ranks (on one process they return their input), FSDP2 sharding
-and gathering a sharded model's full tensors."""
+and gathering a sharded model's full tensors (or only some of them: a LoRA adapter)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ def global_max(x: Tensor) -> Tensor:
 def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
     """FSDP2: `fully_shard` each decoder layer, then the rest, of every model (None entries are skipped).
 
-    A layer is its own FSDP unit so that only one layer's parameters are gathered at a time."""
+    A layer is its own FSDP unit so that only one layer's parameters are gathered at a time. A peft (LoRA) model is
+    sharded the same way, its frozen base and its adapter in the same units: FSDP2 reduces only the gradients that
+    exist (the adapter's, and the critic's value head) and needs one dtype among the trainable parameters of a unit,
+    which they have (float32, `models.with_lora`); the frozen base may be bf16 beside them (bf16-mixed), as the
+    policy gathers everything in bf16 anyway."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # bf16-mixed: float32 parameters, gradients and AdamW states (the shards), bf16 for the gathered
@@ -53,6 +57,12 @@ def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
         for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def gathered(tensor: Tensor) -> Tensor:
+    """The tensor whole: an FSDP2 shard (a DTensor) gathered from every rank, which is a collective (every rank calls
+    it, in the same order); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:

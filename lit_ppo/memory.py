@@ -31,6 +31,7 @@ With `model.lora` (rank > 0): the base weights once per model body (actor, criti
 under bf16-mixed (no autocast copies then), no reference (the actor with its adapter disabled); gradients and AdamW
 states for the adapters (and the critic's value head) only, in float32; vLLM holds one adapter beside the base, in
 its max_lora_rank-sized slot. Activations are as without LoRA (the frozen base's layers still pass gradients back).
+Under FSDP the frozen base is sharded like the rest, and a gathered unit has gradients for its adapter only.
 
 The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
 (everything above except a sleeping vLLM). BENCHMARKS.md ("Memory", "On a GPU") compares the training phase with
@@ -258,12 +259,16 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     if (
         shard > 1
     ):  # gathered in the compute dtype (FSDP2's MixedPrecisionPolicy under bf16-mixed), gradients reduced in float32
-        gathered = (shape.embedding_parameters() + shape.layer_parameters()) * (size["compute"] + size["grad"])
+        # With LoRA a unit holds its frozen base and its adapter, and only the adapter's gradients exist.
+        layer_adapter = shape.lora_parameters(run.lora_rank, run.lora_target_modules) // shape.num_layers if lora else 0
+        unit = shape.embedding_parameters() + shape.layer_parameters() + layer_adapter
+        gathered = unit * size["compute"] + (layer_adapter if lora else unit) * size["grad"]
         rows.append(
             (
                 "FSDP gathered units",
                 gathered,
-                "root unit (embeddings, LM head) + one decoder layer, weights and gradients",
+                "root unit (embeddings, LM head) + one decoder layer, weights and "
+                + ("the adapter's gradients" if lora else "gradients"),
             )
         )
         extra += gathered

@@ -20,7 +20,6 @@ from tests.helpers import compose_run_config, plan_of
         ("model.lora.rank=1024", "model.lora.rank"),
         ("model.lora.dropout=0.05", "model.lora.dropout"),
         ("model.lora.init=pissa", "model.lora.init"),
-        ("strategy=fsdp", "model.lora.rank"),
     ],
 )
 def test_adapters_vllm_cannot_serve_are_refused_in_one_line_naming_the_key(override, key):
@@ -88,6 +87,36 @@ def test_qwen7b_lora_fits_one_80gb_gpu_where_full_parameter_qwen7b_does_not(tmp_
         "strategy.device_memory_gib=79.6",
     )  # fmt: skip
     assert full["peak_gib"] > 79.6 and full["warning"] and full["peak_gib"] > 2 * lora["peak_gib"]
+
+
+def test_fsdp_plans_a_lora_run_with_the_frozen_base_sharded(tmp_path, capsys):
+    """`+experiment=qwen7b_lora strategy=fsdp strategy.devices=8 mode=plan`: LoRA under FSDP is planned (it was refused
+    before), the frozen bf16 base, the adapter and its AdamW states are each sharded over the 8 ranks, and a gathered
+    unit (the root + one decoder layer, in bf16) holds float32 gradients for its layer's adapter only."""
+    import json
+
+    from lit_ppo.run import entry as run_module
+    from tests.helpers import compose_config
+
+    overrides = ("+experiment=qwen7b_lora", "strategy=fsdp", "strategy.devices=8", "strategy.accelerator=gpu")
+    run_module.main(
+        compose_config(*overrides, "strategy.device_memory_gib=79.6", "mode=plan", f"output_dir={tmp_path}")
+    )
+    assert "the actor with its adapter disabled (no copy of the weights)" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["lora_rank"] == 32 and plan["data_parallel_size"] == 8
+    rows = {row["what"]: row for row in plan["memory"]["rows"]}
+    assert (
+        rows["frozen base weights"]["bytes"] == 7_615_616_512 * 2 // 8
+        and "/ 8 (FSDP)" in rows["frozen base weights"]["how"]
+    )
+    adapter = 28 * 32 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 2 * (3584 + 18944) + (18944 + 3584))
+    assert rows["trained weights (LoRA)"]["bytes"] == adapter * 4 // 8
+    assert rows["optimizer states"]["bytes"] == adapter * 8 // 8
+    # root (embeddings, untied LM head, final norm) 1,089,998,336 + one layer 233,057,792 + its adapter, in bf16;
+    # float32 gradients for the layer's adapter (2,883,584 parameters) alone
+    layer_adapter = adapter // 28
+    assert rows["FSDP gathered units"]["bytes"] == (1_089_998_336 + 233_057_792 + layer_adapter) * 2 + layer_adapter * 4
 
 
 # ---------------------------------------------------------------- a real LoRA run against the real vLLM engine
@@ -407,26 +436,109 @@ def test_the_hf_engine_generates_with_the_lora_actor_itself(tiny_model_dir, long
     assert any(float(p.detach().abs().max()) > 0 for k, p in module.actor.named_parameters() if "lora_B" in k)
 
 
-@pytest.mark.slow
-def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path):
-    """test_ddp.py's comparison on a LoRA run: each rank keeps its frozen base and its own engine, and syncs its own
-    adapter; 2 CPU processes under DDP end with the adapter 1 process ends with."""
+LORA_PARALLEL = ("model.lora.rank=8", "ppo.actor_lr=5e-3")
+
+
+@pytest.fixture(scope="module")
+def lora_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("lora_cache")
+
+
+@pytest.fixture(scope="module")
+def lora_single_run(tmp_path_factory, lora_cache):
+    """test_ddp.py's 1-process run (2 rollout steps, one mini-batch of the whole rollout batch, 2 PPO epochs, float32)
+    with a LoRA adapter: what the 2-process runs are compared with."""
+    from tests.test_ddp import train_cli
+
+    return train_cli(tmp_path_factory.mktemp("lora_single"), lora_cache, *LORA_PARALLEL)
+
+
+@pytest.fixture(scope="module")
+def lora_fsdp_run(tmp_path_factory, lora_cache, lora_single_run):
+    """The same on 2 CPU processes under FSDP2, also writing actor_merged/."""
+    from tests.test_ddp import STRATEGIES, train_cli
+
+    out = tmp_path_factory.mktemp("lora_fsdp")
+    return train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], "model.lora.save_merged=true")
+
+
+def assert_same_adapter(one, two, atol: float) -> dict:
+    """The final adapters (actor/) of two runs agree within `atol`, and have trained; returns the first."""
     from safetensors.torch import load_file
 
-    from tests.helpers import rollout_step_rows
-    from tests.test_ddp import DDP, train_cli
-
-    lora = ("model.lora.rank=8", "ppo.actor_lr=5e-3")
-    one = train_cli(tmp_path / "single", tmp_path / "cache", *lora)
-    two = train_cli(tmp_path / "ddp", tmp_path / "cache", *lora, *DDP)
     a = load_file(one / "actor" / "adapter_model.safetensors")
     b = load_file(two / "actor" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
     for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-    for run in (one, two):
+        torch.testing.assert_close(b[name], a[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+    return a
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path, lora_cache, lora_single_run):
+    """test_ddp.py's comparison on a LoRA run: each rank keeps its frozen base and its own engine, and syncs its own
+    adapter; 2 CPU processes under DDP end with the adapter 1 process ends with."""
+    from tests.helpers import rollout_step_rows
+    from tests.test_ddp import DDP, train_cli
+
+    two = train_cli(tmp_path / "ddp", lora_cache, *LORA_PARALLEL, *DDP)
+    assert_same_adapter(lora_single_run, two, atol=5e-5)
+    for run in (lora_single_run, two):
         rows = rollout_step_rows(run / "metrics.csv")
         assert all(float(r["perf/weight_sync_bytes"]) < 1e6 for r in rows)  # the adapter alone
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_train_the_same_adapter_as_one(lora_single_run, lora_fsdp_run):
+    """`strategy=fsdp strategy.devices=2` with model.lora: the frozen base sharded, the adapter gathered alone for each
+    sync (the bytes pushed are the adapter's, as on one process), 2 CPU processes end with the adapter 1 process ends
+    with. The checkpoint holds the trained tensors (adapters, value head) and their AdamW states whole, not the base;
+    actor_merged/ (merged on the base loaded again) gives the outputs of actor/ loaded with peft."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import rollout_step_rows
+
+    adapter = assert_same_adapter(lora_single_run, lora_fsdp_run, atol=5e-5)
+    adapter_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
+    for run in (lora_single_run, lora_fsdp_run):
+        rows = rollout_step_rows(run / "metrics.csv")
+        assert [float(r["perf/weight_sync_bytes"]) for r in rows] == [adapter_bytes] * 2, run
+    checkpoint = torch.load(lora_fsdp_run / "checkpoints" / "rollout_step=000002.ckpt", weights_only=False)
+    state = checkpoint["state_dict"]
+    assert state and all("lora_" in k or ".score." in k for k in state), sorted(state)[:5]
+    assert any(k.startswith("critic.") and ".score." in k for k in state)
+    actor_adapter = [v for k, v in state.items() if k.startswith("actor.")]
+    actor_adam = checkpoint["optimizer_states"][0]["state"].values()  # whole: gathered on rank 0, as the weights
+    assert len(actor_adam) == len(actor_adapter)
+    assert sum(s["exp_avg"].numel() for s in actor_adam) == sum(v.numel() for v in actor_adapter)
+    base_path = json.loads((lora_fsdp_run / "actor" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), lora_fsdp_run / "actor").eval()
+    merged = AutoModelForCausalLM.from_pretrained(lora_fsdp_run / "actor_merged").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(policy(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_fsdp_lora_checkpoint_resumes_on_two_ranks_to_the_same_adapter(tmp_path, lora_cache, lora_fsdp_run):
+    """The 2-process FSDP run's checkpoint after rollout step 1 (adapters, value head, AdamW states, no base), resumed
+    on 2 processes: the base from model_dir, the rest scattered to the ranks' shards; it ends with the adapter of the
+    uninterrupted run."""
+    import shutil
+
+    from tests.helpers import rollout_step_rows
+    from tests.test_ddp import STRATEGIES, train_cli
+
+    out = tmp_path / "resumed"
+    out.mkdir()
+    start = shutil.copy(lora_fsdp_run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
+    resumed = train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], f"resume={start}")
+    assert [r["rollout_step"] for r in rollout_step_rows(resumed / "metrics.csv")] == ["1", "2"]
+    assert not (resumed / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
+    assert_same_adapter(lora_fsdp_run, resumed, atol=1e-5)
 
 
 def test_an_adapter_the_engine_does_not_serve_after_the_sync_stops_the_run(lora_engine, monkeypatch):
@@ -452,3 +564,161 @@ def test_resuming_a_lora_run_from_a_checkpoint_without_its_adapter_is_refused(ti
     checkpoint = {"lit_ppo": {"plan": plan.to_dict()}, "state_dict": {}}  # e.g. written by a full-parameter run
     with pytest.raises(ConfigError, match=r"the checkpoint lacks \d+ trained tensors of this LoRA run"):
         module.on_load_checkpoint(checkpoint)
+
+
+def test_under_fsdp_a_checkpoint_of_other_adapters_is_refused_by_its_plan(tiny_model_dir):
+    """Under FSDP Lightning's ModelParallelStrategy loads the tensors before on_load_checkpoint (not strictly: a LoRA
+    checkpoint has no base) and takes them out of the checkpoint; the checkpoint's plan must then state this run's
+    adapters, or a full-parameter checkpoint would leave the adapters at their initial values without a word."""
+    from lit_ppo.config import ModelConfig, PPOConfig
+    from lit_ppo.training.module import PPOModule
+
+    lora = LoraConfig(rank=8)
+    plan = plan_of(64, model=ModelConfig(lora=lora))
+    module = PPOModule(model_dir=tiny_model_dir, ppo=PPOConfig(), plan=plan, pad_token_id=0, lora=lora)
+    assert not module.strict_loading  # set before the strategy loads: the frozen base is not in the checkpoint
+    for saved in (plan_of(64), plan_of(64, model=ModelConfig(lora=LoraConfig(rank=16)))):
+        with pytest.raises(ConfigError, match=r"^the checkpoint was written with the adapters \{'rank': (0|16)"):
+            module.on_load_checkpoint({"lit_ppo": {"plan": saved.to_dict()}})  # no "state_dict": loaded already
+
+
+# ---------------------------------------------------------------- FSDP2: two real gloo processes, no Lightning
+
+
+class AdapterRecorder:
+    """Stands in for the vLLM engine at the weight sync: keeps the adapter it is handed and answers its bytes, as
+    `VLLMEngine.sync_adapter` does."""
+
+    def wake_up(self) -> None:
+        pass
+
+    def sync_adapter(self, tensors, config, version) -> int:
+        self.tensors = {k: v.clone() for k, v in tensors.items()}
+        return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
+def _sharded_lora_rank(rank: int, world: int, model_dir: str, out: str) -> None:
+    """One rank: PPOModule's LoRA actor and critic under FSDP2 in bf16-mixed (bf16 frozen base, float32 adapter), as
+    configure_model shards them; the reference forward first (peft's disable_adapter), one AdamW step of the actor and
+    the critic, the weight sync and the final actor/ save. Writes what it saw to rank<N>.pt."""
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+    report: dict = {}
+    try:
+        from transformers import AutoTokenizer
+
+        from lit_ppo.config import PPOConfig
+        from lit_ppo.distributed import shard_models
+        from lit_ppo.run.train import save_lora_policy
+        from lit_ppo.training.batching import pack
+        from lit_ppo.training.models import adapter_tensors
+        from lit_ppo.training.module import PPOModule
+
+        torch.manual_seed(0)  # the same adapter initialisation on every rank, as the run's seed_everything gives
+        plan = plan_of(64, precision="bf16-mixed", dp=world)
+        module = PPOModule(model_dir=model_dir, ppo=PPOConfig(), plan=plan, pad_token_id=0, lora=LoraConfig(rank=RANK))
+        report["whole_adapter"] = adapter_tensors(module.actor)  # before sharding: plain tensors
+        shard_models((module.actor, module.critic, None), init_device_mesh("cpu", (world,)), bf16_mixed=True)
+        module.sharded = True
+        base = {k: v.to_local().clone() for k, v in module.actor.state_dict().items() if "lora_" not in k}
+
+        mb = pack([[3, 5, 7, 9, 11], [4, 6, 8]], [[12, 13, 14], [15, 16, 17]], 0, torch.device("cpu"))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            reference_before = module.reference_logprobs(mb)  # the models' first forward: the adapter disabled
+        trained = [p for m in (module.actor, module.critic) for p in m.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = -module.response_logprobs(module.actor, mb).sum() + module._values(mb).square().sum()
+        loss.backward()
+        report["grad_dtypes"] = sorted({str(p.grad.dtype) for p in trained if p.grad is not None})
+        report["grads"] = sum(p.grad is not None for p in trained), len(trained)
+        optimizer.step()
+
+        gathered_bytes: list[int] = []
+        full_tensor = DTensor.full_tensor
+
+        def counting(self, *args, **kwargs):
+            whole = full_tensor(self, *args, **kwargs)
+            gathered_bytes.append(whole.numel() * whole.element_size())
+            return whole
+
+        DTensor.full_tensor = counting
+        engine = AdapterRecorder()
+        module.sync_weights(engine, version=1)
+        DTensor.full_tensor = full_tensor
+        report["synced"] = engine.tensors
+        report["sync_bytes"] = module.last_sync_bytes
+        report["gathered_bytes"] = sum(gathered_bytes)
+
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            report["reference_unchanged"] = torch.equal(module.reference_logprobs(mb), reference_before)
+            report["policy_moved"] = not torch.equal(module.response_logprobs(module.actor, mb), reference_before)
+        after = {k: v.to_local() for k, v in module.actor.state_dict().items() if "lora_" not in k}
+        report["base_unchanged"] = all(torch.equal(after[k], v) for k, v in base.items())
+        report["base_dtypes"] = sorted({str(v.dtype) for v in base.values()})
+        # What Lightning's ModelParallelStrategy gathers for a checkpoint (its options): the trained tensors only.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        report["checkpointed"] = {k: tuple(v.shape) for k, v in get_model_state_dict(module, options=options).items()}
+        report["trained_shapes"] = {
+            f"{m}.{k}": tuple(p.shape)
+            for m in ("actor", "critic")
+            for k, p in getattr(module, m).named_parameters()
+            if p.requires_grad
+        }
+        state = module.saved_actor_state()
+        if rank == 0:
+            save_lora_policy(module.actor, AutoTokenizer.from_pretrained(model_dir), Path(out), False, adapter=state)
+        report["error"] = None
+    except Exception:  # reported to the test, which runs in the parent
+        report["error"] = traceback.format_exc()
+    torch.save(report, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp_shards_the_lora_actor_and_syncs_only_the_gathered_adapter(tiny_model_dir, tmp_path):
+    """Two CPU processes (gloo) shard the LoRA actor and critic with FSDP2 under bf16-mixed, the frozen base in bf16
+    and the adapter and value head in float32 in the same units. The reference (adapter disabled) is the first
+    forward; a backward and an AdamW step give float32 gradients for every trained tensor and leave the base bitwise
+    as loaded. A checkpoint gathers the trained tensors and no base tensor. The weight sync gathers the adapter's
+    tensors and nothing else (the bytes `DTensor.full_tensor` gathers are the adapter's, `perf/weight_sync_bytes`),
+    whole and the same on both ranks; the final actor/ is written from them and loads with peft."""
+    import torch.multiprocessing as mp
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    mp.start_processes(_sharded_lora_rank, args=(2, tiny_model_dir, str(tmp_path)), nprocs=2, start_method="spawn")
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for report in reports:
+        assert report["error"] is None, report["error"]
+        assert report["grad_dtypes"] == ["torch.float32"] and report["grads"][0] == report["grads"][1] > 0
+        assert report["reference_unchanged"] and report["policy_moved"] and report["base_unchanged"]
+        assert report["base_dtypes"] == ["torch.bfloat16"]
+        synced = report["synced"]
+        assert synced.keys() == report["whole_adapter"].keys() and all("lora_" in k for k in synced)
+        adapter_bytes = sum(v.numel() * v.element_size() for v in synced.values())
+        assert report["sync_bytes"] == report["gathered_bytes"] == adapter_bytes
+        for name, whole in report["whole_adapter"].items():
+            assert synced[name].shape == whole.shape and not hasattr(synced[name], "to_local")
+            if "lora_A" in name:  # B starts at zero, so A has no gradient at the first step: the gathered A is A
+                assert torch.equal(synced[name], whole), name
+        assert any(float(v.abs().max()) > 0 for k, v in synced.items() if "lora_B" in k)  # B trained
+    for name, tensor in reports[0]["synced"].items():
+        assert torch.equal(tensor, reports[1]["synced"][name]), name
+    # A checkpoint gathers onto rank 0 the adapters and the value head, whole, and no base tensor.
+    assert reports[0]["checkpointed"] == reports[0]["trained_shapes"] and reports[1]["checkpointed"] == {}
+    assert any(".score." in k for k in reports[0]["checkpointed"])
+    saved = load_file(tmp_path / "actor" / "adapter_model.safetensors")
+    assert saved.keys() == reports[0]["synced"].keys()
+    assert all(torch.equal(saved[k], v) for k, v in reports[0]["synced"].items())
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "actor")
+    loaded = {k.replace(".default", ""): v for k, v in policy.state_dict().items() if "lora_" in k}
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())

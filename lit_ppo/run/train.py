@@ -20,7 +20,7 @@ import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_only
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo import waits
 from lit_ppo.atomic import (
@@ -202,15 +202,26 @@ def lightning_strategy(config: RunConfig):
     return hydra.utils.instantiate(config.strategy.lightning, **timeout)
 
 
-def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool) -> None:
+def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool, adapter: dict | None = None) -> None:
     """The final LoRA policy: `actor/` a PEFT adapter directory (adapter_config.json naming the base, the adapter's
     tensors) that `peft` and vLLM's LoRARequest load, with the tokenizer; with `merged`, also `actor_merged/`, the
     adapter merged into the base weights as a plain Hugging Face model (in the base's dtype). The merge happens in
-    place: the run is over."""
-    actor.save_pretrained(output_dir / "actor")
+    place: the run is over. A sharded actor (FSDP) is written from its gathered `adapter` (`saved_actor_state`), and
+    its merge is made on the base loaded again, whole, with that adapter (its own base is in shards)."""
+    actor.save_pretrained(output_dir / "actor", state_dict=adapter)
     tokenizer.save_pretrained(output_dir / "actor")
     if merged:
-        actor.merge_and_unload().save_pretrained(output_dir / "actor_merged")
+        if adapter is None:
+            whole = actor
+        else:
+            from peft import PeftModel
+
+            base_dtype = actor.get_input_embeddings().weight.dtype  # the frozen base's (bf16 under bf16-mixed)
+            base = AutoModelForCausalLM.from_pretrained(
+                actor.peft_config["default"].base_model_name_or_path, dtype=base_dtype
+            )
+            whole = PeftModel.from_pretrained(base, output_dir / "actor")
+        whole.merge_and_unload().save_pretrained(output_dir / "actor_merged")
         tokenizer.save_pretrained(output_dir / "actor_merged")
 
 
@@ -275,9 +286,9 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
         trainer.fit(
             module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False
         )
-        # Under FSDP every rank takes part in gathering the actor's shards (before the engine's shutdown
-        # can touch the process group); rank 0 saves them below.
-        actor_state = dict(module.full_actor_tensors()) if module.sharded else None
+        # Under FSDP every rank takes part in gathering the actor's shards (with LoRA the adapter's only), before the
+        # engine's shutdown can touch the process group; rank 0 saves them below.
+        actor_state = module.saved_actor_state() if module.sharded else None
     except Exception as error:
         stop_started_ranks(trainer)
         timed_out = waits.named_timeout(error, trainer.global_rank)
@@ -292,7 +303,7 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     if not trainer.is_global_zero:
         return None
     if module.lora:
-        save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged)
+        save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged, adapter=actor_state)
     else:
         module.actor.save_pretrained(output_dir / "actor", state_dict=actor_state)
         tokenizer.save_pretrained(output_dir / "actor")

@@ -5,12 +5,15 @@ response tokens."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo.config import LoraConfig
+from lit_ppo.distributed import gathered
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.logits import logprobs_and_entropy
@@ -84,10 +87,34 @@ def is_lora(model: torch.nn.Module | None) -> bool:
 
 def adapter_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
     """The actor's adapter by peft's names (`base_model.model.<module>.lora_A.weight`), as vLLM and `save_pretrained`
-    read them: the only tensors a LoRA run syncs."""
+    read them: the only tensors a LoRA run syncs. Sharded (FSDP2), each is gathered whole, one at a time (a collective:
+    every rank calls this); the frozen base is never gathered."""
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(model)
+    return {name: gathered(tensor) for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's trained tensors by its state_dict keys (peft's, with the adapter's name), gathered whole if sharded
+    (a collective, as `adapter_tensors`): what a sharded peft model's `save_pretrained(state_dict=...)` writes its
+    adapter from."""
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: gathered(tensor) for name, tensor in model.state_dict().items() if name in trained}
+
+
+@contextmanager
+def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """peft's `disable_adapter()`: the frozen base alone, the reference policy of a LoRA run (forwards without
+    gradients). peft also marks the adapter's parameters untrainable for the duration; they are marked trainable again
+    inside, because FSDP2 reads which parameters train at the model's first forward, which may be this one, to fix the
+    dtypes it reduces their gradients in. Seeing none, under bf16-mixed it reduces the adapter's gradients in bf16, not
+    float32 (seen in a 2-rank on-policy GRPO run), or fails to store a bf16 gradient on a float32 shard (the FSDP
+    worker of tests/test_lora.py)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with model.disable_adapter():
+        for parameter in trained:
+            parameter.requires_grad_(True)
+        yield
 
 
 def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:

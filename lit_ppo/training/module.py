@@ -29,7 +29,7 @@ from torch import Tensor
 from lit_ppo import algorithms as algo
 from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.checkpoints import check_same_models, module_state, restore_module_state
+from lit_ppo.checkpoints import check_same_adapters, check_same_models, module_state, restore_module_state
 from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError, WeightSyncError
@@ -54,11 +54,13 @@ from lit_ppo.training.experience import (
 )
 from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
 from lit_ppo.training.models import (
+    adapter_disabled,
     adapter_tensors,
     critic_values,
     is_lora,
     load_models,
     response_logprobs_and_entropy,
+    trained_state,
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 
@@ -97,6 +99,9 @@ class PPOModule(L.LightningModule):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
+        # A LoRA checkpoint holds the trained tensors only: the frozen base is loaded from model_dir. Set here, as
+        # Lightning's ModelParallelStrategy (FSDP) loads the weights before on_load_checkpoint.
+        self.strict_loading = not self.lora
         self.last_sync_bytes = 0  # pushed into the engine by the last weight sync
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
@@ -128,6 +133,11 @@ class PPOModule(L.LightningModule):
         """The actor's tensors by Hugging Face name, gathered if sharded (a collective: every rank calls it)."""
         return full_tensors(self.actor)
 
+    def saved_actor_state(self) -> dict[str, Tensor]:
+        """What the final `actor/` of a sharded actor is written from, gathered (a collective: every rank calls it):
+        with LoRA the adapter alone (`save_pretrained(state_dict=...)` keys), else every tensor by Hugging Face name."""
+        return trained_state(self.actor) if self.lora else dict(self.full_actor_tensors())
+
     # ------------------------------------------------------------ optimizers
 
     def configure_optimizers(self):
@@ -145,7 +155,7 @@ class PPOModule(L.LightningModule):
     def reference_logprobs(self, mb: MicroBatch) -> Tensor:
         """The reference model's log-probs: with LoRA the actor with its adapter disabled (the frozen base), no copy."""
         if self.lora:
-            with self.actor.disable_adapter():
+            with adapter_disabled(self.actor):
                 return self.response_logprobs(self.actor, mb)
         return self.response_logprobs(self.reference, mb)
 
@@ -523,23 +533,33 @@ class PPOModule(L.LightningModule):
         return self.guarded_step.skipped
 
     def frozen_parameter_names(self) -> set[str]:
-        """The state_dict keys of parameters that never train (LoRA's base weights): loaded from model_dir, never
-        checkpointed."""
+        """The names of parameters that never train (LoRA's base weights): loaded from model_dir, never checkpointed
+        (`state_dict` leaves them out)."""
         return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """With LoRA the trained tensors only (the adapters, the value head), not the frozen base (model_dir has it):
+        what a checkpoint holds. Under FSDP, Lightning's ModelParallelStrategy gathers on rank 0 what this lists
+        (`get_model_state_dict`), so a checkpoint never gathers the base either."""
+        state = super().state_dict(*args, **kwargs)
+        if self.lora:
+            prefix = kwargs.get("prefix", "")  # within a wrapper's state_dict (DDP's)
+            for name in self.frozen_parameter_names():
+                state.pop(prefix + name, None)
+        return state
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
-        if self.lora:  # the adapters and the value head, not the frozen base (model_dir has it)
-            frozen = self.frozen_parameter_names()
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in frozen}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)  # Lightning loads the weights after this hook
-        if self.lora:
-            # Lightning then loads the checkpoint's keys only (strict_loading off): each trained one must be there.
-            self.strict_loading = False
-            wanted = set(self.state_dict()) - self.frozen_parameter_names()
-            missing = sorted(wanted - set(checkpoint["state_dict"]))
+        check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)
+        if self.lora and "state_dict" not in checkpoint:
+            # FSDP: ModelParallelStrategy has loaded the checkpoint's tensors before this hook (not strictly: the frozen
+            # base is not there) and taken them out of `checkpoint`; its plan says which adapters they were.
+            check_same_adapters(checkpoint["lit_ppo"]["plan"], self.plan)
+        elif self.lora:
+            # Lightning loads the weights after this hook, the checkpoint's keys only: each trained one must be there.
+            missing = sorted(set(self.state_dict()) - set(checkpoint["state_dict"]))
             if missing:
                 raise ConfigError(
                     f"the checkpoint lacks {len(missing)} trained tensors of this LoRA run (e.g. {missing[0]}); fix: "
