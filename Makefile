@@ -30,7 +30,7 @@ test-slow: .venv/installed
 	$(PY) -m pytest -m slow $(ARGS)
 
 # Benchmarks (BENCHMARKS.md): TRL is an optional extra, installed only for them.
-BENCHES := vs_trl train_phase mfu weight_sync generation scaling
+BENCHES := vs_trl train_phase mfu weight_sync generation scaling lora_memory
 
 .venv/bench-installed: .venv/installed
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test,bench]"

@@ -59,6 +59,13 @@ BENCH_MODEL = ModelSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads
 """About 24 M parameters (Qwen2 architecture, 128-token vocabulary, tied embeddings)."""
 SMOKE_MODEL = ModelSize(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 """About 0.1 M parameters: checks that a script runs, measures nothing."""
+QWEN05B = ModelSize(
+    hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048
+)
+QWEN05B_VOCAB = 151936
+"""Qwen2.5-0.5B's shape (494 M parameters, tied embeddings), random weights."""
+SMOKE_VOCAB = 4096
+"""The smoke stand-in for the 0.5B shape's vocabulary: the same code path, CPU-sized."""
 
 
 def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = None) -> Path:
@@ -86,6 +93,14 @@ def build_model_dir(size: ModelSize, seed: int = 0, vocab_size: int | None = Non
         save_model_dir(model.to("cpu"), tokenizer, tmp)
         tmp.rename(path)
     return path
+
+
+def qwen05b_model_dir(seed: int = 0, smoke: bool = False) -> Path:
+    """The Qwen2.5-0.5B-shaped model directory (random weights, 151,936 vocabulary); `smoke`: SMOKE_MODEL with a
+    4,096 vocabulary and 2,048 positions (the same code path, CPU-sized)."""
+    if smoke:
+        return build_model_dir(replace(SMOKE_MODEL, max_position_embeddings=2048), seed, SMOKE_VOCAB)
+    return build_model_dir(QWEN05B, seed, QWEN05B_VOCAB)
 
 
 def model_description(model_dir: str | Path) -> str:

@@ -22,13 +22,12 @@ import time
 import torch
 from common import (
     BENCH_MODEL,
-    SMOKE_MODEL,
-    ModelSize,
     arithmetic_prompt_file,
     build_model_dir,
     command_line,
     model_description,
     print_header,
+    qwen05b_model_dir,
 )
 from train_phase import run_litppo, run_plain
 
@@ -36,13 +35,6 @@ from lit_ppo.memory import ModelShape
 from lit_ppo.precision import resolve_precision
 from lit_ppo.testing import random_rollout_batch
 
-QWEN05B = ModelSize(
-    hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048
-)
-QWEN05B_VOCAB = 151936
-"""Qwen2.5-0.5B's shape (494 M parameters, tied embeddings), random weights."""
-SMOKE_VOCAB = 4096
-"""The smoke stand-in for the 0.5B shape's vocabulary: the same code path, CPU-sized."""
 PRECISION_WORDS = {
     "bf16-mixed": "float32 weights and AdamW, bf16 autocast",
     "32-true": "float32 throughout",
@@ -110,11 +102,11 @@ def main() -> None:
     cuda = device.type == "cuda"
     small = (args.model or ("0.5b" if cuda else "24m")) == "24m"
     if args.smoke:
-        model_dir = build_model_dir(dataclasses.replace(SMOKE_MODEL, max_position_embeddings=2048), 0, SMOKE_VOCAB)
+        model_dir = qwen05b_model_dir(smoke=True)
     elif small:
         model_dir = build_model_dir(dataclasses.replace(BENCH_MODEL, max_position_embeddings=2048))
     else:
-        model_dir = build_model_dir(QWEN05B, 0, QWEN05B_VOCAB)
+        model_dir = qwen05b_model_dir()
     shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     # The precision a run gets here with `precision: auto`: bf16-mixed on a GPU, float32 on a CPU without native bf16.
     precision = resolve_precision("auto", args.device)

@@ -22,7 +22,6 @@ from common import (
     add_common_args,
     arithmetic_prompt_file,
     bench_model_dir,
-    build_model_dir,
     build_run,
     command_line,
     engine_max_model_len,
@@ -30,6 +29,7 @@ from common import (
     grpo_for,
     model_description,
     print_header,
+    qwen05b_model_dir,
     start_engine,
     stats,
 )
@@ -53,9 +53,7 @@ def main() -> None:
         args.response_tokens, args.steps, args.syncs = 16, 2, 3
 
     if args.qwen05b:
-        from mfu import QWEN05B, QWEN05B_VOCAB
-
-        model_dir = build_model_dir(QWEN05B, args.seed, vocab_size=QWEN05B_VOCAB)
+        model_dir = qwen05b_model_dir(args.seed)
     else:
         model_dir = bench_model_dir(args)
     from lit_ppo.config import LoraConfig
