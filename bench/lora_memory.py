@@ -36,7 +36,6 @@ import random
 from pathlib import Path
 
 import lightning as L
-import torch
 from common import (
     CACHE,
     arithmetic_prompt_file,
@@ -52,7 +51,7 @@ from common import (
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.memory import GIB
 from lit_ppo.precision import cpu_has_native_bf16, resolve_precision
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 
 MIB = 1024**2
 STATUS = Path("/proc/self/status")
@@ -126,32 +125,13 @@ def run_overrides(args, model_dir: Path, lora_rank: int) -> list[str]:
 def fixed_rollout_batch(args, vocab: range) -> RolloutBatch:
     """`--prompts` random prompts of `--min-prompt-tokens` to `--max-prompt-tokens` ids (the first one the longest,
     so a micro-batch reaches the estimate's width), `--samples-per-prompt` responses each, every one running to the
-    response limit (truncated), random 0/1 rewards."""
+    response limit (truncated), random 0/1 rewards (`lit_ppo.testing.random_rollout_batch`)."""
     rng = random.Random(args.seed)
     lengths = [args.max_prompt_tokens] + [
         rng.randint(args.min_prompt_tokens, args.max_prompt_tokens) for _ in range(args.prompts - 1)
     ]
     prompts = [[rng.randrange(vocab.start, vocab.stop) for _ in range(n)] for n in lengths]
-    samples = [p for p in prompts for _ in range(args.samples_per_prompt)]
-    N = len(samples)
-    positions = [i // args.samples_per_prompt for i in range(N)]
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=positions,
-        dataset_indices=positions,
-        prompt_ids=samples,
-        response_ids=[[rng.randrange(vocab.start, vocab.stop) for _ in range(args.response_tokens)] for _ in samples],
-        rollout_logprobs=None,
-        rewards=torch.tensor([float(rng.randint(0, 1)) for _ in samples]),
-        truncated=torch.ones(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+    return random_rollout_batch(prompts, args.samples_per_prompt, args.response_tokens, vocab, args.seed)
 
 
 def measure(args, model_dir: Path, lora_rank: int) -> dict:
