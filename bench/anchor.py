@@ -32,6 +32,7 @@ from common import CACHE, arithmetic_prompt_file, build_run, command_line, grpo_
 from mfu import matmul_peak, training_flops
 
 from lit_ppo.batch import RolloutBatch
+from lit_ppo.config import LoraConfig
 from lit_ppo.memory import ModelShape
 from lit_ppo.precision import resolve_precision
 from lit_ppo.testing import FixedBatchDataModule, NullEngine
@@ -80,7 +81,8 @@ def model_dir_of(name: str):
         torch.manual_seed(0)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        save_model_dir(model.to("cpu"), build_char_tokenizer(), path)
+        # bf16 on disk (half the bytes to write and read; the run loads float32 master weights or a bf16 frozen base)
+        save_model_dir(model.to("cpu", torch.bfloat16), build_char_tokenizer(), path)
     return path
 
 
@@ -166,11 +168,9 @@ def main() -> None:
         gradient_checkpointing=True,
         accelerator=accelerator,
         precision=precision,
+        # The product's LoRA (model.lora, peft): the frozen base in bf16 under bf16-mixed, the adapter in float32.
+        lora=LoraConfig(rank=16, alpha=32.0, target_modules="all-linear") if lora else None,
     )
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        module.actor = get_peft_model(module.actor, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     datamodule.fixed_batch = batch
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
@@ -194,7 +194,10 @@ def main() -> None:
     else:  # a CPU has no published peak here: the measured float32 matmul rate
         peak = matmul_peak(torch.device("cpu"), torch.float32, 512, 3, 4)["max"]
     mfu = flops / seconds / peak
+    trainable = sum(p.numel() for p in module.actor.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.actor.parameters() if not p.requires_grad)
     print(f"command: {command_line()}")
+    print(f"actor: {trainable:,} trainable and {frozen:,} frozen parameters ({module.actor.dtype} weights)")
     print(
         f"model: {name} shape ({'LoRA r16 on frozen weights' if lora else 'full RL'}), random weights; "
         f"{precision}; gradient checkpointing on; {'cuda' if cuda else 'cpu'}"

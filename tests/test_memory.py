@@ -180,3 +180,24 @@ def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):
     run_module.main(cfg)
     memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
     assert memory["model_shape_from"].endswith("config.json") and memory["warning"] is None
+
+
+def test_device_peak_memory_reads_and_resets_the_cuda_peak_and_is_none_on_cpu(monkeypatch):
+    """perf/device_peak_memory_gib (the figure issue 28 sets beside the plan's estimate on a GPU): each call returns
+    the allocator's peak since the last one and resets it, so every rollout step reports its own; off CUDA, nothing.
+    The CUDA counters are stood in for here (this machine has none); tests/test_gpu.py reads the real ones."""
+    import torch
+
+    from lit_ppo.training.metrics import device_peak_memory_gib
+
+    assert device_peak_memory_gib(torch.device("cpu")) is None
+    peaks = {"value": 3 * 1024**3, "resets": 0}
+
+    def reset(device):
+        peaks["value"], peaks["resets"] = 0, peaks["resets"] + 1
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peaks["value"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    assert device_peak_memory_gib(torch.device("cuda", 0)) == 3.0
+    assert peaks["resets"] == 1
+    assert device_peak_memory_gib(torch.device("cuda", 0)) == 0.0

@@ -282,3 +282,28 @@ def test_dataset_dict_folder_asks_for_one_split(tokenizer, tmp_path):
     with pytest.raises(ConfigError, match=r"holds splits \['train'\]; fix: point at one split's folder"):
         load_prompts(tmp_path / "dd", tokenizer)
     assert len(load_prompts(tmp_path / "dd" / "train", tokenizer)) == 1
+
+
+def test_tiny_tokenizer_filled_to_a_real_vocabulary_encodes_by_character_and_decodes_every_id(tmp_path):
+    """build_char_tokenizer(151936): the vocabulary of Qwen2.5 for a random-weight model of its shape (issue 28's
+    end-to-end GPU run): text still encodes one token per character, the same as the plain tokenizer, and every id up
+    to the last decodes to text, also once saved and loaded back with AutoTokenizer (what the trainer loads)."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model
+
+    text = "Question: Natalia sold 48 clips in April.\nHow many? ####"
+    plain, filled = build_char_tokenizer(), build_char_tokenizer(151936)
+    assert len(filled) == 151936
+    assert filled(text)["input_ids"] == plain(text)["input_ids"]
+    assert len(filled(text)["input_ids"]) == len(text)
+    filled.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(text)["input_ids"] == plain(text)["input_ids"]
+    last = len(filled) - 1
+    assert loaded.decode([last, filled.eos_token_id], skip_special_tokens=True) == f" w{last - len(plain)}"
+    model = build_tiny_model(filled, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=8,
+                             max_position_embeddings=64, seed=0)  # fmt: skip
+    assert model.config.vocab_size == 151936
+    with pytest.raises(ValueError, match="below the"):
+        build_char_tokenizer(10)

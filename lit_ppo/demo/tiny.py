@@ -42,13 +42,22 @@ def _byte_level_symbol(char: str) -> str:
     return char if 33 <= code <= 126 else chr(256 + code)
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     """One token per printable ASCII character, plus Qwen-style special tokens.
 
     It is a byte-level BPE without merges, the same pipeline as Qwen2's tokenizer, so loading the
     saved directory with AutoTokenizer (which picks Qwen2Tokenizer from config.json) and with vLLM
-    gives exactly the same ids, spaces and newlines included."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [_byte_level_symbol(c) for c in CHARS])}
+    gives exactly the same ids, spaces and newlines included.
+
+    `vocab_size`: the vocabulary filled up to this many tokens (e.g. Qwen2.5's 151,936) with word tokens ` w0`,
+    ` w1`, ... after the characters: text still encodes one token per character (there are no merges), and every id
+    a model of that vocabulary samples decodes to text, so a random-weight model of a real model's shape generates,
+    decodes and is rewarded like one."""
+    base = SPECIAL_TOKENS + [_byte_level_symbol(c) for c in CHARS]
+    if vocab_size is not None and vocab_size < len(base):
+        raise ValueError(f"build_char_tokenizer: vocab_size={vocab_size} is below the {len(base)} base tokens")
+    fillers = [f"{_byte_level_symbol(' ')}w{i}" for i in range((vocab_size or len(base)) - len(base))]
+    vocab = {tok: i for i, tok in enumerate(base + fillers)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     core.add_special_tokens(SPECIAL_TOKENS)
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -18,6 +18,21 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.rewards.scorer import COUNT_METRICS
 from lit_ppo.training.experience import Experience
 
+GIB = 1024**3
+
+
+def device_peak_memory_gib(device: torch.device) -> float | None:
+    """The CUDA allocator's peak on `device` since the last call, in GiB, and the peak reset for the next: what a
+    rollout step held at most (`perf/device_peak_memory_gib`: generation with rollout.engine=hf, experience, updates),
+    the figure to set beside the plan's memory estimate (plan.json). None off CUDA (a CPU has no allocator peak to
+    read; bench/lora_memory.py reads the process's resident memory instead)."""
+    if device.type != "cuda":
+        return None
+    peak_bytes = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak_bytes / GIB
+
+
 Reduce = Callable[[Tensor], Tensor]
 
 

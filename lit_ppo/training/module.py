@@ -52,7 +52,13 @@ from lit_ppo.training.experience import (
     next_kl_coef,
     old_logprobs_from_training,
 )
-from lit_ppo.training.metrics import MeanOver, actor_micro_batch_metrics, rollout_step_row, update_metrics
+from lit_ppo.training.metrics import (
+    MeanOver,
+    actor_micro_batch_metrics,
+    device_peak_memory_gib,
+    rollout_step_row,
+    update_metrics,
+)
 from lit_ppo.training.models import (
     adapter_disabled,
     adapter_tensors,
@@ -368,6 +374,7 @@ class PPOModule(L.LightningModule):
     def on_train_start(self) -> None:
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
         engine = self.trainer.datamodule.start_engine()
+        device_peak_memory_gib(self.device)  # each rollout step's peak starts here: loading is not counted
         waits.entering("the weight sync before rollout step 1")
         self.sync_weights(engine, self.rollout_step)
         if not self.eval_history:
@@ -436,6 +443,9 @@ class PPOModule(L.LightningModule):
         }
         if batch.wait_seconds is not None:  # rollout workers: generation overlapped training; the wait is its cost
             timings["timing/generate_s"] = batch.wait_seconds
+        peak_gib = device_peak_memory_gib(self.device)  # since the last step's end: its generation, updates, sync
+        if peak_gib is not None:
+            train_metrics["perf/device_peak_memory_gib"] = peak_gib
         self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
 
     @torch.no_grad()
