@@ -582,6 +582,21 @@ class ModelConfig:
     tiny: TinyModelConfig | None = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    attn_implementation: str | None = None
+    """The attention kernels of the trained models (transformers' `attn_implementation`): null leaves transformers'
+    default (sdpa); flash_attention_2 / flash_attention_3 (the flash-attn package) train packed micro-batches in one
+    row with per-sample varlen kernels, where sdpa/eager/flex_attention compute each packed row's attention under a
+    block-diagonal mask (lit_ppo/packing.py). Checked by the pre-flight before any model loads."""
+
+    def __post_init__(self) -> None:
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"model.attn_implementation={self.attn_implementation!r} is unknown; fix: null (transformers' default) "
+                f"or one of {', '.join(ATTN_IMPLEMENTATIONS)}"
+            )
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class StepPlan:
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
     packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
+    attn_implementation: str | None = None  # model.attn_implementation (None: transformers' default, sdpa)
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
     # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
@@ -176,8 +177,14 @@ class StepPlan:
             (
                 "packing",
                 "on" if self.packing else "off",
-                "whole samples end to end, position ids from 0 at each; attention within a sample (transformers: "
-                "block-diagonal mask for sdpa/eager, flash-attention varlen); LM head at response positions only"
+                "whole samples end to end, position ids from 0 at each; attention within a sample ("
+                + (
+                    f"{self.attn_implementation}: one row per micro-batch, varlen kernels per sample"
+                    if self.attn_implementation in ("flash_attention_2", "flash_attention_3")
+                    else f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
+                    "sample, block-diagonal mask"
+                )
+                + "); LM head at response positions only"
                 if self.packing
                 else "rows padded: prompts left, responses right (ppo.packing)",
             ),
@@ -436,6 +443,7 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
         packing=ppo.packing is not False,  # null: on; the pre-flight resolved it where it knew the model's type
+        attn_implementation=config.model.attn_implementation,
         max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,

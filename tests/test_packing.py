@@ -351,3 +351,37 @@ def test_packed_and_padded_runs_end_with_the_same_weights(tiny_model_dir, arithm
         moved = float((b[name].detach() - initial[name]).norm())
         error = float((a[name].detach() - b[name].detach()).norm())
         assert moved > 0 and error <= 1e-4 * moved, f"{name}: {error:.2e} apart after moving {moved:.2e}"
+
+
+def test_the_attention_implementation_is_checked_before_any_model_loads_and_reaches_every_model(
+    tmp_path, tiny_model_dir, monkeypatch, no_training
+):
+    """model.attn_implementation (issue 28: flash-attention's varlen kernels are what a packed GPU run wants; the H200
+    anchor run without them computed 2.59x the attention its samples needed): an unknown name is refused by the
+    config, kernels that are not installed by the pre-flight before any model loads (one line naming the key and
+    the fix), and a known one reaches the actor, the critic and the reference as transformers' implementation."""
+    import json
+
+    import transformers.utils
+
+    from lit_ppo.config import PPOConfig
+    from lit_ppo.run import entry
+    from lit_ppo.training.models import load_models
+
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation='flash' is unknown; fix: null"):
+        compose_run_config("model.attn_implementation=flash")
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation=flash_attention_2: needs the flash-attn .*fix"):
+        entry.main(compose_config(f"output_dir={tmp_path / 'a'}", f"model.path={tiny_model_dir}",
+                                  "model.attn_implementation=flash_attention_2"))  # fmt: skip
+    assert no_training == []  # refused before the run (and its model loads) started
+    entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'b'}", f"model.path={tiny_model_dir}",
+                              "model.attn_implementation=flash_attention_2"))  # fmt: skip  # a plan for a GPU, anywhere
+    packing_row = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert packing_row["attn_implementation"] == "flash_attention_2" and packing_row["packing"] is True
+    plan = plan_of(64, ppo=PPOConfig(kl_coef=0.1), model=compose_run_config("model.attn_implementation=eager").model)
+    assert "eager: rows of up to twice the longest sample" in plan.table()
+    actor, critic, reference = load_models(tiny_model_dir, plan, attn_implementation="eager")
+    assert {m.config._attn_implementation for m in (actor, critic, reference)} == {"eager"}
+    actor, _, _ = load_models(tiny_model_dir, plan)
+    assert actor.config._attn_implementation == "sdpa"  # null: transformers' default

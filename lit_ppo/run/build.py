@@ -94,6 +94,7 @@ def build_run(
         temperature=config.rollout.temperature,
         max_logprob_abs_diff=config.rollout.max_logprob_abs_diff,
         lora=config.model.lora,
+        attn_implementation=config.model.attn_implementation,
     )
     rollout = config.rollout
     if rollout.engine == "hf":  # the actor itself generates: the engine holds the module's model, not a copy

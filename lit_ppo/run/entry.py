@@ -105,6 +105,8 @@ def preflight(config: RunConfig) -> RunConfig:
         response_key=response_key,
         longest_prompt=longest,
     )
+    if training:
+        checks.check_attention(config.model.attn_implementation)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
     return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing))
 

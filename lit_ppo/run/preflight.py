@@ -333,3 +333,25 @@ def resolve_packing(packing: bool | None, model_type: str | None) -> bool | None
 
         show(f"packing: off, {reason} (ppo.packing=null); micro-batches are padded")
     return reason is None
+
+
+def check_attention(attn_implementation: str | None) -> None:
+    """model.attn_implementation where the run trains: the kernels it names must be installed here, or the model's
+    load would fail (or, for flex attention, compile) only after the data and the engine were set up."""
+    import transformers.utils as available
+
+    needs = {
+        "flash_attention_2": (available.is_flash_attn_2_available, "the flash-attn package (2.x) with a CUDA device"),
+        "flash_attention_3": (
+            available.is_flash_attn_3_available,
+            "flash-attn 3 (flash_attn_interface) with a CUDA device",
+        ),
+        "flex_attention": (available.is_torch_flex_attn_available, "a torch with flex attention (2.5 or later)"),
+    }
+    if attn_implementation in needs:
+        present, what = needs[attn_implementation]
+        if not present():
+            raise ConfigError(
+                f"model.attn_implementation={attn_implementation}: needs {what}, not found here; fix: install it, or "
+                "model.attn_implementation=null (transformers' default, sdpa)"
+            )

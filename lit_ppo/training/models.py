@@ -19,18 +19,25 @@ from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.logits import logprobs_and_entropy
 
 
-def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = False, lora: LoraConfig | None = None):
+def load_models(
+    model_dir: str,
+    plan: StepPlan,
+    gradient_checkpointing: bool = False,
+    lora: LoraConfig | None = None,
+    attn_implementation: str | None = None,
+):
     """(actor, critic or None, reference or None), in float32; the reference frozen.
 
     With `lora` enabled the actor and the critic are PEFT models: the base weights frozen (in bf16 under bf16-mixed,
     which computes in bf16 anyway; else float32), the adapters (and the critic's value head) trainable in float32. No
     reference model is loaded: it is the actor with its adapter disabled (`reference_logits`)."""
     lora = lora if lora is not None and lora.enabled else None
+    attention = {"attn_implementation": attn_implementation} if attn_implementation else {}  # model.attn_implementation
     base_dtype = torch.bfloat16 if lora is not None and plan.precision == "bf16-mixed" else torch.float32
-    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype)
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype, **attention)
     critic = None
     if plan.critic_enabled:
-        critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=base_dtype)
+        critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=base_dtype, **attention)
         critic.score.float()
         # A zero value head: the critic starts at V = 0 everywhere, the same in every run and on every rank.
         torch.nn.init.zeros_(critic.score.weight)
@@ -42,7 +49,11 @@ def load_models(model_dir: str, plan: StepPlan, gradient_checkpointing: bool = F
         )
     reference = None
     if plan.reference_enabled and lora is None:
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        reference = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **attention)
+            .eval()
+            .requires_grad_(False)
+        )
     for model in (actor, critic):
         if model is not None:
             prepare_for_training(model, gradient_checkpointing)

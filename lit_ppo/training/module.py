@@ -86,6 +86,7 @@ class PPOModule(L.LightningModule):
         temperature: float = 1.0,
         max_logprob_abs_diff: float | None = None,
         lora: LoraConfig | None = None,
+        attn_implementation: str | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -99,7 +100,9 @@ class PPOModule(L.LightningModule):
         self.temperature = temperature
         self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
-        self.actor, self.critic, self.reference = load_models(model_dir, plan, gradient_checkpointing, lora)
+        self.actor, self.critic, self.reference = load_models(
+            model_dir, plan, gradient_checkpointing, lora, attn_implementation
+        )
         attention = self.actor.config._attn_implementation
         if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
