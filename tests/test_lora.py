@@ -562,7 +562,7 @@ def test_resuming_a_lora_run_from_a_checkpoint_without_its_adapter_is_refused(ti
     trained = {k: v for k, v in module.state_dict().items() if k not in module.frozen_parameter_names()}
     assert trained and all("lora_" in k or ".score." in k for k in trained)
     checkpoint = {"lit_ppo": {"plan": plan.to_dict()}, "state_dict": {}}  # e.g. written by a full-parameter run
-    with pytest.raises(ConfigError, match=r"the checkpoint lacks \d+ trained tensors of this LoRA run"):
+    with pytest.raises(ConfigError, match=r"the checkpoint lacks \d+ trained tensors of this run"):
         module.on_load_checkpoint(checkpoint)
 
 

@@ -92,6 +92,10 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
     # Resumed from the checkpoint at rollout step 4: exactly the data-epoch boundary.
     boundary = checkpoint_path(tmp_path / "split" / "checkpoints", 4)
     assert boundary.exists()
+    # The checkpoint holds the trained tensors, not the frozen reference (loaded from model_dir on resume).
+    saved = torch.load(boundary, map_location="cpu", weights_only=False)["state_dict"]
+    assert any(k.startswith("actor.") for k in saved) and any(k.startswith("critic.") for k in saved)
+    assert not [k for k in saved if k.startswith("reference.")]
     resumed, _ = run_in_process(paths, engine, tmp_path / "split", steps=6, resume_from=boundary)
     # The data epoch each rollout step's batch came from, as the product records it (metrics.csv's data_epoch):
     # 4 rollout steps per data epoch, and the resumed steps 5 and 6 continue the prompt stream in data epoch 1.
@@ -99,6 +103,7 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
     # 16 prompts x 4 samples x 2 epochs / 16 = 8 optimizer steps per rollout step.
     assert counters(resumed) == counters(full) == {"rollout_step": 6, "actor": 48, "critic": 48, "samples": 384}
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+    assert_same_weights(resumed.reference.state_dict(), full.reference.state_dict())
     assert [r["rollout/reward_mean"] for r in resumed.history] == [r["rollout/reward_mean"] for r in full.history]
 
 

@@ -108,9 +108,9 @@ class PPOModule(L.LightningModule):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
-        # A LoRA checkpoint holds the trained tensors only: the frozen base is loaded from model_dir. Set here, as
-        # Lightning's ModelParallelStrategy (FSDP) loads the weights before on_load_checkpoint.
-        self.strict_loading = not self.lora
+        # A checkpoint holds the trained tensors only: the reference and LoRA's frozen base load from model_dir. Set
+        # here, as Lightning's ModelParallelStrategy (FSDP) loads the weights before on_load_checkpoint.
+        self.strict_loading = False  # checkpoints hold the trained tensors only; on_load_checkpoint checks them
         self.last_sync_bytes = 0  # pushed into the engine by the last weight sync
         # The project's own counters; Lightning's global_step counts both optimizers' steps.
         self.rollout_step = 0
@@ -546,19 +546,20 @@ class PPOModule(L.LightningModule):
         return self.guarded_step.skipped
 
     def frozen_parameter_names(self) -> set[str]:
-        """The names of parameters that never train (LoRA's base weights): loaded from model_dir, never checkpointed
-        (`state_dict` leaves them out)."""
+        """The names of parameters that never train (the reference model; LoRA's base weights): loaded from model_dir,
+        never checkpointed (`state_dict` leaves them out)."""
         return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """With LoRA the trained tensors only (the adapters, the value head), not the frozen base (model_dir has it):
-        what a checkpoint holds. Under FSDP, Lightning's ModelParallelStrategy gathers on rank 0 what this lists
-        (`get_model_state_dict`), so a checkpoint never gathers the base either."""
+        """The trained tensors only, what a checkpoint holds: not the reference model, nor with LoRA the frozen base
+        (model_dir has both, and the run loads them from it). On the H200 the reference was a quarter of a full
+        Qwen2.5-1.5B run's checkpoint (6 of 25 GB: weights, AdamW states, reference). Under FSDP, Lightning's
+        ModelParallelStrategy gathers on rank 0 what this lists (`get_model_state_dict`), so a checkpoint never
+        gathers the frozen weights either."""
         state = super().state_dict(*args, **kwargs)
-        if self.lora:
-            prefix = kwargs.get("prefix", "")  # within a wrapper's state_dict (DDP's)
-            for name in self.frozen_parameter_names():
-                state.pop(prefix + name, None)
+        prefix = kwargs.get("prefix", "")  # within a wrapper's state_dict (DDP's)
+        for name in self.frozen_parameter_names():
+            state.pop(prefix + name, None)
         return state
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -570,13 +571,13 @@ class PPOModule(L.LightningModule):
             # FSDP: ModelParallelStrategy has loaded the checkpoint's tensors before this hook (not strictly: the frozen
             # base is not there) and taken them out of `checkpoint`; its plan says which adapters they were.
             check_same_adapters(checkpoint["lit_ppo"]["plan"], self.plan)
-        elif self.lora:
+        elif "state_dict" in checkpoint:
             # Lightning loads the weights after this hook, the checkpoint's keys only: each trained one must be there.
             missing = sorted(set(self.state_dict()) - set(checkpoint["state_dict"]))
             if missing:
                 raise ConfigError(
-                    f"the checkpoint lacks {len(missing)} trained tensors of this LoRA run (e.g. {missing[0]}); fix: "
-                    "resume with the model.lora settings it was written with"
+                    f"the checkpoint lacks {len(missing)} trained tensors of this run (e.g. {missing[0]}); fix: "
+                    "resume with the model settings (model.lora included) it was written with"
                 )
         restore_module_state(self, checkpoint["lit_ppo"])
 
