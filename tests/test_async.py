@@ -442,7 +442,6 @@ if "lit_ppo.rollout.disaggregated" in sys.orig_argv:  # the rollout worker only:
 """
 
 
-@pytest.mark.slow
 def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log(
     tiny_model_dir,
     long_prompt_files,  # noqa: F811
