@@ -8,10 +8,10 @@ Channel (docs/async.md):
 - A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
   and Lightning use) carries the weights: the trainer broadcasts the actor's tensors (with model.lora: only the
   adapter's, which each worker loads as a new adapter version) in buckets of at most rollout.weight_push_bucket_mib,
-  never through the disk. A thread in each worker receives them as soon as they are
-  sent, while its engine generates, so a push costs the trainer the transfer only; the worker applies a version when
-  its ordered commands reach it. That order is what makes the schedule exact: the trainer queues "apply version v"
-  before the requests that version must generate and after those of earlier versions (RolloutDataModule).
+  never through the disk. A thread in each worker receives them as soon as they are sent, while its engine
+  generates, so a push costs the trainer the transfer only; the worker applies a version when its ordered commands
+  reach it. That order is what makes the schedule exact: the trainer queues "apply version v" before the requests
+  that version must generate and after those of earlier versions (RolloutDataModule).
 
 No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
 line naming the side, the worker and its log file (RolloutWorkerError); each worker polls its parent and exits when
