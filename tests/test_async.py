@@ -480,10 +480,12 @@ def children_of(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path, lora):
     """`python train.py rollout.mode=disaggregated` (k = 1) killed with SIGKILL after a checkpoint, then resumed:
     the same final weights as an uninterrupted run (the checkpoint keeps the step generated ahead by a version the
-    resumed run no longer has), and the killed trainer's rollout worker ends by itself."""
+    resumed run no longer has), and the killed trainer's rollout worker ends by itself. With model.lora the workers
+    start from the base again and the resumed run pushes them its adapter: the same final adapter."""
     import subprocess
     import sys
     import time
@@ -491,7 +493,7 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
     from safetensors.torch import load_file
 
     from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, read_csv
     from tests.test_resume import assert_same_weights
 
     common = [
@@ -507,7 +509,14 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
         "rollout.mode=disaggregated",
         "rollout.max_staleness=1",
         "ppo.rollout_correction.mode=tis",
+        # rewards that differ within groups from the start: the adapter trains (tests/test_lora.py's LORA_TRAIN)
+        *(
+            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.test_async.digit_share"]
+            if lora
+            else []
+        ),
     ]
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
 
     def command(out, *extra: str) -> list[str]:
         return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
@@ -534,9 +543,16 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
 
     resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(
-        load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(crashed / "actor" / "model.safetensors")
-    )
+    final = load_file(tmp_path / "full" / "actor" / weights)
+    assert_same_weights(final, load_file(crashed / "actor" / weights))
+    if lora:  # the adapter trained (B starts at zero), and only it was pushed
+        assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in final.items())
+        pushed = {
+            float(r["perf/weight_sync_bytes"])
+            for r in read_csv(crashed / "metrics.csv")
+            if r.get("perf/weight_sync_bytes")
+        }
+        assert pushed == {float(sum(v.numel() * v.element_size() for v in final.values()))}, pushed
     rows = (crashed / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 1 + 5  # header + the evaluation before any update + one row per rollout step
 
