@@ -96,11 +96,11 @@ def unpack_bucket(entries: list[tuple[str, str, list[int]]], flat: torch.Tensor)
 
 
 class RolloutWorkers:
-    """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights, collects
-    results. Engine-like (`generate`, `sync_weights`, `wake_up`, `sleep`, `close`) so that evaluation runs through it
-    unchanged; rollouts use `submit` and `collect` to generate ahead."""
+    """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights (or a LoRA
+    adapter), collects results. Engine-like (`generate`, `sync_weights`, `sync_adapter`, `wake_up`, `sleep`, `close`)
+    so that evaluation runs through it unchanged; rollouts use `submit` and `collect` to generate ahead."""
 
-    versioned = True  # sync_weights takes the policy version it pushes (PPOModule.sync_weights)
+    versioned = True  # sync_weights / sync_adapter take the policy version pushed and a probe (PPOModule.sync_weights)
 
     def __init__(
         self,
