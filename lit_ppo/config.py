@@ -727,7 +727,6 @@ class RunConfig:
         if correction.mode is None:  # by the rollout mode: on for samples of an older policy (docs/async.md)
             resolved = dataclasses.replace(self.ppo, rollout_correction=correction.resolved(self.rollout.staleness()))
             object.__setattr__(self, "ppo", resolved)  # replace() validated it again
-        validate_rollout_mode_lora(self.rollout, self.model.lora)
 
     @classmethod
     def from_hydra(cls, cfg) -> RunConfig:
@@ -854,15 +853,6 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         raise ConfigError(
             f"rollout.dtype={rollout.dtype} with rollout.engine=hf: the actor generates in the trainer's precision "
             f"(strategy.precision={precision}: {own}); fix: rollout.dtype=null"
-        )
-
-
-def validate_rollout_mode_lora(rollout: RolloutConfig, lora: LoraConfig) -> None:
-    """rollout.mode=disaggregated with model.lora: not built together yet (the rollout workers take whole weights)."""
-    if rollout.mode == "disaggregated" and lora.enabled:
-        raise ConfigError(
-            f"rollout.mode=disaggregated with model.lora.rank={lora.rank}: the rollout workers receive whole weights "
-            "only, not an adapter (not built yet); fix: rollout.mode=colocated for LoRA runs, or model.lora.rank=0"
         )
 
 

@@ -113,6 +113,9 @@ class StepPlan:
 
     def table(self) -> str:
         """A human-readable table, one line per number, with its unit."""
+        disaggregated = self.rollout_mode == "disaggregated"
+        where = "in each rollout worker" if disaggregated else "in this process"
+        synced = "pushed over gloo" if disaggregated else "synced"
         rows = [
             ("data-parallel size", self.data_parallel_size, "ranks"),
             ("dataset", self.dataset_prompts, "prompts"),
@@ -241,10 +244,10 @@ class StepPlan:
                     (
                         "engine",
                         "vllm",
-                        f"vLLM in this process: the base loaded once, only the adapter synced after each rollout step "
+                        f"vLLM {where}: the base loaded once, only the adapter {synced} after each rollout step "
                         f"(a new adapter version; max_lora_rank {self.vllm_max_lora_rank})"
                         if self.lora_rank
-                        else "vLLM in this process: the actor's weights synced after each rollout step",
+                        else f"vLLM {where}: the actor's weights {synced} after each rollout step",
                     )
                 ]
             ),

@@ -213,6 +213,7 @@ class RolloutDataModule(L.LightningDataModule):
                 seed=self.seed,
                 tensor_parallel_size=r.tensor_parallel_size,
                 enforce_eager=r.enforce_eager,
+                max_lora_rank=self.plan.vllm_max_lora_rank or None,  # model.lora: the base, then adapters pushed
             ),
             workers=r.workers,
             devices_per_worker=r.devices,

@@ -6,11 +6,12 @@ Channel (docs/async.md):
   pickled generations). A store and not a multiprocessing queue: it works the same when a worker runs on another
   node (it connects to `host:port`), and every wait on it can be bounded and interleaved with a liveness check.
 - A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
-  and Lightning use) carries the weights: the trainer broadcasts the actor's tensors in buckets of at most
-  rollout.weight_push_bucket_mib, never through the disk. A thread in each worker receives them as soon as they are
-  sent, while its engine generates, so a push costs the trainer the transfer only; the worker applies a version when
-  its ordered commands reach it. That order is what makes the schedule exact: the trainer queues "apply version v"
-  before the requests that version must generate and after those of earlier versions (RolloutDataModule).
+  and Lightning use) carries the weights: the trainer broadcasts the actor's tensors (with model.lora: only the
+  adapter's, which each worker loads as a new adapter version) in buckets of at most rollout.weight_push_bucket_mib,
+  never through the disk. A thread in each worker receives them as soon as they are sent, while its engine
+  generates, so a push costs the trainer the transfer only; the worker applies a version when its ordered commands
+  reach it. That order is what makes the schedule exact: the trainer queues "apply version v" before the requests
+  that version must generate and after those of earlier versions (RolloutDataModule).
 
 No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
 line naming the side, the worker and its log file (RolloutWorkerError); each worker polls its parent and exits when
@@ -95,11 +96,11 @@ def unpack_bucket(entries: list[tuple[str, str, list[int]]], flat: torch.Tensor)
 
 
 class RolloutWorkers:
-    """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights, collects
-    results. Engine-like (`generate`, `sync_weights`, `wake_up`, `sleep`, `close`) so that evaluation runs through it
-    unchanged; rollouts use `submit` and `collect` to generate ahead."""
+    """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights (or a LoRA
+    adapter), collects results. Engine-like (`generate`, `sync_weights`, `sync_adapter`, `wake_up`, `sleep`, `close`)
+    so that evaluation runs through it unchanged; rollouts use `submit` and `collect` to generate ahead."""
 
-    versioned = True  # sync_weights takes the policy version it pushes (PPOModule.sync_weights)
+    versioned = True  # sync_weights / sync_adapter take the policy version pushed and a probe (PPOModule.sync_weights)
 
     def __init__(
         self,
@@ -270,6 +271,27 @@ class RolloutWorkers:
         requests: those generate with the version they were queued after. `probe`: (prompt ids, response ids, the
         trainer's log-probs of the response at temperature 1), which each worker compares with its engine's once it
         applied the version; a worker whose weights differ stops with the reason (reported at the trainer's next wait)."""
+        push = self._push(named_tensors, version)
+        for worker in range(self.workers):
+            self._send(worker, ("apply", push, version, probe, None))
+
+    @torch.no_grad()
+    def sync_adapter(
+        self, tensors: dict[str, torch.Tensor], peft_config: dict, adapter_version: int, *, version: int, probe=None
+    ) -> int:
+        """model.lora: only the adapter (peft's tensor names and config), through the same buckets as `sync_weights`;
+        each worker loads it as adapter `adapter_version` of its engine from memory (`VLLMEngine.sync_adapter`) when
+        its queue reaches "apply `version`", removing the previous one. A worker whose engine then does not serve
+        exactly that adapter (vLLM's list_loras), or whose log-probs of the probe differ from the trainer's, stops with
+        the reason (reported at the trainer's next wait). Every generation records the adapter version that sampled
+        it (`Generation.adapter_version`). Returns the bytes pushed."""
+        push = self._push(tensors.items(), version)
+        for worker in range(self.workers):
+            self._send(worker, ("apply", push, version, probe, (peft_config, adapter_version)))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Broadcast the tensors in buckets to every worker's receiver; returns the push's number."""
         self._check_alive("the weight push")
         push = self.pushes
         for b, (entries, flat) in enumerate(weight_buckets(named_tensors, self.bucket_bytes)):
@@ -289,8 +311,7 @@ class RolloutWorkers:
         self.store.set(f"push/{push}/done", b"1")
         self.pushes += 1
         self.version = version
-        for worker in range(self.workers):
-            self._send(worker, ("apply", push, version, probe))
+        return push
 
     def wake_up(self) -> None:  # the workers' engines never sleep: they generate while the trainer trains
         pass
@@ -424,8 +445,13 @@ def worker_main(host: str, port: int, worker: int, workers: int) -> None:
             if command[0] == "stop":
                 break
             if command[0] == "apply":
-                _, push, version, probe = command
-                engine.sync_weights(receiver.take(push))
+                _, push, version, probe, adapter = command
+                if adapter is None:
+                    engine.sync_weights(receiver.take(push))
+                else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
+                    peft_config, adapter_version = adapter
+                    # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
+                    engine.sync_adapter(dict(receiver.take(push)), peft_config, adapter_version)
                 print(f"rollout worker {worker}: policy version {version} applied", flush=True)
                 check_probe(engine, probe, spec["max_logprob_abs_diff"], worker, version)
             elif command[0] == "generate":

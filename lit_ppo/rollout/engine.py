@@ -236,8 +236,8 @@ class VLLMEngine:
 
             raise WeightSyncError(
                 f"LoRA sync: vLLM serves adapter versions {sorted(served)} after loading version {version}; the "
-                "rollouts would not sample from the trained policy; fix: report it with logs/run.log (vLLM's LoRA "
-                "manager refused the adapter)"
+                "rollouts would not sample from the trained policy; fix: report it with its process's log "
+                "(logs/run.log, or the rollout worker's; vLLM's LoRA manager refused the adapter)"
             )
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
         return sum(t.numel() * t.element_size() for t in copies.values())
