@@ -3,6 +3,7 @@ process exits with 143, and a resumed run ends bitwise where an uninterrupted on
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -196,8 +197,9 @@ def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None
     assert_same_weights(
         load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(out / "actor" / "model.safetensors")
     )
-    rows = metrics.read_text().splitlines()
-    assert len(rows) == 1 + 4  # header + one row per rollout step: no gap, no repeat
+    # One row per rollout step, no gap, no repeat, after the rollout_step 0 row (the evaluation before any update)
+    with open(metrics) as f:
+        assert [int(float(r["rollout_step"])) for r in csv.DictReader(f)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
