@@ -6,6 +6,7 @@ temperature 0.7. The runs are real rollout steps (Lightning trainer, PPOModule) 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import lightning as L
 import pytest
@@ -15,12 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.packing import packing_unsupported
-from lit_ppo.plan import check_micro_batches
+from lit_ppo.plan import PromptStats, check_micro_batches, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.preflight import resolve_packing
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
     first_fit,
@@ -30,7 +31,7 @@ from lit_ppo.training.batching import (
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.module import PPOModule
-from tests.helpers import compose_config, compose_run_config, plan_of
+from tests.helpers import compose_config, compose_run_config, plan_of, run_config
 
 TEMPERATURE = 0.7
 
@@ -198,6 +199,71 @@ def test_packing_is_on_by_default_and_the_plan_says_so():
     assert any(line.startswith("packing") and " off " in line for line in off.table().splitlines())
 
 
+# 8 prompts of 100-300 tokens: 1540 in all, 192.5 on average, 300 the longest
+PROMPT_LENGTHS = [100, 120, 150, 180, 200, 230, 260, 300]
+
+
+def expected_tokens_plan(packing: bool, stats: PromptStats | None, dp: int = 1, budget: int | None = None):
+    """The product's plan (`compute_plan`) of 8 prompts x 4 samples, mini-batches of 16 samples, micro-batches of 4
+    (or a token budget), responses of at most 256 tokens, over prompts of the lengths `stats`."""
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=8,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=4,
+        micro_train_max_tokens=budget,
+        packing=packing,
+    )
+    rollout = dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
+    return compute_plan(run_config(ppo=ppo, rollout=rollout, dp=dp), 8, stats)
+
+
+def test_the_plan_states_expected_tokens_per_micro_batch():
+    """Responses at the limit (256): a sample holds 192.5 + 256 = 448.5 real tokens on average, and padded at most
+    300 + 256 = 556 positions."""
+    stats = PromptStats.of(PROMPT_LENGTHS)
+    assert stats == PromptStats(count=8, mean_tokens=192.5, min_tokens=100, max_tokens=300)
+    for packing in (True, False):
+        for dp in (1, 2):  # a rank's mini-batch of 16 / dp samples, micro-batches of 4 either way
+            plan = expected_tokens_plan(packing, stats, dp)
+            assert plan.expected_real_tokens_per_micro_batch == 4 * 448.5 == 1794
+            assert plan.expected_packed_tokens_per_micro_batch == 1794
+            assert plan.expected_padded_layout_tokens_per_micro_batch == 4 * 556 == 2224
+    # a budget of 2000 tokens, one rank's mini-batch of 16 samples, 7176 real tokens: packed ceil(7176 / 2000) = 4
+    # micro-batches of 1794; padded floor(2000 / 556) = 3 samples each, ceil(16 / 3) = 6 micro-batches of 16 x 556 / 6
+    # = 1482.7 positions and 7176 / 6 = 1196 real tokens
+    packed = expected_tokens_plan(True, stats, budget=2000)
+    assert packed.expected_real_tokens_per_micro_batch == packed.expected_packed_tokens_per_micro_batch == 1794
+    assert packed.expected_padded_layout_tokens_per_micro_batch == pytest.approx(16 * 556 / 6)
+    padded = expected_tokens_plan(False, stats, budget=2000)
+    assert padded.expected_real_tokens_per_micro_batch == 1196
+    # the plan's lines and plan.json
+    real_line, packed_line = [x for x in packed.table().splitlines() if x.startswith("expected")]
+    assert real_line.split()[:4] == ["expected", "real", "tokens", "1794"]
+    assert (
+        "/ micro-batch / rank, responses at the limit (256 tokens) and prompts at the data's mean (192.5 tokens; 8 "
+        "prompts of 100-300)" in real_line
+    )
+    assert packed_line.split()[:4] == ["expected", "laid-out", "tokens", "1794"]
+    assert "padded they would be 1483 at most" in packed_line
+    padded_line = [x for x in padded.table().splitlines() if x.startswith("expected laid-out")][0]
+    assert padded_line.split()[3] == "1483"
+    assert "padded, at most (prompts padded to the longest, 300); packed (ppo.packing) they would be ~1794" in (
+        padded_line
+    )
+    record = json.loads(packed.to_json())
+    assert record["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
+    assert record["expected_real_tokens_per_micro_batch"] == 1794
+    # without the data's lengths the plan says so, and invents nothing
+    unknown = expected_tokens_plan(True, None)
+    assert unknown.prompt_stats is None and unknown.expected_real_tokens_per_micro_batch is None
+    assert json.loads(unknown.to_json())["expected_padded_layout_tokens_per_micro_batch"] is None
+    line = [x for x in unknown.table().splitlines() if x.startswith("expected")]
+    assert len(line) == 1 and line[0].split()[3] == "unknown"
+    assert "the data's prompt lengths are not on this machine" in line[0]
+
+
 def test_packing_on_a_model_whose_attention_cannot_read_packed_positions_is_refused():
     assert resolve_packing(None, "qwen2") is True and resolve_packing(True, "qwen3") is True
     assert resolve_packing(False, "qwen2") is False
@@ -237,17 +303,54 @@ def test_the_pre_flight_resolves_packing_from_config_json(tmp_path, tiny_model_d
     assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["packing"] is True
 
 
+def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path, capsys, no_training):
+    """Through train.py's entry (`mode=plan`): the pre-flight's lengths of the arithmetic prompts (the tiny model's
+    character tokenizer) reach plan.json and the printed plan; a prompt file that is not on this machine leaves them
+    unknown, said in the plan."""
+    from lit_ppo.demo.arithmetic import problems_of
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.run import entry
+
+    config = compose_run_config("data.n_train=64")
+    tokenizer = build_char_tokenizer()
+    lengths = [len(tokenizer(r["prompt"]).input_ids) for r in problems_of(config.data)[0]]
+    entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'a'}", "data.n_train=64"))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    stats = PromptStats.of(lengths)
+    assert plan["prompt_stats"] == dataclasses.asdict(stats) and stats.count == 64
+    response = plan["max_response_tokens"]
+    assert plan["expected_real_tokens_per_micro_batch"] == pytest.approx(
+        plan["micro_train_batch_size"] * (stats.mean_tokens + response)
+    )
+    assert plan["expected_padded_layout_tokens_per_micro_batch"] == plan["micro_train_batch_size"] * (
+        stats.max_tokens + response
+    )
+    assert f"prompts at the data's mean ({stats.mean_tokens:.1f} tokens; 64 prompts" in capsys.readouterr().out
+    entry.main(
+        compose_config(
+            "mode=plan",
+            f"output_dir={tmp_path / 'b'}",
+            "data=file",
+            f"data.path={tmp_path / 'elsewhere.jsonl'}",
+            "data.expected_prompts=1000",
+        )
+    )
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert plan["prompt_stats"] is None and plan["expected_real_tokens_per_micro_batch"] is None
+    assert "expected micro-batch tokens" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the same update
 
 
-def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1):
+def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
     """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
-    optimizer step."""
+    optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     config = dataclasses.replace(compose_run_config(), ppo=ppo)
     rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
-    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout, steps=steps)
+    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), len(train_prompts), prompt_stats)
     datamodule = FixedBatchDataModule(
         plan=plan,
         train_prompts=train_prompts,
@@ -351,3 +454,39 @@ def test_packed_and_padded_runs_end_with_the_same_weights(tiny_model_dir, arithm
         moved = float((b[name].detach() - initial[name]).norm())
         error = float((a[name].detach() - b[name].detach()).norm())
         assert moved > 0 and error <= 1e-4 * moved, f"{name}: {error:.2e} apart after moving {moved:.2e}"
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_batch(
+    packing, tiny_model_dir, arithmetic_files, tmp_path
+):
+    """A rollout step of grpo on 8 prompts of PROMPT_LENGTHS tokens x 4 responses of exactly 256 tokens (the limit),
+    the rollout batch the whole data: the real tokens per micro-batch it measures are the plan's, and the positions
+    it lays out stay within the plan's (packed: the real tokens and row ends; padded: at most the plan's bound)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    batch = random_rollout_batch(prompts, 4, 256, range(4, 40), seed=5)
+    ppo = dataclasses.replace(
+        compose_run_config("ppo=grpo").ppo,
+        rollout_batch_size=8,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=4,
+        packing=packing,
+    )
+    stats = PromptStats.of(PROMPT_LENGTHS)
+    module, _ = train(tiny_model_dir, arithmetic_files, tmp_path, batch, ppo, prompt_stats=stats)
+    plan, row = module.plan, module.history[-1]
+    assert plan.expected_real_tokens_per_micro_batch == 1794  # test_the_plan_states_expected_tokens_per_micro_batch
+    assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.expected_real_tokens_per_micro_batch)
+    laid_out = row["perf/padded_tokens_per_micro_batch"]
+    if packing:
+        assert (
+            plan.expected_packed_tokens_per_micro_batch
+            <= laid_out
+            <= 1.25 * plan.expected_packed_tokens_per_micro_batch
+        )
+    else:
+        assert (
+            plan.expected_real_tokens_per_micro_batch < laid_out <= plan.expected_padded_layout_tokens_per_micro_batch
+        )
