@@ -94,6 +94,9 @@ class StepPlan:
     old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
     packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
+    # Packed under data parallelism: after generation the ranks' whole prompt groups are split again by real tokens,
+    # as many on every rank (training/batching.py:balanced_rank_batch); else each rank trains what it generated.
+    rank_balance: bool = False
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Expected tokens per training micro-batch (`expected_micro_batch_tokens`) with every response at the limit
     # (max_response_tokens) and prompts of the data's lengths (`prompt_stats`); None without the data's prompts.
@@ -252,6 +255,21 @@ class StepPlan:
                 else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
             ),
             *self.expected_tokens_rows(),
+            *(
+                [
+                    (
+                        "rank split",
+                        "by tokens" if self.rank_balance else "generated",
+                        "whole prompt groups over the ranks by real tokens after generation, as many on each "
+                        "(heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance)"
+                        if self.rank_balance
+                        else "each rank trains the prompt groups it generated (contiguous shares; by tokens when "
+                        "packed)",
+                    )
+                ]
+                if self.data_parallel_size > 1
+                else []
+            ),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
             *(
                 [
@@ -508,6 +526,7 @@ def compute_plan(config: RunConfig, dataset_prompts: int, prompt_stats: PromptSt
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
         packing=packing,
+        rank_balance=packing and data_parallel_size > 1,
         max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
         prompt_stats=prompt_stats,
         expected_real_tokens_per_micro_batch=expected[0],
@@ -629,6 +648,23 @@ def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[t
         raise StepAccountingError(
             f"rollout step {rollout_step}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
             f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
+        )
+
+
+def check_rank_balance(
+    plan: StepPlan, rollout_step: int, rank_samples: list[int], rank_tokens: list[int], group_tokens: list[int]
+) -> None:
+    """The runtime proof of the plan's rank split (`StepPlan.rank_balance`), given every rank's samples and real tokens
+    after the split and the prompt groups' real tokens: every rank trains samples_per_rank_per_rollout_step samples
+    (its mini-batches and micro-batches, and so the collectives in them, follow from that count), and the heaviest
+    rank is within the partition's bound of the lightest (the heaviest group minus the lightest)."""
+    bound = max(group_tokens) - min(group_tokens) if group_tokens else 0
+    expected = plan.samples_per_rank_per_rollout_step
+    if any(n != expected for n in rank_samples) or max(rank_tokens) - min(rank_tokens) > bound:
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: the ranks' samples split by real tokens gave {rank_samples} samples and "
+            f"{rank_tokens} real tokens, but the plan says {expected} samples each, their tokens within {bound} of each "
+            "other; the rank split is not doing what the plan states"
         )
 
 

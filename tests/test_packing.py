@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.packing import packing_unsupported
-from lit_ppo.plan import PromptStats, check_micro_batches, compute_plan
+from lit_ppo.plan import PromptStats, check_micro_batches, check_rank_balance, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
@@ -24,6 +24,7 @@ from lit_ppo.run.preflight import resolve_packing
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
+    equal_count_partition,
     first_fit,
     pack,
     pack_samples,
@@ -174,6 +175,130 @@ def test_packed_micro_batches_by_real_tokens():
         len(packed_micro_batch_groups(prompts, responses, list(range(6)), max_samples=2, max_tokens=700, min_count=4))
         == 4
     )
+
+
+# ---------------------------------------------------------------- ranks balanced by real tokens
+
+
+def test_equal_count_partition_hand_cases():
+    # chunks of 2, longest first: {9, 7} (spread 2), {6, 5} (1), {4, 3} (1). The two of the largest spread merge,
+    # heaviest with lightest: {9+5, 7+6} = {14, 13} (1); then {4, 3} with it: {4+13, 3+14} = {17, 17}
+    assert equal_count_partition([5, 9, 3, 7, 6, 4], 2) == [[0, 1, 2], [3, 4, 5]]
+    # one long group among short ones: it and a short one on one rank, the equal count kept
+    assert equal_count_partition([10, 1, 1, 1], 2) == [[0, 3], [1, 2]]
+    # prompt groups' tokens as 2 ranks generated them, contiguous: 3500 and 1700. Chunks {1500, 1200}, {1000, 800},
+    # {400, 300}; {1500+800, 1200+1000} = {2300, 2200}; {400+2200, 300+2300} = {2600, 2600}
+    assert equal_count_partition([1500, 1200, 800, 300, 1000, 400], 2) == [[0, 2, 3], [1, 4, 5]]
+    with pytest.raises(ValueError, match="cannot split 5 weights into 2 parts"):
+        equal_count_partition([1, 2, 3, 4, 5], 2)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4, 8])
+def test_equal_count_partition_bound_on_ragged_groups(parts):
+    """Realistic groups' real tokens (4 samples of a 100-300 token prompt and 1-256 token responses; one group in 10
+    of long episodes, 4x the responses), 1 to 8 groups per part: every part has as many groups, and the heaviest part
+    is within the heaviest minus the lightest group of the lightest one, so within that of the mean. With 4 or more
+    groups per part the heaviest is on average within 7 % of the mean, a quarter or less of the contiguous split's
+    excess (what the ranks generate)."""
+    g = torch.Generator().manual_seed(parts)
+    excess, contiguous_excess = [], []
+    for trial in range(80):
+        per_part = 1 + trial % 8
+        count = parts * per_part
+        prompts = torch.randint(100, 301, (count,), generator=g)
+        responses = torch.randint(1, 257, (count, 4), generator=g)
+        heavy = torch.rand(count, generator=g) < 0.1
+        tokens = (4 * prompts + responses.sum(1) * (1 + 3 * heavy)).tolist()
+        split = equal_count_partition(tokens, parts)
+        assert sorted(i for part in split for i in part) == list(range(count))
+        assert {len(part) for part in split} == {per_part}
+        loads = [sum(tokens[i] for i in part) for part in split]
+        mean = sum(tokens) / parts
+        assert max(loads) - min(loads) <= max(tokens) - min(tokens)
+        assert max(loads) - mean <= max(tokens) - min(tokens)
+        if per_part >= 4:
+            contiguous = [sum(tokens[r * per_part : (r + 1) * per_part]) for r in range(parts)]
+            excess.append(max(loads) / mean - 1)
+            contiguous_excess.append(max(contiguous) / mean - 1)
+    assert sum(excess) / len(excess) < 0.07
+    assert sum(excess) < 0.25 * sum(contiguous_excess)
+
+
+def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
+    """`balanced_rank_batch` on what 2 ranks generated (the all-gather stood in for): rank 0's prompt groups long,
+    rank 1's short. Each rank then holds 2 whole groups in prompt order, their samples' fields with them (rewards,
+    masks, ids, positions), its own rollout-step fields (its generation's seconds and reward means); together
+    exactly the samples generated; real tokens within the bound; the imbalance before and after reported."""
+    from lit_ppo.batch import RANK_FIELDS, SAMPLE_FIELDS, RolloutBatch
+    from lit_ppo.training import batching
+
+    assert set(SAMPLE_FIELDS) | set(RANK_FIELDS) == {f.name for f in dataclasses.fields(RolloutBatch)}
+    assert not set(SAMPLE_FIELDS) & set(RANK_FIELDS)
+    whole = realistic_batch(n_prompts=4, n=2, seed=7, episodes=True)
+    # prompt groups of 2 samples: make the first two long, the last two short
+    whole.prompt_ids = [p * (3 if i < 4 else 1) for i, p in enumerate(whole.prompt_ids)]
+    whole.episode_ids = [p + r for p, r in zip(whole.prompt_ids, whole.response_ids)]
+    whole.policy_versions = [0] * 8
+    shares = []
+    for rank in range(2):
+        rows = list(range(4 * rank, 4 * rank + 4))
+        share = whole.with_samples([whole], [(0, i) for i in rows])
+        shares.append(dataclasses.replace(share, generate_seconds=float(rank + 1), reward_metrics={"x": rank}))
+    monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+    )
+    plan = plan_of(4, ppo=ppo, dp=2, rollout=dataclasses.replace(compose_run_config().rollout, max_model_len=2048))
+    assert plan.rank_balance and plan.samples_per_rank_per_rollout_step == 4
+    assert any(line.startswith("rank split") and "by tokens" in line for line in plan.table().splitlines())
+    balanced = [batching.balanced_rank_batch(shares[rank], plan, rank) for rank in range(2)]
+    tokens = [len(p) + len(r) for p, r in zip(whole.prompt_ids, whole.response_ids)]
+    group_tokens = [tokens[i] + tokens[i + 1] for i in range(0, 8, 2)]
+    loads = []
+    for rank, (batch, stats) in enumerate(balanced):
+        positions = batch.prompt_positions
+        assert len(positions) == 4 and positions == sorted(positions)
+        assert positions[0] == positions[1] and positions[2] == positions[3]  # whole groups, contiguous
+        rows = [i for p in positions[::2] for i in (2 * p, 2 * p + 1)]
+        for name in ("prompt_ids", "response_ids", "policy_masks", "episode_ids", "dataset_indices", "policy_versions"):
+            assert getattr(batch, name) == [getattr(whole, name)[i] for i in rows], name
+        assert torch.equal(batch.rewards, whole.rewards[rows]) and torch.equal(batch.truncated, whole.truncated[rows])
+        assert batch.rollout_logprobs is None  # none generated: none traded
+        assert batch.generate_seconds == rank + 1 and batch.reward_metrics == {"x": rank}
+        loads.append(sum(tokens[i] for i in rows))
+    assert sorted(p for batch, _ in balanced for p in batch.prompt_positions) == sorted(whole.prompt_positions)
+    assert balanced[0][0].prompt_positions[::2] != [0, 1]  # the long groups were split up
+    assert max(loads) - min(loads) <= max(group_tokens) - min(group_tokens)
+    mean = sum(tokens) / 2
+    contiguous = max(sum(tokens[:4]), sum(tokens[4:])) / mean
+    for _, stats in balanced:  # every rank reports the same numbers
+        assert stats == {
+            "perf/rank_token_imbalance": pytest.approx(max(loads) / mean),
+            "perf/rank_token_imbalance_contiguous": pytest.approx(contiguous),
+        }
+    assert contiguous > 1.2 and max(loads) / mean < 1.1
+
+
+def test_rank_balance_check_fires():
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+    )
+    plan = plan_of(4, ppo=ppo, dp=2)
+    check_rank_balance(plan, 0, [4, 4], [900, 1000], [100, 300, 500, 1000])
+    with pytest.raises(StepAccountingError, match="gave \\[6, 2\\] samples.*plan says 4 samples each"):
+        check_rank_balance(plan, 0, [6, 2], [1000, 900], [100, 300, 500, 1000])
+    with pytest.raises(StepAccountingError, match="within 900 of each other; the rank split is not doing"):
+        check_rank_balance(plan, 0, [4, 4], [100, 1800], [100, 300, 500, 1000])
+    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).rank_balance
+    assert not plan_of(4, ppo=ppo).rank_balance
 
 
 def test_micro_batch_accounting_check_fires():

@@ -42,7 +42,13 @@ from lit_ppo.plan import (
     minibatch_schedule,
 )
 from lit_ppo.run.report import write_metrics_csv
-from lit_ppo.training.batching import MicroBatch, pack, packed_micro_batches, rank_micro_batch_groups
+from lit_ppo.training.batching import (
+    MicroBatch,
+    balanced_rank_batch,
+    pack,
+    packed_micro_batches,
+    rank_micro_batch_groups,
+)
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -115,6 +121,7 @@ class PPOModule(L.LightningModule):
         self.eval_history: list[dict[str, Any]] = []
         self.last_sample_use_counts: Tensor | None = None  # [ppo_epochs, N] for the accounting test
         self.rollout_correction_stats: dict[str, float] = {}  # of the last rollout step
+        self.rank_balance_stats: dict[str, float] = {}  # of the last rollout step (plan.rank_balance)
 
     # ------------------------------------------------------------ sharding (FSDP2)
 
@@ -400,6 +407,9 @@ class PPOModule(L.LightningModule):
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample is of the policy version the plan states.
         check_policy_versions(self.plan, batch.rollout_step, batch.policy_versions)
+        self.rank_balance_stats = {}
+        if self.plan.rank_balance:  # packed, data-parallel: the ranks' samples split again by real tokens
+            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
         engine = self.trainer.datamodule.engine
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
@@ -481,6 +491,7 @@ class PPOModule(L.LightningModule):
         }
         extra = {
             **self.rollout_correction_stats,
+            **self.rank_balance_stats,
             **({"rollout/kl_coef": self.kl_coef} if self.plan.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
