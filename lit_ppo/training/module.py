@@ -11,7 +11,8 @@ One `training_step` is one rollout step:
   5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
-on its share of the rollout batch; advantage statistics, loss denominators and the logged metrics
+on its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
+`batching.balanced_rank_batch`); advantage statistics, loss denominators and the logged metrics
 are global (all-reduced over ranks).
 """
 
@@ -407,13 +408,15 @@ class PPOModule(L.LightningModule):
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample is of the policy version the plan states.
         check_policy_versions(self.plan, batch.rollout_step, batch.policy_versions)
-        self.rank_balance_stats = {}
-        if self.plan.rank_balance:  # packed, data-parallel: the ranks' samples split again by real tokens
-            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
         engine = self.trainer.datamodule.engine
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
+        # Packed under data parallelism: the ranks' prompt groups split again by real tokens (after the engine's
+        # sleep: under NCCL the all-gather's buffers are on the device; timed with the experience).
+        self.rank_balance_stats = {}
+        if self.plan.rank_balance:
+            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
         exp = self.make_experience(batch)
         experience_seconds, started = time.perf_counter() - started, time.perf_counter()
