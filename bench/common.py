@@ -255,7 +255,7 @@ def run_from_config(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
-    plan = compute_plan(config, len(train_prompts))
+    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
     trainer, module, datamodule = build_product_run(
         config,
         plan,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -48,3 +49,52 @@ class RolloutBatch:
     policy_versions: list[int] | None = None
     # Seconds the trainer waited for this batch (mode=disaggregated: what generation cost the critical path).
     wait_seconds: float | None = None
+
+    def with_samples(self, shares: list[RolloutBatch], picks: list[tuple[int, int]]) -> RolloutBatch:
+        """This batch's per-rank fields (RANK_FIELDS) with the samples `picks`, (share, sample index) each, of `shares`
+        (every rank's batch of this rollout step): how ranks trade samples (`training/batching.py:balanced_rank_batch`).
+        A per-sample field that a batch has not (None) stays None."""
+        values = {}
+        for name in SAMPLE_FIELDS:
+            columns = [getattr(share, name) for share in shares]
+            if any(column is None for column in columns):
+                values[name] = None
+            elif isinstance(columns[0], torch.Tensor):
+                values[name] = torch.stack([columns[s][i] for s, i in picks]) if picks else columns[0][:0]
+            else:
+                values[name] = [columns[s][i] for s, i in picks]
+        return dataclasses.replace(self, **values)
+
+
+# RolloutBatch's fields with one entry per sample (lists, [N] tensors), which move with their samples between ranks, and
+# those of the rank's whole rollout step (its generation's seconds, its reward means and episode sums, global counts),
+# which stay: with as many samples on every rank, the logged means and sums over ranks do not change.
+SAMPLE_FIELDS = (
+    "prompt_positions",
+    "dataset_indices",
+    "prompt_ids",
+    "response_ids",
+    "rollout_logprobs",
+    "rewards",
+    "truncated",
+    "prompts",
+    "responses",
+    "references",
+    "adapter_versions",
+    "policy_masks",
+    "episode_ids",
+    "policy_versions",
+)
+RANK_FIELDS = (
+    "rollout_step",
+    "data_epoch",
+    "generate_seconds",
+    "reward_seconds",
+    "reward_metrics",
+    "generation_rounds",
+    "dropped_groups",
+    "filled_groups",
+    "prompts_consumed",
+    "episode_stats",
+    "wait_seconds",
+)

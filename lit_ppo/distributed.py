@@ -33,6 +33,15 @@ def global_max(x: Tensor) -> Tensor:
     return x
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order (a collective: every rank calls it); [obj] on one process."""
+    if world_size() == 1:
+        return [obj]
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
     """FSDP2: `fully_shard` each decoder layer, then the rest, of every model (None entries are skipped).
 

@@ -31,6 +31,27 @@ OLD_LOGPROBS_SOURCES = {
 
 
 @dataclass(frozen=True)
+class PromptStats:
+    """The training prompts' lengths in tokens as the run reads them (after the chat template and
+    data.max_prompt_length): what the plan's expected tokens per micro-batch rest on. Measured by the pre-flight
+    (`run/entry.py:preflight`, `mode=plan`) and by a training run from the prompts it loaded; None where the prompts
+    or the tokenizer are not on this machine."""
+
+    count: int  # prompts
+    mean_tokens: float
+    min_tokens: int
+    max_tokens: int
+
+    @classmethod
+    def of(cls, lengths) -> PromptStats | None:
+        """The statistics of `lengths` (tokens per prompt); None for no prompts."""
+        lengths = [int(n) for n in lengths]
+        if not lengths:
+            return None
+        return cls(len(lengths), sum(lengths) / len(lengths), min(lengths), max(lengths))
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What the run will do, in numbers. Every loop and scheduler reads this."""
 
@@ -74,7 +95,16 @@ class StepPlan:
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
     packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
     attn_implementation: str | None = None  # model.attn_implementation (None: transformers' default, sdpa)
+    # Packed under data parallelism: after generation the ranks' whole prompt groups are split again by real tokens,
+    # as many on every rank (training/batching.py:balanced_rank_batch); else each rank trains what it generated.
+    rank_balance: bool = False
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
+    # Expected tokens per training micro-batch (`expected_micro_batch_tokens`) with every response at the limit
+    # (max_response_tokens) and prompts of the data's lengths (`prompt_stats`); None without the data's prompts.
+    prompt_stats: PromptStats | None = None
+    expected_real_tokens_per_micro_batch: float | None = None  # this run's layout (its micro-batch count)
+    expected_packed_tokens_per_micro_batch: float | None = None  # positions packed (row ends not counted)
+    expected_padded_layout_tokens_per_micro_batch: float | None = None  # positions padded, at most
     # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
     # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
     max_turns: int = 1
@@ -110,6 +140,42 @@ class StepPlan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    def expected_tokens_rows(self) -> list[tuple[str, Any, str]]:
+        """The plan's rows of expected tokens per training micro-batch (`expected_micro_batch_tokens`), or the row
+        saying they are unknown without the data's prompts."""
+        stats = self.prompt_stats
+        if stats is None:
+            return [
+                (
+                    "expected micro-batch tokens",
+                    "unknown",
+                    "the data's prompt lengths are not on this machine (mode=plan without the tokenizer or the "
+                    "prompt files); the bound above holds",
+                )
+            ]
+        real = self.expected_real_tokens_per_micro_batch
+        packed, padded = self.expected_packed_tokens_per_micro_batch, self.expected_padded_layout_tokens_per_micro_batch
+        assumed = (
+            f"/ micro-batch / rank, responses at the limit ({self.max_response_tokens} tokens) and prompts at the "
+            f"data's mean ({stats.mean_tokens:.1f} tokens; {stats.count} prompts of {stats.min_tokens}-"
+            f"{stats.max_tokens})"
+        )
+        if self.packing:
+            laid_out = (
+                "expected laid-out tokens",
+                round(packed),
+                "/ micro-batch / rank packed: the real tokens (+ row ends, a few %; none in flash-attention's one "
+                f"row); padded they would be {round(padded)} at most (prompts padded to the longest)",
+            )
+        else:
+            laid_out = (
+                "expected laid-out tokens",
+                round(padded),
+                f"/ micro-batch / rank padded, at most (prompts padded to the longest, {stats.max_tokens}); packed "
+                f"(ppo.packing) they would be ~{round(packed)}",
+            )
+        return [("expected real tokens", round(real), assumed), laid_out]
 
     def table(self) -> str:
         """A human-readable table, one line per number, with its unit."""
@@ -198,6 +264,22 @@ class StepPlan:
                 if self.packing
                 else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
             ),
+            *self.expected_tokens_rows(),
+            *(
+                [
+                    (
+                        "rank split",
+                        "by tokens" if self.rank_balance else "generated",
+                        "whole prompt groups over the ranks by real tokens after generation, as many on each "
+                        "(heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance)"
+                        if self.rank_balance
+                        else "each rank trains the prompt groups it generated (contiguous shares; by tokens when "
+                        "packed)",
+                    )
+                ]
+                if self.data_parallel_size > 1
+                else []
+            ),
             ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
             *(
                 [
@@ -280,9 +362,10 @@ class StepPlan:
         return "\n".join(lines)
 
 
-def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
+def compute_plan(config: RunConfig, dataset_prompts: int, prompt_stats: PromptStats | None = None) -> StepPlan:
     """Derive every count of the run from its typed settings and the number of training prompts, or raise
-    ConfigError naming the inconsistent keys.
+    ConfigError naming the inconsistent keys. `prompt_stats`, the training prompts' lengths, give the expected tokens
+    per micro-batch (`expected_micro_batch_tokens`); without them the plan says they are unknown.
 
     The precision and vLLM's dtype are resolved here (`lit_ppo.precision`). With an environment a sample is an episode
     of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
@@ -408,6 +491,13 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
             "rounds away (lr 1e-6 on |w| = 0.02 changes almost nothing); fix: strategy.precision=bf16-mixed (float32 "
             "master weights)"
         )
+    packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
+    response_width = max_episode_tokens or max_response_tokens
+    expected = (None, None, None)
+    if prompt_stats is not None:
+        expected = expected_micro_batch_tokens(
+            ppo, ppo.train_batch_size // data_parallel_size, response_width, prompt_stats, packing
+        )
     return StepPlan(
         data_parallel_size=data_parallel_size,
         dataset_prompts=dataset_prompts,
@@ -428,8 +518,8 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         grad_accumulation_steps=ppo.train_batch_size // per_update_per_rank,
         samples_per_rank_per_rollout_step=samples_per_rollout_step // data_parallel_size,
         total_samples_generated=samples,
-        max_response_tokens=max_episode_tokens or max_response_tokens,
-        max_tokens_generated=samples * (max_episode_tokens or max_response_tokens),
+        max_response_tokens=response_width,
+        max_tokens_generated=samples * response_width,
         lr_scheduler_unit="optimizer_step",
         lr_warmup_steps=math.ceil(ppo.lr_warmup_ratio * total_optimizer_steps),
         lr_total_steps=total_optimizer_steps,
@@ -445,9 +535,14 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         rollout_engine=rollout.engine,
         old_logprobs_source=old_logprobs_source,
         micro_train_max_tokens=ppo.micro_train_max_tokens,
-        packing=ppo.packing is not False,  # null: on; the pre-flight resolved it where it knew the model's type
+        packing=packing,
         attn_implementation=config.model.attn_implementation,
+        rank_balance=packing and data_parallel_size > 1,
         max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
+        prompt_stats=prompt_stats,
+        expected_real_tokens_per_micro_batch=expected[0],
+        expected_packed_tokens_per_micro_batch=expected[1],
+        expected_padded_layout_tokens_per_micro_batch=expected[2],
         max_turns=max_turns,
         max_episode_tokens=max_episode_tokens,
         rollout_mode=rollout.mode,
@@ -461,6 +556,29 @@ def compute_plan(config: RunConfig, dataset_prompts: int) -> StepPlan:
         notes=notes,
         warnings=warnings,
     )
+
+
+def expected_micro_batch_tokens(
+    ppo: PPOConfig, samples_per_mini_batch: int, response_tokens: int, prompts: PromptStats, packing: bool
+) -> tuple[float, float, float]:
+    """(real tokens, packed positions, padded-layout positions) per training micro-batch of a rank, when every
+    response is at the limit `response_tokens` (R): the most a rollout step trains, what runs whose responses are cut
+    at the limit train. A rank's mini-batch of M = `samples_per_mini_batch` samples holds M x (mean prompt + R) real
+    tokens. Packed, the positions are the real tokens (row ends aside). Padded, every sample is counted at the data's
+    longest prompt + R, an upper bound (micro-batches sorted by length pad to their own widest prompt).
+
+    Micro-batches per mini-batch: M / micro_train_batch_size; with a token budget (ppo.micro_train_max_tokens K)
+    packed the fewest within it, ceil(M x (mean + R) / K) (at most M), padded ceil(M / floor(K / (longest + R))) (a
+    sample wider than K alone). The real tokens are this run's layout's (`packing`): its count of micro-batches."""
+    M, budget = samples_per_mini_batch, ppo.micro_train_max_tokens
+    sample, widest = prompts.mean_tokens + response_tokens, prompts.max_tokens + response_tokens
+    if budget is None:
+        packed_count = padded_count = M / ppo.micro_train_batch_size
+    else:
+        packed_count = min(M, max(1, math.ceil(M * sample / budget)))
+        padded_count = math.ceil(M / max(1, budget // widest))
+    real = M * sample / (packed_count if packing else padded_count)
+    return real, M * sample / packed_count, M * widest / padded_count
 
 
 def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[str, str]:
@@ -541,6 +659,23 @@ def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[t
         raise StepAccountingError(
             f"rollout step {rollout_step}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
             f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
+        )
+
+
+def check_rank_balance(
+    plan: StepPlan, rollout_step: int, rank_samples: list[int], rank_tokens: list[int], group_tokens: list[int]
+) -> None:
+    """The runtime proof of the plan's rank split (`StepPlan.rank_balance`), given every rank's samples and real tokens
+    after the split and the prompt groups' real tokens: every rank trains samples_per_rank_per_rollout_step samples
+    (its mini-batches and micro-batches, and so the collectives in them, follow from that count), and the heaviest
+    rank is within the partition's bound of the lightest (the heaviest group minus the lightest)."""
+    bound = max(group_tokens) - min(group_tokens) if group_tokens else 0
+    expected = plan.samples_per_rank_per_rollout_step
+    if any(n != expected for n in rank_samples) or max(rank_tokens) - min(rank_tokens) > bound:
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: the ranks' samples split by real tokens gave {rank_samples} samples and "
+            f"{rank_tokens} real tokens, but the plan says {expected} samples each, their tokens within {bound} of each "
+            "other; the rank split is not doing what the plan states"
         )
 
 

@@ -120,7 +120,7 @@ def build_run(
             config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})
         ),
     )
-    plan = compute_plan(config, len(train_prompts))
+    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
     trainer, module, datamodule = build_product_run(
         config,
         plan,

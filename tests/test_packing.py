@@ -6,6 +6,7 @@ temperature 0.7. The runs are real rollout steps (Lightning trainer, PPOModule) 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import lightning as L
 import pytest
@@ -15,14 +16,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.packing import packing_unsupported
-from lit_ppo.plan import check_micro_batches
+from lit_ppo.plan import PromptStats, check_micro_batches, check_rank_balance, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.preflight import resolve_packing
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
+    equal_count_partition,
     first_fit,
     pack,
     pack_samples,
@@ -31,7 +33,7 @@ from lit_ppo.training.batching import (
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.module import PPOModule
-from tests.helpers import compose_config, compose_run_config, plan_of
+from tests.helpers import compose_config, compose_run_config, plan_of, run_config
 
 TEMPERATURE = 0.7
 
@@ -207,6 +209,130 @@ def test_packed_micro_batches_by_real_tokens():
     )
 
 
+# ---------------------------------------------------------------- ranks balanced by real tokens
+
+
+def test_equal_count_partition_hand_cases():
+    # chunks of 2, longest first: {9, 7} (spread 2), {6, 5} (1), {4, 3} (1). The two of the largest spread merge,
+    # heaviest with lightest: {9+5, 7+6} = {14, 13} (1); then {4, 3} with it: {4+13, 3+14} = {17, 17}
+    assert equal_count_partition([5, 9, 3, 7, 6, 4], 2) == [[0, 1, 2], [3, 4, 5]]
+    # one long group among short ones: it and a short one on one rank, the equal count kept
+    assert equal_count_partition([10, 1, 1, 1], 2) == [[0, 3], [1, 2]]
+    # prompt groups' tokens as 2 ranks generated them, contiguous: 3500 and 1700. Chunks {1500, 1200}, {1000, 800},
+    # {400, 300}; {1500+800, 1200+1000} = {2300, 2200}; {400+2200, 300+2300} = {2600, 2600}
+    assert equal_count_partition([1500, 1200, 800, 300, 1000, 400], 2) == [[0, 2, 3], [1, 4, 5]]
+    with pytest.raises(ValueError, match="cannot split 5 weights into 2 parts"):
+        equal_count_partition([1, 2, 3, 4, 5], 2)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4, 8])
+def test_equal_count_partition_bound_on_ragged_groups(parts):
+    """Realistic groups' real tokens (4 samples of a 100-300 token prompt and 1-256 token responses; one group in 10
+    of long episodes, 4x the responses), 1 to 8 groups per part: every part has as many groups, and the heaviest part
+    is within the heaviest minus the lightest group of the lightest one, so within that of the mean. With 4 or more
+    groups per part the heaviest is on average within 7 % of the mean, a quarter or less of the contiguous split's
+    excess (what the ranks generate)."""
+    g = torch.Generator().manual_seed(parts)
+    excess, contiguous_excess = [], []
+    for trial in range(80):
+        per_part = 1 + trial % 8
+        count = parts * per_part
+        prompts = torch.randint(100, 301, (count,), generator=g)
+        responses = torch.randint(1, 257, (count, 4), generator=g)
+        heavy = torch.rand(count, generator=g) < 0.1
+        tokens = (4 * prompts + responses.sum(1) * (1 + 3 * heavy)).tolist()
+        split = equal_count_partition(tokens, parts)
+        assert sorted(i for part in split for i in part) == list(range(count))
+        assert {len(part) for part in split} == {per_part}
+        loads = [sum(tokens[i] for i in part) for part in split]
+        mean = sum(tokens) / parts
+        assert max(loads) - min(loads) <= max(tokens) - min(tokens)
+        assert max(loads) - mean <= max(tokens) - min(tokens)
+        if per_part >= 4:
+            contiguous = [sum(tokens[r * per_part : (r + 1) * per_part]) for r in range(parts)]
+            excess.append(max(loads) / mean - 1)
+            contiguous_excess.append(max(contiguous) / mean - 1)
+    assert sum(excess) / len(excess) < 0.07
+    assert sum(excess) < 0.25 * sum(contiguous_excess)
+
+
+def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
+    """`balanced_rank_batch` on what 2 ranks generated (the all-gather stood in for): rank 0's prompt groups long,
+    rank 1's short. Each rank then holds 2 whole groups in prompt order, their samples' fields with them (rewards,
+    masks, ids, positions), its own rollout-step fields (its generation's seconds and reward means); together
+    exactly the samples generated; real tokens within the bound; the imbalance before and after reported."""
+    from lit_ppo.batch import RANK_FIELDS, SAMPLE_FIELDS, RolloutBatch
+    from lit_ppo.training import batching
+
+    assert set(SAMPLE_FIELDS) | set(RANK_FIELDS) == {f.name for f in dataclasses.fields(RolloutBatch)}
+    assert not set(SAMPLE_FIELDS) & set(RANK_FIELDS)
+    whole = realistic_batch(n_prompts=4, n=2, seed=7, episodes=True)
+    # prompt groups of 2 samples: make the first two long, the last two short
+    whole.prompt_ids = [p * (3 if i < 4 else 1) for i, p in enumerate(whole.prompt_ids)]
+    whole.episode_ids = [p + r for p, r in zip(whole.prompt_ids, whole.response_ids)]
+    whole.policy_versions = [0] * 8
+    shares = []
+    for rank in range(2):
+        rows = list(range(4 * rank, 4 * rank + 4))
+        share = whole.with_samples([whole], [(0, i) for i in rows])
+        shares.append(dataclasses.replace(share, generate_seconds=float(rank + 1), reward_metrics={"x": rank}))
+    monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+    )
+    plan = plan_of(4, ppo=ppo, dp=2, rollout=dataclasses.replace(compose_run_config().rollout, max_model_len=2048))
+    assert plan.rank_balance and plan.samples_per_rank_per_rollout_step == 4
+    assert any(line.startswith("rank split") and "by tokens" in line for line in plan.table().splitlines())
+    balanced = [batching.balanced_rank_batch(shares[rank], plan, rank) for rank in range(2)]
+    tokens = [len(p) + len(r) for p, r in zip(whole.prompt_ids, whole.response_ids)]
+    group_tokens = [tokens[i] + tokens[i + 1] for i in range(0, 8, 2)]
+    loads = []
+    for rank, (batch, stats) in enumerate(balanced):
+        positions = batch.prompt_positions
+        assert len(positions) == 4 and positions == sorted(positions)
+        assert positions[0] == positions[1] and positions[2] == positions[3]  # whole groups, contiguous
+        rows = [i for p in positions[::2] for i in (2 * p, 2 * p + 1)]
+        for name in ("prompt_ids", "response_ids", "policy_masks", "episode_ids", "dataset_indices", "policy_versions"):
+            assert getattr(batch, name) == [getattr(whole, name)[i] for i in rows], name
+        assert torch.equal(batch.rewards, whole.rewards[rows]) and torch.equal(batch.truncated, whole.truncated[rows])
+        assert batch.rollout_logprobs is None  # none generated: none traded
+        assert batch.generate_seconds == rank + 1 and batch.reward_metrics == {"x": rank}
+        loads.append(sum(tokens[i] for i in rows))
+    assert sorted(p for batch, _ in balanced for p in batch.prompt_positions) == sorted(whole.prompt_positions)
+    assert balanced[0][0].prompt_positions[::2] != [0, 1]  # the long groups were split up
+    assert max(loads) - min(loads) <= max(group_tokens) - min(group_tokens)
+    mean = sum(tokens) / 2
+    contiguous = max(sum(tokens[:4]), sum(tokens[4:])) / mean
+    for _, stats in balanced:  # every rank reports the same numbers
+        assert stats == {
+            "perf/rank_token_imbalance": pytest.approx(max(loads) / mean),
+            "perf/rank_token_imbalance_contiguous": pytest.approx(contiguous),
+        }
+    assert contiguous > 1.2 and max(loads) / mean < 1.1
+
+
+def test_rank_balance_check_fires():
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+    )
+    plan = plan_of(4, ppo=ppo, dp=2)
+    check_rank_balance(plan, 0, [4, 4], [900, 1000], [100, 300, 500, 1000])
+    with pytest.raises(StepAccountingError, match="gave \\[6, 2\\] samples.*plan says 4 samples each"):
+        check_rank_balance(plan, 0, [6, 2], [1000, 900], [100, 300, 500, 1000])
+    with pytest.raises(StepAccountingError, match="within 900 of each other; the rank split is not doing"):
+        check_rank_balance(plan, 0, [4, 4], [100, 1800], [100, 300, 500, 1000])
+    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).rank_balance
+    assert not plan_of(4, ppo=ppo).rank_balance
+
+
 def test_micro_batch_accounting_check_fires():
     plan = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_batch_size=16))
     check_micro_batches(plan, 0, [(16, 900)] * plan.grad_accumulation_steps)
@@ -228,6 +354,71 @@ def test_packing_is_on_by_default_and_the_plan_says_so():
     off = plan_of(64, ppo=dataclasses.replace(compose_run_config("ppo.packing=false").ppo))
     assert not off.packing
     assert any(line.startswith("packing") and " off " in line for line in off.table().splitlines())
+
+
+# 8 prompts of 100-300 tokens: 1540 in all, 192.5 on average, 300 the longest
+PROMPT_LENGTHS = [100, 120, 150, 180, 200, 230, 260, 300]
+
+
+def expected_tokens_plan(packing: bool, stats: PromptStats | None, dp: int = 1, budget: int | None = None):
+    """The product's plan (`compute_plan`) of 8 prompts x 4 samples, mini-batches of 16 samples, micro-batches of 4
+    (or a token budget), responses of at most 256 tokens, over prompts of the lengths `stats`."""
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=8,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=4,
+        micro_train_max_tokens=budget,
+        packing=packing,
+    )
+    rollout = dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
+    return compute_plan(run_config(ppo=ppo, rollout=rollout, dp=dp), 8, stats)
+
+
+def test_the_plan_states_expected_tokens_per_micro_batch():
+    """Responses at the limit (256): a sample holds 192.5 + 256 = 448.5 real tokens on average, and padded at most
+    300 + 256 = 556 positions."""
+    stats = PromptStats.of(PROMPT_LENGTHS)
+    assert stats == PromptStats(count=8, mean_tokens=192.5, min_tokens=100, max_tokens=300)
+    for packing in (True, False):
+        for dp in (1, 2):  # a rank's mini-batch of 16 / dp samples, micro-batches of 4 either way
+            plan = expected_tokens_plan(packing, stats, dp)
+            assert plan.expected_real_tokens_per_micro_batch == 4 * 448.5 == 1794
+            assert plan.expected_packed_tokens_per_micro_batch == 1794
+            assert plan.expected_padded_layout_tokens_per_micro_batch == 4 * 556 == 2224
+    # a budget of 2000 tokens, one rank's mini-batch of 16 samples, 7176 real tokens: packed ceil(7176 / 2000) = 4
+    # micro-batches of 1794; padded floor(2000 / 556) = 3 samples each, ceil(16 / 3) = 6 micro-batches of 16 x 556 / 6
+    # = 1482.7 positions and 7176 / 6 = 1196 real tokens
+    packed = expected_tokens_plan(True, stats, budget=2000)
+    assert packed.expected_real_tokens_per_micro_batch == packed.expected_packed_tokens_per_micro_batch == 1794
+    assert packed.expected_padded_layout_tokens_per_micro_batch == pytest.approx(16 * 556 / 6)
+    padded = expected_tokens_plan(False, stats, budget=2000)
+    assert padded.expected_real_tokens_per_micro_batch == 1196
+    # the plan's lines and plan.json
+    real_line, packed_line = [x for x in packed.table().splitlines() if x.startswith("expected")]
+    assert real_line.split()[:4] == ["expected", "real", "tokens", "1794"]
+    assert (
+        "/ micro-batch / rank, responses at the limit (256 tokens) and prompts at the data's mean (192.5 tokens; 8 "
+        "prompts of 100-300)" in real_line
+    )
+    assert packed_line.split()[:4] == ["expected", "laid-out", "tokens", "1794"]
+    assert "padded they would be 1483 at most" in packed_line
+    padded_line = [x for x in padded.table().splitlines() if x.startswith("expected laid-out")][0]
+    assert padded_line.split()[3] == "1483"
+    assert "padded, at most (prompts padded to the longest, 300); packed (ppo.packing) they would be ~1794" in (
+        padded_line
+    )
+    record = json.loads(packed.to_json())
+    assert record["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
+    assert record["expected_real_tokens_per_micro_batch"] == 1794
+    # without the data's lengths the plan says so, and invents nothing
+    unknown = expected_tokens_plan(True, None)
+    assert unknown.prompt_stats is None and unknown.expected_real_tokens_per_micro_batch is None
+    assert json.loads(unknown.to_json())["expected_padded_layout_tokens_per_micro_batch"] is None
+    line = [x for x in unknown.table().splitlines() if x.startswith("expected")]
+    assert len(line) == 1 and line[0].split()[3] == "unknown"
+    assert "the data's prompt lengths are not on this machine" in line[0]
 
 
 def test_packing_on_a_model_whose_attention_cannot_read_packed_positions_is_refused():
@@ -269,17 +460,54 @@ def test_the_pre_flight_resolves_packing_from_config_json(tmp_path, tiny_model_d
     assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["packing"] is True
 
 
+def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path, capsys, no_training):
+    """Through train.py's entry (`mode=plan`): the pre-flight's lengths of the arithmetic prompts (the tiny model's
+    character tokenizer) reach plan.json and the printed plan; a prompt file that is not on this machine leaves them
+    unknown, said in the plan."""
+    from lit_ppo.demo.arithmetic import problems_of
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.run import entry
+
+    config = compose_run_config("data.n_train=64")
+    tokenizer = build_char_tokenizer()
+    lengths = [len(tokenizer(r["prompt"]).input_ids) for r in problems_of(config.data)[0]]
+    entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'a'}", "data.n_train=64"))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    stats = PromptStats.of(lengths)
+    assert plan["prompt_stats"] == dataclasses.asdict(stats) and stats.count == 64
+    response = plan["max_response_tokens"]
+    assert plan["expected_real_tokens_per_micro_batch"] == pytest.approx(
+        plan["micro_train_batch_size"] * (stats.mean_tokens + response)
+    )
+    assert plan["expected_padded_layout_tokens_per_micro_batch"] == plan["micro_train_batch_size"] * (
+        stats.max_tokens + response
+    )
+    assert f"prompts at the data's mean ({stats.mean_tokens:.1f} tokens; 64 prompts" in capsys.readouterr().out
+    entry.main(
+        compose_config(
+            "mode=plan",
+            f"output_dir={tmp_path / 'b'}",
+            "data=file",
+            f"data.path={tmp_path / 'elsewhere.jsonl'}",
+            "data.expected_prompts=1000",
+        )
+    )
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert plan["prompt_stats"] is None and plan["expected_real_tokens_per_micro_batch"] is None
+    assert "expected micro-batch tokens" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the same update
 
 
-def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1):
+def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
     """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
-    optimizer step."""
+    optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(files[0], tokenizer)
     config = dataclasses.replace(compose_run_config(), ppo=ppo)
     rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
-    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout, steps=steps)
+    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), len(train_prompts), prompt_stats)
     datamodule = FixedBatchDataModule(
         plan=plan,
         train_prompts=train_prompts,
@@ -417,3 +645,39 @@ def test_the_attention_implementation_is_checked_before_any_model_loads_and_reac
     assert {m.config._attn_implementation for m in (actor, critic, reference)} == {"eager"}
     actor, _, _ = load_models(tiny_model_dir, plan)
     assert actor.config._attn_implementation == "sdpa"  # null: transformers' default
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_batch(
+    packing, tiny_model_dir, arithmetic_files, tmp_path
+):
+    """A rollout step of grpo on 8 prompts of PROMPT_LENGTHS tokens x 4 responses of exactly 256 tokens (the limit),
+    the rollout batch the whole data: the real tokens per micro-batch it measures are the plan's, and the positions
+    it lays out stay within the plan's (packed: the real tokens and row ends; padded: at most the plan's bound)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    batch = random_rollout_batch(prompts, 4, 256, range(4, 40), seed=5)
+    ppo = dataclasses.replace(
+        compose_run_config("ppo=grpo").ppo,
+        rollout_batch_size=8,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=4,
+        packing=packing,
+    )
+    stats = PromptStats.of(PROMPT_LENGTHS)
+    module, _ = train(tiny_model_dir, arithmetic_files, tmp_path, batch, ppo, prompt_stats=stats)
+    plan, row = module.plan, module.history[-1]
+    assert plan.expected_real_tokens_per_micro_batch == 1794  # test_the_plan_states_expected_tokens_per_micro_batch
+    assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.expected_real_tokens_per_micro_batch)
+    laid_out = row["perf/padded_tokens_per_micro_batch"]
+    if packing:
+        assert (
+            plan.expected_packed_tokens_per_micro_batch
+            <= laid_out
+            <= 1.25 * plan.expected_packed_tokens_per_micro_batch
+        )
+    else:
+        assert (
+            plan.expected_real_tokens_per_micro_batch < laid_out <= plan.expected_padded_layout_tokens_per_micro_batch
+        )

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
-from lit_ppo.distributed import global_sum, world_size
+from lit_ppo.distributed import all_gather_objects, global_sum
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
@@ -415,11 +415,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
         """Every rank's groups of one round, in global prompt order (rank 0's share first)."""
-        if world_size() == 1:
-            return groups
-        gathered: list = [None] * world_size()
-        torch.distributed.all_gather_object(gathered, groups)
-        return [group for share in gathered for group in share]
+        return [group for share in all_gather_objects(groups) for group in share]
 
     def batch_reward_metrics(self, groups: list[PromptGroup], counts: dict[str, float]) -> dict[str, float]:
         """Means of the reward function's per-sample metrics over this rank's kept samples, and this rank's counts of

@@ -17,6 +17,7 @@ from lit_ppo.errors import (
     ConfigError,
     DataError,  # noqa: E402,F401 - defined with every user error; importable from here too
 )
+from lit_ppo.plan import PromptStats
 
 
 @dataclass
@@ -36,6 +37,10 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def stats(self) -> PromptStats | None:
+        """The prompts' lengths in tokens, for the plan's expected tokens per micro-batch."""
+        return PromptStats.of(len(p.prompt_ids) for p in self.prompts)
 
     def describe(self) -> str:
         """`120 prompts from train.jsonl (skipped 3: too_long=2, missing_key=1)`, for the plan and the log."""

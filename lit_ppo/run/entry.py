@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import compute_plan
+from lit_ppo.plan import PromptStats, compute_plan
 from lit_ppo.run import preflight as checks
 from lit_ppo.run.report import write_plan
 
@@ -26,11 +26,12 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def preflight(config: RunConfig) -> RunConfig:
+def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None]:
     """The pre-flight checks of lit_ppo/run/preflight.py on these settings, before the plan and before any model loads
     (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
     checks what is on this machine and plans without the rest. Returns the settings with ppo.packing resolved where
-    the model's type is known (`checks.resolve_packing`)."""
+    the model's type is known (`checks.resolve_packing`), and the training prompts' lengths in tokens that the plan's
+    expected tokens per micro-batch rest on (None where the tokenizer or the prompt files are not on this machine)."""
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
     environment = rollout.environment
@@ -88,9 +89,10 @@ def preflight(config: RunConfig) -> RunConfig:
         if note:
             show(note)
 
-    longest = None
+    longest, prompt_stats = None, None
     if tokenizer is not None and (data.source == "arithmetic" or all(path.exists() for path, _ in files)):
-        longest = longest_prompt(data, tokenizer, [path for path, _ in files])
+        train_lengths, longest = prompt_lengths(data, tokenizer, [path for path, _ in files])
+        prompt_stats = PromptStats.of(train_lengths)
     if environment is not None:
         response_key = (
             "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns x max_response_tokens"
@@ -108,12 +110,13 @@ def preflight(config: RunConfig) -> RunConfig:
     if training:
         checks.check_attention(config.model.attn_implementation)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
-    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing))
+    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing)), prompt_stats
 
 
-def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int, str] | None:
-    """The longest prompt in tokens as the run will see it (after the chat template, within
-    data.max_prompt_length under data.bad_records), and where it is."""
+def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list[int], tuple[int, str] | None]:
+    """The training prompts' lengths in tokens as the run will see them (after the chat template, within
+    data.max_prompt_length under data.bad_records), and the longest prompt of all (training and held-out ones) with
+    where it is. `paths`: data.path first, then data.eval_path if set."""
     from lit_ppo.rollout.prompts import format_prompt, load_data_prompts
 
     chat = data.chat_template
@@ -128,13 +131,13 @@ def longest_prompt(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[int,
             format_prompt(r["prompt"], tokenizer, chat_template=chat, system_prompt=data.system_prompt)
             for r in train + evaluation
         ]
-        return max(
-            ((len(tokenizer(t, add_special_tokens=not chat).input_ids), f"the arithmetic prompt {t!r}") for t in texts),
-            default=None,
-        )
+        lengths = [len(tokenizer(t, add_special_tokens=not chat).input_ids) for t in texts]
+        longest = max(((n, f"the arithmetic prompt {t!r}") for n, t in zip(lengths, texts)), default=None)
+        return lengths[: len(train)], longest
     # the same reading and filtering as the run's (run/train.py:load_prompt_sets)
-    prompts = [p for path in paths for p in load_data_prompts(path, tokenizer, data).prompts]
-    return max(((len(p.prompt_ids), p.location) for p in prompts), default=None)
+    prompt_sets = [load_data_prompts(path, tokenizer, data).prompts for path in paths]
+    longest = max(((len(p.prompt_ids), p.location) for prompts in prompt_sets for p in prompts), default=None)
+    return [len(p.prompt_ids) for p in prompt_sets[0]] if prompt_sets else [], longest
 
 
 def main(cfg: DictConfig) -> dict | None:
@@ -142,10 +145,10 @@ def main(cfg: DictConfig) -> dict | None:
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
-    config = preflight(config)
+    config, prompt_stats = preflight(config)
     output_dir = output_dir_of(cfg)
     size, source = planned_dataset_size(config.data)
-    plan = compute_plan(config, size)
+    plan = compute_plan(config, size, prompt_stats)
     if config.mode == "plan":
         write_plan(plan, output_dir, source, config)
         show(f"plan written to {output_dir / 'plan.json'}")

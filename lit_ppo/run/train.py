@@ -250,7 +250,7 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
         tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
-    plan = compute_plan(config, len(train_prompts))
+    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
     if rank_zero:
         write_plan(plan, output_dir, train_prompts.describe(), config)
 

@@ -1,4 +1,5 @@
-"""How a rank's samples become the model's inputs: micro-batches chosen by count or token budget
+"""How a rank's samples become the model's inputs: under packing with data parallelism first the ranks' samples split
+again by real tokens (`balanced_rank_batch`, `equal_count_partition`); micro-batches chosen by count or token budget
 (`micro_batch_groups`, or `packed_micro_batch_groups`: a balanced partition by real tokens), and the rows of one
 micro-batch laid out for a forward: `pack` (padded: prompts left-padded, responses right-padded) or `pack_samples`
 (ppo.packing: whole samples end to end, position ids restarting at each, no padding between them), each with the
@@ -9,6 +10,7 @@ Shapes: B samples of a micro-batch, P its widest prompt, T its longest response;
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +18,9 @@ from torch import Tensor
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.distributed import global_max
+from lit_ppo.distributed import all_gather_objects, global_max
 from lit_ppo.errors import RolloutMismatchError
-from lit_ppo.plan import StepPlan
+from lit_ppo.plan import StepPlan, check_rank_balance
 
 
 @dataclass
@@ -204,6 +206,78 @@ def balanced_partition(
         groups[g].append(i)
         loads[g] += weights[i]
     return groups
+
+
+def equal_count_partition(weights: list[int], parts: int) -> list[list[int]]:
+    """The indices of `weights` in `parts` parts of as many members each and near-equal total weight, by the largest
+    differencing method (Karmarkar-Karp) for equal counts: the weights, longest first, in chunks of `parts` (one
+    member per part, the parts' spread the chunk's heaviest minus its lightest); then, while more than one remains,
+    the two of the largest spread merge, the heaviest part of one with the lightest of the other.
+
+    Bound: a merge pairs loads a_1 >= ... >= a_m with b_1 <= ... <= b_m, and (a_i + b_i) - (a_j + b_j) is at most
+    a_i - a_j for i < j and b_i - b_j for i > j, so the merged spread is at most the larger of the two; the heaviest
+    part's load minus the lightest's is therefore at most max(weights) - min(weights), and the heaviest is within
+    that of the mean. (The longest-processing-time rule of `balanced_partition` has no such bound once the parts'
+    counts are capped.) Then, while one narrows them, a swap between the heaviest and the lightest part: it leaves
+    both within their old loads, so the bound holds. Deterministic; each part's indices ascending, the parts in the
+    order of their first index."""
+    if parts <= 0 or len(weights) % parts:
+        raise ValueError(f"cannot split {len(weights)} weights into {parts} parts of as many each")
+    order = sorted(range(len(weights)), key=lambda i: weights[i], reverse=True)
+    heap = []  # (-spread, tie, parts' (load, members), heaviest first)
+    for start in range(0, len(order), parts):
+        chunk = [(weights[i], [i]) for i in order[start : start + parts]]
+        heapq.heappush(heap, (chunk[-1][0] - chunk[0][0], len(heap), chunk))
+    tie = len(heap)
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        merged = [(la + lb, ma + mb) for (la, ma), (lb, mb) in zip(a, reversed(b))]
+        merged.sort(key=lambda part: part[0], reverse=True)
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], tie, merged))
+        tie += 1
+    groups = [members for _, members in heap[0][2]]
+    loads = [load for load, _ in heap[0][2]]
+    for _ in range(len(weights)):  # then swaps between the heaviest and the lightest part while one narrows them
+        heavy, light = loads.index(max(loads)), loads.index(min(loads))
+        spread = loads[heavy] - loads[light]
+        swaps = [(i, j) for i in groups[heavy] for j in groups[light] if 0 < weights[i] - weights[j] < spread]
+        if not swaps:
+            break
+        i, j = min(swaps, key=lambda s: abs(spread - 2 * (weights[s[0]] - weights[s[1]])))
+        groups[heavy][groups[heavy].index(i)], groups[light][groups[light].index(j)] = j, i
+        loads[heavy] -= weights[i] - weights[j]
+        loads[light] += weights[i] - weights[j]
+    return sorted((sorted(members) for members in groups), key=lambda members: members[0])
+
+
+def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """This rank's samples of the rollout step once every rank's are split again by real tokens (`plan.rank_balance`:
+    packed, under data parallelism): the ranks' whole prompt groups (samples of a prompt stay together, in prompt
+    order, for the group estimators) in `equal_count_partition` by prompt + response tokens, as many groups on every
+    rank (so the ranks run as many mini-batches and micro-batches, and the collectives in them match). Each rank
+    generated a contiguous share of the rollout batch, whose tokens follow its prompts' and responses' lengths; the
+    training forwards and backwards then wait for the heaviest rank at every gradient all-reduce. The loss
+    denominators are global sums over the mini-batch (`loss_denominators`): the update does not depend on the split.
+    Every rank receives every rank's samples (ids and texts, once per rollout step: one all-gather). Returns the
+    batch and the ranks' heaviest over mean real tokens, after and as generated (`perf/rank_token_imbalance`,
+    `perf/rank_token_imbalance_contiguous`)."""
+    n = plan.n_samples_per_prompt
+    shares = all_gather_objects(batch)
+    groups = [(s, start) for s, share in enumerate(shares) for start in range(0, len(share.response_ids), n)]
+    tokens = [
+        sum(len(shares[s].prompt_ids[i]) + len(shares[s].response_ids[i]) for i in range(start, start + n))
+        for s, start in groups
+    ]
+    parts = equal_count_partition(tokens, plan.data_parallel_size)
+    loads = [sum(tokens[g] for g in part) for part in parts]
+    check_rank_balance(plan, batch.rollout_step, [len(part) * n for part in parts], loads, tokens)
+    generated = [sum(t for (s, _), t in zip(groups, tokens) if s == r) for r in range(len(shares))]
+    picks = [(groups[g][0], groups[g][1] + j) for g in parts[rank] for j in range(n)]
+    mean = sum(loads) / len(loads)
+    return batch.with_samples(shares, picks), {
+        "perf/rank_token_imbalance": max(loads) / mean if mean else 1.0,
+        "perf/rank_token_imbalance_contiguous": max(generated) / mean if mean else 1.0,
+    }
 
 
 def packed_micro_batch_groups(

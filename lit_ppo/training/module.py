@@ -11,7 +11,8 @@ One `training_step` is one rollout step:
   5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
-on its share of the rollout batch; advantage statistics, loss denominators and the logged metrics
+on its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
+`batching.balanced_rank_batch`); advantage statistics, loss denominators and the logged metrics
 are global (all-reduced over ranks).
 """
 
@@ -42,7 +43,13 @@ from lit_ppo.plan import (
     minibatch_schedule,
 )
 from lit_ppo.run.report import write_metrics_csv
-from lit_ppo.training.batching import MicroBatch, pack, packed_micro_batches, rank_micro_batch_groups
+from lit_ppo.training.batching import (
+    MicroBatch,
+    balanced_rank_batch,
+    pack,
+    packed_micro_batches,
+    rank_micro_batch_groups,
+)
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -124,6 +131,7 @@ class PPOModule(L.LightningModule):
         self.eval_history: list[dict[str, Any]] = []
         self.last_sample_use_counts: Tensor | None = None  # [ppo_epochs, N] for the accounting test
         self.rollout_correction_stats: dict[str, float] = {}  # of the last rollout step
+        self.rank_balance_stats: dict[str, float] = {}  # of the last rollout step (plan.rank_balance)
 
     # ------------------------------------------------------------ sharding (FSDP2)
 
@@ -414,6 +422,11 @@ class PPOModule(L.LightningModule):
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
         started = time.perf_counter()
+        # Packed under data parallelism: the ranks' prompt groups split again by real tokens (after the engine's
+        # sleep: under NCCL the all-gather's buffers are on the device; timed with the experience).
+        self.rank_balance_stats = {}
+        if self.plan.rank_balance:
+            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
         exp = self.make_experience(batch)
         experience_seconds, started = time.perf_counter() - started, time.perf_counter()
@@ -499,6 +512,7 @@ class PPOModule(L.LightningModule):
         }
         extra = {
             **self.rollout_correction_stats,
+            **self.rank_balance_stats,
             **({"rollout/kl_coef": self.kl_coef} if self.plan.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
