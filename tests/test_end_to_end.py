@@ -68,7 +68,7 @@ def test_console_shows_only_our_output_and_run_log_has_it(cli_run):
     others = [line for line in lines if not line.startswith("rollout steps:")]
     for word in ("WARNING", "Failed", "MISSING", "FutureWarning", "Warning", "INFO"):
         assert not [line for line in others if word in line], (word, console[-3000:])
-    assert len(others) < 60, console
+    assert len(others) < 70, console  # the plan is most of it (~45 rows); a flood of library output is hundreds
     assert "Step plan" in console and "eval samples at rollout step 0" in console and "run finished" in console
     assert "critic: the policy's weights with a new value head" in console  # once, in our words
     table_rows = {"reward  prompt  response"}  # the eval samples' header repeats per evaluation
