@@ -505,6 +505,50 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
     assert "rollout worker 0 of 2: connected" in (tmp_path / "worker0.log").read_text()
 
 
+def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tmp_path):
+    """Before any engine starts (a store standing in for the trainer's): a number outside 0..workers-1, a number
+    already taken, no number at all, an address nobody listens on: each worker stops with one line saying the fix."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    store.set("spec", pickle.dumps({"workers": 2}))
+    store.add("claim/1", 1)  # worker 1 connected already
+    no_launcher = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+
+    def worker(*args: str) -> tuple[int, str]:
+        """Its exit code and the last line it printed (argparse's errors: of stderr)."""
+        command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", *args]
+        done = subprocess.run(command, cwd=ROOT, env=no_launcher, capture_output=True, text=True, timeout=120)
+        return done.returncode, (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
+
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "2") == (
+        2,
+        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers=2 (numbers 0..1); "
+        "fix: start that many workers, numbered from 0",
+    )
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "0", "--workers", "3")[1].startswith(
+        "rollout worker 0 of --workers 3: the trainer at"
+    )
+    code, _ = worker("--connect", f"127.0.0.1:{store.port}", "--worker", "1")
+    assert code == 1 and store.get("error/1").decode() == (
+        "RuntimeError: rollout worker 1: another worker connected as number 1 already; fix: give each worker its own "
+        "--worker (or SLURM_PROCID / RANK)"
+    )
+    code, line = worker("--connect", f"127.0.0.1:{store.port}")
+    assert code == 2 and line.endswith(
+        "error: no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)"
+    )
+    port = free_port()
+    code, line = worker("--connect", f"127.0.0.1:{port}", "--worker", "0", "--connect-timeout-s", "1")
+    assert code == 2 and line.startswith(f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}")
+    assert line.endswith("or raise --connect-timeout-s"), line
+
+
 class KillProcess(L.Callback):
     """SIGKILL a process during rollout step 1's updates."""
 

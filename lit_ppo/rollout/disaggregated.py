@@ -603,8 +603,9 @@ def worker_main(
         spec = pickle.loads(store.get("spec"))
         if not 0 <= worker < spec["workers"] or workers not in (None, spec["workers"]):
             print(
-                f"rollout worker {worker} of {workers or '?'}: the trainer at {host}:{port} expects rollout.workers="
-                f"{spec['workers']} (numbers 0..{spec['workers'] - 1}); fix: start that many workers, numbered from 0",
+                f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {host}:{port} "
+                f"expects rollout.workers={spec['workers']} (numbers 0..{spec['workers'] - 1}); fix: start that many "
+                "workers, numbered from 0",
                 flush=True,
             )
             os._exit(2)
