@@ -34,7 +34,9 @@ def main(cfg: DictConfig) -> None:
     devices = str(cfg.strategy.get("devices") or 1)
     local_processes = int(devices) if devices.isdigit() and int(devices) > 0 else 1
     workers = str(cfg.rollout.get("workers") or 1)
-    if cfg.rollout.get("mode") == "disaggregated" and workers.isdigit():
+    # (External workers are the launcher's, on nodes it chose: the user shares out their cores.)
+    spawned = cfg.rollout.get("worker_launch", "spawn") == "spawn"
+    if cfg.rollout.get("mode") == "disaggregated" and spawned and workers.isdigit():
         local_processes += int(workers)
     threads = use_cpu_threads(local_processes)
     from lit_ppo.run.entry import main as run

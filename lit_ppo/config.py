@@ -11,6 +11,8 @@ The dataclasses' defaults equal the default YAML files in conf/ (tests/test_conf
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import typing
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -179,6 +181,7 @@ class PPOConfig:
 
 ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
+WORKER_LAUNCHES = ("spawn", "external")  # rollout.worker_launch
 VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
 """rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
 set (`vllm_only_settings_set`)."""
@@ -250,8 +253,21 @@ class RolloutConfig:
     """With mode=disaggregated: rollout worker processes; each generates a contiguous share of every batch."""
     devices: int = 1
     """With mode=disaggregated on GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES)."""
+    worker_launch: str = "spawn"
+    """With mode=disaggregated: spawn: the trainer starts its workers itself, on its own node; external: the user's
+    launcher starts them, on any node (`python -m lit_ppo.rollout.disaggregated --connect HOST:PORT`, docs/async.md),
+    and the trainer waits for them to connect."""
+    worker_port: int = 29600
+    """With worker_launch=external: the TCP port of the trainer's store that the workers connect to (spawn: any free
+    port)."""
+    trainer_host: str | None = None
+    """The trainer's address that the workers connect to (and that its end of the weight push binds); null:
+    LIT_PPO_ROLLOUT_HOST, else 127.0.0.1 with worker_launch=spawn and this node's hostname with external."""
     worker_start_timeout_s: float = 600.0
-    """With mode=disaggregated: seconds a rollout worker may take to start its engine."""
+    """With mode=disaggregated: seconds a rollout worker may take to start its engine (external: to connect too)."""
+    worker_heartbeat_timeout_s: float = 60.0
+    """With worker_launch=external: a worker whose heartbeat (one a second, through the store) stops for this long is
+    dead (spawned workers are watched as processes)."""
     batch_timeout_s: float = 600.0
     """With mode=disaggregated: seconds the trainer waits for a rollout worker's batch beyond the worker's own queue."""
     weight_push_timeout_s: float = 300.0
@@ -262,6 +278,15 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         validate_rollout(self)
+
+    def trainer_address_host(self) -> str:
+        """The host part of the address the rollout workers connect to: `trainer_host`, else LIT_PPO_ROLLOUT_HOST,
+        else 127.0.0.1 (spawn: the workers are on this node) or this node's hostname (external)."""
+        if self.trainer_host:
+            return self.trainer_host
+        if os.environ.get("LIT_PPO_ROLLOUT_HOST"):
+            return os.environ["LIT_PPO_ROLLOUT_HOST"]
+        return socket.gethostname() if self.worker_launch == "external" else "127.0.0.1"
 
     def staleness(self) -> int:
         """k resolved: `max_staleness`, or its default for the mode (1 disaggregated, 0 colocated)."""
@@ -807,7 +832,19 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         )
     _positive("rollout", workers=rollout.workers, devices=rollout.devices)
     _positive("rollout", weight_push_bucket_mib=rollout.weight_push_bucket_mib)
-    for key in ("worker_start_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
+    if rollout.worker_launch not in WORKER_LAUNCHES:
+        raise ConfigError(
+            f"rollout.worker_launch={rollout.worker_launch!r} is unknown; fix: use one of {', '.join(WORKER_LAUNCHES)}"
+        )
+    port = rollout.worker_port
+    if rollout.worker_launch == "external" and (
+        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
+    ):
+        raise ConfigError(
+            f"rollout.worker_port={port!r} with rollout.worker_launch=external must be a TCP port (1..65535) that the "
+            "workers connect to; fix: e.g. rollout.worker_port=29600"
+        )
+    for key in ("worker_start_timeout_s", "worker_heartbeat_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
         if not getattr(rollout, key) > 0:
             raise ConfigError(
                 f"rollout.{key}={getattr(rollout, key)} must be a positive number of seconds; fix: e.g. 600"

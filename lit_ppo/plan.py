@@ -115,6 +115,10 @@ class StepPlan:
     max_staleness: int = 0
     rollout_workers: int = 0
     rollout_devices_per_worker: int = 0
+    # spawn: the trainer starts its workers on its own node; external: the user's launcher starts them on any node,
+    # and they connect to rollout_worker_address (the trainer's store, host:port).
+    rollout_worker_launch: str = ""
+    rollout_worker_address: str = ""
     # model.lora: rank 0 trains every parameter; else a PEFT adapter on a frozen base, the reference is the actor with
     # its adapter disabled (no copy), and only the adapter goes to vLLM (max_lora_rank: vLLM's slot size for it).
     lora_rank: int = 0
@@ -346,8 +350,21 @@ class StepPlan:
                     (
                         "rollout workers",
                         self.rollout_workers,
-                        f"processes, {self.rollout_devices_per_worker} device(s) each on GPUs (CPU: own process); "
-                        f"trainer: {self.data_parallel_size} device(s)",
+                        (
+                            f"processes, {self.rollout_devices_per_worker} device(s) each on GPUs (CPU: own process); "
+                            if self.rollout_worker_launch == "spawn"
+                            else "processes, on the devices their launcher gives them; "
+                        )
+                        + f"trainer: {self.data_parallel_size} device(s)",
+                    ),
+                    (
+                        "worker launch",
+                        self.rollout_worker_launch,
+                        "the trainer starts them on its own node"
+                        if self.rollout_worker_launch == "spawn"
+                        else f"the launcher starts them on any node; they connect to {self.rollout_worker_address}: "
+                        f"python -m lit_ppo.rollout.disaggregated --connect {self.rollout_worker_address} "
+                        "(worker number: --worker, SLURM_PROCID or RANK)",
                     ),
                 ]
                 if self.rollout_mode == "disaggregated"
@@ -549,6 +566,12 @@ def compute_plan(config: RunConfig, dataset_prompts: int, prompt_stats: PromptSt
         max_staleness=k,
         rollout_workers=rollout.workers if rollout.mode == "disaggregated" else 0,
         rollout_devices_per_worker=rollout.devices if rollout.mode == "disaggregated" else 0,
+        rollout_worker_launch=rollout.worker_launch if rollout.mode == "disaggregated" else "",
+        rollout_worker_address=(
+            f"{rollout.trainer_address_host()}:{rollout.worker_port}"
+            if rollout.mode == "disaggregated" and rollout.worker_launch == "external"
+            else ""
+        ),
         lora_rank=lora.rank,
         lora_alpha=lora.alpha if lora.enabled else 0.0,
         lora_target_modules=lora.target_modules if lora.enabled else "",

@@ -7,6 +7,11 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -18,7 +23,7 @@ from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
-from tests.helpers import build_run, compose_run_config
+from tests.helpers import ROOT, build_run, compose_run_config
 from tests.test_sampling import long_prompt_files  # noqa: F401 - a fixture: 16 prompts of 110 tokens
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
@@ -121,6 +126,22 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
         (["rollout.mode=disaggregated", "rollout.workers=0", "rollout.max_staleness=0"], r"rollout.workers=0 must"),
         (["rollout.batch_timeout_s=0"], r"^rollout.batch_timeout_s=0 must be a positive number of seconds"),
+        (
+            ["rollout.mode=disaggregated", "rollout.worker_launch=ssh"],
+            r"^rollout.worker_launch='ssh' is unknown; fix: use one of spawn, external$",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=0"],
+            r"^rollout.worker_port=0 with rollout.worker_launch=external must be a TCP port .*fix: e.g. rollout.worker_port",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=70000"],
+            r"^rollout.worker_port=70000 with rollout.worker_launch=external must be a TCP port \(1..65535\)",
+        ),
+        (
+            ["rollout.worker_heartbeat_timeout_s=0"],
+            r"^rollout.worker_heartbeat_timeout_s=0 must be a positive number of seconds",
+        ),
         # with model.lora, what rollout workers cannot do is refused as without it, naming the key
         (
             ["rollout.mode=disaggregated", "model.lora.rank=16", "rollout.engine=hf"],
@@ -175,6 +196,34 @@ def test_the_plan_states_the_schedule_and_the_devices():
     assert colocated.max_staleness == 0 and "step 0 <- v0" not in colocated.table()
     synchronous = compute_plan(compose_run_config("rollout.mode=disaggregated", "rollout.max_staleness=0"), 2000)
     assert [synchronous.generating_version(s) for s in range(3)] == [0, 1, 2]
+
+
+def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(monkeypatch):
+    spawned = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000)
+    assert (spawned.rollout_worker_launch, spawned.rollout_worker_address) == ("spawn", "")
+    assert "the trainer starts them on its own node" in spawned.table()
+    external = compute_plan(
+        compose_run_config(
+            "rollout.mode=disaggregated",
+            "rollout.worker_launch=external",
+            "rollout.worker_port=29700",
+            "rollout.trainer_host=node0",
+            "rollout.workers=3",
+        ),
+        2000,
+    )
+    assert (external.rollout_worker_launch, external.rollout_worker_address) == ("external", "node0:29700")
+    table = external.table()
+    assert "the launcher starts them on any node; they connect to node0:29700" in table
+    assert "python -m lit_ppo.rollout.disaggregated --connect node0:29700" in table
+    assert "processes, on the devices their launcher gives them" in table
+    # the host: rollout.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
+    monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
+    overrides = ("rollout.mode=disaggregated", "rollout.worker_launch=external")
+    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == "10.0.0.7:29600"
+    monkeypatch.delenv("LIT_PPO_ROLLOUT_HOST")
+    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == f"{socket.gethostname()}:29600"
+    assert compute_plan(compose_run_config(), 2000).rollout_worker_launch == ""  # colocated: no workers
 
 
 def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_each_worker():
@@ -357,6 +406,194 @@ def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
     assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
     assert "after applying policy version 1 its log-probs of a probe sequence differ from the trainer's" in message
     assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+
+
+# ---------------------------------------------------------------- workers started by a launcher (worker_launch=external)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_worker(log: Path, port: int, worker: int | None, **env: str) -> subprocess.Popen:
+    """A rollout worker as a launcher starts it, on "its node": its own command line, given the trainer's address
+    and its number (--worker, or the launcher's environment: RANK)."""
+    command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", "--connect", f"127.0.0.1:{port}"]
+    command += [] if worker is None else ["--worker", str(worker)]
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env}
+        )
+
+
+def ended(*procs: subprocess.Popen, timeout_s: float) -> list[int | None]:
+    """The processes' exit codes once they end by themselves within `timeout_s` (None: killed by the test after it)."""
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            codes.append(None)
+    return codes
+
+
+def external(port: int, **kwargs) -> RolloutConfig:
+    return disaggregated(1, worker_launch="external", worker_port=port, trainer_host="127.0.0.1", **kwargs)
+
+
+def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
+    one_step_off,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """rollout.worker_launch=external: the trainer hosts the store on rollout.worker_port and waits; a worker started
+    as torchrun would start it (its number from RANK, the launcher's rendezvous variables in its environment)
+    connects, and the run's samples and rewards are exactly the spawned run's (`one_step_off`: same seed and
+    schedule). Its log is where its launcher put it; the trainer's close stops it."""
+    port = free_port()
+    rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = launch_worker(tmp_path / "worker.log", port, None, **rendezvous)
+    try:
+        module, batches, _, plan = run(tiny_model_dir, long_prompt_files, tmp_path / "run", external(port), **TIS)
+    finally:
+        codes = ended(worker, timeout_s=60)
+    assert codes == [0], (tmp_path / "worker.log").read_text()[-3000:]
+    assert plan.rollout_worker_address == f"127.0.0.1:{port}"
+    _, spawned, *_ = one_step_off
+    assert [b.rollout_step for b in batches] == [0, 1, 2]
+    for ours, theirs in zip(batches, spawned, strict=True):
+        assert ours.prompt_ids == theirs.prompt_ids and ours.response_ids == theirs.response_ids
+        assert ours.policy_versions == theirs.policy_versions and ours.rollout_logprobs == theirs.rollout_logprobs
+        assert torch.equal(ours.rewards, theirs.rewards)
+    log = (tmp_path / "worker.log").read_text()
+    assert f"rollout worker 0 of 1: connected to the trainer at 127.0.0.1:{port}" in log
+    assert all(f"policy version {v} applied" in log for v in range(1, 4))
+    assert not (tmp_path / "run" / "logs" / "rollout_worker0.log").exists()
+
+
+def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    """rollout.workers=2, only worker 0 started: the trainer stops after rollout.worker_start_timeout_s naming worker
+    1, the address and how to start it; worker 0 then ends by itself (the trainer's store is gone)."""
+    port = free_port()
+    worker0 = launch_worker(tmp_path / "worker0.log", port, 0)
+    try:
+        with pytest.raises(RolloutWorkerError) as info:
+            run(
+                tiny_model_dir,
+                long_prompt_files,
+                tmp_path / "run",
+                external(port, workers=2, worker_start_timeout_s=20.0),
+                **TIS,
+            )
+        failed_at = time.monotonic()
+    finally:
+        codes = ended(worker0, timeout_s=30)
+    message = str(info.value)
+    assert message.startswith(
+        f"trainer: rollout worker(s) 1 of 2 never connected to the trainer at 127.0.0.1:{port} within "
+        "rollout.worker_start_timeout_s=20 s (rollout.worker_launch=external: the launcher starts them); fix: run "
+        f"`python -m lit_ppo.rollout.disaggregated --connect 127.0.0.1:{port} --worker <N>` for each"
+    ), message
+    assert "\n" not in message
+    assert codes[0] is not None, "worker 0 outlived its trainer"
+    assert time.monotonic() - failed_at < 30
+    assert "rollout worker 0 of 2: connected" in (tmp_path / "worker0.log").read_text()
+
+
+def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tmp_path):
+    """Before any engine starts (a store standing in for the trainer's): a number outside 0..workers-1, a number
+    already taken, no number at all, an address nobody listens on: each worker stops with one line saying the fix."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    store.set("spec", pickle.dumps({"workers": 2}))
+    store.add("claim/1", 1)  # worker 1 connected already
+    no_launcher = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+
+    def worker(*args: str) -> tuple[int, str]:
+        """Its exit code and the last line it printed (argparse's errors: of stderr)."""
+        command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", *args]
+        done = subprocess.run(command, cwd=ROOT, env=no_launcher, capture_output=True, text=True, timeout=120)
+        return done.returncode, (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
+
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "2") == (
+        2,
+        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers=2 (numbers 0..1); "
+        "fix: start that many workers, numbered from 0",
+    )
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "0", "--workers", "3")[1].startswith(
+        "rollout worker 0 of --workers 3: the trainer at"
+    )
+    code, _ = worker("--connect", f"127.0.0.1:{store.port}", "--worker", "1")
+    assert code == 1 and store.get("error/1").decode() == (
+        "RuntimeError: rollout worker 1: another worker connected as number 1 already; fix: give each worker its own "
+        "--worker (or SLURM_PROCID / RANK)"
+    )
+    code, line = worker("--connect", f"127.0.0.1:{store.port}")
+    assert code == 2 and line.endswith(
+        "error: no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)"
+    )
+    port = free_port()
+    code, line = worker("--connect", f"127.0.0.1:{port}", "--worker", "0", "--connect-timeout-s", "1")
+    assert code == 2 and line.startswith(f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}")
+    assert line.endswith("or raise --connect-timeout-s"), line
+
+
+class KillProcess(L.Callback):
+    """SIGKILL a process during rollout step 1's updates."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.killed_at = proc, None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.killed_at is None:
+            self.proc.kill()
+            self.killed_at = time.monotonic()
+
+
+def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbeat_timeout(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
+    rollout.worker_heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
+    its log is there."""
+    port = free_port()
+    worker = launch_worker(tmp_path / "worker.log", port, 0)
+    kill = KillProcess(worker)
+    try:
+        with pytest.raises(RolloutWorkerError) as info:
+            run(
+                tiny_model_dir,
+                long_prompt_files,
+                tmp_path / "run",
+                external(port, worker_heartbeat_timeout_s=5.0),
+                callbacks=[kill],
+                **TIS,
+            )
+        seconds = time.monotonic() - kill.killed_at
+    finally:
+        ended(worker, timeout_s=10)
+    message = str(info.value)
+    node = socket.gethostname()
+    assert message.startswith(
+        f"trainer: rollout worker 0 (pid {worker.pid} on {node}) sent no heartbeat for "
+        "rollout.worker_heartbeat_timeout_s=5 s while the trainer waited for "
+    ), message
+    assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
+    assert "\n" not in message
+    assert seconds < 5 + 20, seconds
 
 
 # ---------------------------------------------------------------- LoRA: only the adapter goes to the workers

@@ -224,6 +224,10 @@ class RolloutDataModule(L.LightningDataModule):
             push_timeout_s=r.weight_push_timeout_s,
             bucket_mib=r.weight_push_bucket_mib,
             max_logprob_abs_diff=r.max_logprob_abs_diff,
+            host=r.trainer_address_host(),
+            launch=r.worker_launch,
+            port=r.worker_port if r.worker_launch == "external" else 0,
+            heartbeat_timeout_s=r.worker_heartbeat_timeout_s,
         )
         self.engine_start_seconds = workers.start_seconds
         return workers

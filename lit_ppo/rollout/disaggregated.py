@@ -1,4 +1,6 @@
-"""Rollout workers (rollout.mode=disaggregated): processes with their own vLLM engines, started by the trainer.
+"""Rollout workers (rollout.mode=disaggregated): processes with their own vLLM engines, started by the trainer
+(rollout.worker_launch=spawn) or by the user's launcher on any node (external:
+`python -m lit_ppo.rollout.disaggregated --connect HOST:PORT [--worker N]`, docs/async.md).
 
 Channel (docs/async.md):
 - A TCPStore that the trainer hosts carries the small things: each worker's start signal, its ordered commands
@@ -15,7 +17,9 @@ Channel (docs/async.md):
 
 No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
 line naming the side, the worker and its log file (RolloutWorkerError); each worker polls its parent and exits when
-the trainer is gone; `close` stops them (and kills what does not stop).
+the trainer is gone; `close` stops them (and kills what does not stop). External workers are not the trainer's
+children: each sends a heartbeat through the store (a counter, one a second), which the trainer's waits watch, and
+exits when the store (the trainer) is gone; `close` sends them stop and waits briefly, killing nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import datetime
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +43,7 @@ from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.engine import Generation
 
 POLL_S = 0.01  # how often a wait looks at the store and the workers' liveness
+HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 """The launcher's rendezvous variables: a worker must not join the trainer's process group with them (vLLM would)."""
 
@@ -116,21 +122,42 @@ class RolloutWorkers:
         bucket_mib: int,
         max_logprob_abs_diff: float | None = None,
         host: str | None = None,
+        launch: str = "spawn",
+        port: int = 0,
+        heartbeat_timeout_s: float = 60.0,
     ):
         import torch.distributed as dist
 
         self.workers = workers
+        self.external = launch == "external"
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.push_timeout_s = push_timeout_s
         self.bucket_bytes = bucket_mib * 2**20
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
-        self.store = dist.TCPStore(
-            self.host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(start_timeout_s)
-        )
-        spec = {"engine": engine_kwargs, "push_timeout_s": push_timeout_s, "max_logprob_abs_diff": max_logprob_abs_diff}
+        try:  # the server listens on every interface; `host` is the address the workers are told
+            self.store = dist.TCPStore(
+                self.host, port, is_master=True, wait_for_workers=False, timeout=_timedelta(start_timeout_s)
+            )
+        except RuntimeError as e:
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise RolloutWorkerError(
+                f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: set "
+                "rollout.worker_port to a free port on this node"
+            ) from None
+        self.address = f"{self.host}:{self.store.port}"
+        spec = {
+            "engine": engine_kwargs,
+            "push_timeout_s": push_timeout_s,
+            "max_logprob_abs_diff": max_logprob_abs_diff,
+            "workers": workers,
+        }
         self.store.set("spec", pickle.dumps(spec))
+        self.nodes: dict[int, tuple[str, int]] = {}  # external: each connected worker's (hostname, pid)
+        self.beats = [0] * workers  # external: the last heartbeat count seen of each worker, and when (monotonic)
+        self.beats_seen = [time.monotonic()] * workers
         self.commands = [0] * workers  # commands sent to each worker
         self.tickets = 0
         self.pushes = 0
@@ -140,8 +167,11 @@ class RolloutWorkers:
         self.failed = False  # a worker failed or did not answer: close() kills instead of waiting for it
         started = time.perf_counter()
         try:
-            for i in range(workers):
-                self.procs.append(self._spawn(i, devices_per_worker, trainer_devices))
+            if self.external:
+                self._wait_for_external_workers(start_timeout_s)
+            else:
+                for i in range(workers):
+                    self.procs.append(self._spawn(i, devices_per_worker, trainer_devices))
             for i in range(workers):
                 self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.worker_start_timeout_s", i)
             self.group = _gloo_group(self.store, 0, workers + 1, push_timeout_s, self.host)
@@ -184,7 +214,55 @@ class RolloutWorkers:
         finally:
             log.close()
 
+    def _wait_for_external_workers(self, timeout_s: float) -> None:
+        """worker_launch=external: wait until every worker has connected and started its engine, or fail naming the
+        workers that never connected, the address they must reach and how to start them."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.store.check([f"ready/{i}"]) for i in range(self.workers)):
+            self._check_alive("its engine's start")
+            if time.monotonic() > deadline:
+                self.failed = True
+                never = [i for i in range(self.workers) if not self.store.check([f"hello/{i}"])]
+                slow = [i for i in range(self.workers) if i not in never and not self.store.check([f"ready/{i}"])]
+                numbers = ", ".join(map(str, never or slow))
+                if never:
+                    raise RolloutWorkerError(
+                        f"trainer: rollout worker(s) {numbers} of {self.workers} never connected to the trainer at "
+                        f"{self.address} within rollout.worker_start_timeout_s={timeout_s:g} s "
+                        "(rollout.worker_launch=external: the launcher starts them); fix: run `python -m "
+                        f"lit_ppo.rollout.disaggregated --connect {self.address} --worker <N>` for each on a node "
+                        f"that reaches {self.address} (docs/async.md), or rollout.worker_launch=spawn"
+                    )
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker(s) {numbers} connected to {self.address} but did not start their engines "
+                    f"within rollout.worker_start_timeout_s={timeout_s:g} s; their logs are on their nodes "
+                    f"({', '.join(self._where(i) for i in slow)}); fix: raise rollout.worker_start_timeout_s if they are "
+                    "only slow"
+                )
+            time.sleep(POLL_S)
+
+    def _where(self, worker: int) -> str:
+        """The worker's pid (external: and node), as the messages name it."""
+        if not self.external:
+            return f"pid {self.procs[worker].pid}" if worker < len(self.procs) else "not started"
+        if worker not in self.nodes and self.store.check([f"hello/{worker}"]):
+            self.nodes[worker] = pickle.loads(self.store.get(f"hello/{worker}"))
+        if worker not in self.nodes:
+            return "not connected"
+        node, pid = self.nodes[worker]
+        return f"pid {pid} on {node}"
+
+    def _log(self, worker: int) -> str:
+        """Where the worker's log is, as the messages name it."""
+        if not self.external:
+            return f"see {self.log_file(worker)}"
+        node = self.nodes[worker][0] if worker in self.nodes else "its node"
+        return f"its log is on {node} (its launcher's output)"
+
     def _check_alive(self, what: str) -> None:
+        if self.external:
+            self._check_heartbeats(what)
+            return
         for i, proc in enumerate(self.procs):
             code = proc.poll()
             if code is not None:
@@ -193,6 +271,29 @@ class RolloutWorkers:
                 raise RolloutWorkerError(
                     f"trainer: rollout worker {i} (pid {proc.pid}) exited with code {code} while the trainer waited "
                     f"for {what}{': ' + last if last else ''}; see {self.log_file(i)}"
+                )
+
+    def _check_heartbeats(self, what: str) -> None:
+        """External workers: a worker that reported an error, or whose heartbeat stopped for
+        rollout.worker_heartbeat_timeout_s, stops the run naming it and its node."""
+        now = time.monotonic()
+        for i in range(self.workers):
+            last = self._error_line(i)
+            if last:
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker {i} ({self._where(i)}) failed while the trainer waited for {what}: "
+                    f"{last}; {self._log(i)}"
+                )
+            beat = self.store.add(f"heartbeat/{i}", 0)
+            if beat != self.beats[i]:
+                self.beats[i], self.beats_seen[i] = beat, now
+            elif beat > 0 and now - self.beats_seen[i] > self.heartbeat_timeout_s:
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker {i} ({self._where(i)}) sent no heartbeat for "
+                    f"rollout.worker_heartbeat_timeout_s={self.heartbeat_timeout_s:g} s while the trainer waited for "
+                    f"{what}: it died or its node is unreachable; {self._log(i)}"
                 )
 
     def _error_line(self, worker: int) -> str:
@@ -207,8 +308,8 @@ class RolloutWorkers:
             if time.monotonic() > deadline:
                 self.failed = True
                 raise RolloutWorkerError(
-                    f"trainer: rollout worker {worker} (pid {self.procs[worker].pid}) gave no {what} within "
-                    f"{setting}={timeout_s:g} s; see {self.log_file(worker)}; fix: raise {setting} if it is only slow"
+                    f"trainer: rollout worker {worker} ({self._where(worker)}) gave no {what} within "
+                    f"{setting}={timeout_s:g} s; {self._log(worker)}; fix: raise {setting} if it is only slow"
                 )
             time.sleep(POLL_S)
         value = self.store.get(key)
@@ -300,13 +401,23 @@ class RolloutWorkers:
             try:
                 _broadcast(self.group, flat)
             except RuntimeError as e:
+                seconds = time.monotonic() - started
                 self._check_alive("the weight push")  # a dead worker is the better message
+                if self.external:  # its heartbeat tells within its timeout
+                    deadline = time.monotonic() + self.heartbeat_timeout_s + HEARTBEAT_S
+                    while time.monotonic() < deadline:
+                        self._check_alive("the weight push")
+                        time.sleep(POLL_S)
                 self.failed = True
+                logs = (
+                    "their logs are on their nodes"
+                    if self.external
+                    else "see " + ", ".join(str(self.log_file(i)) for i in range(self.workers))
+                )
                 raise RolloutWorkerError(
                     f"trainer: the weight push of version {version} (bucket {b}, {flat.numel() / 2**20:.1f} MiB) did "
                     f"not complete within rollout.weight_push_timeout_s={self.push_timeout_s:g} s "
-                    f"({time.monotonic() - started:.1f} s, {type(e).__name__}); a rollout worker is stuck: see "
-                    f"{', '.join(str(self.log_file(i)) for i in range(self.workers))}"
+                    f"({seconds:.1f} s, {type(e).__name__}); a rollout worker is stuck: {logs}"
                 ) from None
         self.store.set(f"push/{push}/done", b"1")
         self.pushes += 1
@@ -321,9 +432,13 @@ class RolloutWorkers:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the workers: a stop command behind their queues, then SIGKILL for what has not exited (at once
-        after a failure: a stuck worker never reads its queue)."""
+        after a failure: a stuck worker never reads its queue). External workers, not this process's to kill, get the
+        stop command and a brief wait for their acknowledgement; then the store closes, which ends any still running."""
         if self.failed:
             timeout_s = 0.0
+        if self.external:
+            self._close_external(min(timeout_s, 10.0))
+            return
         for worker, proc in enumerate(self.procs):
             if proc.poll() is None:
                 try:
@@ -340,6 +455,23 @@ class RolloutWorkers:
         self.procs = []
         self.group = None
 
+    def _close_external(self, timeout_s: float) -> None:
+        if self.store is None:
+            return
+        try:
+            for worker in range(self.workers):
+                if self.store.check([f"hello/{worker}"]):
+                    self._send(worker, ("stop",))
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and not all(
+                self.store.check([f"stopped/{i}"]) or not self.store.check([f"hello/{i}"]) for i in range(self.workers)
+            ):
+                time.sleep(POLL_S)
+        finally:
+            # Dropping the store (the gloo group holds it too) stops its server: a worker still running sees it gone.
+            self.group = None
+            self.store = None
+
 
 # ================================================================ the worker process
 
@@ -350,6 +482,27 @@ def _watch_parent(parent: int) -> None:
         if os.getppid() != parent:
             os._exit(3)
         time.sleep(0.5)
+
+
+def _heartbeat(store, worker: int) -> None:
+    """External workers: count up the worker's heartbeat in the store (the trainer watches it); end the worker when
+    the store, hosted by the trainer, is gone."""
+    try:
+        while True:
+            store.add(f"heartbeat/{worker}", 1)
+            time.sleep(HEARTBEAT_S)
+    except BaseException as e:  # noqa: BLE001 - any failure of the store means the trainer is gone
+        print(f"rollout worker {worker}: the trainer's store is gone ({type(e).__name__}); exiting", flush=True)
+        os._exit(3)
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This node's address on the route to `host` (no packet is sent): where the worker's end of the gloo group binds,
+    which the trainer must reach."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
 
 
 def _wait_key(store, key: str) -> bytes:
@@ -421,20 +574,59 @@ def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, 
         )
 
 
-def worker_main(host: str, port: int, worker: int, workers: int) -> None:
+def worker_main(
+    host: str, port: int, worker: int, workers: int | None, *, external: bool = False, connect_timeout_s: float = 60.0
+) -> None:
+    """One rollout worker: connect to the trainer's store at host:port, start the engine of its spec, then follow the
+    worker's ordered commands. `external`: started by the user's launcher (not the trainer), on any node: it sends a
+    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (DIST_ENV) out of vLLM's
+    way. `workers`: None takes the trainer's rollout.workers."""
     import torch.distributed as dist
 
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    store = dist.TCPStore(host, port, is_master=False, timeout=_timedelta(60))
+    if external:
+        for key in DIST_ENV:
+            os.environ.pop(key, None)
+    else:
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=_timedelta(connect_timeout_s))
+    except RuntimeError as e:
+        print(
+            f"rollout worker {worker}: could not connect to the trainer at {host}:{port} within {connect_timeout_s:g} s "
+            f"({str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}); fix: start the trainer "
+            "(rollout.worker_launch=external) and check that this node reaches that address, or raise "
+            "--connect-timeout-s",
+            flush=True,
+        )
+        os._exit(2)
     try:
         spec = pickle.loads(store.get("spec"))
+        if not 0 <= worker < spec["workers"] or workers not in (None, spec["workers"]):
+            print(
+                f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {host}:{port} "
+                f"expects rollout.workers={spec['workers']} (numbers 0..{spec['workers'] - 1}); fix: start that many "
+                "workers, numbered from 0",
+                flush=True,
+            )
+            os._exit(2)
+        workers = spec["workers"]
+        if external:
+            if store.add(f"claim/{worker}", 1) != 1:
+                raise RuntimeError(
+                    f"rollout worker {worker}: another worker connected as number {worker} already; fix: give each "
+                    "worker its own --worker (or SLURM_PROCID / RANK)"
+                )
+            store.set(f"hello/{worker}", pickle.dumps((socket.gethostname(), os.getpid())))
+            threading.Thread(target=_heartbeat, args=(store, worker), daemon=True).start()
+            print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
         from lit_ppo.rollout.engine import VLLMEngine
 
         started = time.perf_counter()
         engine = VLLMEngine(**spec["engine"])
         print(f"rollout worker {worker}: engine started in {time.perf_counter() - started:.1f} s", flush=True)
         store.set(f"ready/{worker}", b"1")
-        group = _gloo_group(store, worker + 1, workers + 1, spec["push_timeout_s"], host)
+        own_host = _address_towards(host, port) if external else host
+        group = _gloo_group(store, worker + 1, workers + 1, spec["push_timeout_s"], own_host)
         receiver = _Receiver(store, group)
         receiver.start()
         version = 0  # the engine starts from model_dir: the initial policy
@@ -461,6 +653,7 @@ def worker_main(host: str, port: int, worker: int, workers: int) -> None:
                 seconds = time.perf_counter() - started
                 store.set(f"result/{worker}/{ticket}", pickle.dumps((generations, version, seconds)))
         engine.close()
+        store.set(f"stopped/{worker}", b"1")
     except BaseException as e:
         traceback.print_exc()
         sys.stdout.flush()
@@ -471,9 +664,45 @@ def worker_main(host: str, port: int, worker: int, workers: int) -> None:
             os._exit(1)
 
 
+def main(argv: list[str]) -> None:
+    """The trainer's spawned form `HOST PORT WORKER WORKERS`, or a launcher's
+    `--connect HOST:PORT [--worker N] [--workers N]` (rollout.worker_launch=external)."""
+    if argv and not argv[0].startswith("-"):
+        host, port, worker, workers = argv
+        worker_main(host, int(port), int(worker), int(workers))
+        return
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lit_ppo.rollout.disaggregated",
+        description="A rollout worker started by a launcher (rollout.worker_launch=external, docs/async.md).",
+    )
+    parser.add_argument(
+        "--connect", required=True, metavar="HOST:PORT", help="the trainer's store (the plan prints it)"
+    )
+    parser.add_argument("--worker", type=int, help="this worker's number, 0..workers-1; default: SLURM_PROCID or RANK")
+    parser.add_argument(
+        "--workers", type=int, help="checked against the trainer's rollout.workers; default: the trainer's"
+    )
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=900.0, help="seconds to retry connecting while the trainer starts"
+    )
+    args = parser.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--connect {args.connect}: expected HOST:PORT, e.g. --connect node0:29600")
+    worker = args.worker
+    if worker is None:
+        index = os.environ.get("SLURM_PROCID") or os.environ.get("RANK")
+        if index is None or not index.isdigit():
+            parser.error("no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)")
+        worker = int(index)
+    worker_main(host, int(port), worker, args.workers, external=True, connect_timeout_s=args.connect_timeout_s)
+
+
 if __name__ == "__main__":
     # Ctrl-C, and the SIGTERM/SIGUSR1 a scheduler sends to every process of a job, are the trainer's to handle: it
     # checkpoints (which needs the workers' batches in flight) and then stops its workers; they end with it anyway.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
-    worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1:])
