@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from common import CACHE, ROOT, SMOKE_MODEL, ModelSize, command_line
-from workload import words
+from workload import prompt_text
 
 from lit_ppo.demo.arithmetic import make_problems, write_jsonl
 
@@ -74,13 +74,10 @@ def prompt_file(n_prompts: int, seed: int = 0) -> Path:
     if not path.exists():
         problems, _ = make_problems(seed=seed, max_operand=49, n_train=n_prompts, n_eval=0)
         rng = random.Random(seed)
-        records = []
-        for problem in problems:
-            tail = f"\nQuestion: {problem['prompt']}"
-            total = rng.randint(*PROMPT_TOKENS)
-            records.append(
-                {"question": "Notes: " + words(rng, total - len(tail) - 7) + tail, "gt_answer": problem["answer"]}
-            )
+        records = [
+            {"question": prompt_text(rng, problem["prompt"], PROMPT_TOKENS), "gt_answer": problem["answer"]}
+            for problem in problems
+        ]
         write_jsonl(records, path)
     return path
 

@@ -29,6 +29,7 @@ from gpu_e2e import model_dir as qwen15b_model_dir
 
 from lit_ppo.config import LoraConfig
 from lit_ppo.precision import resolve_precision
+from lit_ppo.rollout.engine import adapter_host_copies, tensor_bytes
 from lit_ppo.testing import NullEngine
 
 
@@ -47,8 +48,7 @@ class SinkEngine(NullEngine):
             self.destinations[name].copy_(tensor)
 
     def sync_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict, version: int) -> int:
-        copies = {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
-        return sum(t.numel() * t.element_size() for t in copies.values())
+        return tensor_bytes(adapter_host_copies(tensors))  # what VLLMEngine.sync_adapter does before vLLM's load
 
 
 def measure(model_dir, lora_rank: int, syncs: int, device: torch.device, precision: str) -> tuple[float, int, str]:

@@ -51,9 +51,9 @@ def words(rng: random.Random, n_chars: int) -> str:
     return text[:n_chars]
 
 
-def prompt_text(rng: random.Random, question: str) -> str:
-    """`Notes: ...` then the question on its own line, PROMPT_TOKENS characters in all (uniform)."""
-    total = rng.randint(*PROMPT_TOKENS)
+def prompt_text(rng: random.Random, question: str, tokens: tuple[int, int] = PROMPT_TOKENS) -> str:
+    """`Notes: ...` then the question on its own line, `tokens` characters in all (uniform; PROMPT_TOKENS by default)."""
+    total = rng.randint(*tokens)
     head, tail = "Notes: ", f"\nQuestion: {question}"
     return head + words(rng, max(0, total - len(head) - len(tail))) + tail
 

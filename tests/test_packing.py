@@ -225,6 +225,18 @@ def test_equal_count_partition_hand_cases():
         equal_count_partition([1, 2, 3, 4, 5], 2)
 
 
+def four_prompts_of_two_samples():
+    """The ppo settings of the rank-split tests: 4 prompts x 2 samples per rollout step, optimizer steps of 4 samples
+    in micro-batches of 2."""
+    return dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+    )
+
+
 @pytest.mark.parametrize("parts", [2, 3, 4, 8])
 def test_equal_count_partition_bound_on_ragged_groups(parts):
     """Realistic groups' real tokens (4 samples of a 100-300 token prompt and 1-256 token responses; one group in 10
@@ -277,13 +289,7 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
         share = whole.with_samples([whole], [(0, i) for i in rows])
         shares.append(dataclasses.replace(share, generate_seconds=float(rank + 1), reward_metrics={"x": rank}))
     monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=4,
-        n_samples_per_prompt=2,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-    )
+    ppo = four_prompts_of_two_samples()
     plan = plan_of(4, ppo=ppo, dp=2, rollout=dataclasses.replace(compose_run_config().rollout, max_model_len=2048))
     assert plan.rank_balance and plan.samples_per_rank_per_rollout_step == 4
     assert any(line.startswith("rank split") and "by tokens" in line for line in plan.table().splitlines())
@@ -316,13 +322,7 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
 
 
 def test_rank_balance_check_fires():
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=4,
-        n_samples_per_prompt=2,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-    )
+    ppo = four_prompts_of_two_samples()
     plan = plan_of(4, ppo=ppo, dp=2)
     check_rank_balance(plan, 0, [4, 4], [900, 1000], [100, 300, 500, 1000])
     with pytest.raises(StepAccountingError, match="gave \\[6, 2\\] samples.*plan says 4 samples each"):

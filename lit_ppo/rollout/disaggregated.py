@@ -40,7 +40,7 @@ from typing import Iterable
 import torch
 
 from lit_ppo.errors import RolloutWorkerError
-from lit_ppo.rollout.engine import Generation
+from lit_ppo.rollout.engine import Generation, tensor_bytes
 
 POLL_S = 0.01  # how often a wait looks at the store and the workers' liveness
 HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
@@ -389,7 +389,7 @@ class RolloutWorkers:
         push = self._push(tensors.items(), version)
         for worker in range(self.workers):
             self._send(worker, ("apply", push, version, probe, (peft_config, adapter_version)))
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensor_bytes(tensors)
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Broadcast the tensors in buckets to every worker's receiver; returns the push's number."""

@@ -49,6 +49,17 @@ def configure_vllm_environment(kv_cache_gib: float) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def adapter_host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter as vLLM's LoRA loader takes it: host copies. vLLM folds alpha / r into lora_B in place
+    (LoRALayerWeights.optimize): it must get copies, never the trainer's tensors (which it would scale under the
+    optimizer's feet). Copies also free FSDP's gathers."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class VLLMEngine:
     """A vLLM `LLM` colocated with the trainer.
 
@@ -221,9 +232,7 @@ class VLLMEngine:
         The check after it (`list_loras`) fails the run in one line if the engine does not serve this version."""
         if version < 1:
             raise ValueError(f"sync_adapter: adapter versions start at 1 (vLLM's LoRA ids), got {version}")
-        # vLLM folds alpha / r into lora_B in place (LoRALayerWeights.optimize): it must get copies, never the
-        # trainer's tensors (which it would scale under the optimizer's feet). Copies also free FSDP's gathers.
-        copies = {name: tensor.detach().to("cpu", copy=True) for name, tensor in tensors.items()}
+        copies = adapter_host_copies(tensors)
         for stale in self.llm.llm_engine.list_loras():  # the previous version, or another run's same id
             self.llm.llm_engine.remove_lora(stale)
         self.llm.collective_rpc(_load_adapter_from_tensors, args=(version, copies, peft_config))
@@ -240,7 +249,7 @@ class VLLMEngine:
                 "(logs/run.log, or the rollout worker's; vLLM's LoRA manager refused the adapter)"
             )
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
-        return sum(t.numel() * t.element_size() for t in copies.values())
+        return tensor_bytes(copies)
 
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
         """vLLM's log-probability of each response token given the prompt (teacher-forced)."""
