@@ -120,7 +120,10 @@ def main() -> None:
         f"output_dir={run_dir}",
     ]
     if not cuda:  # the experiment is for one GPU; the smoke runs the same composition on the CPU
+        # precision auto is 32-true on a CPU without native bf16, and the HF engine generates in the trainer's precision:
+        # the recipe's rollout.dtype=bfloat16 follows it instead (null), whatever this CPU computes natively.
         overrides += ["strategy.accelerator=cpu", "strategy.precision=auto", "strategy.device_memory_gib=null"]
+        overrides += ["rollout.dtype=null"]
         overrides += ["ppo.micro_train_batch_size=2"]
     command = [sys.executable, str(ROOT / "train.py"), *overrides]
     print(f"command: {command_line()}", flush=True)

@@ -17,14 +17,31 @@ plan table shows what the run does.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# `LIT_PPO_NATIVE_BF16=0` makes a CPU with native bf16 count as one without (and `=1` the reverse), so
+# a machine with AVX512-BF16 can run the suite down the path a machine without it takes (`make
+# test-no-bf16`, .ci/run). Anything else is refused: a typo must not silently pick a path.
+NATIVE_BF16_ENV = "LIT_PPO_NATIVE_BF16"
+
+
 def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """AVX512-BF16 or AMX-BF16 in the CPU's flags (Linux); False where that cannot be read."""
+    """AVX512-BF16 or AMX-BF16 in the CPU's flags (Linux); False where that cannot be read.
+    `LIT_PPO_NATIVE_BF16=0|1` overrides what the flags say."""
+    forced = os.environ.get(NATIVE_BF16_ENV)
+    if forced is not None and forced != "":
+        if forced not in ("0", "1"):
+            from lit_ppo.errors import ConfigError
+
+            raise ConfigError(
+                f"{NATIVE_BF16_ENV}={forced!r} is not 0 or 1; fix: set it to 0 (treat bf16 as emulated), 1, or unset it"
+            )
+        return forced == "1"
     try:
         text = cpuinfo.read_text()
     except OSError:

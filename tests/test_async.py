@@ -21,6 +21,7 @@ from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.rollout.disaggregated import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config
@@ -54,6 +55,7 @@ class Recorder(L.Callback):
     def __init__(self):
         self.versions: list[dict[str, torch.Tensor]] = []
         self.batches = []
+        self.worker_exit_codes: list[int | None] = []  # spawned rollout workers' codes after the run's close
 
     def on_train_start(self, trainer, module):
         self.versions.append(copy.deepcopy(module.actor.state_dict()))
@@ -92,6 +94,8 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
     finally:
         if engine is None and datamodule.engine is not None:
             datamodule.engine.close()
+            if isinstance(datamodule.engine, RolloutWorkers):
+                recorder.worker_exit_codes = datamodule.engine.exit_codes
     return module, datamodule_class.batches, recorder, plan
 
 
@@ -300,6 +304,16 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
     assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
 
 
+def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
+    """After the trainer's stop command a rollout worker (full weights or LoRA) joins its threads (weight receiver,
+    parent watch) and its gloo group before it ends: code 0, not `terminate called without an active exception` and
+    SIGABRT (-6) from a thread left in C++ while the interpreter tears down."""
+    for _, _, recorder, _, out in (one_step_off, one_step_off_lora):
+        log = (out / "logs" / "rollout_worker0.log").read_text()
+        assert recorder.worker_exit_codes == [0], log[-3000:]
+        assert "terminate called" not in log
+
+
 def test_the_workers_log_probs_are_the_trainers_of_that_version(one_step_off, tiny_model_dir):
     """The weights a worker generated with are the trainer's of the version it recorded: vLLM's log-probs of the
     sampled tokens equal the trainer's under those weights (float32), as in synchronous runs."""
@@ -463,6 +477,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
     finally:
         codes = ended(worker, timeout_s=60)
     assert codes == [0], (tmp_path / "worker.log").read_text()[-3000:]
+    assert "terminate called" not in (tmp_path / "worker.log").read_text()
     assert plan.rollout_worker_address == f"127.0.0.1:{port}"
     _, spawned, *_ = one_step_off
     assert [b.rollout_step for b in batches] == [0, 1, 2]

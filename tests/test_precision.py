@@ -18,11 +18,30 @@ AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
 
 
 @pytest.mark.parametrize("cpuinfo, native", [(AVX512_BF16_CPU, True), (AVX2_CPU, False), (None, False)])
-def test_cpu_native_bf16_is_read_from_the_cpu_flags(tmp_path, cpuinfo, native):
+def test_cpu_native_bf16_is_read_from_the_cpu_flags(tmp_path, monkeypatch, cpuinfo, native):
+    monkeypatch.delenv(prec.NATIVE_BF16_ENV, raising=False)
     path = tmp_path / "cpuinfo"
     if cpuinfo is not None:
         path.write_text(cpuinfo)
     assert prec.cpu_has_native_bf16(path) is native
+
+
+@pytest.mark.parametrize("cpuinfo", [AVX512_BF16_CPU, AVX2_CPU])
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_environment_switch_overrides_the_cpu_flags_so_either_path_can_be_tested(
+    tmp_path, monkeypatch, cpuinfo, forced
+):
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    monkeypatch.setenv(prec.NATIVE_BF16_ENV, forced)
+    assert prec.cpu_has_native_bf16(path) is (forced == "1")
+    assert prec.resolve_precision("auto", "cpu") == ("bf16-mixed" if forced == "1" else "32-true")
+
+
+def test_a_misspelt_environment_switch_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(prec.NATIVE_BF16_ENV, "no")
+    with pytest.raises(ConfigError, match=r"LIT_PPO_NATIVE_BF16='no' is not 0 or 1"):
+        prec.cpu_has_native_bf16(tmp_path / "cpuinfo")
 
 
 @pytest.mark.parametrize("native, expected", [(True, "bf16-mixed"), (False, "32-true")])

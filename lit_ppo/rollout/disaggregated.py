@@ -25,6 +25,7 @@ exits when the store (the trainer) is gone; `close` sends them stop and waits br
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import signal
@@ -163,6 +164,7 @@ class RolloutWorkers:
         self.pushes = 0
         self.version: int | None = None  # the last version pushed
         self.procs: list[subprocess.Popen] = []
+        self.exit_codes: list[int | None] = []  # spawned workers' exit codes once close() has stopped them
         self.group = None
         self.failed = False  # a worker failed or did not answer: close() kills instead of waiting for it
         started = time.perf_counter()
@@ -446,12 +448,20 @@ class RolloutWorkers:
                 except Exception:
                     pass
         deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
+        self.exit_codes = []
+        for worker, proc in enumerate(self.procs):
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                self.exit_codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                self.exit_codes.append(None)
+            if not self.failed and self.exit_codes[-1] != 0:  # a clean stop ends every worker with 0
+                logging.getLogger("lit_ppo").warning(
+                    f"trainer: rollout worker {worker} (pid {proc.pid}) "
+                    + ("did not stop" if self.exit_codes[-1] is None else f"exited with code {self.exit_codes[-1]}")
+                    + f" after its stop command; see {self.log_file(worker)}"
+                )
         self.procs = []
         self.group = None
 
@@ -476,22 +486,23 @@ class RolloutWorkers:
 # ================================================================ the worker process
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, stopping: threading.Event) -> None:
     """End this worker when the trainer is gone (SIGKILL leaves no chance to stop it): its parent changes."""
-    while True:
+    while not stopping.wait(0.5):
         if os.getppid() != parent:
             os._exit(3)
-        time.sleep(0.5)
 
 
-def _heartbeat(store, worker: int) -> None:
+def _heartbeat(store, worker: int, stopping: threading.Event) -> None:
     """External workers: count up the worker's heartbeat in the store (the trainer watches it); end the worker when
     the store, hosted by the trainer, is gone."""
     try:
-        while True:
+        while not stopping.is_set():
             store.add(f"heartbeat/{worker}", 1)
-            time.sleep(HEARTBEAT_S)
+            stopping.wait(HEARTBEAT_S)
     except BaseException as e:  # noqa: BLE001 - any failure of the store means the trainer is gone
+        if stopping.is_set():
+            return  # the worker is ending anyway
         print(f"rollout worker {worker}: the trainer's store is gone ({type(e).__name__}); exiting", flush=True)
         os._exit(3)
 
@@ -517,9 +528,9 @@ class _Receiver(threading.Thread):
     """Receives every weight push as soon as the trainer sends it (while the engine generates); `take(push)` hands
     one push's tensors to the main thread when its "apply" command comes up."""
 
-    def __init__(self, store, group):
+    def __init__(self, store, group, stopping: threading.Event):
         super().__init__(daemon=True)
-        self.store, self.group = store, group
+        self.store, self.group, self.stopping = store, group, stopping
         self.received: dict[int, list[tuple[str, torch.Tensor]]] = {}
         self.ready = threading.Condition()
         self.failure: BaseException | None = None
@@ -532,7 +543,8 @@ class _Receiver(threading.Thread):
                 while True:
                     key = f"push/{push}/{bucket}"
                     while not (self.store.check([key]) or self.store.check([f"push/{push}/done"])):
-                        time.sleep(POLL_S)
+                        if self.stopping.wait(POLL_S):
+                            return  # the worker stops: no push is in flight after the trainer's stop command
                     if not self.store.check([key]):
                         break  # the push is complete
                     entries, numel = pickle.loads(self.store.get(key))
@@ -583,11 +595,17 @@ def worker_main(
     way. `workers`: None takes the trainer's rollout.workers."""
     import torch.distributed as dist
 
+    # Every thread this worker starts watches `stopping` and is joined before the worker ends: a thread still inside
+    # the store's or gloo's C++ code while the interpreter tears down aborts the process (`terminate called without an
+    # active exception`, code -6), which its launcher takes for a crash.
+    stopping = threading.Event()
+    threads: list[threading.Thread] = []
     if external:
         for key in DIST_ENV:
             os.environ.pop(key, None)
     else:
-        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+        threads.append(threading.Thread(target=_watch_parent, args=(os.getppid(), stopping), daemon=True))
+        threads[-1].start()
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=_timedelta(connect_timeout_s))
     except RuntimeError as e:
@@ -617,7 +635,8 @@ def worker_main(
                     "worker its own --worker (or SLURM_PROCID / RANK)"
                 )
             store.set(f"hello/{worker}", pickle.dumps((socket.gethostname(), os.getpid())))
-            threading.Thread(target=_heartbeat, args=(store, worker), daemon=True).start()
+            threads.append(threading.Thread(target=_heartbeat, args=(store, worker, stopping), daemon=True))
+            threads[-1].start()
             print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
         from lit_ppo.rollout.engine import VLLMEngine
 
@@ -627,8 +646,9 @@ def worker_main(
         store.set(f"ready/{worker}", b"1")
         own_host = _address_towards(host, port) if external else host
         group = _gloo_group(store, worker + 1, workers + 1, spec["push_timeout_s"], own_host)
-        receiver = _Receiver(store, group)
+        receiver = _Receiver(store, group, stopping)
         receiver.start()
+        threads.append(receiver)
         version = 0  # the engine starts from model_dir: the initial policy
         n = 0
         while True:
@@ -653,6 +673,11 @@ def worker_main(
                 seconds = time.perf_counter() - started
                 store.set(f"result/{worker}/{ticket}", pickle.dumps((generations, version, seconds)))
         engine.close()
+        stopping.set()
+        for thread in threads:
+            thread.join()
+        # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.
+        receiver.group = group = None
         store.set(f"stopped/{worker}", b"1")
     except BaseException as e:
         traceback.print_exc()
