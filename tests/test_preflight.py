@@ -305,3 +305,46 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
 def test_an_environment_with_one_turn_is_refused(tmp_path):
     message = refused(tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.max_turns=1", error=ConfigError)
     assert "rollout.environment is set but rollout.max_turns=1" in message and "fix: set rollout.max_turns" in message
+
+
+# ------------------------------------------------------------------ values read by their field's type (issue 40)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("ppo.packing=maybe", "error: ppo.packing='maybe' is not true or false (also yes/no, on/off), or null"),
+        ("rollout.temperature=hot", "error: rollout.temperature='hot' is not a number in [0.01, 2]"),
+    ],
+)
+def test_a_value_its_field_does_not_accept_exits_2_with_one_line_in_plan_mode(tmp_path, override, expected):
+    """`ppo.packing=maybe` trained with packing on (exit 0); `rollout.temperature=hot` passed mode=plan."""
+    line = one_error_line(train_py(tmp_path, "mode=plan", override, f"output_dir={tmp_path / 'out'}"))
+    assert line.startswith(expected) and "fix: " in line
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_packing_off_plans_off(tmp_path, capsys):
+    """`ppo.packing=off` planned "packing on": the string "off" tested true."""
+    run_module.main(compose_config("mode=plan", "ppo.packing=off", f"output_dir={tmp_path}"))
+    assert json.loads((tmp_path / "plan.json").read_text())["packing"] is False
+    assert any(line.split()[:2] == ["packing", "off"] for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("mode", ["plan", "train"])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.max_response_tokens=8.5", "rollout.max_response_tokens=8.5 is not an integer >= 1"),
+        ("rollout.max_response_tokens=0", "rollout.max_response_tokens=0 is not an integer >= 1"),
+        ("rollout.temperature=0", "rollout.temperature=0 is not a number in [0.01, 2]"),
+        ("reward.on_error=skip", "reward.on_error='skip' is not one of raise, zero; fix: e.g. reward.on_error=raise"),
+        ("reward.overlong_buffer_tokens=8", "reward.overlong_buffer_tokens=8 must lie in (0, 8)"),
+    ],
+)
+def test_refused_in_plan_mode_as_in_a_run_before_any_engine_starts(tmp_path, no_training, mode, override, expected):
+    """8.5 tokens ran and was recorded; temperature 0 and 0 tokens gave vLLM's tracebacks after the engine started;
+    on_error=skip and an overlong buffer over the budget passed mode=plan and were refused by the run's scorer."""
+    message = refused(tmp_path, f"mode={mode}", override, error=ConfigError)
+    assert message.startswith(expected) and "fix: " in message
+    assert no_training == []
