@@ -543,7 +543,9 @@ class LoraConfig:
     alpha: float = 16.0
     """The LoRA scaling numerator: the update is (alpha / rank) B A."""
     target_modules: str | list[str] = "all-linear"
-    """Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the LM head."""
+    """Linear module names to adapt (e.g. [q_proj, v_proj]; each matches the modules whose name ends with it, as peft
+    matches them), or all-linear: every linear layer but the LM head. The pre-flight matches them against the model's
+    modules, built from its config.json on the meta device (`preflight.lora_targets`), before any model loads."""
     dropout: float = 0.0
     """Must be 0: the PPO ratio and the comparison with vLLM's log-probs assume a deterministic policy."""
     init: str = "default"
@@ -604,6 +606,12 @@ def validate_lora(lora: LoraConfig) -> None:
         )
     if not lora.target_modules:
         raise ConfigError("model.lora.target_modules is empty; fix: e.g. model.lora.target_modules=all-linear")
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        raise ConfigError(
+            f"model.lora.target_modules={lora.target_modules!r} is a string, which peft reads as a regular expression "
+            "over whole module names (model.layers.0.self_attn.q_proj), not as a module name; fix: a list, "
+            f"model.lora.target_modules=[{lora.target_modules}], or all-linear"
+        )
 
 
 @dataclass(frozen=True)

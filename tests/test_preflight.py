@@ -348,3 +348,50 @@ def test_refused_in_plan_mode_as_in_a_run_before_any_engine_starts(tmp_path, no_
     message = refused(tmp_path, f"mode={mode}", override, error=ConfigError)
     assert message.startswith(expected) and "fix: " in message
     assert no_training == []
+
+
+# ------------------------------------------------------------------ LoRA targets against the model's modules
+
+TINY_LINEAR = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+
+
+def test_a_lora_target_that_names_no_module_is_refused_with_the_modules_that_exist(tmp_path):
+    """`[q_proj,v_prj]` trained q_proj alone (adapter_config.json still listing v_prj) and mode=plan passed it."""
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "model.lora.rank=8",
+            "model.lora.target_modules=[q_proj,v_prj]",
+            f"output_dir={tmp_path / 'out'}",
+        )
+    )
+    assert line.startswith(
+        "error: model.lora.target_modules=[q_proj,v_prj]: v_prj matches no linear module of the tiny model "
+        f"(model.tiny), whose linear modules are {TINY_LINEAR}; fix: correct v_prj (did you mean v_proj?)"
+    )
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_a_run_matches_the_lora_targets_on_its_model_before_it_loads(tmp_path, tiny_model_dir, no_training):
+    """`[q_prj]` gave peft's NoMatchingPeftModuleError after the model load."""
+    lora = ["model.lora.rank=8", f"model.path={tiny_model_dir}", "model.warm_start.enabled=false"]
+    for mode in ("plan", "train"):
+        message = refused(tmp_path, f"mode={mode}", *lora, "model.lora.target_modules=[q_prj]", error=ConfigError)
+        assert message.startswith(
+            f"model.lora.target_modules=[q_prj]: q_prj matches no linear module of model.path={tiny_model_dir} "
+            f"({tiny_model_dir}/config.json), whose linear modules are {TINY_LINEAR}"
+        )
+    # a string is a regular expression to peft: refused, whatever the model
+    message = refused(tmp_path, "mode=plan", *lora, "model.lora.target_modules=q_proj", error=ConfigError)
+    assert message.startswith("model.lora.target_modules='q_proj' is a string, which peft reads as a regular")
+    assert "fix: a list, model.lora.target_modules=[q_proj], or all-linear" in message
+    assert no_training == []
+    # whole names and all-linear are matched
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}", "mode=train", *lora, "model.lora.target_modules=[self_attn.q_proj,v_proj]"
+        )
+    )
+    run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", "mode=train", *lora))
+    assert len(no_training) == 2
