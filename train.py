@@ -39,10 +39,13 @@ def main(cfg: DictConfig) -> None:
     if cfg.rollout.get("mode") == "disaggregated" and spawned and workers.isdigit():
         local_processes += int(workers)
     threads = use_cpu_threads(local_processes)
+    from lit_ppo.config_fields import as_boolean
     from lit_ppo.run.entry import main as run
     from lit_ppo.run.entry import output_dir_of
 
-    setup_logging(output_dir_of(cfg), verbose=bool(cfg.get("verbose", False)), rank=launcher_rank())
+    # verbose=off is false (a word that is not a boolean is refused by the typed config, in one line, below)
+    verbose = as_boolean(cfg.get("verbose", False)) or False
+    setup_logging(output_dir_of(cfg), verbose=verbose, rank=launcher_rank())
     logging.getLogger("lit_ppo").info(
         "CPU threads: %d per process (%d cores allowed, %d process(es) on this node, OMP_WAIT_POLICY=%s)",
         threads,

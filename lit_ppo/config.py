@@ -1,8 +1,9 @@
 """The typed settings of a run: one frozen dataclass per config section, and `RunConfig`, which holds them all.
 
 `RunConfig.from_hydra` is the only road from Hydra into the code: it parses every section of the composed config,
-refuses unknown keys in one line (`parse_section`), and each dataclass validates itself in `__post_init__`, so a
-`RunConfig` that exists is a valid one. Below the entry point nothing reads a `DictConfig`; the `_target_` nodes that
+refuses unknown keys in one line (`parse_section`), reads every value as its field's type and checks it against the
+range beside the field (`lit_ppo/config_fields.py`: `ppo.packing=off` is false, `rollout.max_response_tokens=8.5` is
+refused), and each dataclass validates itself in `__post_init__`, so a `RunConfig` that exists is a valid one. Below the entry point nothing reads a `DictConfig`; the `_target_` nodes that
 Hydra instantiates (`reward.fn`, `strategy.lightning`, `logger.extra`, `rollout.environment`) travel as plain dicts.
 The dataclasses' defaults equal the default YAML files in conf/ (tests/test_config.py checks it). `compute_plan`
 (lit_ppo/plan.py) turns a `RunConfig` into the step plan; this module imports nothing of the plan.
@@ -17,7 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from lit_ppo.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -29,10 +30,15 @@ from lit_ppo.algorithms import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
 )
+from lit_ppo.config_fields import above, at_least, read_field, within
 from lit_ppo.errors import ConfigError
 from lit_ppo.memory import ModelShape
 
 OLD_LOGPROBS = ("auto", "recompute", "rollout")  # ppo.old_logprobs
+SAMPLING_TEMPERATURES = (
+    "vLLM samples at most at 2, and below 0.01, greedy 0 included, at another temperature than the trainer divides "
+    "the logits by"
+)
 MISSING = "???"  # Hydra's mark of a value the user must set
 
 
@@ -88,7 +94,7 @@ class DynamicSamplingConfig:
     """Generation rounds per rollout step at most (the first one included)."""
     prompts_per_round: int | None = None
     """Prompts each round draws from the data (global); null: rollout_batch_size."""
-    on_shortfall: str = "fill"
+    on_shortfall: Literal["fill", "stop"] = "fill"
     """After max_generation_rounds with fewer informative groups: fill (complete the batch with dropped groups, in
     the order drawn, so the optimizer steps stay as planned) or stop (save a checkpoint and end with a message)."""
 
@@ -126,9 +132,9 @@ class PPOConfig:
     sampler, which the clip bounds; rollout_correction must be none)."""
     advantage_estimator: str = "gae"
     """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo."""
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata=within(0, 1))
     """Discount per token."""
-    lam: float = 0.95
+    lam: float = field(default=0.95, metadata=within(0, 1))
     """GAE lambda."""
     normalize_advantages: bool = True
     """Whiten GAE advantages over the whole rollout batch (global statistics)."""
@@ -140,9 +146,9 @@ class PPOConfig:
     """Dual-clip constant c > 1 bounding the loss of negative advantages; null disables."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the actor loss."""
-    value_clip: float | None = 0.2
+    value_clip: float | None = field(default=0.2, metadata=above(0))
     """Clip range of the new value around the old one; null disables."""
-    value_loss_coef: float = 0.5
+    value_loss_coef: float = field(default=0.5, metadata=at_least(0))
     """Weight of the value loss (the critic has its own optimizer, so this scales its LR)."""
     kl_coef: float = 0.01
     """KL coefficient; 0 removes the reference model."""
@@ -150,9 +156,9 @@ class PPOConfig:
     """k1, k2 or k3."""
     kl_mode: str = "reward"
     """reward: subtract kl_coef * KL from each token's reward; loss: add kl_coef * KL to the actor loss."""
-    adaptive_kl_target: float | None = None
+    adaptive_kl_target: float | None = field(default=None, metadata=above(0))
     """Target KL per sequence for the adaptive controller; null keeps kl_coef fixed."""
-    adaptive_kl_horizon: int = 10000
+    adaptive_kl_horizon: int = field(default=10000, metadata=at_least(1))
     """Horizon (samples) of the adaptive KL controller."""
     loss_agg_mode: str = "token-mean"
     """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
@@ -164,9 +170,9 @@ class PPOConfig:
     """Share of the total optimizer steps spent warming up the LR linearly."""
     lr_schedule: str = "constant"
     """constant or cosine (after warm-up), stepped once per optimizer step."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=at_least(0))
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata=above(0))
     """Gradient clipping by total norm, per optimizer step."""
     shuffle_seed: int = 0
     """Seed of the mini-batch order (reshuffled every PPO epoch)."""
@@ -194,28 +200,28 @@ class RolloutConfig:
     itself generates through Hugging Face generate (lit_ppo/rollout/hf_engine.py: no vLLM, no copy, no sync; not with FSDP)."""
     hf_max_batch_sequences: int | None = None
     """With engine=hf: sequences per generate call at most (a batch's KV cache and logits); null: a call's all."""
-    max_response_tokens: int = 8
+    max_response_tokens: int = field(default=8, metadata=at_least(1, "vLLM generates at least one token"))
     """Tokens generated per response at most."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata=within(0.01, 2, why=SAMPLING_TEMPERATURES))
     """vLLM's sampling temperature; the trainer's log-probs (old, reference, new, entropy) use logits / temperature."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=within(0, 1, low_open=True))
     """< 1: the trainer's log-probs are of the untruncated distribution (the plan warns)."""
-    max_logprob_abs_diff: float | None = 0.5
+    max_logprob_abs_diff: float | None = field(default=0.5, metadata=above(0))
     """Stop the run when the mean |trainer old log-prob - vLLM log-prob| over a rollout step's response tokens
     exceeds this (nats per token): vLLM is not sampling from the actor (a weight sync that failed). Measured
     on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
     dtype: str | None = None
     """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
-    gpu_memory_utilization: float = 0.3
-    kv_cache_gib: float = 1
-    max_model_len: int = 128
-    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = field(default=0.3, metadata=within(0, 1, low_open=True))
+    kv_cache_gib: float = field(default=1, metadata=above(0))
+    max_model_len: int = field(default=128, metadata=at_least(2))
+    tensor_parallel_size: int = field(default=1, metadata=at_least(1))
     enforce_eager: bool = True
     sleep_between_steps: bool = True
     """Free vLLM's memory while training (GPU only)."""
-    eval_samples_per_prompt: int = 4
+    eval_samples_per_prompt: int = field(default=4, metadata=at_least(1))
     """k of pass@k in evaluation."""
-    eval_temperature: float = 1.0
+    eval_temperature: float = field(default=1.0, metadata=within(0.01, 2, why=SAMPLING_TEMPERATURES))
     """Temperature of the pass@k samples (greedy accuracy always uses temperature 0)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a response (kept as its last token, like EOS)."""
@@ -307,8 +313,10 @@ class RolloutConfig:
 
 
 def parse_section(cls: type, values: Mapping[str, Any], section: str):
-    """Build a config dataclass from a section's values, refusing unknown keys and unset (`???`) values with a
-    one-line message; nested sections (`ppo.rollout_correction`, `model.tiny`, ...) are dataclasses too."""
+    """Build a config dataclass from a section's values, refusing unknown keys, unset (`???`) values and values that
+    their field's type or range does not accept (`config_fields.read_field`: `ppo.packing=maybe`,
+    `rollout.max_response_tokens=8.5`) with a one-line message; nested sections (`ppo.rollout_correction`,
+    `model.tiny`, ...) are dataclasses too."""
     prefix = f"{section}." if section else ""
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
@@ -325,6 +333,7 @@ def parse_section(cls: type, values: Mapping[str, Any], section: str):
             + f" (the keys of {section or 'the root'}: {', '.join(names)})"
         )
     types = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     values = dict(values)
     for name, value in values.items():
         missing = _first_missing(value, f"{prefix}{name}")
@@ -335,6 +344,8 @@ def parse_section(cls: type, values: Mapping[str, Any], section: str):
         nested = _dataclass_of(types[name])
         if nested is not None and isinstance(value, Mapping):
             values[name] = parse_section(nested, value, f"{prefix}{name}")
+        else:  # by the field's type and range, so that `__post_init__` sees values of their types
+            values[name] = read_field(f"{prefix}{name}", value, types[name], fields[name])
     return cls(**values)
 
 
@@ -466,13 +477,13 @@ class TrainerConfig:
     """Run length in rollout steps ..."""
     data_epochs: float | None = None
     """... or in passes over the prompts."""
-    eval_every: int = 10
+    eval_every: int = field(default=10, metadata=at_least(0))
     """Rollout steps between evaluations (also at the start and the end); 0: none during the run."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = field(default=10, metadata=at_least(0))
     """Rollout steps between checkpoints (also at the end); 0: only at the end."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = field(default=2, metadata=at_least(1))
     """The last K checkpoints are kept."""
-    max_consecutive_skipped_updates: int = 3
+    max_consecutive_skipped_updates: int = field(default=3, metadata=at_least(1))
     """Non-finite loss or gradient: the update is skipped; the run stops after this many in a row."""
     collective_timeout_s: float = 1800.0
     """Seconds a rank waits for the others in one collective (an all-reduce, the weight sync's gathers, a checkpoint's
@@ -491,12 +502,12 @@ class TrainerConfig:
 class TinyModelConfig:
     """`model.tiny`: the shape of the locally built Qwen2-architecture model (lit_ppo/demo/tiny.py)."""
 
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    max_position_embeddings: int = 128
+    hidden_size: int = field(default=128, metadata=at_least(1))
+    num_layers: int = field(default=4, metadata=at_least(1))
+    num_heads: int = field(default=4, metadata=at_least(1))
+    num_kv_heads: int = field(default=2, metadata=at_least(1))
+    intermediate_size: int = field(default=384, metadata=at_least(1))
+    max_position_embeddings: int = field(default=128, metadata=at_least(2))
 
 
 @dataclass(frozen=True)
@@ -504,16 +515,16 @@ class WarmStartConfig:
     """`model.warm_start`: supervised training of the tiny model on demonstrations before RL (lit_ppo/demo/warmstart.py)."""
 
     enabled: bool = True
-    steps: int = 1500
+    steps: int = field(default=1500, metadata=at_least(0))
     """Optimizer steps of supervised training."""
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata=at_least(1))
     """Demonstrations per step."""
-    lr: float = 1.0e-3
-    teacher_accuracy: float = 0.35
+    lr: float = field(default=1.0e-3, metadata=above(0))
+    teacher_accuracy: float = field(default=0.35, metadata=within(0, 1))
     """Share of demonstrations with the right answer; the rest are one too high."""
-    tool_call_rate: float | None = None
+    tool_call_rate: float | None = field(default=None, metadata=within(0, 1))
     """With an environment: the teacher calls the tool this often and guesses otherwise; null: no tool calls."""
-    tool_use_practice: float = 0.0
+    tool_use_practice: float = field(default=0.0, metadata=at_least(0))
     """With tool_call_rate: further demonstrations of using a call once made."""
 
 
@@ -532,7 +543,9 @@ class LoraConfig:
     alpha: float = 16.0
     """The LoRA scaling numerator: the update is (alpha / rank) B A."""
     target_modules: str | list[str] = "all-linear"
-    """Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the LM head."""
+    """Linear module names to adapt (e.g. [q_proj, v_proj]; each matches the modules whose name ends with it, as peft
+    matches them), or all-linear: every linear layer but the LM head. The pre-flight matches them against the model's
+    modules, built from its config.json on the meta device (`preflight.lora_targets`), before any model loads."""
     dropout: float = 0.0
     """Must be 0: the PPO ratio and the comparison with vLLM's log-probs assume a deterministic policy."""
     init: str = "default"
@@ -593,6 +606,12 @@ def validate_lora(lora: LoraConfig) -> None:
         )
     if not lora.target_modules:
         raise ConfigError("model.lora.target_modules is empty; fix: e.g. model.lora.target_modules=all-linear")
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        raise ConfigError(
+            f"model.lora.target_modules={lora.target_modules!r} is a string, which peft reads as a regular expression "
+            "over whole module names (model.layers.0.self_attn.q_proj), not as a module name; fix: a list, "
+            f"model.lora.target_modules=[{lora.target_modules}], or all-linear"
+        )
 
 
 @dataclass(frozen=True)
@@ -646,11 +665,11 @@ class DataConfig:
     extra_keys: list[str] = field(default_factory=list)
     chat_template: bool = False
     system_prompt: str | None = None
-    max_prompt_length: int = 32
+    max_prompt_length: int = field(default=32, metadata=at_least(1))
     """Tokens (after the chat template); longer prompts follow bad_records."""
     bad_records: str = "error"
     """error: stop at the first bad record (file and line); skip: drop and count them."""
-    expected_prompts: int | None = None
+    expected_prompts: int | None = field(default=None, metadata=at_least(1))
     """mode=plan on a machine without data.path: the number of training prompts."""
 
     def __post_init__(self) -> None:
@@ -664,6 +683,21 @@ class DataConfig:
             raise ConfigError(f"data.bad_records={self.bad_records!r}; fix: use 'error' or 'skip'")
 
 
+OnError = Literal["raise", "zero"]  # reward.on_error
+ON_ERROR = typing.get_args(OnError)
+
+
+def check_overlong_buffer(buffer_tokens: int, response_budget_tokens: int) -> None:
+    """DAPO's soft overlong shaping (`reward.overlong_buffer_tokens`) ends at the response budget, so it must lie
+    within it."""
+    if buffer_tokens and not 0 < buffer_tokens < response_budget_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer_tokens={buffer_tokens} must lie in (0, {response_budget_tokens}) "
+            "(the response budget: rollout.max_response_tokens, or rollout.max_episode_tokens with an environment); "
+            "fix: e.g. a quarter of the budget, or 0 to turn the shaping off"
+        )
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """The `reward` group: the reward function and how it is called (lit_ppo/rewards.py, docs/rewards.md)."""
@@ -672,15 +706,15 @@ class RewardConfig:
     """The function or callable class by dotted path (`_target_`), built by Hydra."""
     signature: str = "auto"
     """auto | lit_ppo | trl | verl | openrlhf: how to call fn (auto: from its parameter names)."""
-    on_error: str = "raise"
+    on_error: OnError = "raise"
     """raise: stop naming the sample; zero: score 0 and count it."""
-    workers: int = 0
+    workers: int = field(default=0, metadata=at_least(0))
     """0: score in this process; N: in N worker processes, one sample at a time each."""
-    timeout_s: float | None = 60
+    timeout_s: float | None = field(default=60, metadata=above(0))
     """With workers > 0: seconds per sample before its worker is killed (then on_error)."""
     overlong_penalty: float = 0.0
     """Subtracted from responses that hit the response budget."""
-    overlong_buffer_tokens: int = 0
+    overlong_buffer_tokens: int = field(default=0, metadata=at_least(0))
     """DAPO soft overlong shaping: 0 off; else a linear penalty over the last N tokens before the response budget."""
     overlong_penalty_factor: float = 1.0
     """... reaching -factor at the response budget."""
@@ -694,11 +728,11 @@ class StrategyConfig:
 
     name: str = "single"
     accelerator: str = "auto"
-    devices: int = 1
-    num_nodes: int = 1
+    devices: int = field(default=1, metadata=at_least(1))
+    num_nodes: int = field(default=1, metadata=at_least(1))
     precision: str = "auto"
     """bf16-mixed where the device computes bf16 natively, else 32-true (lit_ppo/precision.py)."""
-    device_memory_gib: float | None = None
+    device_memory_gib: float | None = field(default=None, metadata=above(0))
     """Memory of one device for the plan's warning; null: detected where a GPU is present."""
     lightning: dict | None = None
     """The Lightning strategy (`_target_` and its arguments), built by Hydra; null: Lightning's choice."""
@@ -746,6 +780,7 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
         validate_rollout_engine(self.rollout, self.strategy)
+        check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
         # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction

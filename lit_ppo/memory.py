@@ -154,7 +154,17 @@ class MemoryInputs:
     hf_batch_sequences: int | None = None  # rollout.hf_max_batch_sequences: sequences per HF generate call
     lora_rank: int = 0  # model.lora.rank; 0: full-parameter training
     lora_target_modules: str | tuple[str, ...] = "all-linear"
+    # The actor's adapter as the pre-flight counted it on the model (StepPlan.lora_adapter_parameters); None: from the
+    # shape, by the names of a Qwen2/Llama layer's seven linear modules (`ModelShape.lora_parameters`).
+    lora_adapter_parameters: int | None = None
     vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.vllm_max_lora_rank)
+
+    def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
+        """One model's LoRA adapter parameters at `rank` (default: lora_rank); they grow with the rank."""
+        rank = rank or self.lora_rank
+        if self.lora_adapter_parameters is not None:
+            return self.lora_adapter_parameters * rank // self.lora_rank
+        return shape.lora_parameters(rank, self.lora_target_modules)
 
 
 @dataclass
@@ -218,7 +228,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     if lora:
         size = {**size, "grad": 4, "adam_state": 4}  # the adapters train in float32 whatever the base's dtype
         bodies = 2 if run.critic else 1
-        adapter = shape.lora_parameters(run.lora_rank, run.lora_target_modules)
+        adapter = run.adapter_parameters(shape)
         trained = adapter * bodies + (shape.hidden_size + 1 if run.critic else 0)  # + the critic's value head
         base_bytes = size["compute"] if run.precision == "bf16-mixed" else size["weight"]
         frozen = params * bodies * base_bytes // shard
@@ -236,7 +246,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             (
                 "trained weights (LoRA)",
                 adapter_bytes,
-                f"rank {run.lora_rank} adapters{' + value head' if run.critic else ''}: {trained / 1e6:,.1f} M "
+                f"rank {run.lora_rank} adapters{' + value head' if run.critic else ''}: {trained:,} "
                 f"params x 4 B ({trained / (params * bodies):.2%} of the frozen){how_shard}",
             )
         )
@@ -260,7 +270,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         shard > 1
     ):  # gathered in the compute dtype (FSDP2's MixedPrecisionPolicy under bf16-mixed), gradients reduced in float32
         # With LoRA a unit holds its frozen base and its adapter, and only the adapter's gradients exist.
-        layer_adapter = shape.lora_parameters(run.lora_rank, run.lora_target_modules) // shape.num_layers if lora else 0
+        layer_adapter = run.adapter_parameters(shape) // shape.num_layers if lora else 0
         unit = shape.embedding_parameters() + shape.layer_parameters() + layer_adapter
         gathered = unit * size["compute"] + (layer_adapter if lora else unit) * size["grad"]
         rows.append(
@@ -353,7 +363,7 @@ def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) ->
         )
     )
     if run.lora_rank > 0:  # one adapter in vLLM's slot of max_lora_rank, in the rollout dtype
-        slot = shape.lora_parameters(run.vllm_max_lora_rank or run.lora_rank, run.lora_target_modules) * kv_bytes
+        slot = run.adapter_parameters(shape, run.vllm_max_lora_rank) * kv_bytes
         rows.append(("vLLM LoRA adapter", slot, f"one adapter in a max_lora_rank {run.vllm_max_lora_rank} slot"))
         vllm_weights += slot
     # vLLM runs at most VLLM_MAX_NUM_SEQS sequences at once and queues the rest: a smaller KV cache is slower, not fatal.

@@ -52,6 +52,23 @@ class PromptStats:
 
 
 @dataclass(frozen=True)
+class LoraTargets:
+    """The linear modules that `model.lora.target_modules` adapts in the model and the adapter's size, matched by the
+    pre-flight on the model's architecture built from its config.json on the meta device (`preflight.lora_targets`);
+    None where config.json is not on this machine (`mode=plan`)."""
+
+    modules: tuple[str, ...]
+    """Whole module names, in the model's order: model.layers.0.self_attn.q_proj, ..."""
+    adapter_parameters: int
+    """One model's (the actor's) adapter: rank x (in + out features) summed over `modules`."""
+
+    @property
+    def names(self) -> list[str]:
+        """The adapted modules' own names (the last part), each once, in the model's order: q_proj, v_proj."""
+        return list(dict.fromkeys(module.rsplit(".", 1)[-1] for module in self.modules))
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What the run will do, in numbers. Every loop and scheduler reads this."""
 
@@ -124,6 +141,11 @@ class StepPlan:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_target_modules: str | list[str] = ""
+    # Matched on the model by the pre-flight (LoraTargets): the adapted linear modules' own names, how many modules
+    # that is in the whole model, and the actor's adapter parameters; [] / 0 / None where config.json was not read.
+    lora_adapted_names: list[str] = field(default_factory=list)
+    lora_adapted_modules: int = 0
+    lora_adapter_parameters: int | None = None
     vllm_max_lora_rank: int = 0
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
@@ -315,6 +337,22 @@ class StepPlan:
                 if self.lora_rank
                 else []
             ),
+            *(
+                [
+                    (
+                        "LoRA adapted modules",
+                        self.lora_adapted_modules,
+                        f"linear modules {', '.join(self.lora_adapted_names)}, matched on the model's architecture",
+                    ),
+                    (
+                        "LoRA adapter parameters",
+                        f"{self.lora_adapter_parameters / 1e6:.3f} M",
+                        f"per model: rank x (in + out features) of each adapted module ({self.lora_adapter_parameters:,})",
+                    ),
+                ]
+                if self.lora_rank and self.lora_adapter_parameters is not None
+                else []
+            ),
             (
                 "reference model",
                 "yes" if self.reference_enabled else "no",
@@ -379,10 +417,16 @@ class StepPlan:
         return "\n".join(lines)
 
 
-def compute_plan(config: RunConfig, dataset_prompts: int, prompt_stats: PromptStats | None = None) -> StepPlan:
+def compute_plan(
+    config: RunConfig,
+    dataset_prompts: int,
+    prompt_stats: PromptStats | None = None,
+    lora_targets: LoraTargets | None = None,
+) -> StepPlan:
     """Derive every count of the run from its typed settings and the number of training prompts, or raise
     ConfigError naming the inconsistent keys. `prompt_stats`, the training prompts' lengths, give the expected tokens
-    per micro-batch (`expected_micro_batch_tokens`); without them the plan says they are unknown.
+    per micro-batch (`expected_micro_batch_tokens`); without them the plan says they are unknown. `lora_targets`, the
+    modules model.lora adapts as the pre-flight matched them on the model, give the adapter's size.
 
     The precision and vLLM's dtype are resolved here (`lit_ppo.precision`). With an environment a sample is an episode
     of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
@@ -575,6 +619,9 @@ def compute_plan(config: RunConfig, dataset_prompts: int, prompt_stats: PromptSt
         lora_rank=lora.rank,
         lora_alpha=lora.alpha if lora.enabled else 0.0,
         lora_target_modules=lora.target_modules if lora.enabled else "",
+        lora_adapted_names=lora_targets.names if lora.enabled and lora_targets else [],
+        lora_adapted_modules=len(lora_targets.modules) if lora.enabled and lora_targets else 0,
+        lora_adapter_parameters=lora_targets.adapter_parameters if lora.enabled and lora_targets else None,
         vllm_max_lora_rank=lora.vllm_max_lora_rank if lora.enabled else 0,
         notes=notes,
         warnings=warnings,

@@ -22,7 +22,7 @@ def no_training(monkeypatch):
 
     calls = []
     fake = types.ModuleType("lit_ppo.run.train")
-    fake.train = lambda cfg, output_dir: calls.append(output_dir) or {"fake": True}
+    fake.train = lambda cfg, output_dir, **kwargs: calls.append(output_dir) or {"fake": True}
     monkeypatch.setitem(sys.modules, "lit_ppo.run.train", fake)
     return calls
 

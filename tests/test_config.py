@@ -51,3 +51,84 @@ def test_configs_and_plan_are_frozen():
         assert cls.__dataclass_params__.frozen, cls
     with pytest.raises(dataclasses.FrozenInstanceError):
         PPOConfig().ppo_epochs = 2
+
+
+# ---------------------------------------------------------------- values read by their field's type (issue 40)
+
+
+def test_the_yaml_spellings_of_a_boolean_are_read_as_booleans():
+    """Hydra passes only true/false as booleans: `off` and `no` arrived as strings, which tested true."""
+    from tests.helpers import compose_run_config
+
+    config = compose_run_config(
+        "ppo.packing=off", "data.chat_template=no", "ppo.normalize_advantages=No", "model.warm_start.enabled=OFF"
+    )
+    assert config.ppo.packing is False and config.data.chat_template is False
+    assert config.ppo.normalize_advantages is False and config.model.warm_start.enabled is False
+    config = compose_run_config("ppo.packing=on", "data.chat_template=yes", "model.warm_start.enabled=true")
+    assert config.ppo.packing is True and config.data.chat_template is True and config.model.warm_start.enabled
+    assert compose_run_config("ppo.packing=null").ppo.packing is None
+
+
+def test_numbers_from_strings_are_read_as_their_type():
+    from tests.helpers import compose_run_config
+
+    config = compose_run_config("rollout.max_response_tokens='8'", "ppo.actor_lr='1e-6'", "strategy.precision=32")
+    assert config.rollout.max_response_tokens == 8 and isinstance(config.rollout.max_response_tokens, int)
+    assert config.ppo.actor_lr == 1e-6 and config.strategy.precision == "32"
+
+
+@pytest.mark.parametrize(
+    "override, accepts",
+    [
+        ("ppo.packing=maybe", "is not true or false (also yes/no, on/off), or null"),
+        ("ppo.packing=1", "is not true or false (also yes/no, on/off), or null"),
+        ("data.chat_template=nope", "is not true or false (also yes/no, on/off)"),
+        ("rollout.max_response_tokens=8.5", "is not an integer >= 1"),
+        ("rollout.max_response_tokens=0", "is not an integer >= 1"),
+        ("rollout.temperature=hot", "is not a number in [0.01, 2]"),
+        ("rollout.temperature=0", "is not a number in [0.01, 2]"),
+        ("rollout.temperature=2.5", "is not a number in [0.01, 2]"),
+        ("rollout.top_p=0", "is not a number in (0, 1]"),
+        ("reward.on_error=skip", "is not one of raise, zero"),
+        ("reward.workers=-1", "is not an integer >= 0"),
+        ("rollout.stop_token_ids=[1,x]", "is not a list of integers"),
+        ("model.lora=5", "is not a mapping of its keys (rank, alpha"),
+    ],
+)
+def test_a_value_its_field_does_not_accept_is_refused_in_one_line(override, accepts):
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import compose_run_config
+
+    with pytest.raises(ConfigError) as error:
+        compose_run_config(override)
+    message, key = str(error.value), override.split("=")[0]
+    assert message.startswith(f"{key}=") and accepts in message and "fix: " in message and "\n" not in message
+
+
+def test_coerce_reads_each_type_and_refuses_the_rest():
+    from typing import Literal
+
+    from lit_ppo.config_fields import NotAccepted, coerce
+
+    assert [coerce(w, bool) for w in ("yes", "No", "ON", "off", "true", "False", True)] == [
+        True, False, True, False, True, False, True,
+    ]  # fmt: skip
+    assert coerce("8", int) == 8 and coerce(1e3, int) == 1000 and coerce("2", float) == 2.0
+    assert coerce(None, int | None) is None and coerce("q_proj", str | list[str]) == "q_proj"
+    assert coerce(["q_proj"], str | list[str]) == ["q_proj"] and coerce("zero", Literal["raise", "zero"]) == "zero"
+    for value, hint in [
+        ("maybe", bool), (1, bool), (8.5, int), (True, int), ("hot", float), (float("nan"), float), (["a"], str),
+        (True, str), ("skip", Literal["raise", "zero"]), ("x", list[str]), (None, int),
+    ]:  # fmt: skip
+        with pytest.raises(NotAccepted):
+            coerce(value, hint)
+
+
+def test_ranges_are_written_beside_their_fields():
+    from lit_ppo.config_fields import Range
+
+    ranges = {f.name: f.metadata.get("range") for f in dataclasses.fields(RolloutConfig)}
+    assert ranges["temperature"] == Range(0.01, 2, why=ranges["temperature"].why) and 1.0 in ranges["temperature"]
+    assert 0 not in ranges["max_response_tokens"] and 1 in ranges["max_response_tokens"]
+    assert str(ranges["top_p"]) == "in (0, 1]" and str(ranges["max_response_tokens"]) == ">= 1"

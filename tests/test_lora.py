@@ -20,6 +20,7 @@ from tests.helpers import compose_run_config, plan_of
         ("model.lora.rank=1024", "model.lora.rank"),
         ("model.lora.dropout=0.05", "model.lora.dropout"),
         ("model.lora.init=pissa", "model.lora.init"),
+        ("model.lora.target_modules=q_proj", "model.lora.target_modules"),  # peft reads a string as a regex
     ],
 )
 def test_adapters_vllm_cannot_serve_are_refused_in_one_line_naming_the_key(override, key):
@@ -58,6 +59,44 @@ def test_the_plan_states_the_adapter_and_the_reference_without_a_copy():
     assert "only the adapter synced after each rollout step" in table
     full = plan_of(2000).table()
     assert "LoRA" not in full and "adapter" not in full
+
+
+@pytest.mark.parametrize(
+    "targets, names, per_layer",
+    [
+        # the tiny model: hidden 128, q 4 x 32 = 128, k/v 2 x 32 = 64, intermediate 384; rank x (in + out) per module
+        (
+            "all-linear",
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+            256 + 192 + 192 + 256 + 3 * 512,
+        ),
+        ("[q_proj,v_proj]", "q_proj, v_proj", 256 + 192),
+    ],
+)
+def test_the_plan_states_the_modules_adapted_and_the_adapter_counted_on_the_model(
+    tmp_path, capsys, targets, names, per_layer
+):
+    """The pre-flight matches model.lora.target_modules on the model built on the meta device; the plan states what
+    it matched and the memory estimate counts that adapter (it estimated 0.0 M for a name no module has)."""
+    import json
+
+    from lit_ppo.run import entry as run_module
+    from tests.helpers import compose_config
+
+    run_module.main(
+        compose_config(
+            "mode=plan", "model.lora.rank=8", f"model.lora.target_modules={targets}", f"output_dir={tmp_path}"
+        )
+    )
+    printed = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    adapter = 8 * 4 * per_layer  # rank 8, 4 layers
+    modules = 4 * len(names.split(", "))
+    assert plan["lora_adapted_names"] == names.split(", ") and plan["lora_adapted_modules"] == modules
+    assert plan["lora_adapter_parameters"] == adapter
+    assert f"linear modules {names}, matched on the model's architecture" in printed and f"({adapter:,})" in printed
+    rows = {row["what"]: row for row in plan["memory"]["rows"]}
+    assert rows["trained weights (LoRA)"]["bytes"] == (2 * adapter + 128 + 1) * 4  # actor + critic, value head
 
 
 def test_qwen7b_lora_fits_one_80gb_gpu_where_full_parameter_qwen7b_does_not(tmp_path, capsys):

@@ -305,3 +305,93 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
 def test_an_environment_with_one_turn_is_refused(tmp_path):
     message = refused(tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.max_turns=1", error=ConfigError)
     assert "rollout.environment is set but rollout.max_turns=1" in message and "fix: set rollout.max_turns" in message
+
+
+# ------------------------------------------------------------------ values read by their field's type (issue 40)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("ppo.packing=maybe", "error: ppo.packing='maybe' is not true or false (also yes/no, on/off), or null"),
+        ("rollout.temperature=hot", "error: rollout.temperature='hot' is not a number in [0.01, 2]"),
+    ],
+)
+def test_a_value_its_field_does_not_accept_exits_2_with_one_line_in_plan_mode(tmp_path, override, expected):
+    """`ppo.packing=maybe` trained with packing on (exit 0); `rollout.temperature=hot` passed mode=plan."""
+    line = one_error_line(train_py(tmp_path, "mode=plan", override, f"output_dir={tmp_path / 'out'}"))
+    assert line.startswith(expected) and "fix: " in line
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_packing_off_plans_off(tmp_path, capsys):
+    """`ppo.packing=off` planned "packing on": the string "off" tested true."""
+    run_module.main(compose_config("mode=plan", "ppo.packing=off", f"output_dir={tmp_path}"))
+    assert json.loads((tmp_path / "plan.json").read_text())["packing"] is False
+    assert any(line.split()[:2] == ["packing", "off"] for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("mode", ["plan", "train"])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.max_response_tokens=8.5", "rollout.max_response_tokens=8.5 is not an integer >= 1"),
+        ("rollout.max_response_tokens=0", "rollout.max_response_tokens=0 is not an integer >= 1"),
+        ("rollout.temperature=0", "rollout.temperature=0 is not a number in [0.01, 2]"),
+        ("reward.on_error=skip", "reward.on_error='skip' is not one of raise, zero; fix: e.g. reward.on_error=raise"),
+        ("reward.overlong_buffer_tokens=8", "reward.overlong_buffer_tokens=8 must lie in (0, 8)"),
+    ],
+)
+def test_refused_in_plan_mode_as_in_a_run_before_any_engine_starts(tmp_path, no_training, mode, override, expected):
+    """8.5 tokens ran and was recorded; temperature 0 and 0 tokens gave vLLM's tracebacks after the engine started;
+    on_error=skip and an overlong buffer over the budget passed mode=plan and were refused by the run's scorer."""
+    message = refused(tmp_path, f"mode={mode}", override, error=ConfigError)
+    assert message.startswith(expected) and "fix: " in message
+    assert no_training == []
+
+
+# ------------------------------------------------------------------ LoRA targets against the model's modules
+
+TINY_LINEAR = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+
+
+def test_a_lora_target_that_names_no_module_is_refused_with_the_modules_that_exist(tmp_path):
+    """`[q_proj,v_prj]` trained q_proj alone (adapter_config.json still listing v_prj) and mode=plan passed it."""
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "model.lora.rank=8",
+            "model.lora.target_modules=[q_proj,v_prj]",
+            f"output_dir={tmp_path / 'out'}",
+        )
+    )
+    assert line.startswith(
+        "error: model.lora.target_modules=[q_proj,v_prj]: v_prj matches no linear module of the tiny model "
+        f"(model.tiny), whose linear modules are {TINY_LINEAR}; fix: correct v_prj (did you mean v_proj?)"
+    )
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_a_run_matches_the_lora_targets_on_its_model_before_it_loads(tmp_path, tiny_model_dir, no_training):
+    """`[q_prj]` gave peft's NoMatchingPeftModuleError after the model load."""
+    lora = ["model.lora.rank=8", f"model.path={tiny_model_dir}", "model.warm_start.enabled=false"]
+    for mode in ("plan", "train"):
+        message = refused(tmp_path, f"mode={mode}", *lora, "model.lora.target_modules=[q_prj]", error=ConfigError)
+        assert message.startswith(
+            f"model.lora.target_modules=[q_prj]: q_prj matches no linear module of model.path={tiny_model_dir} "
+            f"({tiny_model_dir}/config.json), whose linear modules are {TINY_LINEAR}"
+        )
+    # a string is a regular expression to peft: refused, whatever the model
+    message = refused(tmp_path, "mode=plan", *lora, "model.lora.target_modules=q_proj", error=ConfigError)
+    assert message.startswith("model.lora.target_modules='q_proj' is a string, which peft reads as a regular")
+    assert "fix: a list, model.lora.target_modules=[q_proj], or all-linear" in message
+    assert no_training == []
+    # whole names and all-linear are matched
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}", "mode=train", *lora, "model.lora.target_modules=[self_attn.q_proj,v_proj]"
+        )
+    )
+    run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", "mode=train", *lora))
+    assert len(no_training) == 2

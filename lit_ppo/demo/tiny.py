@@ -69,7 +69,7 @@ def build_char_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFa
     return tokenizer
 
 
-def build_tiny_model(
+def tiny_config(
     tokenizer: PreTrainedTokenizerFast,
     *,
     hidden_size: int,
@@ -78,10 +78,10 @@ def build_tiny_model(
     num_kv_heads: int,
     intermediate_size: int,
     max_position_embeddings: int,
-    seed: int,
-):
+) -> Qwen2Config:
+    """The tiny model's config (`model.tiny`'s shape), what its config.json will say."""
     vocab_size = padded_vocab_size(len(tokenizer))
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -94,6 +94,28 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+):
+    config = tiny_config(
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

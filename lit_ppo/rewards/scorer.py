@@ -14,15 +14,12 @@ from typing import Any
 import torch
 
 from lit_ppo.algorithms import overlong_penalty
-from lit_ppo.config import RunConfig
+from lit_ppo.config import ON_ERROR, RunConfig, check_overlong_buffer
 from lit_ppo.errors import ConfigError, RewardError
 from lit_ppo.rewards.calling import SIGNATURES, RewardCall, _name, detect_signature
 from lit_ppo.rewards.workers import RewardWorkers, _Timeout, call_with_deadline
 
 log = logging.getLogger("lit_ppo")
-
-
-ON_ERROR = ("raise", "zero")
 
 
 # Reward metrics that count samples (the others are per-sample means): summed over data-parallel ranks, not averaged.
@@ -72,12 +69,7 @@ class RewardScorer:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"reward.on_error={self.on_error!r}; fix: use one of {list(ON_ERROR)}")
-        if self.overlong_buffer_tokens and not 0 < self.overlong_buffer_tokens < self.response_budget_tokens:
-            raise ConfigError(
-                f"reward.overlong_buffer_tokens={self.overlong_buffer_tokens} must lie in (0, {self.response_budget_tokens}) "
-                "(the response budget: rollout.max_response_tokens, or rollout.max_episode_tokens with an environment); "
-                "fix: e.g. a quarter of the budget, or 0 to turn the shaping off"
-            )
+        check_overlong_buffer(self.overlong_buffer_tokens, self.response_budget_tokens)
         if self.signature not in SIGNATURES:
             raise ConfigError(f"reward.signature={self.signature!r}; fix: use one of {', '.join(SIGNATURES)}")
         if int(self.workers) < 0 or (self.timeout_s is not None and self.timeout_s <= 0):

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import PromptStats, compute_plan
+from lit_ppo.plan import LoraTargets, PromptStats, compute_plan
 from lit_ppo.run import preflight as checks
 from lit_ppo.run.report import write_plan
 
@@ -26,12 +26,14 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None]:
+def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTargets | None]:
     """The pre-flight checks of lit_ppo/run/preflight.py on these settings, before the plan and before any model loads
     (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
     checks what is on this machine and plans without the rest. Returns the settings with ppo.packing resolved where
-    the model's type is known (`checks.resolve_packing`), and the training prompts' lengths in tokens that the plan's
-    expected tokens per micro-batch rest on (None where the tokenizer or the prompt files are not on this machine)."""
+    the model's type is known (`checks.resolve_packing`), the training prompts' lengths in tokens that the plan's
+    expected tokens per micro-batch rest on (None where the tokenizer or the prompt files are not on this machine),
+    and with model.lora the modules it adapts, matched on the model built from its config.json on the meta device
+    (None without LoRA, or where config.json is not on this machine)."""
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
     environment = rollout.environment
@@ -60,11 +62,13 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None]:
                 checks.check_utf8(path, key)
 
     tokenizer, max_positions, positions_source, model_type = None, None, "", None
+    architecture, model_name = None, ""  # a transformers config, or the directory of config.json
     if config.model.path:
         model = checks.find_model_files(config.model.path, required=training, offline=checks.hub_offline())
         if model is not None:
             max_positions, positions_source = model.max_positions, model.source
             model_type = model.config.get("model_type")
+            architecture, model_name = model.directory, f"model.path={config.model.path} ({model.source})"
             from transformers import AutoTokenizer
 
             try:  # a hub model's tokenizer by its name when training (fetched as the run would); else what is here
@@ -79,11 +83,13 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None]:
                         "beside the model (tokenizer.save_pretrained)"
                     ) from None
     elif config.model.tiny is not None:  # the tiny model: its shape is in the config and its tokenizer is built
-        from lit_ppo.demo.tiny import build_char_tokenizer
+        from lit_ppo.demo.tiny import build_char_tokenizer, tiny_config
 
         tokenizer = build_char_tokenizer()
         max_positions, positions_source = config.model.tiny.max_position_embeddings, "model.tiny"
         model_type = "qwen2"  # lit_ppo.demo.tiny builds a Qwen2 model
+        architecture = tiny_config(tokenizer, **dataclasses.asdict(config.model.tiny))
+        model_name = "the tiny model (model.tiny)"
     if tokenizer is not None:
         note = checks.pad_token_note(config.model.path or "the tiny model", tokenizer.pad_token, tokenizer.eos_token)
         if note:
@@ -110,7 +116,17 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None]:
     if training:
         checks.check_attention(config.model.attn_implementation)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
-    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing)), prompt_stats
+    lora, lora_targets = config.model.lora, None
+    if lora.enabled and architecture is None:
+        show(
+            f"LoRA targets: model.lora.target_modules={lora.target_modules} not matched on the model here (its "
+            "config.json is not on this machine); a run matches them before its model loads"
+        )
+    elif lora.enabled:
+        lora_targets = checks.lora_targets(
+            checks.meta_model(architecture, model_name), lora.target_modules, lora.rank, model_name
+        )
+    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing)), prompt_stats, lora_targets
 
 
 def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list[int], tuple[int, str] | None]:
@@ -145,14 +161,14 @@ def main(cfg: DictConfig) -> dict | None:
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
-    config, prompt_stats = preflight(config)
+    config, prompt_stats, lora_targets = preflight(config)
     output_dir = output_dir_of(cfg)
     size, source = planned_dataset_size(config.data)
-    plan = compute_plan(config, size, prompt_stats)
+    plan = compute_plan(config, size, prompt_stats, lora_targets)
     if config.mode == "plan":
         write_plan(plan, output_dir, source, config)
         show(f"plan written to {output_dir / 'plan.json'}")
         return None
     from lit_ppo.run.train import train  # heavy imports only when training
 
-    return train(config, output_dir)
+    return train(config, output_dir, lora_targets=lora_targets)

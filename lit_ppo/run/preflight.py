@@ -15,10 +15,14 @@ import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lit_ppo.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from lit_ppo.plan import LoraTargets
 
 # ------------------------------------------------------------------ dotted paths
 
@@ -355,3 +359,69 @@ def check_attention(attn_implementation: str | None) -> None:
                 f"model.attn_implementation={attn_implementation}: needs {what}, not found here; fix: install it, or "
                 "model.attn_implementation=null (transformers' default, sdpa)"
             )
+
+
+# ------------------------------------------------------------------ LoRA targets
+
+
+def meta_model(architecture: Any, where: str) -> Any:
+    """The causal LM that `architecture` describes (a transformers config, or the directory of its config.json),
+    built on the meta device: its modules and their shapes, no memory taken and no weights read. `where` names the
+    model in a refusal."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        if isinstance(architecture, (str, Path)):
+            architecture = AutoConfig.from_pretrained(architecture)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(architecture)
+    except Exception as e:  # the run's own load (AutoModelForCausalLM.from_pretrained) would fail alike
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(
+            f"{where}: transformers cannot build a causal LM from its config.json ({type(e).__name__}: {first}), so "
+            "model.lora.target_modules cannot be matched to its modules; fix: point model.path at a model that "
+            "AutoModelForCausalLM loads"
+        ) from None
+
+
+def lora_targets(model: Any, target_modules: str | list[str], rank: int, where: str) -> LoraTargets:
+    """The linear modules of `model` that `model.lora.target_modules` adapts, matched as peft matches them: all-linear,
+    every linear module but the output layer (the LM head); a list, the modules whose whole name is one of the names
+    or ends with `.name`. A name that matches no linear module is refused, with the linear modules' names: peft would
+    adapt the others without a word, or fail with its own error once the model has loaded. `where` names the model
+    in that message."""
+    import torch
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers; peft's all-linear counts them too
+
+    from lit_ppo.plan import LoraTargets
+
+    linear = {name: module for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))}
+    existing = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear))
+    if target_modules == "all-linear":
+        output = model.get_output_embeddings()
+        chosen = [name for name, module in linear.items() if module is not output]
+    else:
+        targets = list(target_modules)
+        unmatched = [t for t in targets if not any(_peft_matches(name, t) for name in linear)]
+        if unmatched:
+            hints = [
+                f"{t} (did you mean {close[0]}?)"
+                for t in unmatched
+                for close in [get_close_matches(t, existing, 1)]
+                if close
+            ]
+            raise ConfigError(
+                f"model.lora.target_modules=[{','.join(targets)}]: {', '.join(unmatched)} matches no linear module of "
+                f"{where}, whose linear modules are {', '.join(existing)}; fix: correct "
+                + (", ".join(hints) if hints else "or remove " + ", ".join(unmatched))
+                + ", or use model.lora.target_modules=all-linear"
+            )
+        chosen = [name for name in linear if any(_peft_matches(name, t) for t in targets)]
+    parameters = sum(rank * sum(linear[name].weight.shape) for name in chosen)  # rank x (in + out) each
+    return LoraTargets(modules=tuple(chosen), adapter_parameters=parameters)
+
+
+def _peft_matches(module_name: str, target: str) -> bool:
+    """peft's rule for a list of target names (tuners_utils.check_target_module_exists)."""
+    return module_name == target or module_name.endswith(f".{target}")

@@ -194,6 +194,7 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             hf_batch_sequences=rollout.hf_max_batch_sequences,
             lora_rank=plan.lora_rank,
             lora_target_modules=config.model.lora.target_modules,
+            lora_adapter_parameters=plan.lora_adapter_parameters,
             vllm_max_lora_rank=plan.vllm_max_lora_rank,
         ),
     )

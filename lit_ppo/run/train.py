@@ -32,7 +32,7 @@ from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import compute_plan
+from lit_ppo.plan import LoraTargets, compute_plan
 from lit_ppo.preemption import Preemption
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.prompts import load_data_prompts
@@ -225,10 +225,11 @@ def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool, adapter: 
         tokenizer.save_pretrained(output_dir / "actor_merged")
 
 
-def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
+def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTargets | None = None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
-    `engine` lets a caller share one vLLM engine between single-process runs of the same architecture."""
+    `engine` lets a caller share one vLLM engine between single-process runs of the same architecture.
+    `lora_targets`: the modules model.lora adapts, as the pre-flight matched them (`entry.preflight`), for the plan."""
     quiet_known_warnings()
     if engine is not None and config.strategy.name != "single":
         raise ConfigError(
@@ -250,7 +251,7 @@ def train(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
         tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
-    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
+    plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
     if rank_zero:
         write_plan(plan, output_dir, train_prompts.describe(), config)
 
