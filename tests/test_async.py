@@ -844,3 +844,46 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
     )
     one_step_off = steps_to_gain(async_run, 0.4)
     assert sync is not None and one_step_off is not None and one_step_off <= 1.25 * sync, (sync, one_step_off)
+
+
+WORKER_THREADS_AT_EXIT = """
+import sys, threading, time, datetime
+import torch.distributed as dist
+from lit_ppo.rollout.disaggregated import WeightReceiver, send_heartbeats, stop_threads
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+stopping = threading.Event()
+# a worker's threads as it runs them (the receiver polling the store for a push, the heartbeat counting up), and one
+# that is always inside a store call, as a receiver is at some moment on a slow or loaded machine
+def always_in_the_store():
+    while not stopping.is_set():
+        client.check(["push/0/0"])
+
+threads = [WeightReceiver(client, None, stopping)]
+threads.append(threading.Thread(target=send_heartbeats, args=(client, 0, stopping), daemon=True))
+threads.append(threading.Thread(target=always_in_the_store, daemon=True))
+for thread in threads:
+    thread.start()
+time.sleep(0.3)
+if sys.argv[1] == "stop":
+    stop_threads(stopping, threads)
+"""
+
+
+def test_a_worker_that_stops_its_threads_exits_0_where_leaving_them_running_aborts(tmp_path):
+    """The mechanism behind `terminate called without an active exception` at a worker's end, without an engine: a
+    daemon thread inside a store call while the interpreter finalizes is unwound through C++ frames that must not
+    unwind (SIGABRT, -6). With `stop_threads`, as worker_main ends, every run exits 0; left running, as before the fix,
+    the same threads abort the process (the old worker lost this race at random: every time on a slow machine)."""
+    script = tmp_path / "threads_at_exit.py"
+    script.write_text(WORKER_THREADS_AT_EXIT)
+
+    def code(how: str) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, str(script), how], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return done.returncode, done.stderr
+
+    stopped = [code("stop") for _ in range(5)]
+    assert all(rc == 0 for rc, _ in stopped), stopped
+    left = [code("leave") for _ in range(3)]
+    assert all(rc == -signal.SIGABRT and "terminate called" in err for rc, err in left), left

@@ -236,7 +236,9 @@ def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
         "trainer.eval_every=1",
         "model.warm_start.steps=20",
         "data.n_train=128",
-        "data.n_eval=16",
+        "data.n_eval=8",
+        "ppo.rollout_batch_size=16",  # 64 samples per rollout step, 2 optimizer steps of 32 each
+        "ppo.train_batch_size=32",
         f"output_dir={out}",
         f"cache_dir={tmp_path / 'cache'}",
         f"hydra.run.dir={out / 'hydra'}",
@@ -254,7 +256,7 @@ def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
     ]
     assert "eval/pass@4" in rows[-1]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["samples_generated"] == 2 * 32 * 4 and summary["optimizer_steps_actor"] == 4
+    assert summary["samples_generated"] == 2 * 16 * 4 and summary["optimizer_steps_actor"] == 4
 
 
 @pytest.mark.parametrize(
@@ -289,6 +291,7 @@ def test_the_plan_names_vllm_settings_the_hf_engine_does_not_use():
     assert not any("does not use" in n for n in compute_plan(compose_run_config("rollout.engine=hf"), 1000).notes)
 
 
+@pytest.mark.slow  # two full runs (one of two ranks); DDP is in make test with vLLM (tests/test_ddp.py)
 def test_ddp_on_cpu_samples_and_trains_as_one_process(tmp_path):
     """`strategy=ddp strategy.devices=2 strategy.accelerator=cpu rollout.engine=hf`: each rank's actor generates its
     half of every rollout batch (no collective inside generate), and the samples of both rollout steps, their

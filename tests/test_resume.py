@@ -109,7 +109,7 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
 
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     common = [
-        "trainer.total_rollout_steps=6",
+        "trainer.total_rollout_steps=4",
         "trainer.checkpoint_every=1",
         "trainer.eval_every=0",
         "model.warm_start.steps=20",
@@ -135,12 +135,12 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step=000006.ckpt", "killed too late to test anything"
+    assert killed_at.name != "rollout_step=000004.ckpt", "killed too late to test anything"
 
     resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = torch.load(checkpoint_path(tmp_path / "full" / "checkpoints", 6), weights_only=False)["lit_ppo"]
-    b = torch.load(checkpoint_path(crashed / "checkpoints", 6), weights_only=False)["lit_ppo"]
+    a = torch.load(checkpoint_path(tmp_path / "full" / "checkpoints", 4), weights_only=False)["lit_ppo"]
+    b = torch.load(checkpoint_path(crashed / "checkpoints", 4), weights_only=False)["lit_ppo"]
     for key in ("rollout_step", "actor_optimizer_steps", "critic_optimizer_steps", "samples_seen"):
         assert a[key] == b[key], key
     assert_same_weights(
@@ -148,7 +148,7 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     )
     rows = (crashed / "metrics.csv").read_text().splitlines()
     assert (
-        len(rows) == 1 + 1 + 6
+        len(rows) == 1 + 1 + 4
     )  # header + the evaluation before any update + one row per rollout step: no gap, no repeat
 
 

@@ -35,7 +35,7 @@ def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_ano
     directory (which used to delete its own checkpoint and leave resume=auto to continue the first run)."""
     out = tmp_path / "run"
     common = [
-        "trainer.checkpoint_every=2",  # with keep_checkpoints=2: rollout steps 4 and 6 stay, as in the issue
+        "trainer.checkpoint_every=1",  # with keep_checkpoints=2: rollout steps 2 and 3 stay
         "trainer.eval_every=0",
         "model.warm_start.steps=20",
         "data.n_train=64",
@@ -47,10 +47,10 @@ def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_ano
         command = [sys.executable, "train.py", *common, *overrides]
         return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
-    first = train("trainer.total_rollout_steps=6")
+    first = train("trainer.total_rollout_steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
     before = list_checkpoints(out / "checkpoints")
-    assert [p.name for p in before] == ["rollout_step=000004.ckpt", "rollout_step=000006.ckpt"]
+    assert [p.name for p in before] == ["rollout_step=000002.ckpt", "rollout_step=000003.ckpt"]
     config = (out / "config.yaml").read_text()
 
     second = train("trainer.total_rollout_steps=2", "ppo.actor_lr=1e-3")
@@ -59,7 +59,7 @@ def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_ano
     assert f"output_dir={out}" in line and "resume=auto" in line and "another output_dir" in line, line
     assert list_checkpoints(out / "checkpoints") == before and (out / "config.yaml").read_text() == config
 
-    resumed = train("trainer.total_rollout_steps=8", "ppo.actor_lr=1e-3", "resume=auto")
+    resumed = train("trainer.total_rollout_steps=5", "ppo.actor_lr=1e-3", "resume=auto")
     assert resumed.returncode == 2
     line = error_line(resumed)
     assert "ppo.actor_lr: 0.0002 -> 0.001" in line and "another output_dir" in line, line

@@ -493,7 +493,7 @@ def _watch_parent(parent: int, stopping: threading.Event) -> None:
             os._exit(3)
 
 
-def _heartbeat(store, worker: int, stopping: threading.Event) -> None:
+def send_heartbeats(store, worker: int, stopping: threading.Event) -> None:
     """External workers: count up the worker's heartbeat in the store (the trainer watches it); end the worker when
     the store, hosted by the trainer, is gone."""
     try:
@@ -505,6 +505,15 @@ def _heartbeat(store, worker: int, stopping: threading.Event) -> None:
             return  # the worker is ending anyway
         print(f"rollout worker {worker}: the trainer's store is gone ({type(e).__name__}); exiting", flush=True)
         os._exit(3)
+
+
+def stop_threads(stopping: threading.Event, threads: list[threading.Thread]) -> None:
+    """Stop and join a worker's threads before it ends. A daemon thread still inside a store or gloo call when the
+    interpreter finalizes is ended by pthread_exit through C++ frames that must not unwind: `terminate called without
+    an active exception` and SIGABRT, on whichever exit the race is lost (more often on slower machines)."""
+    stopping.set()
+    for thread in threads:
+        thread.join()
 
 
 def _address_towards(host: str, port: int) -> str:
@@ -524,7 +533,7 @@ def _wait_key(store, key: str) -> bytes:
     return value
 
 
-class _Receiver(threading.Thread):
+class WeightReceiver(threading.Thread):
     """Receives every weight push as soon as the trainer sends it (while the engine generates); `take(push)` hands
     one push's tensors to the main thread when its "apply" command comes up."""
 
@@ -635,7 +644,7 @@ def worker_main(
                     "worker its own --worker (or SLURM_PROCID / RANK)"
                 )
             store.set(f"hello/{worker}", pickle.dumps((socket.gethostname(), os.getpid())))
-            threads.append(threading.Thread(target=_heartbeat, args=(store, worker, stopping), daemon=True))
+            threads.append(threading.Thread(target=send_heartbeats, args=(store, worker, stopping), daemon=True))
             threads[-1].start()
             print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
         from lit_ppo.rollout.engine import VLLMEngine
@@ -646,7 +655,7 @@ def worker_main(
         store.set(f"ready/{worker}", b"1")
         own_host = _address_towards(host, port) if external else host
         group = _gloo_group(store, worker + 1, workers + 1, spec["push_timeout_s"], own_host)
-        receiver = _Receiver(store, group, stopping)
+        receiver = WeightReceiver(store, group, stopping)
         receiver.start()
         threads.append(receiver)
         version = 0  # the engine starts from model_dir: the initial policy
@@ -673,9 +682,7 @@ def worker_main(
                 seconds = time.perf_counter() - started
                 store.set(f"result/{worker}/{ticket}", pickle.dumps((generations, version, seconds)))
         engine.close()
-        stopping.set()
-        for thread in threads:
-            thread.join()
+        stop_threads(stopping, threads)
         # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.
         receiver.group = group = None
         store.set(f"stopped/{worker}", b"1")
