@@ -4,9 +4,9 @@ and LoRA, at the Qwen2.5-0.5B and 1.5B shapes, where vLLM is not installed (the 
 `PPOModule.sync_weights` runs as in a run, into a stand-in for the engine's receiving end that does what vLLM does
 with what it gets, so the figure is the trainer's side plus the copy it cannot avoid:
 - full weights: every tensor by Hugging Face name (`full_tensors`: gathered where sharded; one GPU here), streamed
-  into `SinkEngine.sync_weights`, which copies each into a preallocated destination of the rollout dtype on the same
+  into `SinkEngine.update_weights`, which copies each into a preallocated destination of the rollout dtype on the same
   device (vLLM's weight loaders `param.copy_(loaded)`, the cast to bf16 included);
-- LoRA r16 (all linear layers): the adapter alone (`adapter_tensors`) into `SinkEngine.sync_adapter`, which makes the
+- LoRA r16 (all linear layers): the adapter alone (`adapter_tensors`) into `SinkEngine.update_weights`, which makes the
   host copies `VLLMEngine.sync_adapter` makes before its in-process load (vLLM folds alpha / r into lora_B in place,
   so it must get copies).
 Each sync is timed with the device synchronized before and after, `--syncs` times after one untimed; the median is
@@ -28,6 +28,7 @@ from common import CACHE, arithmetic_prompt_file, build_run, command_line, grpo_
 from gpu_e2e import model_dir as qwen15b_model_dir
 
 from lit_ppo.config import LoraConfig
+from lit_ppo.contract import WeightUpdate
 from lit_ppo.precision import resolve_precision
 from lit_ppo.rollout.engine import adapter_host_copies, tensor_bytes
 from lit_ppo.testing import NullEngine
@@ -41,14 +42,16 @@ class SinkEngine(NullEngine):
         self.dtype = dtype
         self.destinations: dict[str, torch.Tensor] = {}
 
-    def sync_weights(self, named_tensors) -> None:
-        for name, tensor in named_tensors:
+    def update_weights(self, update: WeightUpdate) -> int:
+        if update.adapter is not None:  # what VLLMEngine.sync_adapter does before vLLM's load
+            return tensor_bytes(adapter_host_copies(update.adapter.tensors))
+        moved = 0
+        for name, tensor in update.tensors:
             if name not in self.destinations:
                 self.destinations[name] = torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
             self.destinations[name].copy_(tensor)
-
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict, version: int) -> int:
-        return tensor_bytes(adapter_host_copies(tensors))  # what VLLMEngine.sync_adapter does before vLLM's load
+            moved += tensor.numel() * tensor.element_size()
+        return moved
 
 
 def measure(model_dir, lora_rank: int, syncs: int, device: torch.device, precision: str) -> tuple[float, int, str]:

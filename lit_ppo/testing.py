@@ -9,19 +9,26 @@ import dataclasses
 import torch
 
 from lit_ppo.batch import RolloutBatch
+from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.rollout.datamodule import RolloutDataModule
 
 
 class NullEngine:
-    """Stands in for vLLM where a run trains on a fixed batch: no generation, no weight sync."""
+    """Stands in for vLLM where a run trains on a fixed batch (`FixedBatchDataModule`): an engine of the contract
+    (`lit_ppo.contract.RolloutEngine`) that generates nothing and moves no weights."""
+
+    adapter_version = 0
+
+    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
+        raise RuntimeError("NullEngine generates nothing: a run with it trains on FixedBatchDataModule's fixed batch")
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        return 0
 
     def sleep(self) -> None:
         pass
 
     def wake_up(self) -> None:
-        pass
-
-    def sync_weights(self, named_tensors) -> None:
         pass
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from lit_ppo.config import LoraConfig
 from lit_ppo.errors import ConfigError
+from lit_ppo.testing import NullEngine
 from tests.helpers import compose_run_config, plan_of
 
 
@@ -624,14 +625,12 @@ def test_under_fsdp_a_checkpoint_of_other_adapters_is_refused_by_its_plan(tiny_m
 # ---------------------------------------------------------------- FSDP2: two real gloo processes, no Lightning
 
 
-class AdapterRecorder:
+class AdapterRecorder(NullEngine):
     """Stands in for the vLLM engine at the weight sync: keeps the adapter it is handed and answers its bytes, as
-    `VLLMEngine.sync_adapter` does."""
+    `VLLMEngine.update_weights` does."""
 
-    def wake_up(self) -> None:
-        pass
-
-    def sync_adapter(self, tensors, config, version) -> int:
+    def update_weights(self, update) -> int:
+        tensors = update.adapter.tensors
         self.tensors = {k: v.clone() for k, v in tensors.items()}
         return sum(v.numel() * v.element_size() for v in tensors.values())
 

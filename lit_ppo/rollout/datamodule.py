@@ -370,7 +370,7 @@ class RolloutDataModule(L.LightningDataModule):
             if plan.rollout_mode == "disaggregated"
             else [rollout_step] * len(samples),
             wait_seconds=self.last_wait_seconds,
-            adapter_versions=[getattr(g, "adapter_version", 0) for _, _, g in samples] if plan.lora_rank else None,
+            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora_rank else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 

@@ -40,8 +40,10 @@ from typing import Iterable
 
 import torch
 
+from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
-from lit_ppo.rollout.engine import Generation, tensor_bytes
+from lit_ppo.rollout.engine import tensor_bytes
+from lit_ppo.rollout.worker_messages import ApplyWeights, Generate, Stop
 
 POLL_S = 0.01  # how often a wait looks at the store and the workers' liveness
 HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
@@ -107,8 +109,6 @@ class RolloutWorkers:
     adapter), collects results. Engine-like (`generate`, `sync_weights`, `sync_adapter`, `wake_up`, `sleep`, `close`)
     so that evaluation runs through it unchanged; rollouts use `submit` and `collect` to generate ahead."""
 
-    versioned = True  # sync_weights / sync_adapter take the policy version pushed and a probe (PPOModule.sync_weights)
-
     def __init__(
         self,
         *,
@@ -163,6 +163,7 @@ class RolloutWorkers:
         self.tickets = 0
         self.pushes = 0
         self.version: int | None = None  # the last version pushed
+        self.pushed_adapter_version = 0  # model.lora: the adapter version of the last push
         self.procs: list[subprocess.Popen] = []
         self.exit_codes: list[int | None] = []  # spawned workers' exit codes once close() has stopped them
         self.group = None
@@ -318,7 +319,7 @@ class RolloutWorkers:
         self.store.delete_key(key)
         return value
 
-    def _send(self, worker: int, command: tuple) -> None:
+    def _send(self, worker: int, command: Generate | ApplyWeights | Stop) -> None:
         self.store.set(f"cmd/{worker}/{self.commands[worker]}", pickle.dumps(command))
         self.commands[worker] += 1
 
@@ -337,7 +338,7 @@ class RolloutWorkers:
             if isinstance(share.get("max_tokens"), list):
                 share["max_tokens"] = share["max_tokens"][start:stop]
             self.tickets += 1
-            self._send(worker, ("generate", self.tickets, {"prompt_token_ids": prompt_token_ids[start:stop], **share}))
+            self._send(worker, Generate(self.tickets, {"prompt_token_ids": prompt_token_ids[start:stop], **share}))
             tickets.append((worker, self.tickets, start))
         return tickets
 
@@ -368,30 +369,40 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------ weights
 
-    @torch.no_grad()
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, probe=None) -> None:
-        """Broadcast the tensors to every worker in buckets, then queue "apply `version`" behind each one's queued
-        requests: those generate with the version they were queued after. `probe`: (prompt ids, response ids, the
-        trainer's log-probs of the response at temperature 1), which each worker compares with its engine's once it
-        applied the version; a worker whose weights differ stops with the reason (reported at the trainer's next wait)."""
-        push = self._push(named_tensors, version)
-        for worker in range(self.workers):
-            self._send(worker, ("apply", push, version, probe, None))
+    @property
+    def adapter_version(self) -> int:
+        """The adapter version of the last push (model.lora); 0 before one, or with full weights."""
+        return self.pushed_adapter_version
 
     @torch.no_grad()
-    def sync_adapter(
-        self, tensors: dict[str, torch.Tensor], peft_config: dict, adapter_version: int, *, version: int, probe=None
-    ) -> int:
-        """model.lora: only the adapter (peft's tensor names and config), through the same buckets as `sync_weights`;
-        each worker loads it as adapter `adapter_version` of its engine from memory (`VLLMEngine.sync_adapter`) when
-        its queue reaches "apply `version`", removing the previous one. A worker whose engine then does not serve
-        exactly that adapter (vLLM's list_loras), or whose log-probs of the probe differ from the trainer's, stops with
-        the reason (reported at the trainer's next wait). Every generation records the adapter version that sampled
-        it (`Generation.adapter_version`). Returns the bytes pushed."""
-        push = self._push(tensors.items(), version)
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Broadcast the update's tensors (with model.lora the adapter alone) to every worker in buckets, then queue
+        "apply `update.policy_version`" behind each one's queued requests: those generate with the version they were
+        queued after. With the apply goes the update's probe (a sequence and the trainer's log-probs of it at
+        temperature 1), which each worker compares with its engine's once it applied the version; a worker whose
+        weights differ stops with the reason (reported at the trainer's next wait). An adapter is loaded by each worker
+        as adapter `adapter_version` of its engine from memory (`VLLMEngine.sync_adapter`), removing the previous one;
+        a worker whose engine then does not serve exactly that adapter (vLLM's list_loras) stops with the reason.
+        Every generation records the policy version (and adapter version) that sampled it. Returns the bytes pushed."""
+        version, probe = update.policy_version, update.probe() if update.probe is not None else None
+        if update.adapter is not None:
+            a = update.adapter
+            push, moved = self._push(a.tensors.items(), version), tensor_bytes(a.tensors)
+            message = ApplyWeights(push, version, probe, a.peft_config, a.adapter_version)
+            self.pushed_adapter_version = a.adapter_version
+        else:
+            moved = [0]
+
+            def counted():
+                for name, tensor in update.tensors:
+                    moved[0] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+            push, moved = self._push(counted(), version), moved[0]
+            message = ApplyWeights(push, version, probe)
         for worker in range(self.workers):
-            self._send(worker, ("apply", push, version, probe, (peft_config, adapter_version)))
-        return tensor_bytes(tensors)
+            self._send(worker, message)
+        return moved
 
     def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Broadcast the tensors in buckets to every worker's receiver; returns the push's number."""
@@ -444,7 +455,7 @@ class RolloutWorkers:
         for worker, proc in enumerate(self.procs):
             if proc.poll() is None:
                 try:
-                    self._send(worker, ("stop",))
+                    self._send(worker, Stop())
                 except Exception:
                     pass
         deadline = time.monotonic() + timeout_s
@@ -471,7 +482,7 @@ class RolloutWorkers:
         try:
             for worker in range(self.workers):
                 if self.store.check([f"hello/{worker}"]):
-                    self._send(worker, ("stop",))
+                    self._send(worker, Stop())
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and not all(
                 self.store.check([f"stopped/{i}"]) or not self.store.check([f"hello/{i}"]) for i in range(self.workers)
@@ -663,24 +674,22 @@ def worker_main(
         while True:
             command = pickle.loads(_wait_key(store, f"cmd/{worker}/{n}"))
             n += 1
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 break
-            if command[0] == "apply":
-                _, push, version, probe, adapter = command
-                if adapter is None:
-                    engine.sync_weights(receiver.take(push))
+            if isinstance(command, ApplyWeights):
+                version = command.policy_version
+                if command.peft_config is None:
+                    engine.sync_weights(receiver.take(command.push))
                 else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
-                    peft_config, adapter_version = adapter
                     # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
-                    engine.sync_adapter(dict(receiver.take(push)), peft_config, adapter_version)
+                    engine.sync_adapter(dict(receiver.take(command.push)), command.peft_config, command.adapter_version)
                 print(f"rollout worker {worker}: policy version {version} applied", flush=True)
-                check_probe(engine, probe, spec["max_logprob_abs_diff"], worker, version)
-            elif command[0] == "generate":
-                _, ticket, request = command
+                check_probe(engine, command.probe, spec["max_logprob_abs_diff"], worker, version)
+            elif isinstance(command, Generate):
                 started = time.perf_counter()
-                generations = engine.generate(**request)
+                generations = engine.generate(**command.request)
                 seconds = time.perf_counter() - started
-                store.set(f"result/{worker}/{ticket}", pickle.dumps((generations, version, seconds)))
+                store.set(f"result/{worker}/{command.ticket}", pickle.dumps((generations, version, seconds)))
         engine.close()
         stop_threads(stopping, threads)
         # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.

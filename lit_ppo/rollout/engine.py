@@ -10,26 +10,14 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from lit_ppo.console import quiet_stderr
+from lit_ppo.contract import Generation, WeightUpdate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Generation:
-    """One sampled response."""
-
-    prompt_index: int  # index into the prompts passed to generate()
-    token_ids: list[int]
-    truncated: bool  # stopped by the length limit, not by end-of-sequence
-    text: str
-    logprobs: list[float]  # per token: vLLM's log-probability of the sampled token, after temperature and top-p
-    adapter_version: int = 0  # the LoRA adapter version that sampled it (VLLMEngine.sync_adapter); 0: no adapter
 
 
 def sampling_seeds(seed: int, purpose: str, positions: Iterable[int], n: int) -> list[int]:
@@ -203,6 +191,22 @@ class VLLMEngine:
                     )
                 )
         return generations
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """The contract's update: the adapter as a new adapter version (`sync_adapter`), or every tensor streamed into
+        the running engine (`sync_weights`); returns the bytes moved."""
+        if update.adapter is not None:
+            a = update.adapter
+            return self.sync_adapter(a.tensors, a.peft_config, a.adapter_version)
+        moved = [0]
+
+        def counted():
+            for name, tensor in update.tensors:
+                moved[0] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self.sync_weights(counted())
+        return moved[0]
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

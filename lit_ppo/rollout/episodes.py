@@ -166,7 +166,7 @@ def run_episodes(
                 truncated=False,
                 text="",
                 logprobs=[],
-                adapter_version=getattr(engine, "adapter_version", 0),  # every turn of the episode uses this one
+                adapter_version=engine.adapter_version,  # every turn of the episode uses this one
             )
             running.append(_Running(len(running), prompt, make_environment(), episode))
     positions = sample_positions or list(range(len(running)))

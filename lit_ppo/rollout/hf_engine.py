@@ -4,7 +4,7 @@ For machines without vLLM (Apple, some AMD set-ups, a GPU box where vLLM's build
 It has `VLLMEngine`'s interface and semantics, so the data module, the episodes and the trainer's log-prob check
 work unchanged:
 
-- the weights are the actor's own tensors (no copy): `sync_weights` has nothing to load and only counts versions;
+- the weights are the actor's own tensors (no copy): `update_weights` has nothing to load and only counts versions;
 - each sample draws from its own `torch.Generator`, seeded like vLLM's (prompt seed + sample index, from
   `rollout.sampling_seeds`), one uniform number per token, so a sample does not depend on the other prompts of the
   call, on their order or padding, or on the number of ranks, and the global torch RNG (dropout, shuffles: training
@@ -29,7 +29,6 @@ decoded token, on every rank in lock-step, so ranks whose responses end sooner w
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
 
 import torch
 from transformers import (
@@ -42,7 +41,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from lit_ppo.rollout.engine import Generation
+from lit_ppo.contract import Generation, WeightUpdate
 
 
 class _SeededSampler(LogitsProcessor):
@@ -136,7 +135,9 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.precision = precision
         self.max_batch_sequences = max_batch_sequences
-        self.weights_version = 0  # sync_weights calls seen: the engine always samples from the actor's current weights
+        self.weights_version = (
+            0  # update_weights calls seen: the engine always samples from the actor's current weights
+        )
         # Unseeded sampling (seeds=None at a temperature > 0) draws its samples' seeds here, never from the global RNG.
         self.unseeded = torch.Generator().manual_seed(seed)
         # vLLM ends a response at the tokenizer's EOS and at the generation config's EOS ids, besides stop_token_ids.
@@ -198,10 +199,14 @@ class HFEngine:
                 )
         return results
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to load: the engine generates with the actor's own tensors. The iterator is not consumed (under
-        the vLLM engine it gathers and streams every tensor)."""
+    # The adapter (model.lora) is the actor's own too: samples record adapter version 0, as the base's.
+    adapter_version = 0
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Nothing to load: the engine generates with the actor's own tensors (with LoRA, its adapter). The update's
+        tensors are not read (a sharded actor would gather every one); nothing moves."""
         self.weights_version += 1
+        return 0
 
     @torch.no_grad()
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:

@@ -18,6 +18,7 @@ are global (all-reduced over ranks).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_adapters, check_same_models, module_state, restore_module_state
 from lit_ppo.config import LoraConfig, PPOConfig
+from lit_ppo.contract import AdapterWeights, WeightUpdate
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.packing import one_row, packing_unsupported
@@ -473,28 +475,13 @@ class PPOModule(L.LightningModule):
         Records the bytes pushed (`perf/weight_sync_bytes`)."""
         engine.wake_up()
         version = self.rollout_step if version is None else version
-        if self.lora and hasattr(engine, "sync_adapter"):
-            tensors, config = adapter_tensors(self.actor), self.adapter_config()
-            if getattr(engine, "versioned", False):  # rollout workers: the policy version and its probe go along
-                probe = self.weight_probe(probe_batch)
-                self.last_sync_bytes = engine.sync_adapter(
-                    tensors, config, adapter_version(version), version=version, probe=probe
-                )
-            else:
-                self.last_sync_bytes = engine.sync_adapter(tensors, config, adapter_version(version))
-            return
-        pushed = [0]
-
-        def counted():
-            for name, tensor in self.full_actor_tensors():
-                pushed[0] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        if getattr(engine, "versioned", False):  # rollout workers (rollout.mode=disaggregated)
-            engine.sync_weights(counted(), version=version, probe=self.weight_probe(probe_batch))
+        probe = functools.partial(self.weight_probe, probe_batch)  # called by the engines that check (rollout workers)
+        if self.lora:
+            adapter = AdapterWeights(adapter_tensors(self.actor), self.adapter_config(), adapter_version(version))
+            update = WeightUpdate(version, adapter=adapter, probe=probe)
         else:
-            engine.sync_weights(counted())
-        self.last_sync_bytes = pushed[0]
+            update = WeightUpdate(version, tensors=self.full_actor_tensors(), probe=probe)
+        self.last_sync_bytes = engine.update_weights(update)
 
     def adapter_config(self) -> dict:
         """The actor's peft adapter config as plain values (what vLLM reads from adapter_config.json)."""
