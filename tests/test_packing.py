@@ -933,3 +933,35 @@ def test_packed_equals_padded_through_peft_for_the_lora_actor_its_reference_and_
     with torch.no_grad():
         adapted = response_logprobs_and_entropy(actor, packed, TEMPERATURE)[0]
     assert (reference - adapted).abs().max() > 1e-3  # the adapter changes the policy: two models were checked
+
+
+def test_model_types_with_recurrent_layers_are_refused_for_their_state_crosses_packed_samples():
+    """transformers keeps packed samples apart in attention only. A tiny MiniMax (lightning attention, a recurrent
+    state; its models are not marked `_is_stateful`, its layer types name it) lets a token changed in one packed sample
+    move the next sample's log-probs, so every model type whose layers carry a state is refused (by transformers' flag
+    or layer types), and the attention-only ones, a convolution hybrid that reads the boundaries (lfm2) and a Gemma3
+    text checkpoint (model_type gemma3_text, gemma3's modeling code) pack."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = prepare_for_training(AutoModelForCausalLM.from_config(config, dtype=torch.float32), False)
+    prompts, responses, _ = realistic_samples(2, 1, seed=6, episodes=False)
+    changed = [[(t + 7) % 30 + 4 for t in prompts[0]], prompts[1]]
+    with torch.no_grad():
+        logp = response_logprobs_and_entropy(model, pack_samples(prompts, responses, 0, "cpu", one_row=True), 1.0)[0]
+        moved = response_logprobs_and_entropy(model, pack_samples(changed, responses, 0, "cpu", one_row=True), 1.0)[0]
+    assert float((logp[1] - moved[1]).abs().max()) > 1e-3  # sample 1 read sample 0
+    for model_type in ("minimax", "qwen3_next", "falcon_h1", "olmo_hybrid", "nemotron_h", "jamba", "qwen3_5"):
+        assert packing_unsupported(model_type).startswith(f"transformers' {model_type} models have recurrent layers")
+    for model_type in ("qwen2", "llama", "gemma2", "gemma3_text", "cohere", "granite", "minicpm3", "lfm2", "gpt_oss"):
+        assert packing_unsupported(model_type) is None, model_type
