@@ -156,16 +156,20 @@ def check_packing(
                 f"{error:.3g} apart relative in the packed and padded layouts, more than {precision}'s "
                 f"{relative_bound:g}; {fix}"
             )
-    logging.getLogger("lit_ppo").info(
+    critic_line = (
+        ""
+        if critic is None
+        else f", the critic's hidden states {found.hidden_relative:.2e} and values {found.value_relative:.2e} relative"
+    )
+    logging.getLogger("lit_ppo").info(  # run.log only: the console stays the plan, the progress and the evaluations
         "packing check (%s, %s, %s): log-probs %.2e nats per token apart on average (max %.2e)%s; within %g",
         model_type,
         precision,
         where,
         found.logprob_mean,
         found.logprob_max,
-        ""
-        if critic is None
-        else f", the critic's hidden states {found.hidden_relative:.2e} and values {found.value_relative:.2e} relative",
+        critic_line,
         logprob_bound,
+        extra={"console": False},
     )
     return found
