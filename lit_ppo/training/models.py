@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo.config import LoraConfig
 from lit_ppo.distributed import gathered
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import PackingError
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.logits import logprobs_and_entropy
@@ -215,7 +215,7 @@ def packed_response_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
     finally:
         handle.remove()
     if len(replaced) != 1 or logits.shape[:2] != (1, mb.head_index.numel()):
-        raise ConfigError(
+        raise PackingError(
             f"ppo.packing: the {model.config.model_type} model's forward did not compute its logits from its decoder's "
             f"hidden states (logits {tuple(logits.shape)} for {mb.head_index.numel()} response positions); "
             "fix: set ppo.packing=false (padded micro-batches)"
