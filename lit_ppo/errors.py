@@ -56,3 +56,8 @@ class WaitTimeoutError(UserError, RuntimeError):
 
 class WeightSyncError(UserError, RuntimeError):
     """The rollout engine does not serve the weights the trainer pushed (a LoRA adapter version missing or stale)."""
+
+
+class PackingError(UserError, RuntimeError):
+    """The packed layout's outputs are not the padded layout's for this model (ppo.packing); the message names the
+    model type and the fix."""

@@ -11,6 +11,7 @@ import json
 import lightning as L
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
@@ -681,3 +682,286 @@ def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_b
         assert (
             plan.expected_real_tokens_per_micro_batch < laid_out <= plan.expected_padded_layout_tokens_per_micro_batch
         )
+
+
+# ---------------------------------------------------------------- every model family (issue 37)
+
+# Families whose causal LM changes the logits after the decoder: Granite divides them by logits_scaling, Cohere
+# multiplies them by logit_scale, Gemma2 softcaps them (tanh) and its attention's scores too, in layers that alternate
+# a sliding window with full attention. Two layers of 64, the character tokenizer's vocabulary.
+FAMILY_CONFIGS = {
+    "granite": lambda **kw: transformers.GraniteConfig(
+        **kw, logits_scaling=8.0, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 16
+    ),
+    "cohere": lambda **kw: transformers.CohereConfig(**kw, logit_scale=0.0625),
+    "gemma2": lambda **kw: transformers.Gemma2Config(
+        **kw, head_dim=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=64
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def family_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """A tiny model of each of FAMILY_CONFIGS with the character tokenizer, built locally. The LM head (untied) is
+    50x its initialization, so that the logits before the family's post-processing spread as a trained model's (std
+    about 8: Gemma2's softcap at 30 bends their tails; Granite's and Cohere's scales change every log-prob)."""
+    from lit_ppo.demo.tiny import build_char_tokenizer, padded_vocab_size, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    shape = dict(
+        vocab_size=padded_vocab_size(len(tokenizer)),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    dirs = {}
+    for family, config in FAMILY_CONFIGS.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config(**shape))
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(50.0)
+        dirs[family] = str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp(family) / "model"))
+    return dirs
+
+
+def head_by_hand(model, mb):
+    """The packed path before issue 37: the decoder's hidden states at head_index times the LM head's weights, skipping
+    what the family's forward does after its head. Kept to show the test models are ones where that matters, and to
+    force the packed path wrong for the start-up check."""
+    captured = []
+    handle = model.get_decoder().register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
+    try:
+        model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    hidden = captured[0].reshape(-1, captured[0].shape[-1])
+    return model.get_output_embeddings()(hidden[mb.head_index])[None]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_packed_logprobs_equal_padded_for_families_that_change_the_logits_after_the_head(family, family_model_dirs):
+    """float32, prompts of 100-300 tokens, responses up to 256, temperature 0.7: the packed log-probs and entropies
+    are the padded ones within 1e-5 nats per token on average (1e-4 at most: a token of log-prob -20 rounds at that),
+    where the LM head applied by hand (the packed path before) was 0.05 nats per token and more away."""
+    model = AutoModelForCausalLM.from_pretrained(family_model_dirs[family], dtype=torch.float32)
+    prepare_for_training(model, False)
+    prompts, responses, masks = realistic_samples(3, 2, seed=2, episodes=True)
+    padded = pack(prompts, responses, 0, "cpu", policy_masks=masks)
+    packed = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks)
+    mask = padded.response_mask
+    with torch.no_grad():
+        a, ea = response_logprobs_and_entropy(model, padded, TEMPERATURE)
+        b, eb = response_logprobs_and_entropy(model, packed, TEMPERATURE)
+        by_hand = torch.log_softmax(head_by_hand(model, packed)[0] / TEMPERATURE, -1)
+    targets = packed.response_ids[mask > 0]
+    old_error = (by_hand.gather(-1, targets[:, None])[:, 0] - a[mask > 0]).abs().mean()
+    assert old_error > 0.05, f"{family}: the test model's post-processing changes log-probs by {old_error:.2e} only"
+    error = (a * mask - b).abs()
+    mean, largest = float(error.sum() / mask.sum()), float(error.max())
+    assert mean < 1e-5 and largest < 1e-4, f"{family}: packed {mean:.2e} nats per token from padded (max {largest:.2e})"
+    torch.testing.assert_close(ea * mask, eb, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
+def test_a_packed_and_a_padded_rollout_step_end_with_the_same_weights(
+    family, family_model_dirs, arithmetic_files, tmp_path, monkeypatch
+):
+    """One rollout step of ppo (critic, reference, KL in the reward) on 4 episodes of realistic lengths, temperature
+    0.7, packed and padded (2 micro-batches): the start-up check runs in the packed run and finds float32's rounding;
+    every optimizer step's gradients agree within 1e-4 relative (each tensor), the actors and critics end within 1e-4
+    of each tensor's norm and, all their tensors together, of their move (Adam divides each entry by the root of its
+    squared gradients, so one tensor's rounding grows up to about 1e-4 of its own move)."""
+    from lit_ppo.training import module as module_file
+
+    checks = []
+    monkeypatch.setattr(
+        module_file, "check_packing", lambda *a, check=module_file.check_packing: checks.append(check(*a))
+    )
+    model_dir = family_model_dirs[family]
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=1,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        actor_lr=1e-3,
+        critic_lr=1e-3,
+    )
+    batch = realistic_batch(n_prompts=1, seed=3, episodes=True)
+    padded, padded_grads = train(
+        model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False)
+    )
+    assert checks == []
+    packed, packed_grads = train(
+        model_dir, arithmetic_files, tmp_path / "b", batch, dataclasses.replace(ppo, packing=True)
+    )
+    [found] = checks
+    assert found.logprob_mean < 1e-5 and found.hidden_relative < 1e-5 and found.value_relative < 1e-5, found
+    assert len(packed_grads) == len(padded_grads) == 2  # the actor's and the critic's
+    for a, b in zip(packed_grads, padded_grads):
+        assert_close_tensors(a, b, 1e-4)
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for model in ("actor", "critic"):
+        a = {n: p.detach() for n, p in getattr(packed, model).named_parameters()}
+        b = {n: p.detach() for n, p in getattr(padded, model).named_parameters()}
+        # the critic's body starts from the causal LM's weights, under the same names; its value head from zero
+        moves = {n: b[n] - initial[n] if n in initial else b[n] for n in b}
+        for name in a:
+            error = float((a[name] - b[name]).norm())
+            assert error <= 1e-4 * float(b[name].norm()), (
+                f"{model} {name}: {error:.2e} apart, norm {b[name].norm():.2e}"
+            )
+        error = float(torch.cat([(a[n] - b[n]).flatten() for n in a]).norm())
+        moved = float(torch.cat([m.flatten() for m in moves.values()]).norm())
+        assert 0 < moved and error <= 1e-4 * moved, f"{model}: {error:.2e} apart after moving {moved:.2e}"
+
+
+def test_the_start_up_check_stops_a_run_whose_packed_logits_skip_the_model_s_post_processing(
+    family_model_dirs, arithmetic_files, tmp_path, monkeypatch
+):
+    """The packed path forced wrong (the LM head by hand, as before issue 37) on a Granite model (logits_scaling 8):
+    the run's first rollout step stops, before any experience or update, in one line naming the model type, the
+    difference and the fix."""
+    from lit_ppo.errors import PackingError
+    from lit_ppo.training import models
+
+    monkeypatch.setattr(models, "packed_response_logits", head_by_hand)
+    ppo = dataclasses.replace(
+        compose_run_config("ppo=grpo").ppo,
+        rollout_batch_size=1,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        packing=True,
+    )
+    batch = realistic_batch(n_prompts=1, seed=3, episodes=True)
+    with pytest.raises(PackingError) as error:
+        train(family_model_dirs["granite"], arithmetic_files, tmp_path, batch, ppo)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "ppo.packing: on this granite model the packed and padded layouts of the first micro-batch"
+    )
+    assert "nats per token apart on average" in message and "more than 32-true's 0.001" in message
+    assert message.endswith("; fix: set ppo.packing=false (padded micro-batches)")
+
+
+def test_the_start_up_check_compares_what_the_critic_s_value_head_reads(actor, tiny_model_dir, monkeypatch):
+    """The critic's value head starts at zero, so its values agree in any layout at the start; the check compares the
+    hidden states the head reads. Packed as the run packs, they agree to float32's rounding; a critic whose packed
+    forward lets samples read each other (position ids running on across the row: one sequence to transformers) is
+    stopped in one line, though its values still agree."""
+    from transformers import AutoModelForTokenClassification
+
+    from lit_ppo.errors import PackingError
+    from lit_ppo.training import packing_check
+
+    critic = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+    torch.nn.init.zeros_(critic.score.weight)
+    prepare_for_training(critic, False)
+    prompts, responses, masks = realistic_samples(1, 2, seed=4, episodes=True)
+    packed = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks)
+    alone = [pack([p], [r], 0, "cpu", policy_masks=[m]) for p, r, m in zip(prompts, responses, masks)]
+    found = packing_check.check_packing(actor, critic, packed, alone, TEMPERATURE, "32-true")
+    assert found.logprob_mean < 1e-5 and found.hidden_relative < 1e-5 and found.value_relative == 0.0
+
+    def one_sequence(critic, mb):
+        if mb.packed:  # positions 0, 1, 2, ... over the whole row
+            positions = torch.arange(mb.input_ids.shape[1]).expand_as(mb.input_ids)
+            mb = dataclasses.replace(mb, position_ids=positions)
+        return critic_values(critic, mb)
+
+    monkeypatch.setattr(packing_check, "critic_values", one_sequence)
+    with pytest.raises(PackingError, match=r"^ppo.packing: on this qwen2 model the critic's hidden states at the "
+                       r"response tokens of the first micro-batch's first 2 samples are \S+ apart relative in the "
+                       r"packed and padded layouts, more than 32-true's 0.001; fix: set ppo.packing=false"):  # fmt: skip
+        packing_check.check_packing(actor, critic, packed, alone, TEMPERATURE, "32-true")
+
+
+def test_the_start_up_check_s_bounds_follow_the_precision(monkeypatch):
+    """0.01 nats per token apart: bf16's rounding (bounds 0.05), a wrong model in float32 (bound 0.001)."""
+    from lit_ppo.errors import PackingError
+    from lit_ppo.training import packing_check
+
+    monkeypatch.setattr(packing_check, "layout_difference", lambda *a: packing_check.LayoutDifference(0.01, 0.2))
+    config = type("Config", (), {"model_type": "cohere"})
+    model = type("Model", (), {"config": config})()
+    for precision in ("bf16-mixed", "bf16-true"):
+        assert packing_check.check_packing(model, None, None, [], 1.0, precision).logprob_mean == 0.01
+    with pytest.raises(PackingError, match=r"^ppo.packing: on this cohere model .* 0.01 nats per token apart on "
+                       r"average \(max 0.2\), more than 32-true's 0.001"):  # fmt: skip
+        packing_check.check_packing(model, None, None, [], 1.0, "32-true")
+
+
+def test_packed_equals_padded_through_peft_for_the_lora_actor_its_reference_and_the_critic(family_model_dirs):
+    """model.lora on Gemma2 (softcapped logits): the peft actor (adapters moved off their zero start), its reference
+    (the adapter disabled) and the peft critic give the padded layout's log-probs and head inputs packed, by the
+    start-up check's own comparison (float32)."""
+    from transformers import AutoModelForTokenClassification
+
+    from lit_ppo.config import LoraConfig
+    from lit_ppo.training.models import adapter_disabled, with_lora
+    from lit_ppo.training.packing_check import check_packing
+
+    lora = LoraConfig(rank=4)
+    model_dir = family_model_dirs["gemma2"]
+    actor = with_lora(
+        prepare_for_training(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), False), lora
+    )
+    critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    critic = with_lora(prepare_for_training(critic, False), lora, modules_to_save=["score"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in [*actor.named_parameters(), *critic.named_parameters()]:
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    prompts, responses, masks = realistic_samples(1, 2, seed=5, episodes=True)
+    packed = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks)
+    alone = [pack([p], [r], 0, "cpu", policy_masks=[m]) for p, r, m in zip(prompts, responses, masks)]
+    found = check_packing(actor, critic, packed, alone, TEMPERATURE, "32-true")
+    assert found.logprob_mean < 1e-5 and found.hidden_relative < 1e-5
+    with adapter_disabled(actor):
+        assert check_packing(actor, None, packed, alone, TEMPERATURE, "32-true").logprob_mean < 1e-5
+        reference = response_logprobs_and_entropy(actor, packed, TEMPERATURE)[0]
+    with torch.no_grad():
+        adapted = response_logprobs_and_entropy(actor, packed, TEMPERATURE)[0]
+    assert (reference - adapted).abs().max() > 1e-3  # the adapter changes the policy: two models were checked
+
+
+def test_model_types_with_recurrent_layers_are_refused_for_their_state_crosses_packed_samples():
+    """transformers keeps packed samples apart in attention only. A tiny MiniMax (lightning attention, a recurrent
+    state; its models are not marked `_is_stateful`, its layer types name it) lets a token changed in one packed sample
+    move the next sample's log-probs, so every model type whose layers carry a state is refused (by transformers' flag
+    or layer types), and the attention-only ones, a convolution hybrid that reads the boundaries (lfm2) and a Gemma3
+    text checkpoint (model_type gemma3_text, gemma3's modeling code) pack."""
+    config = transformers.MiniMaxConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = prepare_for_training(AutoModelForCausalLM.from_config(config, dtype=torch.float32), False)
+    prompts, responses, _ = realistic_samples(2, 1, seed=6, episodes=False)
+    changed = [[(t + 7) % 30 + 4 for t in prompts[0]], prompts[1]]
+    with torch.no_grad():
+        logp = response_logprobs_and_entropy(model, pack_samples(prompts, responses, 0, "cpu", one_row=True), 1.0)[0]
+        moved = response_logprobs_and_entropy(model, pack_samples(changed, responses, 0, "cpu", one_row=True), 1.0)[0]
+    assert float((logp[1] - moved[1]).abs().max()) > 1e-3  # sample 1 read sample 0
+    for model_type in ("minimax", "qwen3_next", "falcon_h1", "olmo_hybrid", "nemotron_h", "jamba", "qwen3_5"):
+        assert packing_unsupported(model_type).startswith(f"transformers' {model_type} models have recurrent layers")
+    for model_type in ("qwen2", "llama", "gemma2", "gemma3_text", "cohere", "granite", "minicpm3", "lfm2", "gpt_oss"):
+        assert packing_unsupported(model_type) is None, model_type

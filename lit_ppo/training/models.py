@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from lit_ppo.config import LoraConfig
 from lit_ppo.distributed import gathered
+from lit_ppo.errors import PackingError
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.logits import logprobs_and_entropy
@@ -180,29 +181,46 @@ def response_logprobs_and_entropy(model: torch.nn.Module, mb: MicroBatch, temper
     elsewhere."""
     if not mb.packed:
         return logprobs_and_entropy(response_logits(model, mb), mb.response_ids, temperature=temperature)
-    hidden = decoder_hidden_states(model, mb)  # [R * L, H]
-    logits = model.get_output_embeddings()(hidden[mb.head_index])  # [n, V]
+    logits = packed_response_logits(model, mb)  # [1, n, V]
     targets = mb.response_ids[mb.response_mask > 0]  # [n], the same row-major order as head_index
-    logp, entropy = logprobs_and_entropy(logits[None], targets[None], temperature=temperature)
+    logp, entropy = logprobs_and_entropy(logits, targets[None], temperature=temperature)
     return scatter_responses(logp[0], mb.response_mask), scatter_responses(entropy[0], mb.response_mask)
 
 
-def decoder_hidden_states(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-    """The decoder's last hidden states of a packed micro-batch, [R * L, H], taken by a hook from the model's own
-    forward (so that what wraps the model's forward, FSDP's gathering of the root's parameters or a peft model's,
-    still runs), which computes the vocabulary logits of one position per row only (logits_to_keep=1)."""
-    captured: list[Tensor] = []
+def packed_response_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """A language model's logits at a packed micro-batch's `head_index` positions, [1, n, V], from the model's own
+    forward: a hook on its decoder hands the rest of the forward the decoder's last hidden states at those positions
+    only, as one sequence of n, so the model's own head and what follows it run on them as in the padded layout
+    (Gemma2/3's final logit softcapping, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's
+    lm_head_multiplier, MiniCPM3's scaled hidden states: each family's forward, no table of ours).
 
-    def keep(_module, _args, output) -> None:
-        captured.append(output[0])  # BaseModelOutputWithPast.last_hidden_state
+    Not transformers' `logits_to_keep` as a tensor of positions: it selects the same positions in every row, [R, n, V]
+    for R packed rows. What wraps the model's forward (FSDP's gathering of the root's parameters, a peft model's
+    forward, the LoRA reference's disabled adapter) runs as in any forward."""
+    replaced: list[bool] = []
 
-    handle = model.get_decoder().register_forward_hook(keep)
+    def at_response_positions(_module, _args, output):
+        hidden = output[0]  # [R, L, H] last_hidden_state (a ModelOutput or a tuple)
+        kept = hidden.reshape(-1, hidden.shape[-1])[mb.head_index][None]  # [1, n, H]
+        replaced.append(True)
+        if isinstance(output, tuple):
+            return (kept, *output[1:])
+        output.last_hidden_state = kept  # a ModelOutput keeps its attribute and its first item the same
+        return output
+
+    handle = model.get_decoder().register_forward_hook(at_response_positions)
     try:
         # use_cache=False: with a cache transformers takes the positions for decoding steps and builds no packed mask
-        model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=0).logits
     finally:
         handle.remove()
-    return captured[0].reshape(-1, captured[0].shape[-1])
+    if len(replaced) != 1 or logits.shape[:2] != (1, mb.head_index.numel()):
+        raise PackingError(
+            f"ppo.packing: the {model.config.model_type} model's forward did not compute its logits from its decoder's "
+            f"hidden states (logits {tuple(logits.shape)} for {mb.head_index.numel()} response positions); "
+            "fix: set ppo.packing=false (padded micro-batches)"
+        )
+    return logits
 
 
 def scatter_responses(values: Tensor, response_mask: Tensor) -> Tensor:

@@ -78,6 +78,7 @@ from lit_ppo.training.models import (
     trained_state,
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
+from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 
 
 class PPOModule(L.LightningModule):
@@ -116,6 +117,7 @@ class PPOModule(L.LightningModule):
         if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
+        self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
         # A checkpoint holds the trained tensors only: the reference and LoRA's frozen base load from model_dir. Set
         # here, as Lightning's ModelParallelStrategy (FSDP) loads the weights before on_load_checkpoint.
@@ -183,6 +185,21 @@ class PPOModule(L.LightningModule):
 
     def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
         return packed_micro_batches(batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row)
+
+    @torch.no_grad()
+    def check_packed_layout(self, batch: RolloutBatch) -> None:
+        """The start-up check of ppo.packing (`packing_check.check_packing`): the first micro-batch's first samples,
+        packed as the run lays them out, against each one's padded forward alone; every rank checks as many samples
+        (under FSDP each forward is a collective)."""
+        groups = self._micro_batch_groups(batch, list(range(len(batch.response_ids))))
+        [(idx, packed)] = self._micro_batches(batch, groups[:1])
+        count = min(CHECKED_SAMPLES, len(idx))
+        count = -int(global_max(torch.tensor(-float(count), device=self.device)))  # the fewest of any rank
+        alone = [
+            mb for _, mb in packed_micro_batches(batch, [[i] for i in idx[:count]], self.pad_token_id, self.device)
+        ]
+        check_packing(self.actor, self.critic, packed, alone, self.temperature, self.plan.precision)
+        self.packing_checked = True
 
     # ------------------------------------------------------------ experience
 
@@ -429,6 +446,8 @@ class PPOModule(L.LightningModule):
         self.rank_balance_stats = {}
         if self.plan.rank_balance:
             batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
+        if self.plan.packing and not self.packing_checked:  # once per process: a resumed run checks again
+            self.check_packed_layout(batch)
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
         exp = self.make_experience(batch)
         experience_seconds, started = time.perf_counter() - started, time.perf_counter()
