@@ -280,6 +280,38 @@ def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple
     }
 
 
+def global_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, list[tuple[int, int]], list[int]]:
+    """Every rank's samples of the rollout step as one batch in the order one process holds them (by prompt position;
+    a prompt's samples together, in their order), what each rank trains its share of every global mini-batch from
+    (`rank_share`), so the mini-batches are the same sets of samples whatever the number of ranks. Returns that batch
+    (this rank's per-rank fields kept: `RolloutBatch.with_samples`), its samples as (rank, sample index) of the ranks'
+    batches (for `experience.global_experience`), and where this rank's own samples are in it. One all-gather of the
+    ranks' batches (ids and texts); on one process the batch itself."""
+    shares = all_gather_objects(batch)
+    if len(shares) == 1:
+        return batch, [(0, i) for i in range(len(batch.response_ids))], list(range(len(batch.response_ids)))
+    picks = [(r, i) for r, share in enumerate(shares) for i in range(len(share.response_ids))]
+    picks.sort(key=lambda pick: shares[pick[0]].prompt_positions[pick[1]])  # stable: a prompt's samples keep order
+    where = {pick: j for j, pick in enumerate(picks)}
+    return batch.with_samples(shares, picks), picks, [where[(rank, i)] for i in range(len(batch.response_ids))]
+
+
+def rank_share(batch: RolloutBatch, minibatch: list[int], plan: StepPlan, rank: int) -> list[int]:
+    """This rank's samples of the global mini-batch `minibatch` (indices of `global_batch`'s batch): train_batch_size /
+    ranks of them, so the ranks run as many micro-batches. Packed (`plan.rank_balance`): split by real tokens
+    (`equal_count_partition`), so the ranks' forwards and backwards take about as long; otherwise consecutive runs of
+    the shuffled order. The loss denominators are the whole mini-batch's (`loss_denominators`): the update does not
+    depend on the split, nor on the number of ranks."""
+    world = plan.data_parallel_size
+    if world == 1:
+        return minibatch
+    if plan.rank_balance:
+        tokens = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in minibatch]
+        return [minibatch[j] for j in equal_count_partition(tokens, world)[rank]]
+    size = len(minibatch) // world
+    return minibatch[rank * size : (rank + 1) * size]
+
+
 def packed_micro_batch_groups(
     prompt_lengths: list[int],
     response_lengths: list[int],
