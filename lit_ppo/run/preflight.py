@@ -355,3 +355,20 @@ def check_attention(attn_implementation: str | None) -> None:
                 f"model.attn_implementation={attn_implementation}: needs {what}, not found here; fix: install it, or "
                 "model.attn_implementation=null (transformers' default, sdpa)"
             )
+
+
+# ------------------------------------------------------------------ ranks
+
+
+def check_strategy(name: str, devices: int, num_nodes: int) -> None:
+    """strategy=single runs one process. Asked for more devices or nodes, Lightning would start the other ranks and
+    their engines with its own DDP defaults, and the first backward would fail minutes later with DDP's "parameters
+    that were not used in producing the loss" (the actor and the critic take separate backward passes; strategy=ddp
+    sets find_unused_parameters for that)."""
+    if name == "single" and (devices > 1 or num_nodes > 1):
+        nodes = f" strategy.num_nodes={num_nodes}" if num_nodes > 1 else ""
+        raise ConfigError(
+            f"strategy=single runs one process, but strategy.devices={devices}{nodes} asks for "
+            f"{devices * num_nodes} ranks; fix: strategy=ddp strategy.devices={devices}{nodes} (or strategy=fsdp), "
+            "or strategy.devices=1"
+        )
