@@ -274,11 +274,12 @@ class StepPlan:
                     (
                         "rank split",
                         "by tokens" if self.rank_balance else "generated",
-                        "whole prompt groups over the ranks by real tokens after generation, as many on each "
-                        "(heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance)"
+                        "experience: whole prompt groups over the ranks by real tokens after generation, as many on "
+                        "each (heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance); "
+                        "updates: each global mini-batch's samples, by real tokens"
                         if self.rank_balance
-                        else "each rank trains the prompt groups it generated (contiguous shares; by tokens when "
-                        "packed)",
+                        else "experience: the prompt groups each rank generated (contiguous shares; by tokens when "
+                        "packed); updates: each global mini-batch's samples, in runs of its shuffled order",
                     )
                 ]
                 if self.data_parallel_size > 1

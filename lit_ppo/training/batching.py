@@ -1,5 +1,7 @@
 """How a rank's samples become the model's inputs: under packing with data parallelism first the ranks' samples split
-again by real tokens (`balanced_rank_batch`, `equal_count_partition`); micro-batches chosen by count or token budget
+again by real tokens for the experience pass (`balanced_rank_batch`, `equal_count_partition`); for the updates every
+rank's samples in one process's order (`global_batch`) and this rank's share of each global mini-batch (`rank_share`);
+micro-batches chosen by count or token budget
 (`micro_batch_groups`, or `packed_micro_batch_groups`: a balanced partition by real tokens), and the rows of one
 micro-batch laid out for a forward: `pack` (padded: prompts left-padded, responses right-padded) or `pack_samples`
 (ppo.packing: whole samples end to end, position ids restarting at each, no padding between them), each with the
@@ -256,8 +258,8 @@ def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple
     order, for the group estimators) in `equal_count_partition` by prompt + response tokens, as many groups on every
     rank (so the ranks run as many mini-batches and micro-batches, and the collectives in them match). Each rank
     generated a contiguous share of the rollout batch, whose tokens follow its prompts' and responses' lengths; the
-    training forwards and backwards then wait for the heaviest rank at every gradient all-reduce. The loss
-    denominators are global sums over the mini-batch (`loss_denominators`): the update does not depend on the split.
+    training forwards and backwards then wait for the heaviest rank at every gradient all-reduce. The updates draw their
+    mini-batches from every rank's samples (`global_batch`): the update does not depend on this split.
     Every rank receives every rank's samples (ids and texts, once per rollout step: one all-gather). Returns the
     batch and the ranks' heaviest over mean real tokens, after and as generated (`perf/rank_token_imbalance`,
     `perf/rank_token_imbalance_contiguous`)."""

@@ -10,10 +10,12 @@ One `training_step` is one rollout step:
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
   5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
-Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
-on its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
-`batching.balanced_rank_batch`); advantage statistics, loss denominators and the logged metrics
-are global (all-reduced over ranks).
+Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank computes the experience
+of its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
+`batching.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples and
+experience, and the mini-batches are drawn from those global samples, each rank training its share of each
+(`batching.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators and the
+logged metrics are those of the global batch.
 """
 
 from __future__ import annotations
