@@ -175,7 +175,19 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
     saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
     if path.parent.name != "checkpoints" or not saved_config.is_file():
         return
-    differences = config_differences(yaml.safe_load(saved_config.read_text()), config.to_dict())
+    saved = yaml.safe_load(saved_config.read_text())
+    differences = config_differences(saved, config.to_dict())
+    saved_strategy = _flat(saved).get("strategy.name")
+    if saved_strategy is not None and saved_strategy != config.strategy.name:
+        # The strategy group's other keys (strategy.lightning.*) follow from its name: the user's setting is the name.
+        others = [d for d in differences if not d.startswith("strategy.")]
+        also = f", nor {'; '.join(others[:6])}" + (f"; and {len(others) - 6} more" if len(others) > 6 else "")
+        raise ConfigError(
+            f"resume={resume}: {path.name} was written under strategy={saved_strategy}, this run is "
+            f"strategy={config.strategy.name}; the strategy may not change on resume (the number of ranks may)"
+            f"{also if others else ''}; fix: resume with {strategy_for_resume(saved_strategy, config.strategy)}"
+            f"{f' and the values in {saved_config}' if others else ''}, or start a new run in another output_dir"
+        )
     if differences:
         shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
         raise ConfigError(
@@ -184,6 +196,15 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
             f"resume; fix: resume with the values in {saved_config}, "
             "or start a new run in another output_dir"
         )
+
+
+def strategy_for_resume(saved_strategy: str, strategy) -> str:
+    """The command-line settings that resume a checkpoint of `saved_strategy` on this run's ranks (`strategy`'s
+    devices and nodes): one process when the checkpoint's strategy is single."""
+    if saved_strategy == "single":
+        return "strategy=single strategy.devices=1"
+    nodes = f" strategy.num_nodes={strategy.num_nodes}" if strategy.num_nodes > 1 else ""
+    return f"strategy={saved_strategy} strategy.devices={strategy.devices}{nodes}"
 
 
 def check_same_models(saved_plan: dict, plan) -> None:

@@ -42,6 +42,21 @@ def all_gather_objects(obj) -> list:
     return gathered
 
 
+def all_gather_padded(x: Tensor) -> list[Tensor]:
+    """Every rank's `x` in rank order (a collective: every rank calls it), each with its own number of rows (dim 0) and
+    its trailing sizes padded with zeros to the largest rank's: ranks' [N_r, T_r] experiences become [N_r, max T_r].
+    [x] on one process."""
+    if world_size() == 1:
+        return [x]
+    shapes = all_gather_objects(tuple(x.shape))
+    largest = [max(sizes) for sizes in zip(*shapes)]
+    padded = x.new_zeros(largest)
+    padded[tuple(slice(0, n) for n in x.shape)] = x
+    parts = [torch.empty_like(padded) for _ in shapes]
+    dist.all_gather(parts, padded)
+    return [part[: shape[0]] for part, shape in zip(parts, shapes)]
+
+
 def shard_models(models, mesh, bf16_mixed: bool = False) -> None:
     """FSDP2: `fully_shard` each decoder layer, then the rest, of every model (None entries are skipped).
 

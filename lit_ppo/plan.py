@@ -296,11 +296,12 @@ class StepPlan:
                     (
                         "rank split",
                         "by tokens" if self.rank_balance else "generated",
-                        "whole prompt groups over the ranks by real tokens after generation, as many on each "
-                        "(heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance)"
+                        "experience: whole prompt groups over the ranks by real tokens after generation, as many on "
+                        "each (heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance); "
+                        "updates: each global mini-batch's samples, by real tokens"
                         if self.rank_balance
-                        else "each rank trains the prompt groups it generated (contiguous shares; by tokens when "
-                        "packed)",
+                        else "experience: the prompt groups each rank generated (contiguous shares; by tokens when "
+                        "packed); updates: each global mini-batch's samples, in runs of its shuffled order",
                     )
                 ]
                 if self.data_parallel_size > 1
@@ -693,6 +694,25 @@ def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, c
         )
 
 
+def check_sample_use(plan: StepPlan, rollout_step: int, use_counts: list[list[int]]) -> None:
+    """The runtime proof of the global mini-batches: summed over the ranks, every sample of the rollout step's global
+    batch was trained exactly once in each PPO epoch (`use_counts`: [ppo_epochs][samples]), so the ranks' shares of
+    each mini-batch neither overlap nor leave a sample out, and the update is one process's."""
+    samples = plan.samples_per_rollout_step
+    wrong = [(e, i, n) for e, epoch in enumerate(use_counts) for i, n in enumerate(epoch) if n != 1]
+    if len(use_counts) != plan.ppo_epochs or any(len(epoch) != samples for epoch in use_counts) or wrong:
+        found = (
+            f"sample {wrong[0][1]} trained {wrong[0][2]} times in PPO epoch {wrong[0][0] + 1}"
+            if wrong
+            else f"{len(use_counts)} PPO epochs of {[len(epoch) for epoch in use_counts]} samples"
+        )
+        raise StepAccountingError(
+            f"rollout step {rollout_step}: over the {plan.data_parallel_size} rank(s), {found}, but the plan says each "
+            f"of {samples} samples once in each of {plan.ppo_epochs} PPO epochs; the ranks' shares of the mini-batches "
+            "are not doing what the plan states"
+        )
+
+
 def check_policy_versions(plan: StepPlan, rollout_step: int, policy_versions: list[int] | None) -> None:
     """The runtime proof of the generation schedule: every sample about to be trained in `rollout_step` was generated
     by the policy version the plan states (`StepPlan.generating_version`), never by whatever was newest."""
@@ -750,11 +770,13 @@ def check_rank_balance(
 
 
 def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list[list[int]]]:
-    """Per PPO epoch, this rank's mini-batches of sample indices (train_batch_size / ranks each), reshuffled every
-    epoch by `generator` (seeded by ppo.shuffle_seed, checkpointed)."""
+    """Per PPO epoch, the global mini-batches of train_batch_size indices of the rollout step's `num_samples` samples
+    (all ranks', in one process's order), reshuffled every epoch by `generator` (seeded by ppo.shuffle_seed, the same
+    on every rank, checkpointed): the same on any number of ranks, each of which trains its share of every
+    mini-batch (`training/batching.py:rank_share`)."""
     import torch  # the plan itself needs no torch (mode=plan)
 
-    size = plan.train_batch_size // plan.data_parallel_size
+    size = plan.train_batch_size
     schedule = []
     for _ in range(plan.ppo_epochs):
         order = torch.randperm(num_samples, generator=generator).tolist()

@@ -486,7 +486,7 @@ def lora_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_single_run(tmp_path_factory, lora_cache):
-    """test_ddp.py's 1-process run (2 rollout steps, one mini-batch of the whole rollout batch, 2 PPO epochs, float32)
+    """test_ddp.py's 1-process run (2 rollout steps, two mini-batches per PPO epoch, 2 PPO epochs, float32)
     with a LoRA adapter: what the 2-process runs are compared with."""
     from tests.test_ddp import train_cli
 
@@ -502,15 +502,20 @@ def lora_fsdp_run(tmp_path_factory, lora_cache, lora_single_run):
     return train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], "model.lora.save_merged=true")
 
 
-def assert_same_adapter(one, two, atol: float) -> dict:
-    """The final adapters (actor/) of two runs agree within `atol`, and have trained; returns the first."""
+def assert_same_adapter(one, two, rel: float = 1e-5) -> dict:
+    """The final adapters (actor/) of two runs agree within `rel` of the adapter's norm (all its tensors together), and
+    have trained; returns the first. In norm, not entry by entry: Adam moves an entry whose gradient is float32 rounding
+    (lora_A's, while lora_B is still near its zero start) by up to the learning rate. One process against itself with
+    micro-batches of 16 instead of 32 samples: 5.3e-6; 2 ranks against 1: 2.3e-6 (before the global mini-batches, with
+    two mini-batches per PPO epoch: 0.35)."""
     from safetensors.torch import load_file
 
     a = load_file(one / "actor" / "adapter_model.safetensors")
     b = load_file(two / "actor" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+    difference = sum(float((b[k] - a[k]).norm()) ** 2 for k in a) ** 0.5
+    norm = sum(float(v.norm()) ** 2 for v in a.values()) ** 0.5
+    assert difference <= rel * norm, f"the adapters differ by {difference / norm:.2e} of their norm"
     return a
 
 
@@ -522,7 +527,7 @@ def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path, lora_cache, l
     from tests.test_ddp import DDP, train_cli
 
     two = train_cli(tmp_path / "ddp", lora_cache, *LORA_PARALLEL, *DDP)
-    assert_same_adapter(lora_single_run, two, atol=5e-5)
+    assert_same_adapter(lora_single_run, two)
     for run in (lora_single_run, two):
         rows = rollout_step_rows(run / "metrics.csv")
         assert all(float(r["perf/weight_sync_bytes"]) < 1e6 for r in rows)  # the adapter alone
@@ -541,7 +546,7 @@ def test_two_fsdp_processes_train_the_same_adapter_as_one(lora_single_run, lora_
 
     from tests.helpers import rollout_step_rows
 
-    adapter = assert_same_adapter(lora_single_run, lora_fsdp_run, atol=5e-5)
+    adapter = assert_same_adapter(lora_single_run, lora_fsdp_run)
     adapter_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
     for run in (lora_single_run, lora_fsdp_run):
         rows = rollout_step_rows(run / "metrics.csv")
@@ -578,7 +583,7 @@ def test_a_fsdp_lora_checkpoint_resumes_on_two_ranks_to_the_same_adapter(tmp_pat
     resumed = train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], f"resume={start}")
     assert [r["rollout_step"] for r in rollout_step_rows(resumed / "metrics.csv")] == ["1", "2"]
     assert not (resumed / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone
-    assert_same_adapter(lora_fsdp_run, resumed, atol=1e-5)
+    assert_same_adapter(lora_fsdp_run, resumed)
 
 
 def test_an_adapter_the_engine_does_not_serve_after_the_sync_stops_the_run(lora_engine, monkeypatch):

@@ -12,7 +12,7 @@ import torch
 
 from lit_ppo.config import PPOConfig
 from lit_ppo.training.experience import Experience, loss_denominators, next_kl_coef
-from lit_ppo.training.metrics import MeanOver, rollout_metrics, unbiased_variance
+from lit_ppo.training.metrics import MeanOver, actor_loss_shares, rollout_metrics, unbiased_variance, update_metrics
 
 
 def t(x) -> torch.Tensor:
@@ -107,6 +107,42 @@ def test_mean_over_divides_by_events_not_additions():
     per_update.count()
     assert per_update.means() == {"critic/value_loss": 3.0, "actor/grad_norm": 3.0}  # (1 + 2 + 3) / 2, (4 + 2) / 2
     assert MeanOver("micro-batch").means() == {}
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # kept tokens: sample 0 its 3, sample 1 its first (the rollout correction dropped the others)
+        # policy loss (1 + 2 + 3 + 4) / 4 tokens; clipped 2 of 4 tokens; entropy (1 + 2 + 3 + 4) / 4
+        ("token-mean", {"actor/policy_loss": 2.5, "actor/clip_fraction": 0.5, "actor/entropy": 2.5}),
+        # per sample: (6 / 3 + 4 / 1) / 2 samples; clipped (1/3 + 1) / 2; entropy (2 + 4) / 2
+        ("seq-mean-token-mean", {"actor/policy_loss": 3.0, "actor/clip_fraction": 2 / 3, "actor/entropy": 3.0}),
+        # the loss: (6 + 4) / 2 samples, every token weighed alike, so the means are over tokens
+        ("seq-mean-token-sum", {"actor/policy_loss": 5.0, "actor/clip_fraction": 0.5, "actor/entropy": 2.5}),
+    ],
+)
+def test_actor_statistics_are_weighted_as_the_loss_aggregation_and_add_up_over_micro_batches(mode, expected):
+    """Two samples in one micro-batch, or one each in two: the shares of the mini-batch's statistics add up to the same
+    values, weighted as the configured loss aggregation weighs the tokens it keeps."""
+    pg_tok, entropy = t([[1, 2, 3], [4, 8, 8]]), t([[1, 2, 3], [4, 8, 8]])
+    clipped = torch.tensor([[True, False, False], [True, True, True]])
+    logp, old_logp = t([[-1, -1, -1], [-2, -1, -1]]), t([[-1, -1, -1], [-1, -1, -1]])
+    loss_mask = t([[1, 1, 1], [1, 0, 0]])
+    agg = dict(num_tokens=t(4.0), num_seqs=t(2.0), max_len=3)
+    whole = actor_loss_shares(pg_tok, clipped, logp, old_logp, entropy, loss_mask, mode, **agg)
+    per_update = MeanOver("optimizer update")
+    for row in ([0], [1]):  # two micro-batches (or two ranks) of one mini-batch
+        per_update.add(
+            actor_loss_shares(
+                pg_tok[row], clipped[row], logp[row], old_logp[row], entropy[row], loss_mask[row], mode, **agg
+            )
+        )
+    per_update.count()
+    summed = update_metrics(per_update, 0.0, 0.0, device="cpu")
+    # approx KL: 0.5 x (log ratio -1)^2 on sample 1's kept token only: a token mean 0.5 / 4, a sample mean (0 + 0.5) / 2
+    kl = 0.25 if mode == "seq-mean-token-mean" else 0.125
+    for key, value in {**expected, "actor/approx_kl": kl}.items():
+        assert whole[key] == pytest.approx(value) and summed[key] == pytest.approx(value), key
 
 
 def test_experience_rows_cut_samples_and_width_and_keep_missing_fields_missing():

@@ -334,6 +334,68 @@ def test_rank_balance_check_fires():
     assert not plan_of(4, ppo=ppo).rank_balance
 
 
+# ---------------------------------------------------------------- one update on any number of ranks
+
+
+def test_the_global_batch_is_one_process_s_batch_whatever_the_ranks_hold(monkeypatch):
+    """`global_batch` on 2 ranks' samples after the split by real tokens (each rank 2 whole prompt groups, not the
+    ones it generated; the all-gather stood in for): every rank holds one process's batch, samples in prompt order,
+    and knows where its own samples are in it."""
+    from lit_ppo.training import batching
+
+    whole = realistic_batch(n_prompts=4, n=2, seed=7, episodes=True)
+    held = [[2, 3, 6, 7], [0, 1, 4, 5]]  # rank 0 trains prompts 1 and 3, rank 1 prompts 0 and 2
+    shares = [whole.with_samples([whole], [(0, i) for i in rows]) for rows in held]
+    monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
+    for rank in range(2):
+        full, picks, own = batching.global_batch(shares[rank], rank)
+        assert full.prompt_positions == whole.prompt_positions == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert full.response_ids == whole.response_ids and full.policy_masks == whole.policy_masks
+        assert torch.equal(full.rewards, whole.rewards)
+        assert picks == [(1, 0), (1, 1), (0, 0), (0, 1), (1, 2), (1, 3), (0, 2), (0, 3)]
+        assert own == held[rank]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_ranks_train_shares_of_the_same_global_mini_batches(packing):
+    """Each rank's share of a global mini-batch (`rank_share`): as many samples on every rank, together exactly the
+    mini-batch; packed, balanced by real tokens (within the heaviest minus the lightest sample), padded, consecutive
+    runs of the shuffled order. One process trains the whole mini-batch. The mini-batches themselves do not depend
+    on the number of ranks (`minibatch_schedule`: the global shuffle from ppo.shuffle_seed)."""
+    from lit_ppo.plan import minibatch_schedule
+    from lit_ppo.training.batching import rank_share
+
+    ppo = dataclasses.replace(four_prompts_of_two_samples(), rollout_batch_size=8, train_batch_size=8, packing=packing)
+    batch = realistic_batch(n_prompts=8, n=2, seed=5, episodes=False)
+    one, two = plan_of(8, ppo=ppo), plan_of(8, ppo=ppo, dp=2)
+    assert two.rank_balance == packing
+    schedules = [minibatch_schedule(plan, 16, torch.Generator().manual_seed(ppo.shuffle_seed)) for plan in (one, two)]
+    assert schedules[0] == schedules[1] and [len(mb) for mb in schedules[0][0]] == [8, 8]
+    tokens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    for minibatch in schedules[0][0]:
+        assert rank_share(batch, minibatch, one, 0) == minibatch
+        shares = [rank_share(batch, minibatch, two, rank) for rank in range(2)]
+        assert [len(share) for share in shares] == [4, 4] and sorted(shares[0] + shares[1]) == sorted(minibatch)
+        if packing:
+            loads = [sum(tokens[i] for i in share) for share in shares]
+            spread = max(tokens[i] for i in minibatch) - min(tokens[i] for i in minibatch)
+            assert max(loads) - min(loads) <= spread
+        else:
+            assert shares == [minibatch[:4], minibatch[4:]]
+
+
+def test_sample_use_check_fires():
+    """The runtime proof that the ranks' shares cover each global mini-batch: every sample once per PPO epoch."""
+    from lit_ppo.plan import check_sample_use
+
+    plan = plan_of(4, ppo=dataclasses.replace(four_prompts_of_two_samples(), ppo_epochs=2), dp=2)
+    check_sample_use(plan, 0, [[1] * 8, [1] * 8])
+    with pytest.raises(StepAccountingError, match="over the 2 rank\\(s\\), sample 3 trained 2 times in PPO epoch 2"):
+        check_sample_use(plan, 0, [[1] * 8, [1, 1, 1, 2, 0, 1, 1, 1]])
+    with pytest.raises(StepAccountingError, match="1 PPO epochs of \\[8\\] samples, but the plan says each of 8"):
+        check_sample_use(plan, 0, [[1] * 8])
+
+
 def test_micro_batch_accounting_check_fires():
     plan = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_batch_size=16))
     check_micro_batches(plan, 0, [(16, 900)] * plan.grad_accumulation_steps)
@@ -584,6 +646,42 @@ def test_packed_and_padded_updates_are_the_same_update(preset, tiny_model_dir, a
     assert packed_row["perf/padding_fraction"] < 0.05 < padded_row["perf/padding_fraction"]
     assert packed_row["perf/trained_tokens"] == padded_row["perf/trained_tokens"]
     assert packed_row["perf/tokens_per_second"] > 0
+    assert_same_actor_statistics(packed_row, padded_row)
+
+
+ACTOR_STATISTICS = ("actor/policy_loss", "actor/clip_fraction", "actor/approx_kl", "actor/entropy")
+
+
+def assert_same_actor_statistics(a: dict, b: dict) -> None:
+    """The logged statistics of the actor's loss agree to float32 rounding (weighted as the loss aggregation over each
+    global mini-batch, not averaged over micro-batches), and are not all zero."""
+    assert any(a[key] != 0 for key in ACTOR_STATISTICS)
+    for key in ACTOR_STATISTICS:
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("preset", ["ppo", "grpo"])  # token-mean, seq-mean-token-mean
+def test_actor_statistics_do_not_depend_on_the_micro_batch_size(preset, tiny_model_dir, arithmetic_files, tmp_path):
+    """The same rollout batch of episodes trained in micro-batches of 4 samples (one per mini-batch) and of 1: the
+    logged policy loss, clip fraction, approximate KL and entropy are the same (samples of unequal lengths: a mean of
+    the micro-batches' means would weigh a short sample's tokens as much as a long one's)."""
+    ppo = dataclasses.replace(
+        compose_run_config(f"ppo={preset}").ppo,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        actor_lr=1e-3,
+        critic_lr=1e-3,
+        packing=False,
+    )
+    batch = realistic_batch(n_prompts=2, episodes=True)
+    one, _ = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, micro_train_batch_size=4)
+    )
+    four, _ = train(
+        tiny_model_dir, arithmetic_files, tmp_path / "b", batch, dataclasses.replace(ppo, micro_train_batch_size=1)
+    )
+    assert_same_actor_statistics(four.history[-1], one.history[-1])
 
 
 @pytest.mark.slow  # 2 runs of 3 rollout steps: about 20 s on 2 busy cores

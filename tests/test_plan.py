@@ -336,6 +336,7 @@ def test_hydra_plan_mode_with_overrides(tmp_path):
         "mode=plan",
         f"output_dir={tmp_path}",
         "ppo.ppo_epochs=3",
+        "strategy=ddp",
         "strategy.devices=2",
         "trainer.total_rollout_steps=null",
         "trainer.data_epochs=2",
@@ -368,7 +369,8 @@ BAD_OVERRIDES = [
     ("both_run_lengths", ["trainer.data_epochs=1"], ["trainer.total_rollout_steps", "trainer.data_epochs"]),
     ("unknown_ppo_key", ["+ppo.rollout_batchsize=16"], ["ppo.rollout_batchsize"]),
     ("grpo_one_sample", ["ppo.advantage_estimator=grpo", "ppo.n_samples_per_prompt=1"], ["ppo.n_samples_per_prompt"]),
-    ("micro_x_ranks", ["strategy.devices=4"], ["ppo.micro_train_batch_size"]),
+    ("micro_x_ranks", ["strategy=ddp", "strategy.devices=4"], ["ppo.micro_train_batch_size"]),
+    ("single_with_ranks", ["strategy.devices=2"], ["strategy=single", "fix: strategy=ddp strategy.devices=2"]),
     ("bad_mode", ["mode=dry"], ["mode"]),
     # Misspelled keys in every group (Hydra tells the user to add `+`; then the typed settings refuse them).
     ("unknown_reward_key", ["+reward.timeout=5"], ["reward.timeout", "did you mean reward.timeout_s"]),

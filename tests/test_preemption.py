@@ -212,3 +212,49 @@ def test_sigterm_to_a_two_process_ddp_run_checkpoints_exits_143_and_resumes_bitw
     sigterm_after_two_steps_then_resume(
         tmp_path, "strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu", "ppo.train_batch_size=128"
     )
+
+
+def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(tiny_model_dir, monkeypatch):
+    """Under data parallelism with ppo.micro_train_max_tokens the experience pass's micro-batch split all-reduces the
+    ranks' micro-batch counts (`batching.global_max`). A signal interrupts an interruptible region on one rank only, so
+    a collective inside it would leave the other ranks waiting in it: the split runs before the region."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from lit_ppo import preemption
+    from lit_ppo.plan import compute_plan
+    from lit_ppo.training import batching
+    from lit_ppo.training.module import PPOModule
+    from tests.helpers import compose_run_config, run_config
+    from tests.test_packing import realistic_batch
+
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=8,
+        micro_train_batch_size=2,
+        micro_train_max_tokens=600,
+    )
+    rollout = dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
+    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, dp=2), 64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id)
+    inside, collectives = [False], []
+
+    def interruptibly(fn):
+        inside[0] = True
+        try:
+            return fn()
+        finally:
+            inside[0] = False
+
+    def global_max(x):
+        collectives.append(inside[0])
+        return x
+
+    monkeypatch.setattr(preemption, "interruptibly", interruptibly)
+    monkeypatch.setattr(batching, "global_max", global_max)
+    module.make_experience(realistic_batch(n_prompts=2, n=2, episodes=False))  # this rank's half: 4 samples
+    assert collectives == [False]  # the one all-reduce of the split, outside the region

@@ -395,3 +395,23 @@ def test_a_run_matches_the_lora_targets_on_its_model_before_it_loads(tmp_path, t
     )
     run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", "mode=train", *lora))
     assert len(no_training) == 2
+
+
+# ------------------------------------------------------------------ ranks
+
+
+def test_several_devices_under_strategy_single_are_refused_before_any_model_loads(tmp_path):
+    """`strategy.devices=2` on the default strategy=single would start both ranks' engines and fail in the first
+    backward with DDP's unused-parameters traceback; it is refused in one line with the fix, exit 2, in a training
+    run too (before the warm start or any model: the run's directory gets no plan.json)."""
+    line = one_error_line(train_py(tmp_path, "mode=plan", "strategy.devices=2", f"output_dir={tmp_path / 'plan'}"))
+    assert line == (
+        "error: strategy=single runs one process, but strategy.devices=2 asks for 2 ranks; fix: strategy=ddp "
+        "strategy.devices=2 (or strategy=fsdp), or strategy.devices=1"
+    )
+    line = one_error_line(train_py(tmp_path, "strategy.num_nodes=2", f"output_dir={tmp_path / 'run'}"))
+    assert "strategy.devices=1 strategy.num_nodes=2 asks for 2 ranks; fix: strategy=ddp" in line
+    assert not (tmp_path / "run" / "plan.json").exists()
+    for ok in (["strategy=ddp", "strategy.devices=2"], ["strategy.devices=1"]):
+        compose_run_config(*ok)  # the settings themselves are fine; only the pair is refused
+        assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ok)) is None

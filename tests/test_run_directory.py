@@ -121,6 +121,38 @@ def test_an_explicit_resume_older_than_the_directorys_latest_is_refused(tmp_path
     assert list_checkpoints(tmp_path / "checkpoints")[-1].name == "rollout_step=000006.ckpt"
 
 
+def test_another_strategy_on_resume_is_refused_naming_the_settings_to_resume_with(tmp_path):
+    """A 2-process DDP run resumed on one process with the default strategy=single: the line names the user's keys
+    (the strategy, and the devices this run has) rather than the strategy.lightning.* values its group sets."""
+    saved = compose_run_config("strategy=ddp", "strategy.devices=2")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [1])
+
+    def refusal(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_run_directory(dataclasses.replace(compose_run_config(*overrides), resume="auto"), tmp_path)
+        assert "\n" not in str(info.value) and "strategy.lightning" not in str(info.value)
+        return str(info.value)
+
+    assert refusal() == (
+        "resume=auto: rollout_step=000001.ckpt was written under strategy=ddp, this run is strategy=single; the "
+        "strategy may not change on resume (the number of ranks may); fix: resume with strategy=ddp "
+        "strategy.devices=1, or start a new run in another output_dir"
+    )
+    line = refusal("strategy=fsdp", "strategy.devices=4", "strategy.num_nodes=2", "seed=3")
+    assert (
+        "this run is strategy=fsdp; the strategy may not change on resume (the number of ranks may), nor seed: 0 -> 3"
+        in line
+    )
+    assert (
+        f"fix: resume with strategy=ddp strategy.devices=4 strategy.num_nodes=2 and the values in {tmp_path / 'config.yaml'}"
+        in line
+    )
+    check_run_directory(  # the strategy it was written with, on one rank: fine
+        dataclasses.replace(compose_run_config("strategy=ddp", "strategy.devices=1"), resume="auto"), tmp_path
+    )
+
+
 def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     # Higher-numbered checkpoints of another timeline must not push out the running run's newest one.
     write_checkpoints(tmp_path, [4, 6, 5])

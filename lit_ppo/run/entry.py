@@ -36,6 +36,7 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     (None without LoRA, or where config.json is not on this machine)."""
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
+    checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
     environment = rollout.environment
     checks.check_environment_turns(environment is not None, rollout.max_turns)
     if environment is not None and environment.get("_target_"):

@@ -425,3 +425,20 @@ def lora_targets(model: Any, target_modules: str | list[str], rank: int, where: 
 def _peft_matches(module_name: str, target: str) -> bool:
     """peft's rule for a list of target names (tuners_utils.check_target_module_exists)."""
     return module_name == target or module_name.endswith(f".{target}")
+
+
+# ------------------------------------------------------------------ ranks
+
+
+def check_strategy(name: str, devices: int, num_nodes: int) -> None:
+    """strategy=single runs one process. Asked for more devices or nodes, Lightning would start the other ranks and
+    their engines with its own DDP defaults, and the first backward would fail minutes later with DDP's "parameters
+    that were not used in producing the loss" (the actor and the critic take separate backward passes; strategy=ddp
+    sets find_unused_parameters for that)."""
+    if name == "single" and (devices > 1 or num_nodes > 1):
+        nodes = f" strategy.num_nodes={num_nodes}" if num_nodes > 1 else ""
+        raise ConfigError(
+            f"strategy=single runs one process, but strategy.devices={devices}{nodes} asks for "
+            f"{devices * num_nodes} ranks; fix: strategy=ddp strategy.devices={devices}{nodes} (or strategy=fsdp), "
+            "or strategy.devices=1"
+        )

@@ -1,5 +1,7 @@
 """How a rank's samples become the model's inputs: under packing with data parallelism first the ranks' samples split
-again by real tokens (`balanced_rank_batch`, `equal_count_partition`); micro-batches chosen by count or token budget
+again by real tokens for the experience pass (`balanced_rank_batch`, `equal_count_partition`); for the updates every
+rank's samples in one process's order (`global_batch`) and this rank's share of each global mini-batch (`rank_share`);
+micro-batches chosen by count or token budget
 (`micro_batch_groups`, or `packed_micro_batch_groups`: a balanced partition by real tokens), and the rows of one
 micro-batch laid out for a forward: `pack` (padded: prompts left-padded, responses right-padded) or `pack_samples`
 (ppo.packing: whole samples end to end, position ids restarting at each, no padding between them), each with the
@@ -256,8 +258,8 @@ def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple
     order, for the group estimators) in `equal_count_partition` by prompt + response tokens, as many groups on every
     rank (so the ranks run as many mini-batches and micro-batches, and the collectives in them match). Each rank
     generated a contiguous share of the rollout batch, whose tokens follow its prompts' and responses' lengths; the
-    training forwards and backwards then wait for the heaviest rank at every gradient all-reduce. The loss
-    denominators are global sums over the mini-batch (`loss_denominators`): the update does not depend on the split.
+    training forwards and backwards then wait for the heaviest rank at every gradient all-reduce. The updates draw their
+    mini-batches from every rank's samples (`global_batch`): the update does not depend on this split.
     Every rank receives every rank's samples (ids and texts, once per rollout step: one all-gather). Returns the
     batch and the ranks' heaviest over mean real tokens, after and as generated (`perf/rank_token_imbalance`,
     `perf/rank_token_imbalance_contiguous`)."""
@@ -278,6 +280,38 @@ def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple
         "perf/rank_token_imbalance": max(loads) / mean if mean else 1.0,
         "perf/rank_token_imbalance_contiguous": max(generated) / mean if mean else 1.0,
     }
+
+
+def global_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, list[tuple[int, int]], list[int]]:
+    """Every rank's samples of the rollout step as one batch in the order one process holds them (by prompt position;
+    a prompt's samples together, in their order), what each rank trains its share of every global mini-batch from
+    (`rank_share`), so the mini-batches are the same sets of samples whatever the number of ranks. Returns that batch
+    (this rank's per-rank fields kept: `RolloutBatch.with_samples`), its samples as (rank, sample index) of the ranks'
+    batches (for `experience.global_experience`), and where this rank's own samples are in it. One all-gather of the
+    ranks' batches (ids and texts); on one process the batch itself."""
+    shares = all_gather_objects(batch)
+    if len(shares) == 1:
+        return batch, [(0, i) for i in range(len(batch.response_ids))], list(range(len(batch.response_ids)))
+    picks = [(r, i) for r, share in enumerate(shares) for i in range(len(share.response_ids))]
+    picks.sort(key=lambda pick: shares[pick[0]].prompt_positions[pick[1]])  # stable: a prompt's samples keep order
+    where = {pick: j for j, pick in enumerate(picks)}
+    return batch.with_samples(shares, picks), picks, [where[(rank, i)] for i in range(len(batch.response_ids))]
+
+
+def rank_share(batch: RolloutBatch, minibatch: list[int], plan: StepPlan, rank: int) -> list[int]:
+    """This rank's samples of the global mini-batch `minibatch` (indices of `global_batch`'s batch): train_batch_size /
+    ranks of them, so the ranks run as many micro-batches. Packed (`plan.rank_balance`): split by real tokens
+    (`equal_count_partition`), so the ranks' forwards and backwards take about as long; otherwise consecutive runs of
+    the shuffled order. The loss denominators are the whole mini-batch's (`loss_denominators`): the update does not
+    depend on the split, nor on the number of ranks."""
+    world = plan.data_parallel_size
+    if world == 1:
+        return minibatch
+    if plan.rank_balance:
+        tokens = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in minibatch]
+        return [minibatch[j] for j in equal_count_partition(tokens, world)[rank]]
+    size = len(minibatch) // world
+    return minibatch[rank * size : (rank + 1) * size]
 
 
 def packed_micro_batch_groups(

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.distributed import global_max, global_sum
+from lit_ppo.distributed import all_gather_padded, global_max, global_sum, world_size
 from lit_ppo.errors import RolloutMismatchError
 
 # Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
@@ -234,17 +234,35 @@ def experience_from_forwards(
     return exp, {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
 
 
+def global_experience(exp: Experience, picks: list[tuple[int, int]]) -> Experience:
+    """Every rank's experience as one [N, T] experience of the global batch, its samples `picks` ((rank, sample index)
+    each: `batching.global_batch`'s order), widths padded with zeros to the widest rank's: what every rank trains its
+    share of each global mini-batch from. A field that is None stays None, a 0-dim statistic (already global) as it is.
+    One all-gather per field; on one process `exp` itself."""
+    if world_size() == 1:
+        return exp
+
+    def gather(x: Tensor | None) -> Tensor | None:
+        if x is None or x.dim() == 0:
+            return x
+        parts = all_gather_padded(x)
+        offsets = [0]
+        for part in parts:
+            offsets.append(offsets[-1] + part.shape[0])
+        rows = torch.tensor([offsets[rank] + i for rank, i in picks], device=x.device)
+        return torch.cat(parts)[rows]
+
+    return Experience(**{f.name: gather(getattr(exp, f.name)) for f in dataclasses.fields(exp)})
+
+
 def loss_denominators(exp: Experience, indices: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """The mini-batch `indices`' response tokens, samples and policy-loss tokens (those the rollout correction keeps:
-    all unless MIS drops some), summed over ranks. The loss divides by the whole mini-batch's counts, not a
-    micro-batch's or a rank's, so that accumulation and data parallelism do not change it (docs/reference.md
-    section 3)."""
+    all unless MIS drops some), of the global experience (`global_experience`: every rank holds the whole mini-batch's
+    counts, so no all-reduce). The loss divides by the whole mini-batch's counts, not a micro-batch's or a rank's, so
+    that accumulation and data parallelism do not change it (docs/reference.md section 3)."""
     mask = exp.mask[indices]
     samples = torch.tensor(float(len(indices)), dtype=mask.dtype, device=mask.device)
-    num_tokens, num_seqs, num_policy_tokens = global_sum(
-        torch.stack([mask.sum(), samples, exp.loss_mask[indices].sum()])
-    )
-    return num_tokens, num_seqs, num_policy_tokens
+    return mask.sum(), samples, exp.loss_mask[indices].sum()
 
 
 def kl_per_sequence(exp: Experience) -> float:

@@ -214,46 +214,72 @@ def rollout_step_row(
     return row
 
 
+# The statistics each rank adds as its micro-batches' shares of their mini-batch's value (`actor_loss_shares`, the value
+# loss of `PPOModule._critic_backward`): summed over micro-batches and ranks, each is the whole mini-batch's.
+SUMMED_OVER_RANKS = (
+    "actor/policy_loss",
+    "actor/clip_fraction",
+    "actor/approx_kl",
+    "actor/entropy",
+    "critic/value_loss",
+)
+
+
 @torch.no_grad()
-def actor_micro_batch_metrics(
-    pg_tok: Tensor, clipped: Tensor, logp: Tensor, old_logp: Tensor, entropy: Tensor, mask: Tensor
+def actor_loss_shares(
+    pg_tok: Tensor,
+    clipped: Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    entropy: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    **denominators,
 ) -> dict[str, float]:
-    """One micro-batch's token means of the actor's statistics (averaged over micro-batches by `MeanOver`)."""
-    denominator = mask.sum().clamp(min=1)
-    log_ratio = (logp - old_logp) * mask
-    return {
-        "actor/policy_loss": float((pg_tok * mask).sum() / denominator),
-        "actor/clip_fraction": float((clipped * mask).sum() / denominator),
-        "actor/approx_kl": float((0.5 * log_ratio**2).sum() / denominator),
-        "actor/entropy": float((entropy.detach() * mask).sum() / denominator),
-    }
+    """One micro-batch's shares of the actor's statistics over its global mini-batch ([B, T] each), weighted as the loss
+    aggregation (`algo.aggregate_loss` with the mini-batch's `denominators`) weighs the tokens the loss keeps: summed
+    over the mini-batch's micro-batches on every rank they are the mini-batch's, whatever the packing, micro-batch
+    size or number of ranks. `actor/policy_loss` is the policy term of the loss as optimised; the clip fraction,
+    approximate KL and entropy are means with the loss's weights, normalised: over tokens, or over samples (each its
+    tokens' mean) with seq-mean-token-mean."""
+    mean_mode = "seq-mean-token-mean" if loss_agg_mode == "seq-mean-token-mean" else "token-mean"
+
+    def share(x: Tensor, mode: str) -> Tensor:
+        return algo.aggregate_loss(x, loss_mask, mode, **denominators)
+
+    shares = torch.stack(
+        [
+            share(pg_tok, loss_agg_mode),
+            share(clipped.float(), mean_mode),
+            share(0.5 * (logp - old_logp) ** 2, mean_mode),
+            share(entropy.detach(), mean_mode),
+        ]
+    )
+    return dict(zip(SUMMED_OVER_RANKS[:4], shares.tolist()))
 
 
 def update_metrics(
-    per_micro_batch: MeanOver,
     per_update: MeanOver,
     padded_positions: float,
     real_tokens: float,
     *,
-    world_size: int,
     device,
     global_sum: Reduce = _identity,
 ) -> dict[str, float]:
-    """The updates' means over the global batch. Every rank ran as many micro-batches, so the actor's are the mean of
-    the ranks' means; each rank's value loss is its share of a loss over the global token count, so it is summed;
+    """The updates' means over the global batch: the statistics of `SUMMED_OVER_RANKS` summed over ranks (each rank's
+    shares of every update's value), the gradient norms every rank's own (the same on every rank);
     `perf/padding_fraction` is the share of the training forwards' positions that are padding."""
-    if "critic/value_loss" in per_update.sums and world_size > 1:
-        total = global_sum(torch.tensor(per_update.sums["critic/value_loss"], dtype=torch.float64, device=device))
-        per_update.sums["critic/value_loss"] = float(total)
-    actor = per_micro_batch.means()
-    if world_size > 1:
-        means = global_sum(torch.tensor(list(actor.values()), dtype=torch.float64, device=device)) / world_size
-        actor = dict(zip(actor, means.tolist()))
-    positions, real = global_sum(
-        torch.tensor([float(padded_positions), float(real_tokens)], dtype=torch.float64, device=device)
+    summed = [k for k in SUMMED_OVER_RANKS if k in per_update.sums]
+    totals = global_sum(
+        torch.tensor(
+            [per_update.sums[k] for k in summed] + [float(padded_positions), float(real_tokens)],
+            dtype=torch.float64,
+            device=device,
+        )
     ).tolist()
+    per_update.sums.update(zip(summed, totals))
+    positions, real = totals[len(summed) :]
     return {
-        **actor,
         **per_update.means(),
         "perf/padding_fraction": 1 - real / max(positions, 1.0),
         "perf/trained_tokens": real,  # real tokens through the training forwards, over ranks and PPO epochs

@@ -10,10 +10,12 @@ One `training_step` is one rollout step:
   4. check that the actor and the critic took exactly the optimizer steps the plan says,
   5. push the actor's weights into vLLM (with `model.lora`: only the adapter, as a new adapter version).
 
-Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank trains
-on its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
-`batching.balanced_rank_batch`); advantage statistics, loss denominators and the logged metrics
-are global (all-reduced over ranks).
+Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank computes the experience
+of its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
+`batching.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples and
+experience, and the mini-batches are drawn from those global samples, each rank training its share of each
+(`batching.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators and the
+logged metrics are those of the global batch.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lit_ppo.plan import (
     StepPlan,
     check_micro_batches,
     check_policy_versions,
+    check_sample_use,
     check_step_accounting,
     minibatch_schedule,
 )
@@ -48,22 +51,25 @@ from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_rank_batch,
+    global_batch,
     pack,
     packed_micro_batches,
     rank_micro_batch_groups,
+    rank_share,
 )
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
     dump_experience,
     experience_from_forwards,
+    global_experience,
     loss_denominators,
     next_kl_coef,
     old_logprobs_from_training,
 )
 from lit_ppo.training.metrics import (
     MeanOver,
-    actor_micro_batch_metrics,
+    actor_loss_shares,
     device_peak_memory_gib,
     rollout_step_row,
     update_metrics,
@@ -226,8 +232,12 @@ class PPOModule(L.LightningModule):
         ref_logp = zeros() if self.plan.reference_enabled else None
         values = zeros() if self.critic is not None else None
 
+        # Before the interruptible region: with a token budget under data parallelism the split all-reduces the ranks'
+        # micro-batch counts, and a collective that a signal interrupts on one rank leaves the others waiting in it.
+        groups = self._micro_batch_groups(batch, list(range(N)))
+
         def forwards() -> None:
-            for idx, mb in self._micro_batches(batch, self._micro_batch_groups(batch, list(range(N)))):
+            for idx, mb in self._micro_batches(batch, groups):
                 t = mb.response_ids.shape[1]
                 mask[idx, :t] = mb.response_mask
                 if old_logp is not None:
@@ -286,43 +296,48 @@ class PPOModule(L.LightningModule):
         return minibatch_schedule(self.plan, num_samples, self.shuffle_generator)
 
     def train_on_experience(self, batch: RolloutBatch, exp: Experience) -> dict[str, float]:
-        """`ppo_epochs` passes over the batch, one optimizer step per mini-batch; returns the updates' mean metrics."""
+        """`ppo_epochs` passes over the rollout step's global batch, one optimizer step per global mini-batch of
+        train_batch_size samples, of which this rank trains its share (`rank_share`): the mini-batches are the same
+        sets of samples on any number of ranks, so the update is one process's. Returns the updates' mean metrics."""
         optimizers, schedulers = self.optimizers(), self.lr_schedulers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
         models = [m for m in (self.actor, self.critic) if m is not None]
-        N = len(batch.response_ids)
         world = self.plan.data_parallel_size
+        # Every rank's samples and experience, in one process's order: the mini-batches are drawn from them.
+        full, picks, own = global_batch(batch, self.global_rank)
+        full_exp = global_experience(exp, picks)
+        N = len(full.response_ids)
         actor_steps_at_start = self.actor_optimizer_steps
         use_counts = torch.zeros(self.plan.ppo_epochs, N, dtype=torch.long)
-        per_micro_batch, per_update = MeanOver("micro-batch"), MeanOver("optimizer update")
+        per_update = MeanOver("optimizer update")
         # Without an experience forward, the log-probs of the forwards before the first optimizer step (all of them
         # when on-policy) are the actor's before the update: kept for the old log-probs, the KL and the vLLM check.
-        captured = torch.zeros_like(exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
-        captured_rows = torch.zeros(N, dtype=exp.mask.dtype, device=exp.mask.device)
-        lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
+        captured = torch.zeros_like(full_exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
+        captured_rows = torch.zeros(N, dtype=full_exp.mask.dtype, device=full_exp.mask.device)
+        lengths = [len(p) for p in full.prompt_ids], [len(r) for r in full.response_ids]
         positions = real_tokens = micro_batches = 0
         for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
-            for indices in minibatches:
+            for minibatch in minibatches:
+                indices = rank_share(full, minibatch, self.plan, self.global_rank)
                 use_counts[epoch, indices] += 1
                 before_first_step = self.actor_optimizer_steps == actor_steps_at_start
-                num_tokens, num_seqs, num_policy_tokens = loss_denominators(exp, indices)
-                groups = self._micro_batch_groups(batch, indices)
+                num_tokens, num_seqs, num_policy_tokens = loss_denominators(full_exp, minibatch)
+                groups = self._micro_batch_groups(full, indices)
                 real = [sum(lengths[0][i] + lengths[1][i] for i in g) for g in groups]
                 laid_out = []
                 real_tokens += sum(real)
                 micro_batches += len(groups)
-                for position, (idx, mb) in enumerate(self._micro_batches(batch, groups)):
+                for position, (idx, mb) in enumerate(self._micro_batches(full, groups)):
                     positions += mb.positions
                     laid_out.append((len(idx), real[position] if mb.packed else mb.positions))
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
-                    rows = exp.rows(idx, mb.response_ids.shape[1])
+                    rows = full_exp.rows(idx, mb.response_ids.shape[1])
                     with gradient_sync(position == len(groups) - 1, self.trainer.strategy.model, models, self.sharded):
-                        metrics, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
-                        per_micro_batch.add(metrics)
-                        per_micro_batch.count()
+                        shares, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
+                        per_update.add(shares)
                         if captured is not None and before_first_step:
                             captured[idx, : logp.shape[1]] = logp
                             captured_rows[idx] = 1.0
@@ -337,18 +352,15 @@ class PPOModule(L.LightningModule):
                     per_update.add({"critic/grad_norm": grad_norm})
                     self.critic_optimizer_steps += 1
                 per_update.count()
-        self.last_sample_use_counts = use_counts
-        if captured is not None:
-            old_logprobs_from_training(exp, captured, captured_rows, batch, self.ppo, self.mismatch_bound(batch))
-        metrics = update_metrics(
-            per_micro_batch,
-            per_update,
-            positions,
-            real_tokens,
-            world_size=world,
-            device=self.device,
-            global_sum=global_sum,
-        )
+        # Over the ranks: each sample's uses (each rank counted its own), checked against the plan by training_step.
+        self.last_sample_use_counts = global_sum(use_counts.to(self.device)).cpu()
+        if captured is not None:  # each captured row was written by the one rank that trained it
+            captured, captured_rows = global_sum(captured)[own], global_sum(captured_rows)[own]
+            width = exp.mask.shape[1]
+            old_logprobs_from_training(
+                exp, captured[:, :width], captured_rows, batch, self.ppo, self.mismatch_bound(batch)
+            )
+        metrics = update_metrics(per_update, positions, real_tokens, device=self.device, global_sum=global_sum)
         micro_batches = float(global_sum(torch.tensor(float(micro_batches), dtype=torch.float64, device=self.device)))
         metrics["perf/real_tokens_per_micro_batch"] = metrics["perf/trained_tokens"] / max(micro_batches, 1.0)
         metrics["perf/padded_tokens_per_micro_batch"] = metrics["perf/trained_positions"] / max(micro_batches, 1.0)
@@ -360,7 +372,8 @@ class PPOModule(L.LightningModule):
     def _actor_backward(
         self, mb: MicroBatch, e: Experience, num_tokens, num_seqs, world: int
     ) -> tuple[dict[str, float], Tensor]:
-        """One micro-batch's share of the actor loss, backpropagated; its metrics and log-probs (detached)."""
+        """One micro-batch's share of the actor loss, backpropagated; its shares of the mini-batch's actor statistics
+        (`actor_loss_shares`) and its log-probs (detached)."""
         # Float32 chunks; entropy's gradient only when the loss uses it. The logits ([n, V] packed, [B, T + 1, V]
         # padded) are not kept here: autograd frees them (their gradient written over them) once the LM head's
         # backward has read them.
@@ -390,7 +403,8 @@ class PPOModule(L.LightningModule):
         # Scaled by the world size because DDP averages gradients over ranks.
         loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
         self.manual_backward(loss)
-        return actor_micro_batch_metrics(pg_tok, clipped, logp, old_logp, entropy, mask), logp.detach()
+        shares = actor_loss_shares(pg_tok, clipped, logp, old_logp, entropy, e.loss_mask, self.ppo.loss_agg_mode, **agg)
+        return shares, logp.detach()
 
     def _critic_backward(self, mb: MicroBatch, e: Experience, num_tokens, world: int) -> float:
         values = self._values(mb)
@@ -460,6 +474,7 @@ class PPOModule(L.LightningModule):
             self.actor_optimizer_steps - actor_before,
             self.critic_optimizer_steps - critic_before,
         )
+        check_sample_use(self.plan, self.rollout_step, self.last_sample_use_counts.tolist())
         train_seconds, started = time.perf_counter() - started, time.perf_counter()
         # Real tokens (prompt + response) through the training forwards and backwards, per second of the phase.
         train_metrics["perf/tokens_per_second"] = train_metrics["perf/trained_tokens"] / max(train_seconds, 1e-9)
