@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -47,6 +48,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def directory_problem(directory: str | Path) -> str | None:
+    """Why files cannot be written into `directory` (made where it is missing), in words, or None. Tried, not
+    inferred from the mode bits: a read-only mount refuses root too. Leaves nothing behind: a missing directory is
+    tried at its nearest existing parent, where it would be made."""
+    directory = Path(directory).expanduser().absolute()
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".lit_ppo_write_probe_", dir=existing)
+    except OSError as e:
+        made = "" if existing == directory else f" (where {directory.relative_to(existing)} would be made)"
+        link = f" (a link to {existing.resolve()})" if existing.is_symlink() else ""
+        return f"{existing}{link}{made} is not writable ({e.strerror or type(e).__name__})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

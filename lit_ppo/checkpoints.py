@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from lit_ppo import waits
 from lit_ppo.atomic import (
+    directory_problem,
     replace_durably,
     temporary_sibling,
 )
@@ -33,17 +34,21 @@ from lit_ppo.console import show
 from lit_ppo.distributed import world_size
 from lit_ppo.errors import (
     ConfigError,
+    DirectoryError,
     DynamicSamplingShortfallError,
     NonFiniteUpdatesError,
     RolloutMismatchError,
     StepAccountingError,
 )
 
-_NAME = re.compile(r"^rollout_step=(\d+)\.ckpt$")
+# `rollout_step_000004.ckpt`: a name without `=`, so that `resume=<run>/checkpoints/<name>` is one Hydra override as
+# written. Checkpoints of earlier versions, `rollout_step=000004.ckpt`, are still found and loaded (`resume=auto`, or
+# the path quoted for Hydra: `'resume="<run>/checkpoints/rollout_step=000004.ckpt"'`).
+_NAME = re.compile(r"^rollout_step[_=](\d+)\.ckpt$")
 
 
 def checkpoint_path(directory: Path, rollout_step: int) -> Path:
-    return Path(directory) / f"rollout_step={rollout_step:06d}.ckpt"
+    return Path(directory) / f"rollout_step_{rollout_step:06d}.ckpt"
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -59,11 +64,26 @@ def save_atomic(trainer: L.Trainer, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path)
-    trainer.save_checkpoint(tmp)  # every rank takes part (sharded states); rank 0 writes the file
+    try:
+        trainer.save_checkpoint(tmp)  # every rank takes part (sharded states); rank 0 writes the file
+    except Exception as error:  # across file systems, Lightning's atomic save calls a PermissionError an fsspec problem
+        if trainer.is_global_zero and directory_problem(path.parent):
+            raise _unwritten(path) from error
+        raise
     if trainer.is_global_zero:
+        if not tmp.is_file():  # on one file system it swallows the PermissionError and writes nothing
+            raise _unwritten(path)
         replace_durably(tmp, path)
     trainer.strategy.barrier("lit_ppo_checkpoint")
     return path
+
+
+def _unwritten(path: Path) -> DirectoryError:
+    reason = directory_problem(path.parent) or f"{temporary_sibling(path)} was not written"
+    return DirectoryError(
+        f"the checkpoint {path.name} could not be written: {reason}; fix: make {path.parent} writable (or free space "
+        "there), then resume=auto"
+    )
 
 
 def prune(directory: Path, keep: int, newest: Path | None = None) -> None:
@@ -91,6 +111,51 @@ def resolve_resume(resume: str | None, directory: Path) -> Path | None:
     if not path.is_file():
         raise ConfigError(f"resume={resume}: no such checkpoint file; fix: give a .ckpt path or resume=auto")
     return path
+
+
+def fresh_start_note(resume: str | None, output_dir: Path) -> str | None:
+    """The line a run with `resume=auto` prints when its directory holds no checkpoint (it then starts at rollout step
+    0), saying whether an earlier run wrote there at all (a misspelt output_dir) or stopped before its first
+    checkpoint; None otherwise. Read before this run writes its own config.yaml."""
+    if resume != "auto" or list_checkpoints(Path(output_dir) / "checkpoints"):
+        return None
+    if (Path(output_dir) / "config.yaml").is_file():
+        found = "holds a run that wrote no checkpoint (it stopped before its first, trainer.checkpoint_every)"
+    else:
+        found = "holds no earlier run (is it the directory of the run to continue?)"
+    return f"resume=auto: no checkpoint in {Path(output_dir) / 'checkpoints'}; output_dir={output_dir} {found}; starting at rollout step 0"
+
+
+def finished_note(
+    resume: str | None, checkpoint: Path | None, total_rollout_steps: int, output_dir: Path
+) -> str | None:
+    """The line a resumed run prints instead of training when its checkpoint is at or past the run's length and the
+    run that wrote it finished there (its summary.json counts the same rollout steps); None when there is something
+    left to do. A run killed after its last checkpoint but before its final files is not finished: it resumes, and
+    writes them."""
+    if checkpoint is None:
+        return None
+    step = step_of(checkpoint)
+    summary = Path(output_dir) / "summary.json"
+    if step < total_rollout_steps or not summary.is_file():
+        return None
+    import json
+
+    try:
+        finished_at = json.loads(summary.read_text()).get("rollout_steps")
+    except (OSError, ValueError):
+        return None
+    if finished_at != step:
+        return None
+    where = (
+        f"the end of the run (rollout step {step} of {total_rollout_steps})"
+        if step == total_rollout_steps
+        else f"rollout step {step}, past the run's length of {total_rollout_steps} rollout steps"
+    )
+    return (
+        f"resume={resume}: {checkpoint.name} is at {where}, and its run finished there ({summary.name}); nothing to "
+        "train, exiting; to train longer, raise trainer.total_rollout_steps (or trainer.data_epochs)"
+    )
 
 
 RUN_LENGTH_KEYS = (

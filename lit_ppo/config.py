@@ -229,9 +229,10 @@ class RolloutConfig:
     """Strings that end a response (cut from its text)."""
     stop_at_end_of_turn: bool = True
     """With data.chat_template=true, also stop at the template's end-of-turn token (`end_of_turn_token_ids`)."""
-    environment: dict | None = None
+    environment: dict | str | None = None
     """Multi-turn episodes: the environment (`_target_`: a class by dotted path, and its arguments), one built per
-    episode (lit_ppo/environments.py, docs/environments.md); null: single-turn responses."""
+    episode (lit_ppo/environments.py, docs/environments.md); a dotted path alone is `{_target_: path}` (a class built
+    without arguments); null: single-turn responses."""
     max_turns: int = 1
     """With an environment: policy turns per episode at most (a turn is up to max_response_tokens tokens)."""
     max_episode_tokens: int | None = None
@@ -283,6 +284,8 @@ class RolloutConfig:
     is a bucket of its own)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.environment, str):  # `rollout.environment=my_tools.Calculator`: the class, no arguments
+            object.__setattr__(self, "environment", {"_target_": self.environment})
         validate_rollout(self)
 
     def trainer_address_host(self) -> str:
@@ -711,7 +714,8 @@ class RewardConfig:
     workers: int = field(default=0, metadata=at_least(0))
     """0: score in this process; N: in N worker processes, one sample at a time each."""
     timeout_s: float | None = field(default=60, metadata=above(0))
-    """With workers > 0: seconds per sample before its worker is killed (then on_error)."""
+    """With workers > 0: seconds per sample before its worker is killed (then on_error); with workers = 0: seconds per
+    call, the batch, then each sample alone, the call's rest not called after 2 samples in a row time out."""
     overlong_penalty: float = 0.0
     """Subtracted from responses that hit the response budget."""
     overlong_buffer_tokens: int = field(default=0, metadata=at_least(0))

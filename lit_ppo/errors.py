@@ -13,6 +13,10 @@ class ConfigError(UserError, ValueError):
     """A setting the user can fix; the message is one line naming the keys, values and fix."""
 
 
+class DirectoryError(UserError, RuntimeError):
+    """A directory the run writes into (output_dir, its checkpoints/) cannot be written; the message says why."""
+
+
 class DataError(UserError, ValueError):
     """Bad input data; the message names the file and the line or record."""
 

@@ -332,7 +332,8 @@ class StepPlan:
                         f"rank {self.lora_rank}",
                         f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen"
                         + (" in bf16" if self.precision == "bf16-mixed" else "")
-                        + ", adapter (and value head) trained in float32",
+                        + (", adapter and value head" if self.critic_enabled else ", adapter")
+                        + " trained in float32",
                     )
                 ]
                 if self.lora_rank

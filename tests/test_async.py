@@ -791,7 +791,7 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
         assert time.time() < deadline, f"rollout worker(s) {workers} outlived their trainer"
         time.sleep(0.1)
     killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step=000005.ckpt", "killed too late to test anything"
+    assert killed_at.name != "rollout_step_000005.ckpt", "killed too late to test anything"
 
     resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

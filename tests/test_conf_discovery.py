@@ -73,3 +73,25 @@ def test_group_option_composes_with_the_default_config(group, option, tmp_path):
     # Every interpolation resolves. Planning is left to the experiments: an option alone need not plan on top of
     # the defaults (strategy=fsdp's 8 ranks do not divide the default train batch; data=file needs data.path).
     OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_help_says_what_lit_ppo_is_and_lists_every_group_with_its_options(tmp_path):
+    """`python train.py --help` was Hydra's bare template ("train is powered by Hydra")."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        result.stdout.startswith("lit-ppo: PPO-family reinforcement learning")
+        and "powered by Hydra" not in result.stdout
+    )
+    assert "python train.py mode=plan" in result.stdout and "output_dir=runs/exp1 resume=auto" in result.stdout
+    for group in {g for g, _ in GROUP_OPTIONS} | {"experiment"}:
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        assert f"{group}: {', '.join(options)}" in result.stdout, group
+    assert not list(tmp_path.iterdir())  # --help makes no run directory

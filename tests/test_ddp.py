@@ -132,7 +132,7 @@ def resumed_run(tmp_path_factory, cache, parallel_run) -> Path:
     """A fresh output directory resuming from the 2-process run's checkpoint after rollout step 1."""
     strategy, run = parallel_run
     out = tmp_path_factory.mktemp(f"resumed_{strategy}")
-    checkpoint = shutil.copy(run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
+    checkpoint = shutil.copy(run / "checkpoints" / "rollout_step_000001.ckpt", out / "start.ckpt")
     return train_cli(out, cache, *STRATEGIES[strategy], f"resume={checkpoint}")
 
 
@@ -144,7 +144,7 @@ def resumed_on_one_rank(tmp_path_factory, cache, parallel_run) -> Path:
     out = tmp_path_factory.mktemp(f"on_one_rank_{strategy}")
     (out / "checkpoints").mkdir()
     shutil.copy(run / "config.yaml", out / "config.yaml")
-    shutil.copy(run / "checkpoints" / "rollout_step=000001.ckpt", out / "checkpoints")
+    shutil.copy(run / "checkpoints" / "rollout_step_000001.ckpt", out / "checkpoints")
     return train_cli(out, cache, *STRATEGIES[strategy], "strategy.devices=1", "resume=auto")
 
 
@@ -229,8 +229,8 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
         assert exp["prompt_positions"] == [p for p in range(32) for _ in range(4)]
         assert all(len(r) > 0 for r in exp["response_ids"])
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == [
-        "rollout_step=000001.ckpt",
-        "rollout_step=000002.ckpt",
+        "rollout_step_000001.ckpt",
+        "rollout_step_000002.ckpt",
     ]
     assert (run / "actor" / "config.json").exists()
 

@@ -32,6 +32,7 @@ from lit_ppo.rollout.episodes import (
 )
 from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.training.batching import pack
+from lit_ppo.training.metrics import episode_metrics
 from tests.helpers import ROOT
 
 # ------------------------------------------------------------------ the calculator
@@ -446,6 +447,56 @@ def test_environment_failures_under_on_error_zero_are_counted_and_said(caplog):
     assert "RaisingEnvironment.step: RuntimeError: the sandbox is down" in warnings[0]
 
 
+def test_observations_that_do_not_fit_the_episode_budget_are_counted_and_said(caplog):
+    """An environment whose observations never fit rollout.max_episode_tokens truncated every episode (reward 0,
+    eval 0.000 -> 0.000) without a line."""
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    observation = "=" + "9" * 80 + "\n"
+    observation_tokens = len(tok(observation, add_special_tokens=False).input_ids)
+    with caplog.at_level("WARNING", logger="lit_ppo"):
+        episodes = run_episodes(
+            ScriptedEngine([chars(tok, "[1+1]")]),
+            prompts,
+            3,
+            observing(observation),
+            tok,
+            settings(max_episode_tokens=64),
+            ObservationEncoder(tok, False),
+            temperature=1.0,
+            top_p=1.0,
+            seeds=None,
+            where="rollout step 1",
+        )
+    assert all(ep.truncated and ep.turns == 1 for ep in episodes)
+    stats = episode_stats(episodes)
+    assert stats["observations_cut"] == 3 and episode_metrics(stats)["rollout/observations_cut"] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "rollout step 1: 3 of 3 episodes were cut at an observation that did not fit the episode's budget "
+        "(rollout.max_episode_tokens=64: prompt excluded, turns and observations; the longest cut observation had "
+        f"{observation_tokens} tokens, with 59 left); fix: raise rollout.max_episode_tokens or shorten the "
+        "environment's observations"
+    ]
+    # Out of turns is not that: cut silently, as a response out of tokens is (rollout/truncated counts it).
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lit_ppo"):
+        episodes = run_episodes(
+            ScriptedEngine([chars(tok, "[1+1]")]),
+            prompts,
+            1,
+            observing("=2\n"),
+            tok,
+            settings(max_turns=2, max_episode_tokens=64),
+            ObservationEncoder(tok, False),
+            temperature=1.0,
+            top_p=1.0,
+            seeds=None,
+            where="rollout step 1",
+        )
+    assert episodes[0].truncated and episode_stats(episodes)["observations_cut"] == 0 and not caplog.records
+
+
 def test_turn_ending_text_must_be_one_token():
     tok = merging_tokenizer()
     assert stop_token_ids_of(calculator(), tok) == [tok.convert_tokens_to_ids("]")]
@@ -676,6 +727,51 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)
     assert batch.episode_ids == [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     assert len(engine.calls) == 4  # 2 turns x 2 generation rounds
+
+
+class LongAnswerTool(CalculatorEnvironment):
+    """Answers every call with more tokens than an episode may hold."""
+
+    def step(self, action):
+        return "=" + "9" * 40 + "\n", 0.0, False, {"tool_call": True}
+
+
+def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, arithmetic_files, caplog):
+    """The warnings of the first rollout step said "rollout step 0" (the steps already taken), where the progress
+    bar, the waits and every other message count from 1."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo.config import PPOConfig, RolloutConfig
+    from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
+    from tests.helpers import plan_of
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(arithmetic_files[0], tok)
+    ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4)
+    rollout = RolloutConfig(
+        max_response_tokens=8,
+        max_turns=2,
+        max_episode_tokens=24,
+        environment={"_target_": "tests.test_environments.LongAnswerTool", "call_start": "[", "call_end": "]"},
+    )
+    dm = RolloutDataModule(
+        plan=plan_of(len(prompts), ppo=ppo, rollout=rollout),
+        train_prompts=prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tok,
+        model_dir=tiny_model_dir,
+        seed=0,
+        engine=ScriptedEngine([chars(tok, "[1+1]")]),
+    )
+    with caplog.at_level("WARNING", logger="lit_ppo"):
+        batch = dm.produce_rollout(0)  # the first rollout step (none taken before it)
+    assert batch.episode_stats["observations_cut"] == 4
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("rollout step 1: 4 of 4 episodes were cut at an observation"), warning
 
 
 class RecordedHangingEnvironment(CalculatorEnvironment):

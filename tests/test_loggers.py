@@ -253,6 +253,18 @@ def test_sample_table_goes_to_the_console_without_wandb(capsys):
     assert "10+5=" in printed and "16" in printed and "reward" in printed
 
 
+def test_the_evaluation_before_any_update_is_shown_before_rollout_step_1(capsys):
+    """Its table printed after rollout step 1 (at that step's end), under step 1's progress."""
+    callback = SampleTableLogger()
+    module = SimpleNamespace(eval_history=[])
+    callback.on_train_start(stub_trainer([]), module)  # Lightning: the callbacks' hook, then the module's ...
+    module.eval_history.append({"rollout_step": 0, "eval/reward": 0.5, "samples": SAMPLES})  # ... which evaluates
+    callback.on_train_batch_start(stub_trainer([]), module, None, 0)  # rollout step 1 starts
+    assert capsys.readouterr().out.count("eval samples at rollout step 0") == 1
+    callback.on_train_batch_end(stub_trainer([]), module, None, None, 0)
+    assert "eval samples" not in capsys.readouterr().out  # shown once
+
+
 def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

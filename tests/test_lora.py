@@ -60,6 +60,21 @@ def test_the_plan_states_the_adapter_and_the_reference_without_a_copy():
     assert "only the adapter synced after each rollout step" in table
     full = plan_of(2000).table()
     assert "LoRA" not in full and "adapter" not in full
+    assert "adapter and value head trained in float32" in table
+
+
+def test_a_lora_plan_without_a_critic_names_no_value_head():
+    """GRPO's plan said "adapter (and value head) trained in float32", for a run that has no critic."""
+    from lit_ppo.plan import compute_plan
+
+    [row] = [
+        line
+        for line in compute_plan(compose_run_config("ppo=grpo", "model.lora.rank=16"), 2000).table().splitlines()
+        if line.startswith("LoRA")
+    ]
+    assert row.endswith("base weights frozen in bf16, adapter trained in float32") or row.endswith(
+        "base weights frozen, adapter trained in float32"
+    ), row
 
 
 @pytest.mark.parametrize(
@@ -372,7 +387,7 @@ def test_a_lora_run_checkpoints_the_adapter_not_the_base_and_saves_a_peft_adapte
     )
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    checkpoint = torch.load(out / "checkpoints" / "rollout_step=000002.ckpt", weights_only=False)
+    checkpoint = torch.load(out / "checkpoints" / "rollout_step_000002.ckpt", weights_only=False)
     keys = set(checkpoint["state_dict"])
     assert keys and all("lora_" in k or ".score." in k for k in keys), sorted(keys)[:5]
     assert any(k.startswith("critic.") and ".score." in k for k in keys)
@@ -416,7 +431,7 @@ def test_lora_sigkill_then_resume_auto_gives_the_bitwise_same_adapter(tmp_path):
         time.sleep(0.02)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert list_checkpoints(crashed / "checkpoints")[-1].name != "rollout_step=000004.ckpt", "killed too late"
+    assert list_checkpoints(crashed / "checkpoints")[-1].name != "rollout_step_000004.ckpt", "killed too late"
     resumed = subprocess.run(train_command(crashed, *common, "resume=auto"), cwd=ROOT, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = load_file(tmp_path / "full" / "actor" / "adapter_model.safetensors")
@@ -551,7 +566,7 @@ def test_two_fsdp_processes_train_the_same_adapter_as_one(lora_single_run, lora_
     for run in (lora_single_run, lora_fsdp_run):
         rows = rollout_step_rows(run / "metrics.csv")
         assert [float(r["perf/weight_sync_bytes"]) for r in rows] == [adapter_bytes] * 2, run
-    checkpoint = torch.load(lora_fsdp_run / "checkpoints" / "rollout_step=000002.ckpt", weights_only=False)
+    checkpoint = torch.load(lora_fsdp_run / "checkpoints" / "rollout_step_000002.ckpt", weights_only=False)
     state = checkpoint["state_dict"]
     assert state and all("lora_" in k or ".score." in k for k in state), sorted(state)[:5]
     assert any(k.startswith("critic.") and ".score." in k for k in state)
@@ -579,7 +594,7 @@ def test_a_fsdp_lora_checkpoint_resumes_on_two_ranks_to_the_same_adapter(tmp_pat
 
     out = tmp_path / "resumed"
     out.mkdir()
-    start = shutil.copy(lora_fsdp_run / "checkpoints" / "rollout_step=000001.ckpt", out / "start.ckpt")
+    start = shutil.copy(lora_fsdp_run / "checkpoints" / "rollout_step_000001.ckpt", out / "start.ckpt")
     resumed = train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], f"resume={start}")
     assert [r["rollout_step"] for r in rollout_step_rows(resumed / "metrics.csv")] == ["1", "2"]
     assert not (resumed / "dump" / "rollout_step=000000.rank0.pt").exists()  # step 0 was not redone

@@ -108,7 +108,8 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     nb = run_notebook(
         REPO / "notebooks" / "analyze_run.ipynb",
         workdir,
-        {"run_dirs": [str(sweep), str(run)], "figure_dir": str(figures), "repo_root": str(REPO)},
+        # as `papermill -p run_dirs '[a, b]'` passes it: a string (it was iterated over character by character)
+        {"run_dirs": f"[{sweep}, {run}]", "figure_dir": str(figures), "repo_root": str(REPO)},
         after=FIGURE_CONTENTS,
     )
     for name in ("curves.png", "timings.png"):

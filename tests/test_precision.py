@@ -226,7 +226,7 @@ def changed_fraction(cache: Path, run: Path) -> float:
 
     (initial_dir,) = cache.glob("tiny-*")
     initial = load_file(initial_dir / "model.safetensors")
-    state = torch.load(run / "checkpoints" / "rollout_step=000001.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(run / "checkpoints" / "rollout_step_000001.ckpt", weights_only=False)["state_dict"]
     changed = total = 0
     for name, before in initial.items():
         after = state[f"actor.{name}"]

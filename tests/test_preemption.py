@@ -99,9 +99,9 @@ def test_sigterm_while_scoring_drops_the_step_and_saves_the_previous_one(paths, 
     with pytest.raises(Preempted) as stopped:
         run(paths, engine, out, reward_fn=reward)  # checkpoint_every=0: nothing on disk before the signal
     assert stopped.value.code == 143 and not reward.hang_ended  # the hanging reward was cut, not waited out
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000002.ckpt"]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000002.ckpt"]
     lines = [line for line in capsys.readouterr().out.splitlines() if "preempted" in line]
-    assert len(lines) == 1 and "rollout_step=000002.ckpt written" in lines[0], lines
+    assert len(lines) == 1 and "rollout_step_000002.ckpt written" in lines[0], lines
     saved = torch.load(checkpoint_path(out / "checkpoints", 2), weights_only=False)
     assert saved["lit_ppo"]["rollout_step"] == 2 and len(saved["lit_ppo"]["history"]) == 2
     assert_resumes_like(full, paths, engine, out, at=2)
@@ -112,7 +112,7 @@ def test_sigusr1_stops_the_same_way_with_status_138(paths, engine, tmp_path):
     with pytest.raises(Preempted) as stopped:
         run(paths, engine, out, steps=2, reward_fn=reward)
     assert stopped.value.code == 138 and not reward.hang_ended
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000001.ckpt"]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000001.ckpt"]
     assert active() is None  # a later fit in this process does not inherit the flag
 
 
@@ -120,7 +120,7 @@ def test_sigterm_during_updates_finishes_the_step_when_its_start_is_not_on_disk(
     out = tmp_path / "preempted"
     with pytest.raises(Preempted):
         run(paths, engine, out, extra=[SignalAtOptimizerStep(at=2)])
-    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step=000003.ckpt"]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000003.ckpt"]
     assert_resumes_like(full, paths, engine, out, at=3)
 
 
@@ -129,7 +129,7 @@ def test_sigterm_during_updates_stops_at_once_when_the_steps_start_is_on_disk(pa
     with pytest.raises(Preempted):
         run(paths, engine, out, every=1, extra=[SignalAtOptimizerStep(at=2)])
     # Step 3's updates were abandoned after their first micro-batch: nothing newer than step 2 is written.
-    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "rollout_step=000002.ckpt"
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "rollout_step_000002.ckpt"
     lines = [line for line in capsys.readouterr().out.splitlines() if "preempted" in line]
     assert len(lines) == 1 and "already on disk" in lines[0], lines
     assert_resumes_like(full, paths, engine, out, at=2)
@@ -189,7 +189,7 @@ def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None
     lines = [line for line in output.splitlines() if line.startswith("preempted by SIGTERM")]
     assert len(lines) == 1, output[-3000:]
     saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].name != "rollout_step=000004.ckpt", "signalled too late to test anything"
+    assert len(saved) == 1 and saved[0].name != "rollout_step_000004.ckpt", "signalled too late to test anything"
     assert not (out / "actor").exists()
 
     resumed = train_py(out, *overrides, "resume=auto", tmp=tmp_path)

@@ -170,6 +170,19 @@ def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
     assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16; data.path)" in line and "fix: re-encode" in line
 
 
+def test_a_data_file_with_a_utf8_byte_order_mark_is_planned_and_read(tmp_path, no_training):
+    """A BOM (Windows tools write one) was refused as malformed JSON, "fix: one JSON object per line"."""
+    path = tmp_path / "train.jsonl"
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
+    for mode in ("plan", "train"):
+        run_module.main(
+            compose_config(f"mode={mode}", "data=file", f"data.path={path}", f"output_dir={tmp_path / mode}")
+        )
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["dataset_prompts"] == 40
+    assert len(no_training) == 1
+
+
 def test_a_prompt_key_that_names_no_field_is_answered_with_the_key_to_set(tmp_path):
     """It was answered "fix: repair the record or set data.bad_records=skip", which would skip every record."""
     path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"}] * 40)
@@ -217,6 +230,27 @@ def test_a_reward_function_in_neither_convention_is_refused_without_calling_it(
     message = refused(tmp_path, "mode=train", "reward=custom_example", f"reward.fn._target_=my_rewards.{function}")
     assert expected in message and "fix:" in message and "on_error" not in message
     assert no_training == []
+
+
+def test_a_misspelt_keyword_of_the_reward_function_is_named_not_taken_for_a_signature_problem(
+    tmp_path, monkeypatch, import_path, no_training
+):
+    """`reward.fn.threshhold=0.5` was reported as the function not fitting the TRL convention ("missing a required
+    argument: 'threshold'; fix: give it those parameters ... or set reward.signature"); with math_reward's
+    format_wieght, mode=plan passed and the run failed at its first rollout."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    custom = ["reward=custom_example", "reward.fn._target_=my_rewards.needs_a_threshold"]
+    message = refused(tmp_path, "mode=train", *custom, "+reward.fn.threshhold=0.5", error=ConfigError)
+    assert message == (
+        "reward.fn.threshhold: my_rewards.needs_a_threshold has no parameter 'threshhold' (its parameters: prompts, "
+        "completions, answer, threshold); fix: correct it to reward.fn.threshold"
+    )
+    message = refused(tmp_path, "mode=plan", "reward=math", "+reward.fn.format_wieght=0.1", error=ConfigError)
+    assert message.startswith("reward.fn.format_wieght: lit_ppo.rewards.math_verifier.math_reward has no parameter")
+    assert message.endswith("fix: correct it to reward.fn.format_weight")
+    run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", *custom, "+reward.fn.threshold=0.5"))
+    assert len(no_training) == 1
 
 
 def test_the_working_directory_is_importable_and_a_missing_module_names_the_path(tmp_path):
@@ -300,6 +334,24 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
         )
     )
     assert (tmp_path / "ok" / "plan.json").exists()
+
+
+def test_an_environment_given_as_a_dotted_path_is_its_class(tmp_path, no_training):
+    """`rollout.environment=<dotted path>` (a string) gave an AttributeError traceback, then a refusal whose fix was
+    rollout.environment=null."""
+    calculator = "lit_ppo.environments.CalculatorEnvironment"
+    config = compose_run_config(f"rollout.environment={calculator}", "rollout.max_turns=3")
+    assert config.rollout.environment == {"_target_": calculator}
+    line = one_error_line(
+        train_py(tmp_path, "mode=plan", "rollout.environment=lit_ppo.environments.Calculator", "rollout.max_turns=3")
+    )
+    assert line.startswith("error: rollout.environment._target_=lit_ppo.environments.Calculator: lit_ppo.environments")
+    run_module.main(
+        compose_config(
+            "mode=train", f"rollout.environment={calculator}", "rollout.max_turns=3", f"output_dir={tmp_path}"
+        )
+    )
+    assert len(no_training) == 1
 
 
 def test_an_environment_with_one_turn_is_refused(tmp_path):

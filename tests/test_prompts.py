@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -168,8 +169,29 @@ def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokeni
 def test_malformed_jsonl_line_names_file_and_line(tokenizer, tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "a", "answer": 1}\n\n{"prompt": "b", "answer": 2\n')
-    with pytest.raises(DataError, match=rf"{path}:3: malformed JSON"):
+    with pytest.raises(DataError, match=rf"{path}:3:28: malformed JSON"):
         load_prompts(path, tokenizer, bad_records="skip")  # malformed files are never skipped
+
+
+def test_malformed_json_keeps_its_line_and_column(tokenizer, tmp_path):
+    """The message had json's reason without its position, and told a file of one object per line to hold one."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b" "answer": 2}\n')
+    with pytest.raises(DataError) as info:
+        load_prompts(path, tokenizer)
+    assert str(info.value) == (
+        f'{path}:2:16: malformed JSON (Expecting \',\' delimiter at line 2, column 16: \'{{"prompt": "b" "answer": 2}}\'); '
+        "fix: repair that record (a JSONL file holds one JSON object per line)"
+    )
+
+
+def test_a_utf8_file_with_a_byte_order_mark_is_read(tokenizer, tmp_path):
+    """Windows tools write one; it was refused as malformed JSON, "fix: one JSON object per line"."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in RECORDS).encode())
+    prompts = load_prompts(path, tokenizer)
+    assert [p.text for p in prompts.prompts] == [r["prompt"] for r in RECORDS]
+    assert prompts.prompts[0].location == f"{path}:1"
 
 
 def test_non_object_line_names_file_and_line(tokenizer, tmp_path):

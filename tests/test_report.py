@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_ppo.run.report import TIMING_KEYS, write_summary
+from lit_ppo.run.report import TIMING_KEYS, write_curves, write_summary
 from tests.helpers import plan_of
 
 
@@ -42,3 +42,25 @@ def test_a_row_without_a_timing_key_fails_instead_of_counting_zero_seconds(tmp_p
     with pytest.raises(KeyError, match="timing/weight_sync_s"):
         write_summary(tmp_path, run_state([row(**TIMINGS), row(**partial)]), PLAN, {})
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_curves_of_a_run_without_a_reference_model_show_the_entropy_not_an_empty_kl_panel(tmp_path, monkeypatch):
+    """A kl_coef=0 run's curves.png had a KL panel with nothing in it."""
+    from matplotlib.figure import Figure
+
+    panels = {}
+
+    def record(figure, path, **kwargs):
+        panels.update({ax.get_title(): [list(line.get_ydata()) for line in ax.get_lines()] for ax in figure.axes})
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    rows = [
+        {"rollout_step": s, "rollout/reward_mean": 0.5, "actor/entropy": 1.0 / s, "rollout/response_length_mean": 4}
+        for s in (1, 2)
+    ]
+    write_curves(tmp_path, rows, [{"rollout_step": 0, "eval/reward": 0.1}, {"rollout_step": 2, "eval/reward": 0.4}])
+    assert "KL to reference (per token)" not in panels
+    assert panels["policy entropy (per token; no reference model, no KL)"] == [[1.0, 0.5]]
+    with_kl = [{**row, "rollout/kl_to_reference": 0.01} for row in rows]
+    write_curves(tmp_path, with_kl, [])
+    assert panels["KL to reference (per token)"] == [[0.01, 0.01]]

@@ -135,7 +135,7 @@ def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step=000004.ckpt", "killed too late to test anything"
+    assert killed_at.name != "rollout_step_000004.ckpt", "killed too late to test anything"
 
     resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -177,11 +177,11 @@ def test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable(paths
     module, _ = run_in_process(paths, engine, tmp_path, steps=2)
     directory = tmp_path / "checkpoints"
     before = list_checkpoints(directory)
-    assert [p.name for p in before] == ["rollout_step=000001.ckpt", "rollout_step=000002.ckpt"]
+    assert [p.name for p in before] == ["rollout_step_000001.ckpt", "rollout_step_000002.ckpt"]
     size = before[-1].stat().st_size
     result = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, str(checkpoint_path(directory, 3))], cwd=ROOT)
     assert result.returncode == -signal.SIGKILL
-    assert (directory / "rollout_step=000003.ckpt.tmp").exists()  # the torn write ...
+    assert (directory / "rollout_step_000003.ckpt.tmp").exists()  # the torn write ...
     assert list_checkpoints(directory) == before and before[-1].stat().st_size == size  # ... is never picked up
     assert resolve_resume("auto", directory) == before[-1]
     resumed, _ = run_in_process(paths, engine, tmp_path, steps=3, resume_from=resolve_resume("auto", directory))

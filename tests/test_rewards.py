@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -11,6 +12,7 @@ import torch
 from lit_ppo.errors import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, SequenceClassifierReward
 from lit_ppo.rewards.math_verifier import extract_answer, math_reward
+from lit_ppo.rewards.scorer import TIMEOUTS_BEFORE_GIVING_UP
 from tests.helpers import compose_run_config
 
 # ------------------------------------------------------------------ the math verifier
@@ -378,6 +380,38 @@ class SleepsOnHang:
             time.sleep(60)
             self.finished_sleeping = True
         return [1.0] * len(responses)
+
+
+class HangsOnEverything:
+    """A reward whose every call hangs: a remote judge that is down."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prompts, responses, references, extras):
+        self.calls += 1
+        time.sleep(60)
+        return [1.0] * len(responses)
+
+
+def test_a_reward_hanging_on_every_sample_in_process_gives_up_on_the_rest_of_the_call(caplog):
+    """The batch call, cut at reward.timeout_s, was followed by every sample alone under the same limit: with the
+    default 60 s, a dead remote judge made each rollout step of 128 samples take two hours. After the batch and
+    two samples in a row time out, the call's other samples score as reward.on_error says, at once, with a line."""
+    reward = HangsOnEverything()
+    scorer = RewardScorer(fn=reward, on_error="zero", timeout_s=0.2)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="lit_ppo"):
+        scores = scorer(["p"] * 8, [str(i) for i in range(8)], ["1"] * 8, [{}] * 8, [False] * 8)
+    assert reward.calls == 1 + TIMEOUTS_BEFORE_GIVING_UP == 3  # the batch, then two samples, then none
+    assert time.monotonic() - started < 0.2 * 8
+    assert scores == [0.0] * 8 and scores.metrics["timeouts"] == 8.0 and scorer.timeouts == 8
+    given_up = [r.getMessage() for r in caplog.records if "looks hung" in r.getMessage()]
+    assert given_up == [
+        "reward: the batch and then 2 samples in a row ran past reward.timeout_s=0.2s: the reward function looks hung "
+        "(a remote service down?); the other 6 samples of this call score 0 without being scored "
+        "(reward.on_error=zero, counted as timeouts)"
+    ]
 
 
 def test_a_reward_sleeping_past_timeout_s_in_process_is_cut_and_counted():

@@ -5,22 +5,29 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from lit_ppo.atomic import directory_problem
 from lit_ppo.checkpoints import (
     RolloutCheckpoint,
     check_run_directory,
     checkpoint_path,
     config_differences,
+    finished_note,
+    fresh_start_note,
     list_checkpoints,
     prune,
+    save_atomic,
 )
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, DirectoryError
+from lit_ppo.run.entry import preflight
 from tests.helpers import ROOT, build_run, compose_run_config
 
 
@@ -50,7 +57,7 @@ def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_ano
     first = train("trainer.total_rollout_steps=3")
     assert first.returncode == 0, first.stderr[-3000:]
     before = list_checkpoints(out / "checkpoints")
-    assert [p.name for p in before] == ["rollout_step=000002.ckpt", "rollout_step=000003.ckpt"]
+    assert [p.name for p in before] == ["rollout_step_000002.ckpt", "rollout_step_000003.ckpt"]
     config = (out / "config.yaml").read_text()
 
     second = train("trainer.total_rollout_steps=2", "ppo.actor_lr=1e-3")
@@ -114,11 +121,11 @@ def test_an_explicit_resume_older_than_the_directorys_latest_is_refused(tmp_path
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
     write_checkpoints(tmp_path / "checkpoints", [4, 6])
     older = checkpoint_path(tmp_path / "checkpoints", 4)
-    with pytest.raises(ConfigError, match="older than rollout_step=000006.ckpt"):
+    with pytest.raises(ConfigError, match="older than rollout_step_000006.ckpt"):
         check_run_directory(dataclasses.replace(config, resume=str(older)), tmp_path)
     check_run_directory(dataclasses.replace(config, resume="auto"), tmp_path)  # the latest, same config: fine
-    (tmp_path / "checkpoints" / "rollout_step=000008.ckpt.tmp").write_bytes(b"half written")
-    assert list_checkpoints(tmp_path / "checkpoints")[-1].name == "rollout_step=000006.ckpt"
+    (tmp_path / "checkpoints" / "rollout_step_000008.ckpt.tmp").write_bytes(b"half written")
+    assert list_checkpoints(tmp_path / "checkpoints")[-1].name == "rollout_step_000006.ckpt"
 
 
 def test_another_strategy_on_resume_is_refused_naming_the_settings_to_resume_with(tmp_path):
@@ -135,7 +142,7 @@ def test_another_strategy_on_resume_is_refused_naming_the_settings_to_resume_wit
         return str(info.value)
 
     assert refusal() == (
-        "resume=auto: rollout_step=000001.ckpt was written under strategy=ddp, this run is strategy=single; the "
+        "resume=auto: rollout_step_000001.ckpt was written under strategy=ddp, this run is strategy=single; the "
         "strategy may not change on resume (the number of ranks may); fix: resume with strategy=ddp "
         "strategy.devices=1, or start a new run in another output_dir"
     )
@@ -157,10 +164,10 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     # Higher-numbered checkpoints of another timeline must not push out the running run's newest one.
     write_checkpoints(tmp_path, [4, 6, 5])
     prune(tmp_path, keep=1, newest=checkpoint_path(tmp_path, 5))
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step=000005.ckpt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step_000005.ckpt"]
     write_checkpoints(tmp_path, [4, 6, 7])
     prune(tmp_path, keep=2, newest=checkpoint_path(tmp_path, 7))
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step=000006.ckpt", "rollout_step=000007.ckpt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step_000006.ckpt", "rollout_step_000007.ckpt"]
 
 
 def test_resuming_a_ppo_checkpoint_as_grpo_is_refused_in_one_line(tiny_model_dir, engine, arithmetic_files, tmp_path):
@@ -197,3 +204,225 @@ def test_output_dir_leaves_no_hydra_directory_in_the_working_directory(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(work.iterdir()) == []  # no outputs/<date>/<time>/.hydra
     assert (out / "plan.json").is_file() and (out / ".hydra" / "config.yaml").is_file()
+
+
+# ------------------------------------------------------------------ resume that says what it found (issue 40, item 3)
+
+
+def one_line_refusal(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return error_line(result)
+
+
+def test_resume_auto_without_output_dir_is_refused_before_any_model_loads(tmp_path):
+    """It started from scratch in a new outputs/<date>/<time>/ on every start (every requeue), exit 0."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "resume=auto"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_line_refusal(result)
+    assert line.startswith("error: resume=auto without output_dir: this run writes into a new directory named after")
+    assert "fix: give the run a fixed directory" in line and "output_dir=runs/<name> resume=auto" in line
+    assert not list(tmp_path.rglob("checkpoints")) and not list(tmp_path.rglob("plan.json"))
+    # A fixed Hydra run directory can hold a checkpoint: not refused (planned here, nothing loaded).
+    fixed = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "mode=plan", "resume=auto", f"hydra.run.dir={tmp_path / 'fixed'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+
+
+def test_resume_auto_in_a_directory_without_a_checkpoint_says_so(tmp_path):
+    """A misspelt or empty output_dir started fresh without a word."""
+    assert fresh_start_note(None, tmp_path) is None and fresh_start_note("auto", tmp_path) == (
+        f"resume=auto: no checkpoint in {tmp_path / 'checkpoints'}; output_dir={tmp_path} holds no earlier run (is it "
+        "the directory of the run to continue?); starting at rollout step 0"
+    )
+    (tmp_path / "config.yaml").write_text("{}")  # a run that stopped before its first checkpoint
+    assert "holds a run that wrote no checkpoint (it stopped before its first" in fresh_start_note("auto", tmp_path)
+    write_checkpoints(tmp_path / "checkpoints", [2])
+    assert fresh_start_note("auto", tmp_path) is None
+
+
+def test_a_finished_run_resumed_exits_0_in_one_line_without_loading_anything(tmp_path):
+    """resume=auto on a run already at its length started the engine, loaded the checkpoint, evaluated again and
+    exited 0 without a word. Here the checkpoint is not even a checkpoint: nothing may read it."""
+    out = tmp_path / "run"
+    overrides = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
+    out.mkdir()
+    config, _, _ = preflight(compose_run_config(*overrides))  # as the run wrote it: ppo.packing resolved
+    (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(out / "checkpoints", [1, 2])
+    (out / "summary.json").write_text(json.dumps({"rollout_steps": 2}))
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"output_dir={out}", "resume=auto"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("resume=")]
+    assert lines == [
+        "resume=auto: rollout_step_000002.ckpt is at the end of the run (rollout step 2 of 2), and its run finished "
+        "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
+        "trainer.data_epochs)"
+    ], result.stdout[-3000:]
+    assert not (out / "plan.json").exists() and json.loads((out / "summary.json").read_text()) == {"rollout_steps": 2}
+
+
+@pytest.mark.slow
+def test_resume_auto_says_it_starts_fresh_and_a_finished_run_exits_without_training(tmp_path):
+    """An output_dir with no checkpoint started fresh without a word; a run already at its length was resumed (its
+    engine started, its weights loaded), re-evaluated, and exited 0 without saying so."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "train.py",
+        "trainer.total_rollout_steps=1",
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={out}",
+        "resume=auto",
+    ]
+    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    notes = [line for line in first.stdout.splitlines() if line.startswith("resume=auto")]
+    assert notes == [
+        f"resume=auto: no checkpoint in {out / 'checkpoints'}; output_dir={out} holds no earlier run (is it the "
+        "directory of the run to continue?); starting at rollout step 0"
+    ], first.stdout[-3000:]
+    assert "critic: the policy's weights with a new value head, starting at zero" in first.stdout
+    files = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.csv", "plan.json")}
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    notes = [line for line in again.stdout.splitlines() if line.startswith("resume=")]
+    assert notes == [
+        "resume=auto: rollout_step_000001.ckpt is at the end of the run (rollout step 1 of 1), and its run finished "
+        "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
+        "trainer.data_epochs)"
+    ], again.stdout[-3000:]
+    assert "eval samples" not in again.stdout and "run finished:" not in again.stdout  # no evaluation, no new files
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert "vLLM" not in (out / "logs" / "run.log").read_text().split(notes[0])[-1]  # no engine after the line
+
+    # Longer now: it resumes, and its critic is the checkpoint's (every resume said "a new value head, starting at
+    # zero").
+    longer = subprocess.run(
+        [*command, "trainer.total_rollout_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / 'rollout_step_000001.ckpt'}" in longer.stdout
+    assert "value head" not in longer.stdout and "resume=auto" not in longer.stdout
+
+
+def test_a_checkpoint_past_the_run_length_is_finished_only_where_its_run_wrote_its_final_files(tmp_path):
+    checkpoint = checkpoint_path(tmp_path / "checkpoints", 8)
+    assert finished_note("auto", checkpoint, 6, tmp_path) is None  # killed after it, before summary.json: resumed
+    (tmp_path / "summary.json").write_text(json.dumps({"rollout_steps": 6}))
+    assert finished_note("auto", checkpoint, 6, tmp_path) is None  # summary.json of an earlier, shorter length
+    (tmp_path / "summary.json").write_text(json.dumps({"rollout_steps": 8}))
+    assert finished_note("auto", checkpoint, 9, tmp_path) is None  # longer now: there is more to train
+    assert finished_note("auto", checkpoint, 6, tmp_path) == (
+        "resume=auto: rollout_step_000008.ckpt is at rollout step 8, past the run's length of 6 rollout steps, and "
+        "its run finished there (summary.json); nothing to train, exiting; to train longer, raise "
+        "trainer.total_rollout_steps (or trainer.data_epochs)"
+    )
+
+
+def test_checkpoint_paths_are_one_hydra_override_as_written_and_old_names_still_load(tmp_path):
+    """`resume=<run>/checkpoints/rollout_step=000004.ckpt` broke Hydra's parser (the `=` in the file name)."""
+    directory = tmp_path / "run" / "checkpoints"
+    path = checkpoint_path(directory, 4)
+    assert path.name == "rollout_step_000004.ckpt"
+    assert compose_run_config(f"resume={path}").resume == str(path)
+    # Checkpoints named by earlier versions are found beside the new ones, in step order, and rotated with them.
+    directory.mkdir(parents=True)
+    for name in ("rollout_step=000003.ckpt", "rollout_step_000004.ckpt", "rollout_step=000005.ckpt.tmp"):
+        (directory / name).write_bytes(b"not read here")
+    assert [p.name for p in list_checkpoints(directory)] == ["rollout_step=000003.ckpt", "rollout_step_000004.ckpt"]
+    assert compose_run_config(f"resume='{directory / 'rollout_step=000003.ckpt'}'").resume.endswith("=000003.ckpt")
+    prune(directory, keep=1, newest=path)
+    assert [p.name for p in list_checkpoints(directory)] == ["rollout_step_000004.ckpt"]
+
+
+# ------------------------------------------------------------------ directories that cannot be written (item 7)
+
+UNWRITABLE = Path("/sys/kernel")  # sysfs refuses new files to everyone, root included (chmod does not stop root)
+
+
+def unwritable_here() -> bool:
+    return not UNWRITABLE.is_dir() or directory_problem(UNWRITABLE) is None
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, where):
+    """A raw traceback from Hydra's own mkdir, before train.py's main ran."""
+    if where == "unwritable" and unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    output_dir, reason = {
+        "a file": (a_file, f"{a_file} is a file, not a directory"),
+        "under a file": (a_file / "run", f"{a_file} is a file, not a directory"),
+        "unwritable": (UNWRITABLE / "lit_ppo_run", f"{UNWRITABLE} (where lit_ppo_run would be made) is not writable ("),
+    }[where]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "mode=plan", f"output_dir={output_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_line_refusal(result)
+    assert line.startswith(f"error: output_dir={output_dir}: {reason}") and "fix: set output_dir to a" in line, line
+
+
+def test_an_unwritable_checkpoints_directory_is_refused_before_any_model_loads(tmp_path):
+    """It failed after the first checkpointed rollout step with a FileNotFoundError (Lightning's atomic save swallows
+    the PermissionError)."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(UNWRITABLE)  # checkpoints kept on a store this user cannot write
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"output_dir={out}"], cwd=tmp_path, capture_output=True, text=True
+    )
+    line = one_line_refusal(result)
+    assert line == (
+        f"error: the checkpoints of output_dir={out}: {out / 'checkpoints'} (a link to {UNWRITABLE}) is not writable "
+        f"(Permission denied); fix: make it writable, or give the run another output_dir"
+    )
+    assert not (out / "plan.json").exists()
+
+
+@pytest.mark.parametrize("save", ["lightning", "swallowed"])
+def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
+    """Lightning's atomic save turns a PermissionError into "upgrade fsspec" across file systems and into nothing on
+    one file system (then our rename failed with FileNotFoundError)."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    from lightning.fabric.utilities.cloud_io import _atomic_save
+
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        save_checkpoint=(lambda path: _atomic_save({"weights": 1}, path)) if save == "lightning" else lambda path: None,
+        strategy=SimpleNamespace(barrier=lambda name: None),
+    )
+    with pytest.raises(DirectoryError) as info:
+        save_atomic(trainer, checkpoint_path(UNWRITABLE, 3))
+    assert str(info.value).startswith(
+        f"the checkpoint rollout_step_000003.ckpt could not be written: {UNWRITABLE} is not writable (Permission "
+        f"denied); fix: make {UNWRITABLE} writable"
+    )

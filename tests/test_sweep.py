@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.run.sweep import SweepSummary, write_sweep_summary
+from lit_ppo.run.sweep import SweepSummary, path_list, write_sweep_summary
 from tests.helpers import ROOT, read_csv
 
 
@@ -83,3 +83,10 @@ def test_a_sweep_with_one_output_dir_for_every_job_stops_before_it_starts():
         callback.on_multirun_start(OmegaConf.create({"output_dir": "/tmp/shared"}))
     callback.on_multirun_start(OmegaConf.create({"output_dir": None}))
     callback.on_multirun_start(OmegaConf.create({"output_dir": "runs/${seed}", "seed": 0}))  # may differ per job
+
+
+def test_the_analysis_notebooks_run_dirs_from_papermill_are_a_list_of_paths():
+    """`papermill -p run_dirs '[a, b]'` passes a string, which the notebook iterated over character by character."""
+    assert path_list("[runs/a, multirun/2026-01-01/10-00-00]") == ["runs/a", "multirun/2026-01-01/10-00-00"]
+    assert path_list('["runs/a", "runs/b"]') == ["runs/a", "runs/b"]
+    assert path_list("runs/a") == ["runs/a"] and path_list(["runs/a", "runs/b"]) == ["runs/a", "runs/b"]

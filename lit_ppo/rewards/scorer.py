@@ -22,6 +22,10 @@ from lit_ppo.rewards.workers import RewardWorkers, _Timeout, call_with_deadline
 log = logging.getLogger("lit_ppo")
 
 
+# In process (reward.workers=0), after the batch call ran past reward.timeout_s: this many samples in a row that do too
+# mean the function hangs on everything (a remote judge that is down), and the call's other samples are not tried.
+TIMEOUTS_BEFORE_GIVING_UP = 2
+
 # Reward metrics that count samples (the others are per-sample means): summed over data-parallel ranks, not averaged.
 COUNT_METRICS = ("errors", "timeouts", "none")
 
@@ -205,7 +209,13 @@ class RewardScorer:
 
     def _score_one_by_one(self, prompts, responses, references, extras, batch_error):
         scores, extra_metrics, failed = [], defaultdict(list), 0
+        timeouts_in_a_row, batch_timed_out = 0, isinstance(batch_error, TimeoutError)
         for i in range(len(responses)):
+            # Hung, not slow on one sample: the rest would hang too.
+            if batch_timed_out and timeouts_in_a_row == TIMEOUTS_BEFORE_GIVING_UP:
+                self._give_up(i, prompts, responses)
+                scores.extend([0.0] * (len(responses) - i))
+                break
             try:
                 one, metrics = self._checked(
                     call_with_deadline(
@@ -215,9 +225,11 @@ class RewardScorer:
                 )
             except Exception as e:
                 self._sample_failed(i, prompts, responses, e)
+                timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, TimeoutError) else 0
                 failed += 1
                 scores.append(0.0)
                 continue
+            timeouts_in_a_row = 0
             scores.extend(one)
             for k, v in metrics.items():
                 extra_metrics[k].extend(v)
@@ -227,6 +239,24 @@ class RewardScorer:
                 f"sample: {type(batch_error).__name__}: {batch_error}; fix: make it work on whole batches"
             )
         return scores, extra_metrics
+
+    def _give_up(self, first: int, prompts, responses) -> None:
+        """After the batch and TIMEOUTS_BEFORE_GIVING_UP samples in a row ran past the limit, samples `first`... of
+        this call are scored as reward.on_error says (0, counted as timeouts) without calling the function: a hung
+        function (a remote judge that is down) would otherwise cost timeout_s for every sample of every call."""
+        rest = len(responses) - first
+        log.warning(
+            "reward: the batch and then %d samples in a row ran past reward.timeout_s=%gs: the reward function looks "
+            "hung (a remote service down?); the other %d samples of this call score 0 without being scored "
+            "(reward.on_error=zero, counted as timeouts)",
+            TIMEOUTS_BEFORE_GIVING_UP,
+            self.timeout_s,
+            rest,
+        )
+        for i in range(first, len(responses)):
+            self._sample_failed(
+                i, prompts, responses, TimeoutError("not scored: the function hung on the samples before it")
+            )
 
     def _score_in_workers(self, prompts, responses, references, extras):
         outcomes = self.pool.run(list(zip(prompts, responses, references, extras)))

@@ -281,7 +281,7 @@ class RolloutDataModule(L.LightningDataModule):
                 temperature=self.rollout.temperature,
                 top_p=self.rollout.top_p,
                 purpose=purpose,
-                where=f"rollout step {rollout_step}",
+                where=f"rollout step {rollout_step + 1}",  # rollout_step counts the steps before this one
             )
 
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
@@ -336,7 +336,7 @@ class RolloutDataModule(L.LightningDataModule):
             if informative < plan.rollout_batch_size and plan.dynamic_sampling_on_shortfall == "stop":
                 self.next_generation_round = first_round  # a resume retries this rollout step from its first round
                 raise DynamicSamplingShortfallError(
-                    f"rollout step {rollout_step}: {informative} of {plan.rollout_batch_size} prompt groups had differing "
+                    f"rollout step {rollout_step + 1}: {informative} of {plan.rollout_batch_size} prompt groups had differing "
                     f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
                     "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
                     "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"

@@ -40,6 +40,7 @@ EPISODE_STATS = (
     "episode_tokens",
     "environment_errors",
     "environment_timeouts",
+    "observations_cut",
 )
 
 
@@ -55,6 +56,7 @@ class Episode(Generation):
     tool_calls: int = 0
     observation_tokens: int = 0
     failure: str | None = None  # "error" or "timeout" when the environment failed (reward.on_error=zero)
+    cut_observation_tokens: int = 0  # the observation that ended it, not fitting the budget left (0: none did)
     info: dict[str, float] = field(default_factory=dict)  # numeric `info` entries, the last value of each
 
 
@@ -220,6 +222,7 @@ def run_episodes(
             )
             if len(ids) >= settings.max_episode_tokens:
                 r.active, r.episode.truncated = False, True
+                r.episode.cut_observation_tokens = len(ids)
             else:
                 r.append(ids, policy=False)
                 r.episode.observation_tokens += len(ids)
@@ -277,8 +280,12 @@ def run_episodes(
                 continue
             ids = encoder(observation, list(out.token_ids)) if observation else []
             # Out of turns, or no room for the observation and one more token: the episode is cut here.
-            if turn + 1 == settings.max_turns or len(ep.token_ids) + len(ids) >= settings.max_episode_tokens:
+            if turn + 1 == settings.max_turns:
                 r.active, ep.truncated = False, True
+                continue
+            if len(ep.token_ids) + len(ids) >= settings.max_episode_tokens:
+                r.active, ep.truncated = False, True
+                ep.cut_observation_tokens = len(ids)
                 continue
             r.append(ids, policy=False)
             ep.observation_tokens += len(ids)
@@ -294,6 +301,21 @@ def run_episodes(
             len(running),
             failed_kinds.count("timeout"),
             next(r.failure_message for r in running if r.episode.failure),
+        )
+    cut = [r.episode for r in running if r.episode.cut_observation_tokens]
+    if cut:  # every such episode ends truncated, without the tool's answer: said, or a run learns nothing unseen
+        longest = max(cut, key=lambda ep: ep.cut_observation_tokens)
+        log.warning(
+            "%s: %d of %d episodes were cut at an observation that did not fit the episode's budget "
+            "(rollout.max_episode_tokens=%d: prompt excluded, turns and observations; the longest cut observation "
+            "had %d tokens, with %d left); fix: raise rollout.max_episode_tokens or shorten the environment's "
+            "observations",
+            where,
+            len(cut),
+            len(running),
+            settings.max_episode_tokens,
+            longest.cut_observation_tokens,
+            settings.max_episode_tokens - len(longest.token_ids),
         )
     episodes = []
     for r in running:
@@ -317,4 +339,5 @@ def episode_stats(episodes: list) -> dict[str, float]:
         stats["episode_tokens"] += len(ep.token_ids)
         stats["environment_errors"] += ep.failure == "error"
         stats["environment_timeouts"] += ep.failure == "timeout"
+        stats["observations_cut"] += ep.cut_observation_tokens > 0
     return stats

@@ -79,14 +79,20 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
         for i, record in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", record
     elif path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark at the start (Windows tools write one) is read past, as JSON readers do
+        with open(path, encoding="utf-8-sig") as f:
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
+                line = line.rstrip("\r\n")  # a column past the record's end is on its own line, not the next
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{line_no}: malformed JSON ({e.msg}); fix: one JSON object per line") from e
+                    raise DataError(
+                        f"{path}:{line_no}:{e.colno}: malformed JSON ({e.msg} at line {line_no}, column {e.colno}: "
+                        f"{_around(line, e.pos)!r}); fix: repair that record (a JSONL file holds one JSON object per "
+                        "line)"
+                    ) from e
                 if not isinstance(record, dict):
                     raise DataError(
                         f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line"
@@ -96,6 +102,11 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
         raise ConfigError(
             f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder"
         )
+
+
+def _around(line: str, position: int, width: int = 20) -> str:
+    """The text of `line` around a character position, for a message."""
+    return line[max(0, position - width) : position + width]
 
 
 def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: str | None) -> str:

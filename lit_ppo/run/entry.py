@@ -13,6 +13,7 @@ from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, compute_plan
 from lit_ppo.run import preflight as checks
+from lit_ppo.run.directories import check_run_directories
 from lit_ppo.run.report import write_plan
 
 log = logging.getLogger("lit_ppo")
@@ -24,6 +25,32 @@ def output_dir_of(cfg: DictConfig) -> Path:
     if cfg.get("output_dir"):
         return Path(cfg.output_dir)
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+def timestamped_run_directory(cfg: DictConfig) -> bool:
+    """Whether this run writes into a directory Hydra names after the time it starts (no output_dir, and the default
+    hydra.run.dir, or hydra.sweep.dir under -m): a new, empty one on every start, which can hold no checkpoint."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    if cfg.get("output_dir") or not HydraConfig.initialized():
+        return False
+    hydra = HydraConfig.get()
+    node = hydra.sweep if hydra.mode == RunMode.MULTIRUN else hydra.run
+    return "${now:" in str(OmegaConf.to_container(node, resolve=False).get("dir"))
+
+
+def check_resume_directory(resume: str | None, timestamped: bool, run_directory: Path) -> None:
+    """`resume=auto` in a directory named after the time would find no checkpoint on any start: a requeued job would
+    begin again at rollout step 0 every time, and exit 0."""
+    if resume == "auto" and timestamped:
+        raise ConfigError(
+            f"resume=auto without output_dir: this run writes into a new directory named after the time it starts "
+            f"({run_directory}), which holds no checkpoint, so every start (every requeue) would begin again at "
+            "rollout step 0; fix: give the run a fixed directory, the same on every start: output_dir=runs/<name> "
+            "resume=auto"
+        )
 
 
 def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTargets | None]:
@@ -46,9 +73,11 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     spec = config.reward.fn
     target = checks.resolve_target(spec.get("_target_"), "reward.fn")
     bound = {k: v for k, v in spec.items() if not k.startswith("_")}
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}"
+    checks.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
     checks.check_reward_convention(
         checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
-        f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}",
+        name,
         config.reward.signature,
         data.answer_key,
         list(data.extra_keys),
@@ -162,8 +191,11 @@ def main(cfg: DictConfig) -> dict | None:
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
-    config, prompt_stats, lora_targets = preflight(config)
     output_dir = output_dir_of(cfg)
+    check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)
+    # (train.py's Hydra callback checked them before Hydra made the directory; callers without Hydra's run, here)
+    check_run_directories(output_dir, "output_dir", training=config.mode == "train")
+    config, prompt_stats, lora_targets = preflight(config)
     size, source = planned_dataset_size(config.data)
     plan = compute_plan(config, size, prompt_stats, lora_targets)
     if config.mode == "plan":

@@ -199,6 +199,9 @@ class SampleTableLogger(L.Callback):
         # here was restored from a checkpoint and shown by the run that made it.
         self.logged = len(module.eval_history)
 
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._log_new(trainer, module)  # the evaluation before any update (the module's on_train_start), before step 1
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._log_new(trainer, module)
 

@@ -92,6 +92,31 @@ def call_parameters(target: Any, bound: Mapping[str, Any], partial: bool) -> dic
     return parameters
 
 
+def check_bound_keywords(target: Any, bound: Mapping[str, Any], partial: bool, name: str) -> None:
+    """Every keyword set beside reward.fn's `_target_` is a parameter of what it is given to: the function (Hydra's
+    `_partial_: true`) or the class's constructor. A misspelt one would otherwise leave the parameter it meant
+    unset, and be reported as the function not fitting its convention, or fail at the first rollout."""
+    if not bound:
+        return
+    function = target if partial or not inspect.isclass(target) else target.__init__
+    try:
+        parameters = dict(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin): building it will tell
+        return
+    if inspect.isclass(target) and not partial:
+        parameters.pop(next(iter(parameters), None), None)  # self
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    names = [n for n, p in parameters.items() if p.kind != inspect.Parameter.VAR_POSITIONAL]
+    for key in bound:
+        if key not in parameters:
+            close = get_close_matches(key, names, 1)
+            raise ConfigError(
+                f"reward.fn.{key}: {name} has no parameter {key!r} (its parameters: {', '.join(names)}); fix: "
+                + (f"correct it to reward.fn.{close[0]}" if close else f"remove reward.fn.{key}")
+            )
+
+
 # How lit_ppo.rewards.RewardCall calls each convention (for messages; the binding below mirrors it).
 CONVENTION_CALLS = {
     "lit_ppo": "fn(prompts, responses, references, extras)",

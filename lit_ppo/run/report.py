@@ -76,6 +76,8 @@ def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
 
 
 def write_curves(output_dir: Path, history: list[dict], evals: list[dict]) -> Path:
+    """curves.png: training reward, held-out accuracy, KL to the reference (the policy's entropy in a run without a
+    reference model) and response length, against the rollout step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,10 +85,15 @@ def write_curves(output_dir: Path, history: list[dict], evals: list[dict]) -> Pa
 
     steps = [row["rollout_step"] for row in history]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    # A run without a reference model (ppo.kl_coef=0, GRPO presets) logs no KL: its panel shows the policy's entropy.
+    if any("rollout/kl_to_reference" in row for row in history) or not history:
+        third = ("rollout/kl_to_reference", "KL to reference (per token)")
+    else:
+        third = ("actor/entropy", "policy entropy (per token; no reference model, no KL)")
     panels = [
         (axes[0, 0], "rollout/reward_mean", "training reward (mean)"),
         (axes[0, 1], None, "held-out greedy accuracy"),
-        (axes[1, 0], "rollout/kl_to_reference", "KL to reference (per token)"),
+        (axes[1, 0], *third),
         (axes[1, 1], "rollout/response_length_mean", "response length (tokens)"),
     ]
     for ax, key, title in panels:

@@ -43,6 +43,19 @@ def find_job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(found, key=order)
 
 
+def path_list(value) -> list[str]:
+    """The analysis notebook's `run_dirs` as a list of paths: a list as it is; a string, as papermill's `-p run_dirs
+    '[a, b]'` passes one, read as a YAML list (`[a, b]`, `["a", "b"]`), else one path."""
+    if isinstance(value, (str, Path)):
+        text = str(value).strip()
+        if text.startswith("["):
+            parsed = yaml.safe_load(text)
+            if isinstance(parsed, list):
+                return [str(v) for v in parsed]
+        return [text]
+    return [str(v) for v in value]
+
+
 def read_job(job_dir: Path, sweep_dir: Path) -> dict:
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []

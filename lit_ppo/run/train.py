@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import logging
 import signal
 import time
@@ -26,7 +27,13 @@ from lit_ppo import waits
 from lit_ppo.atomic import (
     atomic_path,
 )
-from lit_ppo.checkpoints import RolloutCheckpoint, check_run_directory, resolve_resume
+from lit_ppo.checkpoints import (
+    RolloutCheckpoint,
+    check_run_directory,
+    finished_note,
+    fresh_start_note,
+    resolve_resume,
+)
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
@@ -241,6 +248,9 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
         check_run_directory(config, output_dir)  # before this run writes anything into it
+        note = fresh_start_note(config.resume, output_dir)
+        if note:
+            show(note)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero)
@@ -252,6 +262,12 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
+    resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
+    finished = finished_note(config.resume, resume_from, plan.total_rollout_steps, output_dir)
+    if finished:  # before the plan.json of the finished run is rewritten and before any model loads
+        if rank_zero:
+            show(finished)
+        return json.loads((output_dir / "summary.json").read_text()) if rank_zero else None
     if rank_zero:
         write_plan(plan, output_dir, train_prompts.describe(), config)
 
@@ -260,9 +276,10 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     checkpoints = RolloutCheckpoint(
         output_dir / "checkpoints", every=trainer_cfg.checkpoint_every, keep=trainer_cfg.keep_checkpoints
     )
-    resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
     if resume_from:
         log.info("resuming from %s", resume_from)
+    elif plan.critic_enabled and rank_zero:  # (a resumed run's critic is its checkpoint's)
+        show("critic: the policy's weights with a new value head, starting at zero")
     trainer, module, datamodule = build_run(
         config,
         plan,

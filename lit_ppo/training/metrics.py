@@ -118,7 +118,8 @@ def rollout_metrics(
 def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, device=None) -> dict[str, float]:
     """Multi-turn episodes' statistics of the global rollout batch from each rank's sums (`episodes.episode_stats`):
     per-episode means of policy turns, tool calls, observation tokens and response tokens (turns and observations),
-    the share of episodes that called a tool at least once, and the environment's failures (counts)."""
+    the share of episodes that called a tool at least once, the environment's failures and the episodes cut at an
+    observation that did not fit (counts)."""
     names = list(stats)
     total = dict(
         zip(
@@ -135,6 +136,8 @@ def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, 
         "rollout/episode_tokens": total["episode_tokens"] / episodes,
         "rollout/environment_errors": total["environment_errors"],
         "rollout/environment_timeouts": total["environment_timeouts"],
+        # episodes cut at an observation that did not fit rollout.max_episode_tokens (count; episodes.run_episodes)
+        "rollout/observations_cut": total["observations_cut"],
     }
 
 

@@ -44,9 +44,13 @@ def load_models(
         torch.nn.init.zeros_(critic.score.weight)
         if critic.score.bias is not None:
             torch.nn.init.zeros_(critic.score.bias)
-        # transformers reports the head as MISSING weights (in run.log); this is what it means.
+        # transformers reports the head as MISSING weights (in run.log); this is what it means. In run.log only: a
+        # resumed run's critic is restored from its checkpoint after this (run/train.py says which on the console).
         logging.getLogger("lit_ppo").info(
-            "critic: the policy's weights with a new value head (%d -> 1), starting at zero", critic.score.in_features
+            "critic: the policy's weights with a new value head (%d -> 1), starting at zero (a resumed run then loads "
+            "its checkpoint's critic)",
+            critic.score.in_features,
+            extra={"console": False},
         )
     reference = None
     if plan.reference_enabled and lora is None:
