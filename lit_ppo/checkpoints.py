@@ -96,8 +96,11 @@ def prune(directory: Path, keep: int, newest: Path | None = None) -> None:
         old.unlink(missing_ok=True)
 
 
-def step_of(path: Path) -> int:
-    return int(_NAME.match(Path(path).name).group(1))
+def step_of(path: Path) -> int | None:
+    """The rollout step in a checkpoint's name (this version's or an earlier one's); None for another name (a
+    `resume=` path the user named, e.g. start.ckpt)."""
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def resolve_resume(resume: str | None, directory: Path) -> Path | None:
@@ -137,7 +140,7 @@ def finished_note(
         return None
     step = step_of(checkpoint)
     summary = Path(output_dir) / "summary.json"
-    if step < total_rollout_steps or not summary.is_file():
+    if step is None or step < total_rollout_steps or not summary.is_file():
         return None
     import json
 
@@ -232,7 +235,8 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
     path = resolve_resume(resume, directory)
     if path is None:
         return
-    if found and path.parent.resolve() == directory.resolve() and step_of(path) < step_of(found[-1]):
+    named = step_of(path)
+    if found and path.parent.resolve() == directory.resolve() and named is not None and named < step_of(found[-1]):
         raise ConfigError(
             f"resume={resume} is older than {found[-1].name} in the same directory, whose rotation would then mix two "
             f"runs; fix: resume=auto, or resume into another output_dir"

@@ -116,6 +116,8 @@ class ScriptedEngine:
     """Stands in for VLLMEngine: turn t of every episode is `turns[t]` (cut to the turn's token budget); records
     what it was given."""
 
+    adapter_version = 0  # the contract's (lit_ppo/contract.py): no LoRA adapter
+
     def __init__(self, turns: list[list[int]], cycle: bool = False):
         self.turns, self.calls, self.cycle = turns, [], cycle  # cycle: turn t of call t % len(turns) (several rounds)
 

@@ -426,3 +426,19 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
         f"the checkpoint rollout_step_000003.ckpt could not be written: {UNWRITABLE} is not writable (Permission "
         f"denied); fix: make {UNWRITABLE} writable"
     )
+
+
+def test_a_checkpoint_under_a_name_of_ones_own_resumes(tmp_path):
+    """`resume=<dir>/start.ckpt` (a copy under another name, as a user or a requeue script makes): its rollout step is
+    not in its name, and nothing that reads the name may fail on it."""
+    from lit_ppo.checkpoints import finished_note, step_of
+
+    copy = tmp_path / "start.ckpt"
+    copy.write_bytes(b"")
+    assert step_of(copy) is None and step_of(tmp_path / "rollout_step_000004.ckpt") == 4
+    assert step_of(tmp_path / "rollout_step=000004.ckpt") == 4  # an earlier version's name
+    assert finished_note(str(copy), copy, 2, tmp_path) is None
+    config = compose_run_config("trainer.total_rollout_steps=2")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [1])
+    check_run_directory(dataclasses.replace(config, resume=str(copy)), tmp_path)

@@ -106,7 +106,7 @@ def unpack_bucket(entries: list[tuple[str, str, list[int]]], flat: torch.Tensor)
 
 class RolloutWorkers:
     """The trainer's side: starts `workers` worker processes, sends them requests in order, pushes weights (or a LoRA
-    adapter), collects results. Engine-like (`generate`, `sync_weights`, `sync_adapter`, `wake_up`, `sleep`, `close`)
+    adapter), collects results. An engine of the contract (`lit_ppo.contract.RolloutEngine`: `generate`, `update_weights`, `wake_up`, `sleep`, `close`)
     so that evaluation runs through it unchanged; rollouts use `submit` and `collect` to generate ahead."""
 
     def __init__(

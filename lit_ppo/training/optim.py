@@ -55,7 +55,7 @@ class GuardedStep:
         scheduler.step()
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteUpdatesError(
-                f"rollout step {rollout_step}: {self.consecutive} optimizer steps in a row had a non-finite loss or "
+                f"rollout step {rollout_step + 1}: {self.consecutive} optimizer steps in a row had a non-finite loss or "
                 f"gradient ({self.skipped} skipped in all); a checkpoint was saved; fix: lower ppo.actor_lr/critic_lr "
                 "or check the rewards, then resume=auto"
             )
