@@ -279,7 +279,8 @@ class StepPlan:
                     else f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
                     "sample, block-diagonal mask"
                 )
-                + "); LM head at response positions only"
+                + "); LM head at response positions only, in the model's own forward; proven against the padded "
+                "layout on the first micro-batch"
                 if self.packing
                 else "rows padded: prompts left, responses right (ppo.packing)",
             ),
