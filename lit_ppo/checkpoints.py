@@ -14,6 +14,7 @@ same number it continues bitwise, each rank with its own streams.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -123,10 +124,13 @@ def fresh_start_note(resume: str | None, output_dir: Path) -> str | None:
     if resume != "auto" or list_checkpoints(Path(output_dir) / "checkpoints"):
         return None
     if (Path(output_dir) / "config.yaml").is_file():
-        found = "holds a run that wrote no checkpoint (it stopped before its first, trainer.checkpoint_every)"
+        found = "holds a run that stopped before its first checkpoint"
     else:
         found = "holds no earlier run (is it the directory of the run to continue?)"
-    return f"resume=auto: no checkpoint in {Path(output_dir) / 'checkpoints'}; output_dir={output_dir} {found}; starting at rollout step 0"
+    return (
+        f"resume=auto: no checkpoint in {Path(output_dir) / 'checkpoints'}; output_dir={output_dir} {found}; "
+        "starting at rollout step 0"
+    )
 
 
 def finished_note(
@@ -142,8 +146,6 @@ def finished_note(
     summary = Path(output_dir) / "summary.json"
     if step is None or step < total_rollout_steps or not summary.is_file():
         return None
-    import json
-
     try:
         finished_at = json.loads(summary.read_text()).get("rollout_steps")
     except (OSError, ValueError):

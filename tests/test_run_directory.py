@@ -246,7 +246,9 @@ def test_resume_auto_in_a_directory_without_a_checkpoint_says_so(tmp_path):
         "the directory of the run to continue?); starting at rollout step 0"
     )
     (tmp_path / "config.yaml").write_text("{}")  # a run that stopped before its first checkpoint
-    assert "holds a run that wrote no checkpoint (it stopped before its first" in fresh_start_note("auto", tmp_path)
+    assert "holds a run that stopped before its first checkpoint; starting at rollout step 0" in fresh_start_note(
+        "auto", tmp_path
+    )
     write_checkpoints(tmp_path / "checkpoints", [2])
     assert fresh_start_note("auto", tmp_path) is None
 
