@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import time
@@ -202,8 +203,11 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
     train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     run_id = (out / "wandb_run_id").read_text().strip()
     train(compose_run_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)  # both parts write to one run
+    runs = sorted((out / "wandb").glob("offline-run-*"), key=lambda r: r.stat().st_mtime)
+    # both parts write to one run: offline-run-<start time>-<run id>, and "-1" after it where both parts started
+    # within the same second (W&B's name for the second directory of a run)
+    pattern = rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?"
+    assert len(runs) == 2 and all(re.fullmatch(pattern, r.name) for r in runs), [r.name for r in runs]
     records = read_wandb_records(runs[-1])
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_id == run_id
