@@ -28,7 +28,7 @@ from common import CACHE, arithmetic_prompt_file, build_run, command_line, grpo_
 from gpu_e2e import model_dir as qwen15b_model_dir
 
 from lit_ppo.config import LoraConfig
-from lit_ppo.contract import WeightUpdate
+from lit_ppo.contract import CountedTensors, WeightUpdate
 from lit_ppo.precision import resolve_precision
 from lit_ppo.rollout.engine import adapter_host_copies, tensor_bytes
 from lit_ppo.testing import NullEngine
@@ -45,13 +45,12 @@ class SinkEngine(NullEngine):
     def update_weights(self, update: WeightUpdate) -> int:
         if update.adapter is not None:  # what VLLMEngine.sync_adapter does before vLLM's load
             return tensor_bytes(adapter_host_copies(update.adapter.tensors))
-        moved = 0
-        for name, tensor in update.tensors:
+        counted = CountedTensors(update.tensors)
+        for name, tensor in counted:
             if name not in self.destinations:
                 self.destinations[name] = torch.empty(tensor.shape, dtype=self.dtype, device=tensor.device)
             self.destinations[name].copy_(tensor)
-            moved += tensor.numel() * tensor.element_size()
-        return moved
+        return counted.bytes
 
 
 def measure(model_dir, lora_rank: int, syncs: int, device: torch.device, precision: str) -> tuple[float, int, str]:

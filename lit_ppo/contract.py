@@ -57,6 +57,19 @@ class WeightUpdate:
             raise ValueError("WeightUpdate: give either tensors (full weights) or adapter (model.lora), not both")
 
 
+class CountedTensors:
+    """(name, tensor) pairs passed on as they are read (streamed, never held), counting their bytes: what an engine's
+    `update_weights` returns for full weights."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.tensors, self.bytes = tensors, 0
+
+    def __iter__(self):
+        for name, tensor in self.tensors:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer and the data module use of an engine."""

@@ -40,7 +40,7 @@ from typing import Iterable
 
 import torch
 
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.engine import tensor_bytes
 from lit_ppo.rollout.worker_messages import ApplyWeights, Generate, Stop
@@ -391,14 +391,9 @@ class RolloutWorkers:
             message = ApplyWeights(push, version, probe, a.peft_config, a.adapter_version)
             self.pushed_adapter_version = a.adapter_version
         else:
-            moved = [0]
-
-            def counted():
-                for name, tensor in update.tensors:
-                    moved[0] += tensor.numel() * tensor.element_size()
-                    yield name, tensor
-
-            push, moved = self._push(counted(), version), moved[0]
+            counted = CountedTensors(update.tensors)
+            push = self._push(counted, version)
+            moved = counted.bytes
             message = ApplyWeights(push, version, probe)
         for worker in range(self.workers):
             self._send(worker, message)

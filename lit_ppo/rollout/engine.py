@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from lit_ppo.console import quiet_stderr
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +198,9 @@ class VLLMEngine:
         if update.adapter is not None:
             a = update.adapter
             return self.sync_adapter(a.tensors, a.peft_config, a.adapter_version)
-        moved = [0]
-
-        def counted():
-            for name, tensor in update.tensors:
-                moved[0] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        self.sync_weights(counted())
-        return moved[0]
+        counted = CountedTensors(update.tensors)
+        self.sync_weights(counted)
+        return counted.bytes
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
