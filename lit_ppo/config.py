@@ -315,6 +315,16 @@ class RolloutConfig:
         return self.max_episode_tokens or self.max_turns * self.max_response_tokens
 
 
+def close_match_hints(wrong: list[str], names: list[str], prefix: str = "") -> list[str]:
+    """`<prefix><wrong> (did you mean <prefix><name>?)` for each wrong name with a close match among `names`."""
+    return [
+        f"{prefix}{w} (did you mean {prefix}{close[0]}?)"
+        for w in wrong
+        for close in [get_close_matches(w, names, 1)]
+        if close
+    ]
+
+
 def parse_section(cls: type, values: Mapping[str, Any], section: str):
     """Build a config dataclass from a section's values, refusing unknown keys, unset (`???`) values and values that
     their field's type or range does not accept (`config_fields.read_field`: `ppo.packing=maybe`,
@@ -324,12 +334,7 @@ def parse_section(cls: type, values: Mapping[str, Any], section: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        hints = [
-            f"{prefix}{k} (did you mean {prefix}{close[0]}?)"
-            for k in unknown
-            for close in [get_close_matches(k, names, 1)]
-            if close
-        ]
+        hints = close_match_hints(unknown, names, prefix)
         raise ConfigError(
             f"{section or 'config'}: unknown key(s) {', '.join(prefix + k for k in unknown)}; fix: remove them"
             + (f" or correct {', '.join(hints)}" if hints else "")

@@ -19,6 +19,7 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lit_ppo.config import close_match_hints
 from lit_ppo.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -430,12 +431,7 @@ def lora_targets(model: Any, target_modules: str | list[str], rank: int, where: 
         targets = list(target_modules)
         unmatched = [t for t in targets if not any(_peft_matches(name, t) for name in linear)]
         if unmatched:
-            hints = [
-                f"{t} (did you mean {close[0]}?)"
-                for t in unmatched
-                for close in [get_close_matches(t, existing, 1)]
-                if close
-            ]
+            hints = close_match_hints(unmatched, existing)
             raise ConfigError(
                 f"model.lora.target_modules=[{','.join(targets)}]: {', '.join(unmatched)} matches no linear module of "
                 f"{where}, whose linear modules are {', '.join(existing)}; fix: correct "
