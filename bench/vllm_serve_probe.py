@@ -5,7 +5,7 @@ tests' tiny Qwen2 model, samples a batch with lit-ppo's in-process engine (`VLLM
 `vllm serve` of the same model with the CPU settings `VLLMEngine` passes to `LLM(...)` (under `timeout`), probes it
 over HTTP, stops it, and prints one line per capability: PASS / FAIL and what was seen.
 
-    .venv/bin/python bench/vllm_serve_probe.py                 # about 2-3 minutes on 2 CPU cores
+    .venv/bin/python bench/vllm_serve_probe.py                 # about 4 minutes on 2 shared CPU cores
     .venv/bin/python bench/vllm_serve_probe.py --keep-dir      # keeps the model, adapters and server.log
 
 Probed: token ids in and out (/v1/completions and /inference/v1/generate), per-request seeds (reproducible, and equal
@@ -41,6 +41,7 @@ SERVER_ENV = dict(os.environ)  # before VLLMEngine's setdefaults (in-process set
 from vllm_serve_probe_plugin import BACKEND, broadcast, gloo_group  # noqa: E402
 
 LORA_RANK = 8
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256(b"")
 SERVED_NAME = "policy"  # --served-model-name: the base model's name in requests
 SAMPLING = dict(n=2, temperature=1.0, top_p=0.9, max_tokens=12)
 LOGPROB_TOLERANCE = 1e-4  # nats per token, float32 on both sides
@@ -455,11 +456,13 @@ def run_probes(client: Client, tokenizer, model_a, model_b, adapters, prompts, s
         if baseline is not None:
             compared = client.post("/weight_checker", {"action": "compare", "baseline": baseline})
             changed = expected_changes(model_a, model_b, baseline)
+            empty = sorted(key for key, digest in baseline.items() if digest == EMPTY_SHA256)
             record(
                 "weight_checker compare sees every pushed tensor that changed",
                 set(compared["mismatches"]) == changed,
                 f"{len(baseline)} keys (vLLM's names, e.g. {sorted(baseline)[1]!r}); mismatches "
-                f"{sorted(compared['mismatches'])}, expected the {len(changed)} tensors A and B differ in",
+                f"{sorted(compared['mismatches'])}, expected the {len(changed)} tensors A and B differ in; "
+                f"{len(empty)} keys are the checksum of zero bytes (an empty tensor), e.g. {empty[:1]}",
             )
 
     @probe("LoRA adapter loaded at run time (/v1/load_lora_adapter, a directory)")
@@ -521,8 +524,12 @@ def main() -> None:
     process, log = start_server(model_dir, port, root, args.lifetime_s, cli)
     try:
         ready_s = wait_ready(process, f"http://127.0.0.1:{port}", log, args.lifetime_s - 30)
+        record("the server starts (VLLM_SERVER_DEV_MODE=1)", True, f"ready in {ready_s:.0f} s")
+        created = [line for line in log.read_text().splitlines() if "Creating weight transfer engine" in line]
         record(
-            "vllm serve starts with the plugin's engine and VLLM_SERVER_DEV_MODE=1", True, f"ready in {ready_s:.0f} s"
+            "the plugin's engine is created in the server's worker (--weight-transfer-config)",
+            any("GlooWeightTransferEngine" in line for line in created),
+            created[0].split("]")[-1].strip() if created else "no 'Creating weight transfer engine' line in the log",
         )
         run_probes(
             Client(f"http://127.0.0.1:{port}"),
@@ -536,7 +543,7 @@ def main() -> None:
             reference,
         )
     except Exception as error:  # noqa: BLE001
-        record("vllm serve starts with the plugin's engine and VLLM_SERVER_DEV_MODE=1", False, str(error)[-600:])
+        record("the server starts (VLLM_SERVER_DEV_MODE=1)", False, str(error)[-600:])
     finally:
         stop_server(process)
         print(f"server stopped (code {process.returncode}); its log: {log}", flush=True)
