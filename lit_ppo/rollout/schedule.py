@@ -121,7 +121,7 @@ class AheadOfTimeSource:
         self.received: dict[int, Received] = {}
 
     def start_engine(self, datamodule) -> RolloutEngine:
-        from lit_ppo.rollout.disaggregated import RolloutWorkers
+        from lit_ppo.rollout.workers.client import RolloutWorkers
 
         r, plan = datamodule.rollout, self.plan
         return RolloutWorkers(
