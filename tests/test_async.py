@@ -566,6 +566,22 @@ def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tm
     assert line.endswith("or raise --connect-timeout-s"), line
 
 
+def test_the_old_worker_command_still_works_for_one_release_and_says_so():
+    """`python -m lit_ppo.rollout.disaggregated` (before the workers became a package) runs a worker as
+    `python -m lit_ppo.rollout.workers` does, after one line naming the new command."""
+    port = free_port()
+    command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", "--connect", f"127.0.0.1:{port}", "--worker", "0"]
+    done = subprocess.run(command + ["--connect-timeout-s", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == (
+        "python -m lit_ppo.rollout.disaggregated is now python -m lit_ppo.rollout.workers; the old name goes in the "
+        "next release"
+    )
+    assert done.returncode == 2 and lines[-1].startswith(
+        f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}"
+    )
+
+
 class KillProcess(L.Callback):
     """SIGKILL a process during rollout step 1's updates."""
 
