@@ -26,13 +26,13 @@ class QueueingWorkers:
 
     def submit(self, prompt_token_ids, *, step, n):
         self.submitted.append(step)
-        return (step, self.version, len(prompt_token_ids) * n)
+        return (step, self.version, len(prompt_token_ids), n)
 
     def collect(self, ticket):
-        step, version, samples = ticket
+        step, version, prompts, n = ticket
         self.collected.append(step)
-        generations = [Generation(i // 2, [step, i], False, "", [-1.0, -1.0]) for i in range(samples)]
-        return generations, [version] * samples, 0.5
+        generations = [Generation(i // n, [step, i], False, "", [-1.0, -1.0]) for i in range(prompts * n)]
+        return generations, [version] * (prompts * n), 0.5
 
 
 def request(step: int) -> dict:
@@ -116,3 +116,84 @@ def test_the_data_module_never_asks_for_the_rollout_mode():
     tree = ast.parse((ROOT / "lit_ppo/rollout/datamodule.py").read_text())
     asked = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("mode", "rollout_mode")]
     assert asked == []
+
+
+def test_a_snapshot_at_a_steps_start_receives_nothing_and_a_dropped_step_is_taken_again():
+    """Issue 36 item 4 at the source: at k = 2 the snapshot at step 1's start leaves step 2 in flight (the old snapshot
+    received it: the pipeline was one step deep); step 1's take receives step 1 alone; after the step is dropped and
+    the snapshot restored, a checkpoint keeps step 1 (taken, not yet trained) besides 2 and 3."""
+    p = plan(2)
+    source, workers = AheadOfTimeSource(p), QueueingWorkers()
+    source.take(0, workers, not_here, request)
+    workers.version = 1
+    snapshot = source.snapshot()
+    assert workers.collected == [0] and sorted(source.in_flight) == [1, 2]
+    first = source.take(1, workers, not_here, request)
+    assert workers.collected == [0, 1] and sorted(source.in_flight) == [2, 3]
+    source.restore(snapshot)  # the step was dropped before its updates
+    source.collect(workers)  # the checkpoint the preemption writes
+    state = source.state_dict()
+    assert sorted(state["prefetched"]) == [1, 2, 3]
+    resumed, fresh = AheadOfTimeSource(p), QueueingWorkers()
+    resumed.load_state_dict(state)
+    fresh.version = 1
+    again = resumed.take(1, fresh, not_here, request)
+    assert (again.generations, again.policy_versions) == (first.generations, first.policy_versions)
+    assert fresh.submitted == [] and fresh.collected == []
+
+
+class SlowWorkers(QueueingWorkers):
+    """Workers whose generation is slow, taking the data module's requests (the generate keywords of a step, requested
+    in order): a step is generated only when the trainer collects it (the test asserts on what was received, not on
+    time)."""
+
+    def submit(self, prompt_token_ids, **params):
+        return super().submit(prompt_token_ids, step=len(self.submitted), n=params["n"])
+
+
+def test_the_data_modules_snapshot_does_not_wait_for_the_step_after_next(tiny_model_dir, arithmetic_files):
+    """The data module that the preemption handler snapshots at each step's start (`Preemption.on_train_batch_start`):
+    at k = 2 its snapshot at step 1 receives nothing (step 2 stays in flight), step 1's batch waits for step 1 alone,
+    and a restored snapshot followed by a checkpoint gives a resumed data module the same batch of step 1."""
+    from transformers import AutoTokenizer
+
+    from lit_ppo.rewards import RewardScorer, integer_match
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+    from lit_ppo.rollout.prompts import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(arithmetic_files[0], tokenizer)
+    rollout = RolloutConfig(mode="disaggregated", max_staleness=2)
+    p = plan_of(len(prompts), rollout=rollout, steps=4)
+
+    def datamodule(workers):
+        return RolloutDataModule(
+            plan=p,
+            train_prompts=prompts,
+            eval_prompts=None,
+            rollout=rollout,
+            scorer=RewardScorer(fn=integer_match),
+            tokenizer=tokenizer,
+            model_dir=tiny_model_dir,
+            seed=0,
+            engine=workers,
+        )
+
+    workers = SlowWorkers()
+    dm = datamodule(workers)
+    dm.produce_rollout(0)
+    workers.version = 1
+    snapshot = dm.snapshot()
+    assert workers.collected == [0] and sorted(dm.source.in_flight) == [1, 2]
+    batch = dm.produce_rollout(1)
+    assert workers.collected == [0, 1] and batch.policy_versions == [0] * len(batch.response_ids)
+    dm.restore(snapshot)
+    state = dm.state_dict()
+    assert state["next_rollout_step"] == 1 and sorted(state["prefetched"]) == [1, 2, 3]
+
+    fresh = SlowWorkers()
+    resumed = datamodule(fresh)
+    resumed.load_state_dict(state)
+    again = resumed.produce_rollout(1)
+    assert again.response_ids == batch.response_ids and again.dataset_indices == batch.dataset_indices
+    assert fresh.submitted == [] and fresh.collected == []

@@ -543,3 +543,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_rollout_step = state["next_rollout_step"]
         self.next_generation_round = state["next_generation_round"]
         self.source.load_state_dict(state)
+
+    def snapshot(self) -> dict:
+        """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):
+        `state_dict` without waiting for what is in flight (only a real checkpoint collects it)."""
+        return {
+            "next_rollout_step": self.next_rollout_step,
+            "next_generation_round": self.next_generation_round,
+            "source": self.source.snapshot(),
+        }
+
+    def restore(self, snapshot: dict) -> None:
+        self.next_rollout_step = snapshot["next_rollout_step"]
+        self.next_generation_round = snapshot["next_generation_round"]
+        self.source.restore(snapshot["source"])

@@ -9,7 +9,9 @@ The data module asks its source for each generation round's samples and never as
   the workers generate up to k steps ahead while the trainer trains; a round only waits for its step's results,
   received in order, and the workers' versions are checked against the plan before each request.
 
-What a source keeps across a checkpoint is declared in the `state_dict` it contributes to the data module's.
+What a source keeps across a checkpoint is declared in the `state_dict` it contributes to the data module's; only a
+real checkpoint waits for what is in flight (`collect`): the snapshot a preemption takes at each step's start
+(`snapshot`/`restore`) does not, so that at k >= 2 the trainer never waits on step s + 1 at the start of step s.
 `source_for` is the one place that picks a source from the plan's rollout mode.
 """
 
@@ -67,6 +69,14 @@ class RolloutSource(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def snapshot(self) -> dict:
+        """Where the source stands at a rollout step's start, without waiting for anything."""
+        ...
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to `snapshot` after the step begun there was dropped (lit_ppo.preemption)."""
+        ...
+
 
 class SynchronousSource:
     """rollout.mode=colocated: each round generated now, in this process, with the newest weights (version
@@ -96,6 +106,12 @@ class SynchronousSource:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def snapshot(self) -> dict:
+        return {}
+
+    def restore(self, snapshot: dict) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class Received:
@@ -111,14 +127,16 @@ class AheadOfTimeSource:
     """rollout.mode=disaggregated: rollout steps requested from the rollout workers up to `max_staleness` steps ahead
     of the one the trainer needs, each right after the push of the version the plan gives it, received in order.
 
-    State: `in_flight` (steps requested, not yet received: the workers' tickets, which no checkpoint can keep) and
-    `received` (steps received, not yet taken), the one thing a checkpoint keeps (`state_dict` collects first). The
-    next step to request follows the last one known of either (or the step the trainer needs)."""
+    State: `in_flight` (steps requested, not yet received: the workers' tickets, which no checkpoint can keep),
+    `received` (steps received, from the one being trained on; what a checkpoint keeps of those from `next_step` on,
+    after collecting), and the cursor `next_step` (the step the trainer takes next). The next step to request follows
+    the last one known of in flight and received (or the step the trainer needs)."""
 
     def __init__(self, plan: StepPlan):
         self.plan = plan
         self.in_flight: dict[int, list] = {}
         self.received: dict[int, Received] = {}
+        self.next_step = 0
 
     def start_engine(self, datamodule) -> RolloutEngine:
         from lit_ppo.rollout.workers.client import RolloutWorkers
@@ -166,7 +184,10 @@ class AheadOfTimeSource:
                 )
             self.in_flight[step] = engine.submit(**request(step))
         self.receive(engine, upto=rollout_step)
-        got = self.received.pop(rollout_step)
+        # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
+        self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
+        self.next_step = rollout_step + 1
+        got = self.received[rollout_step]
         return ScheduledRound(
             got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
         )
@@ -192,6 +213,7 @@ class AheadOfTimeSource:
             "prefetched": {
                 step: ([dataclasses.asdict(g) for g in r.generations], r.policy_versions, r.worker_seconds)
                 for step, r in self.received.items()
+                if step >= self.next_step
             }
         }
 
@@ -200,6 +222,15 @@ class AheadOfTimeSource:
             int(step): Received([Generation(**g) for g in gens], list(versions), float(seconds))
             for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
         }
+        self.next_step = min(self.received, default=0)  # a checkpoint keeps none before the cursor
+
+    def snapshot(self) -> dict:
+        # Nothing is received here: what is in flight stays in flight (the requests cannot be taken back, and are
+        # what a resumed run would request with the same versions), and the steps taken since stay received.
+        return {"next_step": self.next_step}
+
+    def restore(self, snapshot: dict) -> None:
+        self.next_step = snapshot["next_step"]
 
 
 def source_for(plan: StepPlan, tensor_parallel_size: int = 1) -> RolloutSource:
