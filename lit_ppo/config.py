@@ -262,7 +262,7 @@ class RolloutConfig:
     """With mode=disaggregated on GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES)."""
     worker_launch: str = "spawn"
     """With mode=disaggregated: spawn: the trainer starts its workers itself, on its own node; external: the user's
-    launcher starts them, on any node (`python -m lit_ppo.rollout.disaggregated --connect HOST:PORT`, docs/async.md),
+    launcher starts them, on any node (`python -m lit_ppo.rollout.workers --connect HOST:PORT`, docs/async.md),
     and the trainer waits for them to connect."""
     worker_port: int = 29600
     """With worker_launch=external: the TCP port of the trainer's store that the workers connect to (spawn: any free

@@ -404,7 +404,7 @@ class StepPlan:
                         "the trainer starts them on its own node"
                         if self.rollout_worker_launch == "spawn"
                         else f"the launcher starts them on any node; they connect to {self.rollout_worker_address}: "
-                        f"python -m lit_ppo.rollout.disaggregated --connect {self.rollout_worker_address} "
+                        f"python -m lit_ppo.rollout.workers --connect {self.rollout_worker_address} "
                         "(worker number: --worker, SLURM_PROCID or RANK)",
                     ),
                 ]

@@ -157,7 +157,8 @@ class Preemption(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         datamodule = trainer.datamodule
-        self._step_start = (rng_state(), dict(datamodule.state_dict()) if datamodule is not None else {})
+        # The data module's snapshot waits for nothing: a generation in flight is received where the step needs it.
+        self._step_start = (rng_state(), datamodule.snapshot() if datamodule is not None else None)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         signum = self.agreed(module.device)
@@ -186,7 +187,7 @@ class Preemption(L.Callback):
             rng, data = self._step_start
             restore_rng_state(rng)
             if trainer.datamodule is not None:
-                trainer.datamodule.load_state_dict(data)
+                trainer.datamodule.restore(data)
         if self.checkpoints.last_saved != module.rollout_step:
             self.checkpoints.save(trainer, module)
             written = True

@@ -21,7 +21,7 @@ from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.datamodule import RolloutDataModule
-from lit_ppo.rollout.disaggregated import RolloutWorkers
+from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config
@@ -219,7 +219,7 @@ def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(m
     assert (external.rollout_worker_launch, external.rollout_worker_address) == ("external", "node0:29700")
     table = external.table()
     assert "the launcher starts them on any node; they connect to node0:29700" in table
-    assert "python -m lit_ppo.rollout.disaggregated --connect node0:29700" in table
+    assert "python -m lit_ppo.rollout.workers --connect node0:29700" in table
     assert "processes, on the devices their launcher gives them" in table
     # the host: rollout.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
     monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
@@ -404,7 +404,7 @@ def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
 ):
     """A push whose bytes arrive wrong (here: in reverse order from the second push on) is caught where it is applied: the
     worker compares its engine's log-probs of a probe sequence with the trainer's of that version and stops."""
-    import lit_ppo.rollout.disaggregated as channel
+    import lit_ppo.rollout.workers.client as channel
 
     pack, pushes = channel.weight_buckets, []
 
@@ -434,7 +434,7 @@ def free_port() -> int:
 def launch_worker(log: Path, port: int, worker: int | None, **env: str) -> subprocess.Popen:
     """A rollout worker as a launcher starts it, on "its node": its own command line, given the trainer's address
     and its number (--worker, or the launcher's environment: RANK)."""
-    command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", "--connect", f"127.0.0.1:{port}"]
+    command = [sys.executable, "-m", "lit_ppo.rollout.workers", "--connect", f"127.0.0.1:{port}"]
     command += [] if worker is None else ["--worker", str(worker)]
     with open(log, "ab") as out:
         return subprocess.Popen(
@@ -512,7 +512,7 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
     assert message.startswith(
         f"trainer: rollout worker(s) 1 of 2 never connected to the trainer at 127.0.0.1:{port} within "
         "rollout.worker_start_timeout_s=20 s (rollout.worker_launch=external: the launcher starts them); fix: run "
-        f"`python -m lit_ppo.rollout.disaggregated --connect 127.0.0.1:{port} --worker <N>` for each"
+        f"`python -m lit_ppo.rollout.workers --connect 127.0.0.1:{port} --worker <N>` for each"
     ), message
     assert "\n" not in message
     assert codes[0] is not None, "worker 0 outlived its trainer"
@@ -528,16 +528,18 @@ def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tm
 
     import torch.distributed as dist
 
+    from lit_ppo.rollout.workers.messages import WorkerSpec
+
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
     )
-    store.set("spec", pickle.dumps({"workers": 2}))
+    store.set("spec", pickle.dumps(WorkerSpec(engine={}, push_timeout_s=30.0, max_logprob_abs_diff=None, workers=2)))
     store.add("claim/1", 1)  # worker 1 connected already
     no_launcher = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
 
     def worker(*args: str) -> tuple[int, str]:
         """Its exit code and the last line it printed (argparse's errors: of stderr)."""
-        command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", *args]
+        command = [sys.executable, "-m", "lit_ppo.rollout.workers", *args]
         done = subprocess.run(command, cwd=ROOT, env=no_launcher, capture_output=True, text=True, timeout=120)
         return done.returncode, (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
 
@@ -562,6 +564,22 @@ def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tm
     code, line = worker("--connect", f"127.0.0.1:{port}", "--worker", "0", "--connect-timeout-s", "1")
     assert code == 2 and line.startswith(f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}")
     assert line.endswith("or raise --connect-timeout-s"), line
+
+
+def test_the_old_worker_command_still_works_for_one_release_and_says_so():
+    """`python -m lit_ppo.rollout.disaggregated` (before the workers became a package) runs a worker as
+    `python -m lit_ppo.rollout.workers` does, after one line naming the new command."""
+    port = free_port()
+    command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", "--connect", f"127.0.0.1:{port}", "--worker", "0"]
+    done = subprocess.run(command + ["--connect-timeout-s", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == (
+        "python -m lit_ppo.rollout.disaggregated is now python -m lit_ppo.rollout.workers; the old name goes in the "
+        "next release"
+    )
+    assert done.returncode == 2 and lines[-1].startswith(
+        f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}"
+    )
 
 
 class KillProcess(L.Callback):
@@ -679,7 +697,7 @@ def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_versio
 SKIP_ADAPTER_LOADS = """
 import sys
 
-if "lit_ppo.rollout.disaggregated" in sys.orig_argv:  # the rollout worker only: its vLLM loads the first adapter only
+if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its vLLM loads the first adapter only
     import lit_ppo.rollout.engine as engine
 
     real, loads = engine._load_adapter_from_tensors, []
@@ -849,7 +867,8 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
 WORKER_THREADS_AT_EXIT = """
 import sys, threading, time, datetime
 import torch.distributed as dist
-from lit_ppo.rollout.disaggregated import WeightReceiver, send_heartbeats, stop_threads
+from lit_ppo.rollout.workers.transport import WeightReceiver
+from lit_ppo.rollout.workers.worker_main import send_heartbeats, stop_threads
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
 client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
@@ -887,3 +906,71 @@ def test_a_worker_that_stops_its_threads_exits_0_where_leaving_them_running_abor
     assert all(rc == 0 for rc, _ in stopped), stopped
     left = [code("leave") for _ in range(3)]
     assert all(rc == -signal.SIGABRT and "terminate called" in err for rc, err in left), left
+
+
+class SignalWhileScoringStep:
+    """A reward that signals its own process (SIGTERM) while scoring rollout step index `at` (16 prompts x 4
+    samples), then hangs: only a preemption that interrupts the reward gets the run out of it."""
+
+    def __init__(self, at: int):
+        self.at, self.rollout_batches = at, 0
+
+    def __call__(self, prompts, responses, references, extras):
+        from lit_ppo.rewards import integer_match
+
+        if len(responses) == 16 * 4:
+            if self.rollout_batches == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(120)
+            self.rollout_batches += 1
+        return integer_match(prompts, responses, references, extras)
+
+
+@pytest.mark.slow
+def test_sigterm_at_k2_drops_the_step_without_waiting_ahead_and_resumes_bitwise(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """Issue 36 item 4 end to end: at k = 2 the step-start snapshot waits for nothing; SIGTERM while scoring the third
+    rollout step drops it and saves the checkpoint after two, which keeps that step's samples (taken from the workers,
+    not trained) and collects the fourth's (in flight); the resumed run ends with the uninterrupted run's weights."""
+    from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
+    from lit_ppo.preemption import Preempted, Preemption
+    from lit_ppo.rewards import integer_match
+
+    def go(out, reward_fn, resume_from=None):
+        checkpoints = RolloutCheckpoint(out / "checkpoints", every=0, keep=2)
+        trainer, module, datamodule, _ = build_run(
+            tiny_model_dir,
+            None,
+            arithmetic_files,
+            out,
+            total_rollout_steps=4,
+            rollout=disaggregated(2),
+            callbacks=[checkpoints, Preemption(checkpoints)],
+            reward_fn=reward_fn,
+            rollout_batch_size=16,
+            train_batch_size=16,
+            micro_train_batch_size=8,
+            **TIS,
+        )
+        torch.manual_seed(0)
+        try:
+            ckpt = str(resume_from) if resume_from else None
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+        finally:
+            datamodule.engine.close()
+        return module
+
+    full = go(tmp_path / "full", integer_match)
+    out = tmp_path / "preempted"
+    with pytest.raises(Preempted) as stopped:
+        go(out, SignalWhileScoringStep(at=2))
+    assert stopped.value.code == 143
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000002.ckpt"]
+    saved = torch.load(checkpoint_path(out / "checkpoints", 2), weights_only=False)
+    kept = next(v for k, v in saved.items() if isinstance(v, dict) and "prefetched" in v)["prefetched"]
+    assert sorted(kept) == [2, 3]  # the dropped step (generated by version 0) and the one after, received on saving
+    resumed = go(out, integer_match, resume_from=checkpoint_path(out / "checkpoints", 2))
+    assert resumed.rollout_step == full.rollout_step == 4
+    for name, tensor in full.actor.state_dict().items():
+        assert torch.equal(tensor, resumed.actor.state_dict()[name]), name

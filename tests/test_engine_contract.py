@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lit_ppo.contract import AdapterWeights, RolloutEngine, WeightUpdate
-from lit_ppo.rollout.disaggregated import RolloutWorkers
 from lit_ppo.rollout.engine import VLLMEngine
 from lit_ppo.rollout.hf_engine import HFEngine
+from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.testing import NullEngine
 from tests.helpers import ROOT
 

@@ -12,15 +12,13 @@ The engine starts in `setup()`, once the trainer has set up the process group an
 rank; each prompt's sampling seed depends on its position in the global rollout batch, so the
 samples do not depend on the number of ranks.
 
-With rollout.mode=disaggregated the engine is `RolloutWorkers` (lit_ppo/rollout/disaggregated.py): worker processes
-with engines of their own. Rollout step s is then requested ahead, right after the weight push of the policy version
-the plan's schedule gives it (`StepPlan.generating_version`: max(0, s - max_staleness)), so the workers generate it
-while the trainer trains the steps before; `produce_rollout` only waits for it.
+Which policy version generates each rollout step, and when, is the source's (lit_ppo/rollout/schedule.py): generated
+now in this process (colocated), or requested ahead from rollout worker processes with engines of their own
+(disaggregated), so that `produce_rollout` only waits for it. The data module never asks which source it holds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from lit_ppo.rewards.scorer import RewardScorer, Scores
 from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
 from lit_ppo.rollout.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
+from lit_ppo.rollout.schedule import RolloutSource, source_for
 from lit_ppo.waits import start_within
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
@@ -65,6 +64,7 @@ class PromptGroup:
     generations: list[Generation]
     rewards: list[float]
     sample_metrics: dict[str, list[float]]
+    policy_versions: list[int]  # per generation: the policy version that generated it
 
     @property
     def informative(self) -> bool:
@@ -112,6 +112,7 @@ class RolloutDataModule(L.LightningDataModule):
         world_size: int = 1,
         engine: VLLMEngine | None = None,
         chat_template: bool = False,
+        source: RolloutSource | None = None,
     ):
         super().__init__()
         self.plan = plan
@@ -128,11 +129,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
-        self.log_dir: Path | None = None  # rollout.mode=disaggregated: where the workers' logs go (build_run sets it)
-        # rollout.mode=disaggregated: rollout steps requested from the workers and not yet consumed (their tickets),
-        # and those already received ((generations, policy versions, worker seconds); kept by checkpoints).
-        self.in_flight: dict[int, list] = {}
-        self.prefetched: dict[int, tuple[list[Generation], list[int], float]] = {}
+        self.log_dir: Path | None = None  # where rollout worker processes log, if the source starts any (build_run)
+        # Which version generates which step, what is in flight, what was received (its state joins this one's).
+        self.source = source if source is not None else source_for(plan, rollout.tensor_parallel_size)
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.environment)
@@ -170,67 +169,36 @@ class RolloutDataModule(L.LightningDataModule):
         self.start_engine()
 
     def start_engine(self) -> VLLMEngine:
-        if self.engine is None and self.plan.rollout_mode == "disaggregated":
-            self.engine = self.start_workers()
+        """The engine (the source's: in process, or the rollout workers' client), started once."""
         if self.engine is None:
-            if self.world_size > 1 and "RANK" not in os.environ:
-                raise RuntimeError(
-                    "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
-                    "the process group; call trainer.fit instead of starting it by hand"
-                )
             started = time.perf_counter()
-            self.engine = start_within(
-                lambda: self.engine_class(
-                    self.model_dir,
-                    dtype=self.rollout.dtype or self.plan.rollout_dtype,
-                    max_model_len=self.rollout.max_model_len,
-                    gpu_memory_utilization=self.rollout.gpu_memory_utilization,
-                    kv_cache_gib=self.rollout.kv_cache_gib,
-                    seed=self.seed,
-                    tensor_parallel_size=self.rollout.tensor_parallel_size,
-                    enforce_eager=self.rollout.enforce_eager,
-                    distributed=self.world_size > 1,
-                    enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
-                    max_lora_rank=self.plan.vllm_max_lora_rank or None,
-                ),
-                self.rollout.engine_start_timeout_s,
-            )
+            self.engine = self.source.start_engine(self)
             self.engine_start_seconds = time.perf_counter() - started
         return self.engine
 
-    def start_workers(self):
-        """rollout.mode=disaggregated: the rollout worker processes, each with its own engine."""
-        from lit_ppo.rollout.disaggregated import RolloutWorkers
-
-        r = self.rollout
-        workers = RolloutWorkers(
-            engine_kwargs=dict(
-                model_dir=self.model_dir,
-                dtype=r.dtype or self.plan.rollout_dtype,
-                max_model_len=r.max_model_len,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                kv_cache_gib=r.kv_cache_gib,
+    def start_in_process_engine(self) -> VLLMEngine:
+        """A vLLM engine in this process (`engine_class`), within rollout.engine_start_timeout_s."""
+        if self.world_size > 1 and "RANK" not in os.environ:
+            raise RuntimeError(
+                "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
+                "the process group; call trainer.fit instead of starting it by hand"
+            )
+        return start_within(
+            lambda: self.engine_class(
+                self.model_dir,
+                dtype=self.rollout.dtype or self.plan.rollout_dtype,
+                max_model_len=self.rollout.max_model_len,
+                gpu_memory_utilization=self.rollout.gpu_memory_utilization,
+                kv_cache_gib=self.rollout.kv_cache_gib,
                 seed=self.seed,
-                tensor_parallel_size=r.tensor_parallel_size,
-                enforce_eager=r.enforce_eager,
-                max_lora_rank=self.plan.vllm_max_lora_rank or None,  # model.lora: the base, then adapters pushed
+                tensor_parallel_size=self.rollout.tensor_parallel_size,
+                enforce_eager=self.rollout.enforce_eager,
+                distributed=self.world_size > 1,
+                enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
+                max_lora_rank=self.plan.vllm_max_lora_rank or None,
             ),
-            workers=r.workers,
-            devices_per_worker=r.devices,
-            trainer_devices=self.plan.data_parallel_size,
-            log_dir=self.log_dir or Path("logs"),
-            start_timeout_s=r.worker_start_timeout_s,
-            batch_timeout_s=r.batch_timeout_s,
-            push_timeout_s=r.weight_push_timeout_s,
-            bucket_mib=r.weight_push_bucket_mib,
-            max_logprob_abs_diff=r.max_logprob_abs_diff,
-            host=r.trainer_address_host(),
-            launch=r.worker_launch,
-            port=r.worker_port if r.worker_launch == "external" else 0,
-            heartbeat_timeout_s=r.worker_heartbeat_timeout_s,
+            self.rollout.engine_start_timeout_s,
         )
-        self.engine_start_seconds = workers.start_seconds
-        return workers
 
     def train_dataloader(self) -> DataLoader:
         self.start_engine()
@@ -262,16 +230,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     def generate_round(
         self, rollout_step: int, round_in_step: int
-    ) -> tuple[list[PromptGroup], dict[str, float], float, float]:
-        """Generate and score this rank's share of the next round of prompts: (groups, the round's reward metrics,
-        generate s, reward s)."""
+    ) -> tuple[list[PromptGroup], dict[str, float], float, float, float | None]:
+        """Generate (through the source) and score this rank's share of the next round of prompts: (groups, the
+        round's reward metrics, generate s, reward s, the trainer's wait for the generations in s or None)."""
         indices = self.round_prompt_indices(self.next_generation_round)
         positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
         n = self.plan.n_samples_per_prompt
         # The first round keeps the seeds a run without dynamic sampling has.
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
-        started = time.perf_counter()
 
         def generate() -> list:
             return self.generate(
@@ -285,18 +252,11 @@ class RolloutDataModule(L.LightningDataModule):
             )
 
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
-        # (lit_ppo.preemption), and the stop points after them stop every rank together.
-        # Tensor-parallel engines run collectives inside generate: only their end is a stop point.
-        # Rollout workers generate ahead; the wait for them is bounded and what it received is kept (checkpoints).
-        if self.plan.rollout_mode == "disaggregated":
-            generations, self.last_policy_versions, generate_seconds = self.scheduled_generations(rollout_step)
-            self.last_wait_seconds = time.perf_counter() - started
-        else:
-            generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
-            self.last_wait_seconds = None  # the engine holds the newest weights: version rollout_step
-        stop_point(self.device)
-        if self.plan.rollout_mode != "disaggregated":
-            generate_seconds = time.perf_counter() - started
+        # (lit_ppo.preemption), and the stop points after them stop every rank together. A source that generates
+        # ahead bounds its wait, and what it received is kept (checkpoints).
+        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request)
+        stop_point(self.device)  # a preemption during generation stops here (`scheduled` is then None)
+        generations, versions = scheduled.generations, scheduled.policy_versions
         started = time.perf_counter()
         scored = interruptibly(lambda: self.rewards_of(prompts, generations))
         stop_point(self.device)  # a preemption during scoring stops here (`scored` is then None)
@@ -310,10 +270,11 @@ class RolloutDataModule(L.LightningDataModule):
                 generations=generations[i * n : (i + 1) * n],
                 rewards=rewards[i * n : (i + 1) * n],
                 sample_metrics={k: v[i * n : (i + 1) * n] for k, v in metrics.items()},
+                policy_versions=versions[i * n : (i + 1) * n],
             )
             for i in range(len(prompts))
         ]
-        return groups, counts, generate_seconds, reward_seconds
+        return groups, counts, scheduled.generate_seconds, reward_seconds, scheduled.wait_seconds
 
     def produce_rollout(self, rollout_step: int) -> RolloutBatch:
         """This rank's samples of `rollout_step`. With dynamic sampling, rounds of prompts are generated until
@@ -321,14 +282,14 @@ class RolloutDataModule(L.LightningDataModule):
         `max_generation_rounds`); each rank then takes its contiguous share of them."""
         plan = self.plan
         first_round = self.next_generation_round
-        groups, round_metrics, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
+        groups, round_metrics, generate_seconds, reward_seconds, wait_seconds = self.generate_round(rollout_step, 0)
         counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
         positions = self.rank_positions(plan.rollout_batch_size)
         if plan.dynamic_sampling:
             drawn = self.all_groups(groups)  # every rank sees the same groups in the same order
             while sum(g.informative for g in drawn) < plan.rollout_batch_size and rounds < plan.max_generation_rounds:
-                groups, round_metrics, g_s, r_s = self.generate_round(rollout_step, rounds)
+                groups, round_metrics, g_s, r_s, _ = self.generate_round(rollout_step, rounds)
                 drawn += self.all_groups(groups)
                 counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
@@ -365,25 +326,20 @@ class RolloutDataModule(L.LightningDataModule):
             dropped_groups=dropped,
             filled_groups=filled,
             prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
-            # One round per step in disaggregated mode (dynamic sampling is refused there): its versions, in order.
-            policy_versions=self.last_policy_versions
-            if plan.rollout_mode == "disaggregated"
-            else [rollout_step] * len(samples),
-            wait_seconds=self.last_wait_seconds,
+            policy_versions=[v for group in groups for v in group.policy_versions],
+            wait_seconds=wait_seconds,
             adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora_rank else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 
-    # ------------------------------------------------------------ the schedule (rollout.mode=disaggregated)
-
-    def submit_rollout(self, rollout_step: int) -> list:
-        """Request `rollout_step`'s generations from the workers (they generate them with the last version pushed).
-        Without dynamic sampling (refused in this mode) a rollout step is one generation round."""
+    def rollout_request(self, rollout_step: int) -> dict:
+        """The generate keywords of `rollout_step` taken as one generation round (a source that requests steps ahead
+        asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them."""
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
         positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
         n = self.plan.n_samples_per_prompt
-        return self.engine.submit(
-            [p.prompt_ids for p in prompts],
+        return dict(
+            prompt_token_ids=[p.prompt_ids for p in prompts],
             n=n,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
@@ -391,31 +347,6 @@ class RolloutDataModule(L.LightningDataModule):
             seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
             **self.stop_kwargs(),
         )
-
-    def scheduled_generations(self, rollout_step: int) -> tuple[list[Generation], list[int], float]:
-        """`rollout_step`'s generations, their policy versions and the workers' generation seconds.
-
-        First requests every step up to rollout_step + max_staleness not yet requested: the workers hold version
-        `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k
-        and, at the start, to steps 0..k; the steps before were requested after their own versions' pushes."""
-        engine = self.start_engine()
-        last = min(rollout_step + self.plan.max_staleness, self.plan.total_rollout_steps - 1)
-        known = set(self.in_flight) | set(self.prefetched)
-        for step in range(max(known | {rollout_step - 1}) + 1, last + 1):
-            if self.plan.generating_version(step) != engine.version:
-                raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
-                    f"rollout step {step} is due for policy version {self.plan.generating_version(step)} but the "
-                    f"workers hold version {engine.version}"
-                )
-            self.in_flight[step] = self.submit_rollout(step)
-        self.receive_in_flight(upto=rollout_step)
-        return self.prefetched.pop(rollout_step)
-
-    def receive_in_flight(self, upto: int | None = None) -> None:
-        """Move the requested steps (those up to `upto`; all: None) from in flight to received, waiting for them."""
-        for step in sorted(self.in_flight):
-            if upto is None or step <= upto:
-                self.prefetched[step] = self.engine.collect(self.in_flight.pop(step))
 
     def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
         """Every rank's groups of one round, in global prompt order (rank 0's share first)."""
@@ -600,21 +531,29 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict:
-        state = {"next_rollout_step": self.next_rollout_step, "next_generation_round": self.next_generation_round}
-        if self.plan.rollout_mode == "disaggregated":
-            # The steps generated ahead, by policy versions a resumed run no longer has: kept, waited for if in
-            # flight, so that a resume trains on exactly the samples an uninterrupted run would.
-            self.receive_in_flight()
-            state["prefetched"] = {
-                step: ([dataclasses.asdict(g) for g in gens], versions, seconds)
-                for step, (gens, versions, seconds) in self.prefetched.items()
-            }
-        return state
+        """The position in the prompt stream and the source's state, after receiving what is in flight."""
+        self.source.collect(self.engine)
+        return {
+            "next_rollout_step": self.next_rollout_step,
+            "next_generation_round": self.next_generation_round,
+            **self.source.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
         self.next_generation_round = state["next_generation_round"]
-        self.prefetched = {
-            int(step): ([Generation(**g) for g in gens], list(versions), float(seconds))
-            for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
+        self.source.load_state_dict(state)
+
+    def snapshot(self) -> dict:
+        """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):
+        `state_dict` without waiting for what is in flight (only a real checkpoint collects it)."""
+        return {
+            "next_rollout_step": self.next_rollout_step,
+            "next_generation_round": self.next_generation_round,
+            "source": self.source.snapshot(),
         }
+
+    def restore(self, snapshot: dict) -> None:
+        self.next_rollout_step = snapshot["next_rollout_step"]
+        self.next_generation_round = snapshot["next_generation_round"]
+        self.source.restore(snapshot["source"])

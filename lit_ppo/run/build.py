@@ -18,6 +18,7 @@ from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.rollout.prompts import PromptSet
+from lit_ppo.rollout.schedule import source_for
 from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
@@ -80,6 +81,7 @@ def build_run(
         seed=config.seed,
         engine=engine,
         chat_template=config.data.chat_template,
+        source=source_for(plan, config.rollout.tensor_parallel_size),
     )
     datamodule.log_dir = Path(output_dir) / "logs"  # rollout.mode=disaggregated: the rollout workers' logs
     module = PPOModule(

@@ -275,7 +275,7 @@ class PPOModule(L.LightningModule):
         """rollout.max_logprob_abs_diff for this batch: the trainer's old log-probs against vLLM's catch a failed
         weight sync only when both are of the same policy version. A stale batch (rollout.max_staleness > 0) differs
         by what k updates changed, which is logged (rollout/logprob_abs_diff) and corrected, not a failure; its
-        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.disaggregated)."""
+        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.workers)."""
         stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
         return None if stale else self.max_logprob_abs_diff
 

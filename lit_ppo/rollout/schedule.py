@@ -1,0 +1,240 @@
+"""The rollout schedule: which policy version generates which rollout step, what is in flight, what has been received.
+
+The data module asks its source for each generation round's samples and never asks which source it holds:
+
+- `SynchronousSource` (rollout.mode=colocated): the round is generated now, in this process, by an engine that holds
+  the newest weights, so every sample is of policy version `rollout_step`.
+- `AheadOfTimeSource` (rollout.mode=disaggregated): rollout step s is requested from the rollout workers right after
+  the push of the version the plan's schedule gives it (`StepPlan.generating_version`: max(0, s - max_staleness)), so
+  the workers generate up to k steps ahead while the trainer trains; a round only waits for its step's results,
+  received in order, and the workers' versions are checked against the plan before each request.
+
+What a source keeps across a checkpoint is declared in the `state_dict` it contributes to the data module's; only a
+real checkpoint waits for what is in flight (`collect`): the snapshot a preemption takes at each step's start
+(`snapshot`/`restore`) does not, so that at k >= 2 the trainer never waits on step s + 1 at the start of step s.
+`source_for` is the one place that picks a source from the plan's rollout mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from lit_ppo.contract import Generation, RolloutEngine
+from lit_ppo.plan import StepPlan
+from lit_ppo.preemption import interruptibly
+
+
+@dataclass(frozen=True)
+class ScheduledRound:
+    """One generation round's samples (prompt by prompt, n each) and where they came from."""
+
+    generations: list[Generation]
+    policy_versions: list[int]  # per sample: the policy version (optimizer steps' rollout steps) that generated it
+    generate_seconds: float  # what generating them took (the workers' longest share when they generated ahead)
+    wait_seconds: float | None  # what the trainer waited for them; None where it generated them itself
+
+
+class RolloutSource(Protocol):
+    """Where the data module's generation rounds come from."""
+
+    def start_engine(self, datamodule) -> RolloutEngine:
+        """The engine this source generates with, started from the settings of `datamodule` (a RolloutDataModule:
+        not imported here, which imports this module)."""
+        ...
+
+    def take(
+        self,
+        rollout_step: int,
+        engine: RolloutEngine,
+        generate: Callable[[], list[Generation]],
+        request: Callable[[int], dict],
+    ) -> ScheduledRound | None:
+        """The next round of `rollout_step`: `generate()` generates this rank's round now; `request(step)` gives the
+        generate keywords of a whole rollout step (one round). None: a preemption signal dropped the round (the caller
+        passes a stop point next)."""
+        ...
+
+    def collect(self, engine: RolloutEngine | None) -> None:
+        """Receive whatever is in flight from `engine`: a real checkpoint keeps it (the versions that generated it are
+        gone by the time a resumed run would need it)."""
+        ...
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this source (merged into the data module's state); nothing may be in flight."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def snapshot(self) -> dict:
+        """Where the source stands at a rollout step's start, without waiting for anything."""
+        ...
+
+    def restore(self, snapshot: dict) -> None:
+        """Back to `snapshot` after the step begun there was dropped (lit_ppo.preemption)."""
+        ...
+
+
+class SynchronousSource:
+    """rollout.mode=colocated: each round generated now, in this process, with the newest weights (version
+    `rollout_step`). Nothing is ahead, so nothing is kept."""
+
+    def __init__(self, interruptible: bool = True):
+        # Tensor-parallel engines run collectives inside generate: only the end of their round is a stop point.
+        self.interruptible = interruptible
+
+    def start_engine(self, datamodule) -> RolloutEngine:
+        return datamodule.start_in_process_engine()
+
+    def take(self, rollout_step, engine, generate, request) -> ScheduledRound | None:
+        started = time.perf_counter()
+        generations = interruptibly(generate) if self.interruptible else generate()
+        if generations is None:
+            return None
+        seconds = time.perf_counter() - started
+        return ScheduledRound(generations, [rollout_step] * len(generations), seconds, wait_seconds=None)
+
+    def collect(self, engine) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}
+
+    def restore(self, snapshot: dict) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Received:
+    """A rollout step's results from the workers: generations in prompt order, each one's policy version, and the
+    workers' longest generation seconds."""
+
+    generations: list[Generation]
+    policy_versions: list[int]
+    worker_seconds: float
+
+
+class AheadOfTimeSource:
+    """rollout.mode=disaggregated: rollout steps requested from the rollout workers up to `max_staleness` steps ahead
+    of the one the trainer needs, each right after the push of the version the plan gives it, received in order.
+
+    State: `in_flight` (steps requested, not yet received: the workers' tickets, which no checkpoint can keep),
+    `received` (steps received, from the one being trained on; what a checkpoint keeps of those from `next_step` on,
+    after collecting), and the cursor `next_step` (the step the trainer takes next). The next step to request follows
+    the last one known of in flight and received (or the step the trainer needs)."""
+
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+        self.in_flight: dict[int, list] = {}
+        self.received: dict[int, Received] = {}
+        self.next_step = 0
+
+    def start_engine(self, datamodule) -> RolloutEngine:
+        from lit_ppo.rollout.workers.client import RolloutWorkers
+
+        r, plan = datamodule.rollout, self.plan
+        return RolloutWorkers(
+            engine_kwargs=dict(
+                model_dir=datamodule.model_dir,
+                dtype=r.dtype or plan.rollout_dtype,
+                max_model_len=r.max_model_len,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_gib=r.kv_cache_gib,
+                seed=datamodule.seed,
+                tensor_parallel_size=r.tensor_parallel_size,
+                enforce_eager=r.enforce_eager,
+                max_lora_rank=plan.vllm_max_lora_rank or None,  # model.lora: the base, then adapters pushed
+            ),
+            workers=r.workers,
+            devices_per_worker=r.devices,
+            trainer_devices=plan.data_parallel_size,
+            log_dir=datamodule.log_dir or Path("logs"),
+            start_timeout_s=r.worker_start_timeout_s,
+            batch_timeout_s=r.batch_timeout_s,
+            push_timeout_s=r.weight_push_timeout_s,
+            bucket_mib=r.weight_push_bucket_mib,
+            max_logprob_abs_diff=r.max_logprob_abs_diff,
+            host=r.trainer_address_host(),
+            launch=r.worker_launch,
+            port=r.worker_port if r.worker_launch == "external" else 0,
+            heartbeat_timeout_s=r.worker_heartbeat_timeout_s,
+        )
+
+    def take(self, rollout_step, engine, generate, request) -> ScheduledRound:
+        """First requests every step up to rollout_step + max_staleness not yet requested: the workers hold version
+        `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k and, at
+        the start, to steps 0..k; the steps before were requested after their own versions' pushes. Then waits for
+        `rollout_step`'s results (bounded by the workers' timeouts; no dynamic sampling here: one round per step)."""
+        started = time.perf_counter()
+        last = min(rollout_step + self.plan.max_staleness, self.plan.total_rollout_steps - 1)
+        for step in range(max(set(self.in_flight) | set(self.received) | {rollout_step - 1}) + 1, last + 1):
+            if self.plan.generating_version(step) != engine.version:
+                raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
+                    f"rollout step {step} is due for policy version {self.plan.generating_version(step)} but the "
+                    f"workers hold version {engine.version}"
+                )
+            self.in_flight[step] = engine.submit(**request(step))
+        self.receive(engine, upto=rollout_step)
+        # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
+        self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
+        self.next_step = rollout_step + 1
+        got = self.received[rollout_step]
+        return ScheduledRound(
+            got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
+        )
+
+    def receive(self, engine, upto: int | None = None) -> None:
+        """Move the requested steps (those up to `upto`; all: None) from in flight to received, waiting for them."""
+        for step in sorted(self.in_flight):
+            if upto is None or step <= upto:
+                self.received[step] = Received(*engine.collect(self.in_flight.pop(step)))
+
+    def collect(self, engine) -> None:
+        self.receive(engine)
+
+    def state_dict(self) -> dict:
+        # The steps generated ahead, by policy versions a resumed run no longer has: kept (received first, by the
+        # data module's `collect`), so that a resume trains on exactly the samples an uninterrupted run would.
+        # ("prefetched": the key that checkpoints have always had.)
+        if self.in_flight:
+            raise RuntimeError(
+                f"AheadOfTimeSource.state_dict: rollout steps {sorted(self.in_flight)} are in flight; collect them first"
+            )
+        return {
+            "prefetched": {
+                step: ([dataclasses.asdict(g) for g in r.generations], r.policy_versions, r.worker_seconds)
+                for step, r in self.received.items()
+                if step >= self.next_step
+            }
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.received = {
+            int(step): Received([Generation(**g) for g in gens], list(versions), float(seconds))
+            for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
+        }
+        self.next_step = min(self.received, default=0)  # a checkpoint keeps none before the cursor
+
+    def snapshot(self) -> dict:
+        # Nothing is received here: what is in flight stays in flight (the requests cannot be taken back, and are
+        # what a resumed run would request with the same versions), and the steps taken since stay received.
+        return {"next_step": self.next_step}
+
+    def restore(self, snapshot: dict) -> None:
+        self.next_step = snapshot["next_step"]
+
+
+def source_for(plan: StepPlan, tensor_parallel_size: int = 1) -> RolloutSource:
+    """The source of the plan's rollout mode: generated now (colocated) or requested ahead (disaggregated)."""
+    if plan.rollout_mode == "disaggregated":
+        return AheadOfTimeSource(plan)
+    return SynchronousSource(interruptible=tensor_parallel_size == 1)

@@ -1,0 +1,265 @@
+"""The trainer's side of the rollout workers (rollout.mode=disaggregated): `RolloutWorkers`, an engine of the contract
+that hosts the channel (`transport`), starts or awaits the workers (`launch`), queues their ordered commands, pushes
+weights and collects results.
+
+No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
+line naming the side, the worker and its log (RolloutWorkerError); `close` stops them (see `launch` for how, per
+rollout.worker_launch).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
+from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.rollout.engine import tensor_bytes
+from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
+from lit_ppo.rollout.workers.messages import ApplyWeights, BucketHeader, Generate, Result, Stop, WorkerSpec
+from lit_ppo.rollout.workers.transport import POLL_S, broadcast, gloo_group, seconds_delta, weight_buckets
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One worker's share of a submitted request: which worker, its ticket, and the share's first prompt."""
+
+    worker: int
+    ticket: int
+    offset: int
+
+
+class RolloutWorkers:
+    """Starts `workers` worker processes, sends them requests in order, pushes weights (or a LoRA adapter), collects
+    results. An engine of the contract (`lit_ppo.contract.RolloutEngine`: `generate`, `update_weights`, `wake_up`,
+    `sleep`, `close`) so that evaluation runs through it unchanged; rollouts use `submit` and `collect` to generate
+    ahead (lit_ppo/rollout/schedule.py)."""
+
+    def __init__(
+        self,
+        *,
+        engine_kwargs: dict,
+        workers: int,
+        devices_per_worker: int,
+        trainer_devices: int,
+        log_dir: Path,
+        start_timeout_s: float,
+        batch_timeout_s: float,
+        push_timeout_s: float,
+        bucket_mib: int,
+        max_logprob_abs_diff: float | None = None,
+        host: str | None = None,
+        launch: str = "spawn",
+        port: int = 0,
+        heartbeat_timeout_s: float = 60.0,
+    ):
+        import torch.distributed as dist
+
+        self.workers = workers
+        self.batch_timeout_s = batch_timeout_s
+        self.push_timeout_s = push_timeout_s
+        self.bucket_bytes = bucket_mib * 2**20
+        log_dir = Path(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
+        try:  # the server listens on every interface; `host` is the address the workers are told
+            self.store = dist.TCPStore(
+                self.host, port, is_master=True, wait_for_workers=False, timeout=seconds_delta(start_timeout_s)
+            )
+        except RuntimeError as e:
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise RolloutWorkerError(
+                f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: set "
+                "rollout.worker_port to a free port on this node"
+            ) from None
+        self.address = f"{self.host}:{self.store.port}"
+        self.store.set("spec", pickle.dumps(WorkerSpec(engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers)))
+        self.launch: Launch = (
+            ExternalLaunch(
+                store=self.store, address=self.address, workers=workers, heartbeat_timeout_s=heartbeat_timeout_s
+            )
+            if launch == "external"
+            else SpawnedLaunch(
+                store=self.store,
+                host=self.host,
+                workers=workers,
+                log_dir=log_dir,
+                devices_per_worker=devices_per_worker,
+                trainer_devices=trainer_devices,
+            )
+        )
+        self.commands = [0] * workers  # commands sent to each worker
+        self.tickets = 0
+        self.pushes = 0
+        self.version: int | None = None  # the last version pushed
+        self.pushed_adapter_version = 0  # model.lora: the adapter version of the last push
+        self.group = None
+        started = time.perf_counter()
+        try:
+            self.launch.start(start_timeout_s)
+            for i in range(workers):
+                self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.worker_start_timeout_s", i)
+            self.group = gloo_group(self.store, 0, workers + 1, push_timeout_s, self.host)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - started
+
+    @property
+    def procs(self) -> list:
+        """Spawned workers' processes (none when a launcher started them)."""
+        return self.launch.procs
+
+    @property
+    def exit_codes(self) -> list[int | None]:
+        """Spawned workers' exit codes once `close` has stopped them."""
+        return self.launch.exit_codes
+
+    # ------------------------------------------------------------ the store
+
+    def _wait(self, key: str, timeout_s: float, what: str, setting: str, worker: int) -> bytes:
+        """The value of `key` once a worker sets it; RolloutWorkerError when a worker dies or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            self.launch.check_alive(what)
+            if time.monotonic() > deadline:
+                self.launch.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: rollout worker {worker} ({self.launch.where(worker)}) gave no {what} within "
+                    f"{setting}={timeout_s:g} s; {self.launch.log(worker)}; fix: raise {setting} if it is only slow"
+                )
+            time.sleep(POLL_S)
+        value = self.store.get(key)
+        self.store.delete_key(key)
+        return value
+
+    def _send(self, worker: int, command: Generate | ApplyWeights | Stop) -> None:
+        self.store.set(f"cmd/{worker}/{self.commands[worker]}", pickle.dumps(command))
+        self.commands[worker] += 1
+
+    # ------------------------------------------------------------ generation
+
+    def submit(self, prompt_token_ids: list[list[int]], **params) -> list[Ticket]:
+        """Queue generation of these prompts (contiguous shares over the workers, behind what each has queued);
+        returns the tickets to `collect`. `params`: those of `VLLMEngine.generate` (seeds: one per prompt)."""
+        tickets = []
+        n_prompts = len(prompt_token_ids)
+        for worker in range(self.workers):
+            start, stop = worker * n_prompts // self.workers, (worker + 1) * n_prompts // self.workers
+            share = dict(params)
+            if share.get("seeds") is not None:
+                share["seeds"] = share["seeds"][start:stop]
+            if isinstance(share.get("max_tokens"), list):
+                share["max_tokens"] = share["max_tokens"][start:stop]
+            self.tickets += 1
+            self._send(worker, Generate(self.tickets, {"prompt_token_ids": prompt_token_ids[start:stop], **share}))
+            tickets.append(Ticket(worker, self.tickets, start))
+        return tickets
+
+    def collect(self, tickets: list[Ticket]) -> tuple[list[Generation], list[int], float]:
+        """The generations of `submit`'s tickets in prompt order, each one's policy version, and the workers' longest
+        generation time (s)."""
+        generations, versions, seconds = [], [], 0.0
+        for t in tickets:
+            result: Result = pickle.loads(
+                self._wait(
+                    f"result/{t.worker}/{t.ticket}",
+                    self.batch_timeout_s,
+                    "rollout batch",
+                    "rollout.batch_timeout_s",
+                    t.worker,
+                )
+            )
+            for g in result.generations:
+                g.prompt_index += t.offset
+            generations += result.generations
+            versions += [result.policy_version] * len(result.generations)
+            seconds = max(seconds, result.seconds)
+        return generations, versions, seconds
+
+    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
+        """`VLLMEngine.generate` on the workers, behind what they have queued (evaluation)."""
+        return self.collect(self.submit(prompt_token_ids, **params))[0]
+
+    # ------------------------------------------------------------ weights
+
+    @property
+    def adapter_version(self) -> int:
+        """The adapter version of the last push (model.lora); 0 before one, or with full weights."""
+        return self.pushed_adapter_version
+
+    @torch.no_grad()
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Broadcast the update's tensors (with model.lora the adapter alone) to every worker in buckets, then queue
+        "apply `update.policy_version`" behind each one's queued requests: those generate with the version they were
+        queued after. With the apply goes the update's probe (a sequence and the trainer's log-probs of it at
+        temperature 1), which each worker compares with its engine's once it applied the version; a worker whose
+        weights differ stops with the reason (reported at the trainer's next wait). An adapter is loaded by each worker
+        as adapter `adapter_version` of its engine from memory (`VLLMEngine.sync_adapter`), removing the previous one;
+        a worker whose engine then does not serve exactly that adapter (vLLM's list_loras) stops with the reason.
+        Every generation records the policy version (and adapter version) that sampled it. Returns the bytes pushed."""
+        version, probe = update.policy_version, update.probe() if update.probe is not None else None
+        if update.adapter is not None:
+            a = update.adapter
+            push, moved = self._push(a.tensors.items(), version), tensor_bytes(a.tensors)
+            message = ApplyWeights(push, version, probe, a.peft_config, a.adapter_version)
+            self.pushed_adapter_version = a.adapter_version
+        else:
+            counted = CountedTensors(update.tensors)
+            push = self._push(counted, version)
+            moved = counted.bytes
+            message = ApplyWeights(push, version, probe)
+        for worker in range(self.workers):
+            self._send(worker, message)
+        return moved
+
+    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Broadcast the tensors in buckets to every worker's receiver; returns the push's number."""
+        self.launch.check_alive("the weight push")
+        push = self.pushes
+        for b, (entries, flat) in enumerate(weight_buckets(named_tensors, self.bucket_bytes)):
+            self.store.set(f"push/{push}/{b}", pickle.dumps(BucketHeader(entries, flat.numel())))
+            started = time.monotonic()
+            try:
+                broadcast(self.group, flat)
+            except RuntimeError as e:
+                seconds = time.monotonic() - started
+                self.launch.check_alive("the weight push")  # a dead worker is the better message
+                deadline = time.monotonic() + self.launch.settle_s()
+                while time.monotonic() < deadline:
+                    self.launch.check_alive("the weight push")
+                    time.sleep(POLL_S)
+                self.launch.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: the weight push of version {version} (bucket {b}, {flat.numel() / 2**20:.1f} MiB) did "
+                    f"not complete within rollout.weight_push_timeout_s={self.push_timeout_s:g} s "
+                    f"({seconds:.1f} s, {type(e).__name__}); a rollout worker is stuck: {self.launch.logs()}"
+                ) from None
+        self.store.set(f"push/{push}/done", b"1")
+        self.pushes += 1
+        self.version = version
+        return push
+
+    def wake_up(self) -> None:  # the workers' engines never sleep: they generate while the trainer trains
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers (their launch's way: at once after a failure, where a stuck worker never reads its queue),
+        then close the store, which ends any worker still running."""
+        if self.store is None:
+            return
+        try:
+            self.launch.stop(self._send, 0.0 if self.launch.failed else timeout_s)
+        finally:
+            # Dropping the store (the gloo group and the launch hold it too) stops its server: a worker still running
+            # sees it gone.
+            self.group = self.launch.store = self.store = None

@@ -1,0 +1,75 @@
+"""What the trainer and its rollout workers send each other through the store (pickled), as frozen dataclasses: the
+ordered commands the trainer queues for each worker, the run's spec, and what workers send back.
+
+Their own module: a worker runs `python -m lit_ppo.rollout.workers` (whose `__main__` is not the trainer's), and
+unpickles these classes from here, as the trainer pickled them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lit_ppo.contract import Generation, Probe
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker reads first (`spec`): its engine's keywords (VLLMEngine's), how long a weight bucket may
+    take, the bound on the probe's log-prob difference, and how many workers the trainer expects."""
+
+    engine: dict
+    push_timeout_s: float
+    max_logprob_abs_diff: float | None
+    workers: int
+
+
+@dataclass(frozen=True)
+class Hello:
+    """An external worker's greeting (`hello/<worker>`): where it runs, for the trainer's messages."""
+
+    hostname: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Generate `request` (VLLMEngine.generate's keywords) and store the result under `ticket`."""
+
+    ticket: int
+    request: dict
+
+
+@dataclass(frozen=True)
+class ApplyWeights:
+    """Apply weight push number `push` (received by the worker's receiver thread) as policy version `policy_version`;
+    with `peft_config` the push is an adapter, served as adapter `adapter_version`. `probe`: check the applied weights
+    against the trainer's log-probs of a sequence."""
+
+    push: int
+    policy_version: int
+    probe: Probe | None
+    peft_config: dict | None = None
+    adapter_version: int = 0
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Close the engine, join the worker's threads, acknowledge (`stopped/<worker>`) and exit 0."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """A worker's answer to `Generate` (`result/<worker>/<ticket>`): its generations, the policy version that
+    generated them, and the seconds they took."""
+
+    generations: list[Generation]
+    policy_version: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BucketHeader:
+    """What precedes one bucket of a weight push (`push/<push>/<bucket>`): per tensor its name, dtype and shape, and
+    the bucket's size in bytes (its broadcast follows over the gloo group)."""
+
+    entries: list[tuple[str, str, list[int]]]
+    numel: int

@@ -1,0 +1,221 @@
+"""A rollout worker process: connects to the trainer's store, starts the engine of its spec, then follows its ordered
+commands (generate, apply a received weight version, stop) until told to stop or the trainer is gone.
+
+Started by the trainer (rollout.worker_launch=spawn: `python -m lit_ppo.rollout.workers HOST PORT WORKER WORKERS`) or
+by the user's launcher on any node (external: `python -m lit_ppo.rollout.workers --connect HOST:PORT [--worker N]`,
+docs/async.md)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
+from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, Result, Stop, WorkerSpec
+from lit_ppo.rollout.workers.transport import WeightReceiver, gloo_group, seconds_delta, take_key
+
+
+def _watch_parent(parent: int, stopping: threading.Event) -> None:
+    """End this worker when the trainer is gone (SIGKILL leaves no chance to stop it): its parent changes."""
+    while not stopping.wait(0.5):
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def send_heartbeats(store, worker: int, stopping: threading.Event) -> None:
+    """External workers: count up the worker's heartbeat in the store (the trainer watches it); end the worker when
+    the store, hosted by the trainer, is gone."""
+    try:
+        while not stopping.is_set():
+            store.add(f"heartbeat/{worker}", 1)
+            stopping.wait(HEARTBEAT_S)
+    except BaseException as e:  # noqa: BLE001 - any failure of the store means the trainer is gone
+        if stopping.is_set():
+            return  # the worker is ending anyway
+        print(f"rollout worker {worker}: the trainer's store is gone ({type(e).__name__}); exiting", flush=True)
+        os._exit(3)
+
+
+def stop_threads(stopping: threading.Event, threads: list[threading.Thread]) -> None:
+    """Stop and join a worker's threads before it ends. A daemon thread still inside a store or gloo call when the
+    interpreter finalizes is ended by pthread_exit through C++ frames that must not unwind: `terminate called without
+    an active exception` and SIGABRT, on whichever exit the race is lost (more often on slower machines)."""
+    stopping.set()
+    for thread in threads:
+        thread.join()
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This node's address on the route to `host` (no packet is sent): where the worker's end of the gloo group binds,
+    which the trainer must reach."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, version: int) -> None:
+    """The weights this worker just applied are the trainer's of that version: its engine's log-probs of the probe
+    sequence equal the trainer's (as rollout.max_logprob_abs_diff bounds them in colocated runs)."""
+    if probe is None or max_logprob_abs_diff is None:
+        return
+    prompt, response, expected = probe
+    got = engine.sequence_logprobs(prompt, response)
+    diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
+    if not diff <= max_logprob_abs_diff:  # NaN too
+        raise RuntimeError(
+            f"rollout worker {worker}: after applying policy version {version} its log-probs of a probe sequence "
+            f"differ from the trainer's by {diff:.3f} nats per token (more than rollout.max_logprob_abs_diff="
+            f"{max_logprob_abs_diff}): the pushed weights did not arrive intact"
+        )
+
+
+def worker_main(
+    host: str, port: int, worker: int, workers: int | None, *, external: bool = False, connect_timeout_s: float = 60.0
+) -> None:
+    """One rollout worker: connect to the trainer's store at host:port, start the engine of its spec, then follow the
+    worker's ordered commands. `external`: started by the user's launcher (not the trainer), on any node: it sends a
+    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (DIST_ENV) out of vLLM's
+    way. `workers`: None takes the trainer's rollout.workers."""
+    import torch.distributed as dist
+
+    # Every thread this worker starts watches `stopping` and is joined before the worker ends: a thread still inside
+    # the store's or gloo's C++ code while the interpreter tears down aborts the process (`terminate called without an
+    # active exception`, code -6), which its launcher takes for a crash.
+    stopping = threading.Event()
+    threads: list[threading.Thread] = []
+    if external:
+        for key in DIST_ENV:
+            os.environ.pop(key, None)
+    else:
+        threads.append(threading.Thread(target=_watch_parent, args=(os.getppid(), stopping), daemon=True))
+        threads[-1].start()
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=seconds_delta(connect_timeout_s))
+    except RuntimeError as e:
+        print(
+            f"rollout worker {worker}: could not connect to the trainer at {host}:{port} within {connect_timeout_s:g} s "
+            f"({str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}); fix: start the trainer "
+            "(rollout.worker_launch=external) and check that this node reaches that address, or raise "
+            "--connect-timeout-s",
+            flush=True,
+        )
+        os._exit(2)
+    try:
+        spec: WorkerSpec = pickle.loads(store.get("spec"))
+        if not 0 <= worker < spec.workers or workers not in (None, spec.workers):
+            print(
+                f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {host}:{port} "
+                f"expects rollout.workers={spec.workers} (numbers 0..{spec.workers - 1}); fix: start that many "
+                "workers, numbered from 0",
+                flush=True,
+            )
+            os._exit(2)
+        workers = spec.workers
+        if external:
+            if store.add(f"claim/{worker}", 1) != 1:
+                raise RuntimeError(
+                    f"rollout worker {worker}: another worker connected as number {worker} already; fix: give each "
+                    "worker its own --worker (or SLURM_PROCID / RANK)"
+                )
+            store.set(f"hello/{worker}", pickle.dumps(Hello(socket.gethostname(), os.getpid())))
+            threads.append(threading.Thread(target=send_heartbeats, args=(store, worker, stopping), daemon=True))
+            threads[-1].start()
+            print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
+        from lit_ppo.rollout.engine import VLLMEngine
+
+        started = time.perf_counter()
+        engine = VLLMEngine(**spec.engine)
+        print(f"rollout worker {worker}: engine started in {time.perf_counter() - started:.1f} s", flush=True)
+        store.set(f"ready/{worker}", b"1")
+        own_host = _address_towards(host, port) if external else host
+        group = gloo_group(store, worker + 1, workers + 1, spec.push_timeout_s, own_host)
+        receiver = WeightReceiver(store, group, stopping)
+        receiver.start()
+        threads.append(receiver)
+        version = 0  # the engine starts from model_dir: the initial policy
+        n = 0
+        while True:
+            command = pickle.loads(take_key(store, f"cmd/{worker}/{n}"))
+            n += 1
+            if isinstance(command, Stop):
+                break
+            if isinstance(command, ApplyWeights):
+                version = command.policy_version
+                if command.peft_config is None:
+                    engine.sync_weights(receiver.take(command.push))
+                else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
+                    # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
+                    engine.sync_adapter(dict(receiver.take(command.push)), command.peft_config, command.adapter_version)
+                print(f"rollout worker {worker}: policy version {version} applied", flush=True)
+                check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
+            elif isinstance(command, Generate):
+                started = time.perf_counter()
+                generations = engine.generate(**command.request)
+                seconds = time.perf_counter() - started
+                store.set(f"result/{worker}/{command.ticket}", pickle.dumps(Result(generations, version, seconds)))
+        engine.close()
+        stop_threads(stopping, threads)
+        # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.
+        receiver.group = group = None
+        store.set(f"stopped/{worker}", b"1")
+    except BaseException as e:
+        traceback.print_exc()
+        sys.stdout.flush()
+        last = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        try:
+            store.set(f"error/{worker}", last.encode())
+        finally:
+            os._exit(1)
+
+
+def main(argv: list[str], prog: str = "python -m lit_ppo.rollout.workers") -> None:
+    """The trainer's spawned form `HOST PORT WORKER WORKERS`, or a launcher's
+    `--connect HOST:PORT [--worker N] [--workers N]` (rollout.worker_launch=external)."""
+    if argv and not argv[0].startswith("-"):
+        host, port, worker, workers = argv
+        worker_main(host, int(port), int(worker), int(workers))
+        return
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="A rollout worker started by a launcher (rollout.worker_launch=external, docs/async.md).",
+    )
+    parser.add_argument(
+        "--connect", required=True, metavar="HOST:PORT", help="the trainer's store (the plan prints it)"
+    )
+    parser.add_argument("--worker", type=int, help="this worker's number, 0..workers-1; default: SLURM_PROCID or RANK")
+    parser.add_argument(
+        "--workers", type=int, help="checked against the trainer's rollout.workers; default: the trainer's"
+    )
+    parser.add_argument(
+        "--connect-timeout-s", type=float, default=900.0, help="seconds to retry connecting while the trainer starts"
+    )
+    args = parser.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--connect {args.connect}: expected HOST:PORT, e.g. --connect node0:29600")
+    worker = args.worker
+    if worker is None:
+        index = os.environ.get("SLURM_PROCID") or os.environ.get("RANK")
+        if index is None or not index.isdigit():
+            parser.error("no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)")
+        worker = int(index)
+    worker_main(host, int(port), worker, args.workers, external=True, connect_timeout_s=args.connect_timeout_s)
+
+
+def run_as_main(argv: list[str], prog: str = "python -m lit_ppo.rollout.workers") -> None:
+    """The worker process's entry (`python -m lit_ppo.rollout.workers`)."""
+    # Ctrl-C, and the SIGTERM/SIGUSR1 a scheduler sends to every process of a job, are the trainer's to handle: it
+    # checkpoints (which needs the workers' batches in flight) and then stops its workers; they end with it anyway.
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    main(argv, prog)
