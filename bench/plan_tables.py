@@ -6,8 +6,10 @@ checked by `diff -r` of two such directories (the tables identical; plan.json's 
     python bench/plan_tables.py /tmp/plans_after       # after it
     diff -r /tmp/plans_before /tmp/plans_after
 
-`--flat` flattens plan.json by section (`{"counts": {"x": 1}}` -> `{"x": 1}`) so that a plan written before the plan
-had sections compares value by value with one written after (plan_json_flat.json beside plan.json).
+`--flat` flattens plan.json by section (`{"counts": {"x": 1}}` -> `{"x": 1}`, plan_json_flat.json beside plan.json).
+`--compare BEFORE AFTER` checks, case by case, that the printed tables are the same and that plan.json's values are:
+a plan written before the plan had sections (flat) is mapped to its sections by `lit_ppo.plan.sections_of` (the
+mapping, RENAMED_FLAT_KEYS) and must then equal the one written after, the memory estimate included.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CONF = ROOT / "conf"
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from lit_ppo.plan import sections_of  # noqa: E402
 from lit_ppo.run import entry  # noqa: E402
 
 OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: output_dir or default, replace=True)
@@ -96,7 +99,33 @@ def flat(record: dict) -> dict:
     return out
 
 
+def compare(before: Path, after: Path) -> int:
+    """Print each case whose table or plan.json values differ between two directories; the number of such cases."""
+    differing = 0
+    for case in sorted(p.name for p in before.iterdir()):
+        old, new = before / case, after / case
+        if (old / "error.txt").exists() or (new / "error.txt").exists():
+            same = (
+                all((d / "error.txt").exists() for d in (old, new))
+                and (old / "error.txt").read_text() == (new / "error.txt").read_text()
+            )
+            print(f"{case}: {'refused the same way' if same else 'REFUSED DIFFERENTLY'}")
+            differing += not same
+            continue
+        table_same = (old / "printed.txt").read_text() == (new / "printed.txt").read_text()
+        old_plan, new_plan = (json.loads((d / "plan.json").read_text()) for d in (old, new))
+        values_same = {**sections_of(old_plan), "memory": old_plan.get("memory")} == new_plan
+        print(
+            f"{case}: table {'same' if table_same else 'DIFFERS'}, plan.json values {'same' if values_same else 'DIFFER'}"
+        )
+        differing += not (table_same and values_same)
+    print(f"{differing} case(s) differ")
+    return differing
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--compare"]:
+        sys.exit(1 if compare(Path(sys.argv[2]), Path(sys.argv[3])) else 0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--flat", action="store_true", help="also write plan_json_flat.json (sections flattened)")

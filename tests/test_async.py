@@ -128,23 +128,29 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             r"ppo.dynamic_sampling.enabled=true: .*fix:",
         ),
         (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
-        (["rollout.mode=disaggregated", "rollout.workers=0", "rollout.max_staleness=0"], r"rollout.workers=0 must"),
-        (["rollout.batch_timeout_s=0"], r"^rollout.batch_timeout_s=0 must be a positive number of seconds"),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=ssh"],
-            r"^rollout.worker_launch='ssh' is unknown; fix: use one of spawn, external$",
+            ["rollout.mode=disaggregated", "rollout.workers.count=0", "rollout.max_staleness=0"],
+            r"rollout.workers.count=0 must",
         ),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=0"],
-            r"^rollout.worker_port=0 with rollout.worker_launch=external must be a TCP port .*fix: e.g. rollout.worker_port",
+            ["rollout.workers.batch_timeout_s=0"],
+            r"^rollout.workers.batch_timeout_s=0 must be a positive number of seconds",
         ),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=70000"],
-            r"^rollout.worker_port=70000 with rollout.worker_launch=external must be a TCP port \(1..65535\)",
+            ["rollout.mode=disaggregated", "rollout.workers.launch=ssh"],
+            r"^rollout.workers.launch='ssh' is unknown; fix: use one of spawn, external$",
         ),
         (
-            ["rollout.worker_heartbeat_timeout_s=0"],
-            r"^rollout.worker_heartbeat_timeout_s=0 must be a positive number of seconds",
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=0"],
+            r"^rollout.workers.port=0 with rollout.workers.launch=external must be a TCP port .*fix: e.g. rollout.workers.port",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=70000"],
+            r"^rollout.workers.port=70000 with rollout.workers.launch=external must be a TCP port \(1..65535\)",
+        ),
+        (
+            ["rollout.workers.heartbeat_timeout_s=0"],
+            r"^rollout.workers.heartbeat_timeout_s=0 must be a positive number of seconds",
         ),
         # with model.lora, what rollout workers cannot do is refused as without it, naming the key
         (
@@ -188,9 +194,10 @@ def test_the_correction_is_on_by_default_exactly_where_the_samples_are_of_an_old
 
 def test_the_plan_states_the_schedule_and_the_devices():
     plan = compute_plan(
-        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers=2"), 2000
+        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers.count=2"),
+        2000,
     )
-    assert (plan.rollout_mode, plan.max_staleness, plan.rollout_workers) == ("disaggregated", 1, 2)
+    assert (plan.workers.max_staleness, plan.max_staleness, plan.workers.count) == (1, 1, 2)
     assert [plan.generating_version(s) for s in range(4)] == [0, 0, 1, 2]
     table = plan.table()
     assert "step 0 <- v0, step 1 <- v0, step 2 <- v1, step 3 <- v2, ..., step 29 <- v28" in table
@@ -209,10 +216,10 @@ def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(m
     external = compute_plan(
         compose_run_config(
             "rollout.mode=disaggregated",
-            "rollout.worker_launch=external",
-            "rollout.worker_port=29700",
-            "rollout.trainer_host=node0",
-            "rollout.workers=3",
+            "rollout.workers.launch=external",
+            "rollout.workers.port=29700",
+            "rollout.workers.trainer_host=node0",
+            "rollout.workers.count=3",
         ),
         2000,
     )
@@ -221,9 +228,9 @@ def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(m
     assert "the launcher starts them on any node; they connect to node0:29700" in table
     assert "python -m lit_ppo.rollout.disaggregated --connect node0:29700" in table
     assert "processes, on the devices their launcher gives them" in table
-    # the host: rollout.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
+    # the host: rollout.workers.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
     monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
-    overrides = ("rollout.mode=disaggregated", "rollout.worker_launch=external")
+    overrides = ("rollout.mode=disaggregated", "rollout.workers.launch=external")
     assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == "10.0.0.7:29600"
     monkeypatch.delenv("LIT_PPO_ROLLOUT_HOST")
     assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == f"{socket.gethostname()}:29600"
@@ -236,9 +243,9 @@ def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_e
     plan = compute_plan(
         compose_run_config("rollout.mode=disaggregated", "model.lora.rank=16", "model.lora.alpha=32"), 2000
     )
-    assert (plan.rollout_mode, plan.max_staleness) == ("disaggregated", 1)
-    assert (plan.lora_rank, plan.vllm_max_lora_rank) == (16, 16)
-    assert plan.reference_enabled and [plan.generating_version(s) for s in range(3)] == [0, 0, 1]
+    assert plan.workers and plan.max_staleness == 1
+    assert (plan.lora.rank, plan.lora.vllm_max_lora_rank) == (16, 16)
+    assert plan.models.reference_enabled and [plan.generating_version(s) for s in range(3)] == [0, 0, 1]
     table = plan.table()
     assert (
         "vLLM in each rollout worker: the base loaded once, only the adapter pushed over gloo after each rollout "
@@ -301,7 +308,7 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
     lags = [row["rollout/policy_version_lag"] for row in module.history]
     assert lags == [0.0, 1.0, 1.0]
     assert (out / "logs" / "rollout_worker0.log").exists()
-    assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
 def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
@@ -465,7 +472,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
     long_prompt_files,  # noqa: F811
     tmp_path,
 ):
-    """rollout.worker_launch=external: the trainer hosts the store on rollout.worker_port and waits; a worker started
+    """rollout.workers.launch=external: the trainer hosts the store on rollout.workers.port and waits; a worker started
     as torchrun would start it (its number from RANK, the launcher's rendezvous variables in its environment)
     connects, and the run's samples and rewards are exactly the spawned run's (`one_step_off`: same seed and
     schedule). Its log is where its launcher put it; the trainer's close stops it."""
@@ -478,7 +485,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
         codes = ended(worker, timeout_s=60)
     assert codes == [0], (tmp_path / "worker.log").read_text()[-3000:]
     assert "terminate called" not in (tmp_path / "worker.log").read_text()
-    assert plan.rollout_worker_address == f"127.0.0.1:{port}"
+    assert plan.workers.address == f"127.0.0.1:{port}"
     _, spawned, *_ = one_step_off
     assert [b.rollout_step for b in batches] == [0, 1, 2]
     for ours, theirs in zip(batches, spawned, strict=True):
@@ -492,7 +499,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
 
 
 def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
-    """rollout.workers=2, only worker 0 started: the trainer stops after rollout.worker_start_timeout_s naming worker
+    """rollout.workers.count=2, only worker 0 started: the trainer stops after rollout.workers.start_timeout_s naming worker
     1, the address and how to start it; worker 0 then ends by itself (the trainer's store is gone)."""
     port = free_port()
     worker0 = launch_worker(tmp_path / "worker0.log", port, 0)
@@ -511,7 +518,7 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
     message = str(info.value)
     assert message.startswith(
         f"trainer: rollout worker(s) 1 of 2 never connected to the trainer at 127.0.0.1:{port} within "
-        "rollout.worker_start_timeout_s=20 s (rollout.worker_launch=external: the launcher starts them); fix: run "
+        "rollout.workers.start_timeout_s=20 s (rollout.workers.launch=external: the launcher starts them); fix: run "
         f"`python -m lit_ppo.rollout.disaggregated --connect 127.0.0.1:{port} --worker <N>` for each"
     ), message
     assert "\n" not in message
@@ -543,7 +550,7 @@ def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tm
 
     assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "2") == (
         2,
-        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers=2 (numbers 0..1); "
+        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers.count=2 (numbers 0..1); "
         "fix: start that many workers, numbered from 0",
     )
     assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "0", "--workers", "3")[1].startswith(
@@ -582,7 +589,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     tmp_path,
 ):
     """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
-    rollout.worker_heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
+    rollout.workers.heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
     its log is there."""
     port = free_port()
     worker = launch_worker(tmp_path / "worker.log", port, 0)
@@ -604,7 +611,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     node = socket.gethostname()
     assert message.startswith(
         f"trainer: rollout worker 0 (pid {worker.pid} on {node}) sent no heartbeat for "
-        "rollout.worker_heartbeat_timeout_s=5 s while the trainer waited for "
+        "rollout.workers.heartbeat_timeout_s=5 s while the trainer waited for "
     ), message
     assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
     assert "\n" not in message
@@ -641,7 +648,7 @@ def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_plan
     assert adapter_bytes < full_bytes / 4
     log = (out / "logs" / "rollout_worker0.log").read_text()
     assert all(f"policy version {v} applied" in log for v in range(4))  # 0 at the start, then one per rollout step
-    assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
 def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_version(one_step_off_lora):

@@ -89,7 +89,7 @@ class _RolloutStream(IterableDataset):
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         dm = self.datamodule
-        while dm.next_rollout_step < dm.plan.total_rollout_steps:
+        while dm.next_rollout_step < dm.plan.counts.total_rollout_steps:
             yield dm.produce_rollout(dm.next_rollout_step)
 
 
@@ -135,21 +135,21 @@ class RolloutDataModule(L.LightningDataModule):
         self.prefetched: dict[int, tuple[list[Generation], list[int], float]] = {}
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
-        self.make_environment = build_environment_factory(rollout.environment)
+        self.make_environment = build_environment_factory(rollout.episodes.environment)
         if self.make_environment is not None:
             stops = self.stop_token_ids + [
                 i for i in stop_token_ids_of(self.make_environment(), tokenizer) if i not in self.stop_token_ids
             ]
             self.episode_settings = EpisodeSettings(
-                max_turns=rollout.max_turns,
+                max_turns=rollout.episodes.max_turns,
                 max_episode_tokens=rollout.episode_tokens(),
                 max_turn_tokens=rollout.max_response_tokens,
-                timeout_s=rollout.environment_timeout_s,
+                timeout_s=rollout.episodes.environment_timeout_s,
                 on_error=scorer.on_error,
                 stop_token_ids=stops,
                 stop=list(rollout.stop),
             )
-            self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.observation_role)
+            self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.episodes.observation_role)
 
     # ------------------------------------------------------------ engine
 
@@ -157,10 +157,10 @@ class RolloutDataModule(L.LightningDataModule):
         """Learn this rank from the trainer (its process group is up by now), then start the engine."""
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
-        if self.world_size != self.plan.data_parallel_size:
+        if self.world_size != self.plan.counts.data_parallel_size:
             raise ConfigError(
                 f"the trainer runs {self.world_size} data-parallel ranks but the step plan was made for "
-                f"{self.plan.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
+                f"{self.plan.counts.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
             )
         if self.world_size > 1:
             # vLLM's external_launcher backend reads these and joins the process group the trainer set up.
@@ -170,7 +170,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.start_engine()
 
     def start_engine(self) -> VLLMEngine:
-        if self.engine is None and self.plan.rollout_mode == "disaggregated":
+        if self.engine is None and self.plan.workers:
             self.engine = self.start_workers()
         if self.engine is None:
             if self.world_size > 1 and "RANK" not in os.environ:
@@ -182,7 +182,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine = start_within(
                 lambda: self.engine_class(
                     self.model_dir,
-                    dtype=self.rollout.dtype or self.plan.rollout_dtype,
+                    dtype=self.rollout.dtype or self.plan.models.rollout_dtype,
                     max_model_len=self.rollout.max_model_len,
                     gpu_memory_utilization=self.rollout.gpu_memory_utilization,
                     kv_cache_gib=self.rollout.kv_cache_gib,
@@ -191,7 +191,7 @@ class RolloutDataModule(L.LightningDataModule):
                     enforce_eager=self.rollout.enforce_eager,
                     distributed=self.world_size > 1,
                     enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
-                    max_lora_rank=self.plan.vllm_max_lora_rank or None,
+                    max_lora_rank=(self.plan.lora.vllm_max_lora_rank if self.plan.lora else None),
                 ),
                 self.rollout.engine_start_timeout_s,
             )
@@ -206,28 +206,30 @@ class RolloutDataModule(L.LightningDataModule):
         workers = RolloutWorkers(
             engine_kwargs=dict(
                 model_dir=self.model_dir,
-                dtype=r.dtype or self.plan.rollout_dtype,
+                dtype=r.dtype or self.plan.models.rollout_dtype,
                 max_model_len=r.max_model_len,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 kv_cache_gib=r.kv_cache_gib,
                 seed=self.seed,
                 tensor_parallel_size=r.tensor_parallel_size,
                 enforce_eager=r.enforce_eager,
-                max_lora_rank=self.plan.vllm_max_lora_rank or None,  # model.lora: the base, then adapters pushed
+                max_lora_rank=(
+                    self.plan.lora.vllm_max_lora_rank if self.plan.lora else None
+                ),  # model.lora: the base, then adapters pushed
             ),
-            workers=r.workers,
-            devices_per_worker=r.devices,
-            trainer_devices=self.plan.data_parallel_size,
+            workers=r.workers.count,
+            devices_per_worker=r.workers.devices,
+            trainer_devices=self.plan.counts.data_parallel_size,
             log_dir=self.log_dir or Path("logs"),
-            start_timeout_s=r.worker_start_timeout_s,
-            batch_timeout_s=r.batch_timeout_s,
-            push_timeout_s=r.weight_push_timeout_s,
-            bucket_mib=r.weight_push_bucket_mib,
+            start_timeout_s=r.workers.start_timeout_s,
+            batch_timeout_s=r.workers.batch_timeout_s,
+            push_timeout_s=r.workers.weight_push_timeout_s,
+            bucket_mib=r.workers.weight_push_bucket_mib,
             max_logprob_abs_diff=r.max_logprob_abs_diff,
-            host=r.trainer_address_host(),
-            launch=r.worker_launch,
-            port=r.worker_port if r.worker_launch == "external" else 0,
-            heartbeat_timeout_s=r.worker_heartbeat_timeout_s,
+            host=r.workers.trainer_address_host(),
+            launch=r.workers.launch,
+            port=r.workers.port if r.workers.launch == "external" else 0,
+            heartbeat_timeout_s=r.workers.heartbeat_timeout_s,
         )
         self.engine_start_seconds = workers.start_seconds
         return workers
@@ -249,11 +251,11 @@ class RolloutDataModule(L.LightningDataModule):
         Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
         the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
         dynamic sampling a round is a rollout step's rollout batch."""
-        data_epoch, offset = divmod(generation_round, self.plan.generation_rounds_per_data_epoch)
+        data_epoch, offset = divmod(generation_round, self.plan.counts.generation_rounds_per_data_epoch)
         order = torch.randperm(
             len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
         )
-        size = self.plan.prompts_per_generation_round
+        size = self.plan.counts.prompts_per_generation_round
         batch = order[offset * size : (offset + 1) * size]
         positions = self.rank_positions(size)
         return batch[positions.start : positions.stop].tolist()
@@ -266,9 +268,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate and score this rank's share of the next round of prompts: (groups, the round's reward metrics,
         generate s, reward s)."""
         indices = self.round_prompt_indices(self.next_generation_round)
-        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
+        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
-        n = self.plan.n_samples_per_prompt
+        n = self.plan.counts.n_samples_per_prompt
         # The first round keeps the seeds a run without dynamic sampling has.
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
         started = time.perf_counter()
@@ -288,14 +290,14 @@ class RolloutDataModule(L.LightningDataModule):
         # (lit_ppo.preemption), and the stop points after them stop every rank together.
         # Tensor-parallel engines run collectives inside generate: only their end is a stop point.
         # Rollout workers generate ahead; the wait for them is bounded and what it received is kept (checkpoints).
-        if self.plan.rollout_mode == "disaggregated":
+        if self.plan.workers:
             generations, self.last_policy_versions, generate_seconds = self.scheduled_generations(rollout_step)
             self.last_wait_seconds = time.perf_counter() - started
         else:
             generations = interruptibly(generate) if self.rollout.tensor_parallel_size == 1 else generate()
             self.last_wait_seconds = None  # the engine holds the newest weights: version rollout_step
         stop_point(self.device)
-        if self.plan.rollout_mode != "disaggregated":
+        if not self.plan.workers:
             generate_seconds = time.perf_counter() - started
         started = time.perf_counter()
         scored = interruptibly(lambda: self.rewards_of(prompts, generations))
@@ -324,30 +326,33 @@ class RolloutDataModule(L.LightningDataModule):
         groups, round_metrics, generate_seconds, reward_seconds = self.generate_round(rollout_step, 0)
         counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
-        positions = self.rank_positions(plan.rollout_batch_size)
+        positions = self.rank_positions(plan.counts.rollout_batch_size)
         if plan.dynamic_sampling:
             drawn = self.all_groups(groups)  # every rank sees the same groups in the same order
-            while sum(g.informative for g in drawn) < plan.rollout_batch_size and rounds < plan.max_generation_rounds:
+            while (
+                sum(g.informative for g in drawn) < plan.counts.rollout_batch_size
+                and rounds < plan.dynamic_sampling.max_generation_rounds
+            ):
                 groups, round_metrics, g_s, r_s = self.generate_round(rollout_step, rounds)
                 drawn += self.all_groups(groups)
                 counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
             informative = sum(g.informative for g in drawn)
-            if informative < plan.rollout_batch_size and plan.dynamic_sampling_on_shortfall == "stop":
+            if informative < plan.counts.rollout_batch_size and plan.dynamic_sampling.on_shortfall == "stop":
                 self.next_generation_round = first_round  # a resume retries this rollout step from its first round
                 raise DynamicSamplingShortfallError(
-                    f"rollout step {rollout_step + 1}: {informative} of {plan.rollout_batch_size} prompt groups had differing "
-                    f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
+                    f"rollout step {rollout_step + 1}: {informative} of {plan.counts.rollout_batch_size} prompt groups had differing "
+                    f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; a "
                     "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
                     "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
                 )
-            groups, dropped, filled = select_informative_groups(drawn, plan.rollout_batch_size)
+            groups, dropped, filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)
             groups = groups[positions.start : positions.stop]
         self.next_rollout_step = rollout_step + 1
         samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
         return RolloutBatch(
             rollout_step=rollout_step,
-            data_epoch=(self.next_generation_round - 1) // plan.generation_rounds_per_data_epoch,
+            data_epoch=(self.next_generation_round - 1) // plan.counts.generation_rounds_per_data_epoch,
             prompt_positions=[position for position, _, _ in samples],
             dataset_indices=[group.dataset_index for _, group, _ in samples],
             prompt_ids=[group.prompt.prompt_ids for _, group, _ in samples],
@@ -364,13 +369,11 @@ class RolloutDataModule(L.LightningDataModule):
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
-            prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
+            prompts_consumed=(self.next_generation_round - first_round) * plan.counts.prompts_per_generation_round,
             # One round per step in disaggregated mode (dynamic sampling is refused there): its versions, in order.
-            policy_versions=self.last_policy_versions
-            if plan.rollout_mode == "disaggregated"
-            else [rollout_step] * len(samples),
+            policy_versions=self.last_policy_versions if plan.workers else [rollout_step] * len(samples),
             wait_seconds=self.last_wait_seconds,
-            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora_rank else None,
+            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 
@@ -380,8 +383,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Request `rollout_step`'s generations from the workers (they generate them with the last version pushed).
         Without dynamic sampling (refused in this mode) a rollout step is one generation round."""
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
-        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
-        n = self.plan.n_samples_per_prompt
+        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
+        n = self.plan.counts.n_samples_per_prompt
         return self.engine.submit(
             [p.prompt_ids for p in prompts],
             n=n,
@@ -399,7 +402,7 @@ class RolloutDataModule(L.LightningDataModule):
         `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k
         and, at the start, to steps 0..k; the steps before were requested after their own versions' pushes."""
         engine = self.start_engine()
-        last = min(rollout_step + self.plan.max_staleness, self.plan.total_rollout_steps - 1)
+        last = min(rollout_step + self.plan.max_staleness, self.plan.counts.total_rollout_steps - 1)
         known = set(self.in_flight) | set(self.prefetched)
         for step in range(max(known | {rollout_step - 1}) + 1, last + 1):
             if self.plan.generating_version(step) != engine.version:
@@ -475,7 +478,7 @@ class RolloutDataModule(L.LightningDataModule):
         """(rewards, per-sample metrics, metrics: their means and the scorer's counts) of samples of `prompts`.
         Episodes are scored by their environment (the sum of its step rewards), or with rollout.episode_reward=reward
         by the reward function on the whole response, like single-turn responses."""
-        if self.make_environment is None or self.rollout.episode_reward == "reward":
+        if self.make_environment is None or self.rollout.episodes.reward == "reward":
             scores = self.score(prompts, samples)
             return list(scores), scores.sample_metrics, scores.metrics
         rewards = [g.reward for g in samples]
@@ -529,7 +532,7 @@ class RolloutDataModule(L.LightningDataModule):
             return {}
         return {
             "policy_masks": [g.policy_mask for g in samples],
-            "episode_ids": [g.episode_ids for g in samples] if self.rollout.check_token_ids else None,
+            "episode_ids": [g.episode_ids for g in samples] if self.rollout.episodes.check_token_ids else None,
             "episode_stats": episode_stats(samples),
         }
 
@@ -601,7 +604,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict:
         state = {"next_rollout_step": self.next_rollout_step, "next_generation_round": self.next_generation_round}
-        if self.plan.rollout_mode == "disaggregated":
+        if self.plan.workers:
             # The steps generated ahead, by policy versions a resumed run no longer has: kept, waited for if in
             # flight, so that a resume trains on exactly the samples an uninterrupted run would.
             self.receive_in_flight()
