@@ -398,7 +398,7 @@ class RolloutConfig:
     exceeds this (nats per token): vLLM is not sampling from the actor (a weight sync that failed). Measured
     on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
     dtype: str | None = None
-    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
+    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.models.rollout_dtype`)."""
     gpu_memory_utilization: float = field(default=0.3, metadata=within(0, 1, low_open=True))
     kv_cache_gib: float = field(default=1, metadata=above(0))
     max_model_len: int = field(default=128, metadata=at_least(2))

@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
+from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig, WorkersConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.datamodule import RolloutDataModule
@@ -30,18 +30,17 @@ from tests.test_sampling import long_prompt_files  # noqa: F401 - a fixture: 16 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 
 
-def disaggregated(k: int, **kwargs) -> RolloutConfig:
-    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker."""
-    settings = dict(
+def disaggregated(k: int, **workers) -> RolloutConfig:
+    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker; `workers`: its
+    rollout.workers settings (WorkersConfig) beside the tests' timeouts."""
+    return RolloutConfig(
         max_response_tokens=6,
         eval_samples_per_prompt=2,
         temperature=0.8,
         mode="disaggregated",
         max_staleness=k,
-        worker_start_timeout_s=300.0,
-        batch_timeout_s=120.0,
+        workers=WorkersConfig(**{"start_timeout_s": 300.0, "batch_timeout_s": 120.0, **workers}),
     )
-    return RolloutConfig(**{**settings, **kwargs})
 
 
 def digit_share(prompts, responses, references, extras, **_) -> list[float]:
@@ -211,7 +210,7 @@ def test_the_plan_states_the_schedule_and_the_devices():
 
 def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(monkeypatch):
     spawned = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000)
-    assert (spawned.rollout_worker_launch, spawned.rollout_worker_address) == ("spawn", "")
+    assert (spawned.workers.launch, spawned.workers.address) == ("spawn", "")
     assert "the trainer starts them on its own node" in spawned.table()
     external = compute_plan(
         compose_run_config(
@@ -223,7 +222,7 @@ def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(m
         ),
         2000,
     )
-    assert (external.rollout_worker_launch, external.rollout_worker_address) == ("external", "node0:29700")
+    assert (external.workers.launch, external.workers.address) == ("external", "node0:29700")
     table = external.table()
     assert "the launcher starts them on any node; they connect to node0:29700" in table
     assert "python -m lit_ppo.rollout.disaggregated --connect node0:29700" in table
@@ -231,10 +230,10 @@ def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(m
     # the host: rollout.workers.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
     monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
     overrides = ("rollout.mode=disaggregated", "rollout.workers.launch=external")
-    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == "10.0.0.7:29600"
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == "10.0.0.7:29600"
     monkeypatch.delenv("LIT_PPO_ROLLOUT_HOST")
-    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == f"{socket.gethostname()}:29600"
-    assert compute_plan(compose_run_config(), 2000).rollout_worker_launch == ""  # colocated: no workers
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == f"{socket.gethostname()}:29600"
+    assert compute_plan(compose_run_config(), 2000).workers is None  # colocated: no workers
 
 
 def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_each_worker():
@@ -463,7 +462,7 @@ def ended(*procs: subprocess.Popen, timeout_s: float) -> list[int | None]:
 
 
 def external(port: int, **kwargs) -> RolloutConfig:
-    return disaggregated(1, worker_launch="external", worker_port=port, trainer_host="127.0.0.1", **kwargs)
+    return disaggregated(1, launch="external", port=port, trainer_host="127.0.0.1", **kwargs)
 
 
 def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
@@ -509,7 +508,7 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
                 tiny_model_dir,
                 long_prompt_files,
                 tmp_path / "run",
-                external(port, workers=2, worker_start_timeout_s=20.0),
+                external(port, count=2, start_timeout_s=20.0),
                 **TIS,
             )
         failed_at = time.monotonic()
@@ -600,7 +599,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
                 tiny_model_dir,
                 long_prompt_files,
                 tmp_path / "run",
-                external(port, worker_heartbeat_timeout_s=5.0),
+                external(port, heartbeat_timeout_s=5.0),
                 callbacks=[kill],
                 **TIS,
             )

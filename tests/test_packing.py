@@ -330,8 +330,8 @@ def test_rank_balance_check_fires():
         check_rank_balance(plan, 0, [6, 2], [1000, 900], [100, 300, 500, 1000])
     with pytest.raises(StepAccountingError, match="within 900 of each other; the rank split is not doing"):
         check_rank_balance(plan, 0, [4, 4], [100, 1800], [100, 300, 500, 1000])
-    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).rank_balance
-    assert not plan_of(4, ppo=ppo).rank_balance
+    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).layout.rank_balance
+    assert not plan_of(4, ppo=ppo).layout.rank_balance
 
 
 # ---------------------------------------------------------------- one update on any number of ranks
@@ -477,12 +477,12 @@ def test_the_plan_states_expected_tokens_per_micro_batch():
         padded_line
     )
     record = json.loads(packed.to_json())
-    assert record["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
-    assert record["expected_real_tokens_per_micro_batch"] == 1794
+    assert record["layout"]["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
+    assert record["layout"]["expected_real_tokens_per_micro_batch"] == 1794
     # without the data's lengths the plan says so, and invents nothing
     unknown = expected_tokens_plan(True, None)
     assert unknown.layout.prompt_stats is None and unknown.layout.expected_real_tokens_per_micro_batch is None
-    assert json.loads(unknown.to_json())["expected_padded_layout_tokens_per_micro_batch"] is None
+    assert json.loads(unknown.to_json())["layout"]["expected_padded_layout_tokens_per_micro_batch"] is None
     line = [x for x in unknown.table().splitlines() if x.startswith("expected")]
     assert len(line) == 1 and line[0].split()[3] == "unknown"
     assert "the data's prompt lengths are not on this machine" in line[0]

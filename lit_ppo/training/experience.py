@@ -34,7 +34,7 @@ class Experience:
 
     mask: Tensor  # [N, T] 1.0 on response tokens
     # [N, T] the actor's log-probs before this rollout step's updates. None while training an exactly on-policy
-    # update (StepPlan.old_logprobs_source "training forward"): each training forward's own log-probs, detached, are
+    # update (StepPlan.old_logprobs.source "training forward"): each training forward's own log-probs, detached, are
     # the old ones; train_on_experience fills this field with them afterwards (for the KL and mismatch metrics).
     old_logp: Tensor | None
     advantages: Tensor  # [N, T]

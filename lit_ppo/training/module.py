@@ -2,7 +2,7 @@
 
 One `training_step` is one rollout step:
   1. pull the rollout batch from the data module (vLLM generates it with the current weights),
-  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs_source`), reference
+  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs.source`), reference
      log-probs and values, computed once, then advantages,
   3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
@@ -221,7 +221,7 @@ class PPOModule(L.LightningModule):
         def zeros() -> Tensor:
             return torch.zeros(N, T, device=self.device, dtype=torch.float32)
 
-        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs_source): an exactly
+        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs.source): an exactly
         # on-policy update takes them from its own training forwards, ppo.old_logprobs=rollout from vLLM.
         source = self.plan.old_logprobs.source
         if source == "vLLM" and batch.rollout_logprobs is None:
