@@ -30,7 +30,7 @@ from lit_ppo.atomic import (
     replace_durably,
     temporary_sibling,
 )
-from lit_ppo.config import RunConfig
+from lit_ppo.config import RunConfig, move_keys
 from lit_ppo.console import show
 from lit_ppo.distributed import world_size
 from lit_ppo.errors import (
@@ -247,7 +247,7 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
     saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
     if path.parent.name != "checkpoints" or not saved_config.is_file():
         return
-    saved = yaml.safe_load(saved_config.read_text())
+    saved = move_keys(yaml.safe_load(saved_config.read_text()), announce=False)  # flat rollout keys of a run before
     differences = config_differences(saved, config.to_dict())
     saved_strategy = _flat(saved).get("strategy.name")
     if saved_strategy is not None and saved_strategy != config.strategy.name:

@@ -358,9 +358,9 @@ def moved_override(override: str) -> str:
     return override
 
 
-def move_keys(values: dict) -> dict:
-    """The composed config's values with each moved key (MOVED_KEYS) in its new place, announced; a key set in both
-    places is refused in one line."""
+def move_keys(values: dict, announce: bool = True) -> dict:
+    """The composed config's values with each moved key (MOVED_KEYS) in its new place, announced (`announce`: not
+    for a config the run wrote itself, a checkpoint's config.yaml); a key set in both places is refused in one line."""
     rollout = values.get("rollout")
     if not isinstance(rollout, Mapping):
         return values
@@ -375,7 +375,8 @@ def move_keys(values: dict) -> dict:
         default = {f.name: f.default for f in dataclasses.fields(MOVED_SECTIONS[section])}[new_name]
         if nested.get(new_name, default) not in (default, value):  # (the new key at its default: not set)
             raise ConfigError(f"{old}={value!r} and {new}={nested[new_name]!r} are both set; fix: keep only {new}")
-        announce_moved(old)
+        if announce:
+            announce_moved(old)
         rollout[section] = {**nested, new_name: value}
     return {**values, "rollout": rollout}
 

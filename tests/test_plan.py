@@ -607,3 +607,38 @@ def test_a_resumed_run_checks_an_old_flat_plan_by_its_sections():
     # and a plan with sections, as this version writes it into a checkpoint
     check_same_adapters(same.to_dict(), same)
     check_same_rollout_step_shape(same.to_dict(), same)
+
+
+def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_keys(tmp_path, capsys):
+    """Its config.yaml holds the flat rollout keys (rollout.worker_launch, rollout.max_turns, ...): read through
+    config.MOVED_KEYS they equal this run's nested ones, so the resume is allowed, silently (the run wrote them, not
+    the user); a moved key whose value differs is still refused, by its new name."""
+    import dataclasses
+
+    import yaml
+
+    from lit_ppo.checkpoints import check_run_directory
+    from lit_ppo.config import MOVED_KEYS
+
+    def written_by_the_last_release(config) -> dict:
+        values = config.to_dict()
+        rollout = {k: v for k, v in values["rollout"].items() if k not in ("episodes", "workers")}
+        for old, new in MOVED_KEYS.items():
+            section, name = new.split(".")[1:]
+            rollout[old.split(".")[1]] = values["rollout"][section][name]
+        return {**values, "rollout": rollout}
+
+    config = compose_run_config("resume=auto", f"output_dir={tmp_path}")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "rollout_step_000002.ckpt").write_bytes(b"")
+    saved = written_by_the_last_release(config)
+    assert "worker_launch" in saved["rollout"] and "episodes" not in saved["rollout"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    check_run_directory(config, tmp_path)
+    assert " moved to " not in capsys.readouterr().err
+    other = dataclasses.replace(
+        config,
+        rollout=dataclasses.replace(config.rollout, workers=dataclasses.replace(config.rollout.workers, count=3)),
+    )
+    with pytest.raises(ConfigError, match=r"another config \(rollout\.workers\.count: 1 -> 3\)"):
+        check_run_directory(other, tmp_path)
