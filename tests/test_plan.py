@@ -642,3 +642,39 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
     )
     with pytest.raises(ConfigError, match=r"another config \(rollout\.workers\.count: 1 -> 3\)"):
         check_run_directory(other, tmp_path)
+
+
+# Each experiment's and each feature's table, as committed in tests/fixtures/plan_tables/ (regenerated with
+# LIT_PPO_WRITE_GOLDEN=1 when a change to the table is meant): a change to the plan's code that moves a row, a unit or
+# a number fails here. Made from the config alone (no pre-flight: no tokenizer, no data file) with strategy.precision
+# auto pinned to bf16-mixed, so that the table is the same on every machine.
+GOLDEN = REPO / "tests" / "fixtures" / "plan_tables"
+GOLDEN_CASES = {
+    **{f"experiment_{p.stem}": [f"+experiment={p.stem}"] for p in sorted((CONF / "experiment").glob("*.yaml"))},
+    "default": [],
+    "disaggregated_k2_workers2": ["rollout.mode=disaggregated", "rollout.max_staleness=2", "rollout.workers.count=2"],
+    "disaggregated_external_lora": [
+        "rollout.mode=disaggregated",
+        "rollout.workers.launch=external",
+        "rollout.workers.trainer_host=node7",
+        "model.lora.rank=8",
+    ],
+    "dapo_ddp": ["ppo=dapo", "strategy=ddp", "strategy.devices=2"],
+    "packing_off_token_budget": ["ppo.packing=false", "ppo.micro_train_max_tokens=256"],
+    "hf_engine_top_p": ["rollout.engine=hf", "rollout.kv_cache_gib=2", "rollout.top_p=0.9"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_the_table_of_each_experiment_is_its_golden_file(case):
+    import os
+
+    config = compose_run_config(*GOLDEN_CASES[case])
+    if config.strategy.precision == "auto":
+        config = compose_run_config(*GOLDEN_CASES[case], "strategy.precision=bf16-mixed")
+    table = compute_plan(config, config.data.expected_prompts or config.data.n_train).table()
+    path = GOLDEN / f"{case}.txt"
+    if os.environ.get("LIT_PPO_WRITE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table + "\n")
+    assert table + "\n" == path.read_text(), f"the plan table of {case} changed; see {path}"
