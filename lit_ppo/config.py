@@ -454,6 +454,45 @@ class RolloutConfig:
         return episodes.max_tokens or episodes.max_turns * self.max_response_tokens
 
 
+def validate_rollout(rollout: RolloutConfig) -> None:
+    """The engine's name, the rollout mode and its staleness (the episodes' and workers' settings are checked by
+    their own dataclasses; the others where they are used)."""
+    if rollout.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
+    if rollout.hf_max_batch_sequences is not None:
+        _positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
+    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
+            "or null for no limit"
+        )
+    if rollout.mode not in ROLLOUT_MODES:
+        raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
+    if rollout.max_staleness is not None and (
+        not isinstance(rollout.max_staleness, int)
+        or isinstance(rollout.max_staleness, bool)
+        or rollout.max_staleness < 0
+    ):
+        raise ConfigError(
+            f"rollout.max_staleness={rollout.max_staleness!r} must be an integer >= 0 (0: synchronous); fix: e.g. 1"
+        )
+    if rollout.mode == "colocated" and rollout.staleness() > 0:
+        raise ConfigError(
+            f"rollout.max_staleness={rollout.max_staleness} with rollout.mode=colocated: the engine in the trainer's "
+            "process always generates with the newest weights; fix: rollout.mode=disaggregated, or max_staleness=0"
+        )
+
+
+def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
+    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
+    return [
+        f"rollout.{name}={getattr(rollout, name)}"
+        for name in VLLM_ONLY_SETTINGS
+        if getattr(rollout, name) != defaults[name]
+    ]
+
+
 def close_match_hints(wrong: list[str], names: list[str], prefix: str = "") -> list[str]:
     """`<prefix><wrong> (did you mean <prefix><name>?)` for each wrong name with a close match among `names`."""
     return [
@@ -978,45 +1017,6 @@ def planned_dataset_size(data: DataConfig) -> tuple[int, str]:
     raise ConfigError(
         f"data.path={path} does not exist; fix: point data.path at your prompt file (or set data.expected_prompts for mode=plan)"
     )
-
-
-def validate_rollout(rollout: RolloutConfig) -> None:
-    """The engine's name, the rollout mode and its staleness (the episodes' and workers' settings are checked by
-    their own dataclasses; the others where they are used)."""
-    if rollout.engine not in ROLLOUT_ENGINES:
-        raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
-    if rollout.hf_max_batch_sequences is not None:
-        _positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
-    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
-            "or null for no limit"
-        )
-    if rollout.mode not in ROLLOUT_MODES:
-        raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
-    if rollout.max_staleness is not None and (
-        not isinstance(rollout.max_staleness, int)
-        or isinstance(rollout.max_staleness, bool)
-        or rollout.max_staleness < 0
-    ):
-        raise ConfigError(
-            f"rollout.max_staleness={rollout.max_staleness!r} must be an integer >= 0 (0: synchronous); fix: e.g. 1"
-        )
-    if rollout.mode == "colocated" and rollout.staleness() > 0:
-        raise ConfigError(
-            f"rollout.max_staleness={rollout.max_staleness} with rollout.mode=colocated: the engine in the trainer's "
-            "process always generates with the newest weights; fix: rollout.mode=disaggregated, or max_staleness=0"
-        )
-
-
-def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
-    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
-    return [
-        f"rollout.{name}={getattr(rollout, name)}"
-        for name in VLLM_ONLY_SETTINGS
-        if getattr(rollout, name) != defaults[name]
-    ]
 
 
 def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
