@@ -33,9 +33,12 @@ def main(cfg: DictConfig) -> None:
     # (A strategy.devices that is not a number is refused later, in one line, by the typed config: 1 until then.)
     devices = str(cfg.strategy.get("devices") or 1)
     local_processes = int(devices) if devices.isdigit() and int(devices) > 0 else 1
-    workers = str(cfg.rollout.get("workers") or 1)
+    workers_config = cfg.rollout.get("workers")
+    if not hasattr(workers_config, "get"):  # `workers: N` in a YAML of the last release (now rollout.workers.count)
+        workers_config = {"count": workers_config, "launch": cfg.rollout.get("worker_launch", "spawn")}
+    workers = str(workers_config.get("count") or 1)
     # (External workers are the launcher's, on nodes it chose: the user shares out their cores.)
-    spawned = cfg.rollout.get("worker_launch", "spawn") == "spawn"
+    spawned = workers_config.get("launch", "spawn") == "spawn"
     if cfg.rollout.get("mode") == "disaggregated" and spawned and workers.isdigit():
         local_processes += int(workers)
     threads = use_cpu_threads(local_processes)
@@ -73,4 +76,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from lit_ppo.config import moved_override
+
+    # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced.
+    sys.argv[1:] = [moved_override(arg) for arg in sys.argv[1:]]
     main()

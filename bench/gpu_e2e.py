@@ -149,7 +149,7 @@ def report(run_dir: Path, build_s: float, wall_s: float, cuda: bool) -> None:
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     print(f"device : {device}; torch {torch.__version__}; model and prompts built in {build_s:.1f} s")
     print(
-        f"plan   : precision {plan.get('precision')}, {plan.get('samples_per_rollout_step')} samples per rollout step"
+        f"plan   : precision {plan['models']['precision']}, {plan['counts']['samples_per_rollout_step']} samples per rollout step"
     )
     phases = ["generate", "reward", "experience", "train", "weight_sync"]
     header = (

@@ -167,11 +167,11 @@ def measure(args, model_dir: Path, lora_rank: int) -> dict:
     estimate = memory_estimate(config, plan)
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {
-        "precision": plan.precision,
-        "packing": plan.packing,
-        "micro_batch_size": plan.micro_train_batch_size,
+        "precision": plan.models.precision,
+        "packing": plan.layout.packing,
+        "micro_batch_size": plan.layout.micro_train_batch_size,
         "gradient_checkpointing": config.model.gradient_checkpointing,
-        "reference": plan.reference_enabled,
+        "reference": plan.models.reference_enabled,
         "target_modules": str(config.model.lora.target_modules),
         "trained_parameters": trained,
         "optimizer_steps": module.actor_optimizer_steps,

@@ -173,7 +173,7 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
 
     # The product's settings whole (Hydra's composition of `ppo=grpo`); this file's evaluator replaces the run's own.
     config = replace(cfg, trainer=replace(cfg.trainer, total_rollout_steps=args.rollout_steps, eval_every=0))
-    engine_dtype = compute_plan(config, len(read_jsonl(train_path))).rollout_dtype
+    engine_dtype = compute_plan(config, len(read_jsonl(train_path))).models.rollout_dtype
     engine = start_engine(model_dir, rollout.max_model_len, seed=cfg.seed, dtype=engine_dtype, fixed_length=False)
     trainer, module, datamodule, plan = run_from_config(
         config, model_dir, train_path, engine=engine, out_dir=work_dir / "lit-ppo-run", callbacks=[Evaluations()]
@@ -186,8 +186,8 @@ def run_litppo(args, cfg, model_dir: str, train_path: Path, eval_records: list[d
         "first_step_phases": phase_means(rows[:1]),
         "phases": phase_means(rows[1:]),
         "optimizer_steps": module.actor_optimizer_steps,
-        "expected_optimizer_steps": plan.total_optimizer_steps,
-        "precision": f"{plan.precision}, vLLM {plan.rollout_dtype}",
+        "expected_optimizer_steps": plan.counts.total_optimizer_steps,
+        "precision": f"{plan.models.precision}, vLLM {plan.models.rollout_dtype}",
         "settings": f"ppo=grpo (lr {ppo.actor_lr:g}, {ppo.rollout_batch_size} prompts x {ppo.n_samples_per_prompt}, "
         f"train_batch_size {ppo.train_batch_size}, kl_coef {ppo.kl_coef:g}), max_response_tokens "
         f"{rollout.max_response_tokens}",

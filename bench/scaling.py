@@ -55,7 +55,7 @@ def run_once(args, model_dir, prompt_file, engine, rollout_batch_size: int, resp
             for k in rows[0]
             if k.startswith("timing/") and k != "timing/rollout_step_s"
         },
-        "optimizer_steps": plan.optimizer_steps_per_rollout_step,
+        "optimizer_steps": plan.counts.optimizer_steps_per_rollout_step,
     }
 
 

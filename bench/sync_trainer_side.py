@@ -70,7 +70,7 @@ def measure(model_dir, lora_rank: int, syncs: int, device: torch.device, precisi
         lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None,
     )
     module.to(device)
-    engine = SinkEngine(torch.bfloat16 if plan.rollout_dtype == "bfloat16" else torch.float32)
+    engine = SinkEngine(torch.bfloat16 if plan.models.rollout_dtype == "bfloat16" else torch.float32)
     seconds = []
     for version in range(syncs + 1):
         if device.type == "cuda":

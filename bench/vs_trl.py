@@ -232,8 +232,8 @@ def run_litppo(args, w: Workload, setting: str) -> dict:
         "padding_fraction": sum(r["perf/padding_fraction"] for r in rows) / len(rows),
         "optimizer_steps": module.actor_optimizer_steps,
         "startup_seconds": first_step_started - PROCESS_START,
-        "generator": f"vLLM {plan.rollout_dtype} (in-process, lit-ppo's engine)",
-        "precision": plan.precision,
+        "generator": f"vLLM {plan.models.rollout_dtype} (in-process, lit-ppo's engine)",
+        "precision": plan.models.precision,
     }
 
 

@@ -40,7 +40,7 @@ class RolloutBatch:
     # LoRA runs (model.lora): per sample, the adapter version the engine sampled it with (the trainer checks it is
     # its own); None without LoRA, and 0 where the engine shares the actor (rollout.engine=hf) or ran episodes.
     adapter_versions: list[int] | None = None
-    # Multi-turn episodes (rollout.environment); None/empty for single-turn responses.
+    # Multi-turn episodes (rollout.episodes.environment); None/empty for single-turn responses.
     policy_masks: list[list[int]] | None = None  # per sample, per response token: 1 policy, 0 observation
     episode_ids: list[list[int]] | None = None  # per sample: prompt + response as vLLM saw them (check_token_ids)
     episode_stats: dict[str, float] = field(default_factory=dict)  # this rank's sums (episodes.EPISODE_STATS)

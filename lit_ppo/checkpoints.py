@@ -30,7 +30,7 @@ from lit_ppo.atomic import (
     replace_durably,
     temporary_sibling,
 )
-from lit_ppo.config import RunConfig
+from lit_ppo.config import RunConfig, move_keys
 from lit_ppo.console import show
 from lit_ppo.distributed import world_size
 from lit_ppo.errors import (
@@ -41,6 +41,7 @@ from lit_ppo.errors import (
     RolloutMismatchError,
     StepAccountingError,
 )
+from lit_ppo.plan import sections_of
 
 # `rollout_step_000004.ckpt`: a name without `=`, so that `resume=<run>/checkpoints/<name>` is one Hydra override as
 # written. Checkpoints of earlier versions, `rollout_step=000004.ckpt`, are still found and loaded (`resume=auto`, or
@@ -246,7 +247,7 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
     saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
     if path.parent.name != "checkpoints" or not saved_config.is_file():
         return
-    saved = yaml.safe_load(saved_config.read_text())
+    saved = move_keys(yaml.safe_load(saved_config.read_text()), announce=False)  # flat rollout keys of a run before
     differences = config_differences(saved, config.to_dict())
     saved_strategy = _flat(saved).get("strategy.name")
     if saved_strategy is not None and saved_strategy != config.strategy.name:
@@ -286,8 +287,9 @@ def check_same_models(saved_plan: dict, plan) -> None:
     def models(critic: bool, reference: bool) -> list[str]:
         return ["actor"] + ["critic"] * critic + ["reference"] * reference
 
-    saved = models(saved_plan["critic_enabled"], saved_plan["reference_enabled"])
-    now = models(plan.critic_enabled, plan.reference_enabled)
+    saved_models = sections_of(saved_plan)["models"]
+    saved = models(saved_models["critic_enabled"], saved_models["reference_enabled"])
+    now = models(plan.models.critic_enabled, plan.models.reference_enabled)
     if saved != now:
         raise ConfigError(
             f"the checkpoint holds the models {saved} but this run builds {now} (another algorithm: "
@@ -302,15 +304,15 @@ def check_same_adapters(saved_plan: dict, plan) -> None:
     in a LoRA checkpoint), a full-parameter checkpoint or other adapters would otherwise leave this run's adapters at
     their initial values without a word."""
 
-    def adapters(plan_dict: dict) -> dict:  # a plan written before LoRA existed trained no adapter
-        targets = plan_dict.get("lora_target_modules", "")
+    def adapters(lora: dict | None) -> dict:  # None: no adapter (also in a plan written before LoRA existed)
+        targets = (lora or {}).get("target_modules", "")
         return {
-            "rank": plan_dict.get("lora_rank", 0),
-            "alpha": plan_dict.get("lora_alpha", 0.0),
+            "rank": (lora or {}).get("rank", 0),
+            "alpha": (lora or {}).get("alpha", 0.0),
             "targets": targets if isinstance(targets, str) else sorted(targets),
         }
 
-    saved, now = adapters(saved_plan), adapters(plan.to_dict())
+    saved, now = adapters(sections_of(saved_plan)["lora"]), adapters(plan.to_dict()["lora"])
     if saved != now:
         raise ConfigError(
             f"the checkpoint was written with the adapters {saved} but this run trains {now}; fix: resume with the "
@@ -372,8 +374,9 @@ def restore_rng_state(state: dict) -> None:
 
 def check_same_rollout_step_shape(saved_plan: dict, plan) -> None:
     """A resumed run may be longer or shorter, but each rollout step must keep its shape."""
-    planned = {k: saved_plan[k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
-    now = {k: getattr(plan, k) for k in planned}
+    saved_counts = sections_of(saved_plan)["counts"]
+    planned = {k: saved_counts[k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
+    now = {k: getattr(plan.counts, k) for k in planned}
     if planned != now:
         raise StepAccountingError(
             f"the checkpoint was written under another plan {planned}, this run plans {now}; "
@@ -431,10 +434,10 @@ def restore_module_state(module, state: dict) -> None:
     module.shuffle_generator.set_state(own["shuffle_generator"])
     restore_rng_state(own["rng"])
     check_same_rollout_step_shape(state["plan"], module.plan)
-    saved_world = state["plan"]["data_parallel_size"]
-    if saved_world != module.plan.data_parallel_size and rank == 0:
+    saved_world = sections_of(state["plan"])["counts"]["data_parallel_size"]
+    if saved_world != module.plan.counts.data_parallel_size and rank == 0:
         show(
             f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_world} "
-            f"rank(s) and continues on {module.plan.data_parallel_size}; weights and optimizer states are whole, "
+            f"rank(s) and continues on {module.plan.counts.data_parallel_size}; weights and optimizer states are whole, "
             "the data position and the sampling seeds global; each rank takes rank 0's random streams"
         )

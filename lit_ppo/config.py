@@ -4,7 +4,7 @@
 refuses unknown keys in one line (`parse_section`), reads every value as its field's type and checks it against the
 range beside the field (`lit_ppo/config_fields.py`: `ppo.packing=off` is false, `rollout.max_response_tokens=8.5` is
 refused), and each dataclass validates itself in `__post_init__`, so a `RunConfig` that exists is a valid one. Below the entry point nothing reads a `DictConfig`; the `_target_` nodes that
-Hydra instantiates (`reward.fn`, `strategy.lightning`, `logger.extra`, `rollout.environment`) travel as plain dicts.
+Hydra instantiates (`reward.fn`, `strategy.lightning`, `logger.extra`, `rollout.episodes.environment`) travel as plain dicts.
 The dataclasses' defaults equal the default YAML files in conf/ (tests/test_config.py checks it). `compute_plan`
 (lit_ppo/plan.py) turns a `RunConfig` into the step plan; this module imports nothing of the plan.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import typing
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -187,10 +188,197 @@ class PPOConfig:
 
 ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
-WORKER_LAUNCHES = ("spawn", "external")  # rollout.worker_launch
+WORKER_LAUNCHES = ("spawn", "external")  # rollout.workers.launch
 VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
 """rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
 set (`vllm_only_settings_set`)."""
+
+
+@dataclass(frozen=True)
+class EpisodesConfig:
+    """`rollout.episodes`: multi-turn episodes (docs/environments.md); without an environment, single-turn responses."""
+
+    environment: dict | str | None = None
+    """The environment (`_target_`: a class by dotted path, and its arguments), one built per episode
+    (lit_ppo/environments.py, docs/environments.md); a dotted path alone is `{_target_: path}` (a class built without
+    arguments); null: single-turn responses."""
+    max_turns: int = 1
+    """With an environment: policy turns per episode at most (a turn is up to rollout.max_response_tokens tokens)."""
+    max_tokens: int | None = None
+    """With an environment: tokens per episode response (turns and observations) at most; null: max_turns x
+    rollout.max_response_tokens."""
+    environment_timeout_s: float | None = 60.0
+    """With an environment: seconds one reset/step call may take; longer is a failure handled by reward.on_error."""
+    observation_role: str = "tool"
+    """With data.chat_template=true: the chat role whose turn separators wrap an observation."""
+    reward: str = "environment"
+    """environment: the sum of the environment's step rewards; reward: reward.fn scores the episode's whole response."""
+    check_token_ids: bool = True
+    """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.environment, str):  # `rollout.episodes.environment=my_tools.Calculator`: no arguments
+            object.__setattr__(self, "environment", {"_target_": self.environment})
+        validate_episodes(self)
+
+
+def validate_episodes(episodes: EpisodesConfig) -> None:
+    """The episode budgets and the reward's source."""
+    _positive("rollout.episodes", max_turns=episodes.max_turns)
+    if episodes.max_tokens is not None:
+        _positive("rollout.episodes", max_tokens=episodes.max_tokens)
+    if episodes.environment_timeout_s is not None and episodes.environment_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.episodes.environment_timeout_s={episodes.environment_timeout_s}; fix: a positive number of "
+            "seconds, or null for no limit"
+        )
+    if episodes.reward not in ("environment", "reward"):
+        raise ConfigError(f"rollout.episodes.reward={episodes.reward!r}; fix: use environment or reward")
+    if episodes.environment is None and episodes.max_turns > 1:
+        raise ConfigError(
+            f"rollout.episodes.max_turns={episodes.max_turns} without rollout.episodes.environment: nothing answers the "
+            "policy between turns; fix: set rollout.episodes.environment._target_ (docs/environments.md) or max_turns=1"
+        )
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """`rollout.workers`: the rollout worker processes of rollout.mode=disaggregated (docs/async.md)."""
+
+    count: int = 1
+    """Rollout worker processes; each generates a contiguous share of every batch."""
+    devices: int = 1
+    """On GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES)."""
+    launch: str = "spawn"
+    """spawn: the trainer starts its workers itself, on its own node; external: the user's launcher starts them, on
+    any node (`python -m lit_ppo.rollout.workers --connect HOST:PORT`, docs/async.md), and the trainer waits for
+    them to connect."""
+    port: int = 29600
+    """With launch=external: the TCP port of the trainer's store that the workers connect to (spawn: any free port)."""
+    trainer_host: str | None = None
+    """The trainer's address that the workers connect to (and that its end of the weight push binds); null:
+    LIT_PPO_ROLLOUT_HOST, else 127.0.0.1 with launch=spawn and this node's hostname with external."""
+    start_timeout_s: float = 600.0
+    """Seconds a rollout worker may take to start its engine (external: to connect too)."""
+    heartbeat_timeout_s: float = 60.0
+    """With launch=external: a worker whose heartbeat (one a second, through the store) stops for this long is dead
+    (spawned workers are watched as processes)."""
+    batch_timeout_s: float = 600.0
+    """Seconds the trainer waits for a rollout worker's batch beyond the worker's own queue."""
+    weight_push_timeout_s: float = 300.0
+    """Seconds one bucket of the weight push may take."""
+    weight_push_bucket_mib: int = 256
+    """The weight push is streamed in buckets of at most this many MiB (one larger tensor is a bucket of its own)."""
+
+    def __post_init__(self) -> None:
+        validate_workers(self)
+
+    def trainer_address_host(self) -> str:
+        """The host part of the address the rollout workers connect to: `trainer_host`, else LIT_PPO_ROLLOUT_HOST,
+        else 127.0.0.1 (spawn: the workers are on this node) or this node's hostname (external)."""
+        if self.trainer_host:
+            return self.trainer_host
+        if os.environ.get("LIT_PPO_ROLLOUT_HOST"):
+            return os.environ["LIT_PPO_ROLLOUT_HOST"]
+        return socket.gethostname() if self.launch == "external" else "127.0.0.1"
+
+
+def validate_workers(workers: WorkersConfig) -> None:
+    """The workers' count, launch, port and timeouts."""
+    _positive("rollout.workers", count=workers.count, devices=workers.devices)
+    _positive("rollout.workers", weight_push_bucket_mib=workers.weight_push_bucket_mib)
+    if workers.launch not in WORKER_LAUNCHES:
+        raise ConfigError(
+            f"rollout.workers.launch={workers.launch!r} is unknown; fix: use one of {', '.join(WORKER_LAUNCHES)}"
+        )
+    port = workers.port
+    if workers.launch == "external" and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise ConfigError(
+            f"rollout.workers.port={port!r} with rollout.workers.launch=external must be a TCP port (1..65535) that "
+            "the workers connect to; fix: e.g. rollout.workers.port=29600"
+        )
+    for key in ("start_timeout_s", "heartbeat_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
+        if not getattr(workers, key) > 0:
+            raise ConfigError(
+                f"rollout.workers.{key}={getattr(workers, key)} must be a positive number of seconds; fix: e.g. 600"
+            )
+
+
+# The rollout keys that moved into rollout.episodes and rollout.workers: old key -> new key. For one release the old
+# keys still work, on the command line (train.py: `moved_override`) and in YAML (`RunConfig.from_hydra`:
+# `move_keys`), each announced in one line.
+MOVED_KEYS = {
+    "rollout.environment": "rollout.episodes.environment",
+    "rollout.max_turns": "rollout.episodes.max_turns",
+    "rollout.max_episode_tokens": "rollout.episodes.max_tokens",
+    "rollout.environment_timeout_s": "rollout.episodes.environment_timeout_s",
+    "rollout.observation_role": "rollout.episodes.observation_role",
+    "rollout.episode_reward": "rollout.episodes.reward",
+    "rollout.check_token_ids": "rollout.episodes.check_token_ids",
+    "rollout.workers": "rollout.workers.count",
+    "rollout.devices": "rollout.workers.devices",
+    "rollout.worker_launch": "rollout.workers.launch",
+    "rollout.worker_port": "rollout.workers.port",
+    "rollout.trainer_host": "rollout.workers.trainer_host",
+    "rollout.worker_start_timeout_s": "rollout.workers.start_timeout_s",
+    "rollout.worker_heartbeat_timeout_s": "rollout.workers.heartbeat_timeout_s",
+    "rollout.batch_timeout_s": "rollout.workers.batch_timeout_s",
+    "rollout.weight_push_timeout_s": "rollout.workers.weight_push_timeout_s",
+    "rollout.weight_push_bucket_mib": "rollout.workers.weight_push_bucket_mib",
+}
+MOVED_SECTIONS = {"episodes": EpisodesConfig, "workers": WorkersConfig}
+_announced: set[str] = set()  # the moved keys already announced in this process
+
+
+def announce_moved(old: str) -> None:
+    """One line, once per process and key: the key moved, the old one works for this release."""
+    if old not in _announced:
+        _announced.add(old)
+        print(
+            f"warning: {old} moved to {MOVED_KEYS[old]}; the old key works for this release only (fix: write "
+            f"{MOVED_KEYS[old]})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def moved_override(override: str) -> str:
+    """A command-line override with a moved key (MOVED_KEYS) written with its new key, announced; others as they are.
+    `rollout.worker_launch=external` -> `rollout.workers.launch=external`, `+rollout.environment._target_=x.Env` ->
+    `+rollout.episodes.environment._target_=x.Env`."""
+    sign = override[: len(override) - len(override.lstrip("+~"))]
+    key, eq, value = override[len(sign) :].partition("=")
+    for old, new in MOVED_KEYS.items():
+        if key == old or key.startswith(old + "."):
+            # rollout.workers.count is the new key itself, not the old rollout.workers with a .count under it
+            if old == "rollout.workers" and key != old:
+                return override
+            announce_moved(old)
+            return f"{sign}{new}{key[len(old) :]}{eq}{value}"
+    return override
+
+
+def move_keys(values: dict, announce: bool = True) -> dict:
+    """The composed config's values with each moved key (MOVED_KEYS) in its new place, announced (`announce`: not
+    for a config the run wrote itself, a checkpoint's config.yaml); a key set in both places is refused in one line."""
+    rollout = values.get("rollout")
+    if not isinstance(rollout, Mapping):
+        return values
+    rollout = dict(rollout)
+    for old, new in MOVED_KEYS.items():
+        name = old.split(".", 1)[1]
+        if name not in rollout or (name == "workers" and isinstance(rollout[name], Mapping)):
+            continue
+        section, new_name = new.split(".")[1:]
+        value = rollout.pop(name)
+        nested = dict(rollout.get(section) or {}) if name != section else {}
+        default = {f.name: f.default for f in dataclasses.fields(MOVED_SECTIONS[section])}[new_name]
+        if nested.get(new_name, default) not in (default, value):  # (the new key at its default: not set)
+            raise ConfigError(f"{old}={value!r} and {new}={nested[new_name]!r} are both set; fix: keep only {new}")
+        if announce:
+            announce_moved(old)
+        rollout[section] = {**nested, new_name: value}
+    return {**values, "rollout": rollout}
 
 
 @dataclass(frozen=True)
@@ -211,7 +399,7 @@ class RolloutConfig:
     exceeds this (nats per token): vLLM is not sampling from the actor (a weight sync that failed). Measured
     on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
     dtype: str | None = None
-    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.rollout_dtype`)."""
+    """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.models.rollout_dtype`)."""
     gpu_memory_utilization: float = field(default=0.3, metadata=within(0, 1, low_open=True))
     kv_cache_gib: float = field(default=1, metadata=above(0))
     max_model_len: int = field(default=128, metadata=at_least(2))
@@ -229,23 +417,6 @@ class RolloutConfig:
     """Strings that end a response (cut from its text)."""
     stop_at_end_of_turn: bool = True
     """With data.chat_template=true, also stop at the template's end-of-turn token (`end_of_turn_token_ids`)."""
-    environment: dict | str | None = None
-    """Multi-turn episodes: the environment (`_target_`: a class by dotted path, and its arguments), one built per
-    episode (lit_ppo/environments.py, docs/environments.md); a dotted path alone is `{_target_: path}` (a class built
-    without arguments); null: single-turn responses."""
-    max_turns: int = 1
-    """With an environment: policy turns per episode at most (a turn is up to max_response_tokens tokens)."""
-    max_episode_tokens: int | None = None
-    """With an environment: tokens per episode response (turns and observations) at most; null: max_turns x
-    max_response_tokens."""
-    environment_timeout_s: float | None = 60.0
-    """With an environment: seconds one reset/step call may take; longer is a failure handled by reward.on_error."""
-    observation_role: str = "tool"
-    """With data.chat_template=true: the chat role whose turn separators wrap an observation."""
-    episode_reward: str = "environment"
-    """environment: the sum of the environment's step rewards; reward: reward.fn scores the episode's whole response."""
-    check_token_ids: bool = True
-    """With an environment: check that the ids the trainer packs are the ids vLLM was given and produced."""
     engine_start_timeout_s: float | None = 1800.0
     """Seconds the vLLM engine's start may take (loading the weights, profiling memory, compiling); past it the run
     stops naming the wait (lit_ppo/waits.py); null: no limit."""
@@ -256,46 +427,13 @@ class RolloutConfig:
     max_staleness: int | None = None
     """k: rollout step s is generated by the policy after max(0, s - k) rollout steps (k = 0: the synchronous
     schedule); null: 1 with mode=disaggregated, 0 with colocated."""
-    workers: int = 1
-    """With mode=disaggregated: rollout worker processes; each generates a contiguous share of every batch."""
-    devices: int = 1
-    """With mode=disaggregated on GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES)."""
-    worker_launch: str = "spawn"
-    """With mode=disaggregated: spawn: the trainer starts its workers itself, on its own node; external: the user's
-    launcher starts them, on any node (`python -m lit_ppo.rollout.workers --connect HOST:PORT`, docs/async.md),
-    and the trainer waits for them to connect."""
-    worker_port: int = 29600
-    """With worker_launch=external: the TCP port of the trainer's store that the workers connect to (spawn: any free
-    port)."""
-    trainer_host: str | None = None
-    """The trainer's address that the workers connect to (and that its end of the weight push binds); null:
-    LIT_PPO_ROLLOUT_HOST, else 127.0.0.1 with worker_launch=spawn and this node's hostname with external."""
-    worker_start_timeout_s: float = 600.0
-    """With mode=disaggregated: seconds a rollout worker may take to start its engine (external: to connect too)."""
-    worker_heartbeat_timeout_s: float = 60.0
-    """With worker_launch=external: a worker whose heartbeat (one a second, through the store) stops for this long is
-    dead (spawned workers are watched as processes)."""
-    batch_timeout_s: float = 600.0
-    """With mode=disaggregated: seconds the trainer waits for a rollout worker's batch beyond the worker's own queue."""
-    weight_push_timeout_s: float = 300.0
-    """With mode=disaggregated: seconds one bucket of the weight push may take."""
-    weight_push_bucket_mib: int = 256
-    """With mode=disaggregated: the weight push is streamed in buckets of at most this many MiB (one larger tensor
-    is a bucket of its own)."""
+    episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
+    """Multi-turn episodes (`rollout.episodes.*`): the environment and its budgets."""
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    """With mode=disaggregated, the rollout workers (`rollout.workers.*`): how many, where, their timeouts."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.environment, str):  # `rollout.environment=my_tools.Calculator`: the class, no arguments
-            object.__setattr__(self, "environment", {"_target_": self.environment})
         validate_rollout(self)
-
-    def trainer_address_host(self) -> str:
-        """The host part of the address the rollout workers connect to: `trainer_host`, else LIT_PPO_ROLLOUT_HOST,
-        else 127.0.0.1 (spawn: the workers are on this node) or this node's hostname (external)."""
-        if self.trainer_host:
-            return self.trainer_host
-        if os.environ.get("LIT_PPO_ROLLOUT_HOST"):
-            return os.environ["LIT_PPO_ROLLOUT_HOST"]
-        return socket.gethostname() if self.worker_launch == "external" else "127.0.0.1"
 
     def staleness(self) -> int:
         """k resolved: `max_staleness`, or its default for the mode (1 disaggregated, 0 colocated)."""
@@ -310,9 +448,49 @@ class RolloutConfig:
 
     def episode_tokens(self) -> int:
         """The token budget of one episode's response (turns and observations); 0 without an environment."""
-        if self.environment is None:
+        episodes = self.episodes
+        if episodes.environment is None:
             return 0
-        return self.max_episode_tokens or self.max_turns * self.max_response_tokens
+        return episodes.max_tokens or episodes.max_turns * self.max_response_tokens
+
+
+def validate_rollout(rollout: RolloutConfig) -> None:
+    """The engine's name, the rollout mode and its staleness (the episodes' and workers' settings are checked by
+    their own dataclasses; the others where they are used)."""
+    if rollout.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
+    if rollout.hf_max_batch_sequences is not None:
+        _positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
+    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
+            "or null for no limit"
+        )
+    if rollout.mode not in ROLLOUT_MODES:
+        raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
+    if rollout.max_staleness is not None and (
+        not isinstance(rollout.max_staleness, int)
+        or isinstance(rollout.max_staleness, bool)
+        or rollout.max_staleness < 0
+    ):
+        raise ConfigError(
+            f"rollout.max_staleness={rollout.max_staleness!r} must be an integer >= 0 (0: synchronous); fix: e.g. 1"
+        )
+    if rollout.mode == "colocated" and rollout.staleness() > 0:
+        raise ConfigError(
+            f"rollout.max_staleness={rollout.max_staleness} with rollout.mode=colocated: the engine in the trainer's "
+            "process always generates with the newest weights; fix: rollout.mode=disaggregated, or max_staleness=0"
+        )
+
+
+def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
+    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
+    return [
+        f"rollout.{name}={getattr(rollout, name)}"
+        for name in VLLM_ONLY_SETTINGS
+        if getattr(rollout, name) != defaults[name]
+    ]
 
 
 def close_match_hints(wrong: list[str], names: list[str], prefix: str = "") -> list[str]:
@@ -701,7 +879,7 @@ def check_overlong_buffer(buffer_tokens: int, response_budget_tokens: int) -> No
     if buffer_tokens and not 0 < buffer_tokens < response_budget_tokens:
         raise ConfigError(
             f"reward.overlong_buffer_tokens={buffer_tokens} must lie in (0, {response_budget_tokens}) "
-            "(the response budget: rollout.max_response_tokens, or rollout.max_episode_tokens with an environment); "
+            "(the response budget: rollout.max_response_tokens, or rollout.episodes.max_tokens with an environment); "
             "fix: e.g. a quarter of the budget, or 0 to turn the shaping off"
         )
 
@@ -803,7 +981,10 @@ class RunConfig:
         from omegaconf import OmegaConf
 
         values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-        values.pop("hydra", None)  # Hydra's own node, when a caller composed with return_hydra_config=True
+        values.pop("hydra", None)
+        values = move_keys(
+            values
+        )  # rollout keys of the last release, announced  # Hydra's own node, when a caller composed with return_hydra_config=True
         return parse_section(cls, values, "")
 
     def to_dict(self) -> dict:
@@ -836,78 +1017,6 @@ def planned_dataset_size(data: DataConfig) -> tuple[int, str]:
     raise ConfigError(
         f"data.path={path} does not exist; fix: point data.path at your prompt file (or set data.expected_prompts for mode=plan)"
     )
-
-
-def validate_rollout(rollout: RolloutConfig) -> None:
-    """The engine's name and the episode settings (the others are checked where they are used)."""
-    if rollout.engine not in ROLLOUT_ENGINES:
-        raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
-    if rollout.hf_max_batch_sequences is not None:
-        _positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
-    _positive("rollout", max_turns=rollout.max_turns)
-    if rollout.max_episode_tokens is not None:
-        _positive("rollout", max_episode_tokens=rollout.max_episode_tokens)
-    if rollout.environment_timeout_s is not None and rollout.environment_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.environment_timeout_s={rollout.environment_timeout_s}; fix: a positive number of "
-            "seconds, or null for no limit"
-        )
-    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
-            "or null for no limit"
-        )
-    if rollout.episode_reward not in ("environment", "reward"):
-        raise ConfigError(f"rollout.episode_reward={rollout.episode_reward!r}; fix: use environment or reward")
-    if rollout.mode not in ROLLOUT_MODES:
-        raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
-    if rollout.max_staleness is not None and (
-        not isinstance(rollout.max_staleness, int)
-        or isinstance(rollout.max_staleness, bool)
-        or rollout.max_staleness < 0
-    ):
-        raise ConfigError(
-            f"rollout.max_staleness={rollout.max_staleness!r} must be an integer >= 0 (0: synchronous); fix: e.g. 1"
-        )
-    if rollout.mode == "colocated" and rollout.staleness() > 0:
-        raise ConfigError(
-            f"rollout.max_staleness={rollout.max_staleness} with rollout.mode=colocated: the engine in the trainer's "
-            "process always generates with the newest weights; fix: rollout.mode=disaggregated, or max_staleness=0"
-        )
-    _positive("rollout", workers=rollout.workers, devices=rollout.devices)
-    _positive("rollout", weight_push_bucket_mib=rollout.weight_push_bucket_mib)
-    if rollout.worker_launch not in WORKER_LAUNCHES:
-        raise ConfigError(
-            f"rollout.worker_launch={rollout.worker_launch!r} is unknown; fix: use one of {', '.join(WORKER_LAUNCHES)}"
-        )
-    port = rollout.worker_port
-    if rollout.worker_launch == "external" and (
-        not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
-    ):
-        raise ConfigError(
-            f"rollout.worker_port={port!r} with rollout.worker_launch=external must be a TCP port (1..65535) that the "
-            "workers connect to; fix: e.g. rollout.worker_port=29600"
-        )
-    for key in ("worker_start_timeout_s", "worker_heartbeat_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
-        if not getattr(rollout, key) > 0:
-            raise ConfigError(
-                f"rollout.{key}={getattr(rollout, key)} must be a positive number of seconds; fix: e.g. 600"
-            )
-    if rollout.environment is None and rollout.max_turns > 1:
-        raise ConfigError(
-            f"rollout.max_turns={rollout.max_turns} without rollout.environment: nothing answers the "
-            "policy between turns; fix: set rollout.environment._target_ (docs/environments.md) or max_turns=1"
-        )
-
-
-def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
-    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
-    return [
-        f"rollout.{name}={getattr(rollout, name)}"
-        for name in VLLM_ONLY_SETTINGS
-        if getattr(rollout, name) != defaults[name]
-    ]
 
 
 def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
@@ -958,10 +1067,10 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
             f"{where} with ppo.dynamic_sampling.enabled=true: the rounds a rollout step needs are known only after its "
             "rewards, so the steps cannot be scheduled ahead; fix: ppo.dynamic_sampling.enabled=false or rollout.mode=colocated"
         )
-    if rollout.environment is not None:
+    if rollout.episodes.environment is not None:
         raise ConfigError(
-            f"{where} with rollout.environment: multi-turn episodes are generated in the trainer's process only; "
-            "fix: rollout.environment=null, or rollout.mode=colocated"
+            f"{where} with rollout.episodes.environment: multi-turn episodes are generated in the trainer's process "
+            "only; fix: rollout.episodes.environment=null, or rollout.mode=colocated"
         )
     if k > 0 and ppo.rollout_correction.mode == "none":
         raise ConfigError(

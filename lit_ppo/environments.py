@@ -15,9 +15,9 @@ token ids. `reward` adds up over the episode.
 `info` may say `tool_call: True` (counted in `rollout/tool_calls`) and carry numbers (logged as means).
 An environment may list `stop: list[str]`, texts that end a policy turn; each must be a single token.
 
-`rollout.environment._target_` names the class (or any callable returning an environment) by dotted path, with
+`rollout.episodes.environment._target_` names the class (or any callable returning an environment) by dotted path, with
 its arguments beside it; one environment is built per episode. Failures (an exception, or a call that takes
-longer than `rollout.environment_timeout_s`) follow `reward.on_error`, like the reward function's.
+longer than `rollout.episodes.environment_timeout_s`) follow `reward.on_error`, like the reward function's.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Environment(Protocol):
 
 
 def build_environment_factory(spec: dict | None):
-    """A callable returning a fresh environment per episode, from `rollout.environment` (a `_target_` node);
+    """A callable returning a fresh environment per episode, from `rollout.episodes.environment` (a `_target_` node);
     None when there is no environment (single-turn rollouts)."""
     if spec is None:
         return None
@@ -66,8 +66,8 @@ def build_environment_factory(spec: dict | None):
     target = spec.get("_target_")
     if not target:
         raise ConfigError(
-            "rollout.environment has no _target_; fix: name an environment class by dotted path, e.g. "
-            "rollout.environment._target_=lit_ppo.environments.CalculatorEnvironment"
+            "rollout.episodes.environment has no _target_; fix: name an environment class by dotted path, e.g. "
+            "rollout.episodes.environment._target_=lit_ppo.environments.CalculatorEnvironment"
         )
     import hydra
 
@@ -76,12 +76,12 @@ def build_environment_factory(spec: dict | None):
         probe = factory()
     except Exception as e:
         raise ConfigError(
-            f"rollout.environment: cannot build {target!r}: {e}; fix: name an importable environment "
+            f"rollout.episodes.environment: cannot build {target!r}: {e}; fix: name an importable environment "
             "class by its dotted path and give only the arguments it takes"
         ) from e
     if not isinstance(probe, Environment):
         raise ConfigError(
-            f"rollout.environment: {target} built a {type(probe).__name__}, which lacks reset(record) and "
+            f"rollout.episodes.environment: {target} built a {type(probe).__name__}, which lacks reset(record) and "
             "step(action); fix: implement the protocol of docs/environments.md"
         )
     return factory
@@ -113,7 +113,7 @@ def call_with_timeout(fn, args: tuple, timeout_s: float | None):
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise EnvironmentTimeout(f"no result after rollout.environment_timeout_s={timeout_s:g}s")
+        raise EnvironmentTimeout(f"no result after rollout.episodes.environment_timeout_s={timeout_s:g}s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -153,7 +153,7 @@ def call_all_with_timeout(calls: list[tuple[Callable, tuple]], timeout_s: float 
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():  # a hung call keeps its thread (Python cannot stop one); its episode is over
             outcomes.append(
-                (False, EnvironmentTimeout(f"no result after rollout.environment_timeout_s={timeout_s:g}s"))
+                (False, EnvironmentTimeout(f"no result after rollout.episodes.environment_timeout_s={timeout_s:g}s"))
             )
         else:
             outcomes.append(finished[i])
@@ -285,10 +285,10 @@ class CalculatorEnvironment:
     ):
         if not call_start or not call_end:
             raise ConfigError(
-                "rollout.environment.call_start and call_end must be non-empty; fix: e.g. <calc> and </calc>"
+                "rollout.episodes.environment.call_start and call_end must be non-empty; fix: e.g. <calc> and </calc>"
             )
         if answer not in ("last_integer", "exact"):
-            raise ConfigError(f"rollout.environment.answer={answer!r}; fix: use last_integer or exact")
+            raise ConfigError(f"rollout.episodes.environment.answer={answer!r}; fix: use last_integer or exact")
         self.call_start, self.call_end = call_start, call_end
         self.result_format, self.error_format = result_format, error_format
         self.max_calls, self.answer = max_calls, answer
@@ -337,7 +337,7 @@ def stop_token_ids_of(environment, tokenizer) -> list[int]:
         encoded = tokenizer(text, add_special_tokens=False).input_ids
         if len(encoded) != 1:
             raise ConfigError(
-                f"rollout.environment: the turn-ending text {text!r} is {len(encoded)} tokens {encoded}, "
+                f"rollout.episodes.environment: the turn-ending text {text!r} is {len(encoded)} tokens {encoded}, "
                 "not one, so vLLM cannot stop on it as a token; fix: choose a call_end that is a single token "
                 "of the model's tokenizer (e.g. a special token such as </tool_call>)"
             )

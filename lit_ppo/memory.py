@@ -154,10 +154,10 @@ class MemoryInputs:
     hf_batch_sequences: int | None = None  # rollout.hf_max_batch_sequences: sequences per HF generate call
     lora_rank: int = 0  # model.lora.rank; 0: full-parameter training
     lora_target_modules: str | tuple[str, ...] = "all-linear"
-    # The actor's adapter as the pre-flight counted it on the model (StepPlan.lora_adapter_parameters); None: from the
+    # The actor's adapter as the pre-flight counted it on the model (StepPlan.lora.adapter_parameters); None: from the
     # shape, by the names of a Qwen2/Llama layer's seven linear modules (`ModelShape.lora_parameters`).
     lora_adapter_parameters: int | None = None
-    vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.vllm_max_lora_rank)
+    vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.lora.vllm_max_lora_rank)
 
     def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
         """One model's LoRA adapter parameters at `rank` (default: lora_rank); they grow with the rank."""

@@ -7,6 +7,11 @@ Vocabulary (README "Glossary of steps"):
 
 `compute_plan` is the only place these numbers are derived. The data module, the PPO
 loops, the LR schedulers, the logs and the runtime check all read the `StepPlan` it returns.
+
+A `StepPlan` is the counts every run has (`Counts`), the models and engine (`ModelsPlan`), the micro-batch layout
+(`LayoutPlan`) and the source of the old log-probs (`OldLogprobsPlan`), plus one section per feature, None when the
+feature is off: dynamic sampling, episodes, LoRA, rollout workers. Each section writes its own rows of the table and
+has its run-time checks (`check_*`) beside it; plan.json is the same sections (`StepPlan.to_dict`).
 """
 
 from __future__ import annotations
@@ -17,17 +22,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_ppo.config import PPOConfig, RunConfig, positive, vllm_only_settings_set
+from lit_ppo.config import PPOConfig, RunConfig, TrainerConfig, positive, vllm_only_settings_set
 from lit_ppo.errors import ConfigError, StalenessError, StepAccountingError
 from lit_ppo.precision import describe as describe_precision
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 
-# StepPlan.old_logprobs_source: where the PPO ratio's old log-probs come from in this run.
+# OldLogprobsPlan.source: where the PPO ratio's old log-probs come from in this run.
 OLD_LOGPROBS_SOURCES = {
     "experience forward": "a no-grad forward of the actor before the updates",
     "training forward": "on-policy: the training forward's own log-probs, detached (ratio 1; no experience forward)",
     "vLLM": "the sampler's log-probs (no experience forward)",
 }
+
+Row = tuple[str, Any, str]  # (name, value, unit) of one line of the table
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,12 @@ class LoraTargets:
         return list(dict.fromkeys(module.rsplit(".", 1)[-1] for module in self.modules))
 
 
+# ---------------------------------------------------------------- counts: the sizes every loop reads
+
+
 @dataclass(frozen=True)
-class StepPlan:
-    """What the run will do, in numbers. Every loop and scheduler reads this."""
+class Counts:
+    """The derived sizes of every run: prompts, samples, rollout steps, optimizer steps, the LR schedule's length."""
 
     data_parallel_size: int
     dataset_prompts: int
@@ -84,31 +94,148 @@ class StepPlan:
     prompt_passes: float
     ppo_epochs: int
     train_batch_size: int
-    micro_train_batch_size: int
     mini_batches_per_ppo_epoch: int
     optimizer_steps_per_rollout_step: int
     total_optimizer_steps: int
-    grad_accumulation_steps: int
     samples_per_rank_per_rollout_step: int
     total_samples_generated: int
-    max_response_tokens: int
+    max_response_tokens: int  # the response width the trainer plans for (an episode's budget with episodes)
     max_tokens_generated: int
     lr_scheduler_unit: str
     lr_warmup_steps: int
     lr_total_steps: int
+    # Generation rounds: a rollout step draws 1 round of prompts, or up to dynamic_sampling.max_generation_rounds;
+    # the prompt order advances by rounds, generation_rounds_per_data_epoch of them per data epoch.
+    prompts_per_generation_round: int
+    generation_rounds_per_data_epoch: int
+
+    def rollout_rows(self, plan: StepPlan) -> list[Row]:
+        return [
+            ("data-parallel size", self.data_parallel_size, "ranks"),
+            ("dataset", self.dataset_prompts, "prompts"),
+            ("rollout batch", self.rollout_batch_size, "prompts / rollout step"),
+            ("samples per prompt", self.n_samples_per_prompt, "responses"),
+            ("samples per rollout step", self.samples_per_rollout_step, "responses"),
+            ("rollout steps per data epoch", self.rollout_steps_per_data_epoch, "rollout steps"),
+            (
+                "prompts dropped per data epoch",
+                self.prompts_dropped_per_data_epoch,
+                "prompts (last partial rollout batch; reshuffled each data epoch)",
+            ),
+            ("total rollout steps", self.total_rollout_steps, "rollout steps"),
+        ]
+
+    def update_rows(self, plan: StepPlan) -> list[Row]:
+        critic = plan.models.critic_enabled
+        return [
+            ("data epochs", round(self.data_epochs, 3), "rollout steps / rollout steps per data epoch"),
+            ("prompt passes", round(self.prompt_passes, 3), "prompts generated for / dataset prompts"),
+            ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
+            ("train batch", self.train_batch_size, "samples / optimizer step"),
+            ("mini-batches per PPO epoch", self.mini_batches_per_ppo_epoch, "optimizer steps"),
+            (
+                "optimizer steps per rollout step",
+                self.optimizer_steps_per_rollout_step,
+                "actor, and the critic as many" if critic else "actor (no critic)",
+            ),
+            ("total optimizer steps", self.total_optimizer_steps, "actor" + (" (critic the same)" if critic else "")),
+        ]
+
+    def total_rows(self, plan: StepPlan) -> list[Row]:
+        return [
+            ("samples generated", self.total_samples_generated, "episodes" if plan.episodes else "responses"),
+            ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
+            ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
+            ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
+            ("critic", "yes" if plan.models.critic_enabled else "no", ""),
+        ]
+
+
+def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, critic_steps: int) -> None:
+    """The runtime proof of the plan: after each rollout step's updates, the actor and the critic took exactly the
+    optimizer steps the plan states (the critic none without one)."""
+    counts = plan.counts
+    expected = counts.optimizer_steps_per_rollout_step
+    expected_critic = expected if plan.models.critic_enabled else 0
+    if actor_steps != expected or critic_steps != expected_critic:
+        raise StepAccountingError(
+            f"rollout step {rollout_step + 1}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
+            f"but the plan says {expected} each (ppo_epochs={counts.ppo_epochs} x {counts.mini_batches_per_ppo_epoch} "
+            "mini-batches); the update loop is not doing what the configuration says"
+        )
+
+
+def check_sample_use(plan: StepPlan, rollout_step: int, use_counts: list[list[int]]) -> None:
+    """The runtime proof of the global mini-batches: summed over the ranks, every sample of the rollout step's global
+    batch was trained exactly once in each PPO epoch (`use_counts`: [ppo_epochs][samples]), so the ranks' shares of
+    each mini-batch neither overlap nor leave a sample out, and the update is one process's."""
+    counts = plan.counts
+    samples = counts.samples_per_rollout_step
+    wrong = [(e, i, n) for e, epoch in enumerate(use_counts) for i, n in enumerate(epoch) if n != 1]
+    if len(use_counts) != counts.ppo_epochs or any(len(epoch) != samples for epoch in use_counts) or wrong:
+        found = (
+            f"sample {wrong[0][1]} trained {wrong[0][2]} times in PPO epoch {wrong[0][0] + 1}"
+            if wrong
+            else f"{len(use_counts)} PPO epochs of {[len(epoch) for epoch in use_counts]} samples"
+        )
+        raise StepAccountingError(
+            f"rollout step {rollout_step + 1}: over the {counts.data_parallel_size} rank(s), {found}, but the plan says "
+            f"each of {samples} samples once in each of {counts.ppo_epochs} PPO epochs; the ranks' shares of the "
+            "mini-batches are not doing what the plan states"
+        )
+
+
+# ---------------------------------------------------------------- the models and the engine
+
+
+@dataclass(frozen=True)
+class ModelsPlan:
+    """Which models train and how: critic, reference, precision, and the engine that generates."""
+
     critic_enabled: bool
     reference_enabled: bool
-    # Generation rounds: a rollout step draws 1 round of prompts, or up to max_generation_rounds with dynamic
-    # sampling; the prompt order advances by rounds, generation_rounds_per_data_epoch of them per data epoch.
-    dynamic_sampling: bool = False
-    prompts_per_generation_round: int = 0
-    max_generation_rounds: int = 1
-    generation_rounds_per_data_epoch: int = 0
-    dynamic_sampling_on_shortfall: str = "fill"
     precision: str = "32-true"  # resolved (lit_ppo.precision): 32-true, bf16-mixed or bf16-true
     rollout_dtype: str = "float32"  # vLLM's dtype (rollout.engine=hf: the trainer's compute dtype)
     rollout_engine: str = "vllm"  # rollout.engine: vllm, or hf (the actor generates; shares its weights, no sync)
-    old_logprobs_source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        where = "in each rollout worker" if plan.workers else "in this process"
+        synced = "pushed over gloo" if plan.workers else "synced"
+        if self.rollout_engine == "hf":
+            engine = ("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")
+        elif plan.lora:
+            engine = (
+                "engine",
+                "vllm",
+                f"vLLM {where}: the base loaded once, only the adapter {synced} after each rollout step "
+                f"(a new adapter version; max_lora_rank {plan.lora.vllm_max_lora_rank})",
+            )
+        else:
+            engine = ("engine", "vllm", f"vLLM {where}: the actor's weights {synced} after each rollout step")
+        return [
+            (
+                "reference model",
+                "yes" if self.reference_enabled else "no",
+                "the actor with its adapter disabled (no copy of the weights)"
+                if self.reference_enabled and plan.lora
+                else "",
+            ),
+            ("precision", self.precision, describe_precision(self.precision)),
+            engine,
+            ("vLLM dtype" if self.rollout_engine == "vllm" else "rollout dtype", self.rollout_dtype, "sampling"),
+        ]
+
+
+# ---------------------------------------------------------------- the micro-batch layout
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """How a mini-batch is laid out: micro-batches of a fixed size or within a token budget, packed or padded, and
+    split over the ranks."""
+
+    micro_train_batch_size: int
+    grad_accumulation_steps: int
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
     packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
     attn_implementation: str | None = None  # model.attn_implementation (None: transformers' default, sdpa)
@@ -117,59 +244,72 @@ class StepPlan:
     rank_balance: bool = False
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Expected tokens per training micro-batch (`expected_micro_batch_tokens`) with every response at the limit
-    # (max_response_tokens) and prompts of the data's lengths (`prompt_stats`); None without the data's prompts.
+    # (counts.max_response_tokens) and prompts of the data's lengths (`prompt_stats`); None without the data's prompts.
     prompt_stats: PromptStats | None = None
     expected_real_tokens_per_micro_batch: float | None = None  # this run's layout (its micro-batch count)
     expected_packed_tokens_per_micro_batch: float | None = None  # positions packed (row ends not counted)
     expected_padded_layout_tokens_per_micro_batch: float | None = None  # positions padded, at most
-    # Multi-turn episodes (rollout.environment): a sample is one episode of at most max_turns policy turns and
-    # max_episode_tokens response tokens (turns and observations); 0 tokens: single-turn responses.
-    max_turns: int = 1
-    max_episode_tokens: int = 0
-    # Asynchronous rollouts (rollout.mode=disaggregated): rollout step s is generated by the policy after
-    # max(0, s - max_staleness) rollout steps, on rollout_workers processes of rollout_devices_per_worker devices each.
-    rollout_mode: str = "colocated"
-    max_staleness: int = 0
-    rollout_workers: int = 0
-    rollout_devices_per_worker: int = 0
-    # spawn: the trainer starts its workers on its own node; external: the user's launcher starts them on any node,
-    # and they connect to rollout_worker_address (the trainer's store, host:port).
-    rollout_worker_launch: str = ""
-    rollout_worker_address: str = ""
-    # model.lora: rank 0 trains every parameter; else a PEFT adapter on a frozen base, the reference is the actor with
-    # its adapter disabled (no copy), and only the adapter goes to vLLM (max_lora_rank: vLLM's slot size for it).
-    lora_rank: int = 0
-    lora_alpha: float = 0.0
-    lora_target_modules: str | list[str] = ""
-    # Matched on the model by the pre-flight (LoraTargets): the adapted linear modules' own names, how many modules
-    # that is in the whole model, and the actor's adapter parameters; [] / 0 / None where config.json was not read.
-    lora_adapted_names: list[str] = field(default_factory=list)
-    lora_adapted_modules: int = 0
-    lora_adapter_parameters: int | None = None
-    vllm_max_lora_rank: int = 0
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
-    def generating_version(self, rollout_step: int) -> int:
-        """The policy version (the weights after that many rollout steps) that generates `rollout_step`'s samples."""
-        return max(0, rollout_step - self.max_staleness)
+    def rows(self, plan: StepPlan) -> list[Row]:
+        if self.micro_train_max_tokens is None:
+            micro = [
+                ("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
+                ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank"),
+            ]
+        else:
+            micro = [
+                (
+                    "micro batch",
+                    self.micro_train_max_tokens,
+                    "real tokens / forward-backward / rank at most (balanced by real tokens; the count varies)"
+                    if self.packing
+                    else "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
+                )
+            ]
+        if self.packing:
+            attention = (
+                f"{self.attn_implementation}: one row per micro-batch, varlen kernels per sample"
+                if self.attn_implementation in ("flash_attention_2", "flash_attention_3")
+                else f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
+                "sample, block-diagonal mask"
+            )
+            packing = (
+                f"whole samples end to end, position ids from 0 at each; attention within a sample ({attention}); LM "
+                "head at response positions only, in the model's own forward; proven against the padded layout on "
+                "the first micro-batch"
+            )
+        else:
+            packing = "rows padded: prompts left, responses right (ppo.packing)"
+        rows = [
+            *micro,
+            ("packing", "on" if self.packing else "off", packing),
+            (
+                "micro-batch tokens",
+                self.max_micro_batch_tokens,
+                "real tokens at most, padded ~0 (row ends only; perf/padding_fraction)"
+                if self.packing
+                else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
+            ),
+            *self.expected_tokens_rows(plan.counts.max_response_tokens),
+        ]
+        if plan.counts.data_parallel_size > 1:
+            rows.append(
+                (
+                    "rank split",
+                    "by tokens" if self.rank_balance else "generated",
+                    "experience: whole prompt groups over the ranks by real tokens after generation, as many on "
+                    "each (heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance); "
+                    "updates: each global mini-batch's samples, by real tokens"
+                    if self.rank_balance
+                    else "experience: the prompt groups each rank generated (contiguous shares; by tokens when "
+                    "packed); updates: each global mini-batch's samples, in runs of its shuffled order",
+                )
+            )
+        return rows
 
-    def schedule(self) -> str:
-        """The generation schedule in words: which policy version generates which rollout step (0-based)."""
-        k, last = self.max_staleness, self.total_rollout_steps - 1
-        shown = [s for s in range(min(last + 1, k + 3))]
-        text = ", ".join(f"step {s} <- v{self.generating_version(s)}" for s in shown)
-        return text + (f", ..., step {last} <- v{self.generating_version(last)}" if last not in shown else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def expected_tokens_rows(self) -> list[tuple[str, Any, str]]:
-        """The plan's rows of expected tokens per training micro-batch (`expected_micro_batch_tokens`), or the row
-        saying they are unknown without the data's prompts."""
+    def expected_tokens_rows(self, max_response_tokens: int) -> list[Row]:
+        """The rows of expected tokens per training micro-batch (`expected_micro_batch_tokens`), or the row saying
+        they are unknown without the data's prompts."""
         stats = self.prompt_stats
         if stats is None:
             return [
@@ -183,7 +323,7 @@ class StepPlan:
         real = self.expected_real_tokens_per_micro_batch
         packed, padded = self.expected_packed_tokens_per_micro_batch, self.expected_padded_layout_tokens_per_micro_batch
         assumed = (
-            f"/ micro-batch / rank, responses at the limit ({self.max_response_tokens} tokens) and prompts at the "
+            f"/ micro-batch / rank, responses at the limit ({max_response_tokens} tokens) and prompts at the "
             f"data's mean ({stats.mean_tokens:.1f} tokens; {stats.count} prompts of {stats.min_tokens}-"
             f"{stats.max_tokens})"
         )
@@ -203,221 +343,343 @@ class StepPlan:
             )
         return [("expected real tokens", round(real), assumed), laid_out]
 
-    def table(self) -> str:
-        """A human-readable table, one line per number, with its unit."""
-        disaggregated = self.rollout_mode == "disaggregated"
-        where = "in each rollout worker" if disaggregated else "in this process"
-        synced = "pushed over gloo" if disaggregated else "synced"
-        rows = [
-            ("data-parallel size", self.data_parallel_size, "ranks"),
-            ("dataset", self.dataset_prompts, "prompts"),
-            ("rollout batch", self.rollout_batch_size, "prompts / rollout step"),
-            ("samples per prompt", self.n_samples_per_prompt, "responses"),
-            ("samples per rollout step", self.samples_per_rollout_step, "responses"),
-            ("rollout steps per data epoch", self.rollout_steps_per_data_epoch, "rollout steps"),
+
+def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[tuple[int, int]]) -> None:
+    """The runtime proof of one mini-batch's micro-batches on this rank, given as (samples, tokens) each (tokens: real
+    ones when packed, laid-out positions when padded): with a fixed micro-batch size, the gradient accumulation steps
+    the plan states, micro_train_batch_size samples each; with a token budget, each within it (a longer sample
+    alone)."""
+    layout = plan.layout
+    budget = layout.micro_train_max_tokens
+    if budget is None:
+        sizes = [samples for samples, _ in micro_batches]
+        if len(sizes) != layout.grad_accumulation_steps or any(n != layout.micro_train_batch_size for n in sizes):
+            raise StepAccountingError(
+                f"rollout step {rollout_step + 1}: a mini-batch ran as micro-batches of {sizes} samples, but the plan says "
+                f"{layout.grad_accumulation_steps} of {layout.micro_train_batch_size} (gradient accumulation); the "
+                "micro-batch split is not doing what the configuration says"
+            )
+        return
+    over = [(n, tokens) for n, tokens in micro_batches if tokens > budget and n > 1]
+    if over:
+        raise StepAccountingError(
+            f"rollout step {rollout_step + 1}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
+            f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
+        )
+
+
+def check_rank_balance(
+    plan: StepPlan, rollout_step: int, rank_samples: list[int], rank_tokens: list[int], group_tokens: list[int]
+) -> None:
+    """The runtime proof of the plan's rank split (`LayoutPlan.rank_balance`), given every rank's samples and real
+    tokens after the split and the prompt groups' real tokens: every rank trains samples_per_rank_per_rollout_step
+    samples (its mini-batches and micro-batches, and so the collectives in them, follow from that count), and the
+    heaviest rank is within the partition's bound of the lightest (the heaviest group minus the lightest)."""
+    bound = max(group_tokens) - min(group_tokens) if group_tokens else 0
+    expected = plan.counts.samples_per_rank_per_rollout_step
+    if any(n != expected for n in rank_samples) or max(rank_tokens) - min(rank_tokens) > bound:
+        raise StepAccountingError(
+            f"rollout step {rollout_step + 1}: the ranks' samples split by real tokens gave {rank_samples} samples and "
+            f"{rank_tokens} real tokens, but the plan says {expected} samples each, their tokens within {bound} of each "
+            "other; the rank split is not doing what the plan states"
+        )
+
+
+# ---------------------------------------------------------------- the old log-probs
+
+
+@dataclass(frozen=True)
+class OldLogprobsPlan:
+    """Where the PPO ratio's old log-probs come from (`old_logprobs_plan`)."""
+
+    source: str = "experience forward"  # a key of OLD_LOGPROBS_SOURCES
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        return [("old log-probs", self.source, OLD_LOGPROBS_SOURCES[self.source])]
+
+
+# ---------------------------------------------------------------- dynamic sampling (ppo.dynamic_sampling)
+
+
+@dataclass(frozen=True)
+class DynamicSamplingPlan:
+    """A rollout step draws rounds of counts.prompts_per_generation_round prompts, up to max_generation_rounds, until
+    the rollout batch holds enough groups whose rewards differ; then `on_shortfall`."""
+
+    max_generation_rounds: int
+    on_shortfall: str = "fill"
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        counts = plan.counts
+        return [
             (
-                "prompts dropped per data epoch",
-                self.prompts_dropped_per_data_epoch,
-                "prompts (last partial rollout batch; reshuffled each data epoch)",
-            ),
-            ("total rollout steps", self.total_rollout_steps, "rollout steps"),
-            *(
-                [
-                    (
-                        "dynamic sampling: prompts per round",
-                        self.prompts_per_generation_round,
-                        "prompts drawn per generation round (groups with equal rewards are dropped)",
-                    ),
-                    (
-                        "dynamic sampling: rounds",
-                        self.max_generation_rounds,
-                        f"generation rounds / rollout step at most (then: {self.dynamic_sampling_on_shortfall})",
-                    ),
-                    ("generation rounds per data epoch", self.generation_rounds_per_data_epoch, "rounds"),
-                ]
-                if self.dynamic_sampling
-                else []
-            ),
-            ("data epochs", round(self.data_epochs, 3), "rollout steps / rollout steps per data epoch"),
-            ("prompt passes", round(self.prompt_passes, 3), "prompts generated for / dataset prompts"),
-            ("PPO epochs", self.ppo_epochs, "passes over each rollout batch"),
-            ("train batch", self.train_batch_size, "samples / optimizer step"),
-            ("mini-batches per PPO epoch", self.mini_batches_per_ppo_epoch, "optimizer steps"),
-            (
-                "optimizer steps per rollout step",
-                self.optimizer_steps_per_rollout_step,
-                "actor, and the critic as many" if self.critic_enabled else "actor (no critic)",
-            ),
-            (
-                "total optimizer steps",
-                self.total_optimizer_steps,
-                "actor" + (" (critic the same)" if self.critic_enabled else ""),
-            ),
-            *(
-                [
-                    ("micro batch", self.micro_train_batch_size, "samples / forward-backward / rank"),
-                    ("gradient accumulation", self.grad_accumulation_steps, "micro-batches / optimizer step / rank"),
-                ]
-                if self.micro_train_max_tokens is None
-                else [
-                    (
-                        "micro batch",
-                        self.micro_train_max_tokens,
-                        "real tokens / forward-backward / rank at most (balanced by real tokens; the count varies)"
-                        if self.packing
-                        else "padded tokens / forward-backward / rank at most (sorted by length; the count varies)",
-                    )
-                ]
-            ),
-            (
-                "packing",
-                "on" if self.packing else "off",
-                "whole samples end to end, position ids from 0 at each; attention within a sample ("
-                + (
-                    f"{self.attn_implementation}: one row per micro-batch, varlen kernels per sample"
-                    if self.attn_implementation in ("flash_attention_2", "flash_attention_3")
-                    else f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
-                    "sample, block-diagonal mask"
-                )
-                + "); LM head at response positions only, in the model's own forward; proven against the padded "
-                "layout on the first micro-batch"
-                if self.packing
-                else "rows padded: prompts left, responses right (ppo.packing)",
+                "dynamic sampling: prompts per round",
+                counts.prompts_per_generation_round,
+                "prompts drawn per generation round (groups with equal rewards are dropped)",
             ),
             (
-                "micro-batch tokens",
-                self.max_micro_batch_tokens,
-                "real tokens at most, padded ~0 (row ends only; perf/padding_fraction)"
-                if self.packing
-                else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
+                "dynamic sampling: rounds",
+                self.max_generation_rounds,
+                f"generation rounds / rollout step at most (then: {self.on_shortfall})",
             ),
-            *self.expected_tokens_rows(),
-            *(
-                [
-                    (
-                        "rank split",
-                        "by tokens" if self.rank_balance else "generated",
-                        "experience: whole prompt groups over the ranks by real tokens after generation, as many on "
-                        "each (heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance); "
-                        "updates: each global mini-batch's samples, by real tokens"
-                        if self.rank_balance
-                        else "experience: the prompt groups each rank generated (contiguous shares; by tokens when "
-                        "packed); updates: each global mini-batch's samples, in runs of its shuffled order",
-                    )
-                ]
-                if self.data_parallel_size > 1
-                else []
-            ),
-            ("old log-probs", self.old_logprobs_source, OLD_LOGPROBS_SOURCES[self.old_logprobs_source]),
-            *(
-                [
-                    ("episode: policy turns", self.max_turns, "turns / episode at most (one vLLM call each)"),
-                    (
-                        "episode: token budget",
-                        self.max_episode_tokens,
-                        "response tokens / episode at most (turns + observations)",
-                    ),
-                ]
-                if self.max_episode_tokens
-                else []
-            ),
-            ("samples generated", self.total_samples_generated, "episodes" if self.max_episode_tokens else "responses"),
-            ("generated tokens (upper bound)", self.max_tokens_generated, "tokens"),
-            ("LR warm-up", self.lr_warmup_steps, self.lr_scheduler_unit + "s"),
-            ("LR schedule length", self.lr_total_steps, self.lr_scheduler_unit + "s"),
-            ("critic", "yes" if self.critic_enabled else "no", ""),
-            *(
-                [
-                    (
-                        "LoRA",
-                        f"rank {self.lora_rank}",
-                        f"alpha {self.lora_alpha:g}, targets {self.lora_target_modules}; base weights frozen"
-                        + (" in bf16" if self.precision == "bf16-mixed" else "")
-                        + (", adapter and value head" if self.critic_enabled else ", adapter")
-                        + " trained in float32",
-                    )
-                ]
-                if self.lora_rank
-                else []
-            ),
-            *(
-                [
-                    (
-                        "LoRA adapted modules",
-                        self.lora_adapted_modules,
-                        f"linear modules {', '.join(self.lora_adapted_names)}, matched on the model's architecture",
-                    ),
-                    (
-                        "LoRA adapter parameters",
-                        f"{self.lora_adapter_parameters / 1e6:.3f} M",
-                        f"per model: rank x (in + out features) of each adapted module ({self.lora_adapter_parameters:,})",
-                    ),
-                ]
-                if self.lora_rank and self.lora_adapter_parameters is not None
-                else []
-            ),
+            ("generation rounds per data epoch", counts.generation_rounds_per_data_epoch, "rounds"),
+        ]
+
+
+# ---------------------------------------------------------------- episodes (rollout.episodes.environment)
+
+
+@dataclass(frozen=True)
+class EpisodesPlan:
+    """Multi-turn episodes: a sample is one episode of at most max_turns policy turns and max_episode_tokens response
+    tokens (turns and observations), which is then counts.max_response_tokens."""
+
+    max_turns: int
+    max_episode_tokens: int
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        return [
+            ("episode: policy turns", self.max_turns, "turns / episode at most (one vLLM call each)"),
             (
-                "reference model",
-                "yes" if self.reference_enabled else "no",
-                "the actor with its adapter disabled (no copy of the weights)"
-                if self.reference_enabled and self.lora_rank
-                else "",
-            ),
-            ("precision", self.precision, describe_precision(self.precision)),
-            *(
-                [("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")]
-                if self.rollout_engine == "hf"
-                else [
-                    (
-                        "engine",
-                        "vllm",
-                        f"vLLM {where}: the base loaded once, only the adapter {synced} after each rollout step "
-                        f"(a new adapter version; max_lora_rank {self.vllm_max_lora_rank})"
-                        if self.lora_rank
-                        else f"vLLM {where}: the actor's weights {synced} after each rollout step",
-                    )
-                ]
-            ),
-            ("vLLM dtype" if self.rollout_engine == "vllm" else "rollout dtype", self.rollout_dtype, "sampling"),
-            *(
-                [
-                    ("rollout mode", "disaggregated", "rollout workers generate while the trainer trains"),
-                    (
-                        "max staleness",
-                        self.max_staleness,
-                        "rollout steps: step s is generated by version max(0, s - k)",
-                    ),
-                    ("schedule", "", self.schedule()),
-                    (
-                        "rollout workers",
-                        self.rollout_workers,
-                        (
-                            f"processes, {self.rollout_devices_per_worker} device(s) each on GPUs (CPU: own process); "
-                            if self.rollout_worker_launch == "spawn"
-                            else "processes, on the devices their launcher gives them; "
-                        )
-                        + f"trainer: {self.data_parallel_size} device(s)",
-                    ),
-                    (
-                        "worker launch",
-                        self.rollout_worker_launch,
-                        "the trainer starts them on its own node"
-                        if self.rollout_worker_launch == "spawn"
-                        else f"the launcher starts them on any node; they connect to {self.rollout_worker_address}: "
-                        f"python -m lit_ppo.rollout.workers --connect {self.rollout_worker_address} "
-                        "(worker number: --worker, SLURM_PROCID or RANK)",
-                    ),
-                ]
-                if self.rollout_mode == "disaggregated"
-                else []
+                "episode: token budget",
+                self.max_episode_tokens,
+                "response tokens / episode at most (turns + observations)",
             ),
         ]
+
+
+# ---------------------------------------------------------------- LoRA (model.lora)
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """A PEFT adapter on a frozen base: the reference is the actor with its adapter disabled (no copy), and only the
+    adapter goes to vLLM (vllm_max_lora_rank: vLLM's slot size for it)."""
+
+    rank: int
+    alpha: float
+    target_modules: str | list[str]
+    vllm_max_lora_rank: int
+    # Matched on the model by the pre-flight (LoraTargets): the adapted linear modules' own names, how many modules
+    # that is in the whole model, and the actor's adapter parameters; [] / 0 / None where config.json was not read.
+    adapted_names: list[str] = field(default_factory=list)
+    adapted_modules: int = 0
+    adapter_parameters: int | None = None
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        trained = ", adapter and value head" if plan.models.critic_enabled else ", adapter"
+        rows = [
+            (
+                "LoRA",
+                f"rank {self.rank}",
+                f"alpha {self.alpha:g}, targets {self.target_modules}; base weights frozen"
+                + (" in bf16" if plan.models.precision == "bf16-mixed" else "")
+                + trained
+                + " trained in float32",
+            )
+        ]
+        if self.adapter_parameters is not None:
+            rows += [
+                (
+                    "LoRA adapted modules",
+                    self.adapted_modules,
+                    f"linear modules {', '.join(self.adapted_names)}, matched on the model's architecture",
+                ),
+                (
+                    "LoRA adapter parameters",
+                    f"{self.adapter_parameters / 1e6:.3f} M",
+                    f"per model: rank x (in + out features) of each adapted module ({self.adapter_parameters:,})",
+                ),
+            ]
+        return rows
+
+
+# ---------------------------------------------------------------- rollout workers (rollout.mode=disaggregated)
+
+
+@dataclass(frozen=True)
+class WorkersPlan:
+    """Asynchronous rollouts: rollout step s is generated by the policy after max(0, s - max_staleness) rollout steps,
+    on `count` worker processes of devices_per_worker devices each. launch: spawn (the trainer starts its workers on
+    its own node) or external (the user's launcher starts them on any node, and they connect to `address`, the
+    trainer's store, host:port)."""
+
+    max_staleness: int
+    count: int
+    devices_per_worker: int
+    launch: str
+    address: str = ""
+
+    def rows(self, plan: StepPlan) -> list[Row]:
+        spawn = self.launch == "spawn"
+        return [
+            ("rollout mode", "disaggregated", "rollout workers generate while the trainer trains"),
+            ("max staleness", self.max_staleness, "rollout steps: step s is generated by version max(0, s - k)"),
+            ("schedule", "", plan.schedule()),
+            (
+                "rollout workers",
+                self.count,
+                (
+                    f"processes, {self.devices_per_worker} device(s) each on GPUs (CPU: own process); "
+                    if spawn
+                    else "processes, on the devices their launcher gives them; "
+                )
+                + f"trainer: {plan.counts.data_parallel_size} device(s)",
+            ),
+            (
+                "worker launch",
+                self.launch,
+                "the trainer starts them on its own node"
+                if spawn
+                else f"the launcher starts them on any node; they connect to {self.address}: "
+                f"python -m lit_ppo.rollout.workers --connect {self.address} "
+                "(worker number: --worker, SLURM_PROCID or RANK)",
+            ),
+        ]
+
+
+def check_policy_versions(plan: StepPlan, rollout_step: int, policy_versions: list[int] | None) -> None:
+    """The runtime proof of the generation schedule: every sample about to be trained in `rollout_step` was generated
+    by the policy version the plan states (`StepPlan.generating_version`), never by whatever was newest."""
+    if policy_versions is None:  # batches that no engine produced (benchmarks with fixed responses)
+        return
+    expected = plan.generating_version(rollout_step)
+    wrong = sorted({v for v in policy_versions if v != expected})
+    if wrong:
+        mode = "disaggregated" if plan.workers else "colocated"
+        raise StalenessError(
+            f"rollout step {rollout_step + 1}: {sum(v != expected for v in policy_versions)} of {len(policy_versions)} "
+            f"samples were generated by policy version(s) {wrong} (lag {[rollout_step - v for v in wrong]}), but the "
+            f"plan says version {expected} (rollout.max_staleness={plan.max_staleness}, mode={mode}); "
+            "the rollout schedule is not what the plan states"
+        )
+
+
+# ---------------------------------------------------------------- the plan
+
+
+# The table's order: (section, its rows method); a section that is None (its feature off) has no rows.
+TABLE = (
+    ("counts", "rollout_rows"),
+    ("dynamic_sampling", "rows"),
+    ("counts", "update_rows"),
+    ("layout", "rows"),
+    ("old_logprobs", "rows"),
+    ("episodes", "rows"),
+    ("counts", "total_rows"),
+    ("lora", "rows"),
+    ("models", "rows"),
+    ("workers", "rows"),
+)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the run will do, in numbers. Every loop and scheduler reads this."""
+
+    counts: Counts
+    models: ModelsPlan
+    layout: LayoutPlan
+    old_logprobs: OldLogprobsPlan
+    dynamic_sampling: DynamicSamplingPlan | None = None
+    episodes: EpisodesPlan | None = None
+    lora: LoraPlan | None = None
+    workers: WorkersPlan | None = None
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
+
+    @property
+    def max_staleness(self) -> int:
+        """k of the generation schedule: the rollout workers' (rollout.max_staleness), 0 without them."""
+        return self.workers.max_staleness if self.workers else 0
+
+    def generating_version(self, rollout_step: int) -> int:
+        """The policy version (the weights after that many rollout steps) that generates `rollout_step`'s samples."""
+        return max(0, rollout_step - self.max_staleness)
+
+    def schedule(self) -> str:
+        """The generation schedule in words: which policy version generates which rollout step (0-based)."""
+        k, last = self.max_staleness, self.counts.total_rollout_steps - 1
+        shown = [s for s in range(min(last + 1, k + 3))]
+        text = ", ".join(f"step {s} <- v{self.generating_version(s)}" for s in shown)
+        return text + (f", ..., step {last} <- v{self.generating_version(last)}" if last not in shown else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """plan.json: {section: {field: value} or None (the feature off), notes, warnings}."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """A human-readable table, one line per number, with its unit."""
+        rows = []
+        for name, part in TABLE:
+            section = getattr(self, name)
+            if section is not None:
+                rows += getattr(section, part)(self)
         width = max(len(r[0]) for r in rows)
         lines = ["Step plan", "-" * (width + 30)]
         lines += [f"{name:<{width}}  {value!s:>10}  {unit}" for name, value, unit in rows]
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+# plan.json before the plan had sections (a flat dict: checkpoints written then still load, `sections_of`): each
+# flat key that is not its section field's own name -> (section, field); the others keep their names. A feature's
+# section was on where its flag (below) says so.
+RENAMED_FLAT_KEYS = {
+    "old_logprobs_source": ("old_logprobs", "source"),
+    "dynamic_sampling_on_shortfall": ("dynamic_sampling", "on_shortfall"),
+    "lora_rank": ("lora", "rank"),
+    "lora_alpha": ("lora", "alpha"),
+    "lora_target_modules": ("lora", "target_modules"),
+    "lora_adapted_names": ("lora", "adapted_names"),
+    "lora_adapted_modules": ("lora", "adapted_modules"),
+    "lora_adapter_parameters": ("lora", "adapter_parameters"),
+    "rollout_workers": ("workers", "count"),
+    "rollout_devices_per_worker": ("workers", "devices_per_worker"),
+    "rollout_worker_launch": ("workers", "launch"),
+    "rollout_worker_address": ("workers", "address"),
+}
+FLAT_FEATURE_FLAGS = {  # section -> whether a flat plan had it on
+    "dynamic_sampling": lambda flat: bool(flat.get("dynamic_sampling")),
+    "episodes": lambda flat: bool(flat.get("max_episode_tokens")),
+    "lora": lambda flat: bool(flat.get("lora_rank")),
+    "workers": lambda flat: flat.get("rollout_mode") == "disaggregated",
+}
+SECTIONS = {
+    "counts": Counts,
+    "models": ModelsPlan,
+    "layout": LayoutPlan,
+    "old_logprobs": OldLogprobsPlan,
+    "dynamic_sampling": DynamicSamplingPlan,
+    "episodes": EpisodesPlan,
+    "lora": LoraPlan,
+    "workers": WorkersPlan,
+}
+
+
+def sections_of(record: dict) -> dict[str, Any]:
+    """A plan.json (or a checkpoint's plan) by section, as `StepPlan.to_dict` writes it; a flat one written before
+    the plan had sections is mapped to them (RENAMED_FLAT_KEYS; a key it lacks is left out of its section)."""
+    if "counts" in record:
+        return record
+    owner = {}  # flat key -> (section, field)
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            owner[f.name] = (section, f.name)
+    owner.update(RENAMED_FLAT_KEYS)
+    nested: dict[str, Any] = {section: {} for section in SECTIONS}
+    for key, value in record.items():
+        if key in owner:
+            section, name = owner[key]
+            nested[section][name] = value
+    for section, on in FLAT_FEATURE_FLAGS.items():
+        if not on(record):
+            nested[section] = None
+    return {**nested, "notes": record.get("notes", []), "warnings": record.get("warnings", [])}
 
 
 def compute_plan(
@@ -432,17 +694,32 @@ def compute_plan(
     modules model.lora adapts as the pre-flight matched them on the model, give the adapter's size.
 
     The precision and vLLM's dtype are resolved here (`lit_ppo.precision`). With an environment a sample is an episode
-    of up to `rollout.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is then the
-    response width the trainer plans for."""
-    ppo, run, rollout = config.ppo, config.trainer, config.rollout
-    lora = config.model.lora
-    data_parallel_size = config.strategy.data_parallel_size
-    precision = resolve_precision(config.strategy.precision, config.strategy.accelerator)
-    rollout_dtype = resolve_rollout_dtype(precision, rollout.dtype)
-    top_p = rollout.top_p
-    max_response_tokens = rollout.max_response_tokens
-    max_turns = rollout.max_turns if rollout.environment else 1
-    max_episode_tokens = rollout.episode_tokens()
+    of up to `rollout.episodes.max_turns` turns whose response is at most `rollout.episode_tokens()` tokens, which is
+    then the response width the trainer plans for. Each section is computed by its own function below."""
+    ppo, rollout = config.ppo, config.rollout
+    check_batch_sizes(ppo, config.strategy.data_parallel_size, dataset_prompts)
+    dynamic_sampling = dynamic_sampling_plan(ppo, config.trainer, config.strategy.data_parallel_size, dataset_prompts)
+    counts = counts_plan(config, dataset_prompts)
+    source, old_logprobs_note = old_logprobs_plan(ppo, counts.mini_batches_per_ppo_epoch)
+    models = models_plan(config)
+    return StepPlan(
+        counts=counts,
+        models=models,
+        layout=layout_plan(config, counts, prompt_stats),
+        old_logprobs=OldLogprobsPlan(source),
+        dynamic_sampling=dynamic_sampling,
+        episodes=EpisodesPlan(rollout.episodes.max_turns, rollout.episode_tokens())
+        if rollout.episodes.environment
+        else None,
+        lora=lora_plan(config, lora_targets),
+        workers=workers_plan(config),
+        notes=plan_notes(config, counts, dynamic_sampling, old_logprobs_note),
+        warnings=plan_warnings(config, models),
+    )
+
+
+def check_batch_sizes(ppo: PPOConfig, data_parallel_size: int, dataset_prompts: int) -> None:
+    """The batch sizes divide into each other, over the ranks, within the dataset; else ConfigError naming the keys."""
     if not isinstance(data_parallel_size, int) or data_parallel_size <= 0:
         raise ConfigError(
             f"strategy.devices x strategy.num_nodes = {data_parallel_size} ranks; fix: use at least 1 device and 1 node"
@@ -476,24 +753,37 @@ def compute_plan(
             f"fix: set ppo.rollout_batch_size to at most {dataset_prompts} or use more data"
         )
 
+
+def prompts_per_generation_round(ppo: PPOConfig) -> int:
+    """The prompts one generation round draws: the rollout batch, or ppo.dynamic_sampling.prompts_per_round."""
     ds = ppo.dynamic_sampling
-    per_round = (ds.prompts_per_round or ppo.rollout_batch_size) if ds.enabled else ppo.rollout_batch_size
-    max_rounds = ds.max_generation_rounds if ds.enabled else 1
-    if ds.enabled:
-        if per_round % data_parallel_size or per_round > dataset_prompts:
-            raise ConfigError(
-                f"ppo.dynamic_sampling.prompts_per_round={per_round} must be a multiple of the {data_parallel_size} ranks and "
-                f"at most the dataset's {dataset_prompts} prompts; fix: set ppo.dynamic_sampling.prompts_per_round"
-            )
-        if run.data_epochs is not None:
-            raise ConfigError(
-                f"trainer.data_epochs={run.data_epochs} with ppo.dynamic_sampling.enabled=true: the prompts a rollout step "
-                "consumes vary, so data epochs do not give a number of rollout steps; fix: set trainer.total_rollout_steps "
-                "(and trainer.data_epochs=null)"
-            )
-    rollout_steps_per_data_epoch = dataset_prompts // ppo.rollout_batch_size
-    rounds_per_data_epoch = dataset_prompts // per_round
-    dropped = dataset_prompts - rounds_per_data_epoch * per_round
+    return (ds.prompts_per_round or ppo.rollout_batch_size) if ds.enabled else ppo.rollout_batch_size
+
+
+def dynamic_sampling_plan(
+    ppo: PPOConfig, run: TrainerConfig, data_parallel_size: int, dataset_prompts: int
+) -> DynamicSamplingPlan | None:
+    """The dynamic sampling section (None when ppo.dynamic_sampling is off), or ConfigError naming the keys."""
+    ds = ppo.dynamic_sampling
+    if not ds.enabled:
+        return None
+    per_round = prompts_per_generation_round(ppo)
+    if per_round % data_parallel_size or per_round > dataset_prompts:
+        raise ConfigError(
+            f"ppo.dynamic_sampling.prompts_per_round={per_round} must be a multiple of the {data_parallel_size} ranks and "
+            f"at most the dataset's {dataset_prompts} prompts; fix: set ppo.dynamic_sampling.prompts_per_round"
+        )
+    if run.data_epochs is not None:
+        raise ConfigError(
+            f"trainer.data_epochs={run.data_epochs} with ppo.dynamic_sampling.enabled=true: the prompts a rollout step "
+            "consumes vary, so data epochs do not give a number of rollout steps; fix: set trainer.total_rollout_steps "
+            "(and trainer.data_epochs=null)"
+        )
+    return DynamicSamplingPlan(ds.max_generation_rounds, ds.on_shortfall)
+
+
+def planned_rollout_steps(run: TrainerConfig, rollout_steps_per_data_epoch: int) -> int:
+    """trainer.total_rollout_steps, or trainer.data_epochs in rollout steps (exactly one of the two is set)."""
     if (run.total_rollout_steps is None) == (run.data_epochs is None):
         raise ConfigError(
             f"trainer.total_rollout_steps={run.total_rollout_steps} and trainer.data_epochs={run.data_epochs}: "
@@ -501,36 +791,148 @@ def compute_plan(
         )
     if run.total_rollout_steps is not None:
         positive("trainer", total_rollout_steps=run.total_rollout_steps)
-        total_rollout_steps = run.total_rollout_steps
-    else:
-        if run.data_epochs <= 0:
-            raise ConfigError(
-                f"trainer.data_epochs={run.data_epochs} must be positive; fix: e.g. trainer.data_epochs=1"
-            )
-        total_rollout_steps = max(1, math.ceil(run.data_epochs * rollout_steps_per_data_epoch - 1e-9))
-    data_epochs = total_rollout_steps / rollout_steps_per_data_epoch
+        return run.total_rollout_steps
+    if run.data_epochs <= 0:
+        raise ConfigError(f"trainer.data_epochs={run.data_epochs} must be positive; fix: e.g. trainer.data_epochs=1")
+    return max(1, math.ceil(run.data_epochs * rollout_steps_per_data_epoch - 1e-9))
 
+
+def counts_plan(config: RunConfig, dataset_prompts: int) -> Counts:
+    """The sizes every run has, from the batch sizes (checked by `check_batch_sizes`) and the run's length."""
+    ppo, data_parallel_size = config.ppo, config.strategy.data_parallel_size
+    per_round = prompts_per_generation_round(ppo)
+    rollout_steps_per_data_epoch = dataset_prompts // ppo.rollout_batch_size
+    rounds_per_data_epoch = dataset_prompts // per_round
+    total_rollout_steps = planned_rollout_steps(config.trainer, rollout_steps_per_data_epoch)
+    samples_per_rollout_step = ppo.rollout_batch_size * ppo.n_samples_per_prompt
     mini_batches = samples_per_rollout_step // ppo.train_batch_size
     optimizer_steps_per_rollout_step = mini_batches * ppo.ppo_epochs
-    old_logprobs_source, old_logprobs_note = old_logprobs_plan(ppo, mini_batches)
     total_optimizer_steps = optimizer_steps_per_rollout_step * total_rollout_steps
     samples = samples_per_rollout_step * total_rollout_steps
-    notes = []
-    if dropped:
-        notes.append(
-            f"each data epoch uses {rounds_per_data_epoch * per_round} of {dataset_prompts} prompts; "
-            f"the last {dropped} (a partial {'generation round' if ds.enabled else 'rollout batch'}) are dropped and the order is reshuffled every data epoch"
+    response_width = config.rollout.episode_tokens() or config.rollout.max_response_tokens
+    return Counts(
+        data_parallel_size=data_parallel_size,
+        dataset_prompts=dataset_prompts,
+        rollout_batch_size=ppo.rollout_batch_size,
+        n_samples_per_prompt=ppo.n_samples_per_prompt,
+        samples_per_rollout_step=samples_per_rollout_step,
+        rollout_steps_per_data_epoch=rollout_steps_per_data_epoch,
+        prompts_dropped_per_data_epoch=dataset_prompts - rounds_per_data_epoch * per_round,
+        total_rollout_steps=total_rollout_steps,
+        data_epochs=total_rollout_steps / rollout_steps_per_data_epoch,
+        prompt_passes=total_rollout_steps * ppo.rollout_batch_size / dataset_prompts,
+        ppo_epochs=ppo.ppo_epochs,
+        train_batch_size=ppo.train_batch_size,
+        mini_batches_per_ppo_epoch=mini_batches,
+        optimizer_steps_per_rollout_step=optimizer_steps_per_rollout_step,
+        total_optimizer_steps=total_optimizer_steps,
+        samples_per_rank_per_rollout_step=samples_per_rollout_step // data_parallel_size,
+        total_samples_generated=samples,
+        max_response_tokens=response_width,
+        max_tokens_generated=samples * response_width,
+        lr_scheduler_unit="optimizer_step",
+        lr_warmup_steps=math.ceil(ppo.lr_warmup_ratio * total_optimizer_steps),
+        lr_total_steps=total_optimizer_steps,
+        prompts_per_generation_round=per_round,
+        generation_rounds_per_data_epoch=rounds_per_data_epoch,
+    )
+
+
+def models_plan(config: RunConfig) -> ModelsPlan:
+    """The models the run trains and holds, the precision and vLLM's dtype resolved (`lit_ppo.precision`)."""
+    precision = resolve_precision(config.strategy.precision, config.strategy.accelerator)
+    return ModelsPlan(
+        critic_enabled=config.ppo.advantage_estimator == "gae",
+        reference_enabled=config.ppo.kl_coef > 0,
+        precision=precision,
+        rollout_dtype=resolve_rollout_dtype(precision, config.rollout.dtype),
+        rollout_engine=config.rollout.engine,
+    )
+
+
+def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | None) -> LayoutPlan:
+    """The micro-batches: their size or token budget, packed or padded, and the tokens one of them is expected to
+    hold given the data's prompt lengths."""
+    ppo, data_parallel_size = config.ppo, counts.data_parallel_size
+    packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
+    expected = (None, None, None)
+    if prompt_stats is not None:
+        expected = expected_micro_batch_tokens(
+            ppo, ppo.train_batch_size // data_parallel_size, counts.max_response_tokens, prompt_stats, packing
         )
-    if ds.enabled:
+    return LayoutPlan(
+        micro_train_batch_size=ppo.micro_train_batch_size,
+        grad_accumulation_steps=ppo.train_batch_size // (ppo.micro_train_batch_size * data_parallel_size),
+        micro_train_max_tokens=ppo.micro_train_max_tokens,
+        packing=packing,
+        attn_implementation=config.model.attn_implementation,
+        rank_balance=packing and data_parallel_size > 1,
+        max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len,
+        prompt_stats=prompt_stats,
+        expected_real_tokens_per_micro_batch=expected[0],
+        expected_packed_tokens_per_micro_batch=expected[1],
+        expected_padded_layout_tokens_per_micro_batch=expected[2],
+    )
+
+
+def lora_plan(config: RunConfig, targets: LoraTargets | None) -> LoraPlan | None:
+    """The LoRA section (None without model.lora), with the pre-flight's matched modules where it read them."""
+    lora = config.model.lora
+    if not lora.enabled:
+        return None
+    return LoraPlan(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        target_modules=lora.target_modules,
+        vllm_max_lora_rank=lora.vllm_max_lora_rank,
+        adapted_names=targets.names if targets else [],
+        adapted_modules=len(targets.modules) if targets else 0,
+        adapter_parameters=targets.adapter_parameters if targets else None,
+    )
+
+
+def workers_plan(config: RunConfig) -> WorkersPlan | None:
+    """The rollout workers' section (None unless rollout.mode=disaggregated)."""
+    rollout = config.rollout
+    if rollout.mode != "disaggregated":
+        return None
+    return WorkersPlan(
+        max_staleness=rollout.staleness(),
+        count=rollout.workers.count,
+        devices_per_worker=rollout.workers.devices,
+        launch=rollout.workers.launch,
+        address=f"{rollout.workers.trainer_address_host()}:{rollout.workers.port}"
+        if rollout.workers.launch == "external"
+        else "",
+    )
+
+
+def plan_notes(
+    config: RunConfig, counts: Counts, dynamic_sampling: DynamicSamplingPlan | None, old_logprobs_note: str
+) -> list[str]:
+    """What the plan says in words beside its numbers: dropped prompts, partial data epochs, what dynamic sampling and
+    asynchronous rollouts do to the counts, settings a run does not use."""
+    ppo, rollout = config.ppo, config.rollout
+    per_round, rounds_per_data_epoch = counts.prompts_per_generation_round, counts.generation_rounds_per_data_epoch
+    notes = []
+    if counts.prompts_dropped_per_data_epoch:
+        notes.append(
+            f"each data epoch uses {rounds_per_data_epoch * per_round} of {counts.dataset_prompts} prompts; "
+            f"the last {counts.prompts_dropped_per_data_epoch} (a partial {'generation round' if dynamic_sampling else 'rollout batch'}) are dropped and the order is reshuffled every data epoch"
+        )
+    if dynamic_sampling:
+        max_rounds, steps = dynamic_sampling.max_generation_rounds, counts.total_rollout_steps
         notes.append(
             f"dynamic sampling: each rollout step draws rounds of {per_round} prompts ({max_rounds} at most) until "
             f"{ppo.rollout_batch_size} prompts with differing rewards are collected; the optimizer steps per rollout step "
-            f"stay {optimizer_steps_per_rollout_step}. Data epochs and samples generated are lower bounds (up to "
-            f"{max_rounds * per_round * total_rollout_steps / (rounds_per_data_epoch * per_round):.3f} data epochs and "
-            f"{max_rounds * per_round * ppo.n_samples_per_prompt * total_rollout_steps} samples)"
+            f"stay {counts.optimizer_steps_per_rollout_step}. Data epochs and samples generated are lower bounds (up to "
+            f"{max_rounds * per_round * steps / (rounds_per_data_epoch * per_round):.3f} data epochs and "
+            f"{max_rounds * per_round * ppo.n_samples_per_prompt * steps} samples)"
         )
-    elif abs(data_epochs - round(data_epochs)) > 1e-9:
-        notes.append(f"the run ends inside data epoch {math.ceil(data_epochs)} ({data_epochs:.3f} data epochs)")
+    elif abs(counts.data_epochs - round(counts.data_epochs)) > 1e-9:
+        notes.append(
+            f"the run ends inside data epoch {math.ceil(counts.data_epochs)} ({counts.data_epochs:.3f} data epochs)"
+        )
     if old_logprobs_note:
         notes.append(old_logprobs_note)
     k = rollout.staleness()
@@ -543,92 +945,25 @@ def compute_plan(
     unused = vllm_only_settings_set(rollout) if rollout.engine == "hf" else []
     if unused:  # e.g. an experiment written for vLLM, run with rollout.engine=hf: said, not silently dropped
         notes.append(f"rollout.engine=hf does not use the vLLM setting(s) {', '.join(unused)}")
+    return notes
+
+
+def plan_warnings(config: RunConfig, models: ModelsPlan) -> list[str]:
+    """Settings that run but train off what was sampled, or barely train."""
     warnings = []
-    if top_p < 1:
+    if config.rollout.top_p < 1:
         warnings.append(
-            f"rollout.top_p={top_p} < 1: vLLM samples from the truncated distribution but the trainer's log-probs are of "
-            "the whole one, so updates are off-distribution (rollout/logprob_abs_diff shows by how much); fix: top_p=1"
+            f"rollout.top_p={config.rollout.top_p} < 1: vLLM samples from the truncated distribution but the trainer's "
+            "log-probs are of the whole one, so updates are off-distribution (rollout/logprob_abs_diff shows by how "
+            "much); fix: top_p=1"
         )
-    if precision == "bf16-true":
+    if models.precision == "bf16-true":
         warnings.append(
             "strategy.precision=bf16-true keeps weights and AdamW states in bf16: an update smaller than 2^-8 of a weight "
             "rounds away (lr 1e-6 on |w| = 0.02 changes almost nothing); fix: strategy.precision=bf16-mixed (float32 "
             "master weights)"
         )
-    packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
-    response_width = max_episode_tokens or max_response_tokens
-    expected = (None, None, None)
-    if prompt_stats is not None:
-        expected = expected_micro_batch_tokens(
-            ppo, ppo.train_batch_size // data_parallel_size, response_width, prompt_stats, packing
-        )
-    return StepPlan(
-        data_parallel_size=data_parallel_size,
-        dataset_prompts=dataset_prompts,
-        rollout_batch_size=ppo.rollout_batch_size,
-        n_samples_per_prompt=ppo.n_samples_per_prompt,
-        samples_per_rollout_step=samples_per_rollout_step,
-        rollout_steps_per_data_epoch=rollout_steps_per_data_epoch,
-        prompts_dropped_per_data_epoch=dropped,
-        total_rollout_steps=total_rollout_steps,
-        data_epochs=data_epochs,
-        prompt_passes=total_rollout_steps * ppo.rollout_batch_size / dataset_prompts,
-        ppo_epochs=ppo.ppo_epochs,
-        train_batch_size=ppo.train_batch_size,
-        micro_train_batch_size=ppo.micro_train_batch_size,
-        mini_batches_per_ppo_epoch=mini_batches,
-        optimizer_steps_per_rollout_step=optimizer_steps_per_rollout_step,
-        total_optimizer_steps=total_optimizer_steps,
-        grad_accumulation_steps=ppo.train_batch_size // per_update_per_rank,
-        samples_per_rank_per_rollout_step=samples_per_rollout_step // data_parallel_size,
-        total_samples_generated=samples,
-        max_response_tokens=response_width,
-        max_tokens_generated=samples * response_width,
-        lr_scheduler_unit="optimizer_step",
-        lr_warmup_steps=math.ceil(ppo.lr_warmup_ratio * total_optimizer_steps),
-        lr_total_steps=total_optimizer_steps,
-        critic_enabled=ppo.advantage_estimator == "gae",
-        reference_enabled=ppo.kl_coef > 0,
-        dynamic_sampling=ds.enabled,
-        prompts_per_generation_round=per_round,
-        max_generation_rounds=max_rounds,
-        generation_rounds_per_data_epoch=rounds_per_data_epoch,
-        dynamic_sampling_on_shortfall=ds.on_shortfall,
-        precision=precision,
-        rollout_dtype=rollout_dtype,
-        rollout_engine=rollout.engine,
-        old_logprobs_source=old_logprobs_source,
-        micro_train_max_tokens=ppo.micro_train_max_tokens,
-        packing=packing,
-        attn_implementation=config.model.attn_implementation,
-        rank_balance=packing and data_parallel_size > 1,
-        max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * rollout.max_model_len,
-        prompt_stats=prompt_stats,
-        expected_real_tokens_per_micro_batch=expected[0],
-        expected_packed_tokens_per_micro_batch=expected[1],
-        expected_padded_layout_tokens_per_micro_batch=expected[2],
-        max_turns=max_turns,
-        max_episode_tokens=max_episode_tokens,
-        rollout_mode=rollout.mode,
-        max_staleness=k,
-        rollout_workers=rollout.workers if rollout.mode == "disaggregated" else 0,
-        rollout_devices_per_worker=rollout.devices if rollout.mode == "disaggregated" else 0,
-        rollout_worker_launch=rollout.worker_launch if rollout.mode == "disaggregated" else "",
-        rollout_worker_address=(
-            f"{rollout.trainer_address_host()}:{rollout.worker_port}"
-            if rollout.mode == "disaggregated" and rollout.worker_launch == "external"
-            else ""
-        ),
-        lora_rank=lora.rank,
-        lora_alpha=lora.alpha if lora.enabled else 0.0,
-        lora_target_modules=lora.target_modules if lora.enabled else "",
-        lora_adapted_names=lora_targets.names if lora.enabled and lora_targets else [],
-        lora_adapted_modules=len(lora_targets.modules) if lora.enabled and lora_targets else 0,
-        lora_adapter_parameters=lora_targets.adapter_parameters if lora.enabled and lora_targets else None,
-        vllm_max_lora_rank=lora.vllm_max_lora_rank if lora.enabled else 0,
-        notes=notes,
-        warnings=warnings,
-    )
+    return warnings
 
 
 def expected_micro_batch_tokens(
@@ -683,94 +1018,6 @@ def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[
     )
 
 
-def check_step_accounting(plan: StepPlan, rollout_step: int, actor_steps: int, critic_steps: int) -> None:
-    """The runtime proof of the plan: after each rollout step's updates, the actor and the critic took exactly the
-    optimizer steps the plan states (the critic none without one)."""
-    expected = plan.optimizer_steps_per_rollout_step
-    expected_critic = expected if plan.critic_enabled else 0
-    if actor_steps != expected or critic_steps != expected_critic:
-        raise StepAccountingError(
-            f"rollout step {rollout_step + 1}: the actor took {actor_steps} and the critic {critic_steps} optimizer steps, "
-            f"but the plan says {expected} each (ppo_epochs={plan.ppo_epochs} x {plan.mini_batches_per_ppo_epoch} "
-            "mini-batches); the update loop is not doing what the configuration says"
-        )
-
-
-def check_sample_use(plan: StepPlan, rollout_step: int, use_counts: list[list[int]]) -> None:
-    """The runtime proof of the global mini-batches: summed over the ranks, every sample of the rollout step's global
-    batch was trained exactly once in each PPO epoch (`use_counts`: [ppo_epochs][samples]), so the ranks' shares of
-    each mini-batch neither overlap nor leave a sample out, and the update is one process's."""
-    samples = plan.samples_per_rollout_step
-    wrong = [(e, i, n) for e, epoch in enumerate(use_counts) for i, n in enumerate(epoch) if n != 1]
-    if len(use_counts) != plan.ppo_epochs or any(len(epoch) != samples for epoch in use_counts) or wrong:
-        found = (
-            f"sample {wrong[0][1]} trained {wrong[0][2]} times in PPO epoch {wrong[0][0] + 1}"
-            if wrong
-            else f"{len(use_counts)} PPO epochs of {[len(epoch) for epoch in use_counts]} samples"
-        )
-        raise StepAccountingError(
-            f"rollout step {rollout_step + 1}: over the {plan.data_parallel_size} rank(s), {found}, but the plan says each "
-            f"of {samples} samples once in each of {plan.ppo_epochs} PPO epochs; the ranks' shares of the mini-batches "
-            "are not doing what the plan states"
-        )
-
-
-def check_policy_versions(plan: StepPlan, rollout_step: int, policy_versions: list[int] | None) -> None:
-    """The runtime proof of the generation schedule: every sample about to be trained in `rollout_step` was generated
-    by the policy version the plan states (`StepPlan.generating_version`), never by whatever was newest."""
-    if policy_versions is None:  # batches that no engine produced (benchmarks with fixed responses)
-        return
-    expected = plan.generating_version(rollout_step)
-    wrong = sorted({v for v in policy_versions if v != expected})
-    if wrong:
-        raise StalenessError(
-            f"rollout step {rollout_step + 1}: {sum(v != expected for v in policy_versions)} of {len(policy_versions)} "
-            f"samples were generated by policy version(s) {wrong} (lag {[rollout_step - v for v in wrong]}), but the "
-            f"plan says version {expected} (rollout.max_staleness={plan.max_staleness}, mode={plan.rollout_mode}); "
-            "the rollout schedule is not what the plan states"
-        )
-
-
-def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[tuple[int, int]]) -> None:
-    """The runtime proof of one mini-batch's micro-batches on this rank, given as (samples, tokens) each (tokens: real
-    ones when packed, laid-out positions when padded): with a fixed micro-batch size, the gradient accumulation steps
-    the plan states, micro_train_batch_size samples each; with a token budget, each within it (a longer sample
-    alone)."""
-    budget = plan.micro_train_max_tokens
-    if budget is None:
-        sizes = [samples for samples, _ in micro_batches]
-        if len(sizes) != plan.grad_accumulation_steps or any(n != plan.micro_train_batch_size for n in sizes):
-            raise StepAccountingError(
-                f"rollout step {rollout_step + 1}: a mini-batch ran as micro-batches of {sizes} samples, but the plan says "
-                f"{plan.grad_accumulation_steps} of {plan.micro_train_batch_size} (gradient accumulation); the "
-                "micro-batch split is not doing what the configuration says"
-            )
-        return
-    over = [(n, tokens) for n, tokens in micro_batches if tokens > budget and n > 1]
-    if over:
-        raise StepAccountingError(
-            f"rollout step {rollout_step + 1}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
-            f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
-        )
-
-
-def check_rank_balance(
-    plan: StepPlan, rollout_step: int, rank_samples: list[int], rank_tokens: list[int], group_tokens: list[int]
-) -> None:
-    """The runtime proof of the plan's rank split (`StepPlan.rank_balance`), given every rank's samples and real tokens
-    after the split and the prompt groups' real tokens: every rank trains samples_per_rank_per_rollout_step samples
-    (its mini-batches and micro-batches, and so the collectives in them, follow from that count), and the heaviest
-    rank is within the partition's bound of the lightest (the heaviest group minus the lightest)."""
-    bound = max(group_tokens) - min(group_tokens) if group_tokens else 0
-    expected = plan.samples_per_rank_per_rollout_step
-    if any(n != expected for n in rank_samples) or max(rank_tokens) - min(rank_tokens) > bound:
-        raise StepAccountingError(
-            f"rollout step {rollout_step + 1}: the ranks' samples split by real tokens gave {rank_samples} samples and "
-            f"{rank_tokens} real tokens, but the plan says {expected} samples each, their tokens within {bound} of each "
-            "other; the rank split is not doing what the plan states"
-        )
-
-
 def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list[list[int]]]:
     """Per PPO epoch, the global mini-batches of train_batch_size indices of the rollout step's `num_samples` samples
     (all ranks', in one process's order), reshuffled every epoch by `generator` (seeded by ppo.shuffle_seed, the same
@@ -778,9 +1025,9 @@ def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list
     mini-batch (`training/batching.py:rank_share`)."""
     import torch  # the plan itself needs no torch (mode=plan)
 
-    size = plan.train_batch_size
+    size = plan.counts.train_batch_size
     schedule = []
-    for _ in range(plan.ppo_epochs):
+    for _ in range(plan.counts.ppo_epochs):
         order = torch.randperm(num_samples, generator=generator).tolist()
         schedule.append([order[start : start + size] for start in range(0, num_samples, size)])
     return schedule

@@ -195,7 +195,7 @@ class Preemption(L.Callback):
             path = checkpoint_path(self.checkpoints.directory, module.rollout_step)
             show(
                 f"preempted by {signal.Signals(exception.signum).name}: stopped after rollout step {module.rollout_step}"
-                f" of {module.plan.total_rollout_steps}; checkpoint {path} {'written' if written else 'already on disk'}"
+                f" of {module.plan.counts.total_rollout_steps}; checkpoint {path} {'written' if written else 'already on disk'}"
                 f"; exiting with status {exception.code} (continue with resume=auto)"
             )
         for child in children:

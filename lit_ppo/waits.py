@@ -8,7 +8,7 @@ run stops in one line naming what it waited for and the setting to raise.
   them (`entering`) and `named_timeout` turns the backend's timeout into the one line naming the phase.
 - The vLLM engine's start: `rollout.engine_start_timeout_s`, a deadline in this process (`start_within`), since the
   start also waits on the engine's own process and its compilation, not only on collectives.
-- Rewards and environment calls have their own limits (`reward.timeout_s`, `rollout.environment_timeout_s`).
+- Rewards and environment calls have their own limits (`reward.timeout_s`, `rollout.episodes.environment_timeout_s`).
 """
 
 from __future__ import annotations

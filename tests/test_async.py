@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
+from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig, WorkersConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.datamodule import RolloutDataModule
@@ -30,18 +30,17 @@ from tests.test_sampling import long_prompt_files  # noqa: F401 - a fixture: 16 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 
 
-def disaggregated(k: int, **kwargs) -> RolloutConfig:
-    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker."""
-    settings = dict(
+def disaggregated(k: int, **workers) -> RolloutConfig:
+    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker; `workers`: its
+    rollout.workers settings (WorkersConfig) beside the tests' timeouts."""
+    return RolloutConfig(
         max_response_tokens=6,
         eval_samples_per_prompt=2,
         temperature=0.8,
         mode="disaggregated",
         max_staleness=k,
-        worker_start_timeout_s=300.0,
-        batch_timeout_s=120.0,
+        workers=WorkersConfig(**{"start_timeout_s": 300.0, "batch_timeout_s": 120.0, **workers}),
     )
-    return RolloutConfig(**{**settings, **kwargs})
 
 
 def digit_share(prompts, responses, references, extras, **_) -> list[float]:
@@ -128,23 +127,29 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             r"ppo.dynamic_sampling.enabled=true: .*fix:",
         ),
         (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
-        (["rollout.mode=disaggregated", "rollout.workers=0", "rollout.max_staleness=0"], r"rollout.workers=0 must"),
-        (["rollout.batch_timeout_s=0"], r"^rollout.batch_timeout_s=0 must be a positive number of seconds"),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=ssh"],
-            r"^rollout.worker_launch='ssh' is unknown; fix: use one of spawn, external$",
+            ["rollout.mode=disaggregated", "rollout.workers.count=0", "rollout.max_staleness=0"],
+            r"rollout.workers.count=0 must",
         ),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=0"],
-            r"^rollout.worker_port=0 with rollout.worker_launch=external must be a TCP port .*fix: e.g. rollout.worker_port",
+            ["rollout.workers.batch_timeout_s=0"],
+            r"^rollout.workers.batch_timeout_s=0 must be a positive number of seconds",
         ),
         (
-            ["rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.worker_port=70000"],
-            r"^rollout.worker_port=70000 with rollout.worker_launch=external must be a TCP port \(1..65535\)",
+            ["rollout.mode=disaggregated", "rollout.workers.launch=ssh"],
+            r"^rollout.workers.launch='ssh' is unknown; fix: use one of spawn, external$",
         ),
         (
-            ["rollout.worker_heartbeat_timeout_s=0"],
-            r"^rollout.worker_heartbeat_timeout_s=0 must be a positive number of seconds",
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=0"],
+            r"^rollout.workers.port=0 with rollout.workers.launch=external must be a TCP port .*fix: e.g. rollout.workers.port",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=70000"],
+            r"^rollout.workers.port=70000 with rollout.workers.launch=external must be a TCP port \(1..65535\)",
+        ),
+        (
+            ["rollout.workers.heartbeat_timeout_s=0"],
+            r"^rollout.workers.heartbeat_timeout_s=0 must be a positive number of seconds",
         ),
         # with model.lora, what rollout workers cannot do is refused as without it, naming the key
         (
@@ -188,9 +193,10 @@ def test_the_correction_is_on_by_default_exactly_where_the_samples_are_of_an_old
 
 def test_the_plan_states_the_schedule_and_the_devices():
     plan = compute_plan(
-        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers=2"), 2000
+        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers.count=2"),
+        2000,
     )
-    assert (plan.rollout_mode, plan.max_staleness, plan.rollout_workers) == ("disaggregated", 1, 2)
+    assert (plan.workers.max_staleness, plan.max_staleness, plan.workers.count) == (1, 1, 2)
     assert [plan.generating_version(s) for s in range(4)] == [0, 0, 1, 2]
     table = plan.table()
     assert "step 0 <- v0, step 1 <- v0, step 2 <- v1, step 3 <- v2, ..., step 29 <- v28" in table
@@ -204,30 +210,30 @@ def test_the_plan_states_the_schedule_and_the_devices():
 
 def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(monkeypatch):
     spawned = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000)
-    assert (spawned.rollout_worker_launch, spawned.rollout_worker_address) == ("spawn", "")
+    assert (spawned.workers.launch, spawned.workers.address) == ("spawn", "")
     assert "the trainer starts them on its own node" in spawned.table()
     external = compute_plan(
         compose_run_config(
             "rollout.mode=disaggregated",
-            "rollout.worker_launch=external",
-            "rollout.worker_port=29700",
-            "rollout.trainer_host=node0",
-            "rollout.workers=3",
+            "rollout.workers.launch=external",
+            "rollout.workers.port=29700",
+            "rollout.workers.trainer_host=node0",
+            "rollout.workers.count=3",
         ),
         2000,
     )
-    assert (external.rollout_worker_launch, external.rollout_worker_address) == ("external", "node0:29700")
+    assert (external.workers.launch, external.workers.address) == ("external", "node0:29700")
     table = external.table()
     assert "the launcher starts them on any node; they connect to node0:29700" in table
     assert "python -m lit_ppo.rollout.workers --connect node0:29700" in table
     assert "processes, on the devices their launcher gives them" in table
-    # the host: rollout.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
+    # the host: rollout.workers.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
     monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
-    overrides = ("rollout.mode=disaggregated", "rollout.worker_launch=external")
-    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == "10.0.0.7:29600"
+    overrides = ("rollout.mode=disaggregated", "rollout.workers.launch=external")
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == "10.0.0.7:29600"
     monkeypatch.delenv("LIT_PPO_ROLLOUT_HOST")
-    assert compute_plan(compose_run_config(*overrides), 2000).rollout_worker_address == f"{socket.gethostname()}:29600"
-    assert compute_plan(compose_run_config(), 2000).rollout_worker_launch == ""  # colocated: no workers
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == f"{socket.gethostname()}:29600"
+    assert compute_plan(compose_run_config(), 2000).workers is None  # colocated: no workers
 
 
 def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_each_worker():
@@ -236,9 +242,9 @@ def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_e
     plan = compute_plan(
         compose_run_config("rollout.mode=disaggregated", "model.lora.rank=16", "model.lora.alpha=32"), 2000
     )
-    assert (plan.rollout_mode, plan.max_staleness) == ("disaggregated", 1)
-    assert (plan.lora_rank, plan.vllm_max_lora_rank) == (16, 16)
-    assert plan.reference_enabled and [plan.generating_version(s) for s in range(3)] == [0, 0, 1]
+    assert plan.workers and plan.max_staleness == 1
+    assert (plan.lora.rank, plan.lora.vllm_max_lora_rank) == (16, 16)
+    assert plan.models.reference_enabled and [plan.generating_version(s) for s in range(3)] == [0, 0, 1]
     table = plan.table()
     assert (
         "vLLM in each rollout worker: the base loaded once, only the adapter pushed over gloo after each rollout "
@@ -301,7 +307,7 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
     lags = [row["rollout/policy_version_lag"] for row in module.history]
     assert lags == [0.0, 1.0, 1.0]
     assert (out / "logs" / "rollout_worker0.log").exists()
-    assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
 def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
@@ -456,7 +462,7 @@ def ended(*procs: subprocess.Popen, timeout_s: float) -> list[int | None]:
 
 
 def external(port: int, **kwargs) -> RolloutConfig:
-    return disaggregated(1, worker_launch="external", worker_port=port, trainer_host="127.0.0.1", **kwargs)
+    return disaggregated(1, launch="external", port=port, trainer_host="127.0.0.1", **kwargs)
 
 
 def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
@@ -465,7 +471,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
     long_prompt_files,  # noqa: F811
     tmp_path,
 ):
-    """rollout.worker_launch=external: the trainer hosts the store on rollout.worker_port and waits; a worker started
+    """rollout.workers.launch=external: the trainer hosts the store on rollout.workers.port and waits; a worker started
     as torchrun would start it (its number from RANK, the launcher's rendezvous variables in its environment)
     connects, and the run's samples and rewards are exactly the spawned run's (`one_step_off`: same seed and
     schedule). Its log is where its launcher put it; the trainer's close stops it."""
@@ -478,7 +484,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
         codes = ended(worker, timeout_s=60)
     assert codes == [0], (tmp_path / "worker.log").read_text()[-3000:]
     assert "terminate called" not in (tmp_path / "worker.log").read_text()
-    assert plan.rollout_worker_address == f"127.0.0.1:{port}"
+    assert plan.workers.address == f"127.0.0.1:{port}"
     _, spawned, *_ = one_step_off
     assert [b.rollout_step for b in batches] == [0, 1, 2]
     for ours, theirs in zip(batches, spawned, strict=True):
@@ -492,7 +498,7 @@ def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
 
 
 def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
-    """rollout.workers=2, only worker 0 started: the trainer stops after rollout.worker_start_timeout_s naming worker
+    """rollout.workers.count=2, only worker 0 started: the trainer stops after rollout.workers.start_timeout_s naming worker
     1, the address and how to start it; worker 0 then ends by itself (the trainer's store is gone)."""
     port = free_port()
     worker0 = launch_worker(tmp_path / "worker0.log", port, 0)
@@ -502,7 +508,7 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
                 tiny_model_dir,
                 long_prompt_files,
                 tmp_path / "run",
-                external(port, workers=2, worker_start_timeout_s=20.0),
+                external(port, count=2, start_timeout_s=20.0),
                 **TIS,
             )
         failed_at = time.monotonic()
@@ -511,7 +517,7 @@ def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_m
     message = str(info.value)
     assert message.startswith(
         f"trainer: rollout worker(s) 1 of 2 never connected to the trainer at 127.0.0.1:{port} within "
-        "rollout.worker_start_timeout_s=20 s (rollout.worker_launch=external: the launcher starts them); fix: run "
+        "rollout.workers.start_timeout_s=20 s (rollout.workers.launch=external: the launcher starts them); fix: run "
         f"`python -m lit_ppo.rollout.workers --connect 127.0.0.1:{port} --worker <N>` for each"
     ), message
     assert "\n" not in message
@@ -545,7 +551,7 @@ def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tm
 
     assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "2") == (
         2,
-        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers=2 (numbers 0..1); "
+        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers.count=2 (numbers 0..1); "
         "fix: start that many workers, numbered from 0",
     )
     assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "0", "--workers", "3")[1].startswith(
@@ -600,7 +606,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     tmp_path,
 ):
     """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
-    rollout.worker_heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
+    rollout.workers.heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
     its log is there."""
     port = free_port()
     worker = launch_worker(tmp_path / "worker.log", port, 0)
@@ -611,7 +617,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
                 tiny_model_dir,
                 long_prompt_files,
                 tmp_path / "run",
-                external(port, worker_heartbeat_timeout_s=5.0),
+                external(port, heartbeat_timeout_s=5.0),
                 callbacks=[kill],
                 **TIS,
             )
@@ -622,7 +628,7 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     node = socket.gethostname()
     assert message.startswith(
         f"trainer: rollout worker 0 (pid {worker.pid} on {node}) sent no heartbeat for "
-        "rollout.worker_heartbeat_timeout_s=5 s while the trainer waited for "
+        "rollout.workers.heartbeat_timeout_s=5 s while the trainer waited for "
     ), message
     assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
     assert "\n" not in message
@@ -659,7 +665,7 @@ def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_plan
     assert adapter_bytes < full_bytes / 4
     log = (out / "logs" / "rollout_worker0.log").read_text()
     assert all(f"policy version {v} applied" in log for v in range(4))  # 0 at the start, then one per rollout step
-    assert module.actor_optimizer_steps == 3 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
 def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_version(one_step_off_lora):

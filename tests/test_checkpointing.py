@@ -29,7 +29,7 @@ def test_checkpointing_recomputes_every_decoder_layer(tiny_model_dir, engine, ar
             layer.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
         trainer.fit(module, datamodule=datamodule)
         calls[checkpointing] = count[0]
-    micro_batches = plan.total_optimizer_steps * plan.grad_accumulation_steps
+    micro_batches = plan.counts.total_optimizer_steps * plan.layout.grad_accumulation_steps
     assert micro_batches > 0
     assert calls[True] - calls[False] == micro_batches * len(layers), calls
 

@@ -59,7 +59,7 @@ def test_experiment_composes_and_plans(name, tmp_path):
 
     assert run_module.main(cfg) is None  # mode=plan: the plan from the config alone, no weights, data or GPU
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["total_optimizer_steps"] > 0 and plan["samples_per_rollout_step"] > 0
+    assert plan["counts"]["total_optimizer_steps"] > 0 and plan["counts"]["samples_per_rollout_step"] > 0
     assert plan["memory"] is not None, (
         f"mode=plan cannot estimate {name}'s memory; fix: give the experiment a "
         "model.architecture block (see conf/experiment/qwen7b.yaml)"

@@ -132,3 +132,123 @@ def test_ranges_are_written_beside_their_fields():
     assert ranges["temperature"] == Range(0.01, 2, why=ranges["temperature"].why) and 1.0 in ranges["temperature"]
     assert 0 not in ranges["max_response_tokens"] and 1 in ranges["max_response_tokens"]
     assert str(ranges["top_p"]) == "in (0, 1]" and str(ranges["max_response_tokens"]) == ">= 1"
+
+
+# ---------------------------------------------------------------- rollout.episodes and rollout.workers (issue 35)
+
+
+@pytest.fixture
+def fresh_announcements(monkeypatch):
+    """Each test sees the moved keys unannounced (a process announces each once)."""
+    import lit_ppo.config as config_module
+
+    monkeypatch.setattr(config_module, "_announced", set())
+
+
+def test_an_old_flat_rollout_key_on_the_command_line_works_and_is_announced_once(fresh_announcements, capsys):
+    from lit_ppo.config import moved_override
+
+    assert moved_override("rollout.worker_launch=external") == "rollout.workers.launch=external"
+    assert moved_override("rollout.worker_launch=spawn") == "rollout.workers.launch=spawn"  # a sweep's second value
+    assert moved_override("+rollout.environment._target_=x.Env") == "+rollout.episodes.environment._target_=x.Env"
+    assert moved_override("rollout.workers=2") == "rollout.workers.count=2"
+    assert moved_override("rollout.max_episode_tokens=40") == "rollout.episodes.max_tokens=40"
+    # new keys and others pass as they are, unannounced
+    for override in ("rollout.workers.count=2", "rollout.episodes.max_turns=3", "rollout.max_staleness=1", "seed=1"):
+        assert moved_override(override) == override
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "warning: rollout.worker_launch moved to rollout.workers.launch; the old key works for this release only "
+        "(fix: write rollout.workers.launch)",
+        "warning: rollout.environment moved to rollout.episodes.environment; the old key works for this release only "
+        "(fix: write rollout.episodes.environment)",
+        "warning: rollout.workers moved to rollout.workers.count; the old key works for this release only "
+        "(fix: write rollout.workers.count)",
+        "warning: rollout.max_episode_tokens moved to rollout.episodes.max_tokens; the old key works for this release "
+        "only (fix: write rollout.episodes.max_tokens)",
+    ]
+
+
+def test_old_flat_rollout_keys_in_yaml_work_and_are_announced_once(fresh_announcements, capsys, tmp_path):
+    """An experiment file of the last release, composed by Hydra over a copy of conf/: its flat keys land in
+    rollout.episodes and rollout.workers, each announced in one line."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from lit_ppo.config import RunConfig
+    from tests.helpers import CONF
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "old_keys.yaml").write_text(
+        "# @package _global_\n"
+        "rollout:\n"
+        "  environment: {_target_: lit_ppo.environments.CalculatorEnvironment, call_start: '[', call_end: ']'}\n"
+        "  max_turns: 3\n  max_episode_tokens: 40\n  episode_reward: reward\n"
+        "  workers: 2\n  worker_launch: external\n  worker_port: 29611\n"
+    )
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=old_keys"])
+    rollout = RunConfig.from_hydra(cfg).rollout
+    assert rollout.episodes.environment["_target_"] == "lit_ppo.environments.CalculatorEnvironment"
+    assert (rollout.episodes.max_turns, rollout.episodes.max_tokens, rollout.episodes.reward) == (3, 40, "reward")
+    assert (rollout.workers.count, rollout.workers.launch, rollout.workers.port) == (2, "external", 29611)
+    assert rollout.workers.batch_timeout_s == 600.0  # the section's other keys keep their defaults
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 7 and all(line.startswith("warning: rollout.") and " moved to " in line for line in err)
+    RunConfig.from_hydra(cfg)  # parsed again in the same process (a rank, a worker): not announced again
+    assert capsys.readouterr().err == ""
+
+
+def test_the_new_nested_rollout_keys_work(fresh_announcements, capsys):
+    from tests.helpers import compose_run_config
+
+    config = compose_run_config(
+        "rollout.mode=disaggregated",
+        "rollout.workers.count=2",
+        "rollout.workers.launch=external",
+        "rollout.workers.trainer_host=node7",
+        "+experiment=tool_arithmetic",
+        "rollout.mode=colocated",
+        "rollout.episodes.max_turns=2",
+    )
+    assert (config.rollout.workers.count, config.rollout.workers.launch) == (2, "external")
+    assert config.rollout.workers.trainer_address_host() == "node7"
+    assert config.rollout.episodes.max_turns == 2 and config.rollout.episode_tokens() == 40
+    assert capsys.readouterr().err == ""  # nothing moved, nothing announced
+
+
+def test_an_unknown_rollout_key_is_refused_with_the_close_match(fresh_announcements):
+    from omegaconf import OmegaConf
+
+    from lit_ppo.config import RunConfig
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import compose_config
+
+    for section, wrong, right in (("workers", "lanch", "launch"), ("episodes", "max_turn", "max_turns")):
+        cfg = compose_config()
+        OmegaConf.set_struct(cfg, False)  # as `+rollout.workers.lanch=...` adds it
+        cfg.rollout[section][wrong] = 1
+        with pytest.raises(
+            ConfigError,
+            match=rf"unknown key\(s\) rollout\.{section}\.{wrong}; fix: remove them or "
+            rf"correct rollout\.{section}\.{wrong} \(did you mean rollout\.{section}\.{right}\?\)",
+        ):
+            RunConfig.from_hydra(cfg)
+
+
+def test_a_rollout_key_set_under_its_old_and_new_name_is_refused(fresh_announcements):
+    from omegaconf import OmegaConf
+
+    from lit_ppo.config import RunConfig
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import compose_config
+
+    cfg = compose_config("rollout.workers.launch=external")
+    OmegaConf.set_struct(cfg, False)
+    cfg.rollout.worker_launch = "spawn"
+    with pytest.raises(
+        ConfigError, match="rollout.worker_launch='spawn' and rollout.workers.launch='external' are both"
+    ):
+        RunConfig.from_hydra(cfg)

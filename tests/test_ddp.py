@@ -206,10 +206,12 @@ def test_two_processes_train_with_an_engine_per_rank(parallel_run):
         -2000:
     ]
     plan = json.loads((run / "plan.json").read_text())
-    assert plan["data_parallel_size"] == 2 and plan["samples_per_rank_per_rollout_step"] == 64
-    assert plan["packing"] and plan["rank_balance"]  # the tiny Qwen2 model packs: ranks balanced by real tokens
-    assert plan["optimizer_steps_per_rollout_step"] == 4  # 128 samples / 64 per update x 2 PPO epochs
-    assert plan["grad_accumulation_steps"] == 1  # 64 / (32 per micro-batch x 2 ranks)
+    assert plan["counts"]["data_parallel_size"] == 2 and plan["counts"]["samples_per_rank_per_rollout_step"] == 64
+    assert (
+        plan["layout"]["packing"] and plan["layout"]["rank_balance"]
+    )  # the tiny Qwen2 model packs: ranks balanced by real tokens
+    assert plan["counts"]["optimizer_steps_per_rollout_step"] == 4  # 128 samples / 64 per update x 2 PPO epochs
+    assert plan["layout"]["grad_accumulation_steps"] == 1  # 64 / (32 per micro-batch x 2 ranks)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data_parallel_size"] == 2 and summary["rollout_steps"] == 2
     assert (
@@ -302,7 +304,7 @@ def padded_runs(tmp_path_factory, cache, single_run) -> tuple[Path, Path]:
 
 def test_two_padded_ranks_make_one_process_s_update_with_the_default_mini_batches(padded_runs):
     one, two = padded_runs
-    assert json.loads((two / "plan.json").read_text())["optimizer_steps_per_rollout_step"] == 2
+    assert json.loads((two / "plan.json").read_text())["counts"]["optimizer_steps_per_rollout_step"] == 2
     assert_same_weights(final_actor(two), final_actor(one))
     for a, b in zip(metrics(one), metrics(two), strict=True):
         assert float(b["actor/grad_norm"]) == pytest.approx(float(a["actor/grad_norm"]), rel=1e-5)

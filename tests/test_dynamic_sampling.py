@@ -89,7 +89,7 @@ def test_refill_keeps_the_planned_optimizer_steps_and_counts_what_it_drew(full_r
     module, datamodule, plan, batches = full_run
     answers = [int(p.reference) for p in datamodule.train_prompts.prompts]
     # 8 prompts x 4 samples / 8 per update = 4 optimizer steps per rollout step, whatever the rounds drawn.
-    assert plan.optimizer_steps_per_rollout_step == 4
+    assert plan.counts.optimizer_steps_per_rollout_step == 4
     assert module.actor_optimizer_steps == 5 * 4
     first_round = 0
     for row, batch in zip(module.history, batches):
@@ -110,7 +110,7 @@ def test_refill_keeps_the_planned_optimizer_steps_and_counts_what_it_drew(full_r
         datamodule.next_generation_round == first_round == sum(r["rollout/generation_rounds"] for r in module.history)
     )
     assert max(r["rollout/generation_rounds"] for r in module.history) > 1
-    assert first_round > plan.generation_rounds_per_data_epoch == 8
+    assert first_round > plan.counts.generation_rounds_per_data_epoch == 8
 
 
 def test_reward_counts_are_summed_over_every_round(paths, engine, tmp_path):
@@ -138,7 +138,9 @@ def test_resume_mid_run_matches_an_uninterrupted_run(paths, engine, full_run, tm
         steps=5,
         resume_from=str(checkpoint_path(tmp_path / "split" / "checkpoints", 3)),
     )
-    assert resumed_dm.next_generation_round == full_dm.next_generation_round > plan.generation_rounds_per_data_epoch
+    assert (
+        resumed_dm.next_generation_round == full_dm.next_generation_round > plan.counts.generation_rounds_per_data_epoch
+    )
     assert resumed.actor_optimizer_steps == full.actor_optimizer_steps == 20
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
     keys = ("rollout/reward_mean", "rollout/generation_rounds", "rollout/prompts_consumed", "rollout/dropped_groups")
@@ -164,12 +166,16 @@ def test_plan_states_the_rounds_and_refuses_data_epochs():
         dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=3, prompts_per_round=16),
     )
     plan = plan_of(100, ppo=ppo, steps=5)
-    assert (plan.prompts_per_generation_round, plan.max_generation_rounds, plan.generation_rounds_per_data_epoch) == (
+    assert (
+        plan.counts.prompts_per_generation_round,
+        plan.dynamic_sampling.max_generation_rounds,
+        plan.counts.generation_rounds_per_data_epoch,
+    ) == (
         16,
         3,
         6,
     )
-    assert plan.optimizer_steps_per_rollout_step == 4
+    assert plan.counts.optimizer_steps_per_rollout_step == 4
     assert "rounds of 16 prompts (3 at most)" in plan.table() and "stay 4" in plan.table()
     with pytest.raises(ConfigError, match="trainer.total_rollout_steps"):
         plan_of(100, ppo=ppo, steps=None, data_epochs=1.0)

@@ -116,7 +116,7 @@ def test_cli_run_writes_every_output_file(cli_run):
         "eval/reward",
     } <= set(rows[0])
     plan = json.loads((cli_run / "plan.json").read_text())
-    assert plan["total_optimizer_steps"] == 4
+    assert plan["counts"]["total_optimizer_steps"] == 4
     assert (cli_run / "curves.png").stat().st_size > 10_000
     checkpoint = torch.load(cli_run / "checkpoints" / "rollout_step_000002.ckpt", weights_only=False)
     assert checkpoint["lit_ppo"]["rollout_step"] == 2 and checkpoint["lit_ppo"]["actor_optimizer_steps"] == 4

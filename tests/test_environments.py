@@ -79,7 +79,7 @@ def test_environment_factory_from_config():
     make = build_environment_factory({"_target_": "lit_ppo.environments.CalculatorEnvironment", "call_end": "]"})
     first, second = make(), make()
     assert first is not second and first.call_end == "]"  # one environment per episode
-    with pytest.raises(ConfigError, match="rollout.environment: cannot build"):
+    with pytest.raises(ConfigError, match="rollout.episodes.environment: cannot build"):
         build_environment_factory({"_target_": "lit_ppo.environments.NoSuchThing"})
     with pytest.raises(ConfigError, match="lacks reset"):
         build_environment_factory({"_target_": "builtins.dict"})
@@ -450,7 +450,7 @@ def test_environment_failures_under_on_error_zero_are_counted_and_said(caplog):
 
 
 def test_observations_that_do_not_fit_the_episode_budget_are_counted_and_said(caplog):
-    """An environment whose observations never fit rollout.max_episode_tokens truncated every episode (reward 0,
+    """An environment whose observations never fit rollout.episodes.max_tokens truncated every episode (reward 0,
     eval 0.000 -> 0.000) without a line."""
     tok = merging_tokenizer()
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
@@ -476,8 +476,8 @@ def test_observations_that_do_not_fit_the_episode_budget_are_counted_and_said(ca
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
         "rollout step 1: 3 of 3 episodes were cut at an observation that did not fit the episode's budget "
-        "(rollout.max_episode_tokens=64: prompt excluded, turns and observations; the longest cut observation had "
-        f"{observation_tokens} tokens, with 59 left); fix: raise rollout.max_episode_tokens or shorten the "
+        "(rollout.episodes.max_tokens=64: prompt excluded, turns and observations; the longest cut observation had "
+        f"{observation_tokens} tokens, with 59 left); fix: raise rollout.episodes.max_tokens or shorten the "
         "environment's observations"
     ]
     # Out of turns is not that: cut silently, as a response out of tokens is (rollout/truncated counts it).
@@ -513,7 +513,7 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     """The actor's gradient from PPOModule._actor_backward on a packed episode equals the gradient of the loss
     written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
     tokens; advantages put on the observation tokens change nothing."""
-    from lit_ppo.config import PPOConfig, RolloutConfig
+    from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
     from lit_ppo.training.experience import Experience
     from lit_ppo.training.module import PPOModule
     from tests.helpers import plan_of
@@ -529,7 +529,10 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
     plan = plan_of(
         1,
         ppo=ppo,
-        rollout=RolloutConfig(max_response_tokens=8, environment={"_target_": "x"}, max_turns=2, max_episode_tokens=8),
+        rollout=RolloutConfig(
+            max_response_tokens=8,
+            episodes=EpisodesConfig(environment={"_target_": "x"}, max_turns=2, max_tokens=8),
+        ),
     )
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0)
     module.manual_backward = lambda loss: loss.backward()
@@ -626,11 +629,11 @@ def test_warm_start_demonstrations_use_the_environment_format():
 
 
 def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_files):
-    """rollout.episode_reward=reward: the reward function scores the episode's whole response text (turns and
+    """rollout.episodes.reward=reward: the reward function scores the episode's whole response text (turns and
     observations), as TRL-style tool setups do; =environment: the sum of the environment's step rewards."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import PPOConfig, RolloutConfig
+    from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
     from lit_ppo.rewards import RewardScorer
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
@@ -648,14 +651,16 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     for source in ("reward", "environment"):
         rollout = RolloutConfig(
             max_response_tokens=8,
-            max_turns=2,
-            episode_reward=source,
-            environment={
-                "_target_": "lit_ppo.environments.CalculatorEnvironment",
-                "call_start": "[",
-                "call_end": "]",
-                "result_format": "={}\n",
-            },
+            episodes=EpisodesConfig(
+                max_turns=2,
+                reward=source,
+                environment={
+                    "_target_": "lit_ppo.environments.CalculatorEnvironment",
+                    "call_start": "[",
+                    "call_end": "]",
+                    "result_format": "={}\n",
+                },
+            ),
         )
         plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
         engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
@@ -684,7 +689,7 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     on a shortfall, filled back; the batch keeps the episodes' policy masks and ids."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import DynamicSamplingConfig, PPOConfig, RolloutConfig
+    from lit_ppo.config import DynamicSamplingConfig, EpisodesConfig, PPOConfig, RolloutConfig
     from lit_ppo.rewards import RewardScorer, integer_match
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
@@ -703,13 +708,15 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     )
     rollout = RolloutConfig(
         max_response_tokens=8,
-        max_turns=2,
-        environment={
-            "_target_": "lit_ppo.environments.CalculatorEnvironment",
-            "call_start": "[",
-            "call_end": "]",
-            "result_format": "={}\n",
-        },
+        episodes=EpisodesConfig(
+            max_turns=2,
+            environment={
+                "_target_": "lit_ppo.environments.CalculatorEnvironment",
+                "call_start": "[",
+                "call_end": "]",
+                "result_format": "={}\n",
+            },
+        ),
     )
     plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
     engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
@@ -743,7 +750,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
     bar, the waits and every other message count from 1."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.config import PPOConfig, RolloutConfig
+    from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
     from lit_ppo.rewards import RewardScorer, integer_match
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
@@ -754,9 +761,11 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=4)
     rollout = RolloutConfig(
         max_response_tokens=8,
-        max_turns=2,
-        max_episode_tokens=24,
-        environment={"_target_": "tests.test_environments.LongAnswerTool", "call_start": "[", "call_end": "]"},
+        episodes=EpisodesConfig(
+            max_turns=2,
+            max_tokens=24,
+            environment={"_target_": "tests.test_environments.LongAnswerTool", "call_start": "[", "call_end": "]"},
+        ),
     )
     dm = RolloutDataModule(
         plan=plan_of(len(prompts), ppo=ppo, rollout=rollout),

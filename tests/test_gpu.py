@@ -250,15 +250,15 @@ def test_memory_estimate_is_within_30_percent_of_the_measured_peak(
         prompt_tokens=P,
         response_tokens=T,
         gradient_checkpointing=checkpointing,
-        critic=plan.critic_enabled,
-        reference=plan.reference_enabled,
-        rollout_dtype=plan.rollout_dtype,
-        rollout_sequences=plan.samples_per_rank_per_rollout_step,
+        critic=plan.models.critic_enabled,
+        reference=plan.models.reference_enabled,
+        rollout_dtype=plan.models.rollout_dtype,
+        rollout_sequences=plan.counts.samples_per_rank_per_rollout_step,
         max_model_len=P + T,
         on_gpu=True,
     )
     estimated = estimate_memory(shape, inputs).training_bytes
-    assert plan.critic_enabled and plan.reference_enabled and len(peak.peaks) >= 2
+    assert plan.models.critic_enabled and plan.models.reference_enabled and len(peak.peaks) >= 2
     measured = peak.peaks[1] - before  # (a third call, which ends the stream, trains nothing)
     assert 0.7 <= estimated / measured <= 1.3, f"estimated {estimated / GIB:.2f} GiB, measured {measured / GIB:.2f}"
 

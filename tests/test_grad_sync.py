@@ -60,8 +60,8 @@ def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["grad_accumulation_steps"] == 4 and plan["optimizer_steps_per_rollout_step"] == 2
-    steps = plan["total_optimizer_steps"]
+    assert plan["layout"]["grad_accumulation_steps"] == 4 and plan["counts"]["optimizer_steps_per_rollout_step"] == 2
+    steps = plan["counts"]["total_optimizer_steps"]
     for rank in (0, 1):
         lines = (counts / f"rank{rank}.txt").read_text().split()
         if strategy == "ddp":

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ppo.config import RolloutConfig
+from lit_ppo.config import EpisodesConfig, RolloutConfig
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.engine import sampling_seeds
@@ -177,7 +177,7 @@ def test_trainer_logprobs_equal_the_hf_engines(tiny_model_dir, long_prompt_files
         train_batch_size=16,
         micro_train_batch_size=8,
     )
-    assert datamodule.engine.model is module.actor and plan.rollout_engine == "hf"
+    assert datamodule.engine.model is module.actor and plan.models.rollout_engine == "hf"
     batch = datamodule.produce_rollout(0)
     assert min(len(p) for p in batch.prompt_ids) >= 100
     exp = module.make_experience(batch)
@@ -194,9 +194,7 @@ def test_an_episode_with_a_tool_environment_runs_on_the_hf_engine(tiny_model_dir
         max_response_tokens=6,
         temperature=0.7,
         eval_samples_per_prompt=2,
-        environment=ENVIRONMENT,
-        max_turns=3,
-        max_episode_tokens=30,
+        episodes=EpisodesConfig(environment=ENVIRONMENT, max_turns=3, max_tokens=30),
     )
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir, None, arithmetic_files, tmp_path, total_rollout_steps=2, rollout=rollout
@@ -215,7 +213,7 @@ def test_an_episode_with_a_tool_environment_runs_on_the_hf_engine(tiny_model_dir
     trainer.fit(module, datamodule=datamodule)
     row = module.history[-1]
     assert row["rollout/turns_mean"] > 1 and row["rollout/tool_calls"] > 0 and row["rollout/logprob_abs_diff"] < 1e-4
-    assert module.actor_optimizer_steps == 2 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
     assert "eval/tool_call_rate" in module.eval_history[-1]
     assert datamodule.engine.weights_version == 3  # the start and each rollout step: nothing to load
 
@@ -249,8 +247,10 @@ def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
     assert [int(float(r["rollout_step"])) for r in read_csv(out / "metrics.csv")] == [0, 1, 2]  # 0: the first eval
     rows = rollout_step_rows(out / "metrics.csv")
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["rollout_engine"] == "hf"
-    limit = 1e-4 if plan["precision"] == "32-true" else 2e-2  # bf16-mixed: both sides compute in bf16 autocast
+    assert plan["models"]["rollout_engine"] == "hf"
+    limit = (
+        1e-4 if plan["models"]["precision"] == "32-true" else 2e-2
+    )  # bf16-mixed: both sides compute in bf16 autocast
     assert all(0 <= float(r["rollout/logprob_abs_diff"]) < limit for r in rows), [
         r["rollout/logprob_abs_diff"] for r in rows
     ]

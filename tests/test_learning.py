@@ -48,5 +48,5 @@ def test_default_experiment_learns(run, tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     # float32 on both sides: the same distribution up to summation order. The run's name does not say: precision=auto
     # is bf16-mixed with bf16 sampling on a CPU with native bf16 (0.003-0.011 nats/token there, e.g. ppo=dapo).
-    if plan["precision"] == "32-true" and plan["rollout_dtype"] == "float32":
+    if plan["models"]["precision"] == "32-true" and plan["models"]["rollout_dtype"] == "float32":
         assert max(diffs) < 1e-2, diffs

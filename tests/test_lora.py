@@ -54,7 +54,7 @@ def test_the_plan_states_the_adapter_and_the_reference_without_a_copy():
 
     plan = compute_plan(config, 2000)
     table = plan.table()
-    assert plan.lora_rank == 16 and plan.vllm_max_lora_rank == 16 and plan.reference_enabled
+    assert plan.lora.rank == 16 and plan.lora.vllm_max_lora_rank == 16 and plan.models.reference_enabled
     assert "rank 16" in table and "alpha 32, targets all-linear" in table
     assert "the actor with its adapter disabled (no copy of the weights)" in table
     assert "only the adapter synced after each rollout step" in table
@@ -108,8 +108,8 @@ def test_the_plan_states_the_modules_adapted_and_the_adapter_counted_on_the_mode
     plan = json.loads((tmp_path / "plan.json").read_text())
     adapter = 8 * 4 * per_layer  # rank 8, 4 layers
     modules = 4 * len(names.split(", "))
-    assert plan["lora_adapted_names"] == names.split(", ") and plan["lora_adapted_modules"] == modules
-    assert plan["lora_adapter_parameters"] == adapter
+    assert plan["lora"]["adapted_names"] == names.split(", ") and plan["lora"]["adapted_modules"] == modules
+    assert plan["lora"]["adapter_parameters"] == adapter
     assert f"linear modules {names}, matched on the model's architecture" in printed and f"({adapter:,})" in printed
     rows = {row["what"]: row for row in plan["memory"]["rows"]}
     assert rows["trained weights (LoRA)"]["bytes"] == (2 * adapter + 128 + 1) * 4  # actor + critic, value head
@@ -159,7 +159,7 @@ def test_fsdp_plans_a_lora_run_with_the_frozen_base_sharded(tmp_path, capsys):
     )
     assert "the actor with its adapter disabled (no copy of the weights)" in capsys.readouterr().out
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["lora_rank"] == 32 and plan["data_parallel_size"] == 8
+    assert plan["lora"]["rank"] == 32 and plan["counts"]["data_parallel_size"] == 8
     rows = {row["what"]: row for row in plan["memory"]["rows"]}
     assert (
         rows["frozen base weights"]["bytes"] == 7_615_616_512 * 2 // 8
@@ -448,7 +448,7 @@ def test_under_bf16_mixed_the_frozen_base_is_bf16_and_only_the_float32_adapter_h
 
     config = run_config(precision="bf16-mixed")
     plan = plan_of(64, precision="bf16-mixed")
-    assert plan.critic_enabled and plan.reference_enabled
+    assert plan.models.critic_enabled and plan.models.reference_enabled
     actor, critic, reference = load_models(tiny_model_dir, plan, lora=LoraConfig(rank=8))
     assert reference is None
     for model in (actor, critic):

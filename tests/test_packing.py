@@ -292,7 +292,7 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
     monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
     ppo = four_prompts_of_two_samples()
     plan = plan_of(4, ppo=ppo, dp=2, rollout=dataclasses.replace(compose_run_config().rollout, max_model_len=2048))
-    assert plan.rank_balance and plan.samples_per_rank_per_rollout_step == 4
+    assert plan.layout.rank_balance and plan.counts.samples_per_rank_per_rollout_step == 4
     assert any(line.startswith("rank split") and "by tokens" in line for line in plan.table().splitlines())
     balanced = [batching.balanced_rank_batch(shares[rank], plan, rank) for rank in range(2)]
     tokens = [len(p) + len(r) for p, r in zip(whole.prompt_ids, whole.response_ids)]
@@ -330,8 +330,8 @@ def test_rank_balance_check_fires():
         check_rank_balance(plan, 0, [6, 2], [1000, 900], [100, 300, 500, 1000])
     with pytest.raises(StepAccountingError, match="within 900 of each other; the rank split is not doing"):
         check_rank_balance(plan, 0, [4, 4], [100, 1800], [100, 300, 500, 1000])
-    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).rank_balance
-    assert not plan_of(4, ppo=ppo).rank_balance
+    assert not plan_of(4, ppo=dataclasses.replace(ppo, packing=False), dp=2).layout.rank_balance
+    assert not plan_of(4, ppo=ppo).layout.rank_balance
 
 
 # ---------------------------------------------------------------- one update on any number of ranks
@@ -368,7 +368,7 @@ def test_ranks_train_shares_of_the_same_global_mini_batches(packing):
     ppo = dataclasses.replace(four_prompts_of_two_samples(), rollout_batch_size=8, train_batch_size=8, packing=packing)
     batch = realistic_batch(n_prompts=8, n=2, seed=5, episodes=False)
     one, two = plan_of(8, ppo=ppo), plan_of(8, ppo=ppo, dp=2)
-    assert two.rank_balance == packing
+    assert two.layout.rank_balance == packing
     schedules = [minibatch_schedule(plan, 16, torch.Generator().manual_seed(ppo.shuffle_seed)) for plan in (one, two)]
     assert schedules[0] == schedules[1] and [len(mb) for mb in schedules[0][0]] == [8, 8]
     tokens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
@@ -398,7 +398,7 @@ def test_sample_use_check_fires():
 
 def test_micro_batch_accounting_check_fires():
     plan = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_batch_size=16))
-    check_micro_batches(plan, 0, [(16, 900)] * plan.grad_accumulation_steps)
+    check_micro_batches(plan, 0, [(16, 900)] * plan.layout.grad_accumulation_steps)
     with pytest.raises(StepAccountingError, match="micro-batches of \\[16, 16, 16, 8, 8\\] samples.*plan says 4 of 16"):
         check_micro_batches(plan, 0, [(16, 900)] * 3 + [(8, 400), (8, 400)])
     budget = plan_of(64, ppo=dataclasses.replace(compose_run_config().ppo, micro_train_max_tokens=1000))
@@ -412,10 +412,10 @@ def test_micro_batch_accounting_check_fires():
 
 def test_packing_is_on_by_default_and_the_plan_says_so():
     plan = plan_of(64)
-    assert plan.packing
+    assert plan.layout.packing
     assert any(line.startswith("packing") and " on " in line for line in plan.table().splitlines())
     off = plan_of(64, ppo=dataclasses.replace(compose_run_config("ppo.packing=false").ppo))
-    assert not off.packing
+    assert not off.layout.packing
     assert any(line.startswith("packing") and " off " in line for line in off.table().splitlines())
 
 
@@ -447,17 +447,21 @@ def test_the_plan_states_expected_tokens_per_micro_batch():
     for packing in (True, False):
         for dp in (1, 2):  # a rank's mini-batch of 16 / dp samples, micro-batches of 4 either way
             plan = expected_tokens_plan(packing, stats, dp)
-            assert plan.expected_real_tokens_per_micro_batch == 4 * 448.5 == 1794
-            assert plan.expected_packed_tokens_per_micro_batch == 1794
-            assert plan.expected_padded_layout_tokens_per_micro_batch == 4 * 556 == 2224
+            assert plan.layout.expected_real_tokens_per_micro_batch == 4 * 448.5 == 1794
+            assert plan.layout.expected_packed_tokens_per_micro_batch == 1794
+            assert plan.layout.expected_padded_layout_tokens_per_micro_batch == 4 * 556 == 2224
     # a budget of 2000 tokens, one rank's mini-batch of 16 samples, 7176 real tokens: packed ceil(7176 / 2000) = 4
     # micro-batches of 1794; padded floor(2000 / 556) = 3 samples each, ceil(16 / 3) = 6 micro-batches of 16 x 556 / 6
     # = 1482.7 positions and 7176 / 6 = 1196 real tokens
     packed = expected_tokens_plan(True, stats, budget=2000)
-    assert packed.expected_real_tokens_per_micro_batch == packed.expected_packed_tokens_per_micro_batch == 1794
-    assert packed.expected_padded_layout_tokens_per_micro_batch == pytest.approx(16 * 556 / 6)
+    assert (
+        packed.layout.expected_real_tokens_per_micro_batch
+        == packed.layout.expected_packed_tokens_per_micro_batch
+        == 1794
+    )
+    assert packed.layout.expected_padded_layout_tokens_per_micro_batch == pytest.approx(16 * 556 / 6)
     padded = expected_tokens_plan(False, stats, budget=2000)
-    assert padded.expected_real_tokens_per_micro_batch == 1196
+    assert padded.layout.expected_real_tokens_per_micro_batch == 1196
     # the plan's lines and plan.json
     real_line, packed_line = [x for x in packed.table().splitlines() if x.startswith("expected")]
     assert real_line.split()[:4] == ["expected", "real", "tokens", "1794"]
@@ -473,12 +477,12 @@ def test_the_plan_states_expected_tokens_per_micro_batch():
         padded_line
     )
     record = json.loads(packed.to_json())
-    assert record["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
-    assert record["expected_real_tokens_per_micro_batch"] == 1794
+    assert record["layout"]["prompt_stats"] == {"count": 8, "mean_tokens": 192.5, "min_tokens": 100, "max_tokens": 300}
+    assert record["layout"]["expected_real_tokens_per_micro_batch"] == 1794
     # without the data's lengths the plan says so, and invents nothing
     unknown = expected_tokens_plan(True, None)
-    assert unknown.prompt_stats is None and unknown.expected_real_tokens_per_micro_batch is None
-    assert json.loads(unknown.to_json())["expected_padded_layout_tokens_per_micro_batch"] is None
+    assert unknown.layout.prompt_stats is None and unknown.layout.expected_real_tokens_per_micro_batch is None
+    assert json.loads(unknown.to_json())["layout"]["expected_padded_layout_tokens_per_micro_batch"] is None
     line = [x for x in unknown.table().splitlines() if x.startswith("expected")]
     assert len(line) == 1 and line[0].split()[3] == "unknown"
     assert "the data's prompt lengths are not on this machine" in line[0]
@@ -513,14 +517,14 @@ def test_the_pre_flight_resolves_packing_from_config_json(tmp_path, tiny_model_d
     out = tmp_path / "out"
     entry.main(compose_config("mode=plan", f"output_dir={out}", f"model.path={model}"))
     assert "packing: off, transformers' mamba models do not build their attention mask" in capsys.readouterr().out
-    assert json.loads((out / "plan.json").read_text())["packing"] is False
+    assert json.loads((out / "plan.json").read_text())["layout"]["packing"] is False
     with pytest.raises(ConfigError, match="^ppo.packing=true: transformers' mamba models .*fix: set ppo.packing=false"):
         entry.main(
             compose_config("mode=plan", f"output_dir={tmp_path / 'refused'}", f"model.path={model}", "ppo.packing=true")
         )
     assert not (tmp_path / "refused" / "plan.json").exists()
     entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'tiny'}", f"model.path={tiny_model_dir}"))
-    assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["packing"] is True
+    assert json.loads((tmp_path / "tiny" / "plan.json").read_text())["layout"]["packing"] is True
 
 
 def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path, capsys, no_training):
@@ -537,14 +541,14 @@ def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path
     entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'a'}", "data.n_train=64"))
     plan = json.loads((tmp_path / "a" / "plan.json").read_text())
     stats = PromptStats.of(lengths)
-    assert plan["prompt_stats"] == dataclasses.asdict(stats) and stats.count == 64
-    response = plan["max_response_tokens"]
-    assert plan["expected_real_tokens_per_micro_batch"] == pytest.approx(
-        plan["micro_train_batch_size"] * (stats.mean_tokens + response)
+    assert plan["layout"]["prompt_stats"] == dataclasses.asdict(stats) and stats.count == 64
+    response = plan["counts"]["max_response_tokens"]
+    assert plan["layout"]["expected_real_tokens_per_micro_batch"] == pytest.approx(
+        plan["layout"]["micro_train_batch_size"] * (stats.mean_tokens + response)
     )
-    assert plan["expected_padded_layout_tokens_per_micro_batch"] == plan["micro_train_batch_size"] * (
-        stats.max_tokens + response
-    )
+    assert plan["layout"]["expected_padded_layout_tokens_per_micro_batch"] == plan["layout"][
+        "micro_train_batch_size"
+    ] * (stats.max_tokens + response)
     assert f"prompts at the data's mean ({stats.mean_tokens:.1f} tokens; 64 prompts" in capsys.readouterr().out
     entry.main(
         compose_config(
@@ -556,7 +560,7 @@ def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path
         )
     )
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
-    assert plan["prompt_stats"] is None and plan["expected_real_tokens_per_micro_batch"] is None
+    assert plan["layout"]["prompt_stats"] is None and plan["layout"]["expected_real_tokens_per_micro_batch"] is None
     assert "expected micro-batch tokens" in capsys.readouterr().out
 
 
@@ -736,7 +740,7 @@ def test_the_attention_implementation_is_checked_before_any_model_loads_and_reac
     assert no_training == []  # refused before the run (and its model loads) started
     entry.main(compose_config("mode=plan", f"output_dir={tmp_path / 'b'}", f"model.path={tiny_model_dir}",
                               "model.attn_implementation=flash_attention_2"))  # fmt: skip  # a plan for a GPU, anywhere
-    packing_row = json.loads((tmp_path / "b" / "plan.json").read_text())
+    packing_row = json.loads((tmp_path / "b" / "plan.json").read_text())["layout"]
     assert packing_row["attn_implementation"] == "flash_attention_2" and packing_row["packing"] is True
     plan = plan_of(64, ppo=PPOConfig(kl_coef=0.1), model=compose_run_config("model.attn_implementation=eager").model)
     assert "eager: rows of up to twice the longest sample" in plan.table()
@@ -767,18 +771,22 @@ def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_b
     stats = PromptStats.of(PROMPT_LENGTHS)
     module, _ = train(tiny_model_dir, arithmetic_files, tmp_path, batch, ppo, prompt_stats=stats)
     plan, row = module.plan, module.history[-1]
-    assert plan.expected_real_tokens_per_micro_batch == 1794  # test_the_plan_states_expected_tokens_per_micro_batch
-    assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.expected_real_tokens_per_micro_batch)
+    assert (
+        plan.layout.expected_real_tokens_per_micro_batch == 1794
+    )  # test_the_plan_states_expected_tokens_per_micro_batch
+    assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.layout.expected_real_tokens_per_micro_batch)
     laid_out = row["perf/padded_tokens_per_micro_batch"]
     if packing:
         assert (
-            plan.expected_packed_tokens_per_micro_batch
+            plan.layout.expected_packed_tokens_per_micro_batch
             <= laid_out
-            <= 1.25 * plan.expected_packed_tokens_per_micro_batch
+            <= 1.25 * plan.layout.expected_packed_tokens_per_micro_batch
         )
     else:
         assert (
-            plan.expected_real_tokens_per_micro_batch < laid_out <= plan.expected_padded_layout_tokens_per_micro_batch
+            plan.layout.expected_real_tokens_per_micro_batch
+            < laid_out
+            <= plan.layout.expected_padded_layout_tokens_per_micro_batch
         )
 
 

@@ -15,20 +15,22 @@ from pathlib import Path
 
 import pytest
 
+from lit_ppo.checkpoints import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, StepAccountingError
+from lit_ppo.plan import compute_plan, sections_of
 from lit_ppo.run import entry as run_module
-from tests.helpers import compose_config, plan_of
+from tests.helpers import compose_config, compose_run_config, plan_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-PLAN_KEYS = (
-    "rollout_steps_per_data_epoch",
-    "total_rollout_steps",
-    "optimizer_steps_per_rollout_step",
-    "total_optimizer_steps",
-    "grad_accumulation_steps",
-    "data_epochs",
+PLAN_KEYS = (  # (section, key) in plan.json
+    ("counts", "rollout_steps_per_data_epoch"),
+    ("counts", "total_rollout_steps"),
+    ("counts", "optimizer_steps_per_rollout_step"),
+    ("counts", "total_optimizer_steps"),
+    ("layout", "grad_accumulation_steps"),
+    ("counts", "data_epochs"),
 )
 
 
@@ -64,11 +66,11 @@ def test_openrlhf_updates_per_rollout_step():
         ),
         dataset=2560,
     )
-    assert plan.samples_per_rollout_step == 4096
-    assert plan.mini_batches_per_ppo_epoch == 32
-    assert plan.optimizer_steps_per_rollout_step == 32
-    assert plan.grad_accumulation_steps == 16  # 128 samples / 8 per micro-batch on one rank
-    assert plan.total_optimizer_steps == 32 * plan.total_rollout_steps
+    assert plan.counts.samples_per_rollout_step == 4096
+    assert plan.counts.mini_batches_per_ppo_epoch == 32
+    assert plan.counts.optimizer_steps_per_rollout_step == 32
+    assert plan.layout.grad_accumulation_steps == 16  # 128 samples / 8 per micro-batch on one rank
+    assert plan.counts.total_optimizer_steps == 32 * plan.counts.total_rollout_steps
 
 
 def test_simple_rl_step_is_a_rollout_step():
@@ -89,20 +91,20 @@ def test_simple_rl_step_is_a_rollout_step():
     # The plan's definition: a data epoch is the full rollout batches that fit in the dataset
     # (8532 // 1024 = 8; the last 8532 - 8192 = 340 prompts are dropped and reshuffled), so
     # data_epochs = total_rollout_steps / rollout_steps_per_data_epoch = 100 / 8 = 12.5.
-    assert plan.rollout_steps_per_data_epoch == 8
-    assert plan.prompts_dropped_per_data_epoch == 340
-    assert plan.total_rollout_steps == 100
-    assert plan.data_epochs == pytest.approx(12.5)
+    assert plan.counts.rollout_steps_per_data_epoch == 8
+    assert plan.counts.prompts_dropped_per_data_epoch == 340
+    assert plan.counts.total_rollout_steps == 100
+    assert plan.counts.data_epochs == pytest.approx(12.5)
     # Counting prompts instead: 100 x 1024 = 102,400 prompts consumed over 8,532 = 12.002 passes
     # (docs/reference.md section 1.2: 100 / (8532 / 1024); the source's "≈ 12" holds, its "11.7" = 100 / 8.532 is a slip).
-    prompts_consumed = plan.total_samples_generated / plan.n_samples_per_prompt
+    prompts_consumed = plan.counts.total_samples_generated / plan.counts.n_samples_per_prompt
     assert prompts_consumed == 102_400
-    assert prompts_consumed / plan.dataset_prompts == pytest.approx(100 * 1024 / 8532)
-    assert round(prompts_consumed / plan.dataset_prompts) == 12
+    assert prompts_consumed / plan.counts.dataset_prompts == pytest.approx(100 * 1024 / 8532)
+    assert round(prompts_consumed / plan.counts.dataset_prompts) == 12
     # Mini-batch of 256 prompts: 1024 / 256 = 4 updates per rollout step, 400 in all.
-    assert plan.optimizer_steps_per_rollout_step == 4
-    assert plan.total_optimizer_steps == 400
-    assert plan.lr_total_steps == 400  # the LR schedule runs in optimizer steps, not rollout steps
+    assert plan.counts.optimizer_steps_per_rollout_step == 4
+    assert plan.counts.total_optimizer_steps == 400
+    assert plan.counts.lr_total_steps == 400  # the LR schedule runs in optimizer steps, not rollout steps
 
 
 def test_simple_rl_misreading_steps_as_updates():
@@ -114,9 +116,9 @@ def test_simple_rl_misreading_steps_as_updates():
         run=dict(total_rollout_steps=25, data_epochs=None),
         dataset=8532,
     )
-    assert plan.total_optimizer_steps == 100
-    assert plan.total_samples_generated / n / plan.dataset_prompts == pytest.approx(25 * 1024 / 8532)
-    assert plan.data_epochs == pytest.approx(25 / 8)
+    assert plan.counts.total_optimizer_steps == 100
+    assert plan.counts.total_samples_generated / n / plan.counts.dataset_prompts == pytest.approx(25 * 1024 / 8532)
+    assert plan.counts.data_epochs == pytest.approx(25 / 8)
 
 
 def test_simple_rl_run_length_in_data_epochs():
@@ -127,8 +129,8 @@ def test_simple_rl_run_length_in_data_epochs():
         run=dict(total_rollout_steps=None, data_epochs=12.5),
         dataset=8532,
     )
-    assert plan.total_rollout_steps == 100
-    assert plan.total_optimizer_steps == 400
+    assert plan.counts.total_rollout_steps == 100
+    assert plan.counts.total_optimizer_steps == 400
 
 
 def test_openai_baselines_sample_reuse():
@@ -144,9 +146,9 @@ def test_openai_baselines_sample_reuse():
         ),
         dataset=1024,
     )
-    assert plan.samples_per_rollout_step == 1024
-    assert plan.mini_batches_per_ppo_epoch == 4
-    assert plan.optimizer_steps_per_rollout_step == 12
+    assert plan.counts.samples_per_rollout_step == 1024
+    assert plan.counts.mini_batches_per_ppo_epoch == 4
+    assert plan.counts.optimizer_steps_per_rollout_step == 12
     # K = 1 with a single minibatch of all N.T samples: one update, fully on-policy.
     on_policy = make_plan(
         dict(
@@ -158,7 +160,7 @@ def test_openai_baselines_sample_reuse():
         ),
         dataset=1024,
     )
-    assert on_policy.optimizer_steps_per_rollout_step == 1
+    assert on_policy.counts.optimizer_steps_per_rollout_step == 1
 
 
 @pytest.mark.parametrize(
@@ -176,25 +178,25 @@ def test_updates_formula(rollout, n, epochs, train, micro):
         ),
         run=dict(total_rollout_steps=7, data_epochs=None),
     )
-    assert plan.optimizer_steps_per_rollout_step == rollout * n * epochs // train
-    assert plan.total_optimizer_steps == 7 * rollout * n * epochs // train
-    assert plan.grad_accumulation_steps == train // micro
+    assert plan.counts.optimizer_steps_per_rollout_step == rollout * n * epochs // train
+    assert plan.counts.total_optimizer_steps == 7 * rollout * n * epochs // train
+    assert plan.layout.grad_accumulation_steps == train // micro
 
 
 def test_ppo_epochs_takes_effect():
     # The verl bug of docs/reference.md section 1.4: ppo_epochs silently ignored. Here it must scale the updates.
     one = make_plan(dict(ppo_epochs=1))
     three = make_plan(dict(ppo_epochs=3))
-    assert three.optimizer_steps_per_rollout_step == 3 * one.optimizer_steps_per_rollout_step
-    assert three.total_optimizer_steps == 3 * one.total_optimizer_steps
+    assert three.counts.optimizer_steps_per_rollout_step == 3 * one.counts.optimizer_steps_per_rollout_step
+    assert three.counts.total_optimizer_steps == 3 * one.counts.total_optimizer_steps
 
 
 def test_data_epochs_round_up_to_whole_rollout_steps():
     # 2000 // 32 = 62 rollout steps per data epoch; 0.5 data epochs = 31; 0.51 -> ceil(31.62) = 32.
-    assert make_plan(run=dict(total_rollout_steps=None, data_epochs=0.5)).total_rollout_steps == 31
+    assert make_plan(run=dict(total_rollout_steps=None, data_epochs=0.5)).counts.total_rollout_steps == 31
     plan = make_plan(run=dict(total_rollout_steps=None, data_epochs=0.51))
-    assert plan.total_rollout_steps == 32
-    assert plan.data_epochs == pytest.approx(32 / 62)
+    assert plan.counts.total_rollout_steps == 32
+    assert plan.counts.data_epochs == pytest.approx(32 / 62)
 
 
 def test_table_and_json_carry_the_numbers():
@@ -202,8 +204,8 @@ def test_table_and_json_carry_the_numbers():
     table = plan.table()
     assert "optimizer steps per rollout step" in table and "rollout steps per data epoch" in table
     data = json.loads(plan.to_json())
-    for key in PLAN_KEYS:
-        assert data[key] == getattr(plan, key)
+    for section, key in PLAN_KEYS:
+        assert data[section][key] == getattr(getattr(plan, section), key)
 
 
 # ---------------------------------------------------------------- inconsistent configurations
@@ -322,12 +324,12 @@ def test_hydra_plan_mode_default_config(tmp_path, capsys):
     assert run_module.main(cfg) is None
     plan = json.loads((tmp_path / "plan.json").read_text())
     # conf defaults: 2000 arithmetic prompts, rollout 32 x 4 samples, train batch 64, micro 32, 30 rollout steps.
-    assert plan["rollout_steps_per_data_epoch"] == 62  # 2000 // 32
-    assert plan["total_rollout_steps"] == 30
-    assert plan["optimizer_steps_per_rollout_step"] == 2  # 128 / 64
-    assert plan["total_optimizer_steps"] == 60
-    assert plan["grad_accumulation_steps"] == 2  # 64 / 32
-    assert plan["data_epochs"] == pytest.approx(30 / 62)
+    assert plan["counts"]["rollout_steps_per_data_epoch"] == 62  # 2000 // 32
+    assert plan["counts"]["total_rollout_steps"] == 30
+    assert plan["counts"]["optimizer_steps_per_rollout_step"] == 2  # 128 / 64
+    assert plan["counts"]["total_optimizer_steps"] == 60
+    assert plan["layout"]["grad_accumulation_steps"] == 2  # 64 / 32
+    assert plan["counts"]["data_epochs"] == pytest.approx(30 / 62)
     assert "plan written to" in capsys.readouterr().out
 
 
@@ -343,13 +345,13 @@ def test_hydra_plan_mode_with_overrides(tmp_path):
     )
     run_module.main(cfg)
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["rollout_steps_per_data_epoch"] == 62
-    assert plan["total_rollout_steps"] == 124  # 2 x 62
-    assert plan["data_epochs"] == pytest.approx(2.0)
-    assert plan["optimizer_steps_per_rollout_step"] == 6  # 2 mini-batches x 3 epochs
-    assert plan["total_optimizer_steps"] == 744  # 6 x 124
-    assert plan["grad_accumulation_steps"] == 1  # 64 / (32 micro x 2 ranks)
-    assert plan["data_parallel_size"] == 2
+    assert plan["counts"]["rollout_steps_per_data_epoch"] == 62
+    assert plan["counts"]["total_rollout_steps"] == 124  # 2 x 62
+    assert plan["counts"]["data_epochs"] == pytest.approx(2.0)
+    assert plan["counts"]["optimizer_steps_per_rollout_step"] == 6  # 2 mini-batches x 3 epochs
+    assert plan["counts"]["total_optimizer_steps"] == 744  # 6 x 124
+    assert plan["layout"]["grad_accumulation_steps"] == 1  # 64 / (32 micro x 2 ranks)
+    assert plan["counts"]["data_parallel_size"] == 2
 
 
 def test_hydra_train_mode_reaches_training_when_valid(tmp_path, no_training):
@@ -413,9 +415,27 @@ def test_cli_plan_mode(tmp_path):
     proc = train_py(tmp_path, "mode=plan", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads((out / "plan.json").read_text())
-    for key in PLAN_KEYS:
-        assert key in plan
+    for section, key in PLAN_KEYS:
+        assert key in plan[section]
     assert "optimizer steps per rollout step" in proc.stdout
+
+
+def test_cli_old_flat_rollout_keys_still_plan_and_are_announced_once(tmp_path):
+    """`rollout.worker_launch=...` of the last release: train.py writes it as rollout.workers.launch and says so in
+    one line; the plan is the one of the new keys."""
+    out = tmp_path / "run"
+    old = ("rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.trainer_host=node7")
+    proc = train_py(tmp_path, "mode=plan", *old, f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    moved = [line for line in proc.stderr.splitlines() if " moved to " in line]
+    assert moved == [
+        "warning: rollout.worker_launch moved to rollout.workers.launch; the old key works for this release only "
+        "(fix: write rollout.workers.launch)",
+        "warning: rollout.trainer_host moved to rollout.workers.trainer_host; the old key works for this release only "
+        "(fix: write rollout.workers.trainer_host)",
+    ]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["workers"]["launch"] == "external" and plan["workers"]["address"] == "node7:29600"
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
@@ -474,9 +494,9 @@ def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updat
     )
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["dataset_prompts"] == prompts
-    assert plan["optimizer_steps_per_rollout_step"] == updates
-    assert plan["total_rollout_steps"] == 100 and plan["total_optimizer_steps"] == 100 * updates
+    assert plan["counts"]["dataset_prompts"] == prompts
+    assert plan["counts"]["optimizer_steps_per_rollout_step"] == updates
+    assert plan["counts"]["total_rollout_steps"] == 100 and plan["counts"]["total_optimizer_steps"] == 100 * updates
     # Plan mode imports torch (the memory estimate uses its dtypes), but it must build no model, load no weights
     # and start no engine: none of the libraries that do so is imported, and CUDA is never initialised.
     after = json.loads(seen.read_text())
@@ -506,9 +526,12 @@ def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, tu
     )
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["dataset_prompts"] == prompts
-    assert plan["max_turns"] == turns and plan["max_episode_tokens"] == budget == plan["max_response_tokens"]
-    assert plan["max_tokens_generated"] == plan["total_samples_generated"] * budget
+    assert plan["counts"]["dataset_prompts"] == prompts
+    assert (
+        plan["episodes"]["max_turns"] == turns
+        and plan["episodes"]["max_episode_tokens"] == budget == plan["counts"]["max_response_tokens"]
+    )
+    assert plan["counts"]["max_tokens_generated"] == plan["counts"]["total_samples_generated"] * budget
     # The one rendering the plan table has: name, right-aligned value, unit (lit_ppo.plan.StepPlan.table).
     lines = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
     turns_row = rf"episode: policy turns +{turns}  turns / episode at most \(one vLLM call each\)"
@@ -522,7 +545,7 @@ def test_max_turns_needs_an_environment(tmp_path):
         [
             sys.executable,
             "train.py",
-            "rollout.max_turns=3",
+            "rollout.episodes.max_turns=3",
             "mode=plan",
             f"output_dir={tmp_path}",
             f"hydra.run.dir={tmp_path / 'hydra'}",
@@ -533,4 +556,125 @@ def test_max_turns_needs_an_environment(tmp_path):
         timeout=180,
     )
     assert result.returncode != 0
-    assert "rollout.max_turns=3 without rollout.environment" in result.stderr
+    assert "rollout.episodes.max_turns=3 without rollout.episodes.environment" in result.stderr
+
+
+# ---------------------------------------------------------------- the plan in sections; plans written before them
+
+
+def test_a_feature_that_is_off_has_no_section_and_no_rows():
+    plain = compute_plan(compose_run_config(), 2000)
+    assert (plain.dynamic_sampling, plain.episodes, plain.lora, plain.workers) == (None, None, None, None)
+    table = plain.table()
+    assert "dynamic sampling" not in table and "LoRA" not in table and "rollout mode" not in table
+    on = compute_plan(compose_run_config("ppo=dapo", "model.lora.rank=8"), 2000)
+    assert on.dynamic_sampling.max_generation_rounds == 3 and on.lora.rank == 8 and on.lora.vllm_max_lora_rank == 8
+    assert "dynamic sampling: rounds" in on.table() and "LoRA" in on.table()
+    record = on.to_dict()
+    assert record["lora"]["rank"] == 8 and record["workers"] is None and record["counts"]["total_rollout_steps"] == 30
+
+
+FLAT_V1 = REPO / "tests" / "fixtures" / "plan_flat_lora_v1.json"  # a plan.json written before the plan had sections
+
+
+def test_a_flat_plan_of_an_old_checkpoint_maps_to_the_sections():
+    """tests/fixtures/plan_flat_lora_v1.json is the flat plan.json of `python train.py mode=plan model.lora.rank=8`
+    written before the sections (bench/plan_tables.py): mapped by `sections_of`, it is this version's plan of the same
+    config from the same pre-flight (prompt lengths, LoRA targets matched on the tiny model), value for value."""
+    flat = json.loads(FLAT_V1.read_text())
+    config, prompt_stats, lora_targets = run_module.preflight(compose_run_config("model.lora.rank=8"))
+    now = compute_plan(config, 2000, prompt_stats, lora_targets).to_dict()
+    assert sections_of(flat) == now
+    assert sections_of(now) is now  # a plan with sections is read as it is
+
+
+def test_a_resumed_run_checks_an_old_flat_plan_by_its_sections():
+    """The checkpoint's plan comparison (checkpoints.py) reads a flat plan of an older checkpoint: the same models,
+    adapters and rollout-step shape pass; another adapter rank or train batch is refused in one line."""
+    flat = json.loads(FLAT_V1.read_text())
+    same = compute_plan(compose_run_config("model.lora.rank=8"), 2000)
+    check_same_models(flat, same)
+    check_same_adapters(flat, same)
+    check_same_rollout_step_shape(flat, same)
+    with pytest.raises(ConfigError, match=r"adapters \{'rank': 8.*this run trains \{'rank': 16"):
+        check_same_adapters(flat, compute_plan(compose_run_config("model.lora.rank=16"), 2000))
+    with pytest.raises(ConfigError, match=r"adapters \{'rank': 8.*this run trains \{'rank': 0"):
+        check_same_adapters(flat, compute_plan(compose_run_config(), 2000))
+    with pytest.raises(StepAccountingError, match="another plan"):
+        check_same_rollout_step_shape(flat, compute_plan(compose_run_config("ppo.train_batch_size=32"), 2000))
+    with pytest.raises(ConfigError, match="another algorithm"):
+        check_same_models(flat, compute_plan(compose_run_config("ppo=grpo"), 2000))
+    # and a plan with sections, as this version writes it into a checkpoint
+    check_same_adapters(same.to_dict(), same)
+    check_same_rollout_step_shape(same.to_dict(), same)
+
+
+def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_keys(tmp_path, capsys):
+    """Its config.yaml holds the flat rollout keys (rollout.worker_launch, rollout.max_turns, ...): read through
+    config.MOVED_KEYS they equal this run's nested ones, so the resume is allowed, silently (the run wrote them, not
+    the user); a moved key whose value differs is still refused, by its new name."""
+    import dataclasses
+
+    import yaml
+
+    from lit_ppo.checkpoints import check_run_directory
+    from lit_ppo.config import MOVED_KEYS
+
+    def written_by_the_last_release(config) -> dict:
+        values = config.to_dict()
+        rollout = {k: v for k, v in values["rollout"].items() if k not in ("episodes", "workers")}
+        for old, new in MOVED_KEYS.items():
+            section, name = new.split(".")[1:]
+            rollout[old.split(".")[1]] = values["rollout"][section][name]
+        return {**values, "rollout": rollout}
+
+    config = compose_run_config("resume=auto", f"output_dir={tmp_path}")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "rollout_step_000002.ckpt").write_bytes(b"")
+    saved = written_by_the_last_release(config)
+    assert "worker_launch" in saved["rollout"] and "episodes" not in saved["rollout"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    check_run_directory(config, tmp_path)
+    assert " moved to " not in capsys.readouterr().err
+    other = dataclasses.replace(
+        config,
+        rollout=dataclasses.replace(config.rollout, workers=dataclasses.replace(config.rollout.workers, count=3)),
+    )
+    with pytest.raises(ConfigError, match=r"another config \(rollout\.workers\.count: 1 -> 3\)"):
+        check_run_directory(other, tmp_path)
+
+
+# Each experiment's and each feature's table, as committed in tests/fixtures/plan_tables/ (regenerated with
+# LIT_PPO_WRITE_GOLDEN=1 when a change to the table is meant): a change to the plan's code that moves a row, a unit or
+# a number fails here. Made from the config alone (no pre-flight: no tokenizer, no data file) with strategy.precision
+# auto pinned to bf16-mixed, so that the table is the same on every machine.
+GOLDEN = REPO / "tests" / "fixtures" / "plan_tables"
+GOLDEN_CASES = {
+    **{f"experiment_{p.stem}": [f"+experiment={p.stem}"] for p in sorted((CONF / "experiment").glob("*.yaml"))},
+    "default": [],
+    "disaggregated_k2_workers2": ["rollout.mode=disaggregated", "rollout.max_staleness=2", "rollout.workers.count=2"],
+    "disaggregated_external_lora": [
+        "rollout.mode=disaggregated",
+        "rollout.workers.launch=external",
+        "rollout.workers.trainer_host=node7",
+        "model.lora.rank=8",
+    ],
+    "dapo_ddp": ["ppo=dapo", "strategy=ddp", "strategy.devices=2"],
+    "packing_off_token_budget": ["ppo.packing=false", "ppo.micro_train_max_tokens=256"],
+    "hf_engine_top_p": ["rollout.engine=hf", "rollout.kv_cache_gib=2", "rollout.top_p=0.9"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_the_table_of_each_experiment_is_its_golden_file(case):
+    import os
+
+    config = compose_run_config(*GOLDEN_CASES[case])
+    if config.strategy.precision == "auto":
+        config = compose_run_config(*GOLDEN_CASES[case], "strategy.precision=bf16-mixed")
+    table = compute_plan(config, config.data.expected_prompts or config.data.n_train).table()
+    path = GOLDEN / f"{case}.txt"
+    if os.environ.get("LIT_PPO_WRITE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table + "\n")
+    assert table + "\n" == path.read_text(), f"the plan table of {case} changed; see {path}"

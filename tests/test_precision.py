@@ -74,7 +74,7 @@ def test_unsupported_precision_is_one_line(precision, named):
 def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
     plan = compute_plan(compose_run_config("strategy.accelerator=cpu"), 2000)
-    assert (plan.precision, plan.rollout_dtype) == ("bf16-mixed", "bfloat16")
+    assert (plan.models.precision, plan.models.rollout_dtype) == ("bf16-mixed", "bfloat16")
     table = plan.table()
     assert (
         "bf16-mixed" in table and "float32 weights and optimizer states, bf16 compute" in table and "bfloat16" in table
@@ -82,7 +82,7 @@ def test_the_plan_shows_the_resolved_precision_and_vllm_dtype(monkeypatch):
     assert not plan.warnings
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
     plan = compute_plan(compose_run_config("strategy.accelerator=cpu"), 2000)
-    assert (plan.precision, plan.rollout_dtype) == ("32-true", "float32")
+    assert (plan.models.precision, plan.models.rollout_dtype) == ("32-true", "float32")
 
 
 def test_every_strategy_config_defaults_to_auto():
@@ -165,7 +165,7 @@ def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_pa
         summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     )
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["precision"] == prec.resolve_precision(precision, "auto")
+    assert plan["models"]["precision"] == prec.resolve_precision(precision, "auto")
     rows = rollout_step_rows(tmp_path / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert float(rows[-1]["actor/skipped_updates"]) == 0
@@ -240,7 +240,9 @@ def check_fsdp_run(run: Path, precision: str) -> None:
     assert (
         summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 6
     )
-    assert json.loads((run / "plan.json").read_text())["precision"] == prec.resolve_precision(precision, "cpu")
+    assert json.loads((run / "plan.json").read_text())["models"]["precision"] == prec.resolve_precision(
+        precision, "cpu"
+    )
     rows = rollout_step_rows(run / "metrics.csv")
     assert all(math.isfinite(float(r["actor/policy_loss"])) for r in rows)
     assert all(float(r["rollout/logprob_abs_diff"]) < 0.05 for r in rows)  # the engines follow the actor

@@ -179,7 +179,7 @@ def test_a_data_file_with_a_utf8_byte_order_mark_is_planned_and_read(tmp_path, n
         run_module.main(
             compose_config(f"mode={mode}", "data=file", f"data.path={path}", f"output_dir={tmp_path / mode}")
         )
-    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["dataset_prompts"] == 40
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["counts"]["dataset_prompts"] == 40
     assert len(no_training) == 1
 
 
@@ -309,7 +309,7 @@ class Tool:
         ("my_environments.NoReset", [], "my_environments.NoReset has no reset(record) method"),
         (
             "my_environments.Tool",
-            ["+rollout.environment.digit=4"],
+            ["+rollout.episodes.environment.digit=4"],
             "my_environments.Tool cannot be built from the arguments ['digit']",
         ),
     ],
@@ -319,9 +319,9 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
 ):
     (tmp_path / "my_environments.py").write_text(ENVIRONMENTS)
     monkeypatch.chdir(tmp_path)
-    overrides = ["mode=plan", "+experiment=tool_arithmetic", f"rollout.environment._target_={target}"]
+    overrides = ["mode=plan", "+experiment=tool_arithmetic", f"rollout.episodes.environment._target_={target}"]
     for key in ("call_start", "call_end", "result_format", "error_format", "max_calls"):
-        overrides.append(f"~rollout.environment.{key}")
+        overrides.append(f"~rollout.episodes.environment.{key}")
     message = refused(tmp_path, *overrides, *extra, error=ConfigError)
     assert expected in message and "fix:" in message
     # The protocol's own signatures pass.
@@ -329,7 +329,7 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
         compose_config(
             f"output_dir={tmp_path / 'ok'}",
             *overrides[:2],
-            "rollout.environment._target_=my_environments.Tool",
+            "rollout.episodes.environment._target_=my_environments.Tool",
             *overrides[3:],
         )
     )
@@ -337,26 +337,41 @@ def test_an_environment_is_bound_against_the_protocol_without_building_it(
 
 
 def test_an_environment_given_as_a_dotted_path_is_its_class(tmp_path, no_training):
-    """`rollout.environment=<dotted path>` (a string) gave an AttributeError traceback, then a refusal whose fix was
-    rollout.environment=null."""
+    """`rollout.episodes.environment=<dotted path>` (a string) gave an AttributeError traceback, then a refusal whose fix was
+    rollout.episodes.environment=null."""
     calculator = "lit_ppo.environments.CalculatorEnvironment"
-    config = compose_run_config(f"rollout.environment={calculator}", "rollout.max_turns=3")
-    assert config.rollout.environment == {"_target_": calculator}
+    config = compose_run_config(f"rollout.episodes.environment={calculator}", "rollout.episodes.max_turns=3")
+    assert config.rollout.episodes.environment == {"_target_": calculator}
     line = one_error_line(
-        train_py(tmp_path, "mode=plan", "rollout.environment=lit_ppo.environments.Calculator", "rollout.max_turns=3")
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "rollout.episodes.environment=lit_ppo.environments.Calculator",
+            "rollout.episodes.max_turns=3",
+        )
     )
-    assert line.startswith("error: rollout.environment._target_=lit_ppo.environments.Calculator: lit_ppo.environments")
+    assert line.startswith(
+        "error: rollout.episodes.environment._target_=lit_ppo.environments.Calculator: lit_ppo.environments"
+    )
     run_module.main(
         compose_config(
-            "mode=train", f"rollout.environment={calculator}", "rollout.max_turns=3", f"output_dir={tmp_path}"
+            "mode=train",
+            f"rollout.episodes.environment={calculator}",
+            "rollout.episodes.max_turns=3",
+            f"output_dir={tmp_path}",
         )
     )
     assert len(no_training) == 1
 
 
 def test_an_environment_with_one_turn_is_refused(tmp_path):
-    message = refused(tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.max_turns=1", error=ConfigError)
-    assert "rollout.environment is set but rollout.max_turns=1" in message and "fix: set rollout.max_turns" in message
+    message = refused(
+        tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.episodes.max_turns=1", error=ConfigError
+    )
+    assert (
+        "rollout.episodes.environment is set but rollout.episodes.max_turns=1" in message
+        and "fix: set rollout.episodes.max_turns" in message
+    )
 
 
 # ------------------------------------------------------------------ values read by their field's type (issue 40)
@@ -379,7 +394,7 @@ def test_a_value_its_field_does_not_accept_exits_2_with_one_line_in_plan_mode(tm
 def test_packing_off_plans_off(tmp_path, capsys):
     """`ppo.packing=off` planned "packing on": the string "off" tested true."""
     run_module.main(compose_config("mode=plan", "ppo.packing=off", f"output_dir={tmp_path}"))
-    assert json.loads((tmp_path / "plan.json").read_text())["packing"] is False
+    assert json.loads((tmp_path / "plan.json").read_text())["layout"]["packing"] is False
     assert any(line.split()[:2] == ["packing", "off"] for line in capsys.readouterr().out.splitlines())
 
 

@@ -212,7 +212,7 @@ def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypa
     before = {k: v.clone() for k, v in module.actor.state_dict().items()}
     trainer.fit(module, datamodule=datamodule)
     assert module.skipped_updates == 1
-    assert module.actor_optimizer_steps == plan.optimizer_steps_per_rollout_step  # planned steps still accounted
+    assert module.actor_optimizer_steps == plan.counts.optimizer_steps_per_rollout_step  # planned steps still accounted
     assert module.history[-1]["actor/skipped_updates"] == 1
     assert all(torch.isfinite(v).all() for v in module.actor.state_dict().values())
     assert any(not torch.equal(before[k], v) for k, v in module.actor.state_dict().items())  # later updates applied

@@ -359,7 +359,7 @@ def test_pass_at_k_without_a_correct_metric_uses_the_solved_threshold():
 
 def test_dapo_overlong_shaping_measures_an_episode_against_the_episode_budget():
     """In an episode rollout.max_response_tokens is one turn's budget; the overlong shaping compares the whole
-    episode (turns and observations, up to rollout.max_episode_tokens=2048 here) with the episode's budget, so an
+    episode (turns and observations, up to rollout.episodes.max_tokens=2048 here) with the episode's budget, so an
     episode of 1,500 tokens under gsm8k_tools' 1,024-token turns is not penalized."""
     config = compose_run_config("+experiment=gsm8k_tools", "ppo=dapo", "reward.overlong_buffer_tokens=512")
     assert (config.rollout.max_response_tokens, config.rollout.response_budget_tokens()) == (1024, 2048)

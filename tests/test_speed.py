@@ -179,10 +179,10 @@ def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
 
     ppo = parse_section(PPOConfig, {**ON_POLICY, **overrides}, "ppo")
     plan = plan_of(64, ppo=ppo)
-    assert plan.old_logprobs_source == source
+    assert plan.old_logprobs.source == source
     assert any(line.startswith("old log-probs") and source in line for line in plan.table().splitlines())
     write_plan(plan, tmp_path, "test")
-    assert json.loads((tmp_path / "plan.json").read_text())["old_logprobs_source"] == source
+    assert json.loads((tmp_path / "plan.json").read_text())["old_logprobs"]["source"] == source
     if (
         overrides.get("kl_mode") == "reward" or "rollout_correction" in overrides
     ):  # on-policy, yet the forward runs: why
@@ -207,7 +207,7 @@ def test_on_policy_update_skips_the_actor_forward_with_the_same_gradients(tiny_m
     forward, forward_calls, forward_grads = run_one_step(
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="recompute"
     )
-    assert skipped.plan.old_logprobs_source == "training forward"
+    assert skipped.plan.old_logprobs.source == "training forward"
     assert forward_calls["experience"] == 2 and skipped_calls["experience"] == 0  # 8 samples, micro-batches of 4
     assert skipped_calls["reference"] == forward_calls["reference"] == 2  # the reference log-probs keep their pass
     assert skipped.actor_optimizer_steps == forward.actor_optimizer_steps == 1
@@ -243,7 +243,7 @@ def test_rollout_logprobs_as_old_ones(tiny_model_dir, arithmetic_files, tmp_path
     rollout, calls, grads = run_one_step(
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, old_logprobs="rollout", **two_mini_batches
     )
-    assert rollout.plan.old_logprobs_source == "vLLM" and calls["experience"] == 0
+    assert rollout.plan.old_logprobs.source == "vLLM" and calls["experience"] == 0
     assert rollout.actor_optimizer_steps == 2
     assert_same_gradients(grads, forward_grads)
     assert rollout.history[-1]["rollout/logprob_abs_diff"] < 1e-5  # checked against the first mini-batch's forwards
@@ -293,7 +293,7 @@ def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, 
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, micro_train_max_tokens=48, **settings
     )
     assert budget.actor_optimizer_steps == fixed.actor_optimizer_steps == 2  # the plan's count (checked at runtime too)
-    assert budget.plan.micro_train_max_tokens == 48
+    assert budget.plan.layout.micro_train_max_tokens == 48
     assert_same_gradients(budget_grads, fixed_grads)
     padding, padding_fixed = budget.history[-1]["perf/padding_fraction"], fixed.history[-1]["perf/padding_fraction"]
     assert 0 <= padding < padding_fixed

@@ -98,12 +98,12 @@ def test_the_rollout_workers_of_disaggregated_mode_share_the_cores_with_the_trai
     against one another: a k = 1 rollout step took 1.30 s instead of the 0.56 s one core each gives)."""
     line = threads_line(tmp_path, "0,1", "rollout.mode=disaggregated")
     assert line.startswith("1 per process (2 cores allowed, 2 process(es) on this node, OMP_WAIT_POLICY=")
-    # workers started by the launcher (rollout.worker_launch=external) are on nodes it chose: not counted here
+    # workers started by the launcher (rollout.workers.launch=external) are on nodes it chose: not counted here
     external = threads_line(
         tmp_path / "external",
         "0,1",
         "rollout.mode=disaggregated",
-        "rollout.worker_launch=external",
-        "rollout.workers=3",
+        "rollout.workers.launch=external",
+        "rollout.workers.count=3",
     )
     assert external.startswith("2 per process (2 cores allowed, 1 process(es) on this node, OMP_WAIT_POLICY="), external

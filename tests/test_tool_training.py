@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_ppo.config import RolloutConfig
+from lit_ppo.config import EpisodesConfig, RolloutConfig
 from lit_ppo.environments import CalculatorEnvironment
 from lit_ppo.training.batching import pack
 from tests.helpers import build_run
@@ -35,7 +35,9 @@ ENVIRONMENT = {"_target_": "tests.test_tool_training.DigitCallCalculator", "call
 
 def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, arithmetic_files, tmp_path):
     rollout = RolloutConfig(
-        max_response_tokens=6, eval_samples_per_prompt=2, environment=ENVIRONMENT, max_turns=3, max_episode_tokens=30
+        max_response_tokens=6,
+        eval_samples_per_prompt=2,
+        episodes=EpisodesConfig(environment=ENVIRONMENT, max_turns=3, max_tokens=30),
     )
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
@@ -46,7 +48,11 @@ def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, a
         rollout=rollout,
         advantage_estimator="gae",
     )
-    assert plan.max_episode_tokens == 30 and plan.max_response_tokens == 30 and plan.max_turns == 3
+    assert (
+        plan.episodes.max_episode_tokens == 30
+        and plan.counts.max_response_tokens == 30
+        and plan.episodes.max_turns == 3
+    )
     module.sync_weights(datamodule.start_engine())
     batch = datamodule.produce_rollout(0)
     datamodule.next_rollout_step = 0
@@ -79,7 +85,7 @@ def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, a
     assert (
         row["rollout/episode_tokens"] >= row["rollout/response_length_mean"] + row["rollout/observation_tokens"] - 1e-9
     )
-    assert module.actor_optimizer_steps == 2 * plan.optimizer_steps_per_rollout_step
+    assert module.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
     assert "eval/tool_call_rate" in module.eval_history[-1]
 
 
@@ -88,7 +94,7 @@ def test_single_turn_batches_carry_no_episode_fields(tiny_model_dir, engine, ari
     module.sync_weights(datamodule.start_engine())
     batch = datamodule.produce_rollout(0)
     assert batch.policy_masks is None and batch.episode_ids is None and batch.episode_stats == {}
-    assert plan.max_episode_tokens == 0 and plan.max_response_tokens == 6
+    assert plan.episodes is None and plan.counts.max_response_tokens == 6
 
 
 @pytest.mark.parametrize(
@@ -99,5 +105,9 @@ def test_bad_environment_settings_fail_before_training(tiny_model_dir, engine, a
 
     with pytest.raises(ConfigError, match=match):
         build_run(
-            tiny_model_dir, engine, arithmetic_files, tmp_path, rollout=RolloutConfig(environment=spec, max_turns=2)
+            tiny_model_dir,
+            engine,
+            arithmetic_files,
+            tmp_path,
+            rollout=RolloutConfig(episodes=EpisodesConfig(environment=spec, max_turns=2)),
         )

@@ -16,8 +16,8 @@ def test_ppo_epochs_and_batch_sizes_take_effect(tiny_model_dir, engine, arithmet
         tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=2, ppo_epochs=ppo_epochs
     )
     expected_per_rollout_step = 8 * 4 * ppo_epochs // 8
-    assert plan.optimizer_steps_per_rollout_step == expected_per_rollout_step
-    assert plan.grad_accumulation_steps == 2
+    assert plan.counts.optimizer_steps_per_rollout_step == expected_per_rollout_step
+    assert plan.layout.grad_accumulation_steps == 2
     trainer.fit(module, datamodule=datamodule)
     assert module.rollout_step == 2
     assert module.actor_optimizer_steps == 2 * expected_per_rollout_step
@@ -27,7 +27,7 @@ def test_ppo_epochs_and_batch_sizes_take_effect(tiny_model_dir, engine, arithmet
     assert torch.equal(module.last_sample_use_counts, torch.ones(ppo_epochs, 32, dtype=torch.long))
     # The LR schedulers stepped once per optimizer step, as the plan says.
     actor_sched = module.lr_schedulers()[0]
-    assert actor_sched.last_epoch == plan.total_optimizer_steps
+    assert actor_sched.last_epoch == plan.counts.total_optimizer_steps
 
 
 def test_minibatch_order_is_reshuffled_every_epoch(tiny_model_dir, engine, arithmetic_files, tmp_path):

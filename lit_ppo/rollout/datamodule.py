@@ -89,7 +89,7 @@ class _RolloutStream(IterableDataset):
 
     def __iter__(self) -> Iterator[RolloutBatch]:
         dm = self.datamodule
-        while dm.next_rollout_step < dm.plan.total_rollout_steps:
+        while dm.next_rollout_step < dm.plan.counts.total_rollout_steps:
             yield dm.produce_rollout(dm.next_rollout_step)
 
 
@@ -134,21 +134,21 @@ class RolloutDataModule(L.LightningDataModule):
         self.source = source if source is not None else source_for(plan, rollout.tensor_parallel_size)
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
-        self.make_environment = build_environment_factory(rollout.environment)
+        self.make_environment = build_environment_factory(rollout.episodes.environment)
         if self.make_environment is not None:
             stops = self.stop_token_ids + [
                 i for i in stop_token_ids_of(self.make_environment(), tokenizer) if i not in self.stop_token_ids
             ]
             self.episode_settings = EpisodeSettings(
-                max_turns=rollout.max_turns,
+                max_turns=rollout.episodes.max_turns,
                 max_episode_tokens=rollout.episode_tokens(),
                 max_turn_tokens=rollout.max_response_tokens,
-                timeout_s=rollout.environment_timeout_s,
+                timeout_s=rollout.episodes.environment_timeout_s,
                 on_error=scorer.on_error,
                 stop_token_ids=stops,
                 stop=list(rollout.stop),
             )
-            self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.observation_role)
+            self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.episodes.observation_role)
 
     # ------------------------------------------------------------ engine
 
@@ -156,10 +156,10 @@ class RolloutDataModule(L.LightningDataModule):
         """Learn this rank from the trainer (its process group is up by now), then start the engine."""
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
-        if self.world_size != self.plan.data_parallel_size:
+        if self.world_size != self.plan.counts.data_parallel_size:
             raise ConfigError(
                 f"the trainer runs {self.world_size} data-parallel ranks but the step plan was made for "
-                f"{self.plan.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
+                f"{self.plan.counts.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
             )
         if self.world_size > 1:
             # vLLM's external_launcher backend reads these and joins the process group the trainer set up.
@@ -186,7 +186,7 @@ class RolloutDataModule(L.LightningDataModule):
         return start_within(
             lambda: self.engine_class(
                 self.model_dir,
-                dtype=self.rollout.dtype or self.plan.rollout_dtype,
+                dtype=self.rollout.dtype or self.plan.models.rollout_dtype,
                 max_model_len=self.rollout.max_model_len,
                 gpu_memory_utilization=self.rollout.gpu_memory_utilization,
                 kv_cache_gib=self.rollout.kv_cache_gib,
@@ -195,7 +195,7 @@ class RolloutDataModule(L.LightningDataModule):
                 enforce_eager=self.rollout.enforce_eager,
                 distributed=self.world_size > 1,
                 enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
-                max_lora_rank=self.plan.vllm_max_lora_rank or None,
+                max_lora_rank=(self.plan.lora.vllm_max_lora_rank if self.plan.lora else None),
             ),
             self.rollout.engine_start_timeout_s,
         )
@@ -217,11 +217,11 @@ class RolloutDataModule(L.LightningDataModule):
         Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
         the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
         dynamic sampling a round is a rollout step's rollout batch."""
-        data_epoch, offset = divmod(generation_round, self.plan.generation_rounds_per_data_epoch)
+        data_epoch, offset = divmod(generation_round, self.plan.counts.generation_rounds_per_data_epoch)
         order = torch.randperm(
             len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
         )
-        size = self.plan.prompts_per_generation_round
+        size = self.plan.counts.prompts_per_generation_round
         batch = order[offset * size : (offset + 1) * size]
         positions = self.rank_positions(size)
         return batch[positions.start : positions.stop].tolist()
@@ -234,9 +234,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate (through the source) and score this rank's share of the next round of prompts: (groups, the
         round's reward metrics, generate s, reward s, the trainer's wait for the generations in s or None)."""
         indices = self.round_prompt_indices(self.next_generation_round)
-        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
+        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
-        n = self.plan.n_samples_per_prompt
+        n = self.plan.counts.n_samples_per_prompt
         # The first round keeps the seeds a run without dynamic sampling has.
         purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
 
@@ -285,30 +285,33 @@ class RolloutDataModule(L.LightningDataModule):
         groups, round_metrics, generate_seconds, reward_seconds, wait_seconds = self.generate_round(rollout_step, 0)
         counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
-        positions = self.rank_positions(plan.rollout_batch_size)
+        positions = self.rank_positions(plan.counts.rollout_batch_size)
         if plan.dynamic_sampling:
             drawn = self.all_groups(groups)  # every rank sees the same groups in the same order
-            while sum(g.informative for g in drawn) < plan.rollout_batch_size and rounds < plan.max_generation_rounds:
+            while (
+                sum(g.informative for g in drawn) < plan.counts.rollout_batch_size
+                and rounds < plan.dynamic_sampling.max_generation_rounds
+            ):
                 groups, round_metrics, g_s, r_s, _ = self.generate_round(rollout_step, rounds)
                 drawn += self.all_groups(groups)
                 counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
             informative = sum(g.informative for g in drawn)
-            if informative < plan.rollout_batch_size and plan.dynamic_sampling_on_shortfall == "stop":
+            if informative < plan.counts.rollout_batch_size and plan.dynamic_sampling.on_shortfall == "stop":
                 self.next_generation_round = first_round  # a resume retries this rollout step from its first round
                 raise DynamicSamplingShortfallError(
-                    f"rollout step {rollout_step + 1}: {informative} of {plan.rollout_batch_size} prompt groups had differing "
-                    f"rewards after {rounds} generation rounds of {plan.prompts_per_generation_round} prompts; a "
+                    f"rollout step {rollout_step + 1}: {informative} of {plan.counts.rollout_batch_size} prompt groups had differing "
+                    f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; a "
                     "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
                     "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
                 )
-            groups, dropped, filled = select_informative_groups(drawn, plan.rollout_batch_size)
+            groups, dropped, filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)
             groups = groups[positions.start : positions.stop]
         self.next_rollout_step = rollout_step + 1
         samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
         return RolloutBatch(
             rollout_step=rollout_step,
-            data_epoch=(self.next_generation_round - 1) // plan.generation_rounds_per_data_epoch,
+            data_epoch=(self.next_generation_round - 1) // plan.counts.generation_rounds_per_data_epoch,
             prompt_positions=[position for position, _, _ in samples],
             dataset_indices=[group.dataset_index for _, group, _ in samples],
             prompt_ids=[group.prompt.prompt_ids for _, group, _ in samples],
@@ -325,10 +328,10 @@ class RolloutDataModule(L.LightningDataModule):
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
-            prompts_consumed=(self.next_generation_round - first_round) * plan.prompts_per_generation_round,
+            prompts_consumed=(self.next_generation_round - first_round) * plan.counts.prompts_per_generation_round,
             policy_versions=[v for group in groups for v in group.policy_versions],
             wait_seconds=wait_seconds,
-            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora_rank else None,
+            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 
@@ -336,8 +339,8 @@ class RolloutDataModule(L.LightningDataModule):
         """The generate keywords of `rollout_step` taken as one generation round (a source that requests steps ahead
         asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them."""
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
-        positions = list(self.rank_positions(self.plan.prompts_per_generation_round))
-        n = self.plan.n_samples_per_prompt
+        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
+        n = self.plan.counts.n_samples_per_prompt
         return dict(
             prompt_token_ids=[p.prompt_ids for p in prompts],
             n=n,
@@ -404,9 +407,9 @@ class RolloutDataModule(L.LightningDataModule):
         self, prompts: list[Prompt], samples: list
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         """(rewards, per-sample metrics, metrics: their means and the scorer's counts) of samples of `prompts`.
-        Episodes are scored by their environment (the sum of its step rewards), or with rollout.episode_reward=reward
+        Episodes are scored by their environment (the sum of its step rewards), or with rollout.episodes.reward=reward
         by the reward function on the whole response, like single-turn responses."""
-        if self.make_environment is None or self.rollout.episode_reward == "reward":
+        if self.make_environment is None or self.rollout.episodes.reward == "reward":
             scores = self.score(prompts, samples)
             return list(scores), scores.sample_metrics, scores.metrics
         rewards = [g.reward for g in samples]
@@ -460,7 +463,7 @@ class RolloutDataModule(L.LightningDataModule):
             return {}
         return {
             "policy_masks": [g.policy_mask for g in samples],
-            "episode_ids": [g.episode_ids for g in samples] if self.rollout.check_token_ids else None,
+            "episode_ids": [g.episode_ids for g in samples] if self.rollout.episodes.check_token_ids else None,
             "episode_stats": episode_stats(samples),
         }
 

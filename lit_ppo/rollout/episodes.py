@@ -65,7 +65,7 @@ class EpisodeSettings:
     max_turns: int
     max_episode_tokens: int
     max_turn_tokens: int  # rollout.max_response_tokens
-    timeout_s: float | None  # rollout.environment_timeout_s
+    timeout_s: float | None  # rollout.episodes.environment_timeout_s
     on_error: str  # reward.on_error: raise | zero
     stop_token_ids: list[int]
     stop: list[str]
@@ -95,12 +95,12 @@ class ObservationEncoder:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             raise ConfigError(
-                f"rollout.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
+                f"rollout.episodes.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
                 "role the template knows (tool, user)"
             ) from e
         if self.PROBE_OBSERVATION not in rendered or self.PROBE_ASSISTANT not in rendered:
             raise ConfigError(
-                f"rollout.observation_role={role!r}: the chat template drops such messages; fix: use a role "
+                f"rollout.episodes.observation_role={role!r}: the chat template drops such messages; fix: use a role "
                 "the template renders (tool, user)"
             )
         after_turn = rendered.split(self.PROBE_ASSISTANT, 1)[1]
@@ -307,8 +307,8 @@ def run_episodes(
         longest = max(cut, key=lambda ep: ep.cut_observation_tokens)
         log.warning(
             "%s: %d of %d episodes were cut at an observation that did not fit the episode's budget "
-            "(rollout.max_episode_tokens=%d: prompt excluded, turns and observations; the longest cut observation "
-            "had %d tokens, with %d left); fix: raise rollout.max_episode_tokens or shorten the environment's "
+            "(rollout.episodes.max_tokens=%d: prompt excluded, turns and observations; the longest cut observation "
+            "had %d tokens, with %d left); fix: raise rollout.episodes.max_tokens or shorten the environment's "
             "observations",
             where,
             len(cut),

@@ -141,32 +141,34 @@ class AheadOfTimeSource:
     def start_engine(self, datamodule) -> RolloutEngine:
         from lit_ppo.rollout.workers.client import RolloutWorkers
 
-        r, plan = datamodule.rollout, self.plan
+        r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
         return RolloutWorkers(
             engine_kwargs=dict(
                 model_dir=datamodule.model_dir,
-                dtype=r.dtype or plan.rollout_dtype,
+                dtype=r.dtype or plan.models.rollout_dtype,
                 max_model_len=r.max_model_len,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 kv_cache_gib=r.kv_cache_gib,
                 seed=datamodule.seed,
                 tensor_parallel_size=r.tensor_parallel_size,
                 enforce_eager=r.enforce_eager,
-                max_lora_rank=plan.vllm_max_lora_rank or None,  # model.lora: the base, then adapters pushed
+                max_lora_rank=(
+                    plan.lora.vllm_max_lora_rank if plan.lora else None
+                ),  # model.lora: the base, then adapters pushed
             ),
-            workers=r.workers,
-            devices_per_worker=r.devices,
-            trainer_devices=plan.data_parallel_size,
+            workers=w.count,
+            devices_per_worker=w.devices,
+            trainer_devices=plan.counts.data_parallel_size,
             log_dir=datamodule.log_dir or Path("logs"),
-            start_timeout_s=r.worker_start_timeout_s,
-            batch_timeout_s=r.batch_timeout_s,
-            push_timeout_s=r.weight_push_timeout_s,
-            bucket_mib=r.weight_push_bucket_mib,
+            start_timeout_s=w.start_timeout_s,
+            batch_timeout_s=w.batch_timeout_s,
+            push_timeout_s=w.weight_push_timeout_s,
+            bucket_mib=w.weight_push_bucket_mib,
             max_logprob_abs_diff=r.max_logprob_abs_diff,
-            host=r.trainer_address_host(),
-            launch=r.worker_launch,
-            port=r.worker_port if r.worker_launch == "external" else 0,
-            heartbeat_timeout_s=r.worker_heartbeat_timeout_s,
+            host=w.trainer_address_host(),
+            launch=w.launch,
+            port=w.port if w.launch == "external" else 0,
+            heartbeat_timeout_s=w.heartbeat_timeout_s,
         )
 
     def take(self, rollout_step, engine, generate, request) -> ScheduledRound:
@@ -175,7 +177,7 @@ class AheadOfTimeSource:
         the start, to steps 0..k; the steps before were requested after their own versions' pushes. Then waits for
         `rollout_step`'s results (bounded by the workers' timeouts; no dynamic sampling here: one round per step)."""
         started = time.perf_counter()
-        last = min(rollout_step + self.plan.max_staleness, self.plan.total_rollout_steps - 1)
+        last = min(rollout_step + self.plan.max_staleness, self.plan.counts.total_rollout_steps - 1)
         for step in range(max(set(self.in_flight) | set(self.received) | {rollout_step - 1}) + 1, last + 1):
             if self.plan.generating_version(step) != engine.version:
                 raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
@@ -235,6 +237,6 @@ class AheadOfTimeSource:
 
 def source_for(plan: StepPlan, tensor_parallel_size: int = 1) -> RolloutSource:
     """The source of the plan's rollout mode: generated now (colocated) or requested ahead (disaggregated)."""
-    if plan.rollout_mode == "disaggregated":
+    if plan.workers:
         return AheadOfTimeSource(plan)
     return SynchronousSource(interruptible=tensor_parallel_size == 1)

@@ -22,7 +22,7 @@ from lit_ppo.rollout.schedule import source_for
 from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
-    max_epochs=1,  # one Lightning epoch is the whole run: the data module streams plan.total_rollout_steps batches
+    max_epochs=1,  # one Lightning epoch is the whole run: the data module streams plan.counts.total_rollout_steps batches
     enable_checkpointing=False,  # lit_ppo.checkpoints.RolloutCheckpoint saves per rollout step, atomically
     enable_progress_bar=False,  # training.RolloutProgressBar counts rollout steps, not Lightning batches
     enable_model_summary=False,
@@ -105,7 +105,7 @@ def build_run(
         datamodule.engine = HFEngine(
             module.actor,
             tokenizer,
-            precision=plan.precision,
+            precision=plan.models.precision,
             seed=config.seed,
             max_batch_sequences=rollout.hf_max_batch_sequences,
         )
@@ -114,7 +114,7 @@ def build_run(
         devices=config.strategy.devices,
         num_nodes=config.strategy.num_nodes,
         strategy=strategy,
-        precision=plan.precision,
+        precision=plan.models.precision,
         logger=list(loggers) or False,
         callbacks=list(callbacks),
         default_root_dir=str(output_dir),

@@ -64,10 +64,10 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
-    environment = rollout.environment
-    checks.check_environment_turns(environment is not None, rollout.max_turns)
+    environment = rollout.episodes.environment
+    checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
     if environment is not None and environment.get("_target_"):
-        environment_class = checks.resolve_target(environment["_target_"], "rollout.environment")
+        environment_class = checks.resolve_target(environment["_target_"], "rollout.episodes.environment")
         arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
         checks.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
     spec = config.reward.fn
@@ -131,7 +131,9 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
         prompt_stats = PromptStats.of(train_lengths)
     if environment is not None:
         response_key = (
-            "rollout.max_episode_tokens" if rollout.max_episode_tokens else "rollout.max_turns x max_response_tokens"
+            "rollout.episodes.max_tokens"
+            if rollout.episodes.max_tokens
+            else "rollout.episodes.max_turns x max_response_tokens"
         )
     else:
         response_key = "rollout.max_response_tokens"

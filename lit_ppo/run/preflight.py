@@ -168,14 +168,14 @@ def check_reward_convention(
 
 
 def check_environment_convention(target: Any, arguments: Mapping[str, Any], name: str) -> None:
-    """An environment class (`rollout.environment._target_`) bound, not built: its constructor takes `arguments`,
+    """An environment class (`rollout.episodes.environment._target_`) bound, not built: its constructor takes `arguments`,
     and it has `reset(record)` and `step(action)` (docs/environments.md). A factory function is only bound to
     `arguments` (what it returns is known only by calling it)."""
     try:
         inspect.signature(target).bind(**arguments)
     except TypeError as e:
         raise ConfigError(
-            f"rollout.environment: {name} cannot be built from the arguments {sorted(arguments)}: {e}; fix: give only "
+            f"rollout.episodes.environment: {name} cannot be built from the arguments {sorted(arguments)}: {e}; fix: give only "
             "the arguments it takes, beside _target_"
         ) from None
     except ValueError:  # no signature to read (a builtin): building it will tell
@@ -186,14 +186,14 @@ def check_environment_convention(target: Any, arguments: Mapping[str, Any], name
         function = getattr(target, method, None)
         if not callable(function):
             raise ConfigError(
-                f"rollout.environment: {name} has no {method}({argument}) method; fix: implement the protocol of "
+                f"rollout.episodes.environment: {name} has no {method}({argument}) method; fix: implement the protocol of "
                 "docs/environments.md: reset(record) and step(action) -> (observation, reward, done, info)"
             )
         try:
             inspect.signature(function).bind(None, None)  # (self, record) / (self, action)
         except TypeError as e:
             raise ConfigError(
-                f"rollout.environment: {name}.{method} cannot be called as {method}({argument}): {e}; fix: give it "
+                f"rollout.episodes.environment: {name}.{method} cannot be called as {method}({argument}): {e}; fix: give it "
                 f"the signature {method}(self, {argument}) (docs/environments.md)"
             ) from None
         except ValueError:
@@ -204,9 +204,9 @@ def check_environment_turns(has_environment: bool, max_turns: int) -> None:
     """An environment answers between the policy's turns: with one turn it never gets to."""
     if has_environment and max_turns < 2:
         raise ConfigError(
-            f"rollout.environment is set but rollout.max_turns={max_turns}: an episode ends after the policy's first "
-            "turn, so it never reads a tool's result; fix: set rollout.max_turns to 2 or more (e.g. 4), or "
-            "rollout.environment=null for single-turn responses"
+            f"rollout.episodes.environment is set but rollout.episodes.max_turns={max_turns}: an episode ends after the policy's first "
+            "turn, so it never reads a tool's result; fix: set rollout.episodes.max_turns to 2 or more (e.g. 4), or "
+            "rollout.episodes.environment=null for single-turn responses"
         )
 
 

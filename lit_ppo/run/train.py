@@ -81,7 +81,7 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     # themselves (not the data settings: data.n_eval or data.eval_path leave them as they are), and for tool
     # demonstrations the environment whose format they are written in.
     key_parts = [base_dir.name, dataclasses.asdict(warm), train_records, config.seed]
-    environment = config.rollout.environment
+    environment = config.rollout.episodes.environment
     if warm.tool_call_rate is not None:
         key_parts.append(environment)
     key = cache_key(*key_parts)
@@ -92,8 +92,8 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
         make_environment = build_environment_factory(environment)
         if make_environment is None:
             raise ConfigError(
-                "model.warm_start.tool_call_rate is set but rollout.environment is null; fix: set "
-                "rollout.environment (the tool the demonstrations call) or remove tool_call_rate"
+                "model.warm_start.tool_call_rate is set but rollout.episodes.environment is null; fix: set "
+                "rollout.episodes.environment (the tool the demonstrations call) or remove tool_call_rate"
             )
         demos = tool_demonstration_sampler(
             train_records,
@@ -263,7 +263,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
     resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
-    finished = finished_note(config.resume, resume_from, plan.total_rollout_steps, output_dir)
+    finished = finished_note(config.resume, resume_from, plan.counts.total_rollout_steps, output_dir)
     if finished:  # before the plan.json of the finished run is rewritten and before any model loads
         if rank_zero:
             show(finished)
@@ -278,7 +278,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     )
     if resume_from:
         log.info("resuming from %s", resume_from)
-    elif plan.critic_enabled and rank_zero:  # (a resumed run's critic is its checkpoint's)
+    elif plan.models.critic_enabled and rank_zero:  # (a resumed run's critic is its checkpoint's)
         show("critic: the policy's weights with a new value head, starting at zero")
     trainer, module, datamodule = build_run(
         config,
@@ -290,7 +290,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         output_dir=output_dir,
         engine=engine,
         callbacks=[
-            RolloutProgressBar(plan.total_rollout_steps),
+            RolloutProgressBar(plan.counts.total_rollout_steps),
             checkpoints,
             Preemption(checkpoints),
             SampleTableLogger(),
@@ -328,7 +328,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     extra = {
         "warm_start_seconds": warm_start_seconds,
         "engine_start_seconds": datamodule.engine_start_seconds,
-        "data_parallel_size": plan.data_parallel_size,
+        "data_parallel_size": plan.counts.data_parallel_size,
         "cpu_threads": torch.get_num_threads(),  # intra-op threads at the end (lit_ppo/threads.py)
         "cpu_cores_allowed": allowed_cores(),
         "wall_seconds": time.perf_counter() - started,

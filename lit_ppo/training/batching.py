@@ -253,7 +253,7 @@ def equal_count_partition(weights: list[int], parts: int) -> list[list[int]]:
 
 
 def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """This rank's samples of the rollout step once every rank's are split again by real tokens (`plan.rank_balance`:
+    """This rank's samples of the rollout step once every rank's are split again by real tokens (`plan.layout.rank_balance`:
     packed, under data parallelism): the ranks' whole prompt groups (samples of a prompt stay together, in prompt
     order, for the group estimators) in `equal_count_partition` by prompt + response tokens, as many groups on every
     rank (so the ranks run as many mini-batches and micro-batches, and the collectives in them match). Each rank
@@ -263,14 +263,14 @@ def balanced_rank_batch(batch: RolloutBatch, plan: StepPlan, rank: int) -> tuple
     Every rank receives every rank's samples (ids and texts, once per rollout step: one all-gather). Returns the
     batch and the ranks' heaviest over mean real tokens, after and as generated (`perf/rank_token_imbalance`,
     `perf/rank_token_imbalance_contiguous`)."""
-    n = plan.n_samples_per_prompt
+    n = plan.counts.n_samples_per_prompt
     shares = all_gather_objects(batch)
     groups = [(s, start) for s, share in enumerate(shares) for start in range(0, len(share.response_ids), n)]
     tokens = [
         sum(len(shares[s].prompt_ids[i]) + len(shares[s].response_ids[i]) for i in range(start, start + n))
         for s, start in groups
     ]
-    parts = equal_count_partition(tokens, plan.data_parallel_size)
+    parts = equal_count_partition(tokens, plan.counts.data_parallel_size)
     loads = [sum(tokens[g] for g in part) for part in parts]
     check_rank_balance(plan, batch.rollout_step, [len(part) * n for part in parts], loads, tokens)
     generated = [sum(t for (s, _), t in zip(groups, tokens) if s == r) for r in range(len(shares))]
@@ -300,14 +300,14 @@ def global_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, list[tup
 
 def rank_share(batch: RolloutBatch, minibatch: list[int], plan: StepPlan, rank: int) -> list[int]:
     """This rank's samples of the global mini-batch `minibatch` (indices of `global_batch`'s batch): train_batch_size /
-    ranks of them, so the ranks run as many micro-batches. Packed (`plan.rank_balance`): split by real tokens
+    ranks of them, so the ranks run as many micro-batches. Packed (`plan.layout.rank_balance`): split by real tokens
     (`equal_count_partition`), so the ranks' forwards and backwards take about as long; otherwise consecutive runs of
     the shuffled order. The loss denominators are the whole mini-batch's (`loss_denominators`): the update does not
     depend on the split, nor on the number of ranks."""
-    world = plan.data_parallel_size
+    world = plan.counts.data_parallel_size
     if world == 1:
         return minibatch
-    if plan.rank_balance:
+    if plan.layout.rank_balance:
         tokens = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in minibatch]
         return [minibatch[j] for j in equal_count_partition(tokens, world)[rank]]
     size = len(minibatch) // world
@@ -405,7 +405,7 @@ def check_sample_ids(b: int, packed: list[int], expected: list[int]) -> None:
         raise RolloutMismatchError(
             f"sample {b} of a micro-batch: the ids the trainer packs differ from the ids vLLM was given and produced "
             f"at position {first} of {len(expected)} (packed {packed[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); "
-            "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.check_token_ids=false "
+            "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.episodes.check_token_ids=false "
             "turns this check off"
         )
 
@@ -419,9 +419,9 @@ def rank_micro_batch_groups(
     micro-batches as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
     max_samples, max_tokens = ppo.micro_train_batch_size, ppo.micro_train_max_tokens
     lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
-    split = packed_micro_batch_groups if plan.packing else micro_batch_groups
+    split = packed_micro_batch_groups if plan.layout.packing else micro_batch_groups
     groups = split(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens)
-    if max_tokens is not None and plan.data_parallel_size > 1:
+    if max_tokens is not None and plan.counts.data_parallel_size > 1:
         count = int(global_max(torch.tensor(float(len(groups)), device=device)))
         groups = split(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens, min_count=count)
     return groups

@@ -34,7 +34,7 @@ class Experience:
 
     mask: Tensor  # [N, T] 1.0 on response tokens
     # [N, T] the actor's log-probs before this rollout step's updates. None while training an exactly on-policy
-    # update (StepPlan.old_logprobs_source "training forward"): each training forward's own log-probs, detached, are
+    # update (StepPlan.old_logprobs.source "training forward"): each training forward's own log-probs, detached, are
     # the old ones; train_on_experience fills this field with them afterwards (for the KL and mismatch metrics).
     old_logp: Tensor | None
     advantages: Tensor  # [N, T]
@@ -200,10 +200,10 @@ def experience_from_forwards(
     max_logprob_abs_diff: float | None,
 ) -> tuple[Experience, dict[str, float]]:
     """The rollout batch's experience from the experience forwards' outputs ([N, T] each; None where the run has no
-    such forward): vLLM's log-probs become the old ones where the plan takes them there (`plan.old_logprobs_source`)
+    such forward): vLLM's log-probs become the old ones where the plan takes them there (`plan.old_logprobs.source`)
     and are checked against the experience forward's otherwise; then the advantages and the rollout correction's
     weights. Also the correction's statistics, named for the log."""
-    source = plan.old_logprobs_source
+    source = plan.old_logprobs.source
     rollout_logp = diff_mean = diff_max = None
     if batch.rollout_logprobs is not None:
         rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, mask)
@@ -215,7 +215,7 @@ def experience_from_forwards(
             )
     rewards = batch.rewards.to(mask.device)
     kl, advantages, returns = advantages_and_returns(
-        rewards, mask, values, old_logp, ref_logp, ppo, kl_coef=kl_coef, group_size=plan.n_samples_per_prompt
+        rewards, mask, values, old_logp, ref_logp, ppo, kl_coef=kl_coef, group_size=plan.counts.n_samples_per_prompt
     )
     exp = Experience(
         mask=mask,

@@ -136,7 +136,7 @@ def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, 
         "rollout/episode_tokens": total["episode_tokens"] / episodes,
         "rollout/environment_errors": total["environment_errors"],
         "rollout/environment_timeouts": total["environment_timeouts"],
-        # episodes cut at an observation that did not fit rollout.max_episode_tokens (count; episodes.run_episodes)
+        # episodes cut at an observation that did not fit rollout.episodes.max_tokens (count; episodes.run_episodes)
         "rollout/observations_cut": total["observations_cut"],
     }
 
@@ -180,7 +180,7 @@ def rollout_step_row(
     """The logged row of one rollout step (before evaluation): the counters, the rollout statistics, the updates'
     means (`train_metrics`), `extra` (rollout correction, KL coefficient), and the timings of the slowest rank
     (what the run waits for) with their sum. Groups with a single reward are counted for the group estimators."""
-    group_size = plan.n_samples_per_prompt if ppo.advantage_estimator in algo.GROUP_ESTIMATORS else None
+    group_size = plan.counts.n_samples_per_prompt if ppo.advantage_estimator in algo.GROUP_ESTIMATORS else None
     row = dict(counters)
     row.update(
         rollout_metrics(
@@ -188,7 +188,7 @@ def rollout_step_row(
             batch.truncated,
             batch.reward_metrics,
             group_size=group_size,
-            world_size=plan.data_parallel_size,
+            world_size=plan.counts.data_parallel_size,
             count_metrics=COUNT_METRICS,
             global_sum=global_sum,
             global_max=global_max,

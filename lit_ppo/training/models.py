@@ -34,10 +34,10 @@ def load_models(
     reference model is loaded: it is the actor with its adapter disabled (`reference_logits`)."""
     lora = lora if lora is not None and lora.enabled else None
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}  # model.attn_implementation
-    base_dtype = torch.bfloat16 if lora is not None and plan.precision == "bf16-mixed" else torch.float32
+    base_dtype = torch.bfloat16 if lora is not None and plan.models.precision == "bf16-mixed" else torch.float32
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype, **attention)
     critic = None
-    if plan.critic_enabled:
+    if plan.models.critic_enabled:
         critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=base_dtype, **attention)
         critic.score.float()
         # A zero value head: the critic starts at V = 0 everywhere, the same in every run and on every rank.
@@ -53,7 +53,7 @@ def load_models(
             extra={"console": False},
         )
     reference = None
-    if plan.reference_enabled and lora is None:
+    if plan.models.reference_enabled and lora is None:
         reference = (
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **attention)
             .eval()

@@ -2,7 +2,7 @@
 
 One `training_step` is one rollout step:
   1. pull the rollout batch from the data module (vLLM generates it with the current weights),
-  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs_source`), reference
+  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs.source`), reference
      log-probs and values, computed once, then advantages,
   3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
@@ -120,7 +120,7 @@ class PPOModule(L.LightningModule):
             model_dir, plan, gradient_checkpointing, lora, attn_implementation
         )
         attention = self.actor.config._attn_implementation
-        if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
+        if plan.layout.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
@@ -141,7 +141,7 @@ class PPOModule(L.LightningModule):
         self.eval_history: list[dict[str, Any]] = []
         self.last_sample_use_counts: Tensor | None = None  # [ppo_epochs, N] for the accounting test
         self.rollout_correction_stats: dict[str, float] = {}  # of the last rollout step
-        self.rank_balance_stats: dict[str, float] = {}  # of the last rollout step (plan.rank_balance)
+        self.rank_balance_stats: dict[str, float] = {}  # of the last rollout step (plan.layout.rank_balance)
 
     # ------------------------------------------------------------ sharding (FSDP2)
 
@@ -190,7 +190,9 @@ class PPOModule(L.LightningModule):
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
     def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
-        return packed_micro_batches(batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row)
+        return packed_micro_batches(
+            batch, groups, self.pad_token_id, self.device, self.plan.layout.packing, self.one_row
+        )
 
     @torch.no_grad()
     def check_packed_layout(self, batch: RolloutBatch) -> None:
@@ -204,7 +206,7 @@ class PPOModule(L.LightningModule):
         alone = [
             mb for _, mb in packed_micro_batches(batch, [[i] for i in idx[:count]], self.pad_token_id, self.device)
         ]
-        check_packing(self.actor, self.critic, packed, alone, self.temperature, self.plan.precision)
+        check_packing(self.actor, self.critic, packed, alone, self.temperature, self.plan.models.precision)
         self.packing_checked = True
 
     # ------------------------------------------------------------ experience
@@ -219,9 +221,9 @@ class PPOModule(L.LightningModule):
         def zeros() -> Tensor:
             return torch.zeros(N, T, device=self.device, dtype=torch.float32)
 
-        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs_source): an exactly
+        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs.source): an exactly
         # on-policy update takes them from its own training forwards, ppo.old_logprobs=rollout from vLLM.
-        source = self.plan.old_logprobs_source
+        source = self.plan.old_logprobs.source
         if source == "vLLM" and batch.rollout_logprobs is None:
             raise ConfigError(
                 "ppo.old_logprobs=rollout takes vLLM's sampling log-probs as the old ones, but this rollout "
@@ -229,7 +231,7 @@ class PPOModule(L.LightningModule):
             )
         mask = zeros()
         old_logp = zeros() if source == "experience forward" else None
-        ref_logp = zeros() if self.plan.reference_enabled else None
+        ref_logp = zeros() if self.plan.models.reference_enabled else None
         values = zeros() if self.critic is not None else None
 
         # Before the interruptible region: with a token budget under data parallelism the split all-reduces the ranks'
@@ -267,7 +269,7 @@ class PPOModule(L.LightningModule):
         )
         if os.environ.get(DUMP_ADVANTAGES_ENV):
             dump_experience(
-                Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp, self.global_rank, self.plan.data_parallel_size
+                Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp, self.global_rank, self.plan.counts.data_parallel_size
             )
         return exp
 
@@ -303,17 +305,17 @@ class PPOModule(L.LightningModule):
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
         models = [m for m in (self.actor, self.critic) if m is not None]
-        world = self.plan.data_parallel_size
+        world = self.plan.counts.data_parallel_size
         # Every rank's samples and experience, in one process's order: the mini-batches are drawn from them.
         full, picks, own = global_batch(batch, self.global_rank)
         full_exp = global_experience(exp, picks)
         N = len(full.response_ids)
         actor_steps_at_start = self.actor_optimizer_steps
-        use_counts = torch.zeros(self.plan.ppo_epochs, N, dtype=torch.long)
+        use_counts = torch.zeros(self.plan.counts.ppo_epochs, N, dtype=torch.long)
         per_update = MeanOver("optimizer update")
         # Without an experience forward, the log-probs of the forwards before the first optimizer step (all of them
         # when on-policy) are the actor's before the update: kept for the old log-probs, the KL and the vLLM check.
-        captured = torch.zeros_like(full_exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
+        captured = torch.zeros_like(full_exp.mask) if self.plan.old_logprobs.source != "experience forward" else None
         captured_rows = torch.zeros(N, dtype=full_exp.mask.dtype, device=full_exp.mask.device)
         lengths = [len(p) for p in full.prompt_ids], [len(r) for r in full.response_ids]
         positions = real_tokens = micro_batches = 0
@@ -399,7 +401,7 @@ class PPOModule(L.LightningModule):
             kl_estimator=p.kl_estimator,
             kl_coef=self.kl_coef,
         )
-        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.plan.max_response_tokens)
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.plan.counts.max_response_tokens)
         # Scaled by the world size because DDP averages gradients over ranks.
         loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
         self.manual_backward(loss)
@@ -458,9 +460,9 @@ class PPOModule(L.LightningModule):
         # Packed under data parallelism: the ranks' prompt groups split again by real tokens (after the engine's
         # sleep: under NCCL the all-gather's buffers are on the device; timed with the experience).
         self.rank_balance_stats = {}
-        if self.plan.rank_balance:
+        if self.plan.layout.rank_balance:
             batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
-        if self.plan.packing and not self.packing_checked:  # once per process: a resumed run checks again
+        if self.plan.layout.packing and not self.packing_checked:  # once per process: a resumed run checks again
             self.check_packed_layout(batch)
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.
         exp = self.make_experience(batch)
@@ -484,8 +486,8 @@ class PPOModule(L.LightningModule):
         sync_seconds = time.perf_counter() - started
 
         self.rollout_step = batch.rollout_step + 1
-        self.samples_seen += self.plan.samples_per_rollout_step
-        self.kl_coef = next_kl_coef(self.kl_coef, exp, self.ppo, self.plan.samples_per_rollout_step)
+        self.samples_seen += self.plan.counts.samples_per_rollout_step
+        self.kl_coef = next_kl_coef(self.kl_coef, exp, self.ppo, self.plan.counts.samples_per_rollout_step)
         timings = {
             "timing/generate_s": batch.generate_seconds,
             "timing/reward_s": batch.reward_seconds,
@@ -534,7 +536,7 @@ class PPOModule(L.LightningModule):
         extra = {
             **self.rollout_correction_stats,
             **self.rank_balance_stats,
-            **({"rollout/kl_coef": self.kl_coef} if self.plan.reference_enabled else {}),
+            **({"rollout/kl_coef": self.kl_coef} if self.plan.models.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
         if batch.policy_versions:  # rollout steps between the generating policy and the one this step starts from
@@ -555,7 +557,7 @@ class PPOModule(L.LightningModule):
             global_sum=global_sum,
             global_max=global_max,
         )
-        last = self.rollout_step == self.plan.total_rollout_steps
+        last = self.rollout_step == self.plan.counts.total_rollout_steps
         if last or (self.eval_every and self.rollout_step % self.eval_every == 0):
             waits.entering(f"the evaluation after rollout step {self.rollout_step}")
             row.update(self._evaluate())
@@ -634,13 +636,13 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
     step (`StepPlan.generating_version`: k, or max(0, k - max_staleness) with rollout workers), adapter version
     v + 1 for the actor after v rollout steps. A sync that was skipped or lost stops the run here, within one rollout
     step."""
-    if batch.adapter_versions is None or plan.rollout_engine != "vllm":
+    if batch.adapter_versions is None or plan.models.rollout_engine != "vllm":
         return  # no LoRA; or the engine is the actor itself (rollout.engine=hf)
     policy_version = plan.generating_version(batch.rollout_step)
     expected = adapter_version(policy_version)
     stale = sorted({v for v in batch.adapter_versions if v != expected})
     if stale:
-        logs = "logs/rollout_worker<N>.log" if plan.rollout_mode == "disaggregated" else "logs/run.log"
+        logs = "logs/rollout_worker<N>.log" if plan.workers else "logs/run.log"
         raise WeightSyncError(
             f"rollout step {batch.rollout_step + 1}: vLLM sampled with LoRA adapter version(s) {stale}, but the trainer's "
             f"adapter of policy version {policy_version} is version {expected}: the adapter sync did not reach the "

@@ -18,7 +18,7 @@ def adamw_with_schedule(model: torch.nn.Module, lr: float, ppo: PPOConfig, plan:
     # Only what trains: with LoRA the frozen base has no gradients and gets no AdamW states.
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=ppo.weight_decay)
-    schedule = algo.lr_lambda(plan.lr_warmup_steps, plan.lr_total_steps, ppo.lr_schedule)
+    schedule = algo.lr_lambda(plan.counts.lr_warmup_steps, plan.counts.lr_total_steps, ppo.lr_schedule)
     return optimizer, {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}
 
 

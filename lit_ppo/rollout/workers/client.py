@@ -4,7 +4,7 @@ weights and collects results.
 
 No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
 line naming the side, the worker and its log (RolloutWorkerError); `close` stops them (see `launch` for how, per
-rollout.worker_launch).
+rollout.workers.launch).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class RolloutWorkers:
             reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise RolloutWorkerError(
                 f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: set "
-                "rollout.worker_port to a free port on this node"
+                "rollout.workers.port to a free port on this node"
             ) from None
         self.address = f"{self.host}:{self.store.port}"
         self.store.set("spec", pickle.dumps(WorkerSpec(engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers)))
@@ -104,7 +104,7 @@ class RolloutWorkers:
         try:
             self.launch.start(start_timeout_s)
             for i in range(workers):
-                self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.worker_start_timeout_s", i)
+                self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.workers.start_timeout_s", i)
             self.group = gloo_group(self.store, 0, workers + 1, push_timeout_s, self.host)
         except BaseException:
             self.close()
@@ -172,7 +172,7 @@ class RolloutWorkers:
                     f"result/{t.worker}/{t.ticket}",
                     self.batch_timeout_s,
                     "rollout batch",
-                    "rollout.batch_timeout_s",
+                    "rollout.workers.batch_timeout_s",
                     t.worker,
                 )
             )
@@ -238,7 +238,7 @@ class RolloutWorkers:
                 self.launch.failed = True
                 raise RolloutWorkerError(
                     f"trainer: the weight push of version {version} (bucket {b}, {flat.numel() / 2**20:.1f} MiB) did "
-                    f"not complete within rollout.weight_push_timeout_s={self.push_timeout_s:g} s "
+                    f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s "
                     f"({seconds:.1f} s, {type(e).__name__}); a rollout worker is stuck: {self.launch.logs()}"
                 ) from None
         self.store.set(f"push/{push}/done", b"1")

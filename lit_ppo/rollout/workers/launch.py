@@ -1,4 +1,4 @@
-"""How the rollout workers start and how the trainer watches them: one strategy object per rollout.worker_launch.
+"""How the rollout workers start and how the trainer watches them: one strategy object per rollout.workers.launch.
 
 - `SpawnedLaunch` (spawn): the trainer starts its workers as child processes on its own node, each on the devices after
   the trainer's and logging to `<run>/logs/rollout_worker<N>.log`; a worker's death is seen at once (its exit code);
@@ -43,7 +43,7 @@ def error_line(store, worker: int) -> str:
 
 
 class SpawnedLaunch:
-    """rollout.worker_launch=spawn: the workers are this process's children (see the module's docstring)."""
+    """rollout.workers.launch=spawn: the workers are this process's children (see the module's docstring)."""
 
     def __init__(self, *, store, host: str, workers: int, log_dir: Path, devices_per_worker: int, trainer_devices: int):
         self.store, self.host, self.workers, self.log_dir = store, host, workers, log_dir
@@ -72,8 +72,8 @@ class SpawnedLaunch:
             if len(mine) < self.devices_per_worker:
                 raise RolloutWorkerError(
                     f"rollout worker {worker} needs devices {first}..{first + self.devices_per_worker - 1} after the "
-                    f"trainer's {self.trainer_devices}, but {len(ids)} are visible; fix: lower rollout.workers or "
-                    "rollout.devices, or make more devices visible"
+                    f"trainer's {self.trainer_devices}, but {len(ids)} are visible; fix: lower rollout.workers.count or "
+                    "rollout.workers.devices, or make more devices visible"
                 )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
         log = open(self.log_file(worker), "ab")
@@ -142,7 +142,7 @@ class SpawnedLaunch:
 
 
 class ExternalLaunch:
-    """rollout.worker_launch=external: the user's launcher starts the workers, which connect to `address`; their
+    """rollout.workers.launch=external: the user's launcher starts the workers, which connect to `address`; their
     heartbeats tell the trainer they live (see the module's docstring)."""
 
     def __init__(self, *, store, address: str, workers: int, heartbeat_timeout_s: float):
@@ -168,15 +168,15 @@ class ExternalLaunch:
                 if never:
                     raise RolloutWorkerError(
                         f"trainer: rollout worker(s) {numbers} of {self.workers} never connected to the trainer at "
-                        f"{self.address} within rollout.worker_start_timeout_s={timeout_s:g} s "
-                        "(rollout.worker_launch=external: the launcher starts them); fix: run `python -m "
+                        f"{self.address} within rollout.workers.start_timeout_s={timeout_s:g} s "
+                        "(rollout.workers.launch=external: the launcher starts them); fix: run `python -m "
                         f"lit_ppo.rollout.workers --connect {self.address} --worker <N>` for each on a node "
-                        f"that reaches {self.address} (docs/async.md), or rollout.worker_launch=spawn"
+                        f"that reaches {self.address} (docs/async.md), or rollout.workers.launch=spawn"
                     )
                 raise RolloutWorkerError(
                     f"trainer: rollout worker(s) {numbers} connected to {self.address} but did not start their engines "
-                    f"within rollout.worker_start_timeout_s={timeout_s:g} s; their logs are on their nodes "
-                    f"({', '.join(self.where(i) for i in slow)}); fix: raise rollout.worker_start_timeout_s if they "
+                    f"within rollout.workers.start_timeout_s={timeout_s:g} s; their logs are on their nodes "
+                    f"({', '.join(self.where(i) for i in slow)}); fix: raise rollout.workers.start_timeout_s if they "
                     "are only slow"
                 )
             time.sleep(POLL_S)
@@ -201,7 +201,7 @@ class ExternalLaunch:
         return self.heartbeat_timeout_s + HEARTBEAT_S
 
     def check_alive(self, what: str) -> None:
-        """A worker that reported an error, or whose heartbeat stopped for rollout.worker_heartbeat_timeout_s, stops
+        """A worker that reported an error, or whose heartbeat stopped for rollout.workers.heartbeat_timeout_s, stops
         the run naming it and its node."""
         now = time.monotonic()
         for i in range(self.workers):
@@ -219,7 +219,7 @@ class ExternalLaunch:
                 self.failed = True
                 raise RolloutWorkerError(
                     f"trainer: rollout worker {i} ({self.where(i)}) sent no heartbeat for "
-                    f"rollout.worker_heartbeat_timeout_s={self.heartbeat_timeout_s:g} s while the trainer waited for "
+                    f"rollout.workers.heartbeat_timeout_s={self.heartbeat_timeout_s:g} s while the trainer waited for "
                     f"{what}: it died or its node is unreachable; {self.log(i)}"
                 )
 

@@ -7,7 +7,7 @@
   interleaved with a liveness check.
 - A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
   and Lightning use) carries the weights: the trainer broadcasts the actor's tensors (with model.lora: only the
-  adapter's) in flat byte buckets of at most rollout.weight_push_bucket_mib, never through the disk. A thread in each
+  adapter's) in flat byte buckets of at most rollout.workers.weight_push_bucket_mib, never through the disk. A thread in each
   worker (`WeightReceiver`) receives them as soon as they are sent, while its engine generates, so a push costs the
   trainer the transfer only; the worker applies a version when its ordered commands reach it.
 """

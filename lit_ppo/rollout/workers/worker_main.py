@@ -1,7 +1,7 @@
 """A rollout worker process: connects to the trainer's store, starts the engine of its spec, then follows its ordered
 commands (generate, apply a received weight version, stop) until told to stop or the trainer is gone.
 
-Started by the trainer (rollout.worker_launch=spawn: `python -m lit_ppo.rollout.workers HOST PORT WORKER WORKERS`) or
+Started by the trainer (rollout.workers.launch=spawn: `python -m lit_ppo.rollout.workers HOST PORT WORKER WORKERS`) or
 by the user's launcher on any node (external: `python -m lit_ppo.rollout.workers --connect HOST:PORT [--worker N]`,
 docs/async.md)."""
 
@@ -101,7 +101,7 @@ def worker_main(
         print(
             f"rollout worker {worker}: could not connect to the trainer at {host}:{port} within {connect_timeout_s:g} s "
             f"({str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}); fix: start the trainer "
-            "(rollout.worker_launch=external) and check that this node reaches that address, or raise "
+            "(rollout.workers.launch=external) and check that this node reaches that address, or raise "
             "--connect-timeout-s",
             flush=True,
         )
@@ -111,7 +111,7 @@ def worker_main(
         if not 0 <= worker < spec.workers or workers not in (None, spec.workers):
             print(
                 f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {host}:{port} "
-                f"expects rollout.workers={spec.workers} (numbers 0..{spec.workers - 1}); fix: start that many "
+                f"expects rollout.workers.count={spec.workers} (numbers 0..{spec.workers - 1}); fix: start that many "
                 "workers, numbered from 0",
                 flush=True,
             )
@@ -176,7 +176,7 @@ def worker_main(
 
 def main(argv: list[str], prog: str = "python -m lit_ppo.rollout.workers") -> None:
     """The trainer's spawned form `HOST PORT WORKER WORKERS`, or a launcher's
-    `--connect HOST:PORT [--worker N] [--workers N]` (rollout.worker_launch=external)."""
+    `--connect HOST:PORT [--worker N] [--workers N]` (rollout.workers.launch=external)."""
     if argv and not argv[0].startswith("-"):
         host, port, worker, workers = argv
         worker_main(host, int(port), int(worker), int(workers))
@@ -185,14 +185,14 @@ def main(argv: list[str], prog: str = "python -m lit_ppo.rollout.workers") -> No
 
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="A rollout worker started by a launcher (rollout.worker_launch=external, docs/async.md).",
+        description="A rollout worker started by a launcher (rollout.workers.launch=external, docs/async.md).",
     )
     parser.add_argument(
         "--connect", required=True, metavar="HOST:PORT", help="the trainer's store (the plan prints it)"
     )
     parser.add_argument("--worker", type=int, help="this worker's number, 0..workers-1; default: SLURM_PROCID or RANK")
     parser.add_argument(
-        "--workers", type=int, help="checked against the trainer's rollout.workers; default: the trainer's"
+        "--workers", type=int, help="checked against the trainer's rollout.workers.count; default: the trainer's"
     )
     parser.add_argument(
         "--connect-timeout-s", type=float, default=900.0, help="seconds to retry connecting while the trainer starts"
