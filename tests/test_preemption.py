@@ -215,6 +215,26 @@ def test_sigterm_to_a_two_process_ddp_run_checkpoints_exits_143_and_resumes_bitw
     )
 
 
+def test_a_signal_cuts_the_wait_for_a_hanging_tool():
+    """An environment's calls run in threads the caller waits for (`call_all_with_timeout`); inside an interruptible
+    region (the rollout's and the evaluation's generation) a signal cuts that wait at once, not at
+    rollout.environment_timeout_s, and the hung thread (a daemon) does not hold the process's exit."""
+    import threading
+
+    from lit_ppo.environments import call_all_with_timeout
+
+    handler = Preemption(RolloutCheckpoint(Path("unused"), every=0, keep=1))
+    previous = signal.signal(signal.SIGTERM, handler._on_signal)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        outcome = handler.interruptibly(lambda: call_all_with_timeout([(time.sleep, (60,))], 120))
+        assert outcome is None and handler.requested == signal.SIGTERM
+        assert time.monotonic() - started < 30  # generous: about 0.5 s
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(tiny_model_dir, monkeypatch):
     """Under data parallelism with ppo.micro_train_max_tokens the experience pass's micro-batch split all-reduces the
     ranks' micro-batch counts (`batching.global_max`). A signal interrupts an interruptible region on one rank only, so
