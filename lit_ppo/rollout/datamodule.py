@@ -571,7 +571,7 @@ class RolloutDataModule(L.LightningDataModule):
         episodic = self.make_environment is not None
         # A preemption signal drops the pass (lit_ppo.preemption): the whole of it where generation can be cut (as in
         # `generate_round`), else its reward calls; the stop point, before the all-reduce, stops every rank together.
-        whole = self.plan.rollout_mode != "disaggregated" and self.rollout.tensor_parallel_size == 1
+        whole = self.rollout.mode != "disaggregated" and self.rollout.tensor_parallel_size == 1
         cut = (lambda fn: fn()) if whole else interruptibly
 
         def local_pass() -> tuple[list, list, list] | None:
