@@ -77,7 +77,16 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     from lit_ppo.config import moved_override
+    from lit_ppo.preemption import Stopped, handle_signals_outside_training
 
     # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced.
     sys.argv[1:] = [moved_override(arg) for arg in sys.argv[1:]]
-    main()
+    # SIGTERM, SIGINT and SIGUSR1 before the first rollout step (config, pre-flight, model load, engine start) and
+    # after the last: one line and 128 + the signal's number; during the rollout steps lit_ppo.preemption saves first.
+    handle_signals_outside_training()
+    try:
+        main()
+    except Stopped as stopped:
+        if launcher_rank() == 0:
+            show_error(stopped.line)
+        raise

@@ -63,20 +63,31 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def save_atomic(trainer: L.Trainer, path: Path) -> Path:
+    """The trainer's checkpoint at `path`, written under a temporary name and renamed. A collective: every rank calls
+    it, and where rank 0 cannot write the file every rank raises the same DirectoryError (a rank that went on would
+    wait for rank 0 in its next collective until the process group's timeout)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path)
+    unwritten = None
     try:
-        trainer.save_checkpoint(tmp)  # every rank takes part (sharded states); rank 0 writes the file
+        # Every rank takes part (sharded states); rank 0 writes the file; then all meet at Lightning's barrier.
+        trainer.save_checkpoint(tmp)
     except Exception as error:  # across file systems, Lightning's atomic save calls a PermissionError an fsspec problem
-        if trainer.is_global_zero and directory_problem(path.parent):
-            raise _unwritten(path) from error
-        raise
-    if trainer.is_global_zero:
-        if not tmp.is_file():  # on one file system it swallows the PermissionError and writes nothing
-            raise _unwritten(path)
-        replace_durably(tmp, path)
-    trainer.strategy.barrier("lit_ppo_checkpoint")
+        if not (trainer.is_global_zero and directory_problem(path.parent)):
+            raise
+        trainer.strategy.barrier("Trainer.save_checkpoint")  # the others wait there: the write is its last step
+        unwritten = _unwritten(path)
+        unwritten.__cause__ = error
+    if trainer.is_global_zero and unwritten is None:
+        if tmp.is_file():
+            replace_durably(tmp, path)
+        else:  # on one file system it swallows the PermissionError and writes nothing
+            unwritten = _unwritten(path)
+    # Rank 0's outcome to every rank (in place of a barrier: a collective all ranks reach, whatever happened).
+    problem = trainer.strategy.broadcast(str(unwritten) if unwritten is not None else None, src=0)
+    if problem is not None:
+        raise unwritten if unwritten is not None else DirectoryError(problem)
     return path
 
 

@@ -898,7 +898,8 @@ class RewardConfig:
     """0: score in this process; N: in N worker processes, one sample at a time each."""
     timeout_s: float | None = field(default=60, metadata=above(0))
     """With workers > 0: seconds per sample before its worker is killed (then on_error); with workers = 0: seconds per
-    call, the batch, then each sample alone, the call's rest not called after 2 samples in a row time out."""
+    call, the batch, then each sample alone. Either way the call's rest is not scored after 2 samples in a row time
+    out."""
     overlong_penalty: float = 0.0
     """Subtracted from responses that hit the response budget."""
     overlong_buffer_tokens: int = field(default=0, metadata=at_least(0))

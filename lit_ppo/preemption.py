@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM (and SIGUSR1) stop the run at the next safe point with a checkpoint of the last completed
-rollout step, and the process exits with 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1).
+"""Preemption: SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 stop the run at the next safe point with a checkpoint of the last
+completed rollout step, and the process exits with 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, 138 for
+SIGUSR1), with one console line saying what happened and how to continue.
 
 Why that status: it is what the scheduler would have seen had the signal's default action killed the process (a
 shell reports exactly 128 + N for a child killed by signal N), so whatever treats "killed by the scheduler's signal"
@@ -25,6 +26,14 @@ rollout step is already on disk (nothing is saved then); otherwise the step fini
 `on_train_batch_end`), saving that step. A dropped step leaves the data position and the random streams as they were
 at its start (restored from the snapshot taken in `on_train_batch_start`), so the checkpoint is exactly the one the
 previous step would have written and a resumed run repeats the dropped step bitwise.
+
+The held-out evaluation (before rollout step 1, every trainer.eval_every steps, after the last) runs in an
+interruptible region too, its all-reduce outside it: a signal drops that pass's results, the completed step before it
+is saved, and the resumed run evaluates again before it logs the step (`PPOModule.evaluation_missing`).
+
+Outside `fit`'s rollout steps (start-up: config, pre-flight, model load, engine start; and the final writes after the
+last step) `outside_training` handles the same signals: `Stopped`, a SystemExit with the same status, and a line
+(`train.py` installs it for the whole process).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from lit_ppo.distributed import global_max, world_size
 
 log = logging.getLogger("lit_ppo")
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def exit_status(signum: int) -> int:
@@ -57,6 +66,50 @@ class Preempted(SIGTERMException):
     def __init__(self, signum: int):
         super().__init__(exit_status(signum))
         self.signum = int(signum)
+
+
+class Stopped(SystemExit):
+    """The process stopped on a signal outside the rollout steps (`outside_training`); `line` says where."""
+
+    def __init__(self, signum: int, line: str):
+        super().__init__(exit_status(signum))
+        self.signum, self.line = int(signum), line
+
+
+# What the process does when no Preemption handles signals: "start-up" until the first `fit` reaches its rollout
+# steps, "the final writes" after (the last checkpoint is on disk then).
+_phase = "start-up"
+
+
+def starting() -> None:
+    """A run starts in this process (`run.train.train`; a sweep runs several)."""
+    global _phase
+    _phase = "start-up"
+
+
+def outside_training(signum: int, frame) -> None:
+    """The handler of PREEMPTION_SIGNALS outside the rollout steps: raises `Stopped` (once; later signals are ignored
+    while the process unwinds)."""
+    for handled in PREEMPTION_SIGNALS:
+        signal.signal(handled, signal.SIG_IGN)
+    name, status = signal.Signals(signum).name, exit_status(signum)
+    if _phase == "start-up":
+        line = (
+            f"stopped by {name} during start-up (config, pre-flight, model load, engine start), before rollout step 1:"
+            f" nothing was trained and no checkpoint written; exiting with status {status} (start the run again)"
+        )
+    else:
+        line = (
+            f"stopped by {name} after the last rollout step, while writing the final outputs (actor/, summary.json):"
+            f" its checkpoint is on disk; exiting with status {status} (resume=auto writes them)"
+        )
+    raise Stopped(signum, line)
+
+
+def handle_signals_outside_training() -> None:
+    """Install `outside_training` for PREEMPTION_SIGNALS (from the main thread, at the process's start)."""
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, outside_training)
 
 
 class _Interrupt(BaseException):
@@ -73,17 +126,18 @@ class Preemption(L.Callback):
     def __init__(self, checkpoints: RolloutCheckpoint):
         self.checkpoints = checkpoints
         self.requested: int | None = None  # the signal received, if any
-        self.abandoned = False  # the step in progress was dropped at a stop point
         self._depth = 0  # > 0 inside an interruptible region
         self._handlers: dict[int, object] = {}
         self._trainer: L.Trainer | None = None
-        self._step_start: tuple[dict, dict] | None = None
+        self._step_start: tuple[int, dict, dict] | None = None  # rollout_step, random states, data position
 
     # ------------------------------------------------------------ signals
 
     def on_train_start(self, trainer, module) -> None:
         # After Lightning registered its own handlers (just before the fit loop runs), so these replace them.
-        self.requested, self.abandoned, self._depth, self._trainer = None, False, 0, trainer
+        global _phase
+        self.requested, self._depth, self._trainer = None, 0, trainer
+        _phase = "the final writes"  # once this handler is gone again
         if threading.current_thread() is not threading.main_thread():
             return  # signals are delivered to the main thread only
         for signum in PREEMPTION_SIGNALS:
@@ -145,7 +199,6 @@ class Preemption(L.Callback):
         """Stop here, every rank together, if a preemption signal arrived on any of them."""
         signum = self.agreed(device)
         if signum is not None:
-            self.abandoned = True
             raise Preempted(signum)
 
     def step_start_on_disk(self, module) -> bool:
@@ -158,9 +211,10 @@ class Preemption(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         datamodule = trainer.datamodule
         # The data module's snapshot waits for nothing: a generation in flight is received where the step needs it.
-        self._step_start = (rng_state(), datamodule.snapshot() if datamodule is not None else None)
+        self._step_start = (module.rollout_step, rng_state(), datamodule.snapshot() if datamodule is not None else None)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._step_start = None
         signum = self.agreed(module.device)
         if signum is not None:
             raise Preempted(signum)
@@ -182,9 +236,11 @@ class Preemption(L.Callback):
             # (with this same status) after the save below: rank 0 waits for them itself instead.
             launcher.procs.clear()
         written = False
-        if self.abandoned and not self.step_start_on_disk(module):
+        # A step stopped before it completed is dropped (an evaluation after a step keeps that step).
+        dropped = self._step_start is not None and self._step_start[0] == module.rollout_step
+        if dropped and not self.step_start_on_disk(module):
             # Dropped before any optimizer step: put back what the step had moved, then save the previous step.
-            rng, data = self._step_start
+            _, rng, data = self._step_start
             restore_rng_state(rng)
             if trainer.datamodule is not None:
                 trainer.datamodule.restore(data)
@@ -193,10 +249,17 @@ class Preemption(L.Callback):
             written = True
         if trainer.is_global_zero:
             path = checkpoint_path(self.checkpoints.directory, module.rollout_step)
+            name = signal.Signals(exception.signum).name
+            cut = (
+                " (its evaluation was cut short: the resumed run evaluates again)"
+                if module.evaluation_missing()
+                else ""
+            )
             show(
-                f"preempted by {signal.Signals(exception.signum).name}: stopped after rollout step {module.rollout_step}"
-                f" of {module.plan.counts.total_rollout_steps}; checkpoint {path} {'written' if written else 'already on disk'}"
-                f"; exiting with status {exception.code} (continue with resume=auto)"
+                f"{'interrupted' if exception.signum == signal.SIGINT else 'preempted'} by {name}: stopped after "
+                f"rollout step {module.rollout_step} of {module.plan.counts.total_rollout_steps}{cut}; checkpoint {path} "
+                f"{'written' if written else 'already on disk'}; exiting with status {exception.code} (continue with "
+                "resume=auto)"
             )
         for child in children:
             child.wait()

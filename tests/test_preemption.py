@@ -4,6 +4,7 @@ process exits with 143, and a resumed run ends bitwise where an uninterrupted on
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -214,6 +215,26 @@ def test_sigterm_to_a_two_process_ddp_run_checkpoints_exits_143_and_resumes_bitw
     )
 
 
+def test_a_signal_cuts_the_wait_for_a_hanging_tool():
+    """An environment's calls run in threads the caller waits for (`call_all_with_timeout`); inside an interruptible
+    region (the rollout's and the evaluation's generation) a signal cuts that wait at once, not at
+    rollout.environment_timeout_s, and the hung thread (a daemon) does not hold the process's exit."""
+    import threading
+
+    from lit_ppo.environments import call_all_with_timeout
+
+    handler = Preemption(RolloutCheckpoint(Path("unused"), every=0, keep=1))
+    previous = signal.signal(signal.SIGTERM, handler._on_signal)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        outcome = handler.interruptibly(lambda: call_all_with_timeout([(time.sleep, (60,))], 120))
+        assert outcome is None and handler.requested == signal.SIGTERM
+        assert time.monotonic() - started < 30  # generous: about 0.5 s
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(tiny_model_dir, monkeypatch):
     """Under data parallelism with ppo.micro_train_max_tokens the experience pass's micro-batch split all-reduces the
     ranks' micro-batch counts (`batching.global_max`). A signal interrupts an interruptible region on one rank only, so
@@ -258,3 +279,100 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
     monkeypatch.setattr(batching, "global_max", global_max)
     module.make_experience(realistic_batch(n_prompts=2, n=2, episodes=False))  # this rank's half: 4 samples
     assert collectives == [False]  # the one all-reduce of the split, outside the region
+
+
+# A smaller rollout step for the runs below (32 samples, one PPO epoch): they test where a signal lands, not the update.
+SMALL_STEPS = ("ppo.ppo_epochs=1", "ppo.rollout_batch_size=8", "ppo.train_batch_size=32")
+
+
+def wait_for(process: subprocess.Popen, ready, what: str) -> None:
+    deadline = time.time() + RUN_TIMEOUT_S
+    while not ready():
+        assert process.poll() is None and time.time() < deadline, f"the run ended before {what}: {process.output()}"
+        time.sleep(0.02)
+
+
+def signal_and_time_the_exit(process: subprocess.Popen, signum: int, bound_s: float = 60) -> float:
+    """Sends `signum` to the run (rank 0), waits for its exit; the seconds from signal to exit."""
+    sent = time.monotonic()
+    process.send_signal(signum)
+    try:
+        process.wait(timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"still running {bound_s:g}s after {signal.Signals(signum).name}: {process.output()}")
+    return time.monotonic() - sent
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_evaluation_with_a_hanging_reward_saves_the_step_before_it_and_resumes(tmp_path, capsys):
+    """The evaluation after rollout step 1 hangs in its reward (reward.workers=0, in process): SIGTERM cuts it within
+    seconds (SLURM's default grace is 30 s), drops its results, saves step 1 and exits 143 with a line; resume=auto
+    evaluates again and finishes the run with the planned counts, every evaluation in metrics.csv."""
+    out = tmp_path / "run"
+    overrides = (
+        *SMALL_STEPS,
+        "trainer.total_rollout_steps=2",
+        "trainer.eval_every=1",
+        "rollout.eval_samples_per_prompt=1",
+        "reward=custom_example",
+        "reward.fn._target_=tests.fixtures.peer_rewards.hangs_in_an_evaluation",
+        f"+reward.fn.state_dir={tmp_path}",
+        "+reward.fn.eval_size=8",  # data.n_eval: the greedy pass scores one sample per held-out prompt
+        "+reward.fn.at=2",  # the evaluations: before rollout step 1, after it (this one hangs), after step 2
+    )
+    process = train_py(out, *overrides, wait=False, tmp=tmp_path)
+    wait_for(process, (tmp_path / "hanging").exists, "its evaluation hung")
+    seconds = signal_and_time_the_exit(process, signal.SIGTERM)
+    output = process.output()
+    with capsys.disabled():
+        print(f"\nSIGTERM during a hanging evaluation: exit {process.returncode} {seconds:.1f}s after the signal")
+    assert process.returncode == 143, output[-3000:]
+    assert seconds < 25, output[-3000:]  # a generous bound; the figure is printed above
+    lines = [line for line in output.splitlines() if line.startswith("preempted by SIGTERM")]
+    assert len(lines) == 1 and "stopped after rollout step 1 of 2 (its evaluation was cut short" in lines[0], output
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000001.ckpt"]
+    with open(out / "metrics.csv") as f:
+        assert [int(float(r["rollout_step"])) for r in csv.DictReader(f)] == [0]  # step 1's row waits for its eval
+
+    resumed = train_py(out, *overrides, "resume=auto", tmp=tmp_path)
+    assert resumed.returncode == 0, resumed.output()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollout_steps"] == 2
+    assert summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(float(r["rollout_step"])) for r in rows] == [0, 1, 2]
+    assert all(r["eval/reward"] != "" for r in rows)  # step 1's evaluation ran again, in its row
+    assert int((tmp_path / "evaluation_calls").read_text()) == 4  # the cut one and the three of the planned run
+
+
+@pytest.mark.slow
+def test_sigint_mid_training_saves_the_last_step_and_exits_130(tmp_path):
+    """Ctrl-C is a preemption too: a line, the checkpoint of the last completed step, and the shell's 130 (it was
+    Lightning's 'graceful shutdown': exit 1, no line, no checkpoint)."""
+    out = tmp_path / "run"
+    process = train_py(out, *SMALL_STEPS, "trainer.total_rollout_steps=3", wait=False, tmp=tmp_path)
+    metrics = out / "metrics.csv"
+    wait_for(process, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1 + 1, "step 1's row")
+    signal_and_time_the_exit(process, signal.SIGINT)
+    output = process.output()
+    assert process.returncode == 130, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("interrupted by SIGINT")]
+    assert len(lines) == 1 and "exiting with status 130 (continue with resume=auto)" in lines[0], output[-3000:]
+    saved = list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1 and saved[0].name in lines[0], output[-3000:]
+    assert saved[0].name != "rollout_step_000003.ckpt", "signalled too late to test anything"
+
+
+def test_sigterm_during_start_up_exits_143_with_a_line(tmp_path):
+    """Before the first rollout step there is nothing to save: the line says so (there was none), status 143."""
+    out = tmp_path / "run"
+    process = train_py(out, wait=False, tmp=tmp_path)
+    wait_for(process, (out / "plan.json").exists, "its plan was written")  # the model and the engine load next
+    seconds = signal_and_time_the_exit(process, signal.SIGTERM)
+    output = process.output()
+    assert process.returncode == 143, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM during start-up")]
+    assert len(lines) == 1 and "nothing was trained and no checkpoint written" in lines[0], output[-3000:]
+    assert not list_checkpoints(out / "checkpoints") and seconds < 25

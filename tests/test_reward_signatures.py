@@ -4,6 +4,7 @@ that hang, crash, or meet an expression math-verify cannot finish (reward.worker
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -82,6 +83,32 @@ def test_a_verifier_that_hangs_is_timed_out_named_and_its_worker_replaced():
             r"no result after reward.timeout_s=2s",
         ):
             scorer(["p0", "p1"], ["ok", "sleep now"], [None] * 2, [{}] * 2, [False] * 2)
+    finally:
+        scorer.close()
+
+
+def test_a_verifier_hanging_on_every_sample_in_workers_gives_up_on_the_rest_of_the_call(caplog):
+    """reward.workers=2 and a function that hangs on everything (a remote judge that is down): the first two samples
+    (one per worker) time out together, and the call's other six score as reward.on_error says at once, with one
+    line. Before, every sample waited out reward.timeout_s in turn (a 128-sample step of 4 workers at the default
+    60 s: 32 minutes) and each cost a new worker process."""
+    scorer = scorer_for(f"{PEER}.sleepy_verifier", "reward.workers=2", "reward.timeout_s=2", "reward.on_error=zero")
+    try:
+        assert scorer(["p"] * 2, ["ok"] * 2, [None] * 2, [{}] * 2, [False] * 2) == [1.0, 1.0]  # workers started
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="lit_ppo"):
+            scores = scorer(["p"] * 8, ["sleep"] * 8, [None] * 8, [{}] * 8, [False] * 8)
+        seconds = time.monotonic() - started
+        assert scores == [0.0] * 8 and scores.metrics["timeouts"] == 8.0 and scorer.timeouts == 8
+        assert scorer.pool.restarts == 2  # the two timed-out workers; the others were never sent a sample
+        given_up = [r.getMessage() for r in caplog.records if "looks hung" in r.getMessage()]
+        assert given_up == [
+            "reward: 2 samples in a row ran past reward.timeout_s=2s in the reward workers: the reward function looks "
+            "hung (a remote service down?); the other 6 samples of this call score 0 without being scored "
+            "(reward.on_error=zero, counted as timeouts)"
+        ]
+        assert seconds < 8 * 2 / 2  # a generous bound: one timeout and not four (about 2 s here)
+        assert scorer(["p"], ["ok"], [None], [{}], [False]) == [1.0]  # the next call scores again
     finally:
         scorer.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -420,7 +421,7 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
     trainer = SimpleNamespace(
         is_global_zero=True,
         save_checkpoint=(lambda path: _atomic_save({"weights": 1}, path)) if save == "lightning" else lambda path: None,
-        strategy=SimpleNamespace(barrier=lambda name: None),
+        strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
     )
     with pytest.raises(DirectoryError) as info:
         save_atomic(trainer, checkpoint_path(UNWRITABLE, 3))
@@ -428,6 +429,69 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
         f"the checkpoint rollout_step_000003.ckpt could not be written: {UNWRITABLE} is not writable (Permission "
         f"denied); fix: make {UNWRITABLE} writable"
     )
+
+
+SAVE_ON_TWO_RANKS = """
+import datetime, os, sys
+from pathlib import Path
+import lightning as L
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy
+from lit_ppo.checkpoints import checkpoint_path, save_atomic
+
+class SaveAfterTheFirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        save_atomic(trainer, checkpoint_path(Path(sys.argv[1]), 1))
+
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False, callbacks=[SaveAfterTheFirstStep()],
+    strategy=DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=20)),
+)
+try:
+    trainer.fit(BoringModel())
+    outcome = "finished"
+except BaseException as error:
+    outcome = f"{type(error).__name__}: {error}"
+Path(sys.argv[2]).write_text(outcome)
+os._exit(0)  # at once: a rank left in a collective is the failure this shows, not something to wait for
+"""
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_in_one_line(tmp_path):
+    """Under DDP only rank 0 writes the checkpoint: its DirectoryError reaches every rank (a broadcast of the outcome),
+    so the run stops everywhere with the same line, where the other ranks used to wait for rank 0 in their next
+    collective until the process group's timeout (then a gloo error: 20 s here, 30 min by default). Two CPU ranks of
+    a real Lightning DDP trainer, started as torchrun would."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    from tests.test_distributed import free_port
+
+    script = tmp_path / "save_on_two_ranks.py"
+    script.write_text(SAVE_ON_TWO_RANKS)
+    port, ranks = str(free_port()), []
+    for rank in range(2):
+        environment = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        )
+        command = [sys.executable, str(script), str(UNWRITABLE), str(tmp_path / f"rank{rank}.txt")]
+        ranks.append(subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = [rank.communicate(timeout=300)[0].decode(errors="replace") for rank in ranks]
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    expected = (
+        f"DirectoryError: the checkpoint rollout_step_000001.ckpt could not be written: {UNWRITABLE} is not writable "
+        f"(Permission denied); fix: make {UNWRITABLE} writable (or free space there), then resume=auto"
+    )
+    assert outcomes == [expected, expected], logs
 
 
 def test_a_checkpoint_under_a_name_of_ones_own_resumes(tmp_path):

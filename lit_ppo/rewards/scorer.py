@@ -22,8 +22,8 @@ from lit_ppo.rewards.workers import RewardWorkers, _Timeout, call_with_deadline
 log = logging.getLogger("lit_ppo")
 
 
-# In process (reward.workers=0), after the batch call ran past reward.timeout_s: this many samples in a row that do too
-# mean the function hangs on everything (a remote judge that is down), and the call's other samples are not tried.
+# This many samples in a row past reward.timeout_s (in process, reward.workers=0: after the batch call did too) mean the
+# function hangs on everything (a remote judge that is down), and the call's other samples are not tried.
 TIMEOUTS_BEFORE_GIVING_UP = 2
 
 # Reward metrics that count samples (the others are per-sample means): summed over data-parallel ranks, not averaged.
@@ -85,7 +85,11 @@ class RewardScorer:
         how = "chosen by reward.signature=auto from its parameters" if self.signature == "auto" else "reward.signature"
         log.info("reward: %s, called with the %s signature (%s)", _name(self.fn), chosen, how)
         self.call = RewardCall(self.fn, chosen, self.reference_key)
-        self.pool = RewardWorkers(self.call, int(self.workers), self.timeout_s) if self.workers else None
+        self.pool = (
+            RewardWorkers(self.call, int(self.workers), self.timeout_s, TIMEOUTS_BEFORE_GIVING_UP)
+            if self.workers
+            else None
+        )
 
     @classmethod
     def from_config(cls, config: RunConfig) -> RewardScorer:
@@ -260,6 +264,16 @@ class RewardScorer:
 
     def _score_in_workers(self, prompts, responses, references, extras):
         outcomes = self.pool.run(list(zip(prompts, responses, references, extras)))
+        given_up = sum(status == "given up" for status, _ in outcomes)
+        if given_up and self.on_error != "raise":  # (raise stops at the first timeout, naming it)
+            log.warning(
+                "reward: %d samples in a row ran past reward.timeout_s=%gs in the reward workers: the reward function "
+                "looks hung (a remote service down?); the other %d samples of this call score 0 without being scored "
+                "(reward.on_error=zero, counted as timeouts)",
+                TIMEOUTS_BEFORE_GIVING_UP,
+                self.timeout_s,
+                given_up,
+            )
         scores, extra_metrics = [], defaultdict(list)
         for i, (status, payload) in enumerate(outcomes):
             if status == "ok":
@@ -274,7 +288,8 @@ class RewardScorer:
                 name, message, timed_out = payload
                 failure = (_Timeout if timed_out else RewardError)(f"{name}: {message}")
             else:
-                failure, timed_out = (_Timeout if status == "timeout" else RewardError)(payload), status == "timeout"
+                timed_out = status in ("timeout", "given up")
+                failure = (_Timeout if timed_out else RewardError)(payload)
             self._sample_failed(i, prompts, responses, failure, timed_out=timed_out)
             scores.append(0.0)
         return scores, extra_metrics

@@ -67,11 +67,15 @@ class RewardWorkers:
 
     A sample whose worker does not answer in time is killed with its worker; a worker that dies
     (os._exit, a segfault, the OOM killer) takes only its sample. Either way a fresh worker replaces
-    it. Workers start with `spawn`: forking a process that holds vLLM's and torch's threads is unsafe."""
+    it. After `give_up_after` timeouts in a row (no result between them: with N workers, the first N samples of a
+    function that hangs on everything, a remote judge that is down), the call's other samples, waiting or in flight,
+    are not scored ("given up"; their workers are killed and replaced at the next call): a call then costs about
+    `ceil(give_up_after / workers)` timeouts, not one per `workers` samples. Workers start with `spawn`: forking a
+    process that holds vLLM's and torch's threads is unsafe."""
 
     START_TIMEOUT_S = 300.0  # importing the reward's module (torch, sympy) on a busy machine
 
-    def __init__(self, call: RewardCall, workers: int, timeout_s: float | None):
+    def __init__(self, call: RewardCall, workers: int, timeout_s: float | None, give_up_after: int):
         try:
             pickle.dumps(call)
         except Exception as e:
@@ -79,7 +83,7 @@ class RewardWorkers:
                 f"reward.workers={workers} needs a reward function that can be sent to another process "
                 f"({_name(call.fn)}: {e}); fix: use a module-level function or class, or reward.workers=0"
             ) from e
-        self.call, self.size, self.timeout_s = call, workers, timeout_s
+        self.call, self.size, self.timeout_s, self.give_up_after = call, workers, timeout_s, give_up_after
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self.restarts = 0
@@ -97,12 +101,22 @@ class RewardWorkers:
 
     def run(self, samples: list[tuple]) -> list[tuple[str, Any]]:
         """One outcome per sample: ("ok", (scores, metrics)), ("error", (type, message, timed out)),
-        ("timeout", message) or ("died", message)."""
+        ("timeout", message), ("died", message) or ("given up", message)."""
         self._start_workers()
         outcomes: list = [None] * len(samples)
         pending = deque(range(len(samples)))
         started = time.monotonic()
+        timeouts_in_a_row = 0
         while pending or any(w.task for w in self.workers):
+            if timeouts_in_a_row >= self.give_up_after:  # hung on everything: the rest would hang too
+                message = f"not scored: {timeouts_in_a_row} samples in a row ran past reward.timeout_s before it"
+                for worker in [w for w in self.workers if w.task]:
+                    outcomes[worker.task[0]] = ("given up", message)
+                    worker.stop()
+                    self.workers.remove(worker)
+                for index in pending:
+                    outcomes[index] = ("given up", message)
+                break
             now = time.monotonic()
             for worker in self.workers:
                 if worker.ready and worker.task is None and pending:
@@ -128,6 +142,7 @@ class RewardWorkers:
                     index, status, payload = message
                     outcomes[index] = (status, payload)
                     worker.task = None
+                    timeouts_in_a_row = 0  # it answered (the function's own timeouts included): not hung
                 elif not worker.process.is_alive():
                     code = worker.process.exitcode
                     if worker.task is None:  # died while starting: the function cannot be loaded there
@@ -137,9 +152,11 @@ class RewardWorkers:
                             f"({_name(self.call.fn)}); fix: make its module importable, or set reward.workers=0"
                         )
                     outcomes[worker.task[0]] = ("died", f"killed its worker process (exit code {code})")
+                    timeouts_in_a_row = 0
                     self._replace(worker)
                 elif worker.task and self.timeout_s and now - worker.task[1] > self.timeout_s:
                     outcomes[worker.task[0]] = ("timeout", f"no result after reward.timeout_s={self.timeout_s:g}s")
+                    timeouts_in_a_row += 1
                     self._replace(worker)
                 elif not worker.ready and now - started > self.START_TIMEOUT_S:
                     raise RewardError(

@@ -502,18 +502,36 @@ class RolloutDataModule(L.LightningDataModule):
         positions = list(self.rank_positions(len(self.eval_prompts)))
         prompts = self.eval_prompts.prompts[positions[0] : positions[-1] + 1] if positions else []
         k = k or self.rollout.eval_samples_per_prompt
-        greedy, greedy_rewards, solved = [], [], []
         episodic = self.make_environment is not None
-        if prompts:  # a rank can have none when there are fewer eval prompts than ranks
+        # A preemption signal drops the pass (lit_ppo.preemption): the whole of it where generation can be cut (as in
+        # `generate_round`), else its reward calls; the stop point, before the all-reduce, stops every rank together.
+        whole = self.source.interruptible
+        cut = (lambda fn: fn()) if whole else interruptibly
+
+        def local_pass() -> tuple[list, list, list] | None:
+            greedy, greedy_rewards, solved = [], [], []
+            if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
+                return greedy, greedy_rewards, solved
             greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
-            greedy_rewards, _, _ = self.rewards_of(prompts, greedy)
+            scored = cut(lambda: self.rewards_of(prompts, greedy))
+            if scored is None:
+                return None
+            greedy_rewards = scored[0]
             if k > 1:
                 temperature = self.rollout.eval_temperature
                 sampled = self.generate(
                     prompts, positions, k, temperature=temperature, top_p=1.0, purpose="eval", where="evaluation"
                 )
-                sample_solved = self.solved(*self.rewards_of(prompts, sampled)[:2])
+                scored = cut(lambda: self.rewards_of(prompts, sampled))
+                if scored is None:
+                    return None
+                sample_solved = self.solved(*scored[:2])
                 solved = [any(sample_solved[i * k : (i + 1) * k]) for i in range(len(prompts))]
+            return greedy, greedy_rewards, solved
+
+        evaluated = interruptibly(local_pass) if whole else local_pass()
+        stop_point(self.device)  # a signal during the evaluation stops here (`evaluated` is then None)
+        greedy, greedy_rewards, solved = evaluated
         sums = [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)]
         if episodic:
             sums += [sum(g.tool_calls > 0 for g in greedy), sum(g.turns for g in greedy)]

@@ -41,6 +41,11 @@ class ScheduledRound:
 class RolloutSource(Protocol):
     """Where the data module's generation rounds come from."""
 
+    interruptible: bool
+    """Whether a preemption signal may cut this source's generation in this process (lit_ppo.preemption): not where
+    the rollout workers generate (their requests stay in their ordered queues) nor where a tensor-parallel engine
+    runs collectives inside generate."""
+
     def start_engine(self, datamodule) -> RolloutEngine:
         """The engine this source generates with, started from the settings of `datamodule` (a RolloutDataModule:
         not imported here, which imports this module)."""
@@ -131,6 +136,8 @@ class AheadOfTimeSource:
     `received` (steps received, from the one being trained on; what a checkpoint keeps of those from `next_step` on,
     after collecting), and the cursor `next_step` (the step the trainer takes next). The next step to request follows
     the last one known of in flight and received (or the step the trainer needs)."""
+
+    interruptible = False  # the workers' queues are not this process's to cut
 
     def __init__(self, plan: StepPlan):
         self.plan = plan
@@ -235,8 +242,9 @@ class AheadOfTimeSource:
         self.next_step = snapshot["next_step"]
 
 
-def source_for(plan: StepPlan, tensor_parallel_size: int = 1) -> RolloutSource:
-    """The source of the plan's rollout mode: generated now (colocated) or requested ahead (disaggregated)."""
-    if plan.workers:
+def source_for(plan: StepPlan | None, tensor_parallel_size: int = 1) -> RolloutSource:
+    """The source of the plan's rollout mode: generated now (colocated) or requested ahead (disaggregated). Without a
+    plan (a data module built only to evaluate): generated now."""
+    if plan is not None and plan.workers:
         return AheadOfTimeSource(plan)
     return SynchronousSource(interruptible=tensor_parallel_size == 1)

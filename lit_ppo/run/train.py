@@ -40,7 +40,7 @@ from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, compute_plan
-from lit_ppo.preemption import Preemption
+from lit_ppo.preemption import Preemption, Stopped, starting
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
@@ -243,6 +243,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
             "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
         )
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
+    starting()  # a signal from here to the first rollout step stops the run "during start-up"
     started = time.perf_counter()
     L.seed_everything(config.seed, workers=True)
     rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
@@ -307,7 +308,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         # Under FSDP every rank takes part in gathering the actor's shards (with LoRA the adapter's only), before the
         # engine's shutdown can touch the process group; rank 0 saves them below.
         actor_state = module.saved_actor_state() if module.sharded else None
-    except Exception as error:
+    except (Exception, Stopped) as error:  # (Stopped: a signal during start-up inside fit, e.g. the engine's start)
         stop_started_ranks(trainer)
         timed_out = waits.named_timeout(error, trainer.global_rank)
         if timed_out is not None:

@@ -426,6 +426,22 @@ class PPOModule(L.LightningModule):
         if not self.eval_history:
             waits.entering("the evaluation before rollout step 1")
             self._log_initial_evaluation(self._evaluate())
+        elif self.evaluation_missing():  # a run stopped during it: its step's row was kept unlogged until now
+            self._evaluate_after_step()
+            self._log_row(self.history[-1])
+
+    def evaluation_due(self) -> bool:
+        """Whether the held-out evaluation runs after rollout step `rollout_step`: every trainer.eval_every steps and
+        after the last (before rollout step 1 too: `on_train_start`)."""
+        last = self.rollout_step == self.plan.counts.total_rollout_steps
+        return last or bool(self.eval_every and self.rollout_step % self.eval_every == 0)
+
+    def evaluation_missing(self) -> bool:
+        """Whether the evaluation due after the last completed rollout step has not run: a signal cut it short
+        (lit_ppo.preemption); the checkpoint then holds the step's row without its evaluation."""
+        if self.rollout_step == 0 or not self.trainer.datamodule.eval_prompts or not self.evaluation_due():
+            return False
+        return all(e["rollout_step"] != self.rollout_step for e in self.eval_history)
 
     def _initial_row(self) -> dict[str, Any] | None:
         """The evaluation before any update, as the rollout_step 0 row of metrics.csv and the loggers; None when the
@@ -500,7 +516,13 @@ class PPOModule(L.LightningModule):
         peak_gib = device_peak_memory_gib(self.device)  # since the last step's end: its generation, updates, sync
         if peak_gib is not None:
             train_metrics["perf/device_peak_memory_gib"] = peak_gib
-        self._log_row(self._rollout_step_row(batch, exp, train_metrics, timings))
+        row = self._rollout_step_row(batch, exp, train_metrics, timings)
+        row["actor/skipped_updates"] = self.skipped_updates
+        self.history.append(row)  # the step is complete: a checkpoint from here on holds it
+        if self.evaluation_due():
+            # A signal during it drops its results and saves this step; the resumed run evaluates, then logs the row.
+            self._evaluate_after_step()
+        self._log_row(row)
 
     @torch.no_grad()
     def sync_weights(self, engine, version: int | None = None, probe_batch: RolloutBatch | None = None) -> None:
@@ -557,11 +579,12 @@ class PPOModule(L.LightningModule):
             global_sum=global_sum,
             global_max=global_max,
         )
-        last = self.rollout_step == self.plan.counts.total_rollout_steps
-        if last or (self.eval_every and self.rollout_step % self.eval_every == 0):
-            waits.entering(f"the evaluation after rollout step {self.rollout_step}")
-            row.update(self._evaluate())
         return row
+
+    def _evaluate_after_step(self) -> None:
+        """The evaluation after rollout step `rollout_step`, into that step's row (the last of `history`)."""
+        waits.entering(f"the evaluation after rollout step {self.rollout_step}")
+        self.history[-1].update(self._evaluate())
 
     def _evaluate(self) -> dict[str, Any]:
         result = self.trainer.datamodule.evaluate()
@@ -572,8 +595,7 @@ class PPOModule(L.LightningModule):
         return result
 
     def _log_row(self, row: dict[str, Any]) -> None:
-        row["actor/skipped_updates"] = self.skipped_updates
-        self.history.append(row)
+        """A rollout step's row (already in `history`) into metrics.csv and the loggers."""
         if self.metrics_path and self.trainer.is_global_zero:
             write_metrics_csv(self.metrics_path, self.history, initial=self._initial_row())
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
