@@ -10,6 +10,10 @@ and the final weights of the actor and the critic. `compare A.pt B.pt` says whic
     (change the code)
     PYTHONPATH=$PWD .venv/bin/python bench/train_step_bitwise.py record /tmp/after.pt
     PYTHONPATH=$PWD .venv/bin/python bench/train_step_bitwise.py compare /tmp/before.pt /tmp/after.pt
+
+`compare-runs A B` compares two `python train.py` output directories the same way (e.g. 2 DDP ranks on CPU:
+`strategy=ddp strategy.devices=2 strategy.accelerator=cpu strategy.precision=32-true`, before and after): metrics.csv
+without its wall-clock columns, the final actor/ tensors and the last checkpoint's trained tensors.
 """
 
 from __future__ import annotations
@@ -171,6 +175,27 @@ def compare(before: Path, after: Path) -> int:
     return 1 if failures else 0
 
 
+def compare_runs(before: Path, after: Path) -> int:
+    import csv
+
+    from safetensors.torch import load_file
+
+    def run(directory: Path) -> dict:
+        with open(directory / "metrics.csv") as f:
+            rows = [comparable(row) for row in csv.DictReader(f)]
+        [last] = sorted((directory / "checkpoints").glob("*.ckpt"))[-1:]
+        return {
+            "rows": rows,
+            "actor": load_file(directory / "actor" / "model.safetensors"),
+            "checkpoint": torch.load(last, weights_only=False, map_location="cpu")["state_dict"],
+        }
+
+    a, b = run(before), run(after)
+    differ = [part for part in a if not same(a[part], b[part])]
+    print(f"{before} vs {after}: {'identical' if not differ else 'DIFFERENT: ' + ', '.join(differ)}")
+    return 1 if differ else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,10 +205,15 @@ def main() -> int:
     cmp = sub.add_parser("compare")
     cmp.add_argument("before", type=Path)
     cmp.add_argument("after", type=Path)
+    runs = sub.add_parser("compare-runs")
+    runs.add_argument("before", type=Path)
+    runs.add_argument("after", type=Path)
     args = parser.parse_args()
     if args.command == "record":
         record(args.out, args.runs)
         return 0
+    if args.command == "compare-runs":
+        return compare_runs(args.before, args.after)
     return compare(args.before, args.after)
 
 

@@ -45,7 +45,6 @@ from lit_ppo.plan import (
     check_step_accounting,
     minibatch_schedule,
 )
-from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_rank_batch,
@@ -96,7 +95,6 @@ class PPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         eval_every: int = 0,
         max_consecutive_skipped_updates: int = 3,
-        metrics_path: str | None = None,
         temperature: float = 1.0,
         max_logprob_abs_diff: float | None = None,
         lora: LoraConfig | None = None,
@@ -108,7 +106,6 @@ class PPOModule(L.LightningModule):
         self.plan = plan
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
-        self.metrics_path = metrics_path
         # vLLM samples from softmax(logits / temperature): every log-prob the trainer takes (old, reference,
         # new, entropy) is of that distribution, or the ratio and the KL compare the wrong ones.
         self.temperature = temperature
@@ -388,7 +385,7 @@ class PPOModule(L.LightningModule):
             waits.entering("the evaluation before rollout step 1")
             self._log_initial_evaluation(self._evaluate())
 
-    def _initial_row(self) -> dict[str, Any] | None:
+    def initial_row(self) -> dict[str, Any] | None:
         """The evaluation before any update, as the rollout_step 0 row of metrics.csv and the loggers; None when the
         run has none (no held-out prompts). Built from `eval_history`, which checkpoints keep, so a resumed run
         writes it again."""
@@ -398,11 +395,9 @@ class PPOModule(L.LightningModule):
         return {"rollout_step": 0, "optimizer_step": 0, "data_epoch": 0, "samples_seen": 0, **evaluation}
 
     def _log_initial_evaluation(self, result: dict[str, Any]) -> None:
-        row = self._initial_row()
+        row = self.initial_row()
         if not result or row is None:
             return
-        if self.metrics_path and self.trainer.is_global_zero:
-            write_metrics_csv(self.metrics_path, self.history, initial=row)
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=0)
@@ -534,9 +529,7 @@ class PPOModule(L.LightningModule):
 
     def _log_row(self, row: dict[str, Any]) -> None:
         row["actor/skipped_updates"] = self.skipped_updates
-        self.history.append(row)
-        if self.metrics_path and self.trainer.is_global_zero:
-            write_metrics_csv(self.metrics_path, self.history, initial=self._initial_row())
+        self.history.append(row)  # metrics.csv: lit_ppo.run.report.MetricsCSV
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=self.rollout_step)
