@@ -32,6 +32,11 @@ class MicroBatchLayout:
     positions: int = 0  # the positions they laid out (real tokens and padding)
     real_tokens: int = 0  # the prompt and response tokens they hold
 
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(positions, real tokens, micro-batches) laid out so far."""
+        return self.positions, self.real_tokens, self.micro_batches
+
     def split(self, indices: list[int]) -> list[list[int]]:
         """The samples `indices` in this rank's micro-batches. Under data parallelism with a token budget a collective
         (every rank runs as many micro-batches): call it where every rank does."""

@@ -265,8 +265,8 @@ def update_metrics(
     per_update: MeanOver,
     padded_positions: float,
     real_tokens: float,
-    *,
     micro_batches: int | None = None,
+    *,
     device,
     global_sum: Reduce = _identity,
 ) -> dict[str, float]:

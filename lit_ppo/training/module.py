@@ -324,14 +324,7 @@ class PPOModule(L.LightningModule):
         self.last_sample_use_counts = global_sum(use_counts.to(self.device)).cpu()
         if capture is not None:
             exp = capture.experience(exp, own, batch, self.ppo, self.mismatch_bound(batch))
-        metrics = update_metrics(
-            per_update,
-            layout.positions,
-            layout.real_tokens,
-            micro_batches=layout.micro_batches,
-            device=self.device,
-            global_sum=global_sum,
-        )
+        metrics = update_metrics(per_update, *layout.counts, device=self.device, global_sum=global_sum)
         _, schedulers = self.optimizers_and_schedulers()
         metrics.update({f"{name}/lr": s.get_last_lr()[0] for name, s in zip(("actor", "critic"), schedulers)})
         return metrics, exp
