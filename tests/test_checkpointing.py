@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lit_ppo.training.batching import pack
+from lit_ppo.training.models import critic_values
 from tests.helpers import build_run
 
 
@@ -43,5 +44,5 @@ def test_trained_models_are_in_training_mode_without_dropout(tiny_model_dir, eng
     ]
     assert dropouts and all(p == 0.0 for p in dropouts)  # the critic's head had classifier_dropout 0.1
     mb = pack([[5, 6, 7, 8]] * 4, [[9, 10, 11]] * 4, module.pad_token_id, "cpu")
-    values = [module._values(mb) for _ in range(2)]
+    values = [critic_values(module.critic, mb) for _ in range(2)]
     assert torch.equal(values[0], values[1])  # deterministic in training mode

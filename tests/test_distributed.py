@@ -5,7 +5,7 @@ What must not depend on how a batch is split over data-parallel ranks (docs/refe
   the batch exactly the rows the single process gives on the whole batch;
 - gradients: each rank runs its half of one mini-batch in micro-batches, aggregates the policy loss
   with the mini-batch's GLOBAL token and sequence counts and multiplies it by the world size (as
-  `PPOModule._actor_backward` does); after DDP averages the gradients over ranks they equal the
+  `PPOModule.actor_backward` does); after DDP averages the gradients over ranks they equal the
   single-process gradient of the whole mini-batch, for every loss aggregation mode.
 
 The test file is also the worker: the parent runs `python tests/test_distributed.py` twice with

@@ -510,11 +510,12 @@ def test_turn_ending_text_must_be_one_token():
 
 
 def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
-    """The actor's gradient from PPOModule._actor_backward on a packed episode equals the gradient of the loss
+    """The actor's gradient from PPOModule.actor_backward on a packed episode equals the gradient of the loss
     written out by hand over the policy tokens (positions listed by hand), with the token-mean over those 4
     tokens; advantages put on the observation tokens change nothing."""
     from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.training.experience import Experience
+    from lit_ppo.training.experience import Experience, loss_denominators
+    from lit_ppo.training.loss import LossInputs
     from lit_ppo.training.module import PPOModule
     from tests.helpers import plan_of
 
@@ -554,7 +555,7 @@ def test_observation_tokens_carry_no_loss_and_no_count(tiny_model_dir):
             rc_weights=mask.clone(),
             loss_mask=mask.clone(),
         )
-        module._actor_backward(mb, exp, num_tokens=mask.sum(), num_seqs=torch.tensor(1.0), world=1)
+        module.actor_backward(mb, LossInputs.of(exp, [0], mb, loss_denominators(exp, [0]), ppo))
         return [p.grad.clone() for p in module.actor.parameters()]
 
     advantages = torch.tensor([[1.0, -2.0, 0.0, 0.0, 0.0, 0.5, 3.0]])

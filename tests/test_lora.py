@@ -675,7 +675,7 @@ def _sharded_lora_rank(rank: int, world: int, model_dir: str, out: str) -> None:
         from lit_ppo.distributed import shard_models
         from lit_ppo.run.train import save_lora_policy
         from lit_ppo.training.batching import pack
-        from lit_ppo.training.models import adapter_tensors
+        from lit_ppo.training.models import adapter_tensors, critic_values
         from lit_ppo.training.module import PPOModule
 
         torch.manual_seed(0)  # the same adapter initialisation on every rank, as the run's seed_everything gives
@@ -692,7 +692,7 @@ def _sharded_lora_rank(rank: int, world: int, model_dir: str, out: str) -> None:
         trained = [p for m in (module.actor, module.critic) for p in m.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = -module.response_logprobs(module.actor, mb).sum() + module._values(mb).square().sum()
+            loss = -module.response_logprobs(module.actor, mb).sum() + critic_values(module.critic, mb).square().sum()
         loss.backward()
         report["grad_dtypes"] = sorted({str(p.grad.dtype) for p in trained if p.grad is not None})
         report["grads"] = sum(p.grad is not None for p in trained), len(trained)

@@ -1,14 +1,16 @@
-"""summary.json sums what the rows hold; a row without a timing key is a bug in the logging, not 0 seconds."""
+"""summary.json sums what the rows hold; a row without a timing key is a bug in the logging, not 0 seconds; metrics.csv
+holds the evaluation before any update as soon as it is done and each rollout step's row once the step ends."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 
 from lit_ppo.run.report import TIMING_KEYS, write_curves, write_summary
-from tests.helpers import plan_of
+from tests.helpers import build_run, plan_of, read_csv
 
 
 def run_state(rows: list[dict]) -> SimpleNamespace:
@@ -64,3 +66,25 @@ def test_curves_of_a_run_without_a_reference_model_show_the_entropy_not_an_empty
     with_kl = [{**row, "rollout/kl_to_reference": 0.01} for row in rows]
     write_curves(tmp_path, with_kl, [])
     assert panels["KL to reference (per token)"] == [[0.01, 0.01]]
+
+
+def test_metrics_csv_has_the_evaluation_row_before_step_1_and_each_step_row_once_it_ends(
+    tiny_model_dir, engine, arithmetic_files, tmp_path
+):
+    """The run's `MetricsCSV` callback (the training module writes no file): at the start of each rollout step,
+    metrics.csv on disk holds the rollout_step 0 row (the evaluation before any update) and every finished step's."""
+    on_disk = []
+
+    class AtStepStart(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            on_disk.append([row["rollout_step"] for row in read_csv(tmp_path / "metrics.csv")])
+
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path, total_rollout_steps=2, callbacks=[AtStepStart()]
+    )
+    trainer.fit(module, datamodule=datamodule)
+    rows = read_csv(tmp_path / "metrics.csv")
+    assert on_disk[:2] == [["0"], ["0", "1"]]  # (with a dataloader_iter, Lightning starts a third to find no batch)
+    assert [row["rollout_step"] for row in rows] == ["0", "1", "2"]
+    assert rows[0]["eval/reward"] != "" and rows[0]["optimizer_step"] == "0"
+    assert int(rows[2]["optimizer_step"]) == module.actor_optimizer_steps

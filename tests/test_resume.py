@@ -189,9 +189,9 @@ def test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable(paths
 
 
 def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypatch):
-    import lit_ppo.training.module as module_code
+    from lit_ppo import algorithms  # the losses' aggregation, where lit_ppo.training.loss reads it
 
-    original = module_code.algo.aggregate_loss
+    original = algorithms.aggregate_loss
     calls = {"n": 0}
 
     def nan_once(loss, *args, **kwargs):
@@ -199,7 +199,7 @@ def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypa
         value = original(loss, *args, **kwargs)
         return value * float("nan") if calls["n"] == 1 else value  # the first micro-batch's loss is NaN
 
-    monkeypatch.setattr(module_code.algo, "aggregate_loss", nan_once)
+    monkeypatch.setattr(algorithms, "aggregate_loss", nan_once)
     # A reward that varies between samples, so a random policy gets non-zero advantages and gradients.
     trainer, module, datamodule, plan = build_run(
         paths[0],
@@ -219,10 +219,10 @@ def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypa
 
 
 def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine, tmp_path, monkeypatch):
-    import lit_ppo.training.module as module_code
+    from lit_ppo import algorithms  # the losses' aggregation, where lit_ppo.training.loss reads it
 
-    original = module_code.algo.aggregate_loss
-    monkeypatch.setattr(module_code.algo, "aggregate_loss", lambda *a, **k: original(*a, **k) * float("nan"))
+    original = algorithms.aggregate_loss
+    monkeypatch.setattr(algorithms, "aggregate_loss", lambda *a, **k: original(*a, **k) * float("nan"))
     trainer, module, datamodule, _ = build_run(
         paths[0],
         engine,

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from lit_ppo.errors import StepAccountingError
+from lit_ppo.plan import minibatch_schedule
+from lit_ppo.training import module as module_file
 from tests.helpers import build_run
 
 
@@ -32,7 +34,7 @@ def test_ppo_epochs_and_batch_sizes_take_effect(tiny_model_dir, engine, arithmet
 
 def test_minibatch_order_is_reshuffled_every_epoch(tiny_model_dir, engine, arithmetic_files, tmp_path):
     _, module, _, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs=3)
-    schedule = module.minibatch_schedule(32)
+    schedule = minibatch_schedule(module.plan, 32, module.shuffle_generator)
     orders = [sum(epoch, []) for epoch in schedule]
     assert all(sorted(order) == list(range(32)) for order in orders)
     assert len({tuple(order) for order in orders}) == 3  # every pair of epochs differs, 0 and 2 included
@@ -41,8 +43,8 @@ def test_minibatch_order_is_reshuffled_every_epoch(tiny_model_dir, engine, arith
 def test_broken_epoch_loop_is_caught(tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch):
     """The verl bug: an update loop that silently runs one PPO epoch instead of ppo_epochs."""
     trainer, module, datamodule, _ = build_run(tiny_model_dir, engine, arithmetic_files, tmp_path, ppo_epochs=2)
-    original = type(module).minibatch_schedule
-    monkeypatch.setattr(type(module), "minibatch_schedule", lambda self, n: original(self, n)[:1])
+    original = module_file.minibatch_schedule
+    monkeypatch.setattr(module_file, "minibatch_schedule", lambda plan, n, generator: original(plan, n, generator)[:1])
     with pytest.raises(StepAccountingError, match="the plan says 8 each"):
         trainer.fit(module, datamodule=datamodule)
 

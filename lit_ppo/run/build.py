@@ -19,6 +19,7 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.rollout.prompts import PromptSet
 from lit_ppo.rollout.schedule import source_for
+from lit_ppo.run.report import MetricsCSV
 from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
@@ -91,7 +92,6 @@ def build_run(
         pad_token_id=tokenizer.pad_token_id,
         gradient_checkpointing=config.model.gradient_checkpointing,
         eval_every=config.trainer.eval_every,
-        metrics_path=str(Path(output_dir) / "metrics.csv"),
         max_consecutive_skipped_updates=config.trainer.max_consecutive_skipped_updates,
         temperature=config.rollout.temperature,
         max_logprob_abs_diff=config.rollout.max_logprob_abs_diff,
@@ -116,7 +116,7 @@ def build_run(
         strategy=strategy,
         precision=plan.models.precision,
         logger=list(loggers) or False,
-        callbacks=list(callbacks),
+        callbacks=[MetricsCSV(Path(output_dir) / "metrics.csv"), *callbacks],
         default_root_dir=str(output_dir),
         **TRAINER_FLAGS,
     )

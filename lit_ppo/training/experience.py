@@ -25,7 +25,7 @@ from lit_ppo.errors import RolloutMismatchError
 DUMP_ADVANTAGES_ENV = "LIT_PPO_DUMP_ADVANTAGES"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Experience:
     """One rollout step's experience, computed once and read by every PPO epoch.
 
@@ -35,7 +35,7 @@ class Experience:
     mask: Tensor  # [N, T] 1.0 on response tokens
     # [N, T] the actor's log-probs before this rollout step's updates. None while training an exactly on-policy
     # update (StepPlan.old_logprobs.source "training forward"): each training forward's own log-probs, detached, are
-    # the old ones; train_on_experience fills this field with them afterwards (for the KL and mismatch metrics).
+    # the old ones; train_on_experience returns an experience with them afterwards (for the KL and mismatch metrics).
     old_logp: Tensor | None
     advantages: Tensor  # [N, T]
     returns: Tensor  # [N, T]
@@ -136,20 +136,51 @@ def check_rollout_logprobs(
 
 def old_logprobs_from_training(
     exp: Experience, captured: Tensor, captured_rows: Tensor, batch, ppo, max_logprob_abs_diff: float | None
-) -> None:
-    """Without an experience forward: the log-probs the training forwards took before the first optimizer step
-    (`captured`, rows marked in `captured_rows`) become the experience's old log-probs (on-policy: every sample's)
-    and its KL to the reference, and are checked against vLLM's (`check_rollout_logprobs`, on the captured samples;
-    after the update, which a failed weight sync has then spoilt, but the run stops as with the forward)."""
+) -> Experience:
+    """Without an experience forward: `exp` with the log-probs the training forwards took before the first optimizer
+    step (`captured`, rows marked in `captured_rows`) as its old log-probs (on-policy: every sample's) and its KL to
+    the reference from them, and those log-probs checked against vLLM's (`check_rollout_logprobs`, on the captured
+    samples; after the update, which a failed weight sync has then spoilt, but the run stops as with the forward). A
+    new experience: `exp` is left as it was."""
+    changes = {}
     if exp.old_logp is None:
-        exp.old_logp = captured
+        changes["old_logp"] = captured
         if exp.ref_logp is not None:
-            exp.kl = algo.KL_ESTIMATORS[ppo.kl_estimator](captured - exp.ref_logp) * exp.mask
+            changes["kl"] = algo.KL_ESTIMATORS[ppo.kl_estimator](captured - exp.ref_logp) * exp.mask
     if batch.rollout_logprobs is not None:
         rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, exp.mask)
-        exp.logprob_abs_diff_mean, exp.logprob_abs_diff_max = check_rollout_logprobs(
+        changes["logprob_abs_diff_mean"], changes["logprob_abs_diff_max"] = check_rollout_logprobs(
             batch.rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff
         )
+    return dataclasses.replace(exp, **changes)
+
+
+class OldLogprobCapture:
+    """Without an experience forward (`StepPlan.old_logprobs_source` "training forward" or "vLLM"): the log-probs of
+    the training forwards before the first optimizer step, which are the actor's before the update (every sample's
+    when on-policy), kept for the old log-probs, the KL to the reference and the check against vLLM's
+    (`old_logprobs_from_training`). Each rank writes the rows it trained, of the global batch."""
+
+    def __init__(self, mask: Tensor):  # [N, T] the global batch's response mask
+        self.logp = torch.zeros_like(mask)  # [N, T]
+        self.rows = torch.zeros(mask.shape[0], dtype=mask.dtype, device=mask.device)  # [N] 1.0 where captured
+        self.open = True
+
+    def add(self, idx: list[int], logp: Tensor) -> None:
+        """The training forward's log-probs [B, t] (detached) of the samples `idx`, until `close`."""
+        if self.open:
+            self.logp[idx, : logp.shape[1]] = logp
+            self.rows[idx] = 1.0
+
+    def close(self) -> None:
+        """After the first optimizer step: the forwards from here on are of the updated actor."""
+        self.open = False
+
+    def experience(self, exp: Experience, own: list[int], batch, ppo, max_logprob_abs_diff: float | None) -> Experience:
+        """This rank's experience `exp` (its samples at `own` in the global batch) with the captured log-probs, gathered
+        over the ranks (a collective): a new experience (`old_logprobs_from_training`)."""
+        logp, rows = global_sum(self.logp)[own], global_sum(self.rows)[own]  # each row written by one rank
+        return old_logprobs_from_training(exp, logp[:, : exp.mask.shape[1]], rows, batch, ppo, max_logprob_abs_diff)
 
 
 def advantages_and_returns(
@@ -230,7 +261,8 @@ def experience_from_forwards(
         logprob_abs_diff_mean=diff_mean,
         logprob_abs_diff_max=diff_max,
     )
-    exp.rc_weights, exp.loss_mask, stats = rollout_correction(exp, ppo.rollout_correction)
+    rc_weights, loss_mask, stats = rollout_correction(exp, ppo.rollout_correction)
+    exp = dataclasses.replace(exp, rc_weights=rc_weights, loss_mask=loss_mask)
     return exp, {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
 
 

@@ -218,7 +218,7 @@ def rollout_step_row(
 
 
 # The statistics each rank adds as its micro-batches' shares of their mini-batch's value (`actor_loss_shares`, the value
-# loss of `PPOModule._critic_backward`): summed over micro-batches and ranks, each is the whole mini-batch's.
+# loss of `PPOModule.critic_backward`): summed over micro-batches and ranks, each is the whole mini-batch's.
 SUMMED_OVER_RANKS = (
     "actor/policy_loss",
     "actor/clip_fraction",
@@ -265,26 +265,30 @@ def update_metrics(
     per_update: MeanOver,
     padded_positions: float,
     real_tokens: float,
+    micro_batches: int | None = None,
     *,
     device,
     global_sum: Reduce = _identity,
 ) -> dict[str, float]:
     """The updates' means over the global batch: the statistics of `SUMMED_OVER_RANKS` summed over ranks (each rank's
     shares of every update's value), the gradient norms every rank's own (the same on every rank);
-    `perf/padding_fraction` is the share of the training forwards' positions that are padding."""
+    `perf/padding_fraction` is the share of the training forwards' positions that are padding. Given this rank's
+    `micro_batches`, also the real tokens and positions per micro-batch of all ranks."""
     summed = [k for k in SUMMED_OVER_RANKS if k in per_update.sums]
+    counts = [float(padded_positions), float(real_tokens)] + ([] if micro_batches is None else [float(micro_batches)])
     totals = global_sum(
-        torch.tensor(
-            [per_update.sums[k] for k in summed] + [float(padded_positions), float(real_tokens)],
-            dtype=torch.float64,
-            device=device,
-        )
+        torch.tensor([per_update.sums[k] for k in summed] + counts, dtype=torch.float64, device=device)
     ).tolist()
     per_update.sums.update(zip(summed, totals))
-    positions, real = totals[len(summed) :]
-    return {
+    positions, real = totals[len(summed) : len(summed) + 2]
+    metrics = {
         **per_update.means(),
         "perf/padding_fraction": 1 - real / max(positions, 1.0),
         "perf/trained_tokens": real,  # real tokens through the training forwards, over ranks and PPO epochs
         "perf/trained_positions": positions,  # positions they laid out (real tokens and padding)
     }
+    if micro_batches is not None:
+        all_micro_batches = totals[-1]  # of all ranks
+        metrics["perf/real_tokens_per_micro_batch"] = real / max(all_micro_batches, 1.0)
+        metrics["perf/padded_tokens_per_micro_batch"] = positions / max(all_micro_batches, 1.0)
+    return metrics

@@ -2,7 +2,7 @@
 
 One `training_step` is one rollout step:
   1. pull the rollout batch from the data module (vLLM generates it with the current weights),
-  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs.source`), reference
+  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs_source`), reference
      log-probs and values, computed once, then advantages,
   3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
@@ -30,7 +30,6 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lit_ppo import algorithms as algo
 from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_adapters, check_same_models, module_state, restore_module_state
@@ -41,35 +40,33 @@ from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.packing import one_row, packing_unsupported
 from lit_ppo.plan import (
     StepPlan,
-    check_micro_batches,
     check_policy_versions,
     check_sample_use,
     check_step_accounting,
     minibatch_schedule,
 )
-from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_rank_batch,
     global_batch,
     pack,
     packed_micro_batches,
-    rank_micro_batch_groups,
     rank_share,
 )
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
+    OldLogprobCapture,
     dump_experience,
     experience_from_forwards,
     global_experience,
     loss_denominators,
     next_kl_coef,
-    old_logprobs_from_training,
 )
+from lit_ppo.training.layout import MicroBatchLayout
+from lit_ppo.training.loss import LossInputs, actor_loss, critic_loss
 from lit_ppo.training.metrics import (
     MeanOver,
-    actor_loss_shares,
     device_peak_memory_gib,
     rollout_step_row,
     update_metrics,
@@ -98,7 +95,6 @@ class PPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         eval_every: int = 0,
         max_consecutive_skipped_updates: int = 3,
-        metrics_path: str | None = None,
         temperature: float = 1.0,
         max_logprob_abs_diff: float | None = None,
         lora: LoraConfig | None = None,
@@ -110,7 +106,6 @@ class PPOModule(L.LightningModule):
         self.plan = plan
         self.pad_token_id = pad_token_id
         self.eval_every = eval_every
-        self.metrics_path = metrics_path
         # vLLM samples from softmax(logits / temperature): every log-prob the trainer takes (old, reference,
         # new, entropy) is of that distribution, or the ratio and the KL compare the wrong ones.
         self.temperature = temperature
@@ -170,10 +165,7 @@ class PPOModule(L.LightningModule):
     def configure_optimizers(self):
         return actor_critic_optimizers(self.actor, self.critic, self.ppo, self.plan)
 
-    # ------------------------------------------------------------ forward helpers
-
-    def _values(self, mb: MicroBatch) -> Tensor:
-        return critic_values(self.critic, mb)
+    # ------------------------------------------------------------ forwards
 
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
@@ -183,24 +175,20 @@ class PPOModule(L.LightningModule):
         """The reference model's log-probs: with LoRA the actor with its adapter disabled (the frozen base), no copy."""
         if self.lora:
             with adapter_disabled(self.actor):
-                return self.response_logprobs(self.actor, mb)
-        return self.response_logprobs(self.reference, mb)
+                return response_logprobs_and_entropy(self.actor, mb, self.temperature)[0]
+        return response_logprobs_and_entropy(self.reference, mb, self.temperature)[0]
 
-    def _micro_batch_groups(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
-        return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
-
-    def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
-        return packed_micro_batches(
-            batch, groups, self.pad_token_id, self.device, self.plan.layout.packing, self.one_row
-        )
+    def micro_batch_layout(self, batch: RolloutBatch) -> MicroBatchLayout:
+        """How this rank lays out `batch`'s samples in micro-batches, for one pass over it."""
+        return MicroBatchLayout(batch, self.ppo, self.plan, self.pad_token_id, self.device, self.one_row)
 
     @torch.no_grad()
     def check_packed_layout(self, batch: RolloutBatch) -> None:
         """The start-up check of ppo.packing (`packing_check.check_packing`): the first micro-batch's first samples,
         packed as the run lays them out, against each one's padded forward alone; every rank checks as many samples
         (under FSDP each forward is a collective)."""
-        groups = self._micro_batch_groups(batch, list(range(len(batch.response_ids))))
-        [(idx, packed)] = self._micro_batches(batch, groups[:1])
+        layout = self.micro_batch_layout(batch)
+        [(idx, packed)] = layout.lay_out(layout.split(list(range(len(batch.response_ids))))[:1])
         count = min(CHECKED_SAMPLES, len(idx))
         count = -int(global_max(torch.tensor(-float(count), device=self.device)))  # the fewest of any rank
         alone = [
@@ -221,7 +209,7 @@ class PPOModule(L.LightningModule):
         def zeros() -> Tensor:
             return torch.zeros(N, T, device=self.device, dtype=torch.float32)
 
-        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs.source): an exactly
+        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs_source): an exactly
         # on-policy update takes them from its own training forwards, ppo.old_logprobs=rollout from vLLM.
         source = self.plan.old_logprobs.source
         if source == "vLLM" and batch.rollout_logprobs is None:
@@ -236,18 +224,19 @@ class PPOModule(L.LightningModule):
 
         # Before the interruptible region: with a token budget under data parallelism the split all-reduces the ranks'
         # micro-batch counts, and a collective that a signal interrupts on one rank leaves the others waiting in it.
-        groups = self._micro_batch_groups(batch, list(range(N)))
+        layout = self.micro_batch_layout(batch)
+        groups = layout.split(list(range(N)))
 
         def forwards() -> None:
-            for idx, mb in self._micro_batches(batch, groups):
+            for idx, mb in layout.lay_out(groups):
                 t = mb.response_ids.shape[1]
                 mask[idx, :t] = mb.response_mask
                 if old_logp is not None:
-                    old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
+                    old_logp[idx, :t] = response_logprobs_and_entropy(self.actor, mb, self.temperature)[0]
                 if ref_logp is not None:
                     ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
-                    values[idx, :t] = self._values(mb) * mb.response_mask
+                    values[idx, :t] = critic_values(self.critic, mb) * mb.response_mask
 
         # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
         # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.
@@ -277,7 +266,7 @@ class PPOModule(L.LightningModule):
         """rollout.max_logprob_abs_diff for this batch: the trainer's old log-probs against vLLM's catch a failed
         weight sync only when both are of the same policy version. A stale batch (rollout.max_staleness > 0) differs
         by what k updates changed, which is logged (rollout/logprob_abs_diff) and corrected, not a failure; its
-        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.workers)."""
+        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.disaggregated)."""
         stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
         return None if stale else self.max_logprob_abs_diff
 
@@ -294,126 +283,88 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------ PPO updates
 
-    def minibatch_schedule(self, num_samples: int) -> list[list[list[int]]]:
-        return minibatch_schedule(self.plan, num_samples, self.shuffle_generator)
-
-    def train_on_experience(self, batch: RolloutBatch, exp: Experience) -> dict[str, float]:
+    def train_on_experience(self, batch: RolloutBatch, exp: Experience) -> tuple[dict[str, float], Experience]:
         """`ppo_epochs` passes over the rollout step's global batch, one optimizer step per global mini-batch of
         train_batch_size samples, of which this rank trains its share (`rank_share`): the mini-batches are the same
-        sets of samples on any number of ranks, so the update is one process's. Returns the updates' mean metrics."""
-        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
-        models = [m for m in (self.actor, self.critic) if m is not None]
-        world = self.plan.counts.data_parallel_size
+        sets of samples on any number of ranks, so the update is one process's. Returns the updates' mean metrics and
+        the experience, with the old log-probs of the training forwards where the plan takes them there."""
         # Every rank's samples and experience, in one process's order: the mini-batches are drawn from them.
         full, picks, own = global_batch(batch, self.global_rank)
         full_exp = global_experience(exp, picks)
+        layout = self.micro_batch_layout(full)
+        models = [m for m in (self.actor, self.critic) if m is not None]
         N = len(full.response_ids)
-        actor_steps_at_start = self.actor_optimizer_steps
-        use_counts = torch.zeros(self.plan.counts.ppo_epochs, N, dtype=torch.long)
+        use_counts = torch.zeros(self.plan.counts.ppo_epochs, N, dtype=torch.long)  # [ppo_epochs, N]
         per_update = MeanOver("optimizer update")
         # Without an experience forward, the log-probs of the forwards before the first optimizer step (all of them
         # when on-policy) are the actor's before the update: kept for the old log-probs, the KL and the vLLM check.
-        captured = torch.zeros_like(full_exp.mask) if self.plan.old_logprobs.source != "experience forward" else None
-        captured_rows = torch.zeros(N, dtype=full_exp.mask.dtype, device=full_exp.mask.device)
-        lengths = [len(p) for p in full.prompt_ids], [len(r) for r in full.response_ids]
-        positions = real_tokens = micro_batches = 0
-        for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
+        capture = OldLogprobCapture(full_exp.mask) if self.plan.old_logprobs.source != "experience forward" else None
+        for epoch, minibatches in enumerate(minibatch_schedule(self.plan, N, self.shuffle_generator)):
             for minibatch in minibatches:
                 indices = rank_share(full, minibatch, self.plan, self.global_rank)
                 use_counts[epoch, indices] += 1
-                before_first_step = self.actor_optimizer_steps == actor_steps_at_start
-                num_tokens, num_seqs, num_policy_tokens = loss_denominators(full_exp, minibatch)
-                groups = self._micro_batch_groups(full, indices)
-                real = [sum(lengths[0][i] + lengths[1][i] for i in g) for g in groups]
-                laid_out = []
-                real_tokens += sum(real)
-                micro_batches += len(groups)
-                for position, (idx, mb) in enumerate(self._micro_batches(full, groups)):
-                    positions += mb.positions
-                    laid_out.append((len(idx), real[position] if mb.packed else mb.positions))
+                denominators = loss_denominators(full_exp, minibatch)  # the global mini-batch's
+                for idx, mb, last in layout.mini_batch(indices, self.rollout_step):
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
-                    rows = full_exp.rows(idx, mb.response_ids.shape[1])
-                    with gradient_sync(position == len(groups) - 1, self.trainer.strategy.model, models, self.sharded):
-                        shares, logp = self._actor_backward(mb, rows, num_policy_tokens, num_seqs, world)
+                    inputs = LossInputs.of(full_exp, idx, mb, denominators, self.ppo)
+                    with gradient_sync(last, self.trainer.strategy.model, models, self.sharded):
+                        shares, logp = self.actor_backward(mb, inputs)
                         per_update.add(shares)
-                        if captured is not None and before_first_step:
-                            captured[idx, : logp.shape[1]] = logp
-                            captured_rows[idx] = 1.0
+                        if capture is not None:
+                            capture.add(idx, logp)
                         if self.critic is not None:  # the update's value loss, one micro-batch's share at a time
-                            per_update.add({"critic/value_loss": self._critic_backward(mb, rows, num_tokens, world)})
-                check_micro_batches(self.plan, self.rollout_step, laid_out)
-                grad_norm = self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)
-                per_update.add({"actor/grad_norm": grad_norm})
-                self.actor_optimizer_steps += 1
-                if self.critic is not None:
-                    grad_norm = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
-                    per_update.add({"critic/grad_norm": grad_norm})
-                    self.critic_optimizer_steps += 1
+                            per_update.add({"critic/value_loss": self.critic_backward(mb, inputs)})
+                per_update.add(self.optimizer_steps())
                 per_update.count()
+                if capture is not None:
+                    capture.close()  # the forwards from here on are of the updated actor
         # Over the ranks: each sample's uses (each rank counted its own), checked against the plan by training_step.
         self.last_sample_use_counts = global_sum(use_counts.to(self.device)).cpu()
-        if captured is not None:  # each captured row was written by the one rank that trained it
-            captured, captured_rows = global_sum(captured)[own], global_sum(captured_rows)[own]
-            width = exp.mask.shape[1]
-            old_logprobs_from_training(
-                exp, captured[:, :width], captured_rows, batch, self.ppo, self.mismatch_bound(batch)
-            )
-        metrics = update_metrics(per_update, positions, real_tokens, device=self.device, global_sum=global_sum)
-        micro_batches = float(global_sum(torch.tensor(float(micro_batches), dtype=torch.float64, device=self.device)))
-        metrics["perf/real_tokens_per_micro_batch"] = metrics["perf/trained_tokens"] / max(micro_batches, 1.0)
-        metrics["perf/padded_tokens_per_micro_batch"] = metrics["perf/trained_positions"] / max(micro_batches, 1.0)
-        metrics["actor/lr"] = schedulers[0].get_last_lr()[0]
-        if self.critic is not None:
-            metrics["critic/lr"] = schedulers[1].get_last_lr()[0]
-        return metrics
+        if capture is not None:
+            exp = capture.experience(exp, own, batch, self.ppo, self.mismatch_bound(batch))
+        metrics = update_metrics(per_update, *layout.counts, device=self.device, global_sum=global_sum)
+        _, schedulers = self.optimizers_and_schedulers()
+        metrics.update({f"{name}/lr": s.get_last_lr()[0] for name, s in zip(("actor", "critic"), schedulers)})
+        return metrics, exp
 
-    def _actor_backward(
-        self, mb: MicroBatch, e: Experience, num_tokens, num_seqs, world: int
-    ) -> tuple[dict[str, float], Tensor]:
+    def actor_backward(self, mb: MicroBatch, inputs: LossInputs) -> tuple[dict[str, float], Tensor]:
         """One micro-batch's share of the actor loss, backpropagated; its shares of the mini-batch's actor statistics
         (`actor_loss_shares`) and its log-probs (detached)."""
         # Float32 chunks; entropy's gradient only when the loss uses it. The logits ([n, V] packed, [B, T + 1, V]
         # padded) are not kept here: autograd frees them (their gradient written over them) once the LM head's
         # backward has read them.
         logp, entropy = response_logprobs_and_entropy(self.actor, mb, self.temperature)
-        mask = mb.response_mask
-        # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs
-        # are these log-probs (ratio 1, the same gradient as with a forward that computed them before).
-        old_logp = e.old_logp if e.old_logp is not None else logp.detach()
-        p = self.ppo
-        loss_tok, pg_tok, clipped = algo.actor_token_loss(
-            logp,
-            old_logp,
-            e.advantages,
-            mask,
-            entropy,
-            policy_loss=p.policy_loss,
-            clip_ratio_low=p.clip_ratio_low,
-            clip_ratio_high=p.clip_ratio_high,
-            dual_clip=p.dual_clip,
-            rc_weights=e.rc_weights,
-            entropy_coef=p.entropy_coef,
-            ref_logp=e.ref_logp if p.kl_mode == "loss" else None,
-            kl_estimator=p.kl_estimator,
-            kl_coef=self.kl_coef,
+        loss, shares = actor_loss(
+            logp, entropy, inputs, self.ppo, kl_coef=self.kl_coef, max_len=self.plan.counts.max_response_tokens
         )
-        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.plan.counts.max_response_tokens)
-        # Scaled by the world size because DDP averages gradients over ranks.
-        loss = algo.aggregate_loss(loss_tok, e.loss_mask, self.ppo.loss_agg_mode, **agg) * world
-        self.manual_backward(loss)
-        shares = actor_loss_shares(pg_tok, clipped, logp, old_logp, entropy, e.loss_mask, self.ppo.loss_agg_mode, **agg)
+        self.manual_backward(loss * self.plan.counts.data_parallel_size)  # DDP averages gradients over ranks
         return shares, logp.detach()
 
-    def _critic_backward(self, mb: MicroBatch, e: Experience, num_tokens, world: int) -> float:
-        values = self._values(mb)
-        loss_tok, _ = algo.value_loss(values, e.values, e.returns, value_clip=self.ppo.value_clip)
-        loss = algo.aggregate_loss(loss_tok, mb.response_mask, "token-mean", num_tokens=num_tokens) * world
+    def critic_backward(self, mb: MicroBatch, inputs: LossInputs) -> float:
+        """One micro-batch's share of the value loss, backpropagated (times ppo.value_loss_coef); returns the share."""
+        world = self.plan.counts.data_parallel_size  # DDP averages gradients over ranks
+        loss = critic_loss(critic_values(self.critic, mb), inputs, self.ppo) * world
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
+
+    def optimizers_and_schedulers(self) -> tuple[list, list]:
+        """The actor's optimizer and learning-rate scheduler, then the critic's when the run has one."""
+        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
+        listed = [x if isinstance(x, list) else [x] for x in (optimizers, schedulers)]
+        return listed[0], listed[1]
+
+    def optimizer_steps(self) -> dict[str, float]:
+        """One optimizer step of the actor and one of the critic (if any), each skipped on a non-finite loss or gradient
+        (`GuardedStep`) and counted; their gradient norms."""
+        optimizers, schedulers = self.optimizers_and_schedulers()
+        norms = {"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)}
+        self.actor_optimizer_steps += 1
+        if self.critic is not None:
+            norms["critic/grad_norm"] = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
+            self.critic_optimizer_steps += 1
+        return norms
 
     # ------------------------------------------------------------ the rollout step
 
@@ -443,7 +394,7 @@ class PPOModule(L.LightningModule):
             return False
         return all(e["rollout_step"] != self.rollout_step for e in self.eval_history)
 
-    def _initial_row(self) -> dict[str, Any] | None:
+    def initial_row(self) -> dict[str, Any] | None:
         """The evaluation before any update, as the rollout_step 0 row of metrics.csv and the loggers; None when the
         run has none (no held-out prompts). Built from `eval_history`, which checkpoints keep, so a resumed run
         writes it again."""
@@ -453,11 +404,9 @@ class PPOModule(L.LightningModule):
         return {"rollout_step": 0, "optimizer_step": 0, "data_epoch": 0, "samples_seen": 0, **evaluation}
 
     def _log_initial_evaluation(self, result: dict[str, Any]) -> None:
-        row = self._initial_row()
+        row = self.initial_row()
         if not result or row is None:
             return
-        if self.metrics_path and self.trainer.is_global_zero:
-            write_metrics_csv(self.metrics_path, self.history, initial=row)
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=0)
@@ -485,7 +434,7 @@ class PPOModule(L.LightningModule):
         experience_seconds, started = time.perf_counter() - started, time.perf_counter()
         # 3. The PPO updates, and 4. the check that they took the optimizer steps the plan says.
         actor_before, critic_before = self.actor_optimizer_steps, self.critic_optimizer_steps
-        train_metrics = self.train_on_experience(batch, exp)
+        train_metrics, exp = self.train_on_experience(batch, exp)
         check_step_accounting(
             self.plan,
             self.rollout_step,
@@ -518,7 +467,7 @@ class PPOModule(L.LightningModule):
             train_metrics["perf/device_peak_memory_gib"] = peak_gib
         row = self._rollout_step_row(batch, exp, train_metrics, timings)
         row["actor/skipped_updates"] = self.skipped_updates
-        self.history.append(row)  # the step is complete: a checkpoint from here on holds it
+        self.history.append(row)  # the step is complete: a checkpoint from here on holds it (metrics.csv: MetricsCSV)
         if self.evaluation_due():
             # A signal during it drops its results and saves this step; the resumed run evaluates, then logs the row.
             self._evaluate_after_step()
@@ -595,9 +544,7 @@ class PPOModule(L.LightningModule):
         return result
 
     def _log_row(self, row: dict[str, Any]) -> None:
-        """A rollout step's row (already in `history`) into metrics.csv and the loggers."""
-        if self.metrics_path and self.trainer.is_global_zero:
-            write_metrics_csv(self.metrics_path, self.history, initial=self._initial_row())
+        """A rollout step's row (already in `history`; metrics.csv: lit_ppo.run.report.MetricsCSV) into the loggers."""
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=self.rollout_step)

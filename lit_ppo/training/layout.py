@@ -1,0 +1,64 @@
+"""`MicroBatchLayout`: how one pass over a batch (the experience forwards, a rollout step's updates) splits the samples
+into this rank's micro-batches and lays each out for a forward (lit_ppo/training/batching.py's functions), what the
+micro-batches laid out, counted, and each mini-batch's micro-batches checked against the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.config import PPOConfig
+from lit_ppo.plan import StepPlan, check_micro_batches
+from lit_ppo.training.batching import MicroBatch, packed_micro_batches, rank_micro_batch_groups
+
+
+@dataclass
+class MicroBatchLayout:
+    """This rank's micro-batches of `batch`: ppo.micro_train_batch_size samples each or within
+    ppo.micro_train_max_tokens (`batching.rank_micro_batch_groups`), packed end to end (`plan.layout.packing`; in one row
+    when `one_row`) or padded (`batching.packed_micro_batches`). One per pass over a batch: it counts what the
+    mini-batches of the pass laid out."""
+
+    batch: RolloutBatch
+    ppo: PPOConfig
+    plan: StepPlan
+    pad_token_id: int
+    device: torch.device
+    one_row: bool = False
+    micro_batches: int = 0  # of the mini-batches laid out so far
+    positions: int = 0  # the positions they laid out (real tokens and padding)
+    real_tokens: int = 0  # the prompt and response tokens they hold
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        """(positions, real tokens, micro-batches) laid out so far."""
+        return self.positions, self.real_tokens, self.micro_batches
+
+    def split(self, indices: list[int]) -> list[list[int]]:
+        """The samples `indices` in this rank's micro-batches. Under data parallelism with a token budget a collective
+        (every rank runs as many micro-batches): call it where every rank does."""
+        return rank_micro_batch_groups(self.batch, indices, self.ppo, self.plan, self.device)
+
+    def lay_out(self, groups: list[list[int]]) -> Iterator[tuple[list[int], MicroBatch]]:
+        """(indices, MicroBatch) of each group of samples, laid out as the run lays them out."""
+        return packed_micro_batches(
+            self.batch, groups, self.pad_token_id, self.device, self.plan.layout.packing, self.one_row
+        )
+
+    def mini_batch(self, indices: list[int], rollout_step: int) -> Iterator[tuple[list[int], MicroBatch, bool]]:
+        """This rank's micro-batches of the mini-batch `indices`: (indices, MicroBatch, whether it is the last, where
+        the gradients are all-reduced) each, counted; once the last is through, checked against the plan
+        (`plan.check_micro_batches`: its micro-batch size or token budget), before the optimizer step."""
+        groups = self.split(indices)
+        laid_out = []  # (samples, tokens: real ones when packed, positions when padded) per micro-batch
+        for position, (idx, mb) in enumerate(self.lay_out(groups)):
+            real = sum(len(self.batch.prompt_ids[i]) + len(self.batch.response_ids[i]) for i in idx)
+            self.micro_batches += 1
+            self.positions += mb.positions
+            self.real_tokens += real
+            laid_out.append((len(idx), real if mb.packed else mb.positions))
+            yield idx, mb, position == len(groups) - 1
+        check_micro_batches(self.plan, rollout_step, laid_out)
