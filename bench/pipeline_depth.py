@@ -39,7 +39,7 @@ _calls = 0  # rollout steps scored so far in this process
 
 
 def slow_every_third_step(
-    prompts, responses, references, extras, slow_s: float = 2.0, step_samples: int = 128, **_
+    prompts, responses, references, extras, *, slow_s: float = 2.0, step_samples: int = 128, **_
 ) -> list[float]:
     """lit_ppo.rewards.integer_match's scores, after sleeping `slow_s` s on rollout steps 2, 5, 8, ... (0-based; a
     slow verifier or sandbox on some steps). A call of `step_samples` responses (ppo.rollout_batch_size x
