@@ -8,8 +8,9 @@ n-th call in the trainer's process is rollout step n, one generation round per s
 trainer, so the variable side is the trainer's; the pipeline argument is the same for either side: a step's slowness
 is absorbed when the other side can run ahead, which at k = 1 it can by one step only.
 
-Printed per k: seconds per rollout step (the trainer's timing/rollout_step_s, mean over the steps after the first k,
-and over one window common to every k: whole periods of three steps after the first max(k) + 1), timing/generate_s
+Printed per k: seconds per rollout step (the trainer's timing/rollout_step_s, mean over the steps after the first
+k + 1 (one-time costs and the pipeline's filling; biased by the period: k = 1 keeps 4 slow steps of 10, k = 2 3 of 9),
+and over one window common to every k: whole periods of three steps after the first max(k) + 1, the fair figure), timing/generate_s
 per step (the trainer's real wait for its batch), and the async model's prediction: `disaggregated_seconds` on each
 step's own phases, averaged (each step the longer of the two sides), and on the mean phases (what a deep enough
 pipeline approaches: the longer side on average).
