@@ -185,7 +185,7 @@ def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):
 def test_device_peak_memory_reads_and_resets_the_cuda_peak_and_is_none_on_cpu(monkeypatch):
     """perf/device_peak_memory_gib (the figure issue 28 sets beside the plan's estimate on a GPU): each call returns
     the allocator's peak since the last one and resets it, so every rollout step reports its own; off CUDA, nothing.
-    The CUDA counters are stood in for here (this machine has none); tests/test_gpu.py reads the real ones."""
+    The CUDA counters are stood in for here (this machine has none); tests/end_to_end/test_gpu.py reads the real ones."""
     import torch
 
     from lit_ppo.training.metrics import device_peak_memory_gib

@@ -20,7 +20,7 @@ from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpo
 from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
 from tests.helpers import ROOT, build_run
-from tests.test_resume import assert_same_weights, counters
+from tests.helpers.resume import assert_same_weights, counters
 
 ROLLOUT_SAMPLES = 16 * 4  # rollout_batch_size x n_samples_per_prompt: tells a rollout batch from an evaluation
 
@@ -227,7 +227,7 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
     from lit_ppo.training import batching
     from lit_ppo.training.module import PPOModule
     from tests.helpers import compose_run_config, run_config
-    from tests.test_packing import realistic_batch
+    from tests.training.test_packing import realistic_batch
 
     ppo = dataclasses.replace(
         compose_run_config().ppo,

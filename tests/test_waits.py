@@ -1,6 +1,6 @@
 """Bounded waits (lit_ppo/waits.py): a collective that another rank never joins, a process group that a rank never
 joins and an engine start that runs long each stop the run in one line naming what was waited for and the setting to
-raise. The 2-process run whose rank 1 hangs is `tests/test_ddp.py::test_a_rank_that_hangs_stops_the_run_naming_the_phase`
+raise. The 2-process run whose rank 1 hangs is `tests/end_to_end/test_ddp.py::test_a_rank_that_hangs_stops_the_run_naming_the_phase`
 (slow)."""
 
 from __future__ import annotations

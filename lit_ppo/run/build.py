@@ -1,6 +1,6 @@
 """One construction path: the Lightning trainer, `PPOModule` and `RolloutDataModule` of a run, wired from a plan.
 
-`train.py` (through `lit_ppo.run.train.train`), the tests (`tests/helpers.py`) and the benchmarks (`bench/common.py`)
+`train.py` (through `lit_ppo.run.train.train`), the tests (`tests/helpers/__init__.py`) and the benchmarks (`bench/common.py`)
 all build their runs here, so the trainer flags the product depends on and the warning filters cannot drift apart.
 """
 

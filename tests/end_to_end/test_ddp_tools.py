@@ -1,5 +1,5 @@
 """Multi-turn episodes under data parallelism: `python train.py +experiment=tool_arithmetic` on 2 CPU processes
-gives the same episodes (ids, policy masks) and advantages as on one process (see tests/test_ddp.py for how the
+gives the same episodes (ids, policy masks) and advantages as on one process (see tests/end_to_end/test_ddp.py for how the
 2-process runs are made). Slow: two training runs with a warm start.
 
 A warm start that calls the tool half of the time gives episodes with observations in every rollout batch, and
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_ddp import DDP, experience, metrics, train_cli
+from tests.helpers.cli_runs import DDP, experience, metrics, train_cli
 
 TOOLS = [
     "+experiment=tool_arithmetic",

@@ -2,7 +2,7 @@
 gradient checkpointing, the memory estimate against the allocator's measured peak, and bf16 with float32 master
 weights. Skipped without CUDA, so `make test` on a CPU machine skips them; run them on a GPU with
 `python -m pytest -m gpu`. Their CPU counterparts: tests/test_collectives.py (device-strict collectives, two gloo
-ranks), tests/test_checkpointing.py (decoder layers recomputed), tests/test_memory.py (the estimate by hand),
+ranks), tests/training/test_gradient_checkpointing.py (decoder layers recomputed), tests/test_memory.py (the estimate by hand),
 tests/test_precision.py (every precision runs; FSDP2 bf16-mixed keeps float32 master weights). The MFU measurement
 that ran beside these checks is a benchmark: bench/mfu.py."""
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_end_to_end_gpu_script_runs_train_py_with_the_hf_engine_and_reports_every_phase(tmp_path):

@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 
 from tests.helpers import compose_run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def python3_kernel_of_this_python(tmp_path: Path, monkeypatch) -> None:
@@ -72,9 +72,9 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
     import shutil
 
     import yaml
-    from test_end_to_end import FIXTURE_MODEL
 
     from lit_ppo.run.train import train
+    from tests.helpers import FIXTURE_MODEL
 
     run = tmp_path / "run"
     cfg = compose_run_config(

@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, compose_run_config, read_csv
+from tests.helpers import FIXTURE_MODEL, ROOT, compose_run_config, read_csv
 
 # The tiny architecture of the shared `engine` fixture, so in-process runs can reuse that engine.
-FIXTURE_MODEL = [
-    "model.tiny.hidden_size=64",
-    "model.tiny.num_layers=2",
-    "model.tiny.num_heads=2",
-    "model.tiny.num_kv_heads=1",
-    "model.tiny.intermediate_size=128",
-]
-
 SUMMARY_KEYS = [
     "rollout_steps",
     "optimizer_steps_actor",

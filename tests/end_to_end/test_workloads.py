@@ -6,8 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from tests.helpers import compose_run_config, rollout_step_rows, write_jsonl
-from tests.test_end_to_end import FIXTURE_MODEL
+from tests.helpers import FIXTURE_MODEL, compose_run_config, rollout_step_rows, write_jsonl
 
 SMALL_RUN = [
     "trainer.total_rollout_steps=2",
@@ -51,7 +50,7 @@ def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path)
         "data.extra_keys=[level,fail]",
         "data.max_prompt_length=16",
         "reward=custom_example",
-        "reward.fn._target_=tests.test_workloads.my_reward",
+        "reward.fn._target_=tests.end_to_end.test_workloads.my_reward",
         f"+reward.fn.log_path={calls}",
         "reward.on_error=zero",
         *SMALL_RUN,

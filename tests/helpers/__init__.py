@@ -1,4 +1,8 @@
-"""A real run without Hydra for tests: small batches on the tiny model, built by the product's `lit_ppo.run.build.build_run`."""
+"""Shared test code (no test module imports another; tests/test_layout.py checks it). Here: the config a test runs
+(composed through Hydra or built in code), its plan, a real run without Hydra (small batches on the tiny model, built by
+the product's `lit_ppo.run.build.build_run`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
+process), `resume` (comparing runs' states), `prompts` (prompts of real lengths), `episodes` (a calculator for
+multi-turn episodes), `packing` (the LM head by hand)."""
 
 from __future__ import annotations
 
@@ -17,8 +21,16 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import build_run as build_product_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
+# The tiny architecture of the shared `engine` fixture (tests/conftest.py), so in-process runs can reuse that engine.
+FIXTURE_MODEL = [
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.intermediate_size=128",
+]
 
 
 def compose_config(*overrides: str):
@@ -30,6 +42,15 @@ def compose_config(*overrides: str):
 def compose_run_config(*overrides: str) -> RunConfig:
     """The typed settings `python train.py <overrides>` would run."""
     return RunConfig.from_hydra(compose_config(*overrides))
+
+
+def dataclass_defaults(cls: type) -> dict:
+    """Each field's default, nested config sections as dicts."""
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        defaults[f.name] = dataclass_defaults(type(value)) if dataclasses.is_dataclass(value) else value
+    return defaults
 
 
 def run_config(

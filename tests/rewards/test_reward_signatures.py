@@ -132,7 +132,7 @@ def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_p
     """Two rollout steps with reward.workers=2 and on_error=zero: one sample kills its worker, one hangs
     past reward.timeout_s; both score 0, are named in the log, and the run finishes."""
     from lit_ppo.run.train import train
-    from tests.test_end_to_end import FIXTURE_MODEL
+    from tests.helpers import FIXTURE_MODEL
 
     cfg = compose_run_config(
         "reward=custom_example",

@@ -231,8 +231,8 @@ def test_overlong_penalty_applies_to_truncated_responses_only():
 
 
 def test_a_bad_target_is_a_config_error():
-    cfg = compose_run_config("reward=custom_example", "reward.fn._target_=tests.test_rewards.no_such_function")
-    with pytest.raises(ConfigError, match="reward.fn: cannot build 'tests.test_rewards.no_such_function'"):
+    cfg = compose_run_config("reward=custom_example", "reward.fn._target_=tests.rewards.test_rewards.no_such_function")
+    with pytest.raises(ConfigError, match="reward.fn: cannot build 'tests.rewards.test_rewards.no_such_function'"):
         RewardScorer.from_config(cfg)
 
 

@@ -25,7 +25,6 @@ from lit_ppo.rollout.disaggregated import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config
-from tests.test_sampling import long_prompt_files  # noqa: F401 - a fixture: 16 prompts of 110 tokens
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 
@@ -746,7 +745,7 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
 
     from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
     from tests.helpers import ROOT, read_csv
-    from tests.test_resume import assert_same_weights
+    from tests.helpers.resume import assert_same_weights
 
     common = [
         "trainer.total_rollout_steps=5",
@@ -761,9 +760,9 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
         "rollout.mode=disaggregated",
         "rollout.max_staleness=1",
         "ppo.rollout_correction.mode=tis",
-        # rewards that differ within groups from the start: the adapter trains (tests/test_lora.py's LORA_TRAIN)
+        # rewards that differ within groups from the start: the adapter trains (tests/training/test_lora.py's LORA_TRAIN)
         *(
-            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.test_async.digit_share"]
+            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.rollout.test_async.digit_share"]
             if lora
             else []
         ),

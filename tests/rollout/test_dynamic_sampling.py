@@ -12,7 +12,7 @@ from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path
 from lit_ppo.config import DynamicSamplingConfig, PPOConfig
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from tests.helpers import build_run, plan_of
-from tests.test_resume import Crash, CrashAfter, assert_same_weights
+from tests.helpers.resume import Crash, CrashAfter, assert_same_weights
 
 ROLLOUT_BATCH = 8  # prompts per rollout step (and per generation round)
 

@@ -2,7 +2,7 @@
 environment failures, and the loss on policy tokens only.
 
 The episode loop is driven here by a scripted engine (the turns' token ids are fixed, so every expected id is
-written out); tests/test_tool_training.py runs it with the real vLLM engine and trainer."""
+written out); tests/rollout/test_tool_training.py runs it with the real vLLM engine and trainer."""
 
 from __future__ import annotations
 
@@ -756,7 +756,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
         max_response_tokens=8,
         max_turns=2,
         max_episode_tokens=24,
-        environment={"_target_": "tests.test_environments.LongAnswerTool", "call_start": "[", "call_end": "]"},
+        environment={"_target_": "tests.rollout.test_environments.LongAnswerTool", "call_start": "[", "call_end": "]"},
     )
     dm = RolloutDataModule(
         plan=plan_of(len(prompts), ppo=ppo, rollout=rollout),

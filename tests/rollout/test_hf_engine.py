@@ -22,9 +22,8 @@ from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.training.batching import pack
 from tests.helpers import ROOT, build_run, compose_run_config, read_csv, rollout_step_rows
-from tests.test_real_shapes import long_prompts
-from tests.test_sampling import long_prompt_files  # noqa: F401, F811 - a fixture: 16 prompts of 110 tokens
-from tests.test_tool_training import ENVIRONMENT
+from tests.helpers.episodes import ENVIRONMENT
+from tests.helpers.prompts import long_prompts
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +186,7 @@ def test_trainer_logprobs_equal_the_hf_engines(tiny_model_dir, long_prompt_files
 
 
 def test_an_episode_with_a_tool_environment_runs_on_the_hf_engine(tiny_model_dir, arithmetic_files, tmp_path):
-    """Multi-turn episodes (tests/test_tool_training.py's calculator) with the HF engine: observations between turns,
+    """Multi-turn episodes (tests/rollout/test_tool_training.py's calculator) with the HF engine: observations between turns,
     the trainer's log-probs of the policy tokens equal the engine's, two rollout steps train, evaluation runs."""
     rollout = RolloutConfig(
         engine="hf",
@@ -291,12 +290,12 @@ def test_the_plan_names_vllm_settings_the_hf_engine_does_not_use():
     assert not any("does not use" in n for n in compute_plan(compose_run_config("rollout.engine=hf"), 1000).notes)
 
 
-@pytest.mark.slow  # two full runs (one of two ranks); DDP is in make test with vLLM (tests/test_ddp.py)
+@pytest.mark.slow  # two full runs (one of two ranks); DDP is in make test with vLLM (tests/end_to_end/test_ddp.py)
 def test_ddp_on_cpu_samples_and_trains_as_one_process(tmp_path):
     """`strategy=ddp strategy.devices=2 strategy.accelerator=cpu rollout.engine=hf`: each rank's actor generates its
     half of every rollout batch (no collective inside generate), and the samples of both rollout steps, their
-    advantages and the final actor are those of one process (tests/test_ddp.py's settings, float32)."""
-    from tests.test_ddp import DDP, experience, final_actor, train_cli
+    advantages and the final actor are those of one process (tests/end_to_end/test_ddp.py's settings, float32)."""
+    from tests.helpers.cli_runs import DDP, experience, final_actor, train_cli
 
     single = train_cli(tmp_path / "single", tmp_path / "cache", "rollout.engine=hf", "rollout.temperature=0.7")
     ddp = train_cli(tmp_path / "ddp", tmp_path / "cache", "rollout.engine=hf", "rollout.temperature=0.7", *DDP)

@@ -9,20 +9,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.rollout.engine import sampling_seeds
 from tests.helpers import rollout_step_rows
-
-
-def long_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of low..high tokens (the character tokenizer: one token per character)."""
-    rng = random.Random(seed)
-    words = ["apples", "cost", "each", "Janet", "buys", "how", "many", "dollars", "per", "week", "total", "and"]
-    prompts = []
-    for _ in range(count):
-        text = ""
-        target = rng.randint(low, high)
-        while len(text) < target:
-            text += rng.choice(words) + " "
-        prompts.append(tokenizer(text[:target]).input_ids)
-    return prompts
+from tests.helpers.prompts import long_prompts
 
 
 def test_seeded_generation_survives_prefills_larger_than_one_scheduler_step(tiny_model_dir, engine):
@@ -176,7 +163,7 @@ def test_gsm8k_format_run_completes(tmp_path):
     from lit_ppo.demo.tiny import build_char_tokenizer
     from lit_ppo.rollout.prompts import format_prompt
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     write_gsm8k_file(tmp_path / "train.jsonl", 32, seed=0)
     write_gsm8k_file(tmp_path / "test.jsonl", 16, seed=1)
     system = "Solve the problem step by step. Write the final answer as a number after '####'."

@@ -10,27 +10,9 @@ import pytest
 import torch
 
 from lit_ppo.config import RolloutConfig
-from lit_ppo.environments import CalculatorEnvironment
 from lit_ppo.training.batching import pack
 from tests.helpers import build_run
-
-
-class DigitCallCalculator(CalculatorEnvironment):
-    """A calculator whose every turn but the third is a tool call (observation `=<n>;` with n the turn's length),
-    so a random policy makes 3-turn episodes."""
-
-    def reset(self, record):
-        self.turn = 0
-        return super().reset(record)
-
-    def step(self, action):
-        self.turn += 1
-        if self.turn < 3:
-            return f"={len(action)};", 0.0, False, {"tool_call": True}
-        return None, float(len(action) % 2), True, {"tool_call": False, "correct": float(len(action) % 2)}
-
-
-ENVIRONMENT = {"_target_": "tests.test_tool_training.DigitCallCalculator", "call_end": ";"}
+from tests.helpers.episodes import ENVIRONMENT
 
 
 def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, arithmetic_files, tmp_path):

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.run.loggers import (
@@ -20,7 +19,7 @@ from lit_ppo.run.loggers import (
     make_wandb_logger,
     resolve_wandb_mode,
 )
-from tests.helpers import compose_run_config
+from tests.helpers import FIXTURE_MODEL, compose_run_config
 
 SAMPLES = [{"prompt": "3+4=", "response": "7", "reward": 1.0}, {"prompt": "10+5=", "response": "16", "reward": 0.0}]
 

@@ -18,7 +18,7 @@ from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config, compose_run_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -9,11 +9,10 @@ import sys
 import pytest
 import yaml
 from omegaconf import OmegaConf
-from test_end_to_end import FIXTURE_MODEL
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.run.sweep import SweepSummary, path_list, write_sweep_summary
-from tests.helpers import ROOT, read_csv
+from tests.helpers import FIXTURE_MODEL, ROOT, read_csv
 
 
 def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):

@@ -2,7 +2,7 @@
 micro-batches before the last (`no_sync`), FSDP2 their reduce-scatter (`set_requires_gradient_sync(False)`).
 
 Two CPU processes train one rollout step with gradient accumulation 4 (16 samples per rank per optimizer step,
-micro-batches of 4) and a critic; tests/grad_sync/sitecustomize.py counts the synchronisations in each rank."""
+micro-batches of 4) and a critic; tests/training/grad_sync/sitecustomize.py counts the synchronisations in each rank."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
-from tests.test_ddp import STRATEGIES
+from tests.helpers.cli_runs import STRATEGIES
 
 # 16 prompts x 4 samples = 64 per rollout step, 32 per optimizer step (2 steps), 16 per rank: 4 micro-batches of 4.
 SETTINGS = [
@@ -45,7 +46,7 @@ def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
         os.environ,
         LIT_PPO_COUNT_GRAD_SYNC=str(counts),
         PYTHONPATH=os.pathsep.join(
-            filter(None, [str(ROOT / "tests" / "grad_sync"), str(ROOT), os.environ.get("PYTHONPATH")])
+            filter(None, [str(Path(__file__).resolve().parent / "grad_sync"), str(ROOT), os.environ.get("PYTHONPATH")])
         ),
     )
     cmd = [

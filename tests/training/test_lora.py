@@ -35,8 +35,7 @@ def test_adapters_vllm_cannot_serve_are_refused_in_one_line_naming_the_key(overr
 def test_lora_defaults_equal_each_model_yaml(model):
     import yaml
 
-    from tests.helpers import CONF
-    from tests.test_config import dataclass_defaults
+    from tests.helpers import CONF, dataclass_defaults
 
     assert yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text())["lora"] == dataclass_defaults(LoraConfig)
     assert compose_run_config(f"model={model}").model.lora == LoraConfig()  # off by default
@@ -182,7 +181,7 @@ RANK = 8
 @pytest.fixture(scope="module")
 def lora_engine(tiny_model_dir):
     """A vLLM engine started once with the base weights and LoRA enabled (max_lora_rank fitted to RANK), beside the
-    session's shared engine (closing it leaves that one working: tests/test_engine.py)."""
+    session's shared engine (closing it leaves that one working: tests/rollout/test_engine.py)."""
     from lit_ppo.rollout.engine import VLLMEngine
 
     lora = VLLMEngine(tiny_model_dir, max_model_len=128, seed=0, max_lora_rank=LoraConfig(rank=RANK).vllm_max_lora_rank)
@@ -358,7 +357,7 @@ LORA_TRAIN = [
     "data.n_train=64",
     "data.n_eval=8",
     "ppo.actor_lr=5e-3",
-    "reward.fn._target_=tests.test_lora.digits_share",  # rewards that differ: the adapter trains from step 1
+    "reward.fn._target_=tests.training.test_lora.digits_share",  # rewards that differ: the adapter trains from step 1
     "strategy.precision=32-true",
 ]
 
@@ -503,7 +502,7 @@ def lora_cache(tmp_path_factory):
 def lora_single_run(tmp_path_factory, lora_cache):
     """test_ddp.py's 1-process run (2 rollout steps, two mini-batches per PPO epoch, 2 PPO epochs, float32)
     with a LoRA adapter: what the 2-process runs are compared with."""
-    from tests.test_ddp import train_cli
+    from tests.helpers.cli_runs import train_cli
 
     return train_cli(tmp_path_factory.mktemp("lora_single"), lora_cache, *LORA_PARALLEL)
 
@@ -511,7 +510,7 @@ def lora_single_run(tmp_path_factory, lora_cache):
 @pytest.fixture(scope="module")
 def lora_fsdp_run(tmp_path_factory, lora_cache, lora_single_run):
     """The same on 2 CPU processes under FSDP2, also writing actor_merged/."""
-    from tests.test_ddp import STRATEGIES, train_cli
+    from tests.helpers.cli_runs import STRATEGIES, train_cli
 
     out = tmp_path_factory.mktemp("lora_fsdp")
     return train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], "model.lora.save_merged=true")
@@ -539,7 +538,7 @@ def test_two_ddp_processes_train_the_same_adapter_as_one(tmp_path, lora_cache, l
     """test_ddp.py's comparison on a LoRA run: each rank keeps its frozen base and its own engine, and syncs its own
     adapter; 2 CPU processes under DDP end with the adapter 1 process ends with."""
     from tests.helpers import rollout_step_rows
-    from tests.test_ddp import DDP, train_cli
+    from tests.helpers.cli_runs import DDP, train_cli
 
     two = train_cli(tmp_path / "ddp", lora_cache, *LORA_PARALLEL, *DDP)
     assert_same_adapter(lora_single_run, two)
@@ -590,7 +589,7 @@ def test_a_fsdp_lora_checkpoint_resumes_on_two_ranks_to_the_same_adapter(tmp_pat
     import shutil
 
     from tests.helpers import rollout_step_rows
-    from tests.test_ddp import STRATEGIES, train_cli
+    from tests.helpers.cli_runs import STRATEGIES, train_cli
 
     out = tmp_path / "resumed"
     out.mkdir()

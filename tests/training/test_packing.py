@@ -35,6 +35,7 @@ from lit_ppo.training.batching import (
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.module import PPOModule
 from tests.helpers import compose_config, compose_run_config, plan_of, run_config
+from tests.helpers.packing import head_by_hand
 
 TEMPERATURE = 0.7
 
@@ -827,20 +828,6 @@ def family_model_dirs(tmp_path_factory) -> dict[str, str]:
             model.get_output_embeddings().weight.mul_(50.0)
         dirs[family] = str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp(family) / "model"))
     return dirs
-
-
-def head_by_hand(model, mb):
-    """The packed path before issue 37: the decoder's hidden states at head_index times the LM head's weights, skipping
-    what the family's forward does after its head. Kept to show the test models are ones where that matters, and to
-    force the packed path wrong for the start-up check."""
-    captured = []
-    handle = model.get_decoder().register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
-    try:
-        model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    hidden = captured[0].reshape(-1, captured[0].shape[-1])
-    return model.get_output_embeddings()(hidden[mb.head_index])[None]
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))

@@ -5,8 +5,6 @@ the trainer's old log-probs must equal them, and a run whose engine stopped foll
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,27 +15,6 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.training.batching import pack
 from tests.helpers import build_run, plan_of
-
-PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
-
-
-@pytest.fixture(scope="module")
-def long_prompt_files(tmp_path_factory):
-    """Arithmetic questions padded with a preamble to about PROMPT_TOKENS characters (= tokens: a character
-    tokenizer), so prefill spans realistic lengths."""
-    root = tmp_path_factory.mktemp("long_prompts")
-    preamble = "You are a careful calculator. Read the question, add the two numbers and write only the sum. "
-    paths = []
-    for name, count in (("train", 16), ("eval", 4)):
-        records = []
-        for i in range(count):
-            a, b = (7 * i + 3) % 50, (11 * i + 5) % 50
-            question = f"Question {i}: {a}+{b}="
-            records.append({"prompt": (preamble * 2)[: PROMPT_TOKENS - len(question)] + question, "answer": str(a + b)})
-        path = root / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        paths.append(path)
-    return paths
 
 
 def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_overrides):

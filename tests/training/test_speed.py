@@ -287,7 +287,9 @@ def test_micro_batch_groups_by_token_budget_hand_case():
 def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, arithmetic_files, tmp_path):
     batch = fixed_batch(n_prompts=4, n=4)  # 16 samples; two mini-batches of 8, fixed micro-batches of 2
     settings = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 8, "micro_train_batch_size": 2}
-    settings["packing"] = False  # the padded layout's budget (packed micro-batches pad ~nothing: tests/test_packing.py)
+    settings["packing"] = (
+        False  # the padded layout's budget (packed micro-batches pad ~nothing: tests/training/test_packing.py)
+    )
     fixed, _, fixed_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch, **settings)
     budget, _, budget_grads = run_one_step(
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, micro_train_max_tokens=48, **settings
@@ -323,7 +325,7 @@ print("RESPONSES", len(out), "WITH_LOGPROBS", sum(len(g.logprobs) == len(g.token
 print("FRAMES_COMPILED_AT_START", compiled_at_start)
 print("FRAMES_COMPILED_AFTER", dynamo_utils.counters["frames"]["total"] - compiled_at_start)
 """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     keys = ("FIRST_GENERATE_S", "RESPONSES", "FRAMES_COMPILED_AT_START", "FRAMES_COMPILED_AFTER")
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(keys))

@@ -1,4 +1,4 @@
-"""Loaded at interpreter start by the runs of tests/test_grad_sync.py (on PYTHONPATH): counts gradient
+"""Loaded at interpreter start by the runs of tests/training/test_grad_sync.py (on PYTHONPATH): counts gradient
 synchronisations. DDP: a communication hook on every DistributedDataParallel, one line per backward pass that
 all-reduced gradients (its last bucket). FSDP2: one line per reduce-scatter of a parameter group."""
 
