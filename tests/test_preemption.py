@@ -224,10 +224,10 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
 
     from lit_ppo import preemption
     from lit_ppo.plan import compute_plan
+    from lit_ppo.testing import synthetic_rollout_batch
     from lit_ppo.training import batching
     from lit_ppo.training.module import PPOModule
     from tests.helpers import compose_run_config, run_config
-    from tests.training.test_packing import realistic_batch
 
     ppo = dataclasses.replace(
         compose_run_config().ppo,
@@ -256,5 +256,5 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
 
     monkeypatch.setattr(preemption, "interruptibly", interruptibly)
     monkeypatch.setattr(batching, "global_max", global_max)
-    module.make_experience(realistic_batch(n_prompts=2, n=2, episodes=False))  # this rank's half: 4 samples
+    module.make_experience(synthetic_rollout_batch(2, 2, (100, 300), (1, 256)))  # this rank's half: 4 samples
     assert collectives == [False]  # the one all-reduce of the split, outside the region

@@ -22,7 +22,7 @@ from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.preflight import resolve_packing
-from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch, synthetic_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
     equal_count_partition,
@@ -40,52 +40,16 @@ from tests.helpers.packing import head_by_hand
 TEMPERATURE = 0.7
 
 
-def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
+def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
     """Prompts of 100-300 random ids, `n` responses each of 1-256 ids; episodes: responses that alternate the
     policy's turns with observations of 5-30 tokens (policy mask 0)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return torch.randint(4, 40, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g).tolist()
-
-    prompts = [ids(100, 300) for _ in range(n_prompts)]
-    sample_prompts = [p for p in prompts for _ in range(n)]
-    responses, masks = [], []
-    for _ in sample_prompts:
-        response = ids(1, 256)
-        mask = [1] * len(response)
-        if episodes and len(response) > 60:  # an observation inside the response: the tool's answer
-            start = int(torch.randint(10, len(response) - 40, (1,), generator=g))
-            width = int(torch.randint(5, 31, (1,), generator=g))
-            mask[start : start + width] = [0] * width
-        responses.append(response)
-        masks.append(mask)
-    return sample_prompts, responses, (masks if episodes else None)
+    return synthetic_rollout_batch(n_prompts, n, (100, 300), (1, 256), seed=seed, observations=episodes)
 
 
-def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
-    prompts, responses, masks = realistic_samples(n_prompts, n, seed, episodes)
-    N = len(prompts)
-    positions = [i for i in range(n_prompts) for _ in range(n)]
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=positions,
-        dataset_indices=positions,
-        prompt_ids=prompts,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=torch.tensor([float((i * 7) % 3 == 0) for i in range(N)]),
-        truncated=torch.zeros(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-        policy_masks=masks,
-        episode_ids=None if masks is None else [p + r for p, r in zip(prompts, responses)],
-    )
+def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
+    """`realistic_batch`'s prompts, responses and policy masks (None without episodes), per sample."""
+    batch = realistic_batch(n_prompts, n, seed, episodes)
+    return batch.prompt_ids, batch.response_ids, batch.policy_masks
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.report import write_plan
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, synthetic_rollout_batch
 from lit_ppo.training.batching import micro_batch_groups, pack, padding_fraction
 from lit_ppo.training.module import PPOModule
 from tests.helpers import plan_of
@@ -47,35 +47,7 @@ ON_POLICY = {
 
 def fixed_batch(n_prompts: int = 4, n: int = 2, seed: int = 0) -> RolloutBatch:
     """Prompts of 3-20 tokens and responses of 1-14, random ids (4+: not special), rewards 0/1 differing in groups."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(4, 40, (int(torch.randint(3, 21, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n_prompts)
-    ]
-    sample_prompts = [p for p in prompts for _ in range(n)]
-    N = len(sample_prompts)
-    responses = [
-        torch.randint(4, 40, (int(torch.randint(1, 15, (1,), generator=g)),), generator=g).tolist() for _ in range(N)
-    ]
-    rewards = torch.tensor([float(i % 2) for i in range(N)])
-    positions = [i for i in range(n_prompts) for _ in range(n)]
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=positions,
-        dataset_indices=positions,
-        prompt_ids=sample_prompts,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=rewards,
-        truncated=torch.zeros(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+    return synthetic_rollout_batch(n_prompts, n, (3, 20), (1, 14), seed=seed)
 
 
 def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
