@@ -14,12 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.config import (
-    PPOConfig,
-    RolloutConfig,
-    RolloutCorrectionConfig,
-    validate_ppo,
-)
+from lit_ppo.config import PPOConfig, RolloutConfig, RolloutCorrectionConfig, parse_section
 from lit_ppo.errors import ConfigError, RolloutMismatchError
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
@@ -147,8 +142,6 @@ def assert_same_gradients(a: list[dict], b: list[dict], rel: float = 1e-4) -> No
     ids=["on-policy", "two-mini-batches", "two-epochs", "kl-in-reward", "tis", "recompute", "rollout"],
 )
 def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
-    from lit_ppo.config import parse_section
-
     ppo = parse_section(PPOConfig, {**ON_POLICY, **overrides}, "ppo")
     plan = plan_of(64, ppo=ppo)
     assert plan.old_logprobs_source == source
@@ -161,13 +154,27 @@ def test_plan_says_where_old_logprobs_come_from(overrides, source, tmp_path):
         assert any("old log-probs: the update is on-policy" in n for n in plan.notes)
 
 
-def test_old_logprobs_settings_that_cannot_work_are_refused():
-    with pytest.raises(ConfigError, match="ppo.old_logprobs='vllm' is unknown"):
-        validate_ppo(PPOConfig(old_logprobs="vllm"))
-    with pytest.raises(ConfigError, match="rollout_correction.mode=tis has no mismatch left.*fix"):
-        validate_ppo(PPOConfig(old_logprobs="rollout", rollout_correction=RolloutCorrectionConfig(mode="tis")))
-    with pytest.raises(ConfigError, match="micro_train_max_tokens=0 must be a positive integer"):
-        validate_ppo(PPOConfig(micro_train_max_tokens=0))
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"old_logprobs": "vllm"}, r"^ppo.old_logprobs='vllm' is unknown; fix: use one of auto, recompute, rollout$"),
+        (
+            {"old_logprobs": "rollout", "rollout_correction": {"mode": "tis"}},
+            r"^ppo.old_logprobs=rollout .* ppo.rollout_correction.mode=tis has no mismatch left .*; fix: ",
+        ),
+        ({"micro_train_max_tokens": 0}, r"^ppo.micro_train_max_tokens=0 must be a positive integer; fix: "),
+    ],
+    ids=["unknown-source", "rollout-with-tis", "zero-token-budget"],
+)
+def test_old_logprobs_settings_that_cannot_work_are_refused(settings, message):
+    """Refused in one line where a user's `ppo.*` settings enter (`parse_section`, what `RunConfig.from_hydra` calls),
+    and by `PPOConfig` built in code: its `__post_init__` runs `validate_ppo`, so no invalid config exists to validate
+    later (the test called `validate_ppo(PPOConfig(...))` before, whose `validate_ppo` was never reached)."""
+    with pytest.raises(ConfigError, match=message):
+        parse_section(PPOConfig, settings, "ppo")
+    in_code = {k: RolloutCorrectionConfig(**v) if isinstance(v, dict) else v for k, v in settings.items()}
+    with pytest.raises(ConfigError, match=message):
+        PPOConfig(**in_code)
 
 
 # ---------------------------------------------------------------- no experience forward when on-policy
@@ -259,9 +266,8 @@ def test_micro_batch_groups_by_token_budget_hand_case():
 def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, arithmetic_files, tmp_path):
     batch = fixed_batch(n_prompts=4, n=4)  # 16 samples; two mini-batches of 8, fixed micro-batches of 2
     settings = {"rollout_batch_size": 4, "n_samples_per_prompt": 4, "train_batch_size": 8, "micro_train_batch_size": 2}
-    settings["packing"] = (
-        False  # the padded layout's budget (packed micro-batches pad ~nothing: tests/training/test_packing.py)
-    )
+    # the padded layout's budget (packed micro-batches pad ~nothing: tests/training/test_packing.py)
+    settings["packing"] = False
     fixed, _, fixed_grads = run_one_step(tiny_model_dir, arithmetic_files, tmp_path / "a", batch, **settings)
     budget, _, budget_grads = run_one_step(
         tiny_model_dir, arithmetic_files, tmp_path / "b", batch, micro_train_max_tokens=48, **settings
