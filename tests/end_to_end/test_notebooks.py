@@ -73,7 +73,7 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
 
     import yaml
 
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
     from tests.helpers import FIXTURE_MODEL
 
     run = tmp_path / "run"
@@ -87,7 +87,7 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     )
-    train(cfg, run, engine=engine)
+    entry.run(cfg, run, engine=engine)
     sweep = tmp_path / "sweep"  # laid out as `train.py -m ppo=ppo seed=0,1` would, from the one run's files
     for job in ("0", "1"):
         (sweep / job / ".hydra").mkdir(parents=True)

@@ -142,7 +142,7 @@ def test_the_preset_list_is_complete():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     cfg = compose_run_config(
         f"ppo={preset}",
@@ -155,7 +155,7 @@ def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     )
-    summary = train(cfg, tmp_path, engine=engine)
+    summary = entry.run(cfg, tmp_path, engine=engine)
     assert summary["rollout_steps"] == 2
     assert summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     assert summary["optimizer_steps_critic"] == (4 if preset == "ppo" else 0)

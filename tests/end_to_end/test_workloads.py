@@ -35,7 +35,7 @@ def metrics_rows(output_dir: Path) -> list[dict]:
 
 
 def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path):
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     records = [
         {"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3, "fail": a == 4}
@@ -57,7 +57,7 @@ def test_custom_reward_by_dotted_path_trains_two_rollout_steps(engine, tmp_path)
         f"output_dir={tmp_path / 'run'}",
         f"cache_dir={tmp_path / 'cache'}",
     )
-    summary = train(cfg, tmp_path / "run", engine=engine)
+    summary = entry.run(cfg, tmp_path / "run", engine=engine)
     assert summary["rollout_steps"] == 2
 
     logged = [json.loads(line) for line in calls.read_text().splitlines()]
@@ -88,7 +88,7 @@ GSM8K_TRAIN = [
 
 def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
     """`python train.py data=gsm8k reward=math` on a GSM8K-format file, with one bad record skipped."""
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     rows = [{"question": q, "answer": a} for q, a in GSM8K_TRAIN]
     train_file = write_jsonl(rows + [{"question": "No answer field here?"}], tmp_path / "train.jsonl")
@@ -106,7 +106,7 @@ def test_gsm8k_jsonl_with_the_math_reward(engine, tmp_path, capsys, caplog):
         f"cache_dir={tmp_path / 'cache'}",
     )
     with caplog.at_level(logging.WARNING, logger="lit_ppo"):
-        summary = train(cfg, tmp_path / "run", engine=engine)
+        summary = entry.run(cfg, tmp_path / "run", engine=engine)
 
     assert summary["rollout_steps"] == 2 and summary["skipped_prompts"] == {"missing_key": 1}
     assert 0.0 <= summary["eval_reward_final"] <= 1.0

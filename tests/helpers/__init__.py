@@ -1,6 +1,6 @@
 """Shared test code (no test module imports another; tests/test_layout.py checks it). Here: the config a test runs
 (composed through Hydra or built in code), its plan, a real run without Hydra (small batches on the tiny model, built by
-the product's `lit_ppo.run.build.build_run`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
+the product's `lit_ppo.run.build.build_run_on_files`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
 process), `resume` (comparing runs' states), `prompts` (prompts of real lengths), `episodes` (a calculator for
 multi-turn episodes), `packing` (the LM head by hand)."""
 
@@ -11,18 +11,18 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from transformers import AutoTokenizer
-
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.datamodule import RolloutDataModule
-from lit_ppo.rollout.prompts import load_prompts
-from lit_ppo.run.build import build_run as build_product_run
+from lit_ppo.run.build import build_run_on_files
+
+# The Hydra config `python train.py <overrides>` would run, composed in this process, and its typed settings.
+from lit_ppo.run.entry import CONF_DIR, compose_run_config  # noqa: F401
+from lit_ppo.run.entry import compose as compose_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
+CONF = CONF_DIR
 # The tiny architecture of the shared `engine` fixture (tests/conftest.py), so in-process runs can reuse that engine.
 FIXTURE_MODEL = [
     "model.tiny.hidden_size=64",
@@ -31,17 +31,6 @@ FIXTURE_MODEL = [
     "model.tiny.num_kv_heads=1",
     "model.tiny.intermediate_size=128",
 ]
-
-
-def compose_config(*overrides: str):
-    """The Hydra config `python train.py <overrides>` would run, composed in this process."""
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def compose_run_config(*overrides: str) -> RunConfig:
-    """The typed settings `python train.py <overrides>` would run."""
-    return RunConfig.from_hydra(compose_config(*overrides))
 
 
 def dataclass_defaults(cls: type) -> dict:
@@ -116,6 +105,8 @@ def build_run(
     lora=None,
     **ppo_overrides,
 ):
+    """(trainer, module, data module, plan) of a small run on the tiny model in this process (8 prompts x 4 samples,
+    responses of 6 tokens, float32 on CPU unless told), built by the product's `build_run_on_files`."""
     ppo = PPOConfig(
         **{
             "rollout_batch_size": 8,
@@ -128,9 +119,6 @@ def build_run(
         }
     )
     rollout = rollout or RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(files[0], tokenizer)
-    eval_prompts = load_prompts(files[1], tokenizer)
     config = run_config(
         ppo=ppo, rollout=rollout, steps=total_rollout_steps, accelerator=accelerator, precision=precision
     )
@@ -141,13 +129,10 @@ def build_run(
             config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})
         ),
     )
-    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
-    trainer, module, datamodule = build_product_run(
+    trainer, module, datamodule, plan = build_run_on_files(
         config,
-        plan,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        prompts=(train_prompts, eval_prompts),
+        model_dir,
+        files,
         scorer=RewardScorer(fn=reward_fn),
         output_dir=tmp_path,
         engine=engine,

@@ -131,7 +131,7 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
 def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_path, caplog):
     """Two rollout steps with reward.workers=2 and on_error=zero: one sample kills its worker, one hangs
     past reward.timeout_s; both score 0, are named in the log, and the run finishes."""
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
     from tests.helpers import FIXTURE_MODEL
 
     cfg = compose_run_config(
@@ -152,7 +152,7 @@ def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_p
         *FIXTURE_MODEL,
     )
     with caplog.at_level(logging.INFO, logger="lit_ppo"):
-        summary = train(cfg, tmp_path, engine=engine)
+        summary = entry.run(cfg, tmp_path, engine=engine)
     assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
     assert (tmp_path / "crashed").exists() and (tmp_path / "hung").exists()
     failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward: sample ")]

@@ -131,7 +131,7 @@ def test_auto_mode_falls_back_to_offline_when_the_server_cannot_be_reached(tmp_p
 
 
 def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path, no_wandb_credentials):
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     out = tmp_path / "run"
     cfg = compose_run_config(
@@ -145,7 +145,7 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     )
-    summary = train(cfg, out, engine=engine)
+    summary = entry.run(cfg, out, engine=engine)
     assert summary["rollout_steps"] == 2
 
     (run_dir,) = (out / "wandb").glob("offline-run-*")
@@ -184,7 +184,7 @@ def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path
 
 def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_credentials):
     """logger=wandb offline: the run id is kept in the run directory, and resume=auto writes to that run."""
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     out = tmp_path / "run"
     common = [
@@ -199,9 +199,9 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     ]
-    train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    entry.run(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     run_id = (out / "wandb_run_id").read_text().strip()
-    train(compose_run_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
+    entry.run(compose_run_config(*common, "trainer.total_rollout_steps=2", "resume=auto"), out, engine=engine)
     runs = sorted((out / "wandb").glob("offline-run-*"), key=lambda r: r.stat().st_mtime)
     # both parts write to one run: offline-run-<start time>-<run id>, and "-1" after it where both parts started
     # within the same second (W&B's name for the second directory of a run)
@@ -215,7 +215,7 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
     # A fresh start in the same directory (no resume) is a new W&B run; a directory holding checkpoints refuses a
     # fresh run (one run per directory), so its checkpoints go first, as a user would delete them.
     shutil.rmtree(out / "checkpoints")
-    train(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
+    entry.run(compose_run_config(*common, "trainer.total_rollout_steps=1"), out, engine=engine)
     assert (out / "wandb_run_id").read_text().strip() != run_id
 
 
@@ -271,7 +271,7 @@ def test_the_evaluation_before_any_update_is_shown_before_rollout_step_1(capsys)
 def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     out = tmp_path / "run"
     cfg = compose_run_config(
@@ -285,7 +285,7 @@ def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path)
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     )
-    summary = train(cfg, out, engine=engine)
+    summary = entry.run(cfg, out, engine=engine)
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     evals = events.Scalars("eval/reward")

@@ -142,8 +142,6 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_the_plan_says_so(tmp_
 
 def test_a_run_with_a_tokenizer_without_a_pad_token_trains(tmp_path, tiny_model_dir, engine):
     """It crashed after vLLM started (the micro-batches are padded with the pad token's id)."""
-    from lit_ppo.run.train import train
-
     model = model_without_pad_token(tiny_model_dir, tmp_path)
     cfg = compose_run_config(
         f"model.path={model}",
@@ -154,7 +152,7 @@ def test_a_run_with_a_tokenizer_without_a_pad_token_trains(tmp_path, tiny_model_
         f"output_dir={tmp_path / 'run'}",
         f"cache_dir={tmp_path / 'cache'}",
     )
-    summary = train(cfg, tmp_path / "run", engine=engine)
+    summary = run_module.run(cfg, tmp_path / "run", engine=engine)
     assert summary["rollout_steps"] == 1 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
 
 
