@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,9 +12,7 @@ import yaml
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 from lit_ppo.rollout.engine import VLLMEngine
-from tests.helpers import dataclass_defaults
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from tests.helpers import CONF, dataclass_defaults
 
 
 @pytest.mark.parametrize(

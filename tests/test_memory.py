@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,6 @@ from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
 from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 # vocab 100, hidden 8 (2 heads of 4; 1 KV head: kv_dim 4), intermediate 16, 2 layers, tied, q/k/v biases.
 SHAPE = ModelShape(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1)
 RUN = MemoryInputs(

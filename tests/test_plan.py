@@ -18,9 +18,9 @@ import pytest
 from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError
 from lit_ppo.run import entry as run_module
-from tests.helpers import compose_config, plan_of
+from tests.helpers import ROOT, compose_config, plan_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 CONF = REPO / "conf"
 PLAN_KEYS = (
     "rollout_steps_per_data_epoch",

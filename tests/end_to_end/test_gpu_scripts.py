@@ -8,9 +8,8 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
 def test_the_end_to_end_gpu_script_runs_train_py_with_the_hf_engine_and_reports_every_phase(tmp_path):

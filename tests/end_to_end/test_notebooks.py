@@ -9,9 +9,9 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from tests.helpers import compose_run_config
+from tests.helpers import ROOT, compose_run_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = ROOT
 
 
 def python3_kernel_of_this_python(tmp_path: Path, monkeypatch) -> None:

@@ -8,7 +8,7 @@ import random
 from transformers import AutoTokenizer
 
 from lit_ppo.rollout.engine import sampling_seeds
-from tests.helpers import rollout_step_rows
+from tests.helpers import ROOT, rollout_step_rows
 from tests.helpers.prompts import long_prompts
 
 
@@ -158,12 +158,11 @@ def test_gsm8k_format_run_completes(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     from lit_ppo.demo.tiny import build_char_tokenizer
     from lit_ppo.rollout.prompts import format_prompt
 
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     write_gsm8k_file(tmp_path / "train.jsonl", 32, seed=0)
     write_gsm8k_file(tmp_path / "test.jsonl", 16, seed=1)
     system = "Solve the problem step by step. Write the final answer as a number after '####'."

@@ -16,9 +16,9 @@ import pytest
 
 from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.run import entry as run_module
-from tests.helpers import compose_config, compose_run_config
+from tests.helpers import ROOT, compose_config, compose_run_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = ROOT
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from lit_ppo.run.report import write_plan
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, synthetic_rollout_batch
 from lit_ppo.training.batching import micro_batch_groups, pack, padding_fraction
 from lit_ppo.training.module import PPOModule
-from tests.helpers import plan_of
+from tests.helpers import ROOT, plan_of
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
 ON_POLICY = {
@@ -286,7 +286,6 @@ def test_the_first_rollout_batch_after_engine_start_compiles_nothing(tiny_model_
     more prefill than one vLLM scheduler step takes (4,096 tokens)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     code = f"""
 import random, time
@@ -303,7 +302,7 @@ print("RESPONSES", len(out), "WITH_LOGPROBS", sum(len(g.logprobs) == len(g.token
 print("FRAMES_COMPILED_AT_START", compiled_at_start)
 print("FRAMES_COMPILED_AFTER", dynamo_utils.counters["frames"]["total"] - compiled_at_start)
 """
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     keys = ("FIRST_GENERATE_S", "RESPONSES", "FRAMES_COMPILED_AT_START", "FRAMES_COMPILED_AFTER")
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(keys))
