@@ -9,7 +9,7 @@ family, mean and max |packed - padded| nats per token:
 
 Two weight scales: transformers' initialization (logits near 0: Gemma2's softcap at 30 does nothing there), and the LM
 head 50x that (logits' std about 8, as a trained model's; the models of tests/training/test_packing.py). Falcon-H1 is refused
-for packing since (recurrent layers, `lit_ppo/packing.py`); it is measured for the head alone.
+for packing since (recurrent layers, `lit_ppo/training/packing.py`); it is measured for the head alone.
 
     .venv/bin/python bench/packing_families.py
 """

@@ -1,4 +1,4 @@
-"""CPU threads (lit_ppo/threads.py): a run's processes take the cores they may use (their affinity, here set with
+"""CPU threads (lit_ppo/run/threads.py): a run's processes take the cores they may use (their affinity, here set with
 `taskset`), shared among the ranks of the node, and OpenMP's threads wait passively where other processes compete for
 the cores at start (spinning otherwise). Checked through `train.py`'s own start (`mode=plan`: the threads are set
 before torch loads, whatever the mode), as its run.log reports them."""
@@ -57,7 +57,7 @@ def test_one_allowed_core_beside_a_competing_job_gives_one_thread_that_waits_pas
 
 
 def test_the_wait_policy_is_passive_only_where_the_cores_are_oversubscribed():
-    from lit_ppo.threads import oversubscribed
+    from lit_ppo.run.threads import oversubscribed
 
     assert not oversubscribed(2, 0, host_cores=2, allowed=2)  # idle cores: libgomp's spin (2.1x faster, BENCHMARKS.md)
     assert oversubscribed(2, 1, host_cores=2, allowed=2)
@@ -72,7 +72,7 @@ def threads_of(cores: str, local_processes: int, **env: str) -> str:
     train.py calls; torch alone loads faster than train.py's imports)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")}
     code = (
-        "import os; from lit_ppo.threads import use_cpu_threads; "
+        "import os; from lit_ppo.run.threads import use_cpu_threads; "
         f"print(use_cpu_threads({local_processes}), os.environ.get('OMP_WAIT_POLICY'))"
     )
     command = ["taskset", "-c", cores, sys.executable, "-c", code]

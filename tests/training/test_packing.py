@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
-from lit_ppo.packing import packing_unsupported
 from lit_ppo.plan import PromptStats, check_micro_batches, check_rank_balance, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
@@ -34,6 +33,7 @@ from lit_ppo.training.batching import (
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.module import PPOModule
+from lit_ppo.training.packing import packing_unsupported
 from tests.helpers import compose_config, compose_run_config, plan_of, run_config
 from tests.helpers.packing import head_by_hand
 
