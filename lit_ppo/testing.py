@@ -93,12 +93,13 @@ def synthetic_rollout_batch(
     seed: int = 0,
     vocab: range = range(4, 40),
     observations: bool = False,
+    rewards: torch.Tensor | None = None,
 ) -> RolloutBatch:
     """A rollout batch of sizes: `prompts` prompts of `prompt_tokens` (low, high: inclusive) random ids from `vocab`
     (4+: not a special token of the test tokenizers), `samples_per_prompt` responses each of `response_tokens` ids,
-    rewards 0, 1, 0, 1, ... (`rollout_batch_from_ids`). `observations`: a multi-turn episode's batch, where a response
-    longer than 60 tokens holds one observation of 5-30 tokens (policy mask 0) at least 10 tokens from its start and
-    40 from its end. The same `seed` gives the same batch."""
+    `rewards` [N] (default 0, 1, 0, 1, ...: `rollout_batch_from_ids`). `observations`: a multi-turn episode's batch,
+    where a response longer than 60 tokens holds one observation of 5-30 tokens (policy mask 0) at least 10 tokens from
+    its start and 40 from its end. The same `seed` gives the same batch."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(low: int, high: int) -> list[int]:
@@ -118,7 +119,7 @@ def synthetic_rollout_batch(
         response_ids.append(response)
         masks.append(mask)
     return rollout_batch_from_ids(
-        prompt_ids, response_ids, samples_per_prompt, policy_masks=masks if observations else None
+        prompt_ids, response_ids, samples_per_prompt, rewards, policy_masks=masks if observations else None
     )
 
 
