@@ -26,7 +26,7 @@ OmegaConf.register_new_resolver("lit_ppo_run_dir", lambda output_dir, default: o
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from lit_ppo.threads import allowed_cores, use_cpu_threads
+    from lit_ppo.run.threads import allowed_cores, use_cpu_threads
 
     # Before torch loads (the next import): OpenMP reads its settings once. The ranks of a node share its cores, and
     # so do the rollout workers of rollout.mode=disaggregated (they generate while the trainer trains).

@@ -35,7 +35,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import LoraConfig
 from lit_ppo.memory import ModelShape
 from lit_ppo.precision import resolve_precision
-from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, rollout_batch_from_ids
 
 # Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B): tied embeddings, head_dim 128.
 SHAPES = {
@@ -104,24 +104,8 @@ def anchor_batch(micro_batch_tokens: int, micro_batches: int, vocab: int, seed: 
     if not prompts:  # the smoke's budget holds no group of long responses: short ones
         prompts = [[rng.randrange(4, vocab) for _ in range(100)]] * SAMPLES_PER_PROMPT
         responses = [[rng.randrange(4, vocab) for _ in range(budget // SAMPLES_PER_PROMPT - 100)]] * SAMPLES_PER_PROMPT
-    N = len(prompts)
-    return RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=[i // SAMPLES_PER_PROMPT for i in range(N)],
-        dataset_indices=[i // SAMPLES_PER_PROMPT for i in range(N)],
-        prompt_ids=prompts,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=torch.tensor([float(rng.random() < 0.5) for _ in range(N)]),
-        truncated=torch.zeros(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+    rewards = torch.tensor([float(rng.random() < 0.5) for _ in prompts])
+    return rollout_batch_from_ids(prompts, responses, SAMPLES_PER_PROMPT, rewards)
 
 
 def main() -> None:

@@ -83,7 +83,7 @@ def mean_phases(run: Path, skip: int = 1) -> dict[str, float]:
 
 def train_py(out: Path, steps: int, *overrides: str, threads: int | None = None) -> Path:
     """`train.py` run to completion in its own process; `threads`: its CPU threads (OMP_NUM_THREADS, which
-    lit_ppo/threads.py keeps), for a colocated run on the share of the cores one side of a split would get."""
+    lit_ppo/run/threads.py keeps), for a colocated run on the share of the cores one side of a split would get."""
     command = [
         sys.executable,
         "train.py",

@@ -31,13 +31,11 @@ import torch  # noqa: E402
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
 from lit_ppo.demo.arithmetic import make_problems, write_jsonl  # noqa: E402
 from lit_ppo.memory import ModelShape  # noqa: E402
-from lit_ppo.plan import compute_plan  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
 from lit_ppo.rollout.datamodule import RolloutDataModule  # noqa: E402
 from lit_ppo.rollout.engine import VLLMEngine  # noqa: E402
-from lit_ppo.rollout.prompts import load_prompts  # noqa: E402
-from lit_ppo.run.build import build_run as build_product_run  # noqa: E402
-from lit_ppo.run.build import quiet_known_warnings
+from lit_ppo.run.build import build_run_on_files, quiet_known_warnings  # noqa: E402
+from lit_ppo.run.entry import compose_run_config  # noqa: E402, F401 - the benchmarks import it from here
 
 quiet_known_warnings()  # the product's filters (lit_ppo.run.build), for runs built here
 
@@ -168,14 +166,6 @@ def start_engine(
     )
 
 
-def compose_run_config(*overrides: str) -> RunConfig:
-    """The typed settings `python train.py <overrides>` runs, composed by Hydra from conf/."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return RunConfig.from_hydra(compose(config_name="config", overrides=list(overrides)))
-
-
 def grpo_preset(**overrides) -> PPOConfig:
     """lit-ppo's `ppo=grpo` preset as Hydra composes it, then `overrides`."""
     return replace(compose_run_config("ppo=grpo").ppo, **overrides)
@@ -248,27 +238,17 @@ def run_from_config(
     reward_fn=integer_match,
 ):
     """(trainer, module, datamodule, plan) of `config`'s run on these prompts, built by the product's
-    `lit_ppo.run.build.build_run`; evaluation only with `eval_prompt_file`. `reward_fn`: a lit-ppo-signature reward."""
-    from transformers import AutoTokenizer
-
-    model_dir = str(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(prompt_file, tokenizer)
-    eval_prompts = load_prompts(eval_prompt_file, tokenizer) if eval_prompt_file else None
-    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
-    trainer, module, datamodule = build_product_run(
+    `lit_ppo.run.build.build_run_on_files`; evaluation only with `eval_prompt_file`. `reward_fn`: a lit-ppo-signature reward."""
+    return build_run_on_files(
         config,
-        plan,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        prompts=(train_prompts, eval_prompts),
+        model_dir,
+        (prompt_file, eval_prompt_file),
         scorer=RewardScorer(fn=reward_fn),
         output_dir=out_dir,
         engine=engine,
         callbacks=callbacks,
         datamodule_class=datamodule_class,
     )
-    return trainer, module, datamodule, plan
 
 
 def engine_max_model_len(max_response_tokens: int, max_prompt_tokens: int = 16) -> int:

@@ -1,5 +1,5 @@
 """`make train`'s warm start beside a competing CPU job and on idle cores, with OpenMP's threads spinning (libgomp's
-default), always waiting passively (lit_ppo/threads.py until 2026-11-25) and as lit-ppo sets them now (passive only
+default), always waiting passively (lit_ppo/run/threads.py until 2026-11-25) and as lit-ppo sets them now (passive only
 where the cores are oversubscribed at start).
 
 Each measurement is a real `python train.py` (the command `make train` runs) with a fresh temporary
@@ -9,7 +9,7 @@ busy loop, started before and stopped after each run. The settings:
 
 - spin: `GOMP_SPINCOUNT=300000`, libgomp's own default spin count (lit-ppo leaves the wait policy alone when it is
   set), one thread per allowed core;
-- passive: `OMP_WAIT_POLICY=PASSIVE` always (what lit_ppo/threads.py set until 2026-11-25);
+- passive: `OMP_WAIT_POLICY=PASSIVE` always (what lit_ppo/run/threads.py set until 2026-11-25);
 - lit-ppo: the product's default (passive where, at start, the runnable processes and the run's threads exceed the
   cores; libgomp's spin otherwise).
 
@@ -80,7 +80,7 @@ def main() -> None:
     steps = 20 if args.smoke else args.warm_start_steps
     loads = ["busy"] if args.smoke or args.busy_only else ["idle", "busy"]
     print_header(
-        "Warm start beside a competing CPU job: before and after lit_ppo/threads.py",
+        "Warm start beside a competing CPU job: before and after lit_ppo/run/threads.py",
         args,
         run=f"python train.py model.warm_start.steps={steps} trainer.total_rollout_steps=1 (fresh cache)",
         load=f"{args.competitors} busy-loop processes (busy) or none (idle)",

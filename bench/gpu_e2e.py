@@ -16,7 +16,7 @@ It prints, per rollout step, the seconds of each phase (metrics.csv `timing/*`: 
 training, weight sync: none with engine=hf), real (prompt + response) tokens per second of the step and of the
 training phase, and the device's peak memory (`perf/device_peak_memory_gib`, the CUDA allocator's peak per rollout
 step) beside the plan's estimate (plan.json). The rewards are ~0 (random weights): the run measures cost, not
-learning (`python train.py rollout.engine=hf` learning is tests/test_learning.py's `hf_engine`).
+learning (`python train.py rollout.engine=hf` learning is tests/end_to_end/test_learning.py's `hf_engine`).
 
     python bench/gpu_e2e.py --out /tmp/e2e                 # on one GPU: 16 prompts x 8 samples, 5 rollout steps
     .venv/bin/python bench/gpu_e2e.py --smoke --out /tmp/e2e   # on a CPU: a tiny model and batch, checks that it runs

@@ -1,14 +1,15 @@
 """Packed against padded log-probs on tiny random models of the families whose causal LM changes the logits after its
-decoder (issue 37), float32, temperature 0.7, 6 samples of tests/test_packing.py's realistic lengths (prompts 100-300
-tokens, responses up to 256, episodes with observations). Per family, mean and max |packed - padded| nats per token:
+decoder (issue 37), float32, temperature 0.7, 6 samples of realistic lengths (`lit_ppo.testing.synthetic_rollout_batch`:
+prompts 100-300 tokens, responses up to 256, episodes with observations, as in tests/training/test_packing.py). Per
+family, mean and max |packed - padded| nats per token:
 
 - `head by hand`: the LM head applied to the decoder's hidden states at the response positions, the packed path before
   issue 37 (it skipped what the family's forward does after the head);
 - `model's forward`: the product's packed path (`training/models.py: packed_response_logits`).
 
 Two weight scales: transformers' initialization (logits near 0: Gemma2's softcap at 30 does nothing there), and the LM
-head 50x that (logits' std about 8, as a trained model's; the models of tests/test_packing.py). Falcon-H1 is refused
-for packing since (recurrent layers, `lit_ppo/packing.py`); it is measured for the head alone.
+head 50x that (logits' std about 8, as a trained model's; the models of tests/training/test_packing.py). Falcon-H1 is refused
+for packing since (recurrent layers, `lit_ppo/training/packing.py`); it is measured for the head alone.
 
     .venv/bin/python bench/packing_families.py
 """
@@ -24,9 +25,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lit_ppo.testing import synthetic_rollout_batch  # noqa: E402
 from lit_ppo.training.batching import pack, pack_samples  # noqa: E402
 from lit_ppo.training.models import prepare_for_training, response_logprobs_and_entropy  # noqa: E402
-from tests.test_packing import head_by_hand, realistic_samples  # noqa: E402
+from tests.helpers.packing import head_by_hand  # noqa: E402
 
 TEMPERATURE = 0.7
 SHAPE = dict(
@@ -71,7 +73,8 @@ def errors(model, padded, packed) -> tuple[tuple[float, float], tuple[float, flo
 
 
 def main() -> None:
-    prompts, responses, masks = realistic_samples(3, 2, seed=2, episodes=True)
+    batch = synthetic_rollout_batch(3, 2, (100, 300), (1, 256), seed=2, observations=True)
+    prompts, responses, masks = batch.prompt_ids, batch.response_ids, batch.policy_masks
     padded = pack(prompts, responses, 0, "cpu", policy_masks=masks)
     packed = pack_samples(prompts, responses, 0, "cpu", policy_masks=masks)
     columns = ("family", "head", "head by hand: mean", "max", "model's forward: mean", "max")

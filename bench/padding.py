@@ -80,9 +80,8 @@ def train_phase(args) -> None:
     from common import CACHE, bench_model_dir, build_run, fmt, grpo_for, model_description, print_header, stats
     from transformers import AutoTokenizer
 
-    from lit_ppo.batch import RolloutBatch
     from lit_ppo.rollout.prompts import load_prompts
-    from lit_ppo.testing import FixedBatchDataModule, NullEngine
+    from lit_ppo.testing import FixedBatchDataModule, NullEngine, rollout_batch_from_ids
 
     if args.smoke:
         args.prompts, args.samples_per_prompt, args.train_batch_size, args.micro_batch_size = 4, 4, 8, 4
@@ -100,23 +99,8 @@ def train_phase(args) -> None:
         torch.randint(4, len(tokenizer), (rng.choice(args.response_lengths),), generator=g).tolist() for _ in samples
     ]
     N = len(samples)
-    batch = RolloutBatch(
-        rollout_step=0,
-        data_epoch=0,
-        prompt_positions=[i // args.samples_per_prompt for i in range(N)],
-        dataset_indices=[i // args.samples_per_prompt for i in range(N)],
-        prompt_ids=samples,
-        response_ids=responses,
-        rollout_logprobs=None,
-        rewards=torch.randint(0, 2, (N,), generator=g).float(),
-        truncated=torch.zeros(N, dtype=torch.bool),
-        prompts=[""] * N,
-        responses=[""] * N,
-        references=[None] * N,
-        generate_seconds=0.0,
-        reward_seconds=0.0,
-        reward_metrics={},
-    )
+    rewards = torch.randint(0, 2, (N,), generator=g).float()
+    batch = rollout_batch_from_ids(samples, responses, args.samples_per_prompt, rewards)
     real = sum(len(p) + len(r) for p, r in zip(samples, responses))
     print_header(
         "training phase: padded vs packed micro-batches (ppo.packing)",

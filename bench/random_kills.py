@@ -18,7 +18,7 @@ moments differ between machines, so the report names each kill by its point and 
     python bench/random_kills.py --case colocated --kills 3 --seed 0
     python bench/random_kills.py --case disaggregated_k1_worker --kills 2 --seed 1
 
-The tests (tests/test_random_kills.py) import this file by its path and call `run_case`.
+The tests (tests/end_to_end/test_random_kills.py) import this file by its path and call `run_case`.
 """
 
 from __future__ import annotations

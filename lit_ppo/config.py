@@ -816,7 +816,7 @@ class ModelConfig:
     """The attention kernels of the trained models (transformers' `attn_implementation`): null leaves transformers'
     default (sdpa); flash_attention_2 / flash_attention_3 (the flash-attn package) train packed micro-batches in one
     row with per-sample varlen kernels, where sdpa/eager/flex_attention compute each packed row's attention under a
-    block-diagonal mask (lit_ppo/packing.py). Checked by the pre-flight before any model loads."""
+    block-diagonal mask (lit_ppo/training/packing.py). Checked by the pre-flight before any model loads."""
 
     def __post_init__(self) -> None:
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:

@@ -3,7 +3,7 @@ update the trainer hands to all of them.
 
 Engines: the in-process vLLM engine (`rollout/engine.py`), the HF engine that generates with the actor itself
 (`rollout/hf_engine.py`), the rollout workers' client (`rollout/workers/client.py`) and `testing.NullEngine`. Each is
-one implementation of `RolloutEngine`: the trainer never asks which one it holds (tests/test_engine_contract.py checks
+one implementation of `RolloutEngine`: the trainer never asks which one it holds (tests/test_contract.py checks
 that every one conforms). A new engine or transport is a new class, not a new branch."""
 
 from __future__ import annotations

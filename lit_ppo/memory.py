@@ -35,7 +35,7 @@ Under FSDP the frozen base is sharded like the rest, and a gathered unit has gra
 
 The peak is the larger of the rollout phase (weights, optimizer states, vLLM) and the training phase
 (everything above except a sleeping vLLM). BENCHMARKS.md ("Memory", "On a GPU") compares the training phase with
-measured peaks; tests/test_gpu.py checks it against the CUDA allocator's.
+measured peaks; tests/end_to_end/test_gpu.py checks it against the CUDA allocator's.
 """
 
 from __future__ import annotations

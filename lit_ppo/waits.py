@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import inspect
 import re
+import signal
+import threading
 import time
 from datetime import timedelta
 
 from lit_ppo.errors import UserError, WaitTimeoutError
-from lit_ppo.rewards.workers import call_with_deadline
 
 COLLECTIVE_SETTING = "trainer.collective_timeout_s"
 ENGINE_START_SETTING = "rollout.engine_start_timeout_s"
@@ -72,7 +73,7 @@ def start_within(start, timeout_s: float | None, what: str = "the vLLM engine's 
     entering(what)
     started = time.monotonic()
     try:
-        return call_with_deadline(start, timeout_s)
+        return call_with_deadline(start, timeout_s, ENGINE_START_SETTING)
     except TimeoutError:
         if timeout_s is None or time.monotonic() - started < timeout_s:
             raise  # the engine's own timeout, not this deadline
@@ -81,3 +82,48 @@ def start_within(start, timeout_s: float | None, what: str = "the vLLM engine's 
             "downloading, a device busy with another process, a compilation that does not end); fix: see "
             f"<run>/logs/run.log for where it stood, or raise {ENGINE_START_SETTING} (null: no limit)"
         ) from None
+
+
+class _DeadlinePassed(BaseException):
+    """Raised inside a call (a reward's, the engine's start) that ran past its limit; a BaseException, so that the reward's own
+    `except Exception` does not take it for a failure it could score."""
+
+
+DEADLINE_SIGNAL = signal.SIGUSR2  # not SIGALRM: math-verify times its parsing with SIGALRM in the same thread
+
+
+def call_with_deadline(fn, timeout_s: float | None, setting: str = "reward.timeout_s"):
+    """fn() in this (the main) thread, cut after `timeout_s` seconds: a timer thread then signals the main thread,
+    whose handler raises inside the call. That stops Python code, sleeps and waits on I/O at once, and a single
+    long call into C code (a regex, a solver) when it returns; a call that kills the process is not survived
+    (reward.workers > 0 is for those). Raises TimeoutError naming `setting` when cut. Without a limit, or off the main thread
+    (where no signal handler runs), fn() is called as it is."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        return fn()
+    lock, state = threading.Lock(), {"armed": True, "fired": False}
+
+    def on_signal(signum, frame) -> None:
+        if state["armed"] and state["fired"]:
+            state["armed"] = False  # once
+            raise _DeadlinePassed()
+
+    def fire() -> None:
+        with lock:
+            if state["armed"]:
+                state["fired"] = True
+                signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
+
+    previous = signal.signal(DEADLINE_SIGNAL, on_signal)
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    try:
+        try:
+            timer.start()
+            return fn()
+        finally:
+            timer.cancel()
+            with lock:  # no signal is sent after this; one already sent finds the handler disarmed
+                state["armed"] = False
+            signal.signal(DEADLINE_SIGNAL, previous)
+    except _DeadlinePassed:  # also when it lands while leaving the call
+        raise TimeoutError(f"no result after {setting}={timeout_s:g}s") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -59,3 +60,24 @@ def arithmetic_files(tmp_path_factory):
     train, evaluation = make_problems(seed=0, max_operand=20, n_train=64, n_eval=16)
     root = tmp_path_factory.mktemp("data")
     return write_jsonl(train, root / "train.jsonl"), write_jsonl(evaluation, root / "eval.jsonl")
+
+
+@pytest.fixture(scope="module")
+def long_prompt_files(tmp_path_factory):
+    """Arithmetic questions padded with a preamble to about PROMPT_TOKENS characters (= tokens: a character
+    tokenizer), so prefill spans realistic lengths: 16 training prompts, 4 held out."""
+    from tests.helpers.prompts import PROMPT_TOKENS
+
+    root = tmp_path_factory.mktemp("long_prompts")
+    preamble = "You are a careful calculator. Read the question, add the two numbers and write only the sum. "
+    paths = []
+    for name, count in (("train", 16), ("eval", 4)):
+        records = []
+        for i in range(count):
+            a, b = (7 * i + 3) % 50, (11 * i + 5) % 50
+            question = f"Question {i}: {a}+{b}="
+            records.append({"prompt": (preamble * 2)[: PROMPT_TOKENS - len(question)] + question, "answer": str(a + b)})
+        path = root / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths.append(path)
+    return paths

@@ -1,7 +1,7 @@
 """Every YAML under conf/ is tested because it is on disk, not because a test names it: each experiment is composed
 and planned as `python train.py +experiment=NAME mode=plan` does, and every option of every other group is composed
 on top of the default config. The PPO presets also train for two rollout steps:
-`test_every_preset_completes_two_rollout_steps` in tests/test_end_to_end.py globs conf/ppo/."""
+`test_every_preset_completes_two_rollout_steps` in tests/end_to_end/test_train.py globs conf/ppo/."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,17 +12,7 @@ import yaml
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.precision import resolve_precision, resolve_rollout_dtype
 from lit_ppo.rollout.engine import VLLMEngine
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def dataclass_defaults(cls: type) -> dict:
-    """Each field's default, nested config sections as dicts."""
-    defaults = {}
-    for f in dataclasses.fields(cls):
-        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        defaults[f.name] = dataclass_defaults(type(value)) if dataclasses.is_dataclass(value) else value
-    return defaults
+from tests.helpers import CONF, dataclass_defaults
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The console's pieces on their own: the log routing, and the weight sync that vLLM's rotary message is about.
-(The whole console of a `python train.py` run is checked in tests/test_end_to_end.py.)"""
+(The whole console of a `python train.py` run is checked in tests/end_to_end/test_train.py.)"""
 
 from __future__ import annotations
 

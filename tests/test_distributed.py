@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # when run as the worker script, not through pytest's conftest
@@ -252,12 +253,6 @@ def worker_main() -> None:
 
 
 # ------------------------------------------------------------------ tests (parent process)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(out_dir: Path) -> tuple[bool, str]:

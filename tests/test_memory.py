@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,6 @@ from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
 from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 # vocab 100, hidden 8 (2 heads of 4; 1 KV head: kv_dim 4), intermediate 16, 2 layers, tied, q/k/v biases.
 SHAPE = ModelShape(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2, num_kv_heads=1)
 RUN = MemoryInputs(
@@ -185,7 +183,7 @@ def test_plan_mode_reads_a_local_config_json(tiny_model_dir, tmp_path, capsys):
 def test_device_peak_memory_reads_and_resets_the_cuda_peak_and_is_none_on_cpu(monkeypatch):
     """perf/device_peak_memory_gib (the figure issue 28 sets beside the plan's estimate on a GPU): each call returns
     the allocator's peak since the last one and resets it, so every rollout step reports its own; off CUDA, nothing.
-    The CUDA counters are stood in for here (this machine has none); tests/test_gpu.py reads the real ones."""
+    The CUDA counters are stood in for here (this machine has none); tests/end_to_end/test_gpu.py reads the real ones."""
     import torch
 
     from lit_ppo.training.metrics import device_peak_memory_gib

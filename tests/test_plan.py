@@ -20,9 +20,9 @@ from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import compute_plan, sections_of
 from lit_ppo.run import entry as run_module
-from tests.helpers import compose_config, compose_run_config, plan_of
+from tests.helpers import ROOT, compose_config, compose_run_config, plan_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 CONF = REPO / "conf"
 PLAN_KEYS = (  # (section, key) in plan.json
     ("counts", "rollout_steps_per_data_epoch"),

@@ -146,7 +146,7 @@ FIXTURE_MODEL = [
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "auto"])
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
-    from lit_ppo.run.train import train
+    from lit_ppo.run import entry
 
     cfg = compose_run_config(
         f"strategy.precision={precision}",
@@ -160,7 +160,7 @@ def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_pa
         f"cache_dir={tmp_path / 'cache'}",
         *FIXTURE_MODEL,
     )
-    summary = train(cfg, tmp_path, engine=engine)
+    summary = entry.run(cfg, tmp_path, engine=engine)
     assert (
         summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     )

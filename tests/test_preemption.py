@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpo
 from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
 from tests.helpers import ROOT, build_run
-from tests.test_resume import assert_same_weights, counters
+from tests.helpers.resume import assert_same_weights, counters
 
 ROLLOUT_SAMPLES = 16 * 4  # rollout_batch_size x n_samples_per_prompt: tells a rollout batch from an evaluation
 
@@ -169,6 +170,15 @@ def train_py(out: Path, *overrides: str, wait: bool = True, tmp: Path) -> subpro
     return process
 
 
+def logged_rollout_steps(metrics: Path) -> list[int]:
+    """The rollout steps metrics.csv has a row for so far, the rollout_step 0 row (the evaluation before any update)
+    included; a line still being written is left out."""
+    if not metrics.exists():
+        return []
+    text = metrics.read_text()
+    return [int(float(row["rollout_step"])) for row in csv.DictReader(text[: text.rfind("\n") + 1].splitlines())]
+
+
 def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None:
     full = train_py(tmp_path / "full", *overrides, tmp=tmp_path)
     assert full.returncode == 0, full.output()[-3000:]
@@ -176,7 +186,7 @@ def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None
     out = tmp_path / "preempted"
     process = train_py(out, *overrides, wait=False, tmp=tmp_path)
     deadline, metrics = time.time() + RUN_TIMEOUT_S, out / "metrics.csv"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1 + 2):  # header + step 2's row
+    while 2 not in logged_rollout_steps(metrics):  # rows 0, 1, 2: the signal comes during rollout step 3
         assert process.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
         time.sleep(0.02)
     process.send_signal(signal.SIGTERM)  # rank 0: it forwards the signal to the ranks Lightning started
@@ -189,8 +199,12 @@ def sigterm_after_two_steps_then_resume(tmp_path: Path, *overrides: str) -> None
     assert process.returncode == 143, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("preempted by SIGTERM")]
     assert len(lines) == 1, output[-3000:]
-    saved = list_checkpoints(out / "checkpoints")
-    assert len(saved) == 1 and saved[0].name != "rollout_step_000004.ckpt", "signalled too late to test anything"
+    stopped = int(re.match(r"preempted by SIGTERM: stopped after rollout step (\d+) of 4;", lines[0]).group(1))
+    # Signalled in rollout step 3: in its generation, rewards or experience the step is dropped (stopped after 2); in
+    # its updates it finishes first, since step 2 is not on disk (checkpoint_every=0). Either way after two steps.
+    assert stopped in (2, 3), lines[0]
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"rollout_step_{stopped:06d}.ckpt"]
+    assert logged_rollout_steps(metrics) == list(range(stopped + 1))
     assert not (out / "actor").exists()
 
     resumed = train_py(out, *overrides, "resume=auto", tmp=tmp_path)
@@ -245,10 +259,10 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
 
     from lit_ppo import preemption
     from lit_ppo.plan import compute_plan
+    from lit_ppo.testing import synthetic_rollout_batch
     from lit_ppo.training import batching
     from lit_ppo.training.module import PPOModule
     from tests.helpers import compose_run_config, run_config
-    from tests.test_packing import realistic_batch
 
     ppo = dataclasses.replace(
         compose_run_config().ppo,
@@ -277,7 +291,7 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
 
     monkeypatch.setattr(preemption, "interruptibly", interruptibly)
     monkeypatch.setattr(batching, "global_max", global_max)
-    module.make_experience(realistic_batch(n_prompts=2, n=2, episodes=False))  # this rank's half: 4 samples
+    module.make_experience(synthetic_rollout_batch(2, 2, (100, 300), (1, 256)))  # this rank's half: 4 samples
     assert collectives == [False]  # the one all-reduce of the split, outside the region
 
 

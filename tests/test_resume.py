@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,37 +20,7 @@ from lit_ppo.checkpoints import (
 )
 from lit_ppo.errors import NonFiniteUpdatesError
 from tests.helpers import ROOT, build_run
-
-
-def counters(module) -> dict:
-    return {
-        "rollout_step": module.rollout_step,
-        "actor": module.actor_optimizer_steps,
-        "critic": module.critic_optimizer_steps,
-        "samples": module.samples_seen,
-    }
-
-
-def assert_same_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        # CPU, fixed seeds, one process and the same thread count: the runs are bitwise identical.
-        assert torch.equal(a[name], b[name]), name
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAfter(L.Callback):
-    """Ends the process's training abruptly after a given rollout step, as a crash would."""
-
-    def __init__(self, rollout_step: int):
-        self.rollout_step = rollout_step
-
-    def on_train_batch_end(self, trainer, module, *args) -> None:
-        if module.rollout_step == self.rollout_step:
-            raise Crash()
+from tests.helpers.resume import Crash, CrashAfter, assert_same_weights, counters
 
 
 def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, crash_after=None):

@@ -1,12 +1,11 @@
 """Bounded waits (lit_ppo/waits.py): a collective that another rank never joins, a process group that a rank never
 joins and an engine start that runs long each stop the run in one line naming what was waited for and the setting to
-raise. The 2-process run whose rank 1 hangs is `tests/test_ddp.py::test_a_rank_that_hangs_stops_the_run_naming_the_phase`
+raise. The 2-process run whose rank 1 hangs is `tests/end_to_end/test_ddp.py::test_a_rank_that_hangs_stops_the_run_naming_the_phase`
 (slow)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -16,15 +15,9 @@ import pytest
 from lit_ppo.errors import ConfigError, WaitTimeoutError
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.train import lightning_strategy
-from tests.helpers import ROOT, build_run, compose_run_config
+from tests.helpers import ROOT, build_run, compose_run_config, free_port
 
 COLLECTIVE_TIMEOUT_S = 3.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 RANK_SCRIPT = """

@@ -16,7 +16,7 @@ Reward functions written for TRL, verl or OpenRLHF are called as those framework
 (`reward.signature`, `auto` by default: told apart by their parameter names; see `RewardCall`).
 With `reward.workers > 0` each sample is scored in a worker process under `reward.timeout_s`
 (`RewardWorkers`): a verifier that hangs or kills its process costs that sample, not the run. With the default
-`reward.workers=0` each call of the function in this process is cut after `reward.timeout_s` (`call_with_deadline`):
+`reward.workers=0` each call of the function in this process is cut after `reward.timeout_s` (`waits.call_with_deadline`):
 a batch call that runs past it is scored again one sample at a time under the same limit, so the slow samples are
 found and count as timeouts; that is serial, so for a verifier that often hangs use workers.
 """

@@ -17,7 +17,8 @@ from lit_ppo.algorithms import overlong_penalty
 from lit_ppo.config import ON_ERROR, RunConfig, check_overlong_buffer
 from lit_ppo.errors import ConfigError, RewardError
 from lit_ppo.rewards.calling import SIGNATURES, RewardCall, _name, detect_signature
-from lit_ppo.rewards.workers import RewardWorkers, _Timeout, call_with_deadline
+from lit_ppo.rewards.workers import RewardWorkers, _Timeout
+from lit_ppo.waits import call_with_deadline
 
 log = logging.getLogger("lit_ppo")
 

@@ -1,5 +1,5 @@
 """Bounded reward calls: worker processes that score one sample each under `reward.timeout_s` (`RewardWorkers`),
-and the in-process time limit of the default `reward.workers=0` (`call_with_deadline`)."""
+and, for the default `reward.workers=0`, the in-process time limit `waits.call_with_deadline`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import multiprocessing
 import pickle
 import signal
-import threading
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -170,48 +169,3 @@ class RewardWorkers:
                 worker.conn.send(None)
             worker.stop()
         self.workers = []
-
-
-class _DeadlinePassed(BaseException):
-    """Raised inside a reward call that ran past its limit; a BaseException, so that the reward's own
-    `except Exception` does not take it for a failure it could score."""
-
-
-DEADLINE_SIGNAL = signal.SIGUSR2  # not SIGALRM: math-verify times its parsing with SIGALRM in the same thread
-
-
-def call_with_deadline(fn, timeout_s: float | None):
-    """fn() in this (the main) thread, cut after `timeout_s` seconds: a timer thread then signals the main thread,
-    whose handler raises inside the call. That stops Python code, sleeps and waits on I/O at once, and a single
-    long call into C code (a regex, a solver) when it returns; a call that kills the process is not survived
-    (reward.workers > 0 is for those). Raises TimeoutError when cut. Without a limit, or off the main thread
-    (where no signal handler runs), fn() is called as it is."""
-    if timeout_s is None or threading.current_thread() is not threading.main_thread():
-        return fn()
-    lock, state = threading.Lock(), {"armed": True, "fired": False}
-
-    def on_signal(signum, frame) -> None:
-        if state["armed"] and state["fired"]:
-            state["armed"] = False  # once
-            raise _DeadlinePassed()
-
-    def fire() -> None:
-        with lock:
-            if state["armed"]:
-                state["fired"] = True
-                signal.pthread_kill(threading.main_thread().ident, DEADLINE_SIGNAL)
-
-    previous = signal.signal(DEADLINE_SIGNAL, on_signal)
-    timer = threading.Timer(timeout_s, fire)
-    timer.daemon = True
-    try:
-        try:
-            timer.start()
-            return fn()
-        finally:
-            timer.cancel()
-            with lock:  # no signal is sent after this; one already sent finds the handler disarmed
-                state["armed"] = False
-            signal.signal(DEADLINE_SIGNAL, previous)
-    except _DeadlinePassed:  # also when it lands while leaving the call
-        raise TimeoutError(f"no result after reward.timeout_s={timeout_s:g}s") from None

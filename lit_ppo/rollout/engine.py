@@ -124,7 +124,7 @@ class VLLMEngine:
         on CPU: 2-2.6 s on the project's CPU machines, more than ten later rollout steps of the default experiment);
         the JIT warm-up vLLM runs at start-up for such kernels is off under enforce_eager. Greedy, so no random
         generator moves; the prefix cache is reset after it. Measured in BENCHMARKS.md (race, third machine);
-        tests/test_speed.py checks that a rollout batch right after start-up compiles nothing."""
+        tests/training/test_speed.py checks that a rollout batch right after start-up compiles nothing."""
         from vllm import SamplingParams
 
         started = time.perf_counter()

@@ -1,7 +1,9 @@
 """One construction path: the Lightning trainer, `PPOModule` and `RolloutDataModule` of a run, wired from a plan.
 
-`train.py` (through `lit_ppo.run.train.train`), the tests (`tests/helpers.py`) and the benchmarks (`bench/common.py`)
-all build their runs here, so the trainer flags the product depends on and the warning filters cannot drift apart.
+`train.py` (through `lit_ppo.run.train.train`), the tests (`tests/helpers/`) and the benchmarks (`bench/common.py`) all
+build their runs here, so the trainer flags the product depends on and the warning filters cannot drift apart. The tests'
+and the benchmarks' in-process runs on prompt files, without train.py's data preparation and warm start:
+`build_run_on_files`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from typing import Any, Sequence
 import lightning as L
 
 from lit_ppo.config import RunConfig
-from lit_ppo.plan import StepPlan
+from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.hf_engine import HFEngine
-from lit_ppo.rollout.prompts import PromptSet
+from lit_ppo.rollout.prompts import PromptSet, load_prompts
 from lit_ppo.rollout.schedule import source_for
 from lit_ppo.run.report import MetricsCSV
 from lit_ppo.training.module import PPOModule
@@ -121,3 +123,36 @@ def build_run(
         **TRAINER_FLAGS,
     )
     return trainer, module, datamodule
+
+
+def build_run_on_files(
+    config: RunConfig,
+    model_dir: str | Path,
+    prompt_files: tuple[str | Path, str | Path | None],
+    *,
+    scorer: RewardScorer,
+    output_dir: str | Path,
+    **build: Any,
+) -> tuple[L.Trainer, PPOModule, RolloutDataModule, StepPlan]:
+    """(trainer, module, data module, plan) of settings built in code, on the (train, eval) prompt files as they are
+    (eval None: no evaluation) with the tokenizer of `model_dir`: the plan of those prompts (`compute_plan`), then
+    `build_run` (`build`: its engine, callbacks, loggers, strategy, datamodule_class). No data preparation, warm start
+    or pre-flight: `train.py`'s road from settings to a run is `lit_ppo.run.entry.run`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    train_file, eval_file = prompt_files
+    train_prompts = load_prompts(train_file, tokenizer)
+    eval_prompts = load_prompts(eval_file, tokenizer) if eval_file else None
+    plan = compute_plan(config, len(train_prompts), train_prompts.stats())
+    trainer, module, datamodule = build_run(
+        config,
+        plan,
+        model_dir=str(model_dir),
+        tokenizer=tokenizer,
+        prompts=(train_prompts, eval_prompts),
+        scorer=scorer,
+        output_dir=output_dir,
+        **build,
+    )
+    return trainer, module, datamodule, plan

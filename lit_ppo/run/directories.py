@@ -3,7 +3,7 @@
 when it cannot), and `<output_dir>/checkpoints` before any model loads (`run/entry.py:main`): Lightning's atomic save
 swallows a PermissionError, and the run would fail after its first checkpointed rollout step with a FileNotFoundError.
 
-Imports nothing heavy: Hydra instantiates the callback for every run, before torch loads (lit_ppo/threads.py).
+Imports nothing heavy: Hydra instantiates the callback for every run, before torch loads (lit_ppo/run/threads.py).
 """
 
 from __future__ import annotations

@@ -188,13 +188,30 @@ def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list
     return [len(p.prompt_ids) for p in prompt_sets[0]] if prompt_sets else [], longest
 
 
-def main(cfg: DictConfig) -> dict | None:
-    """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
-    becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
-    checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
-    config = RunConfig.from_hydra(cfg)
-    output_dir = output_dir_of(cfg)
-    check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The Hydra configs `train.py` composes (its `config_path`)."""
+
+
+def compose(*overrides: str) -> DictConfig:
+    """The config `python train.py <overrides>` runs, composed by Hydra from conf/ in this process (the tests and the
+    benchmarks; `train.py` composes through `hydra.main`)."""
+    from hydra import compose as compose_config
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose_config(config_name="config", overrides=list(overrides))
+
+
+def compose_run_config(*overrides: str) -> RunConfig:
+    """The typed settings `python train.py <overrides>` runs."""
+    return RunConfig.from_hydra(compose(*overrides))
+
+
+def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
+    """From typed settings to a run, the one road: the run directory's check, the pre-flight, the plan; `mode=plan`
+    writes the plan and returns None, a training run trains (`lit_ppo.run.train.train`) and returns its summary.
+    `python train.py` comes here through `main`, and so do the tests' in-process runs of it, with `engine` a vLLM
+    engine to share between single-process runs of one architecture."""
     # (train.py's Hydra callback checked them before Hydra made the directory; callers without Hydra's run, here)
     check_run_directories(output_dir, "output_dir", training=config.mode == "train")
     config, prompt_stats, lora_targets = preflight(config)
@@ -206,4 +223,14 @@ def main(cfg: DictConfig) -> dict | None:
         return None
     from lit_ppo.run.train import train  # heavy imports only when training
 
-    return train(config, output_dir, lora_targets=lora_targets)
+    return train(config, output_dir, engine=engine, lora_targets=lora_targets)
+
+
+def main(cfg: DictConfig) -> dict | None:
+    """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
+    becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
+    checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
+    config = RunConfig.from_hydra(cfg)
+    output_dir = output_dir_of(cfg)
+    check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)
+    return run(config, output_dir)

@@ -351,7 +351,7 @@ def resolve_packing(packing: bool | None, model_type: str | None) -> bool | None
     """ppo.packing for a model of `model_type` (config.json; None: not on this machine, `mode=plan`, left as set):
     null becomes on where transformers reads the model's packed position ids and off (with a line saying why) where
     not; true where not is refused."""
-    from lit_ppo.packing import packing_unsupported
+    from lit_ppo.training.packing import packing_unsupported
 
     if model_type is None or packing is False:
         return packing

@@ -46,7 +46,7 @@ from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
 from lit_ppo.run.report import write_curves, write_plan, write_summary
-from lit_ppo.threads import allowed_cores
+from lit_ppo.run.threads import allowed_cores
 
 log = logging.getLogger("lit_ppo")
 
@@ -330,7 +330,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         "warm_start_seconds": warm_start_seconds,
         "engine_start_seconds": datamodule.engine_start_seconds,
         "data_parallel_size": plan.counts.data_parallel_size,
-        "cpu_threads": torch.get_num_threads(),  # intra-op threads at the end (lit_ppo/threads.py)
+        "cpu_threads": torch.get_num_threads(),  # intra-op threads at the end (lit_ppo/run/threads.py)
         "cpu_cores_allowed": allowed_cores(),
         "wall_seconds": time.perf_counter() - started,
         "skipped_prompts": dict(train_prompts.skipped),

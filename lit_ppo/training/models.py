@@ -125,7 +125,7 @@ def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
     inside, because FSDP2 reads which parameters train at the model's first forward, which may be this one, to fix the
     dtypes it reduces their gradients in. Seeing none, under bf16-mixed it reduces the adapter's gradients in bf16, not
     float32 (seen in a 2-rank on-policy GRPO run), or fails to store a bf16 gradient on a float32 shard (the FSDP
-    worker of tests/test_lora.py)."""
+    worker of tests/training/test_lora.py)."""
     trained = [p for p in model.parameters() if p.requires_grad]
     with model.disable_adapter():
         for parameter in trained:

@@ -37,7 +37,6 @@ from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.contract import AdapterWeights, WeightUpdate
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError, WeightSyncError
-from lit_ppo.packing import one_row, packing_unsupported
 from lit_ppo.plan import (
     StepPlan,
     check_policy_versions,
@@ -81,6 +80,7 @@ from lit_ppo.training.models import (
     trained_state,
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
+from lit_ppo.training.packing import one_row, packing_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 
 

@@ -28,7 +28,7 @@ from lit_ppo.training.models import critic_values, response_logprobs_and_entropy
 
 # Bounds by the run's precision (lit_ppo/precision.py). The layouts differ only in the order of floating-point sums
 # (attention over other row lengths, products of other shapes): in float32 at most 6e-6 nats per token and 1e-6
-# relative on random models of several families (tests/test_packing.py); under bf16 (8 bits of mantissa) on CPU, 12
+# relative on random models of several families (tests/training/test_packing.py); under bf16 (8 bits of mantissa) on CPU, 12
 # layers of 256, 4e-4 to 5e-3 nats per token and 2e-3 to 1.1e-2 relative, more for peakier distributions. A model the
 # packed path gets wrong is 0.1 nats per token and more apart. Log-probs: the mean |difference| over the checked
 # response tokens, nats per token. The critic: the norm of the difference of its hidden states at those tokens (what

@@ -1,0 +1,150 @@
+"""Shared test code (no test module imports another; tests/test_layout.py checks it). Here: the config a test runs
+(composed through Hydra or built in code), its plan, a real run without Hydra (small batches on the tiny model, built by
+the product's `lit_ppo.run.build.build_run_on_files`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
+process), `resume` (comparing runs' states), `prompts` (prompts of real lengths), `episodes` (a calculator for
+multi-turn episodes), `packing` (the LM head by hand)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import socket
+from pathlib import Path
+
+from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
+from lit_ppo.plan import StepPlan, compute_plan
+from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.run.build import build_run_on_files
+
+# The Hydra config `python train.py <overrides>` would run, composed in this process, and its typed settings.
+from lit_ppo.run.entry import CONF_DIR, compose_run_config  # noqa: F401
+from lit_ppo.run.entry import compose as compose_config  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = CONF_DIR
+# The tiny architecture of the shared `engine` fixture (tests/conftest.py), so in-process runs can reuse that engine.
+FIXTURE_MODEL = [
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_layers=2",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.intermediate_size=128",
+]
+
+
+def dataclass_defaults(cls: type) -> dict:
+    """Each field's default, nested config sections as dicts."""
+    defaults = {}
+    for f in dataclasses.fields(cls):
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        defaults[f.name] = dataclass_defaults(type(value)) if dataclasses.is_dataclass(value) else value
+    return defaults
+
+
+def run_config(
+    *,
+    ppo: PPOConfig | None = None,
+    rollout: RolloutConfig | None = None,
+    steps: int | None = 1,
+    data_epochs: float | None = None,
+    dp: int = 1,
+    precision: str = "32-true",
+    accelerator: str = "cpu",
+    **sections,
+) -> RunConfig:
+    """A RunConfig built in code: the given sections, `steps` rollout steps (or `data_epochs`), `dp` ranks (CPU
+    unless `accelerator` says) in `precision` (float32 unless a test asks: `auto` would follow this machine's bf16
+    support)."""
+    return RunConfig(
+        ppo=ppo or PPOConfig(),
+        rollout=rollout or RolloutConfig(),
+        trainer=TrainerConfig(total_rollout_steps=steps, data_epochs=data_epochs),
+        strategy=StrategyConfig(accelerator=accelerator, devices=dp, precision=precision),
+        **sections,
+    )
+
+
+def plan_of(dataset_prompts: int, **kwargs) -> StepPlan:
+    """The product's plan (`compute_plan`) of `run_config(**kwargs)` over `dataset_prompts` prompts."""
+    return compute_plan(run_config(**kwargs), dataset_prompts)
+
+
+def write_jsonl(records: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV file (metrics.csv, sweep_summary.csv) as dicts of strings."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def rollout_step_rows(path: Path) -> list[dict]:
+    """metrics.csv's rows of rollout steps 1, 2, ...: without its rollout_step 0 row (the evaluation before any
+    update, which has no training metrics)."""
+    return [row for row in read_csv(path) if float(row["rollout_step"]) > 0]
+
+
+def build_run(
+    model_dir: str,
+    engine,
+    files,
+    tmp_path: Path,
+    *,
+    total_rollout_steps: int = 1,
+    eval_every: int = 0,
+    rollout: RolloutConfig | None = None,
+    reward_fn=integer_match,
+    callbacks=(),
+    gradient_checkpointing=False,
+    accelerator: str = "cpu",
+    precision: str = "32-true",
+    datamodule_class=RolloutDataModule,
+    lora=None,
+    **ppo_overrides,
+):
+    """(trainer, module, data module, plan) of a small run on the tiny model in this process (8 prompts x 4 samples,
+    responses of 6 tokens, float32 on CPU unless told), built by the product's `build_run_on_files`."""
+    ppo = PPOConfig(
+        **{
+            "rollout_batch_size": 8,
+            "n_samples_per_prompt": 4,
+            "train_batch_size": 8,
+            "micro_train_batch_size": 4,
+            "actor_lr": 1e-3,
+            "critic_lr": 1e-3,
+            **ppo_overrides,
+        }
+    )
+    rollout = rollout or RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2)
+    config = run_config(
+        ppo=ppo, rollout=rollout, steps=total_rollout_steps, accelerator=accelerator, precision=precision
+    )
+    config = dataclasses.replace(
+        config,
+        trainer=dataclasses.replace(config.trainer, eval_every=eval_every),
+        model=dataclasses.replace(
+            config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})
+        ),
+    )
+    trainer, module, datamodule, plan = build_run_on_files(
+        config,
+        model_dir,
+        files,
+        scorer=RewardScorer(fn=reward_fn),
+        output_dir=tmp_path,
+        engine=engine,
+        callbacks=callbacks,
+        datamodule_class=datamodule_class,
+    )
+    return trainer, module, datamodule, plan
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a store, a rank group or a worker)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,96 @@
+"""`python train.py` in a process of its own, as a user or a scheduler starts it (one rank or several), and what such a
+run leaves for a test to read: its dumped experience, its metrics and its final actor. Used by the 2-process runs
+(tests/end_to_end/test_ddp.py, test_ddp_tools.py), LoRA's (tests/training/test_lora.py), the HF engine's
+(tests/rollout/test_hf_engine.py) and the gradient synchronisation counts (tests/training/test_grad_sync.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lit_ppo.training.experience import DUMP_ADVANTAGES_ENV
+from tests.helpers import ROOT, rollout_step_rows
+
+RUN_TIMEOUT_S = 420
+DDP = ["strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
+STRATEGIES = {"ddp": DDP, "fsdp": ["strategy=fsdp", "strategy.devices=2", "strategy.accelerator=cpu"]}
+SETTINGS = [
+    "trainer.total_rollout_steps=2",
+    "model.warm_start.steps=20",
+    "data.n_train=64",
+    "data.n_eval=8",
+    "trainer.eval_every=0",
+    "trainer.checkpoint_every=1",
+    "reward.overlong_penalty=1.0",
+    "ppo.ppo_epochs=2",
+    "strategy.precision=32-true",
+]  # exact comparisons: float32 whatever `auto` picks on this machine
+
+
+def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:
+    """`python train.py` in its own process group (so a hung rank can be killed with its parent)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [str(ROOT), *pythonpath, os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
+    cmd = [
+        sys.executable,
+        "train.py",
+        *SETTINGS,
+        f"output_dir={out}",
+        f"cache_dir={cache}",
+        f"hydra.run.dir={out / 'hydra'}",
+        *overrides,
+    ]
+    started = time.monotonic()
+    with open(out / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 is in rank 0's process group
+            proc.wait()
+    tail = (out / "train.log").read_text()[-5000:]
+    assert proc.returncode == returncode, (
+        f"{' '.join(cmd)} exited with {proc.returncode} after {time.monotonic() - started:.0f}s:\n{tail}"
+    )
+    out.joinpath("pgid").write_text(str(proc.pid))
+    return out
+
+
+def experience(run: Path, rollout_step: int, world: int) -> dict:
+    """The ranks' dumped experience of one rollout step, concatenated in the global order of the samples' prompts
+    (packed runs split the ranks' prompt groups again by real tokens after generation) and padded to one width;
+    `rank_positions`: each rank's samples' prompt positions, in its order."""
+    shards = [
+        torch.load(run / "dump" / f"rollout_step={rollout_step:06d}.rank{r}.pt", weights_only=False)
+        for r in range(world)
+    ]
+    assert [s["rank"] for s in shards] == list(range(world)) and all(s["world_size"] == world for s in shards)
+    width = max(s["mask"].shape[1] for s in shards)
+    joined = {k: sum((s[k] for s in shards), []) for k in ("prompt_positions", "dataset_indices", "response_ids")}
+    joined["rewards"] = torch.cat([s["rewards"] for s in shards])
+    for k in [
+        k for k in ("mask", "advantages", "returns", "values") if shards[0].get(k) is not None
+    ]:  # no critic: no values
+        joined[k] = torch.cat([torch.nn.functional.pad(s[k], (0, width - s[k].shape[1])) for s in shards])
+    order = sorted(range(len(joined["prompt_positions"])), key=lambda i: joined["prompt_positions"][i])  # stable
+    joined = {k: [v[i] for i in order] if isinstance(v, list) else v[order] for k, v in joined.items()}
+    joined["shard_sizes"] = [len(s["rewards"]) for s in shards]
+    joined["rank_positions"] = [s["prompt_positions"] for s in shards]
+    return joined
+
+
+def metrics(run: Path) -> list[dict]:
+    return rollout_step_rows(run / "metrics.csv")
+
+
+def final_actor(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "actor" / "model.safetensors")

@@ -1,0 +1,975 @@
+"""Asynchronous rollouts (rollout.mode=disaggregated, docs/async.md): rollout workers with real vLLM engines in their
+own processes (gloo weight pushes), the schedule the plan states and the run proves, and the failures that must end
+a run in one line instead of hanging it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig, WorkersConfig
+from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
+from lit_ppo.plan import check_policy_versions, compute_plan
+from lit_ppo.rollout.datamodule import RolloutDataModule
+from lit_ppo.rollout.workers.client import RolloutWorkers
+from lit_ppo.training.logits import logprobs_and_entropy
+from lit_ppo.training.models import response_logits
+from tests.helpers import ROOT, build_run, compose_run_config, free_port
+
+TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
+
+
+def disaggregated(k: int, **workers) -> RolloutConfig:
+    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker; `workers`: its
+    rollout.workers settings (WorkersConfig) beside the tests' timeouts."""
+    return RolloutConfig(
+        max_response_tokens=6,
+        eval_samples_per_prompt=2,
+        temperature=0.8,
+        mode="disaggregated",
+        max_staleness=k,
+        workers=WorkersConfig(**{"start_timeout_s": 300.0, "batch_timeout_s": 120.0, **workers}),
+    )
+
+
+def digit_share(prompts, responses, references, extras, **_) -> list[float]:
+    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+class Recorder(L.Callback):
+    """The actor's weights of every policy version (v = after v rollout steps) and every trained batch."""
+
+    def __init__(self):
+        self.versions: list[dict[str, torch.Tensor]] = []
+        self.batches = []
+        self.worker_exit_codes: list[int | None] = []  # spawned rollout workers' codes after the run's close
+
+    def on_train_start(self, trainer, module):
+        self.versions.append(copy.deepcopy(module.actor.state_dict()))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.versions.append(copy.deepcopy(module.actor.state_dict()))
+
+
+class RecordingDataModule(RolloutDataModule):
+    batches: list = []
+
+    def produce_rollout(self, rollout_step):
+        batch = super().produce_rollout(rollout_step)
+        type(self).batches.append(batch)
+        return batch
+
+
+def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=None, datamodule_class=None, **ppo):
+    recorder = Recorder()
+    datamodule_class = datamodule_class or type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        engine,
+        files,
+        tmp_path,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        callbacks=[recorder, *callbacks],
+        datamodule_class=datamodule_class,
+        reward_fn=digit_share,
+        # 2 optimizer steps per rollout step: the policy moves between versions
+        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **ppo},
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if engine is None and datamodule.engine is not None:
+            datamodule.engine.close()
+            if isinstance(datamodule.engine, RolloutWorkers):
+                recorder.worker_exit_codes = datamodule.engine.exit_codes
+    return module, datamodule_class.batches, recorder, plan
+
+
+# ---------------------------------------------------------------- settings and the plan
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.mode=async"], r"^rollout.mode='async' is unknown; fix: use one of colocated, disaggregated$"),
+        (["rollout.max_staleness=1"], r"^rollout.max_staleness=1 with rollout.mode=colocated: .*fix: rollout.mode"),
+        (
+            ["rollout.mode=disaggregated", "ppo.rollout_correction.mode=none"],
+            r"ppo.rollout_correction.mode=none would .*fix: ppo.rollout_correction.mode=tis",
+        ),
+        (  # the default correction (null -> tis) is not named in the error: the user's own setting is
+            ["rollout.mode=disaggregated", "ppo.old_logprobs=rollout"],
+            r"^rollout.mode=disaggregated \(rollout.max_staleness=1\) with ppo.old_logprobs=rollout: .*fix: ppo.old_logprobs=auto",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.engine=hf", "ppo.rollout_correction.mode=tis"],
+            r"with rollout.engine=hf: .*fix: rollout.engine=vllm",
+        ),
+        (
+            ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "ppo.rollout_correction.mode=tis"],
+            r"with 2 trainer ranks: .*fix: strategy=single",
+        ),
+        (
+            ["rollout.mode=disaggregated", "ppo=dapo", "ppo.rollout_correction.mode=tis"],
+            r"ppo.dynamic_sampling.enabled=true: .*fix:",
+        ),
+        (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.count=0", "rollout.max_staleness=0"],
+            r"rollout.workers.count=0 must",
+        ),
+        (
+            ["rollout.workers.batch_timeout_s=0"],
+            r"^rollout.workers.batch_timeout_s=0 must be a positive number of seconds",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.launch=ssh"],
+            r"^rollout.workers.launch='ssh' is unknown; fix: use one of spawn, external$",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=0"],
+            r"^rollout.workers.port=0 with rollout.workers.launch=external must be a TCP port .*fix: e.g. rollout.workers.port",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=70000"],
+            r"^rollout.workers.port=70000 with rollout.workers.launch=external must be a TCP port \(1..65535\)",
+        ),
+        (
+            ["rollout.workers.heartbeat_timeout_s=0"],
+            r"^rollout.workers.heartbeat_timeout_s=0 must be a positive number of seconds",
+        ),
+        # with model.lora, what rollout workers cannot do is refused as without it, naming the key
+        (
+            ["rollout.mode=disaggregated", "model.lora.rank=16", "rollout.engine=hf"],
+            r"^rollout.mode=disaggregated \(rollout.max_staleness=1\) with rollout.engine=hf: .*fix: rollout.engine=vllm",
+        ),
+        (
+            ["rollout.mode=disaggregated", "model.lora.rank=16", "strategy=ddp", "strategy.devices=2"],
+            r"with 2 trainer ranks: .*fix: strategy=single",
+        ),
+        (
+            ["rollout.mode=disaggregated", "model.lora.rank=16", "ppo.rollout_correction.mode=none"],
+            r"ppo.rollout_correction.mode=none would .*fix: ppo.rollout_correction.mode=tis",
+        ),
+    ],
+)
+def test_async_settings_that_cannot_run_are_refused_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        compute_plan(compose_run_config(*overrides), 1000)
+    assert "\n" not in str(info.value)
+
+
+def test_the_correction_is_on_by_default_exactly_where_the_samples_are_of_an_older_policy():
+    """ppo.rollout_correction.mode=null: TIS under rollout.mode=disaggregated with k > 0 (the plan says so), none with
+    k = 0 and colocated; an explicit mode is kept."""
+    modes = {
+        overrides: compose_run_config(*overrides).ppo.rollout_correction.mode
+        for overrides in (
+            ("rollout.mode=disaggregated",),
+            ("rollout.mode=disaggregated", "rollout.max_staleness=2"),
+            ("rollout.mode=disaggregated", "rollout.max_staleness=0"),
+            (),
+            ("rollout.mode=disaggregated", "ppo.rollout_correction.mode=mis"),
+            ("ppo.rollout_correction.mode=tis",),
+        )
+    }
+    assert list(modes.values()) == ["tis", "tis", "none", "none", "mis", "tis"]
+    table = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000).table()
+    assert "ppo.rollout_correction=tis weights the tokens by old / behaviour" in table
+
+
+def test_the_plan_states_the_schedule_and_the_devices():
+    plan = compute_plan(
+        compose_run_config("rollout.mode=disaggregated", "ppo.rollout_correction.mode=tis", "rollout.workers.count=2"),
+        2000,
+    )
+    assert (plan.workers.max_staleness, plan.max_staleness, plan.workers.count) == (1, 1, 2)
+    assert [plan.generating_version(s) for s in range(4)] == [0, 0, 1, 2]
+    table = plan.table()
+    assert "step 0 <- v0, step 1 <- v0, step 2 <- v1, step 3 <- v2, ..., step 29 <- v28" in table
+    assert "rollout workers" in table and "trainer: 1 device(s)" in table
+    assert "old log-probs are recomputed with the weights each step starts from" in table
+    colocated = compute_plan(compose_run_config(), 2000)
+    assert colocated.max_staleness == 0 and "step 0 <- v0" not in colocated.table()
+    synchronous = compute_plan(compose_run_config("rollout.mode=disaggregated", "rollout.max_staleness=0"), 2000)
+    assert [synchronous.generating_version(s) for s in range(3)] == [0, 1, 2]
+
+
+def test_the_plan_states_how_the_workers_start_and_where_external_ones_connect(monkeypatch):
+    spawned = compute_plan(compose_run_config("rollout.mode=disaggregated"), 2000)
+    assert (spawned.workers.launch, spawned.workers.address) == ("spawn", "")
+    assert "the trainer starts them on its own node" in spawned.table()
+    external = compute_plan(
+        compose_run_config(
+            "rollout.mode=disaggregated",
+            "rollout.workers.launch=external",
+            "rollout.workers.port=29700",
+            "rollout.workers.trainer_host=node0",
+            "rollout.workers.count=3",
+        ),
+        2000,
+    )
+    assert (external.workers.launch, external.workers.address) == ("external", "node0:29700")
+    table = external.table()
+    assert "the launcher starts them on any node; they connect to node0:29700" in table
+    assert "python -m lit_ppo.rollout.workers --connect node0:29700" in table
+    assert "processes, on the devices their launcher gives them" in table
+    # the host: rollout.workers.trainer_host, else LIT_PPO_ROLLOUT_HOST, else this node's name
+    monkeypatch.setenv("LIT_PPO_ROLLOUT_HOST", "10.0.0.7")
+    overrides = ("rollout.mode=disaggregated", "rollout.workers.launch=external")
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == "10.0.0.7:29600"
+    monkeypatch.delenv("LIT_PPO_ROLLOUT_HOST")
+    assert compute_plan(compose_run_config(*overrides), 2000).workers.address == f"{socket.gethostname()}:29600"
+    assert compute_plan(compose_run_config(), 2000).workers is None  # colocated: no workers
+
+
+def test_a_lora_run_with_rollout_workers_is_planned_with_the_adapter_pushed_to_each_worker():
+    """model.lora with rollout.mode=disaggregated composes and plans (it was refused before): the workers' engines
+    start with the base and LoRA enabled (max_lora_rank fitted to the rank), and only the adapter is pushed."""
+    plan = compute_plan(
+        compose_run_config("rollout.mode=disaggregated", "model.lora.rank=16", "model.lora.alpha=32"), 2000
+    )
+    assert plan.workers and plan.max_staleness == 1
+    assert (plan.lora.rank, plan.lora.vllm_max_lora_rank) == (16, 16)
+    assert plan.models.reference_enabled and [plan.generating_version(s) for s in range(3)] == [0, 0, 1]
+    table = plan.table()
+    assert (
+        "vLLM in each rollout worker: the base loaded once, only the adapter pushed over gloo after each rollout "
+        "step (a new adapter version; max_lora_rank 16)" in table
+    )
+    assert "the actor with its adapter disabled (no copy of the weights)" in table
+
+
+def test_a_sample_of_another_adapter_than_its_planned_version_stops_the_run_in_one_line():
+    """With k = 1, rollout step 2 (0-based) is generated by policy version 1, whose adapter is version 2: a sample of
+    adapter version 3 (the newest, not the planned one) or 1 (a lost push) stops the run naming the step."""
+    from types import SimpleNamespace
+
+    from lit_ppo.errors import WeightSyncError
+    from lit_ppo.training.module import check_adapter_versions
+
+    plan = compute_plan(compose_run_config("rollout.mode=disaggregated", "model.lora.rank=8"), 2000)
+    check_adapter_versions(SimpleNamespace(rollout_step=0, adapter_versions=[1, 1]), plan)
+    check_adapter_versions(SimpleNamespace(rollout_step=1, adapter_versions=[1, 1]), plan)  # v0: its adapter is 1
+    check_adapter_versions(SimpleNamespace(rollout_step=2, adapter_versions=[2, 2]), plan)
+    for versions, stale in (([2, 3], 3), ([1, 2], 1)):
+        with pytest.raises(WeightSyncError) as info:
+            check_adapter_versions(SimpleNamespace(rollout_step=2, adapter_versions=versions), plan)
+        message = str(info.value)
+        assert message.startswith(
+            f"rollout step 3: vLLM sampled with LoRA adapter version(s) [{stale}], but the trainer's adapter of "
+            "policy version 1 is version 2"
+        ), message
+        assert "logs/rollout_worker<N>.log" in message and "\n" not in message
+
+
+def test_a_sample_of_another_version_than_planned_stops_the_run_in_one_line():
+    plan = compute_plan(
+        compose_run_config("rollout.mode=disaggregated", "rollout.max_staleness=2", "ppo.rollout_correction.mode=tis"),
+        2000,
+    )
+    check_policy_versions(plan, 1, [0] * 4)  # steps 0..k are generated by the initial policy
+    check_policy_versions(plan, 4, [2] * 4)
+    with pytest.raises(StalenessError, match=r"^rollout step 5: 1 of 4 samples .*version\(s\) \[3\] \(lag \[1\]\)"):
+        check_policy_versions(plan, 4, [2, 2, 3, 2])  # newer than planned: "whatever was newest"
+    with pytest.raises(StalenessError, match="plan says version 2"):
+        check_policy_versions(plan, 4, [1] * 4)  # staler than the bound
+
+
+# ---------------------------------------------------------------- real rollout workers
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_model_dir, long_prompt_files, tmp_path_factory):  # noqa: F811
+    """3 rollout steps with max_staleness=1 on one rollout worker (its own process and vLLM engine)."""
+    out = tmp_path_factory.mktemp("one_step_off")
+    return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **TIS), out)
+
+
+def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off):
+    module, batches, _, plan, out = one_step_off
+    assert [b.rollout_step for b in batches] == [0, 1, 2]
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]  # max(0, s - 1)
+    assert all(len(b.policy_versions) == 32 for b in batches)
+    lags = [row["rollout/policy_version_lag"] for row in module.history]
+    assert lags == [0.0, 1.0, 1.0]
+    assert (out / "logs" / "rollout_worker0.log").exists()
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
+
+
+def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
+    """After the trainer's stop command a rollout worker (full weights or LoRA) joins its threads (weight receiver,
+    parent watch) and its gloo group before it ends: code 0, not `terminate called without an active exception` and
+    SIGABRT (-6) from a thread left in C++ while the interpreter tears down."""
+    for _, _, recorder, _, out in (one_step_off, one_step_off_lora):
+        log = (out / "logs" / "rollout_worker0.log").read_text()
+        assert recorder.worker_exit_codes == [0], log[-3000:]
+        assert "terminate called" not in log
+
+
+def test_the_workers_log_probs_are_the_trainers_of_that_version(one_step_off, tiny_model_dir):
+    """The weights a worker generated with are the trainer's of the version it recorded: vLLM's log-probs of the
+    sampled tokens equal the trainer's under those weights (float32), as in synchronous runs."""
+    from lit_ppo.training.batching import packed_micro_batches
+
+    module, batches, recorder, _, _ = one_step_off
+    actor = copy.deepcopy(module.actor).eval()
+    for batch in batches:
+        version = batch.policy_versions[0]
+        actor.load_state_dict(recorder.versions[version])
+        (idx, mb), *_ = packed_micro_batches(batch, [list(range(len(batch.response_ids)))], 0, torch.device("cpu"))
+        with torch.no_grad():
+            logp = logprobs_and_entropy(response_logits(actor, mb), mb.response_ids, temperature=0.8)[0]
+        vllm = torch.zeros_like(logp)
+        for row, i in enumerate(idx):
+            vllm[row, : len(batch.rollout_logprobs[i])] = torch.tensor(batch.rollout_logprobs[i])
+        diff = ((logp - vllm).abs() * mb.response_mask).sum() / mb.response_mask.sum()
+        assert diff < 1e-4, (batch.rollout_step, version, float(diff))
+    # ... and against the version each step starts from, the samples of steps 1 and 2 are off-policy: the correction
+    # sees them (old log-probs recomputed; rollout/logprob_abs_diff measures old vs behaviour).
+    rows = module.history
+    assert rows[0]["rollout/logprob_abs_diff"] < 1e-4 and rows[2]["rollout/logprob_abs_diff"] > 1e-3
+
+
+@pytest.mark.slow
+def test_max_staleness_zero_reproduces_the_colocated_samples(tiny_model_dir, long_prompt_files, tmp_path, engine):  # noqa: F811
+    _, colocated, *_ = run(
+        tiny_model_dir,
+        long_prompt_files,
+        tmp_path / "colocated",
+        RolloutConfig(max_response_tokens=6, temperature=0.8, eval_samples_per_prompt=2),
+        engine=engine,
+    )
+    module, workers, *_ = run(tiny_model_dir, long_prompt_files, tmp_path / "k0", disaggregated(0))
+    assert [b.policy_versions[0] for b in workers] == [0, 1, 2]
+    for ours, theirs in zip(workers, colocated, strict=True):
+        assert ours.response_ids == theirs.response_ids and ours.prompt_ids == theirs.prompt_ids
+    assert all(row["rollout/logprob_abs_diff"] < 1e-4 for row in module.history)
+
+
+class KillWorker(L.Callback):
+    """SIGKILL (or SIGSTOP: stuck) the rollout worker during rollout step 1's updates."""
+
+    def __init__(self, sig):
+        self.sig, self.pid = sig, None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.pid is None:
+            self.pid = trainer.datamodule.engine.procs[0].pid
+            os.kill(self.pid, self.sig)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_run_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    kill = KillWorker(signal.SIGKILL)
+    with pytest.raises(RolloutWorkerError) as info:
+        run(
+            tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, batch_timeout_s=60.0), callbacks=[kill], **TIS
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"rollout worker 0 (pid {kill.pid}) exited with code -9" in message
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+
+
+@pytest.mark.slow
+def test_a_stuck_push_ends_within_its_timeout(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    stop = KillWorker(signal.SIGSTOP)
+    with pytest.raises(RolloutWorkerError, match=r"^trainer: the weight push of version 2 .*weight_push_timeout_s=3 s"):
+        run(
+            tiny_model_dir,
+            long_prompt_files,
+            tmp_path,
+            disaggregated(1, weight_push_timeout_s=3.0),
+            callbacks=[stop],
+            **TIS,
+        )
+    with pytest.raises(ProcessLookupError):  # the stuck worker was ended with the run
+        os.kill(stop.pid, 0)
+
+
+@pytest.mark.slow
+def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """A push whose bytes arrive wrong (here: in reverse order from the second push on) is caught where it is applied: the
+    worker compares its engine's log-probs of a probe sequence with the trainer's of that version and stops."""
+    import lit_ppo.rollout.workers.client as channel
+
+    pack, pushes = channel.weight_buckets, []
+
+    def corrupted(named_tensors, bucket_bytes):
+        pushes.append(1)
+        for entries, flat in pack(named_tensors, bucket_bytes):
+            yield entries, (flat if len(pushes) == 1 else flat.flip(0))
+
+    monkeypatch.setattr(channel, "weight_buckets", corrupted)
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **TIS)
+    message = str(info.value)
+    assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
+    assert "after applying policy version 1 its log-probs of a probe sequence differ from the trainer's" in message
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+
+
+# ---------------------------------------------------------------- workers started by a launcher (worker_launch=external)
+
+
+def launch_worker(log: Path, port: int, worker: int | None, **env: str) -> subprocess.Popen:
+    """A rollout worker as a launcher starts it, on "its node": its own command line, given the trainer's address
+    and its number (--worker, or the launcher's environment: RANK)."""
+    command = [sys.executable, "-m", "lit_ppo.rollout.workers", "--connect", f"127.0.0.1:{port}"]
+    command += [] if worker is None else ["--worker", str(worker)]
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env}
+        )
+
+
+def ended(*procs: subprocess.Popen, timeout_s: float) -> list[int | None]:
+    """The processes' exit codes once they end by themselves within `timeout_s` (None: killed by the test after it)."""
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            codes.append(None)
+    return codes
+
+
+def external(port: int, **kwargs) -> RolloutConfig:
+    return disaggregated(1, launch="external", port=port, trainer_host="127.0.0.1", **kwargs)
+
+
+def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
+    one_step_off,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """rollout.workers.launch=external: the trainer hosts the store on rollout.workers.port and waits; a worker started
+    as torchrun would start it (its number from RANK, the launcher's rendezvous variables in its environment)
+    connects, and the run's samples and rewards are exactly the spawned run's (`one_step_off`: same seed and
+    schedule). Its log is where its launcher put it; the trainer's close stops it."""
+    port = free_port()
+    rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = launch_worker(tmp_path / "worker.log", port, None, **rendezvous)
+    try:
+        module, batches, _, plan = run(tiny_model_dir, long_prompt_files, tmp_path / "run", external(port), **TIS)
+    finally:
+        codes = ended(worker, timeout_s=60)
+    assert codes == [0], (tmp_path / "worker.log").read_text()[-3000:]
+    assert "terminate called" not in (tmp_path / "worker.log").read_text()
+    assert plan.workers.address == f"127.0.0.1:{port}"
+    _, spawned, *_ = one_step_off
+    assert [b.rollout_step for b in batches] == [0, 1, 2]
+    for ours, theirs in zip(batches, spawned, strict=True):
+        assert ours.prompt_ids == theirs.prompt_ids and ours.response_ids == theirs.response_ids
+        assert ours.policy_versions == theirs.policy_versions and ours.rollout_logprobs == theirs.rollout_logprobs
+        assert torch.equal(ours.rewards, theirs.rewards)
+    log = (tmp_path / "worker.log").read_text()
+    assert f"rollout worker 0 of 1: connected to the trainer at 127.0.0.1:{port}" in log
+    assert all(f"policy version {v} applied" in log for v in range(1, 4))
+    assert not (tmp_path / "run" / "logs" / "rollout_worker0.log").exists()
+
+
+def test_an_external_worker_that_never_connects_fails_the_start_naming_it(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    """rollout.workers.count=2, only worker 0 started: the trainer stops after rollout.workers.start_timeout_s naming worker
+    1, the address and how to start it; worker 0 then ends by itself (the trainer's store is gone)."""
+    port = free_port()
+    worker0 = launch_worker(tmp_path / "worker0.log", port, 0)
+    try:
+        with pytest.raises(RolloutWorkerError) as info:
+            run(
+                tiny_model_dir,
+                long_prompt_files,
+                tmp_path / "run",
+                external(port, count=2, start_timeout_s=20.0),
+                **TIS,
+            )
+        failed_at = time.monotonic()
+    finally:
+        codes = ended(worker0, timeout_s=30)
+    message = str(info.value)
+    assert message.startswith(
+        f"trainer: rollout worker(s) 1 of 2 never connected to the trainer at 127.0.0.1:{port} within "
+        "rollout.workers.start_timeout_s=20 s (rollout.workers.launch=external: the launcher starts them); fix: run "
+        f"`python -m lit_ppo.rollout.workers --connect 127.0.0.1:{port} --worker <N>` for each"
+    ), message
+    assert "\n" not in message
+    assert codes[0] is not None, "worker 0 outlived its trainer"
+    assert time.monotonic() - failed_at < 30
+    assert "rollout worker 0 of 2: connected" in (tmp_path / "worker0.log").read_text()
+
+
+def test_an_external_worker_given_a_wrong_number_or_address_stops_in_one_line(tmp_path):
+    """Before any engine starts (a store standing in for the trainer's): a number outside 0..workers-1, a number
+    already taken, no number at all, an address nobody listens on: each worker stops with one line saying the fix."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    from lit_ppo.rollout.workers.messages import WorkerSpec
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    store.set("spec", pickle.dumps(WorkerSpec(engine={}, push_timeout_s=30.0, max_logprob_abs_diff=None, workers=2)))
+    store.add("claim/1", 1)  # worker 1 connected already
+    no_launcher = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID")}
+
+    def worker(*args: str) -> tuple[int, str]:
+        """Its exit code and the last line it printed (argparse's errors: of stderr)."""
+        command = [sys.executable, "-m", "lit_ppo.rollout.workers", *args]
+        done = subprocess.run(command, cwd=ROOT, env=no_launcher, capture_output=True, text=True, timeout=120)
+        return done.returncode, (done.stdout.strip() or done.stderr.strip()).splitlines()[-1]
+
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "2") == (
+        2,
+        f"rollout worker 2: the trainer at 127.0.0.1:{store.port} expects rollout.workers.count=2 (numbers 0..1); "
+        "fix: start that many workers, numbered from 0",
+    )
+    assert worker("--connect", f"127.0.0.1:{store.port}", "--worker", "0", "--workers", "3")[1].startswith(
+        "rollout worker 0 of --workers 3: the trainer at"
+    )
+    code, _ = worker("--connect", f"127.0.0.1:{store.port}", "--worker", "1")
+    assert code == 1 and store.get("error/1").decode() == (
+        "RuntimeError: rollout worker 1: another worker connected as number 1 already; fix: give each worker its own "
+        "--worker (or SLURM_PROCID / RANK)"
+    )
+    code, line = worker("--connect", f"127.0.0.1:{store.port}")
+    assert code == 2 and line.endswith(
+        "error: no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)"
+    )
+    port = free_port()
+    code, line = worker("--connect", f"127.0.0.1:{port}", "--worker", "0", "--connect-timeout-s", "1")
+    assert code == 2 and line.startswith(f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}")
+    assert line.endswith("or raise --connect-timeout-s"), line
+
+
+def test_the_old_worker_command_still_works_for_one_release_and_says_so():
+    """`python -m lit_ppo.rollout.disaggregated` (before the workers became a package) runs a worker as
+    `python -m lit_ppo.rollout.workers` does, after one line naming the new command."""
+    port = free_port()
+    command = [sys.executable, "-m", "lit_ppo.rollout.disaggregated", "--connect", f"127.0.0.1:{port}", "--worker", "0"]
+    done = subprocess.run(command + ["--connect-timeout-s", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == (
+        "python -m lit_ppo.rollout.disaggregated is now python -m lit_ppo.rollout.workers; the old name goes in the "
+        "next release"
+    )
+    assert done.returncode == 2 and lines[-1].startswith(
+        f"rollout worker 0: could not connect to the trainer at 127.0.0.1:{port}"
+    )
+
+
+class KillProcess(L.Callback):
+    """SIGKILL a process during rollout step 1's updates."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.killed_at = proc, None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.killed_at is None:
+            self.proc.kill()
+            self.killed_at = time.monotonic()
+
+
+def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbeat_timeout(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
+    rollout.workers.heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
+    its log is there."""
+    port = free_port()
+    worker = launch_worker(tmp_path / "worker.log", port, 0)
+    kill = KillProcess(worker)
+    try:
+        with pytest.raises(RolloutWorkerError) as info:
+            run(
+                tiny_model_dir,
+                long_prompt_files,
+                tmp_path / "run",
+                external(port, heartbeat_timeout_s=5.0),
+                callbacks=[kill],
+                **TIS,
+            )
+        seconds = time.monotonic() - kill.killed_at
+    finally:
+        ended(worker, timeout_s=10)
+    message = str(info.value)
+    node = socket.gethostname()
+    assert message.startswith(
+        f"trainer: rollout worker 0 (pid {worker.pid} on {node}) sent no heartbeat for "
+        "rollout.workers.heartbeat_timeout_s=5 s while the trainer waited for "
+    ), message
+    assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
+    assert "\n" not in message
+    assert seconds < 5 + 20, seconds
+
+
+# ---------------------------------------------------------------- LoRA: only the adapter goes to the workers
+
+LORA = {"lora": LoraConfig(rank=8, alpha=16.0), "actor_lr": 5e-3}  # a rate at which the adapter moves in 2 steps
+
+
+@pytest.fixture(scope="module")
+def one_step_off_lora(tiny_model_dir, long_prompt_files, tmp_path_factory):  # noqa: F811
+    """`one_step_off` with model.lora: 3 rollout steps, max_staleness=1, one rollout worker whose engine holds the
+    base and receives the adapter alone after each rollout step."""
+    out = tmp_path_factory.mktemp("one_step_off_lora")
+    # 16 samples per rollout step, 2 optimizer steps each: vLLM's LoRA path is slower on CPU
+    small = {"rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 4}
+    return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **LORA, **TIS, **small), out)
+
+
+def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_planned_version(one_step_off_lora):
+    from lit_ppo.training.models import adapter_tensors
+
+    module, batches, _, plan, out = one_step_off_lora
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]  # max(0, s - 1)
+    assert [sorted(set(b.adapter_versions)) for b in batches] == [[1], [1], [2]]  # policy version v: adapter v + 1
+    assert all(len(b.adapter_versions) == 16 for b in batches)
+    adapter = adapter_tensors(module.actor)
+    assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    full_bytes = sum(t.numel() * t.element_size() for t in module.actor.get_base_model().state_dict().values())
+    assert [row["perf/weight_sync_bytes"] for row in module.history] == [adapter_bytes] * 3
+    assert adapter_bytes < full_bytes / 4
+    log = (out / "logs" / "rollout_worker0.log").read_text()
+    assert all(f"policy version {v} applied" in log for v in range(4))  # 0 at the start, then one per rollout step
+    assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
+
+
+def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_version(one_step_off_lora):
+    """vLLM's log-probs of the sampled tokens equal the trainer's under the adapter of the version each sample records
+    (float32), and for the step generated by a trained adapter (version 1) they are not the base's: the workers
+    sampled with the pushed adapter, not without one."""
+    from lit_ppo.training.batching import packed_micro_batches
+    from lit_ppo.training.models import adapter_disabled
+
+    module, batches, recorder, _, _ = one_step_off_lora
+    actor = copy.deepcopy(module.actor).eval()
+
+    def mean_diff(batch, disabled=False) -> float:
+        (idx, mb), *_ = packed_micro_batches(batch, [list(range(len(batch.response_ids)))], 0, torch.device("cpu"))
+        with torch.no_grad():
+            if disabled:
+                with adapter_disabled(actor):
+                    logits = response_logits(actor, mb)
+            else:
+                logits = response_logits(actor, mb)
+        logp = logprobs_and_entropy(logits, mb.response_ids, temperature=0.8)[0]
+        vllm = torch.zeros_like(logp)
+        for row, i in enumerate(idx):
+            vllm[row, : len(batch.rollout_logprobs[i])] = torch.tensor(batch.rollout_logprobs[i])
+        return float(((logp - vllm).abs() * mb.response_mask).sum() / mb.response_mask.sum())
+
+    for batch in batches:
+        actor.load_state_dict(recorder.versions[batch.policy_versions[0]])
+        assert mean_diff(batch) < 1e-4, (batch.rollout_step, mean_diff(batch))
+    assert mean_diff(batches[2], disabled=True) > 1e-3  # the base alone is another policy
+    rows = module.history
+    assert rows[0]["rollout/logprob_abs_diff"] < 1e-4 and rows[2]["rollout/logprob_abs_diff"] > 1e-3
+
+
+SKIP_ADAPTER_LOADS = """
+import sys
+
+if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its vLLM loads the first adapter only
+    import lit_ppo.rollout.engine as engine
+
+    real, loads = engine._load_adapter_from_tensors, []
+
+    def first_load_only(worker, version, tensors, peft_config):
+        loads.append(version)
+        if len(loads) == 1:
+            return real(worker, version, tensors, peft_config)
+        print(f"test: the load of adapter version {version} skipped", flush=True)
+
+    engine._load_adapter_from_tensors = first_load_only
+"""
+
+
+def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """The worker's vLLM skips every adapter load after the first (patched in the worker's own process, by a
+    sitecustomize on its PYTHONPATH): after the push of policy version 1 its engine serves no adapter where it must
+    serve version 2, and the worker stops; the trainer reports it in one line naming the worker and its log."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(SKIP_ADAPTER_LOADS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **LORA, **TIS)
+    message = str(info.value)
+    assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
+    assert "WeightSyncError: LoRA sync: vLLM serves adapter versions [] after loading version 2" in message
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+    log = (tmp_path / "logs" / "rollout_worker0.log").read_text()
+    assert "test: the load of adapter version 2 skipped" in log and "policy version 1 applied" not in log
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path, lora):
+    """`python train.py rollout.mode=disaggregated` (k = 1) killed with SIGKILL after a checkpoint, then resumed:
+    the same final weights as an uninterrupted run (the checkpoint keeps the step generated ahead by a version the
+    resumed run no longer has), and the killed trainer's rollout worker ends by itself. With model.lora the workers
+    start from the base again and the resumed run pushes them its adapter: the same final adapter."""
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
+    from tests.helpers import ROOT, read_csv
+    from tests.helpers.resume import assert_same_weights
+
+    common = [
+        "trainer.total_rollout_steps=5",
+        "trainer.checkpoint_every=1",
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"cache_dir={tmp_path / 'cache'}",
+        "ppo.ppo_epochs=2",
+        "strategy.precision=32-true",
+        "rollout.mode=disaggregated",
+        "rollout.max_staleness=1",
+        "ppo.rollout_correction.mode=tis",
+        # rewards that differ within groups from the start: the adapter trains (tests/training/test_lora.py's LORA_TRAIN)
+        *(
+            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.rollout.test_async.digit_share"]
+            if lora
+            else []
+        ),
+    ]
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+
+    def command(out, *extra: str) -> list[str]:
+        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
+
+    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    crashed = tmp_path / "crashed"
+    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 400
+    while not checkpoint_path(crashed / "checkpoints", 2).exists():
+        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    workers = children_of(process.pid)
+    assert workers, "no rollout worker found"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{w}") and "zombie" not in open(f"/proc/{w}/status").read() for w in workers):
+        assert time.time() < deadline, f"rollout worker(s) {workers} outlived their trainer"
+        time.sleep(0.1)
+    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
+    assert killed_at.name != "rollout_step_000005.ckpt", "killed too late to test anything"
+
+    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = load_file(tmp_path / "full" / "actor" / weights)
+    assert_same_weights(final, load_file(crashed / "actor" / weights))
+    if lora:  # the adapter trained (B starts at zero), and only it was pushed
+        assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in final.items())
+        pushed = {
+            float(r["perf/weight_sync_bytes"])
+            for r in read_csv(crashed / "metrics.csv")
+            if r.get("perf/weight_sync_bytes")
+        }
+        assert pushed == {float(sum(v.numel() * v.element_size() for v in final.values()))}, pushed
+    rows = (crashed / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 5  # header + the evaluation before any update + one row per rollout step
+
+
+def steps_to_gain(run, gain: float) -> int | None:
+    """The first evaluated rollout step whose held-out reward is `gain` above the start, or None."""
+    from tests.helpers import read_csv
+
+    rows = [r for r in read_csv(run / "metrics.csv") if r.get("eval/reward")]
+    start = float(rows[0]["eval/reward"])
+    return next((int(float(r["rollout_step"])) for r in rows if float(r["eval/reward"]) - start >= gain), None)
+
+
+@pytest.mark.slow
+def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp_path):
+    """`rollout.mode=disaggregated rollout.max_staleness=1` reaches a held-out gain of 0.4 in at most 1.25 x the
+    rollout steps the synchronous run needs (evaluated every 5 rollout steps; 38 = 1.25 x 30 steps at most)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    def train(out, *overrides):
+        command = [sys.executable, "train.py", "trainer.eval_every=5", f"output_dir={out}"]
+        command += [f"hydra.run.dir={out / 'hydra'}", *overrides]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return out
+
+    sync = steps_to_gain(train(tmp_path / "sync"), 0.4)
+    async_run = train(
+        tmp_path / "k1",
+        "trainer.total_rollout_steps=38",
+        "rollout.mode=disaggregated",
+        "rollout.max_staleness=1",
+        "ppo.rollout_correction.mode=tis",
+    )
+    one_step_off = steps_to_gain(async_run, 0.4)
+    assert sync is not None and one_step_off is not None and one_step_off <= 1.25 * sync, (sync, one_step_off)
+
+
+WORKER_THREADS_AT_EXIT = """
+import sys, threading, time, datetime
+import torch.distributed as dist
+from lit_ppo.rollout.workers.transport import WeightReceiver
+from lit_ppo.rollout.workers.worker_main import send_heartbeats, stop_threads
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+stopping = threading.Event()
+# a worker's threads as it runs them (the receiver polling the store for a push, the heartbeat counting up), and one
+# that is always inside a store call, as a receiver is at some moment on a slow or loaded machine
+def always_in_the_store():
+    while not stopping.is_set():
+        client.check(["push/0/0"])
+
+threads = [WeightReceiver(client, None, stopping)]
+threads.append(threading.Thread(target=send_heartbeats, args=(client, 0, stopping), daemon=True))
+threads.append(threading.Thread(target=always_in_the_store, daemon=True))
+for thread in threads:
+    thread.start()
+time.sleep(0.3)
+if sys.argv[1] == "stop":
+    stop_threads(stopping, threads)
+"""
+
+
+def test_a_worker_that_stops_its_threads_exits_0_where_leaving_them_running_aborts(tmp_path):
+    """The mechanism behind `terminate called without an active exception` at a worker's end, without an engine: a
+    daemon thread inside a store call while the interpreter finalizes is unwound through C++ frames that must not
+    unwind (SIGABRT, -6). With `stop_threads`, as worker_main ends, every run exits 0; left running, as before the fix,
+    the same threads abort the process (the old worker lost this race at random: every time on a slow machine)."""
+    script = tmp_path / "threads_at_exit.py"
+    script.write_text(WORKER_THREADS_AT_EXIT)
+
+    def code(how: str) -> tuple[int, str]:
+        done = subprocess.run([sys.executable, str(script), how], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return done.returncode, done.stderr
+
+    stopped = [code("stop") for _ in range(5)]
+    assert all(rc == 0 for rc, _ in stopped), stopped
+    left = [code("leave") for _ in range(3)]
+    assert all(rc == -signal.SIGABRT and "terminate called" in err for rc, err in left), left
+
+
+class SignalWhileScoringStep:
+    """A reward that signals its own process (SIGTERM) while scoring rollout step index `at` (16 prompts x 4
+    samples), then hangs: only a preemption that interrupts the reward gets the run out of it."""
+
+    def __init__(self, at: int):
+        self.at, self.rollout_batches = at, 0
+
+    def __call__(self, prompts, responses, references, extras):
+        from lit_ppo.rewards import integer_match
+
+        if len(responses) == 16 * 4:
+            if self.rollout_batches == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(120)
+            self.rollout_batches += 1
+        return integer_match(prompts, responses, references, extras)
+
+
+@pytest.mark.slow
+def test_sigterm_at_k2_drops_the_step_without_waiting_ahead_and_resumes_bitwise(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """Issue 36 item 4 end to end: at k = 2 the step-start snapshot waits for nothing; SIGTERM while scoring the third
+    rollout step drops it and saves the checkpoint after two, which keeps that step's samples (taken from the workers,
+    not trained) and collects the fourth's (in flight); the resumed run ends with the uninterrupted run's weights."""
+    from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
+    from lit_ppo.preemption import Preempted, Preemption
+    from lit_ppo.rewards import integer_match
+
+    def go(out, reward_fn, resume_from=None):
+        checkpoints = RolloutCheckpoint(out / "checkpoints", every=0, keep=2)
+        trainer, module, datamodule, _ = build_run(
+            tiny_model_dir,
+            None,
+            arithmetic_files,
+            out,
+            total_rollout_steps=4,
+            rollout=disaggregated(2),
+            callbacks=[checkpoints, Preemption(checkpoints)],
+            reward_fn=reward_fn,
+            rollout_batch_size=16,
+            train_batch_size=16,
+            micro_train_batch_size=8,
+            **TIS,
+        )
+        torch.manual_seed(0)
+        try:
+            ckpt = str(resume_from) if resume_from else None
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+        finally:
+            datamodule.engine.close()
+        return module
+
+    full = go(tmp_path / "full", integer_match)
+    out = tmp_path / "preempted"
+    with pytest.raises(Preempted) as stopped:
+        go(out, SignalWhileScoringStep(at=2))
+    assert stopped.value.code == 143
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["rollout_step_000002.ckpt"]
+    saved = torch.load(checkpoint_path(out / "checkpoints", 2), weights_only=False)
+    kept = next(v for k, v in saved.items() if isinstance(v, dict) and "prefetched" in v)["prefetched"]
+    assert sorted(kept) == [2, 3]  # the dropped step (generated by version 0) and the one after, received on saving
+    resumed = go(out, integer_match, resume_from=checkpoint_path(out / "checkpoints", 2))
+    assert resumed.rollout_step == full.rollout_step == 4
+    for name, tensor in full.actor.state_dict().items():
+        assert torch.equal(tensor, resumed.actor.state_dict()[name]), name

@@ -1,0 +1,510 @@
+"""One run per directory: a fresh run refuses a directory holding checkpoints, a resumed run refuses another config
+(but for the run length) or another algorithm, rotation keeps the running run's newest checkpoint, and
+`output_dir=` leaves no Hydra directory in the working directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from lit_ppo.atomic import directory_problem
+from lit_ppo.checkpoints import (
+    RolloutCheckpoint,
+    check_run_directory,
+    checkpoint_path,
+    config_differences,
+    finished_note,
+    fresh_start_note,
+    list_checkpoints,
+    prune,
+    save_atomic,
+)
+from lit_ppo.errors import ConfigError, DirectoryError
+from lit_ppo.run.entry import preflight
+from tests.helpers import ROOT, build_run, compose_run_config
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_another_lr(tmp_path):
+    """The issue's scenario: a run with checkpoints, then another run with another learning rate in the same
+    directory (which used to delete its own checkpoint and leave resume=auto to continue the first run)."""
+    out = tmp_path / "run"
+    common = [
+        "trainer.checkpoint_every=1",  # with keep_checkpoints=2: rollout steps 2 and 3 stay
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={out}",
+    ]
+
+    def train(*overrides: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "train.py", *common, *overrides]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    first = train("trainer.total_rollout_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = list_checkpoints(out / "checkpoints")
+    assert [p.name for p in before] == ["rollout_step_000002.ckpt", "rollout_step_000003.ckpt"]
+    config = (out / "config.yaml").read_text()
+
+    second = train("trainer.total_rollout_steps=2", "ppo.actor_lr=1e-3")
+    assert second.returncode == 2
+    line = error_line(second)
+    assert f"output_dir={out}" in line and "resume=auto" in line and "another output_dir" in line, line
+    assert list_checkpoints(out / "checkpoints") == before and (out / "config.yaml").read_text() == config
+
+    resumed = train("trainer.total_rollout_steps=5", "ppo.actor_lr=1e-3", "resume=auto")
+    assert resumed.returncode == 2
+    line = error_line(resumed)
+    assert "ppo.actor_lr: 0.0002 -> 0.001" in line and "another output_dir" in line, line
+    assert list_checkpoints(out / "checkpoints") == before
+
+
+def test_only_the_run_length_and_what_is_recorded_may_change_on_resume(tmp_path):
+    def settings(*overrides: str) -> dict:
+        return compose_run_config(*overrides).to_dict()
+
+    saved = settings("trainer.total_rollout_steps=6")
+    assert config_differences(saved, settings("trainer.total_rollout_steps=9", "trainer.checkpoint_every=1")) == []
+    assert config_differences(saved, settings("trainer.total_rollout_steps=null", "trainer.data_epochs=2")) == []
+    assert config_differences(saved, settings("seed=1")) == ["seed: 0 -> 1"]
+    changed = config_differences(saved, settings("ppo=grpo"))
+    assert any(line.startswith("ppo.advantage_estimator: gae -> grpo") for line in changed), changed
+
+
+def test_the_number_of_ranks_and_the_waits_limits_may_change_on_resume():
+    """A requeued job on another node count (resharding: the checkpoint's states are whole), or with a longer limit
+    on a wait, continues the run; the strategy itself may not change (its checkpoint's layout is its own)."""
+
+    def settings(*overrides: str) -> dict:
+        return compose_run_config(*overrides).to_dict()
+
+    saved = settings("strategy=fsdp", "strategy.devices=8", "strategy.num_nodes=2")
+    assert config_differences(saved, settings("strategy=fsdp", "strategy.devices=4", "strategy.num_nodes=1")) == []
+    assert (
+        config_differences(
+            saved,
+            settings(
+                "strategy=fsdp",
+                "strategy.devices=8",
+                "strategy.num_nodes=2",
+                "trainer.collective_timeout_s=60",
+                "rollout.engine_start_timeout_s=60",
+            ),
+        )
+        == []
+    )
+    assert "strategy.name: fsdp -> ddp" in config_differences(saved, settings("strategy=ddp", "strategy.devices=8"))
+
+
+def write_checkpoints(directory: Path, steps: list[int]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        checkpoint_path(directory, step).write_bytes(b"not read here")
+
+
+def test_an_explicit_resume_older_than_the_directorys_latest_is_refused(tmp_path):
+    config = compose_run_config()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [4, 6])
+    older = checkpoint_path(tmp_path / "checkpoints", 4)
+    with pytest.raises(ConfigError, match="older than rollout_step_000006.ckpt"):
+        check_run_directory(dataclasses.replace(config, resume=str(older)), tmp_path)
+    check_run_directory(dataclasses.replace(config, resume="auto"), tmp_path)  # the latest, same config: fine
+    (tmp_path / "checkpoints" / "rollout_step_000008.ckpt.tmp").write_bytes(b"half written")
+    assert list_checkpoints(tmp_path / "checkpoints")[-1].name == "rollout_step_000006.ckpt"
+
+
+def test_another_strategy_on_resume_is_refused_naming_the_settings_to_resume_with(tmp_path):
+    """A 2-process DDP run resumed on one process with the default strategy=single: the line names the user's keys
+    (the strategy, and the devices this run has) rather than the strategy.lightning.* values its group sets."""
+    saved = compose_run_config("strategy=ddp", "strategy.devices=2")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [1])
+
+    def refusal(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_run_directory(dataclasses.replace(compose_run_config(*overrides), resume="auto"), tmp_path)
+        assert "\n" not in str(info.value) and "strategy.lightning" not in str(info.value)
+        return str(info.value)
+
+    assert refusal() == (
+        "resume=auto: rollout_step_000001.ckpt was written under strategy=ddp, this run is strategy=single; the "
+        "strategy may not change on resume (the number of ranks may); fix: resume with strategy=ddp "
+        "strategy.devices=1, or start a new run in another output_dir"
+    )
+    line = refusal("strategy=fsdp", "strategy.devices=4", "strategy.num_nodes=2", "seed=3")
+    assert (
+        "this run is strategy=fsdp; the strategy may not change on resume (the number of ranks may), nor seed: 0 -> 3"
+        in line
+    )
+    assert (
+        f"fix: resume with strategy=ddp strategy.devices=4 strategy.num_nodes=2 and the values in {tmp_path / 'config.yaml'}"
+        in line
+    )
+    check_run_directory(  # the strategy it was written with, on one rank: fine
+        dataclasses.replace(compose_run_config("strategy=ddp", "strategy.devices=1"), resume="auto"), tmp_path
+    )
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    # Higher-numbered checkpoints of another timeline must not push out the running run's newest one.
+    write_checkpoints(tmp_path, [4, 6, 5])
+    prune(tmp_path, keep=1, newest=checkpoint_path(tmp_path, 5))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step_000005.ckpt"]
+    write_checkpoints(tmp_path, [4, 6, 7])
+    prune(tmp_path, keep=2, newest=checkpoint_path(tmp_path, 7))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["rollout_step_000006.ckpt", "rollout_step_000007.ckpt"]
+
+
+def test_resuming_a_ppo_checkpoint_as_grpo_is_refused_in_one_line(tiny_model_dir, engine, arithmetic_files, tmp_path):
+    checkpoints = RolloutCheckpoint(tmp_path / "ppo" / "checkpoints", every=1, keep=1)
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir, engine, arithmetic_files, tmp_path / "ppo", callbacks=[checkpoints]
+    )
+    trainer.fit(module, datamodule=datamodule)
+    saved = list_checkpoints(tmp_path / "ppo" / "checkpoints")[-1]
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir,
+        engine,
+        arithmetic_files,
+        tmp_path / "grpo",
+        total_rollout_steps=2,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+    )
+    assert module.critic is None
+    with pytest.raises(ConfigError, match=r"holds the models \[.*'critic'.*\] but this run builds \['actor'\]"):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(saved), weights_only=False)
+
+
+def test_output_dir_leaves_no_hydra_directory_in_the_working_directory(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "run"
+    work.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "mode=plan", f"output_dir={out}"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(work.iterdir()) == []  # no outputs/<date>/<time>/.hydra
+    assert (out / "plan.json").is_file() and (out / ".hydra" / "config.yaml").is_file()
+
+
+# ------------------------------------------------------------------ resume that says what it found (issue 40, item 3)
+
+
+def one_line_refusal(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return error_line(result)
+
+
+def test_resume_auto_without_output_dir_is_refused_before_any_model_loads(tmp_path):
+    """It started from scratch in a new outputs/<date>/<time>/ on every start (every requeue), exit 0."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "resume=auto"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_line_refusal(result)
+    assert line.startswith("error: resume=auto without output_dir: this run writes into a new directory named after")
+    assert "fix: give the run a fixed directory" in line and "output_dir=runs/<name> resume=auto" in line
+    assert not list(tmp_path.rglob("checkpoints")) and not list(tmp_path.rglob("plan.json"))
+    # A fixed Hydra run directory can hold a checkpoint: not refused (planned here, nothing loaded).
+    fixed = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "mode=plan", "resume=auto", f"hydra.run.dir={tmp_path / 'fixed'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+
+
+def test_resume_auto_in_a_directory_without_a_checkpoint_says_so(tmp_path):
+    """A misspelt or empty output_dir started fresh without a word."""
+    assert fresh_start_note(None, tmp_path) is None and fresh_start_note("auto", tmp_path) == (
+        f"resume=auto: no checkpoint in {tmp_path / 'checkpoints'}; output_dir={tmp_path} holds no earlier run (is it "
+        "the directory of the run to continue?); starting at rollout step 0"
+    )
+    (tmp_path / "config.yaml").write_text("{}")  # a run that stopped before its first checkpoint
+    assert "holds a run that stopped before its first checkpoint; starting at rollout step 0" in fresh_start_note(
+        "auto", tmp_path
+    )
+    write_checkpoints(tmp_path / "checkpoints", [2])
+    assert fresh_start_note("auto", tmp_path) is None
+
+
+def test_a_finished_run_resumed_exits_0_in_one_line_without_loading_anything(tmp_path):
+    """resume=auto on a run already at its length started the engine, loaded the checkpoint, evaluated again and
+    exited 0 without a word. Here the checkpoint is not even a checkpoint: nothing may read it."""
+    out = tmp_path / "run"
+    overrides = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
+    out.mkdir()
+    config, _, _ = preflight(compose_run_config(*overrides))  # as the run wrote it: ppo.packing resolved
+    (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(out / "checkpoints", [1, 2])
+    (out / "summary.json").write_text(json.dumps({"rollout_steps": 2}))
+    result = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"output_dir={out}", "resume=auto"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("resume=")]
+    assert lines == [
+        "resume=auto: rollout_step_000002.ckpt is at the end of the run (rollout step 2 of 2), and its run finished "
+        "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
+        "trainer.data_epochs)"
+    ], result.stdout[-3000:]
+    assert not (out / "plan.json").exists() and json.loads((out / "summary.json").read_text()) == {"rollout_steps": 2}
+
+
+@pytest.mark.slow
+def test_resume_auto_says_it_starts_fresh_and_a_finished_run_exits_without_training(tmp_path):
+    """An output_dir with no checkpoint started fresh without a word; a run already at its length was resumed (its
+    engine started, its weights loaded), re-evaluated, and exited 0 without saying so."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "train.py",
+        "trainer.total_rollout_steps=1",
+        "trainer.eval_every=0",
+        "model.warm_start.steps=20",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={out}",
+        "resume=auto",
+    ]
+    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    notes = [line for line in first.stdout.splitlines() if line.startswith("resume=auto")]
+    assert notes == [
+        f"resume=auto: no checkpoint in {out / 'checkpoints'}; output_dir={out} holds no earlier run (is it the "
+        "directory of the run to continue?); starting at rollout step 0"
+    ], first.stdout[-3000:]
+    assert "critic: the policy's weights with a new value head, starting at zero" in first.stdout
+    files = {name: (out / name).read_bytes() for name in ("summary.json", "metrics.csv", "plan.json")}
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    notes = [line for line in again.stdout.splitlines() if line.startswith("resume=")]
+    assert notes == [
+        "resume=auto: rollout_step_000001.ckpt is at the end of the run (rollout step 1 of 1), and its run finished "
+        "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
+        "trainer.data_epochs)"
+    ], again.stdout[-3000:]
+    assert "eval samples" not in again.stdout and "run finished:" not in again.stdout  # no evaluation, no new files
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert "vLLM" not in (out / "logs" / "run.log").read_text().split(notes[0])[-1]  # no engine after the line
+
+    # Longer now: it resumes, and its critic is the checkpoint's (every resume said "a new value head, starting at
+    # zero").
+    longer = subprocess.run(
+        [*command, "trainer.total_rollout_steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoints' / 'rollout_step_000001.ckpt'}" in longer.stdout
+    assert "value head" not in longer.stdout and "resume=auto" not in longer.stdout
+
+
+def test_a_checkpoint_past_the_run_length_is_finished_only_where_its_run_wrote_its_final_files(tmp_path):
+    checkpoint = checkpoint_path(tmp_path / "checkpoints", 8)
+    assert finished_note("auto", checkpoint, 6, tmp_path) is None  # killed after it, before summary.json: resumed
+    (tmp_path / "summary.json").write_text(json.dumps({"rollout_steps": 6}))
+    assert finished_note("auto", checkpoint, 6, tmp_path) is None  # summary.json of an earlier, shorter length
+    (tmp_path / "summary.json").write_text(json.dumps({"rollout_steps": 8}))
+    assert finished_note("auto", checkpoint, 9, tmp_path) is None  # longer now: there is more to train
+    assert finished_note("auto", checkpoint, 6, tmp_path) == (
+        "resume=auto: rollout_step_000008.ckpt is at rollout step 8, past the run's length of 6 rollout steps, and "
+        "its run finished there (summary.json); nothing to train, exiting; to train longer, raise "
+        "trainer.total_rollout_steps (or trainer.data_epochs)"
+    )
+
+
+def test_checkpoint_paths_are_one_hydra_override_as_written_and_old_names_still_load(tmp_path):
+    """`resume=<run>/checkpoints/rollout_step=000004.ckpt` broke Hydra's parser (the `=` in the file name)."""
+    directory = tmp_path / "run" / "checkpoints"
+    path = checkpoint_path(directory, 4)
+    assert path.name == "rollout_step_000004.ckpt"
+    assert compose_run_config(f"resume={path}").resume == str(path)
+    # Checkpoints named by earlier versions are found beside the new ones, in step order, and rotated with them.
+    directory.mkdir(parents=True)
+    for name in ("rollout_step=000003.ckpt", "rollout_step_000004.ckpt", "rollout_step=000005.ckpt.tmp"):
+        (directory / name).write_bytes(b"not read here")
+    assert [p.name for p in list_checkpoints(directory)] == ["rollout_step=000003.ckpt", "rollout_step_000004.ckpt"]
+    assert compose_run_config(f"resume='{directory / 'rollout_step=000003.ckpt'}'").resume.endswith("=000003.ckpt")
+    prune(directory, keep=1, newest=path)
+    assert [p.name for p in list_checkpoints(directory)] == ["rollout_step_000004.ckpt"]
+
+
+# ------------------------------------------------------------------ directories that cannot be written (item 7)
+
+UNWRITABLE = Path("/sys/kernel")  # sysfs refuses new files to everyone, root included (chmod does not stop root)
+
+
+def unwritable_here() -> bool:
+    return not UNWRITABLE.is_dir() or directory_problem(UNWRITABLE) is None
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "unwritable"])
+def test_an_output_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, where):
+    """A raw traceback from Hydra's own mkdir, before train.py's main ran."""
+    if where == "unwritable" and unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    output_dir, reason = {
+        "a file": (a_file, f"{a_file} is a file, not a directory"),
+        "under a file": (a_file / "run", f"{a_file} is a file, not a directory"),
+        "unwritable": (UNWRITABLE / "lit_ppo_run", f"{UNWRITABLE} (where lit_ppo_run would be made) is not writable ("),
+    }[where]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "mode=plan", f"output_dir={output_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = one_line_refusal(result)
+    assert line.startswith(f"error: output_dir={output_dir}: {reason}") and "fix: set output_dir to a" in line, line
+
+
+def test_an_unwritable_checkpoints_directory_is_refused_before_any_model_loads(tmp_path):
+    """It failed after the first checkpointed rollout step with a FileNotFoundError (Lightning's atomic save swallows
+    the PermissionError)."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(UNWRITABLE)  # checkpoints kept on a store this user cannot write
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"output_dir={out}"], cwd=tmp_path, capture_output=True, text=True
+    )
+    line = one_line_refusal(result)
+    assert line == (
+        f"error: the checkpoints of output_dir={out}: {out / 'checkpoints'} (a link to {UNWRITABLE}) is not writable "
+        f"(Permission denied); fix: make it writable, or give the run another output_dir"
+    )
+    assert not (out / "plan.json").exists()
+
+
+@pytest.mark.parametrize("save", ["lightning", "swallowed"])
+def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
+    """Lightning's atomic save turns a PermissionError into "upgrade fsspec" across file systems and into nothing on
+    one file system (then our rename failed with FileNotFoundError)."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    from lightning.fabric.utilities.cloud_io import _atomic_save
+
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        save_checkpoint=(lambda path: _atomic_save({"weights": 1}, path)) if save == "lightning" else lambda path: None,
+        strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
+    )
+    with pytest.raises(DirectoryError) as info:
+        save_atomic(trainer, checkpoint_path(UNWRITABLE, 3))
+    assert str(info.value).startswith(
+        f"the checkpoint rollout_step_000003.ckpt could not be written: {UNWRITABLE} is not writable (Permission "
+        f"denied); fix: make {UNWRITABLE} writable"
+    )
+
+
+SAVE_ON_TWO_RANKS = """
+import datetime, os, sys
+from pathlib import Path
+import lightning as L
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.strategies import DDPStrategy
+from lit_ppo.checkpoints import checkpoint_path, save_atomic
+
+class SaveAfterTheFirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        save_atomic(trainer, checkpoint_path(Path(sys.argv[1]), 1))
+
+trainer = L.Trainer(
+    accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False, callbacks=[SaveAfterTheFirstStep()],
+    strategy=DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=20)),
+)
+try:
+    trainer.fit(BoringModel())
+    outcome = "finished"
+except BaseException as error:
+    outcome = f"{type(error).__name__}: {error}"
+Path(sys.argv[2]).write_text(outcome)
+os._exit(0)  # at once: a rank left in a collective is the failure this shows, not something to wait for
+"""
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_in_one_line(tmp_path):
+    """Under DDP only rank 0 writes the checkpoint: its DirectoryError reaches every rank (a broadcast of the outcome),
+    so the run stops everywhere with the same line, where the other ranks used to wait for rank 0 in their next
+    collective until the process group's timeout (then a gloo error: 20 s here, 30 min by default). Two CPU ranks of
+    a real Lightning DDP trainer, started as torchrun would."""
+    if unwritable_here():
+        pytest.skip(f"{UNWRITABLE} is writable here")
+    from tests.helpers import free_port
+
+    script = tmp_path / "save_on_two_ranks.py"
+    script.write_text(SAVE_ON_TWO_RANKS)
+    port, ranks = str(free_port()), []
+    for rank in range(2):
+        environment = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        )
+        command = [sys.executable, str(script), str(UNWRITABLE), str(tmp_path / f"rank{rank}.txt")]
+        ranks.append(subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = [rank.communicate(timeout=300)[0].decode(errors="replace") for rank in ranks]
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    expected = (
+        f"DirectoryError: the checkpoint rollout_step_000001.ckpt could not be written: {UNWRITABLE} is not writable "
+        f"(Permission denied); fix: make {UNWRITABLE} writable (or free space there), then resume=auto"
+    )
+    assert outcomes == [expected, expected], logs
+
+
+def test_a_checkpoint_under_a_name_of_ones_own_resumes(tmp_path):
+    """`resume=<dir>/start.ckpt` (a copy under another name, as a user or a requeue script makes): its rollout step is
+    not in its name, and nothing that reads the name may fail on it."""
+    from lit_ppo.checkpoints import finished_note, step_of
+
+    copy = tmp_path / "start.ckpt"
+    copy.write_bytes(b"")
+    assert step_of(copy) is None and step_of(tmp_path / "rollout_step_000004.ckpt") == 4
+    assert step_of(tmp_path / "rollout_step=000004.ckpt") == 4  # an earlier version's name
+    assert finished_note(str(copy), copy, 2, tmp_path) is None
+    config = compose_run_config("trainer.total_rollout_steps=2")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [1])
+    check_run_directory(dataclasses.replace(config, resume=str(copy)), tmp_path)

@@ -1,0 +1,482 @@
+"""The pre-flight checks (lit_ppo/run/preflight.py): every input a user can get wrong is refused before the plan and
+before any model loads, in one line naming the key or file:line and the fix (exit 2 from train.py).
+
+Through `lit_ppo.run.entry.main` in this process (`no_training` makes sure nothing would train), and through `train.py`
+where the exit code and the single line are the point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lit_ppo.errors import ConfigError, UserError
+from lit_ppo.run import entry as run_module
+from tests.helpers import ROOT, compose_config, compose_run_config
+
+REPO = ROOT
+
+
+@pytest.fixture
+def import_path(monkeypatch):
+    """sys.path restored after the test (the pre-flight puts the working directory on it)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def refused(tmp_path, *overrides, error=UserError) -> str:
+    cfg = compose_config(f"output_dir={tmp_path / 'out'}", *overrides)
+    with pytest.raises(error) as info:
+        run_module.main(cfg)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert not (tmp_path / "out" / "plan.json").exists()  # refused before the plan
+    return message
+
+
+def train_py(cwd: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={cwd / 'hydra'}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# ------------------------------------------------------------------ lengths against max_model_len and the model
+
+
+def test_response_longer_than_the_model_is_refused_not_cut(tmp_path):
+    """The issue's run: max_response_tokens=200 on a 128-position model exited 0 with responses cut at 76."""
+    line = one_error_line(train_py(tmp_path, "rollout.max_response_tokens=200", f"output_dir={tmp_path / 'out'}"))
+    assert "rollout.max_response_tokens=200" in line and "rollout.max_model_len=128" in line and "fix:" in line
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_max_model_len_above_the_models_positions(tmp_path, tiny_model_dir, no_training):
+    message = refused(tmp_path, "mode=train", f"model.path={tiny_model_dir}", "rollout.max_model_len=256")
+    assert "rollout.max_model_len=256 exceeds the model's 128 positions" in message
+    assert f"{tiny_model_dir}/config.json" in message and "fix: set rollout.max_model_len=128 or less" in message
+    assert no_training == []
+    # The tiny model's positions come from its config block, in mode=plan too.
+    message = refused(tmp_path, "mode=plan", "model.tiny.max_position_embeddings=64", "rollout.max_model_len=128")
+    assert "exceeds the model's 64 positions (max_position_embeddings in model.tiny)" in message
+
+
+def test_prompts_longer_than_max_model_len_found_in_the_data(tmp_path, tiny_model_dir, no_training):
+    """data=file's defaults (max_prompt_length 512) with max_model_len 128: found by vLLM minutes in before."""
+    records = [{"prompt": "1+1=", "answer": "2"}] * 40 + [{"prompt": "1+" * 70 + "1=", "answer": "71"}]
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    overrides = ["data=file", f"data.path={path}", f"model.path={tiny_model_dir}", "model.warm_start.enabled=false"]
+    for mode in ("plan", "train"):
+        message = refused(tmp_path, f"mode={mode}", *overrides)
+        assert (
+            f"{path}:41: a prompt of 142 tokens + rollout.max_response_tokens=8 = 150 > rollout.max_model_len=128"
+            in (message)
+        )
+        assert "fix: set rollout.max_model_len=150 or more (at most 128, the model's positions)" in message
+        assert "data.max_prompt_length=120" in message
+    assert no_training == []
+    # Within the limit the same data plans.
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}",
+            "mode=plan",
+            *overrides,
+            "data.max_prompt_length=64",
+            "data.bad_records=skip",
+        )
+    )
+    assert (tmp_path / "ok" / "plan.json").exists()
+
+
+# ------------------------------------------------------------------ the model's files
+
+
+def test_missing_model_directory_and_offline_hub_name(tmp_path, monkeypatch, no_training):
+    message = refused(tmp_path, "mode=train", f"model.path={tmp_path / 'no-such-model'}")
+    assert f"model.path={tmp_path / 'no-such-model'} does not exist on this machine; fix:" in message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    message = refused(tmp_path, "mode=train", "model.path=lit-ppo-tests/no-such-model")
+    assert "model.path=lit-ppo-tests/no-such-model is a hub name, not in the Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE=1" in message
+    assert no_training == []
+
+
+def model_without_pad_token(tiny_model_dir, tmp_path) -> Path:
+    """The tiny model with the same tokenizer but no pad token, as many base models' tokenizers are."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    return model
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_the_plan_says_so(tmp_path, tiny_model_dir, capsys):
+    from transformers import AutoTokenizer
+
+    model = model_without_pad_token(tiny_model_dir, tmp_path)
+    assert AutoTokenizer.from_pretrained(model).pad_token is None
+    run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'out'}", f"model.path={model}"))
+    assert f"tokenizer: {model} has no pad token; padding with its eos token '<|endoftext|>'" in capsys.readouterr().out
+
+
+def test_a_run_with_a_tokenizer_without_a_pad_token_trains(tmp_path, tiny_model_dir, engine):
+    """It crashed after vLLM started (the micro-batches are padded with the pad token's id)."""
+    model = model_without_pad_token(tiny_model_dir, tmp_path)
+    cfg = compose_run_config(
+        f"model.path={model}",
+        "trainer.total_rollout_steps=1",
+        "trainer.eval_every=0",
+        "data.n_train=64",
+        "data.n_eval=8",
+        f"output_dir={tmp_path / 'run'}",
+        f"cache_dir={tmp_path / 'cache'}",
+    )
+    summary = run_module.run(cfg, tmp_path / "run", engine=engine)
+    assert summary["rollout_steps"] == 1 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
+
+
+# ------------------------------------------------------------------ data files
+
+
+def test_a_non_utf8_data_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+2=", "answer": "3"}\n')
+    line = one_error_line(
+        train_py(tmp_path, "mode=plan", "data=file", f"data.path={path}", f"output_dir={tmp_path / 'out'}")
+    )
+    assert f"{path}:2: not UTF-8 (byte 0xe9 at column 16; data.path)" in line and "fix: re-encode" in line
+
+
+def test_a_data_file_with_a_utf8_byte_order_mark_is_planned_and_read(tmp_path, no_training):
+    """A BOM (Windows tools write one) was refused as malformed JSON, "fix: one JSON object per line"."""
+    path = tmp_path / "train.jsonl"
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
+    for mode in ("plan", "train"):
+        run_module.main(
+            compose_config(f"mode={mode}", "data=file", f"data.path={path}", f"output_dir={tmp_path / mode}")
+        )
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text())["counts"]["dataset_prompts"] == 40
+    assert len(no_training) == 1
+
+
+def test_a_prompt_key_that_names_no_field_is_answered_with_the_key_to_set(tmp_path):
+    """It was answered "fix: repair the record or set data.bad_records=skip", which would skip every record."""
+    path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"}] * 40)
+    message = refused(tmp_path, "mode=plan", "data=file", f"data.path={path}", error=ConfigError)
+    assert f"{path}:1: data.prompt_key='prompt' is not a field of the records" in message
+    assert "['answer', 'question']" in message and "fix: set data.prompt_key to the field" in message
+    assert "bad_records" not in message
+
+
+# ------------------------------------------------------------------ reward functions and environments
+
+REWARDS = """
+def texts_and_gold(texts, gold):
+    return [0.0 for _ in texts]
+
+
+def two_lists(prompts, responses):
+    return [0.0 for _ in responses]
+
+
+def needs_a_threshold(prompts, completions, answer, *, threshold):
+    return [0.0 for _ in completions]
+
+
+def score(prompts, responses, references, extras):
+    return [float(r.strip() == ref) for r, ref in zip(responses, references)]
+"""
+
+
+@pytest.mark.parametrize(
+    "function, expected",
+    [
+        ("texts_and_gold", "reward.signature=auto cannot tell how to call my_rewards.texts_and_gold(texts, gold)"),
+        ("two_lists", "my_rewards.two_lists(prompts, responses) cannot be called as the lit_ppo convention calls it"),
+        ("needs_a_threshold", "missing a required argument: 'threshold'"),
+    ],
+)
+def test_a_reward_function_in_neither_convention_is_refused_without_calling_it(
+    tmp_path, monkeypatch, import_path, no_training, function, expected
+):
+    """Bound against the convention it will be called with, before the run: it used to fail at the first
+    rollout, with a message suggesting reward.on_error=zero (which would score every sample 0)."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)  # my_rewards.py is in the working directory
+    message = refused(tmp_path, "mode=train", "reward=custom_example", f"reward.fn._target_=my_rewards.{function}")
+    assert expected in message and "fix:" in message and "on_error" not in message
+    assert no_training == []
+
+
+def test_a_misspelt_keyword_of_the_reward_function_is_named_not_taken_for_a_signature_problem(
+    tmp_path, monkeypatch, import_path, no_training
+):
+    """`reward.fn.threshhold=0.5` was reported as the function not fitting the TRL convention ("missing a required
+    argument: 'threshold'; fix: give it those parameters ... or set reward.signature"); with math_reward's
+    format_wieght, mode=plan passed and the run failed at its first rollout."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    custom = ["reward=custom_example", "reward.fn._target_=my_rewards.needs_a_threshold"]
+    message = refused(tmp_path, "mode=train", *custom, "+reward.fn.threshhold=0.5", error=ConfigError)
+    assert message == (
+        "reward.fn.threshhold: my_rewards.needs_a_threshold has no parameter 'threshhold' (its parameters: prompts, "
+        "completions, answer, threshold); fix: correct it to reward.fn.threshold"
+    )
+    message = refused(tmp_path, "mode=plan", "reward=math", "+reward.fn.format_wieght=0.1", error=ConfigError)
+    assert message.startswith("reward.fn.format_wieght: lit_ppo.rewards.math_verifier.math_reward has no parameter")
+    assert message.endswith("fix: correct it to reward.fn.format_weight")
+    run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", *custom, "+reward.fn.threshold=0.5"))
+    assert len(no_training) == 1
+
+
+def test_the_working_directory_is_importable_and_a_missing_module_names_the_path(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    proc = train_py(
+        tmp_path,
+        "mode=plan",
+        "reward=custom_example",
+        "reward.fn._target_=my_rewards.score",
+        f"output_dir={tmp_path / 'a'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "reward=custom_example",
+            "reward.fn._target_=not_here.score",
+            f"output_dir={tmp_path / 'b'}",
+        )
+    )
+    assert "reward.fn._target_=not_here.score: no module 'not_here' on the import path (searched " in line
+    assert str(tmp_path) in line and "PYTHONPATH" in line
+
+
+ENVIRONMENTS = """
+class NoAction:
+    def reset(self, record):
+        return None
+
+    def step(self):
+        return None, 0.0, True, {}
+
+
+class NoReset:
+    def step(self, action):
+        return None, 0.0, True, {}
+
+
+class Tool:
+    def __init__(self, digits=3):
+        self.digits = digits
+
+    def reset(self, record):
+        return None
+
+    def step(self, action):
+        return None, 0.0, True, {}
+"""
+
+
+@pytest.mark.parametrize(
+    "target, extra, expected",
+    [
+        ("my_environments.NoAction", [], "my_environments.NoAction.step cannot be called as step(action)"),
+        ("my_environments.NoReset", [], "my_environments.NoReset has no reset(record) method"),
+        (
+            "my_environments.Tool",
+            ["+rollout.episodes.environment.digit=4"],
+            "my_environments.Tool cannot be built from the arguments ['digit']",
+        ),
+    ],
+)
+def test_an_environment_is_bound_against_the_protocol_without_building_it(
+    tmp_path, monkeypatch, import_path, target, extra, expected
+):
+    (tmp_path / "my_environments.py").write_text(ENVIRONMENTS)
+    monkeypatch.chdir(tmp_path)
+    overrides = ["mode=plan", "+experiment=tool_arithmetic", f"rollout.episodes.environment._target_={target}"]
+    for key in ("call_start", "call_end", "result_format", "error_format", "max_calls"):
+        overrides.append(f"~rollout.episodes.environment.{key}")
+    message = refused(tmp_path, *overrides, *extra, error=ConfigError)
+    assert expected in message and "fix:" in message
+    # The protocol's own signatures pass.
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}",
+            *overrides[:2],
+            "rollout.episodes.environment._target_=my_environments.Tool",
+            *overrides[3:],
+        )
+    )
+    assert (tmp_path / "ok" / "plan.json").exists()
+
+
+def test_an_environment_given_as_a_dotted_path_is_its_class(tmp_path, no_training):
+    """`rollout.episodes.environment=<dotted path>` (a string) gave an AttributeError traceback, then a refusal whose fix was
+    rollout.episodes.environment=null."""
+    calculator = "lit_ppo.environments.CalculatorEnvironment"
+    config = compose_run_config(f"rollout.episodes.environment={calculator}", "rollout.episodes.max_turns=3")
+    assert config.rollout.episodes.environment == {"_target_": calculator}
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "rollout.episodes.environment=lit_ppo.environments.Calculator",
+            "rollout.episodes.max_turns=3",
+        )
+    )
+    assert line.startswith(
+        "error: rollout.episodes.environment._target_=lit_ppo.environments.Calculator: lit_ppo.environments"
+    )
+    run_module.main(
+        compose_config(
+            "mode=train",
+            f"rollout.episodes.environment={calculator}",
+            "rollout.episodes.max_turns=3",
+            f"output_dir={tmp_path}",
+        )
+    )
+    assert len(no_training) == 1
+
+
+def test_an_environment_with_one_turn_is_refused(tmp_path):
+    message = refused(
+        tmp_path, "mode=plan", "+experiment=tool_arithmetic", "rollout.episodes.max_turns=1", error=ConfigError
+    )
+    assert (
+        "rollout.episodes.environment is set but rollout.episodes.max_turns=1" in message
+        and "fix: set rollout.episodes.max_turns" in message
+    )
+
+
+# ------------------------------------------------------------------ values read by their field's type (issue 40)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("ppo.packing=maybe", "error: ppo.packing='maybe' is not true or false (also yes/no, on/off), or null"),
+        ("rollout.temperature=hot", "error: rollout.temperature='hot' is not a number in [0.01, 2]"),
+    ],
+)
+def test_a_value_its_field_does_not_accept_exits_2_with_one_line_in_plan_mode(tmp_path, override, expected):
+    """`ppo.packing=maybe` trained with packing on (exit 0); `rollout.temperature=hot` passed mode=plan."""
+    line = one_error_line(train_py(tmp_path, "mode=plan", override, f"output_dir={tmp_path / 'out'}"))
+    assert line.startswith(expected) and "fix: " in line
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_packing_off_plans_off(tmp_path, capsys):
+    """`ppo.packing=off` planned "packing on": the string "off" tested true."""
+    run_module.main(compose_config("mode=plan", "ppo.packing=off", f"output_dir={tmp_path}"))
+    assert json.loads((tmp_path / "plan.json").read_text())["layout"]["packing"] is False
+    assert any(line.split()[:2] == ["packing", "off"] for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("mode", ["plan", "train"])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.max_response_tokens=8.5", "rollout.max_response_tokens=8.5 is not an integer >= 1"),
+        ("rollout.max_response_tokens=0", "rollout.max_response_tokens=0 is not an integer >= 1"),
+        ("rollout.temperature=0", "rollout.temperature=0 is not a number in [0.01, 2]"),
+        ("reward.on_error=skip", "reward.on_error='skip' is not one of raise, zero; fix: e.g. reward.on_error=raise"),
+        ("reward.overlong_buffer_tokens=8", "reward.overlong_buffer_tokens=8 must lie in (0, 8)"),
+    ],
+)
+def test_refused_in_plan_mode_as_in_a_run_before_any_engine_starts(tmp_path, no_training, mode, override, expected):
+    """8.5 tokens ran and was recorded; temperature 0 and 0 tokens gave vLLM's tracebacks after the engine started;
+    on_error=skip and an overlong buffer over the budget passed mode=plan and were refused by the run's scorer."""
+    message = refused(tmp_path, f"mode={mode}", override, error=ConfigError)
+    assert message.startswith(expected) and "fix: " in message
+    assert no_training == []
+
+
+# ------------------------------------------------------------------ LoRA targets against the model's modules
+
+TINY_LINEAR = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+
+
+def test_a_lora_target_that_names_no_module_is_refused_with_the_modules_that_exist(tmp_path):
+    """`[q_proj,v_prj]` trained q_proj alone (adapter_config.json still listing v_prj) and mode=plan passed it."""
+    line = one_error_line(
+        train_py(
+            tmp_path,
+            "mode=plan",
+            "model.lora.rank=8",
+            "model.lora.target_modules=[q_proj,v_prj]",
+            f"output_dir={tmp_path / 'out'}",
+        )
+    )
+    assert line.startswith(
+        "error: model.lora.target_modules=[q_proj,v_prj]: v_prj matches no linear module of the tiny model "
+        f"(model.tiny), whose linear modules are {TINY_LINEAR}; fix: correct v_prj (did you mean v_proj?)"
+    )
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_a_run_matches_the_lora_targets_on_its_model_before_it_loads(tmp_path, tiny_model_dir, no_training):
+    """`[q_prj]` gave peft's NoMatchingPeftModuleError after the model load."""
+    lora = ["model.lora.rank=8", f"model.path={tiny_model_dir}", "model.warm_start.enabled=false"]
+    for mode in ("plan", "train"):
+        message = refused(tmp_path, f"mode={mode}", *lora, "model.lora.target_modules=[q_prj]", error=ConfigError)
+        assert message.startswith(
+            f"model.lora.target_modules=[q_prj]: q_prj matches no linear module of model.path={tiny_model_dir} "
+            f"({tiny_model_dir}/config.json), whose linear modules are {TINY_LINEAR}"
+        )
+    # a string is a regular expression to peft: refused, whatever the model
+    message = refused(tmp_path, "mode=plan", *lora, "model.lora.target_modules=q_proj", error=ConfigError)
+    assert message.startswith("model.lora.target_modules='q_proj' is a string, which peft reads as a regular")
+    assert "fix: a list, model.lora.target_modules=[q_proj], or all-linear" in message
+    assert no_training == []
+    # whole names and all-linear are matched
+    run_module.main(
+        compose_config(
+            f"output_dir={tmp_path / 'ok'}", "mode=train", *lora, "model.lora.target_modules=[self_attn.q_proj,v_proj]"
+        )
+    )
+    run_module.main(compose_config(f"output_dir={tmp_path / 'ok'}", "mode=train", *lora))
+    assert len(no_training) == 2
+
+
+# ------------------------------------------------------------------ ranks
+
+
+def test_several_devices_under_strategy_single_are_refused_before_any_model_loads(tmp_path):
+    """`strategy.devices=2` on the default strategy=single would start both ranks' engines and fail in the first
+    backward with DDP's unused-parameters traceback; it is refused in one line with the fix, exit 2, in a training
+    run too (before the warm start or any model: the run's directory gets no plan.json)."""
+    line = one_error_line(train_py(tmp_path, "mode=plan", "strategy.devices=2", f"output_dir={tmp_path / 'plan'}"))
+    assert line == (
+        "error: strategy=single runs one process, but strategy.devices=2 asks for 2 ranks; fix: strategy=ddp "
+        "strategy.devices=2 (or strategy=fsdp), or strategy.devices=1"
+    )
+    line = one_error_line(train_py(tmp_path, "strategy.num_nodes=2", f"output_dir={tmp_path / 'run'}"))
+    assert "strategy.devices=1 strategy.num_nodes=2 asks for 2 ranks; fix: strategy=ddp" in line
+    assert not (tmp_path / "run" / "plan.json").exists()
+    for ok in (["strategy=ddp", "strategy.devices=2"], ["strategy.devices=1"]):
+        compose_run_config(*ok)  # the settings themselves are fine; only the pair is refused
+        assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ok)) is None

@@ -1,0 +1,91 @@
+"""`python train.py -m ...`: every job in its own directory, one engine after another, and the sweep summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from lit_ppo.errors import ConfigError
+from lit_ppo.run.sweep import SweepSummary, path_list, write_sweep_summary
+from tests.helpers import FIXTURE_MODEL, ROOT, read_csv
+
+
+def test_multirun_of_two_jobs_writes_two_runs_and_the_sweep_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    # Small and fast: each job still builds its model, starts its own vLLM engine and trains one rollout step.
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "seed=0,1",
+        "trainer.total_rollout_steps=1",
+        "model.warm_start.enabled=false",
+        "data.n_train=16",
+        "data.n_eval=4",
+        "trainer.eval_every=0",
+        "ppo.rollout_batch_size=8",
+        "ppo.train_batch_size=32",
+        "ppo.micro_train_batch_size=32",
+        "rollout.eval_samples_per_prompt=1",
+        *FIXTURE_MODEL,
+        f"hydra.sweep.dir={sweep}",
+        f"cache_dir={tmp_path / 'cache'}",
+    ]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    for job, seed in (("0", 0), ("1", 1)):
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        assert summary["rollout_steps"] == 1 and summary["optimizer_steps_actor"] == 1
+        assert (sweep / job / "metrics.csv").exists()
+        assert f"seed={seed}" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+
+    rows = read_csv(sweep / "sweep_summary.csv")
+    assert [(r["job"], r["seed"], r["status"], r["rollout_steps"]) for r in rows] == [
+        ("0", "0", "done", "1"),
+        ("1", "1", "done", "1"),
+    ]
+    for column in ("eval_reward_initial", "eval_reward_final", "reward_final", "optimizer_steps_actor", "wall_seconds"):
+        assert all(r[column] != "" for r in rows), column
+    markdown = (sweep / "sweep_summary.md").read_text()
+    assert "`seed=0`" in markdown and "`seed=1`" in markdown and markdown.count("| done |") == 2
+
+
+def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tmp_path):
+    for job, overrides, summary in (
+        ("10", ["ppo=grpo", "seed=1"], {"rollout_steps": 3, "eval_reward_final": 0.25}),
+        ("2", ["ppo=ppo", "seed=0"], {"rollout_steps": 3, "eval_reward_final": 0.5}),
+        ("3", ["+extra=1"], None),
+    ):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+        if summary:
+            (tmp_path / job / "summary.json").write_text(json.dumps(summary))
+    write_sweep_summary(tmp_path)
+    rows = read_csv(tmp_path / "sweep_summary.csv")
+    assert [(r["job"], r["ppo"], r["seed"], r["extra"], r["status"], r["eval_reward_final"]) for r in rows] == [
+        ("2", "ppo", "0", "", "done", "0.5"),
+        ("3", "", "", "1", "no summary.json", ""),
+        ("10", "grpo", "1", "", "done", "0.25"),
+    ]
+    assert "| 2 | `ppo=ppo` `seed=0` | done |  | 0.500 |" in (tmp_path / "sweep_summary.md").read_text()
+
+
+def test_a_sweep_with_one_output_dir_for_every_job_stops_before_it_starts():
+    callback = SweepSummary()
+    with pytest.raises(ConfigError, match="leave output_dir unset"):
+        callback.on_multirun_start(OmegaConf.create({"output_dir": "/tmp/shared"}))
+    callback.on_multirun_start(OmegaConf.create({"output_dir": None}))
+    callback.on_multirun_start(OmegaConf.create({"output_dir": "runs/${seed}", "seed": 0}))  # may differ per job
+
+
+def test_the_analysis_notebooks_run_dirs_from_papermill_are_a_list_of_paths():
+    """`papermill -p run_dirs '[a, b]'` passes a string, which the notebook iterated over character by character."""
+    assert path_list("[runs/a, multirun/2026-01-01/10-00-00]") == ["runs/a", "multirun/2026-01-01/10-00-00"]
+    assert path_list('["runs/a", "runs/b"]') == ["runs/a", "runs/b"]
+    assert path_list("runs/a") == ["runs/a"] and path_list(["runs/a", "runs/b"]) == ["runs/a", "runs/b"]
