@@ -41,6 +41,7 @@ from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.packing import one_row, packing_unsupported
 from lit_ppo.plan import (
     StepPlan,
+    check_layout_tokens,
     check_micro_batches,
     check_policy_versions,
     check_sample_use,
@@ -85,6 +86,7 @@ from lit_ppo.training.models import (
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
+from lit_ppo.training.shared_prefix import prefix_tokens_saved, shared_prefix_unsupported
 
 
 class PPOModule(L.LightningModule):
@@ -122,6 +124,8 @@ class PPOModule(L.LightningModule):
         attention = self.actor.config._attn_implementation
         if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
+        if plan.shared_prefix and (reason := shared_prefix_unsupported(self.actor.config, attention)):
+            raise ConfigError(f"ppo.shared_prefix: {reason}; fix: set ppo.shared_prefix=false (flat packed rows)")
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
@@ -190,7 +194,9 @@ class PPOModule(L.LightningModule):
         return rank_micro_batch_groups(batch, indices, self.ppo, self.plan, self.device)
 
     def _micro_batches(self, batch: RolloutBatch, groups: list[list[int]]):
-        return packed_micro_batches(batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row)
+        return packed_micro_batches(
+            batch, groups, self.pad_token_id, self.device, self.plan.packing, self.one_row, self.plan.shared_prefix
+        )
 
     @torch.no_grad()
     def check_packed_layout(self, batch: RolloutBatch) -> None:
@@ -316,7 +322,7 @@ class PPOModule(L.LightningModule):
         captured = torch.zeros_like(full_exp.mask) if self.plan.old_logprobs_source != "experience forward" else None
         captured_rows = torch.zeros(N, dtype=full_exp.mask.dtype, device=full_exp.mask.device)
         lengths = [len(p) for p in full.prompt_ids], [len(r) for r in full.response_ids]
-        positions = real_tokens = micro_batches = 0
+        positions = real_tokens = micro_batches = prefix_saved = 0
         for epoch, minibatches in enumerate(self.minibatch_schedule(N)):
             for minibatch in minibatches:
                 indices = rank_share(full, minibatch, self.plan, self.global_rank)
@@ -331,6 +337,10 @@ class PPOModule(L.LightningModule):
                 for position, (idx, mb) in enumerate(self._micro_batches(full, groups)):
                     positions += mb.positions
                     laid_out.append((len(idx), real[position] if mb.packed else mb.positions))
+                    if mb.layout_tokens is not None:  # shared prefix: each group's prompt once, proven here
+                        saved = prefix_tokens_saved([full.prompt_ids[i] for i in idx])
+                        check_layout_tokens(self.plan, self.rollout_step, mb.layout_tokens, real[position], saved)
+                        prefix_saved += saved
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
@@ -360,7 +370,14 @@ class PPOModule(L.LightningModule):
             old_logprobs_from_training(
                 exp, captured[:, :width], captured_rows, batch, self.ppo, self.mismatch_bound(batch)
             )
-        metrics = update_metrics(per_update, positions, real_tokens, device=self.device, global_sum=global_sum)
+        metrics = update_metrics(
+            per_update,
+            positions,
+            real_tokens,
+            device=self.device,
+            global_sum=global_sum,
+            prefix_tokens_saved=prefix_saved,
+        )
         micro_batches = float(global_sum(torch.tensor(float(micro_batches), dtype=torch.float64, device=self.device)))
         metrics["perf/real_tokens_per_micro_batch"] = metrics["perf/trained_tokens"] / max(micro_batches, 1.0)
         metrics["perf/padded_tokens_per_micro_batch"] = metrics["perf/trained_positions"] / max(micro_batches, 1.0)
