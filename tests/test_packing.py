@@ -459,7 +459,9 @@ def test_the_plan_states_expected_tokens_per_micro_batch():
     padded = expected_tokens_plan(False, stats, budget=2000)
     assert padded.expected_real_tokens_per_micro_batch == 1196
     # the plan's lines and plan.json
-    real_line, packed_line = [x for x in packed.table().splitlines() if x.startswith("expected")]
+    real_line, packed_line = [
+        x for x in packed.table().splitlines() if x.startswith(("expected real", "expected laid-out"))
+    ]
     assert real_line.split()[:4] == ["expected", "real", "tokens", "1794"]
     assert (
         "/ micro-batch / rank, responses at the limit (256 tokens) and prompts at the data's mean (192.5 tokens; 8 "
@@ -770,9 +772,11 @@ def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_b
     assert plan.expected_real_tokens_per_micro_batch == 1794  # test_the_plan_states_expected_tokens_per_micro_batch
     assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.expected_real_tokens_per_micro_batch)
     laid_out = row["perf/padded_tokens_per_micro_batch"]
-    if packing:
+    if packing:  # less the prompt tokens shared within a micro-batch (ppo.shared_prefix: at most the plan's saving)
+        saved = plan.expected_prefix_tokens_saved_per_micro_batch
+        assert plan.shared_prefix and 0 < row["perf/prefix_tokens_saved"] / row["perf/trained_tokens"] * 1794 <= saved
         assert (
-            plan.expected_packed_tokens_per_micro_batch
+            plan.expected_packed_tokens_per_micro_batch - saved
             <= laid_out
             <= 1.25 * plan.expected_packed_tokens_per_micro_batch
         )

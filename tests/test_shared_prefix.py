@@ -269,3 +269,18 @@ def test_models_the_layout_cannot_serve_exactly_are_named(tiny_model_dir):
     assert shared_prefix_unsupported(config, "sdpa") is None and shared_prefix_unsupported(config, "eager") is None
     assert "takes no ready 4-D mask" in shared_prefix_unsupported(config, "flash_attention_2")
     assert "sliding-window layers" in shared_prefix_unsupported(Gemma2Config(), "sdpa")
+
+
+def test_the_pre_flight_turns_null_off_for_a_model_it_would_not_serve_exactly_and_refuses_true(capsys):
+    from transformers import Gemma2Config, Qwen2Config
+
+    from lit_ppo.run.preflight import resolve_shared_prefix
+
+    assert resolve_shared_prefix(None, Qwen2Config(), None) is None  # on where the plan resolves it
+    assert resolve_shared_prefix(None, Gemma2Config(), None) is False
+    assert "shared prefix: off, the gemma2 model has sliding-window layers" in capsys.readouterr().out
+    with pytest.raises(
+        ConfigError, match="ppo.shared_prefix=true: the gemma2 model .* fix: set ppo.shared_prefix=false"
+    ):
+        resolve_shared_prefix(True, Gemma2Config(), "eager")
+    assert resolve_shared_prefix(True, None, None) is True  # config.json not here (mode=plan): left as set

@@ -20,7 +20,9 @@ logged metrics are those of the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -125,7 +127,13 @@ class PPOModule(L.LightningModule):
         if plan.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
         if plan.shared_prefix and (reason := shared_prefix_unsupported(self.actor.config, attention)):
-            raise ConfigError(f"ppo.shared_prefix: {reason}; fix: set ppo.shared_prefix=false (flat packed rows)")
+            if ppo.shared_prefix:
+                raise ConfigError(
+                    f"ppo.shared_prefix=true: {reason}; fix: set ppo.shared_prefix=false (flat packed rows)"
+                )
+            # null, where the pre-flight did not know the model (a module built in code): flat packed rows
+            logging.getLogger("lit_ppo").info("shared prefix: off, %s (ppo.shared_prefix=null)", reason)
+            self.plan = plan = dataclasses.replace(plan, shared_prefix=False)
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled

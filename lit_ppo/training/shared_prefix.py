@@ -120,15 +120,17 @@ def pack_shared_prefix(
     expected_ids: list[list[int]] | None = None,
 ) -> MicroBatch:
     """The samples in the shared-prefix layout: per prompt group its prompt, then each of its responses; the groups
-    laid end to end in rows of at most the longest group (first-fit decreasing, as few rows as that finds, spread by
-    tokens where that narrows the widest: every row's attention is a square of the row's length under the mask). A
+    laid end to end in rows of at most the longest group or twice the longest sample, as the flat layout's rows
+    (first-fit decreasing, as few rows as that finds, spread by tokens where that narrows the widest: every row's
+    attention is a square of the row's length under the mask). A
     row's unused end is a segment of its own that attends to itself. The outputs keep `pack`'s per-sample [B, T]
     layout; `layout_tokens` counts the real tokens laid out (each prompt once)."""
     B = len(prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     groups = prompt_groups(prompt_ids)
     lengths = [len(prompt_ids[g[0]]) + sum(len(response_ids[b]) for b in g) for g in groups]
-    rows = first_fit(lengths, max(lengths))
+    longest_sample = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+    rows = first_fit(lengths, max(max(lengths), 2 * longest_sample))
     balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
     if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
         rows = balanced
