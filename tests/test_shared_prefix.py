@@ -6,6 +6,7 @@ plan's row and refusals; the run-time check of the tokens laid out."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -284,3 +285,23 @@ def test_the_pre_flight_turns_null_off_for_a_model_it_would_not_serve_exactly_an
     ):
         resolve_shared_prefix(True, Gemma2Config(), "eager")
     assert resolve_shared_prefix(True, None, None) is True  # config.json not here (mode=plan): left as set
+
+
+@pytest.mark.slow  # two 2-process runs (gloo, DDP) with a vLLM engine per rank: minutes on 2 cores
+def test_two_ddp_ranks_with_the_shared_prefix_end_with_the_flat_layout_s_weights(tmp_path_factory):
+    """tests/test_ddp.py's settings (2 rollout steps of 2 PPO epochs of 2 mini-batches, PPO with a critic, n = 4),
+    `strategy=ddp strategy.devices=2`: the shared-prefix and the flat packed runs end with the same actor (float32
+    rounding of the same updates), and the shared run logs the prompt tokens it did not compute."""
+    from tests.test_ddp import DDP, assert_same_weights, final_actor, metrics, train_cli
+
+    cache = tmp_path_factory.mktemp("cache")
+    flat = train_cli(tmp_path_factory.mktemp("flat"), cache, *DDP, "ppo.shared_prefix=false")
+    shared = train_cli(tmp_path_factory.mktemp("shared"), cache, *DDP, "ppo.shared_prefix=true")
+    plans = [json.loads((run / "plan.json").read_text()) for run in (shared, flat)]
+    assert plans[0]["shared_prefix"] and not plans[1]["shared_prefix"] and plans[0]["data_parallel_size"] == 2
+    assert assert_same_weights(final_actor(shared), final_actor(flat), rel=1e-5) <= 1e-5
+    rows = [metrics(run) for run in (shared, flat)]
+    assert all(float(r["perf/prefix_tokens_saved"]) > 0 for r in rows[0])
+    assert all(float(r["perf/prefix_tokens_saved"]) == 0 for r in rows[1])
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert float(a["perf/trained_tokens"]) == float(b["perf/trained_tokens"])
