@@ -952,7 +952,9 @@ def test_the_start_up_check_stops_a_run_whose_packed_logits_skip_the_model_s_pos
         "ppo.packing: on this granite model the packed and padded layouts of the first micro-batch"
     )
     assert "nats per token apart on average" in message and "more than 32-true's 0.001" in message
-    assert message.endswith("; fix: set ppo.packing=false (padded micro-batches)")
+    assert message.endswith(  # packed in the shared-prefix layout (ppo.shared_prefix=null: on for this model)
+        "; fix: set ppo.packing=false (padded micro-batches), or ppo.shared_prefix=false (each sample's prompt laid out)"
+    )
 
 
 def test_the_start_up_check_compares_what_the_critic_s_value_head_reads(actor, tiny_model_dir, monkeypatch):
