@@ -239,6 +239,10 @@ class LayoutPlan:
     micro_train_max_tokens: int | None = None  # token-budget micro-batches (tokens / forward-backward / rank)
     packing: bool = False  # ppo.packing resolved: whole samples end to end, no padding between them
     attn_implementation: str | None = None  # model.attn_implementation (None: transformers' default, sdpa)
+    # ppo.shared_prefix resolved: packed, a prompt group's samples in one micro-batch share their prompt's tokens
+    # (training/shared_prefix.py); the tokens it saves per micro-batch and rank with the expected tokens' assumptions
+    shared_prefix: bool = False
+    expected_prefix_tokens_saved_per_micro_batch: float | None = None
     # Packed under data parallelism: after generation the ranks' whole prompt groups are split again by real tokens,
     # as many on every rank (training/batching.py:balanced_rank_batch); else each rank trains what it generated.
     rank_balance: bool = False
@@ -277,6 +281,11 @@ class LayoutPlan:
                 f"whole samples end to end, position ids from 0 at each; attention within a sample ({attention}); LM "
                 "head at response positions only, in the model's own forward; proven against the padded layout on "
                 "the first micro-batch"
+            ) + (
+                "; shared prefix: a prompt group's prompt once, each response attending to it and to itself "
+                "(4-D mask), groups kept together in micro-batches (ppo.shared_prefix)"
+                if self.shared_prefix
+                else ""
             )
         else:
             packing = "rows padded: prompts left, responses right (ppo.packing)"
@@ -290,7 +299,7 @@ class LayoutPlan:
                 if self.packing
                 else "padded positions at most (rows x (widest prompt + longest response); perf/padding_fraction)",
             ),
-            *self.expected_tokens_rows(plan.counts.max_response_tokens),
+            *self.expected_tokens_rows(plan.counts.max_response_tokens, plan.counts.n_samples_per_prompt),
         ]
         if plan.counts.data_parallel_size > 1:
             rows.append(
@@ -307,7 +316,7 @@ class LayoutPlan:
             )
         return rows
 
-    def expected_tokens_rows(self, max_response_tokens: int) -> list[Row]:
+    def expected_tokens_rows(self, max_response_tokens: int, n_samples_per_prompt: int = 1) -> list[Row]:
         """The rows of expected tokens per training micro-batch (`expected_micro_batch_tokens`), or the row saying
         they are unknown without the data's prompts."""
         stats = self.prompt_stats
@@ -341,7 +350,19 @@ class LayoutPlan:
                 f"/ micro-batch / rank padded, at most (prompts padded to the longest, {stats.max_tokens}); packed "
                 f"(ppo.packing) they would be ~{round(packed)}",
             )
-        return [("expected real tokens", round(real), assumed), laid_out]
+        rows = [("expected real tokens", round(real), assumed), laid_out]
+        saved = self.expected_prefix_tokens_saved_per_micro_batch
+        if self.shared_prefix and saved is not None:
+            rows.append(
+                (
+                    "expected prefix tokens saved",
+                    round(saved),
+                    f"/ micro-batch / rank: {min(n_samples_per_prompt, self.micro_train_batch_size)} samples of a "
+                    f"prompt share its tokens, computed once (~{saved / real:.0%} of the real tokens; "
+                    "perf/prefix_tokens_saved)",
+                )
+            )
+        return rows
 
 
 def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[tuple[int, int]]) -> None:
@@ -365,6 +386,18 @@ def check_micro_batches(plan: StepPlan, rollout_step: int, micro_batches: list[t
         raise StepAccountingError(
             f"rollout step {rollout_step + 1}: a micro-batch of {over[0][0]} samples laid out {over[0][1]} tokens, over "
             f"ppo.micro_train_max_tokens={budget}; the micro-batch split is not doing what the configuration says"
+        )
+
+
+def check_layout_tokens(plan: StepPlan, rollout_step: int, laid_out: int, real_tokens: int, shared: int) -> None:
+    """The runtime proof of the shared-prefix layout (`StepPlan.layout.shared_prefix`) on one micro-batch: it laid out the
+    samples' real tokens less the prompt tokens their groups share (`shared`, training/shared_prefix.py:
+    prefix_tokens_saved), no more and no fewer: each prompt exactly once, every response whole."""
+    if laid_out != real_tokens - shared:
+        raise StepAccountingError(
+            f"rollout step {rollout_step + 1}: a shared-prefix micro-batch laid out {laid_out} tokens, but its samples "
+            f"hold {real_tokens} real tokens of which {shared} are prompts shared in their group ({real_tokens - shared} "
+            "to lay out); the layout is not what the plan states; fix: set ppo.shared_prefix=false and report this"
         )
 
 
@@ -855,6 +888,7 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
     hold given the data's prompt lengths."""
     ppo, data_parallel_size = config.ppo, counts.data_parallel_size
     packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
+    shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation)
     expected = (None, None, None)
     if prompt_stats is not None:
         expected = expected_micro_batch_tokens(
@@ -866,6 +900,12 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         micro_train_max_tokens=ppo.micro_train_max_tokens,
         packing=packing,
         attn_implementation=config.model.attn_implementation,
+        shared_prefix=shared_prefix,
+        expected_prefix_tokens_saved_per_micro_batch=(
+            expected[0] * prefix_fraction(ppo, counts.max_response_tokens, prompt_stats)
+            if shared_prefix and prompt_stats is not None
+            else None
+        ),
         rank_balance=packing and data_parallel_size > 1,
         max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len,
         prompt_stats=prompt_stats,
@@ -873,6 +913,33 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         expected_packed_tokens_per_micro_batch=expected[1],
         expected_padded_layout_tokens_per_micro_batch=expected[2],
     )
+
+
+def resolve_shared_prefix(ppo: PPOConfig, packing: bool, attn_implementation: str | None) -> bool:
+    """ppo.shared_prefix resolved: null is on where the layout is exact and saves tokens (packed, several samples per
+    prompt, an attention implementation that takes a ready 4-D mask); true where it is not is refused in one line. (A
+    model with sliding-window layers is refused when it loads: `training/packing.py:shared_prefix_unsupported`.)"""
+    reason = None
+    if not packing:
+        reason = "it lays out packed micro-batches, and ppo.packing is off"
+    elif ppo.n_samples_per_prompt < 2:
+        reason = "ppo.n_samples_per_prompt=1: no two samples share a prompt"
+    elif attn_implementation not in (None, "sdpa", "eager"):
+        reason = f"model.attn_implementation={attn_implementation} takes no ready 4-D mask (sdpa or eager do)"
+    if reason and ppo.shared_prefix:
+        raise ConfigError(f"ppo.shared_prefix=true: {reason}; fix: set ppo.shared_prefix=null or false")
+    return reason is None and ppo.shared_prefix is not False
+
+
+def prefix_fraction(ppo: PPOConfig, response_tokens: int, prompts: PromptStats) -> float:
+    """The share of a micro-batch's real tokens that the shared-prefix layout does not compute, with responses at the
+    limit and prompts at the data's mean: a micro-batch holds whole prompt groups (or runs of one group), k =
+    min(n_samples_per_prompt, micro_train_batch_size) samples each, whose prompt is laid out once: (k - 1) / k of
+    their prompt tokens. With a token budget the groups stay whole (k = n)."""
+    k = ppo.n_samples_per_prompt
+    if ppo.micro_train_max_tokens is None:
+        k = min(k, ppo.micro_train_batch_size)
+    return (k - 1) * prompts.mean_tokens / (k * (prompts.mean_tokens + response_tokens))
 
 
 def lora_plan(config: RunConfig, targets: LoraTargets | None) -> LoraPlan | None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
@@ -148,6 +150,13 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     if training:
         checks.check_attention(config.model.attn_implementation)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
+    shared_prefix = config.ppo.shared_prefix
+    if packing is not False and architecture is not None:  # the layout exact for this model, or off (null)
+        # config.json read as it is (no transformers import in mode=plan): the layout reads model_type and its windows
+        model_config = architecture
+        if not hasattr(architecture, "model_type"):
+            model_config = SimpleNamespace(**json.loads((Path(architecture) / "config.json").read_text()))
+        shared_prefix = checks.resolve_shared_prefix(shared_prefix, model_config, config.model.attn_implementation)
     lora, lora_targets = config.model.lora, None
     if lora.enabled and architecture is None:
         show(
@@ -158,7 +167,8 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
         lora_targets = checks.lora_targets(
             checks.meta_model(architecture, model_name), lora.target_modules, lora.rank, model_name
         )
-    return dataclasses.replace(config, ppo=dataclasses.replace(config.ppo, packing=packing)), prompt_stats, lora_targets
+    ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
+    return dataclasses.replace(config, ppo=ppo), prompt_stats, lora_targets
 
 
 def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list[int], tuple[int, str] | None]:

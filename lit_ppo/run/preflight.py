@@ -365,6 +365,25 @@ def resolve_packing(packing: bool | None, model_type: str | None) -> bool | None
     return reason is None
 
 
+def resolve_shared_prefix(shared_prefix: bool | None, model_config, attn_implementation: str | None) -> bool | None:
+    """ppo.shared_prefix for the model (its transformers config; None: not on this machine, left as set) once packing
+    is on: null becomes off (with a line saying why) where the layout would not be exact for it (sliding-window
+    layers, an attention implementation without a ready 4-D mask); true there is refused."""
+    from lit_ppo.training.packing import shared_prefix_unsupported
+
+    if model_config is None or shared_prefix is False:
+        return shared_prefix
+    reason = shared_prefix_unsupported(model_config, attn_implementation or "sdpa")
+    if reason and shared_prefix:
+        raise ConfigError(f"ppo.shared_prefix=true: {reason}; fix: set ppo.shared_prefix=false (flat packed rows)")
+    if reason:
+        from lit_ppo.console import show
+
+        show(f"shared prefix: off, {reason} (ppo.shared_prefix=null); every sample's prompt is laid out")
+        return False
+    return shared_prefix
+
+
 def check_attention(attn_implementation: str | None) -> None:
     """model.attn_implementation where the run trains: the kernels it names must be installed here, or the model's
     load would fail (or, for flex attention, compile) only after the data and the engine were set up."""

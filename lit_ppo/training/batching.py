@@ -28,7 +28,8 @@ from lit_ppo.plan import StepPlan, check_rank_balance
 @dataclass
 class MicroBatch:
     input_ids: Tensor  # [B, P+T] prompt left-padded, response right-padded; packed: [R, L] samples end to end
-    attention_mask: Tensor | None  # [B, P+T]; packed: None (transformers builds the mask from the position ids)
+    attention_mask: Tensor | None  # [B, P+T]; packed: None (transformers builds the mask from the position ids),
+    # shared prefix: [R, 1, L, L] bool, True where a position attends (training/shared_prefix.py)
     position_ids: Tensor  # [B, P+T]; packed: [R, L], 0 at each sample's first token
     response_ids: Tensor  # [B, T]
     response_mask: Tensor  # [B, T] float
@@ -36,6 +37,7 @@ class MicroBatch:
     # packed: [n] flat positions of input_ids.view(-1) whose hidden states predict the response tokens where
     # response_mask > 0, in the row-major order of those [B, T] entries (the LM head runs there only)
     head_index: Tensor | None = None
+    layout_tokens: int | None = None  # shared prefix (ppo.shared_prefix): real tokens laid out, each prompt once
 
     @property
     def packed(self) -> bool:
@@ -125,8 +127,6 @@ def pack_samples(
     L = max(sum(lengths[b] for b in row) for row in rows)
     input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), L), dtype=torch.long)
-    responses = torch.full((B, T), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((B, T), dtype=torch.float32)
     start = [0] * B  # flat position of each sample's first token
     for r, row in enumerate(rows):
         offset = 0
@@ -139,17 +139,7 @@ def pack_samples(
             start[b] = r * L + offset
             offset += len(ids)
         position_ids[r, offset:] = torch.arange(L - offset)
-    for b, r in enumerate(response_ids):
-        responses[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        if policy_masks is not None:
-            if len(policy_masks[b]) != len(r):
-                raise RolloutMismatchError(
-                    f"sample {b} of a micro-batch: {len(policy_masks[b])} policy-mask entries for "
-                    f"{len(r)} response tokens; the episode's mask and ids were built apart"
-                )
-            response_mask[b, : len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
-        else:
-            response_mask[b, : len(r)] = 1.0
+    responses, response_mask = policy_mask_rows(response_ids, policy_masks, pad_id, T)
     # Response token t of sample b is predicted by the hidden state at its prompt's last position + t.
     b_index, t_index = response_mask.nonzero(as_tuple=True)  # row-major over [B, T]
     first = torch.tensor([start[b] + len(prompt_ids[b]) - 1 for b in range(B)], dtype=torch.long)
@@ -163,6 +153,27 @@ def pack_samples(
         0,
         head_index.to(device),
     )
+
+
+def policy_mask_rows(
+    response_ids: list[list[int]], policy_masks: list[list[int]] | None, pad_id: int, T: int
+) -> tuple[Tensor, Tensor]:
+    """A packed micro-batch's responses [B, T] (right-padded) and response mask [B, T] (1 where the policy wrote the
+    token; episodes' observations 0)."""
+    responses = torch.full((len(response_ids), T), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((len(response_ids), T), dtype=torch.float32)
+    for b, r in enumerate(response_ids):
+        responses[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        if policy_masks is not None:
+            if len(policy_masks[b]) != len(r):
+                raise RolloutMismatchError(
+                    f"sample {b} of a micro-batch: {len(policy_masks[b])} policy-mask entries for "
+                    f"{len(r)} response tokens; the episode's mask and ids were built apart"
+                )
+            response_mask[b, : len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
+        else:
+            response_mask[b, : len(r)] = 1.0
+    return responses, response_mask
 
 
 def packed_rows(lengths: list[int]) -> list[list[int]]:
@@ -420,6 +431,10 @@ def rank_micro_batch_groups(
     max_samples, max_tokens = ppo.micro_train_batch_size, ppo.micro_train_max_tokens
     lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
     split = packed_micro_batch_groups if plan.layout.packing else micro_batch_groups
+    if plan.layout.shared_prefix:  # prompt groups kept together, so that their prompt is laid out once
+        from lit_ppo.training.shared_prefix import shared_prefix_micro_batch_groups as split
+
+        lengths = batch.prompt_ids, lengths[1]
     groups = split(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens)
     if max_tokens is not None and plan.counts.data_parallel_size > 1:
         count = int(global_max(torch.tensor(float(len(groups)), device=device)))
@@ -434,9 +449,13 @@ def packed_micro_batches(
     device,
     packing: bool = False,
     one_row: bool = False,
+    shared_prefix: bool = False,
 ):
     """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack.
-    `packing`: laid out by `pack_samples` (in one row when `one_row`), else by `pack`."""
+    `packing`: laid out by `pack_samples` (in one row when `one_row`; `shared_prefix`: by
+    `shared_prefix.pack_shared_prefix`), else by `pack`."""
+    from lit_ppo.training.shared_prefix import pack_shared_prefix
+
     masks, expected = batch.policy_masks, batch.episode_ids
     for idx in groups:
         args = ([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device)
@@ -444,4 +463,7 @@ def packed_micro_batches(
             policy_masks=None if masks is None else [masks[i] for i in idx],
             expected_ids=None if expected is None else [expected[i] for i in idx],
         )
-        yield idx, (pack_samples(*args, **kwargs, one_row=one_row) if packing else pack(*args, **kwargs))
+        if packing and shared_prefix:
+            yield idx, pack_shared_prefix(*args, **kwargs)
+        else:
+            yield idx, (pack_samples(*args, **kwargs, one_row=one_row) if packing else pack(*args, **kwargs))

@@ -11,8 +11,9 @@ import torch
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.plan import StepPlan, check_micro_batches
+from lit_ppo.plan import StepPlan, check_layout_tokens, check_micro_batches
 from lit_ppo.training.batching import MicroBatch, packed_micro_batches, rank_micro_batch_groups
+from lit_ppo.training.shared_prefix import prefix_tokens_saved
 
 
 @dataclass
@@ -31,6 +32,7 @@ class MicroBatchLayout:
     micro_batches: int = 0  # of the mini-batches laid out so far
     positions: int = 0  # the positions they laid out (real tokens and padding)
     real_tokens: int = 0  # the prompt and response tokens they hold
+    prefix_tokens_saved: int = 0  # of those, the prompt tokens the shared-prefix layout laid out once for a group
 
     @property
     def counts(self) -> tuple[int, int, int]:
@@ -44,8 +46,9 @@ class MicroBatchLayout:
 
     def lay_out(self, groups: list[list[int]]) -> Iterator[tuple[list[int], MicroBatch]]:
         """(indices, MicroBatch) of each group of samples, laid out as the run lays them out."""
+        layout = self.plan.layout
         return packed_micro_batches(
-            self.batch, groups, self.pad_token_id, self.device, self.plan.layout.packing, self.one_row
+            self.batch, groups, self.pad_token_id, self.device, layout.packing, self.one_row, layout.shared_prefix
         )
 
     def mini_batch(self, indices: list[int], rollout_step: int) -> Iterator[tuple[list[int], MicroBatch, bool]]:
@@ -60,5 +63,9 @@ class MicroBatchLayout:
             self.positions += mb.positions
             self.real_tokens += real
             laid_out.append((len(idx), real if mb.packed else mb.positions))
+            if mb.layout_tokens is not None:  # shared prefix: each group's prompt once, proven here
+                saved = prefix_tokens_saved([self.batch.prompt_ids[i] for i in idx])
+                check_layout_tokens(self.plan, rollout_step, mb.layout_tokens, real, saved)
+                self.prefix_tokens_saved += saved
             yield idx, mb, position == len(groups) - 1
         check_micro_batches(self.plan, rollout_step, laid_out)

@@ -269,21 +269,26 @@ def update_metrics(
     *,
     device,
     global_sum: Reduce = _identity,
+    prefix_tokens_saved: float = 0.0,
 ) -> dict[str, float]:
     """The updates' means over the global batch: the statistics of `SUMMED_OVER_RANKS` summed over ranks (each rank's
     shares of every update's value), the gradient norms every rank's own (the same on every rank);
-    `perf/padding_fraction` is the share of the training forwards' positions that are padding. Given this rank's
+    `perf/padding_fraction` is the share of the training forwards' positions that are padding. `prefix_tokens_saved`:
+    the real tokens the shared-prefix layout did not compute (each group's prompt once): `perf/trained_tokens` counts
+    the samples' real tokens in every layout, the positions only what was laid out. Given this rank's
     `micro_batches`, also the real tokens and positions per micro-batch of all ranks."""
     summed = [k for k in SUMMED_OVER_RANKS if k in per_update.sums]
-    counts = [float(padded_positions), float(real_tokens)] + ([] if micro_batches is None else [float(micro_batches)])
+    counts = [float(padded_positions), float(real_tokens), float(prefix_tokens_saved)]
+    counts += [] if micro_batches is None else [float(micro_batches)]
     totals = global_sum(
         torch.tensor([per_update.sums[k] for k in summed] + counts, dtype=torch.float64, device=device)
     ).tolist()
     per_update.sums.update(zip(summed, totals))
-    positions, real = totals[len(summed) : len(summed) + 2]
+    positions, real, saved = totals[len(summed) : len(summed) + 3]
     metrics = {
         **per_update.means(),
-        "perf/padding_fraction": 1 - real / max(positions, 1.0),
+        "perf/padding_fraction": 1 - (real - saved) / max(positions, 1.0),
+        "perf/prefix_tokens_saved": saved,  # real tokens not computed: shared prompts, over ranks and PPO epochs
         "perf/trained_tokens": real,  # real tokens through the training forwards, over ranks and PPO epochs
         "perf/trained_positions": positions,  # positions they laid out (real tokens and padding)
     }

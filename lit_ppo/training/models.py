@@ -18,6 +18,7 @@ from lit_ppo.errors import PackingError
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.logits import logprobs_and_entropy
+from lit_ppo.training.shared_prefix import attention_mask_for
 
 
 def load_models(
@@ -171,7 +172,9 @@ def critic_values(critic: torch.nn.Module, mb: MicroBatch) -> Tensor:
     position and the values are gathered at the response positions: calling the decoder and the head apart would step
     around the wrappers' hooks on the model's forward (FSDP gathers the root's parameters there), to save nothing."""
     if mb.packed:
-        values = critic(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits  # [R, L, 1]
+        mask = attention_mask_for(critic, mb)  # None, or the shared-prefix layout's 4-D mask
+        values = critic(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, use_cache=False)
+        values = values.logits  # [R, L, 1]
         return scatter_responses(values.reshape(-1)[mb.head_index].float(), mb.response_mask)
     T, start = mb.response_ids.shape[1], mb.prompt_width - 1
     inputs = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
@@ -215,7 +218,10 @@ def packed_response_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
     handle = model.get_decoder().register_forward_hook(at_response_positions)
     try:
         # use_cache=False: with a cache transformers takes the positions for decoding steps and builds no packed mask
-        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=0).logits
+        inputs = dict(
+            input_ids=mb.input_ids, attention_mask=attention_mask_for(model, mb), position_ids=mb.position_ids
+        )
+        logits = model(**inputs, use_cache=False, logits_to_keep=0).logits
     finally:
         handle.remove()
     if len(replaced) != 1 or logits.shape[:2] != (1, mb.head_index.numel()):

@@ -20,7 +20,9 @@ logged metrics are those of the global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -80,7 +82,7 @@ from lit_ppo.training.models import (
     trained_state,
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
-from lit_ppo.training.packing import one_row, packing_unsupported
+from lit_ppo.training.packing import one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 
 
@@ -117,6 +119,15 @@ class PPOModule(L.LightningModule):
         attention = self.actor.config._attn_implementation
         if plan.layout.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
+        if plan.layout.shared_prefix and (reason := shared_prefix_unsupported(self.actor.config, attention)):
+            if ppo.shared_prefix:
+                raise ConfigError(
+                    f"ppo.shared_prefix=true: {reason}; fix: set ppo.shared_prefix=false (flat packed rows)"
+                )
+            # null, where the pre-flight did not know the model (a module built in code): flat packed rows
+            logging.getLogger("lit_ppo").info("shared prefix: off, %s (ppo.shared_prefix=null)", reason)
+            layout = dataclasses.replace(plan.layout, shared_prefix=False)
+            self.plan = plan = dataclasses.replace(plan, layout=layout)
         self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
         self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
@@ -324,7 +335,13 @@ class PPOModule(L.LightningModule):
         self.last_sample_use_counts = global_sum(use_counts.to(self.device)).cpu()
         if capture is not None:
             exp = capture.experience(exp, own, batch, self.ppo, self.mismatch_bound(batch))
-        metrics = update_metrics(per_update, *layout.counts, device=self.device, global_sum=global_sum)
+        metrics = update_metrics(
+            per_update,
+            *layout.counts,
+            device=self.device,
+            global_sum=global_sum,
+            prefix_tokens_saved=layout.prefix_tokens_saved,
+        )
         _, schedulers = self.optimizers_and_schedulers()
         metrics.update({f"{name}/lr": s.get_last_lr()[0] for name, s in zip(("actor", "critic"), schedulers)})
         return metrics, exp

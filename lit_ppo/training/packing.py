@@ -74,3 +74,20 @@ def one_row(attn_implementation: str) -> bool:
     """Whether a packed micro-batch goes in one row: for varlen kernels (cost per sample, and transformers reads packed
     position ids for them in a batch of one row only)."""
     return attn_implementation in VARLEN_ATTENTION
+
+
+MASK_ATTENTION = ("sdpa", "eager")  # implementations that take a ready 4-D mask as it is
+
+
+def shared_prefix_unsupported(config, attn_implementation: str | None) -> str | None:
+    """Why a model (its transformers config) with `attn_implementation` cannot take the shared-prefix layout exactly;
+    None when it can."""
+    if attn_implementation not in MASK_ATTENTION:
+        return (
+            f"attention implementation {attn_implementation!r} takes no ready 4-D mask (the layout needs sdpa or eager; "
+            "flex_attention and flash-attention's varlen kernels cannot keep sibling responses apart here)"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        return f"the {config.model_type} model has sliding-window layers, whose window a ready 4-D mask drops"
+    return None

@@ -142,7 +142,9 @@ def check_packing(
     logprob_bound = LOGPROB_TOLERANCE.get(precision, max(LOGPROB_TOLERANCE.values()))
     relative_bound = RELATIVE_TOLERANCE.get(precision, max(RELATIVE_TOLERANCE.values()))
     where = f"the first micro-batch's first {len(alone)} samples"
-    fix = "fix: set ppo.packing=false (padded micro-batches)"
+    fix = "fix: set ppo.packing=false (padded micro-batches)" + (
+        "" if packed.layout_tokens is None else ", or ppo.shared_prefix=false (each sample's prompt laid out)"
+    )
     if not found.logprob_mean <= logprob_bound:  # a NaN fails too
         raise PackingError(
             f"ppo.packing: on this {model_type} model the packed and padded layouts of {where} give log-probs "

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cli_runs import DDP, STRATEGIES, experience, final_actor, metrics, train_cli
+from tests.helpers.cli_runs import DDP, STRATEGIES, assert_same_weights, experience, final_actor, metrics, train_cli
 
 ROLLOUT_METRICS = [
     "rollout/reward_mean",
@@ -97,19 +97,6 @@ def resumed_on_one_rank(tmp_path_factory, cache, parallel_run) -> Path:
     shutil.copy(run / "config.yaml", out / "config.yaml")
     shutil.copy(run / "checkpoints" / "rollout_step_000001.ckpt", out / "checkpoints")
     return train_cli(out, cache, *STRATEGIES[strategy], "strategy.devices=1", "resume=auto")
-
-
-def assert_same_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], rel: float = 5e-6) -> float:
-    """Every entry of `ours` within `rel` of the largest weight (about 1, a norm's scale) of `theirs`: float32 rounding
-    of the same updates summed in another order (another split over micro-batches and ranks), which Adam carries on.
-    Returns the largest difference over the largest weight. Measured on these settings: one process against itself with
-    micro-batches of 16 instead of 32 samples 1.5e-6, 2 ranks against 1 6.6e-7 (DDP) and 1.4e-6 (FSDP); before the
-    global mini-batches, when each rank shuffled its own samples, 2.6e-3."""
-    assert ours.keys() == theirs.keys()  # FSDP's gathered tensors keep the tied embedding tied
-    largest = max(float(w.abs().max()) for w in theirs.values())
-    worst, name = max((float((ours[k] - theirs[k]).abs().max()), k) for k in theirs)
-    assert worst <= rel * largest, f"{name}: {worst:.2e} apart, over {rel:.0e} of the largest weight {largest:.2f}"
-    return worst / largest
 
 
 def test_two_processes_train_with_an_engine_per_rank(parallel_run):

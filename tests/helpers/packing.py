@@ -1,7 +1,96 @@
-"""The packed path's LM head applied by hand, as before issue 37 (tests/training/test_packing.py and
-bench/packing_families.py compare the model's forward with it)."""
+"""Packing's shared test code: the realistic rollout batch of tests/training/test_packing.py and test_shared_prefix.py
+(prompts of 100-300 tokens, ragged responses, episodes), a rollout step's training on it recording the gradients, and
+the packed path's LM head applied by hand, as before issue 37 (test_packing.py and bench/packing_families.py compare
+the model's forward with it)."""
 
 from __future__ import annotations
+
+import dataclasses
+
+import lightning as L
+import torch
+from transformers import AutoTokenizer
+
+from lit_ppo.batch import RolloutBatch
+from lit_ppo.plan import compute_plan
+from lit_ppo.rewards import RewardScorer, integer_match
+from lit_ppo.rollout.prompts import load_prompts
+from lit_ppo.run.build import TRAINER_FLAGS
+from lit_ppo.testing import FixedBatchDataModule, NullEngine, synthetic_rollout_batch
+from lit_ppo.training.module import PPOModule
+from tests.helpers import compose_run_config, run_config
+
+TEMPERATURE = 0.7
+
+
+def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
+    """Prompts of 100-300 random ids, `n` responses each of 1-256 ids; episodes: responses that alternate the
+    policy's turns with observations of 5-30 tokens (policy mask 0)."""
+    # rewards 1 where 7i mod 3 is 0: the tolerances below were measured on these
+    rewards = torch.tensor([float((i * 7) % 3 == 0) for i in range(n_prompts * n)])
+    return synthetic_rollout_batch(
+        n_prompts, n, (100, 300), (1, 256), seed=seed, observations=episodes, rewards=rewards
+    )
+
+
+def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
+    """`realistic_batch`'s prompts, responses and policy masks (None without episodes), per sample."""
+    batch = realistic_batch(n_prompts, n, seed, episodes)
+    return batch.prompt_ids, batch.response_ids, batch.policy_masks
+
+
+def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
+    """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
+    optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train_prompts = load_prompts(files[0], tokenizer)
+    config = dataclasses.replace(compose_run_config(), ppo=ppo)
+    rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
+    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), len(train_prompts), prompt_stats)
+    datamodule = FixedBatchDataModule(
+        plan=plan,
+        train_prompts=train_prompts,
+        eval_prompts=None,
+        rollout=rollout,
+        scorer=RewardScorer(fn=integer_match),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        seed=0,
+        engine=NullEngine(),
+    )
+    datamodule.fixed_batch = batch
+    torch.manual_seed(0)
+    module = PPOModule(
+        model_dir=model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id, temperature=TEMPERATURE
+    )
+    step, grads = module.guarded_step, []
+
+    class StepRecordingGrads:  # the module's guarded optimizer step, recording the gradients first
+        def __call__(self, model, optimizer, scheduler, rollout_step):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            return step(model, optimizer, scheduler, rollout_step)
+
+        def __getattr__(self, name):
+            return getattr(step, name)
+
+    module.guarded_step = StepRecordingGrads()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
+    trainer.fit(module, datamodule=datamodule)
+    return module, grads
+
+
+def assert_close_tensors(a: dict, b: dict, rel: float) -> None:
+    """Each tensor within `rel` relative (|a - b| / |b|, Euclidean norms; equal where b is zero: the critic's body
+    before its zero value head has moved). Float32 sums of the same terms in another order (other micro-batches,
+    other attention reductions) differ in the last bits of single entries, so entrywise ratios would read rounding."""
+    assert a.keys() == b.keys() and a
+    for name in a:
+        norm = float(b[name].norm())
+        if norm == 0:
+            assert float(a[name].norm()) == 0, name
+            continue
+        error = float((a[name] - b[name]).norm()) / norm
+        assert error <= rel, f"{name}: packed and padded gradients differ by {error:.2e} relative"
 
 
 def head_by_hand(model, mb):

@@ -8,20 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import lightning as L
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import PromptStats, check_micro_batches, check_rank_balance, compute_plan
-from lit_ppo.rewards import RewardScorer, integer_match
-from lit_ppo.rollout.prompts import load_prompts
-from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.preflight import resolve_packing
-from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch, synthetic_rollout_batch
+from lit_ppo.testing import random_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
     equal_count_partition,
@@ -32,28 +28,16 @@ from lit_ppo.training.batching import (
     packed_rows,
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
-from lit_ppo.training.module import PPOModule
 from lit_ppo.training.packing import packing_unsupported
 from tests.helpers import compose_config, compose_run_config, plan_of, run_config
-from tests.helpers.packing import head_by_hand
-
-TEMPERATURE = 0.7
-
-
-def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
-    """Prompts of 100-300 random ids, `n` responses each of 1-256 ids; episodes: responses that alternate the
-    policy's turns with observations of 5-30 tokens (policy mask 0)."""
-    # rewards 1 where 7i mod 3 is 0: the tolerances below were measured on these
-    rewards = torch.tensor([float((i * 7) % 3 == 0) for i in range(n_prompts * n)])
-    return synthetic_rollout_batch(
-        n_prompts, n, (100, 300), (1, 256), seed=seed, observations=episodes, rewards=rewards
-    )
-
-
-def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
-    """`realistic_batch`'s prompts, responses and policy masks (None without episodes), per sample."""
-    batch = realistic_batch(n_prompts, n, seed, episodes)
-    return batch.prompt_ids, batch.response_ids, batch.policy_masks
+from tests.helpers.packing import (
+    TEMPERATURE,
+    assert_close_tensors,
+    head_by_hand,
+    realistic_batch,
+    realistic_samples,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +227,7 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
     rank 1's short. Each rank then holds 2 whole groups in prompt order, their samples' fields with them (rewards,
     masks, ids, positions), its own rollout-step fields (its generation's seconds and reward means); together
     exactly the samples generated; real tokens within the bound; the imbalance before and after reported."""
-    from lit_ppo.batch import RANK_FIELDS, SAMPLE_FIELDS, RolloutBatch
+    from lit_ppo.batch import RANK_FIELDS, SAMPLE_FIELDS
     from lit_ppo.training import batching
 
     assert set(SAMPLE_FIELDS) | set(RANK_FIELDS) == {f.name for f in dataclasses.fields(RolloutBatch)}
@@ -432,7 +416,9 @@ def test_the_plan_states_expected_tokens_per_micro_batch():
     padded = expected_tokens_plan(False, stats, budget=2000)
     assert padded.layout.expected_real_tokens_per_micro_batch == 1196
     # the plan's lines and plan.json
-    real_line, packed_line = [x for x in packed.table().splitlines() if x.startswith("expected")]
+    real_line, packed_line = [
+        x for x in packed.table().splitlines() if x.startswith(("expected real", "expected laid-out"))
+    ]
     assert real_line.split()[:4] == ["expected", "real", "tokens", "1794"]
     assert (
         "/ micro-batch / rank, responses at the limit (256 tokens) and prompts at the data's mean (192.5 tokens; 8 "
@@ -534,60 +520,6 @@ def test_mode_plan_states_the_data_s_prompt_lengths_or_that_it_has_none(tmp_path
 
 
 # ---------------------------------------------------------------- the same update
-
-
-def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
-    """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
-    optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(files[0], tokenizer)
-    config = dataclasses.replace(compose_run_config(), ppo=ppo)
-    rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
-    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), len(train_prompts), prompt_stats)
-    datamodule = FixedBatchDataModule(
-        plan=plan,
-        train_prompts=train_prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=NullEngine(),
-    )
-    datamodule.fixed_batch = batch
-    torch.manual_seed(0)
-    module = PPOModule(
-        model_dir=model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id, temperature=TEMPERATURE
-    )
-    step, grads = module.guarded_step, []
-
-    class StepRecordingGrads:  # the module's guarded optimizer step, recording the gradients first
-        def __call__(self, model, optimizer, scheduler, rollout_step):
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-            return step(model, optimizer, scheduler, rollout_step)
-
-        def __getattr__(self, name):
-            return getattr(step, name)
-
-    module.guarded_step = StepRecordingGrads()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
-    trainer.fit(module, datamodule=datamodule)
-    return module, grads
-
-
-def assert_close_tensors(a: dict, b: dict, rel: float) -> None:
-    """Each tensor within `rel` relative (|a - b| / |b|, Euclidean norms; equal where b is zero: the critic's body
-    before its zero value head has moved). Float32 sums of the same terms in another order (other micro-batches,
-    other attention reductions) differ in the last bits of single entries, so entrywise ratios would read rounding."""
-    assert a.keys() == b.keys() and a
-    for name in a:
-        norm = float(b[name].norm())
-        if norm == 0:
-            assert float(a[name].norm()) == 0, name
-            continue
-        error = float((a[name] - b[name]).norm()) / norm
-        assert error <= rel, f"{name}: packed and padded gradients differ by {error:.2e} relative"
 
 
 @pytest.mark.parametrize("preset", ["ppo", "grpo", "gspo", "cispo"])
@@ -745,9 +677,14 @@ def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_b
     )  # test_the_plan_states_expected_tokens_per_micro_batch
     assert row["perf/real_tokens_per_micro_batch"] == pytest.approx(plan.layout.expected_real_tokens_per_micro_batch)
     laid_out = row["perf/padded_tokens_per_micro_batch"]
-    if packing:
+    if packing:  # less the prompt tokens shared within a micro-batch (ppo.shared_prefix: at most the plan's saving)
+        saved = plan.layout.expected_prefix_tokens_saved_per_micro_batch
         assert (
-            plan.layout.expected_packed_tokens_per_micro_batch
+            plan.layout.shared_prefix
+            and 0 < row["perf/prefix_tokens_saved"] / row["perf/trained_tokens"] * 1794 <= saved
+        )
+        assert (
+            plan.layout.expected_packed_tokens_per_micro_batch - saved
             <= laid_out
             <= 1.25 * plan.layout.expected_packed_tokens_per_micro_batch
         )
@@ -911,7 +848,9 @@ def test_the_start_up_check_stops_a_run_whose_packed_logits_skip_the_model_s_pos
         "ppo.packing: on this granite model the packed and padded layouts of the first micro-batch"
     )
     assert "nats per token apart on average" in message and "more than 32-true's 0.001" in message
-    assert message.endswith("; fix: set ppo.packing=false (padded micro-batches)")
+    assert message.endswith(  # packed in the shared-prefix layout (ppo.shared_prefix=null: on for this model)
+        "; fix: set ppo.packing=false (padded micro-batches), or ppo.shared_prefix=false (each sample's prompt laid out)"
+    )
 
 
 def test_the_start_up_check_compares_what_the_critic_s_value_head_reads(actor, tiny_model_dir, monkeypatch):
