@@ -77,7 +77,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     from lit_ppo.config import moved_override
-    from lit_ppo.preemption import Stopped, handle_signals_outside_training
+    from lit_ppo.signals import Stopped, handle_signals_outside_training
 
     # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced.
     sys.argv[1:] = [moved_override(arg) for arg in sys.argv[1:]]

@@ -46,18 +46,13 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_ppo import signals
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, restore_rng_state, rng_state
 from lit_ppo.console import show
 from lit_ppo.distributed import global_max, world_size
+from lit_ppo.signals import PREEMPTION_SIGNALS, exit_status
 
 log = logging.getLogger("lit_ppo")
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-
-
-def exit_status(signum: int) -> int:
-    """128 + the signal's number: what a shell reports for a process that signal killed."""
-    return 128 + int(signum)
 
 
 class Preempted(SIGTERMException):
@@ -66,50 +61,6 @@ class Preempted(SIGTERMException):
     def __init__(self, signum: int):
         super().__init__(exit_status(signum))
         self.signum = int(signum)
-
-
-class Stopped(SystemExit):
-    """The process stopped on a signal outside the rollout steps (`outside_training`); `line` says where."""
-
-    def __init__(self, signum: int, line: str):
-        super().__init__(exit_status(signum))
-        self.signum, self.line = int(signum), line
-
-
-# What the process does when no Preemption handles signals: "start-up" until the first `fit` reaches its rollout
-# steps, "the final writes" after (the last checkpoint is on disk then).
-_phase = "start-up"
-
-
-def starting() -> None:
-    """A run starts in this process (`run.train.train`; a sweep runs several)."""
-    global _phase
-    _phase = "start-up"
-
-
-def outside_training(signum: int, frame) -> None:
-    """The handler of PREEMPTION_SIGNALS outside the rollout steps: raises `Stopped` (once; later signals are ignored
-    while the process unwinds)."""
-    for handled in PREEMPTION_SIGNALS:
-        signal.signal(handled, signal.SIG_IGN)
-    name, status = signal.Signals(signum).name, exit_status(signum)
-    if _phase == "start-up":
-        line = (
-            f"stopped by {name} during start-up (config, pre-flight, model load, engine start), before rollout step 1:"
-            f" nothing was trained and no checkpoint written; exiting with status {status} (start the run again)"
-        )
-    else:
-        line = (
-            f"stopped by {name} after the last rollout step, while writing the final outputs (actor/, summary.json):"
-            f" its checkpoint is on disk; exiting with status {status} (resume=auto writes them)"
-        )
-    raise Stopped(signum, line)
-
-
-def handle_signals_outside_training() -> None:
-    """Install `outside_training` for PREEMPTION_SIGNALS (from the main thread, at the process's start)."""
-    for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, outside_training)
 
 
 class _Interrupt(BaseException):
@@ -135,9 +86,8 @@ class Preemption(L.Callback):
 
     def on_train_start(self, trainer, module) -> None:
         # After Lightning registered its own handlers (just before the fit loop runs), so these replace them.
-        global _phase
         self.requested, self._depth, self._trainer = None, 0, trainer
-        _phase = "the final writes"  # once this handler is gone again
+        signals.training_started()  # once this handler is gone again: the final writes
         if threading.current_thread() is not threading.main_thread():
             return  # signals are delivered to the main thread only
         for signum in PREEMPTION_SIGNALS:

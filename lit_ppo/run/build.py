@@ -21,7 +21,7 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.rollout.prompts import PromptSet, load_prompts
 from lit_ppo.rollout.schedule import source_for
-from lit_ppo.run.report import MetricsCSV
+from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
@@ -44,6 +44,26 @@ QUIET_WARNINGS = [
     ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
 ]
 """Library warnings about choices lit-ppo makes on purpose (the reasons beside each)."""
+
+
+class MetricsCSV(L.Callback):
+    """Keeps metrics.csv at `path` the module's rows (`PPOModule.history`, with `initial_row` as its rollout_step 0 row):
+    rewritten on rank 0 after every rollout step, and after the evaluation before rollout step 1 of a run that starts
+    from scratch (`PPOModule.on_train_start`), so a run that stops in its first step has that row."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, module) -> None:
+        # After `PPOModule.on_train_start`: the evaluation before rollout step 1, or (resumed) the one a signal cut
+        # short after the last completed step, now in that step's row.
+        initial = module.initial_row()
+        if trainer.is_global_zero and (module.history or initial is not None):
+            write_metrics_csv(self.path, module.history, initial=initial)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module, *args) -> None:
+        if trainer.is_global_zero:
+            write_metrics_csv(self.path, module.history, initial=module.initial_row())
 
 
 def quiet_known_warnings() -> None:

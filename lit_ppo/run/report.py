@@ -7,8 +7,6 @@ import json
 import logging
 from pathlib import Path
 
-import lightning as L
-
 from lit_ppo.atomic import (
     atomic_path,
     write_text_atomic,
@@ -47,26 +45,6 @@ def write_metrics_csv(path: str | Path, history: list[dict], initial: dict | Non
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows([initial, *history] if initial else history)
-
-
-class MetricsCSV(L.Callback):
-    """Keeps metrics.csv at `path` the module's rows (`PPOModule.history`, with `initial_row` as its rollout_step 0 row):
-    rewritten on rank 0 after every rollout step, and after the evaluation before rollout step 1 of a run that starts
-    from scratch (`PPOModule.on_train_start`), so a run that stops in its first step has that row."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-
-    def on_train_epoch_start(self, trainer: L.Trainer, module) -> None:
-        # After `PPOModule.on_train_start`: the evaluation before rollout step 1, or (resumed) the one a signal cut
-        # short after the last completed step, now in that step's row.
-        initial = module.initial_row()
-        if trainer.is_global_zero and (module.history or initial is not None):
-            write_metrics_csv(self.path, module.history, initial=initial)
-
-    def on_train_batch_end(self, trainer: L.Trainer, module, *args) -> None:
-        if trainer.is_global_zero:
-            write_metrics_csv(self.path, module.history, initial=module.initial_row())
 
 
 def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:

@@ -40,13 +40,14 @@ from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, compute_plan
-from lit_ppo.preemption import Preemption, Stopped, starting
+from lit_ppo.preemption import Preemption
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
 from lit_ppo.run.report import write_curves, write_plan, write_summary
 from lit_ppo.run.threads import allowed_cores
+from lit_ppo.signals import Stopped, starting
 
 log = logging.getLogger("lit_ppo")
 

@@ -561,7 +561,7 @@ class PPOModule(L.LightningModule):
         return result
 
     def _log_row(self, row: dict[str, Any]) -> None:
-        """A rollout step's row (already in `history`; metrics.csv: lit_ppo.run.report.MetricsCSV) into the loggers."""
+        """A rollout step's row (already in `history`; metrics.csv: lit_ppo.run.build.MetricsCSV) into the loggers."""
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
         for logger in self.loggers:
             logger.log_metrics(numeric, step=self.rollout_step)
