@@ -422,19 +422,19 @@ def check_sample_ids(b: int, packed: list[int], expected: list[int]) -> None:
 
 
 def rank_micro_batch_groups(
-    batch: RolloutBatch, indices: list[int], ppo: PPOConfig, plan: StepPlan, device
+    batch: RolloutBatch, indices: list[int], ppo: PPOConfig, plan: StepPlan, device, shared_prefix_split=None
 ) -> list[list[int]]:
     """This rank's micro-batches of `indices` (`micro_batch_groups`; packed: `packed_micro_batch_groups`, balanced
     by real tokens): ppo.micro_train_batch_size samples each, or by token budget (ppo.micro_train_max_tokens: padded
     tokens, real tokens when packed). Under data parallelism with a token budget every rank runs as many
-    micro-batches as the rank that needs the most (FSDP gathers weights in each forward, a collective)."""
+    micro-batches as the rank that needs the most (FSDP gathers weights in each forward, a collective).
+    `shared_prefix_split` (training/shared_prefix.py's, given where the plan lays prompts out once): keeps each
+    prompt group together instead, split by the prompts' ids."""
     max_samples, max_tokens = ppo.micro_train_batch_size, ppo.micro_train_max_tokens
     lengths = [len(p) for p in batch.prompt_ids], [len(r) for r in batch.response_ids]
     split = packed_micro_batch_groups if plan.layout.packing else micro_batch_groups
-    if plan.layout.shared_prefix:  # prompt groups kept together, so that their prompt is laid out once
-        from lit_ppo.training.shared_prefix import shared_prefix_micro_batch_groups as split
-
-        lengths = batch.prompt_ids, lengths[1]
+    if shared_prefix_split is not None:  # prompt groups kept together, so that their prompt is laid out once
+        split, lengths = shared_prefix_split, (batch.prompt_ids, lengths[1])
     groups = split(*lengths, indices, max_samples=max_samples, max_tokens=max_tokens)
     if max_tokens is not None and plan.counts.data_parallel_size > 1:
         count = int(global_max(torch.tensor(float(len(groups)), device=device)))
@@ -449,13 +449,11 @@ def packed_micro_batches(
     device,
     packing: bool = False,
     one_row: bool = False,
-    shared_prefix: bool = False,
+    pack_shared_prefix=None,
 ):
     """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack.
-    `packing`: laid out by `pack_samples` (in one row when `one_row`; `shared_prefix`: by
-    `shared_prefix.pack_shared_prefix`), else by `pack`."""
-    from lit_ppo.training.shared_prefix import pack_shared_prefix
-
+    `packing`: laid out by `pack_samples` (in one row when `one_row`; by `pack_shared_prefix`, training/shared_prefix.py's,
+    where given: each group's prompt once), else by `pack`."""
     masks, expected = batch.policy_masks, batch.episode_ids
     for idx in groups:
         args = ([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device)
@@ -463,7 +461,7 @@ def packed_micro_batches(
             policy_masks=None if masks is None else [masks[i] for i in idx],
             expected_ids=None if expected is None else [expected[i] for i in idx],
         )
-        if packing and shared_prefix:
+        if packing and pack_shared_prefix is not None:
             yield idx, pack_shared_prefix(*args, **kwargs)
         else:
             yield idx, (pack_samples(*args, **kwargs, one_row=one_row) if packing else pack(*args, **kwargs))

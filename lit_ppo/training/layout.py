@@ -13,7 +13,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
 from lit_ppo.plan import StepPlan, check_layout_tokens, check_micro_batches
 from lit_ppo.training.batching import MicroBatch, packed_micro_batches, rank_micro_batch_groups
-from lit_ppo.training.shared_prefix import prefix_tokens_saved
+from lit_ppo.training.shared_prefix import pack_shared_prefix, prefix_tokens_saved, shared_prefix_micro_batch_groups
 
 
 @dataclass
@@ -42,13 +42,20 @@ class MicroBatchLayout:
     def split(self, indices: list[int]) -> list[list[int]]:
         """The samples `indices` in this rank's micro-batches. Under data parallelism with a token budget a collective
         (every rank runs as many micro-batches): call it where every rank does."""
-        return rank_micro_batch_groups(self.batch, indices, self.ppo, self.plan, self.device)
+        shared = shared_prefix_micro_batch_groups if self.plan.layout.shared_prefix else None
+        return rank_micro_batch_groups(self.batch, indices, self.ppo, self.plan, self.device, shared)
 
     def lay_out(self, groups: list[list[int]]) -> Iterator[tuple[list[int], MicroBatch]]:
         """(indices, MicroBatch) of each group of samples, laid out as the run lays them out."""
         layout = self.plan.layout
         return packed_micro_batches(
-            self.batch, groups, self.pad_token_id, self.device, layout.packing, self.one_row, layout.shared_prefix
+            self.batch,
+            groups,
+            self.pad_token_id,
+            self.device,
+            layout.packing,
+            self.one_row,
+            pack_shared_prefix if layout.shared_prefix else None,
         )
 
     def mini_batch(self, indices: list[int], rollout_step: int) -> Iterator[tuple[list[int], MicroBatch, bool]]:

@@ -142,8 +142,9 @@ def check_packing(
     logprob_bound = LOGPROB_TOLERANCE.get(precision, max(LOGPROB_TOLERANCE.values()))
     relative_bound = RELATIVE_TOLERANCE.get(precision, max(RELATIVE_TOLERANCE.values()))
     where = f"the first micro-batch's first {len(alone)} samples"
+    shared = packed is not None and packed.layout_tokens is not None  # the shared-prefix layout was checked
     fix = "fix: set ppo.packing=false (padded micro-batches)" + (
-        "" if packed.layout_tokens is None else ", or ppo.shared_prefix=false (each sample's prompt laid out)"
+        ", or ppo.shared_prefix=false (each sample's prompt laid out)" if shared else ""
     )
     if not found.logprob_mean <= logprob_bound:  # a NaN fails too
         raise PackingError(
