@@ -269,18 +269,19 @@ def compare(reference: Path, killed: Path, case: Case) -> list[str]:
             extra = sorted(set((Counter(got.get(s, [])) - Counter(want.get(s, []))).elements()))
             findings.append(f"rollout step {s} trained other prompts than uninterrupted: missing {lost}, extra {extra}")
     plan = json.loads((killed / "plan.json").read_text())
+    counts_plan = plan["counts"]
     if not plan["dynamic_sampling"]:
-        per_epoch = plan["rollout_steps_per_data_epoch"]
+        per_epoch = counts_plan["rollout_steps_per_data_epoch"]
         for epoch in range(0, case.steps, per_epoch):
             steps = range(epoch + 1, min(epoch + per_epoch, case.steps) + 1)
             counts = Counter(i for s in steps for i in set(got.get(s, [])))
             repeated = sorted(i for i, n in counts.items() if n > 1)
             if repeated:
                 findings.append(f"data epoch {epoch // per_epoch}: prompts {repeated} trained in more than one step")
-            if len(steps) == per_epoch and len(counts) != plan["rollout_batch_size"] * per_epoch:
+            if len(steps) == per_epoch and len(counts) != counts_plan["rollout_batch_size"] * per_epoch:
                 findings.append(
                     f"data epoch {epoch // per_epoch}: {len(counts)} distinct prompts trained, planned "
-                    f"{plan['rollout_batch_size'] * per_epoch}"
+                    f"{counts_plan['rollout_batch_size'] * per_epoch}"
                 )
     return findings
 

@@ -27,6 +27,7 @@ def prove(case: str, kills: int, seed: int, tmp_path) -> None:
     assert not result.findings, result.report()
 
 
+@pytest.mark.slow  # three train.py runs (uninterrupted, killed, resumed): 134 s alone on 2 cores, over make test's budget
 def test_a_colocated_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_path):
     prove("colocated_short", kills=1, seed=0, tmp_path=tmp_path)
     # The checks can fail: a step's record lost and a weight changed by one ulp are each found.
