@@ -153,7 +153,7 @@ def end_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 def worker_pids(trainer_pid: int) -> list[int]:
-    """The rollout workers the trainer spawned (`python -m lit_ppo.rollout.disaggregated ...`), from /proc."""
+    """The rollout workers the trainer spawned (`python -m lit_ppo.rollout.workers ...`), from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -164,7 +164,7 @@ def worker_pids(trainer_pid: int) -> list[int]:
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == trainer_pid and "lit_ppo.rollout.disaggregated" in cmdline:
+        if parent == trainer_pid and "lit_ppo.rollout.workers" in cmdline:
             found.append(int(entry.name))
     return found
 

@@ -32,7 +32,7 @@ interruptible region too, its all-reduce outside it: a signal drops that pass's 
 is saved, and the resumed run evaluates again before it logs the step (`PPOModule.evaluation_missing`).
 
 Outside `fit`'s rollout steps (start-up: config, pre-flight, model load, engine start; and the final writes after the
-last step) `outside_training` handles the same signals: `Stopped`, a SystemExit with the same status, and a line
+last step) `signals.outside_training` handles the same signals: `signals.Stopped`, a SystemExit with the same status, and a line
 (`train.py` installs it for the whole process).
 """
 

@@ -156,7 +156,7 @@ def old_logprobs_from_training(
 
 
 class OldLogprobCapture:
-    """Without an experience forward (`StepPlan.old_logprobs_source` "training forward" or "vLLM"): the log-probs of
+    """Without an experience forward (`StepPlan.old_logprobs.source` "training forward" or "vLLM"): the log-probs of
     the training forwards before the first optimizer step, which are the actor's before the update (every sample's
     when on-policy), kept for the old log-probs, the KL to the reference and the check against vLLM's
     (`old_logprobs_from_training`). Each rank writes the rows it trained, of the global batch."""

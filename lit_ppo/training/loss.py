@@ -28,7 +28,7 @@ class LossInputs:
     advantages: Tensor  # [B, T]
     returns: Tensor  # [B, T] the value loss's targets
     # [B, T] the actor's log-probs before the rollout step's updates; None exactly on-policy without an experience
-    # forward (StepPlan.old_logprobs_source "training forward"): the training forward's own, detached, are the old ones
+    # forward (StepPlan.old_logprobs.source "training forward"): the training forward's own, detached, are the old ones
     old_logp: Tensor | None
     rc_weights: Tensor | None  # [B, T] the rollout correction's weights on the policy loss (the mask when off)
     ref_logp: Tensor | None  # [B, T] the reference's log-probs when the KL is in the loss (ppo.kl_mode=loss)

@@ -2,7 +2,7 @@
 
 One `training_step` is one rollout step:
   1. pull the rollout batch from the data module (vLLM generates it with the current weights),
-  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs_source`), reference
+  2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs.source`), reference
      log-probs and values, computed once, then advantages,
   3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
@@ -220,7 +220,7 @@ class PPOModule(L.LightningModule):
         def zeros() -> Tensor:
             return torch.zeros(N, T, device=self.device, dtype=torch.float32)
 
-        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs_source): an exactly
+        # The actor's forward only when the old log-probs come from it (StepPlan.old_logprobs.source): an exactly
         # on-policy update takes them from its own training forwards, ppo.old_logprobs=rollout from vLLM.
         source = self.plan.old_logprobs.source
         if source == "vLLM" and batch.rollout_logprobs is None:
@@ -277,7 +277,7 @@ class PPOModule(L.LightningModule):
         """rollout.max_logprob_abs_diff for this batch: the trainer's old log-probs against vLLM's catch a failed
         weight sync only when both are of the same policy version. A stale batch (rollout.max_staleness > 0) differs
         by what k updates changed, which is logged (rollout/logprob_abs_diff) and corrected, not a failure; its
-        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo.rollout.disaggregated)."""
+        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo/rollout/workers/worker_main.py)."""
         stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
         return None if stale else self.max_logprob_abs_diff
 

@@ -88,6 +88,10 @@ def shared_prefix_unsupported(config, attn_implementation: str | None) -> str | 
             "flex_attention and flash-attention's varlen kernels cannot keep sibling responses apart here)"
         )
     layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+    # A config.json read as it is (the pre-flight) may lack the layer types transformers derives (Gemma2's); a window
+    # without a switch that turns it off (Qwen2's use_sliding_window) is taken as used.
+    switch = getattr(config, "use_sliding_window", None)
+    windowed = switch if switch is not None else bool(getattr(config, "sliding_window", None))
+    if windowed or "sliding_attention" in layer_types:
         return f"the {config.model_type} model has sliding-window layers, whose window a ready 4-D mask drops"
     return None

@@ -291,7 +291,7 @@ def test_the_pre_flight_turns_null_off_for_a_model_it_would_not_serve_exactly_an
 
 @pytest.mark.slow  # two 2-process runs (gloo, DDP) with a vLLM engine per rank: minutes on 2 cores
 def test_two_ddp_ranks_with_the_shared_prefix_end_with_the_flat_layout_s_weights(tmp_path_factory):
-    """tests/test_ddp.py's settings (2 rollout steps of 2 PPO epochs of 2 mini-batches, PPO with a critic, n = 4),
+    """tests/end_to_end/test_ddp.py's settings (2 rollout steps of 2 PPO epochs of 2 mini-batches, PPO with a critic, n = 4),
     `strategy=ddp strategy.devices=2`: the shared-prefix and the flat packed runs end with the same actor (float32
     rounding of the same updates), and the shared run logs the prompt tokens it did not compute."""
     from tests.helpers.cli_runs import DDP, assert_same_weights, final_actor, metrics, train_cli
@@ -308,3 +308,17 @@ def test_two_ddp_ranks_with_the_shared_prefix_end_with_the_flat_layout_s_weights
     assert all(float(r["perf/prefix_tokens_saved"]) == 0 for r in rows[1])
     for a, b in zip(rows[0], rows[1], strict=True):
         assert float(a["perf/trained_tokens"]) == float(b["perf/trained_tokens"])
+
+
+def test_a_config_json_read_as_it_is_shows_its_sliding_window():
+    """The pre-flight reads config.json without transformers (mode=plan imports no model library), so the layer types
+    transformers derives (Gemma2's) are missing there: a window without a switch that turns it off counts as used."""
+    from types import SimpleNamespace
+
+    assert "sliding-window" in shared_prefix_unsupported(
+        SimpleNamespace(model_type="gemma2", sliding_window=4096), "sdpa"
+    )
+    qwen2 = SimpleNamespace(model_type="qwen2", sliding_window=4096, use_sliding_window=False)
+    assert shared_prefix_unsupported(qwen2, "sdpa") is None
+    assert shared_prefix_unsupported(SimpleNamespace(model_type="llama"), "sdpa") is None
+    assert shared_prefix_unsupported(SimpleNamespace(model_type="mistral", sliding_window=None), "eager") is None
