@@ -8,6 +8,7 @@ takes plain values (paths, numbers, callables) and raises a `UserError` naming t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -86,11 +87,10 @@ def call_parameters(target: Any, bound: Mapping[str, Any], partial: bool) -> dic
             return {}
         parameters = list(inspect.signature(call).parameters.values())[1:]  # without self
         return {p.name: p for p in parameters}
-    parameters = dict(inspect.signature(target).parameters)
-    for name in bound:
-        if name in parameters:  # bound by keyword: still accepted, with a default now
-            parameters[name] = parameters[name].replace(default=bound[name], kind=inspect.Parameter.KEYWORD_ONLY)
-    return parameters
+    # What functools.partial makes of it: a parameter bound by keyword is still accepted, with a default now, and
+    # it and every positional parameter after it become keyword-only (so `def f(a, b, c)` with b bound takes a, then
+    # b=..., c=...: a signature in that order, which replacing b's kind alone would not be).
+    return dict(inspect.signature(functools.partial(target, **bound)).parameters)
 
 
 def check_bound_keywords(target: Any, bound: Mapping[str, Any], partial: bool, name: str) -> None:
