@@ -821,8 +821,10 @@ class ModelConfig:
     attn_implementation: str | None = None
     """The attention kernels of the trained models (transformers' `attn_implementation`): null leaves transformers'
     default (sdpa); flash_attention_2 / flash_attention_3 (the flash-attn package) train packed micro-batches in one
-    row with per-sample varlen kernels, where sdpa/eager/flex_attention compute each packed row's attention under a
-    block-diagonal mask (lit_ppo/training/packing.py). Checked by the pre-flight before any model loads."""
+    row with per-sample varlen kernels, flex_attention in one row padded to a fixed token budget (the plan's
+    row_tokens: compiled once) under a block-sparse mask, where sdpa/eager compute each packed row's attention under a
+    block-diagonal mask (lit_ppo/training/packing.py). Checked by the pre-flight before any model loads (flex_attention:
+    a GPU, where torch has no flex attention backward on a CPU)."""
 
     def __post_init__(self) -> None:
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
