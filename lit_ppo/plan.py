@@ -304,8 +304,9 @@ class LayoutPlan:
                 "the first micro-batch"
             ) + (
                 "; shared prefix: a prompt group's prompt once, each response attending to it and to itself "
-                f"({'block mask' if self.row_tokens is not None else '4-D mask'}), groups kept together in micro-batches "
-                "and, under data parallelism, on a rank (ppo.shared_prefix)"
+                f"({'block mask' if self.row_tokens is not None else '4-D mask'}), groups kept together in micro-batches"
+                + (" and on a rank" if plan.counts.data_parallel_size > 1 else "")
+                + " (ppo.shared_prefix)"
                 if self.shared_prefix
                 else ""
             )
