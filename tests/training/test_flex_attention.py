@@ -189,3 +189,53 @@ def test_the_pre_flight_refuses_flex_attention_where_torch_cannot_train_with_it(
     with pytest.raises(ConfigError, match=r"^model.attn_implementation=flex_attention: needs a torch with flex"):
         preflight.check_attention("flex_attention", "gpu")
     preflight.check_attention("sdpa", "cpu")
+
+
+def test_a_flex_attention_module_s_experience_forwards_are_the_sdpa_module_s(tiny_model_dir, monkeypatch):
+    """PPOModule with model.attn_implementation=flex_attention on the CPU (the experience pass has no gradients):
+    its packed micro-batches are rows of the plan's row_tokens, the shared-prefix ones too, and the start-up check and
+    the old-log-prob, reference and value forwards give the sdpa module's numbers (float32, within 1e-5), and so the
+    advantages."""
+    from lit_ppo.training import module as module_file
+    from lit_ppo.training.module import PPOModule
+    from tests.helpers.packing import realistic_batch
+
+    checks = []
+    monkeypatch.setattr(
+        module_file, "check_packing", lambda *a, check=module_file.check_packing: checks.append(check(*a))
+    )
+    ppo = dataclasses.replace(
+        compose_run_config().ppo,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        train_batch_size=8,
+        micro_train_batch_size=4,
+        micro_train_max_tokens=ROW_TOKENS,
+        kl_coef=0.1,
+        old_logprobs="recompute",
+    )
+    batch = realistic_batch(n_prompts=2, n=4, seed=6, episodes=True)
+    experiences = {}
+    for attention in ("sdpa", "flex_attention"):
+        model = compose_run_config(f"model.attn_implementation={attention}").model
+        plan = compute_plan(run_config(ppo=ppo, model=model), 64)
+        assert plan.layout.shared_prefix and plan.models.critic_enabled and plan.models.reference_enabled
+        torch.manual_seed(0)
+        module = PPOModule(
+            model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0, temperature=TEMPERATURE,
+            attn_implementation=attention,
+        )  # fmt: skip
+        torch.manual_seed(1)  # a random value head (the run's starts at zero), the same in both modules
+        torch.nn.init.normal_(module.critic.score.weight)
+        layout = module.micro_batch_layout(batch)
+        shapes = {tuple(mb.input_ids.shape) for _, mb in layout.lay_out(layout.split(list(range(8))))}
+        if attention == "flex_attention":  # one shape for every micro-batch: the kernel compiles once
+            assert shapes == {(1, ROW_TOKENS)}
+        module.check_packed_layout(batch)
+        experiences[attention] = module.make_experience(batch)
+    assert plan.layout.row_tokens == module.row_tokens == ROW_TOKENS
+    assert len(checks) == 2 and checks[1].logprob_mean < 1e-5 and checks[1].value_relative < 1e-5, checks[1]
+    a, b = experiences["sdpa"], experiences["flex_attention"]
+    assert torch.equal(a.mask, b.mask) and float(a.values.abs().max()) > 0
+    for field in ("old_logp", "ref_logp", "values", "advantages"):
+        torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
