@@ -256,18 +256,8 @@ class LayoutPlan:
     expected_real_tokens_per_micro_batch: float | None = None  # this run's layout (its micro-batch count)
     expected_packed_tokens_per_micro_batch: float | None = None  # positions packed (row ends not counted)
     expected_padded_layout_tokens_per_micro_batch: float | None = None  # positions padded, at most
-
-    @property
-    def expected_row_padding_tokens(self) -> float | None:
-        """Flex attention's fixed rows: the positions of a row expected to hold no token (the row less the expected
-        real tokens, less the prompt tokens the shared prefix lays out once); None without fixed rows or the data's
-        prompts."""
-        if self.row_tokens is None or self.expected_packed_tokens_per_micro_batch is None:
-            return None
-        laid_out = self.expected_packed_tokens_per_micro_batch - (
-            self.expected_prefix_tokens_saved_per_micro_batch or 0
-        )
-        return max(0.0, self.row_tokens - laid_out)
+    # flex attention's fixed rows: positions of a row expected to hold no token (`expected_row_padding`)
+    expected_row_padding_tokens_per_micro_batch: float | None = None
 
     def rows(self, plan: StepPlan) -> list[Row]:
         if self.micro_train_max_tokens is None:
@@ -380,11 +370,11 @@ class LayoutPlan:
             )
         rows = [("expected real tokens", round(real), assumed), laid_out]
         saved = self.expected_prefix_tokens_saved_per_micro_batch
-        if self.packing and self.row_tokens is not None:
+        if self.expected_row_padding_tokens_per_micro_batch is not None:
             rows.append(
                 (
                     "expected row padding",
-                    round(self.expected_row_padding_tokens),
+                    round(self.expected_row_padding_tokens_per_micro_batch),
                     f"/ micro-batch / rank: positions of the {self.row_tokens}-position row that hold no token (the "
                     "layers compute them, the attention skips their blocks); ppo.micro_train_max_tokens near the "
                     "real tokens narrows it",
@@ -933,6 +923,12 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         expected = expected_micro_batch_tokens(
             ppo, ppo.train_batch_size // data_parallel_size, counts.max_response_tokens, prompt_stats, packing
         )
+    saved = (
+        expected[0] * prefix_fraction(ppo, counts.max_response_tokens, prompt_stats)
+        if shared_prefix and prompt_stats is not None
+        else None
+    )
+    row_tokens = max_tokens if packing and config.model.attn_implementation == "flex_attention" else None
     return LayoutPlan(
         micro_train_batch_size=ppo.micro_train_batch_size,
         grad_accumulation_steps=ppo.train_batch_size // (ppo.micro_train_batch_size * data_parallel_size),
@@ -940,19 +936,25 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         packing=packing,
         attn_implementation=config.model.attn_implementation,
         shared_prefix=shared_prefix,
-        expected_prefix_tokens_saved_per_micro_batch=(
-            expected[0] * prefix_fraction(ppo, counts.max_response_tokens, prompt_stats)
-            if shared_prefix and prompt_stats is not None
-            else None
-        ),
+        expected_prefix_tokens_saved_per_micro_batch=saved,
         rank_balance=packing and data_parallel_size > 1,
         max_micro_batch_tokens=max_tokens,
-        row_tokens=max_tokens if packing and config.model.attn_implementation == "flex_attention" else None,
+        row_tokens=row_tokens,
         prompt_stats=prompt_stats,
         expected_real_tokens_per_micro_batch=expected[0],
         expected_packed_tokens_per_micro_batch=expected[1],
         expected_padded_layout_tokens_per_micro_batch=expected[2],
+        expected_row_padding_tokens_per_micro_batch=expected_row_padding(row_tokens, expected[1], saved),
     )
+
+
+def expected_row_padding(row_tokens: int | None, packed: float | None, saved: float | None) -> float | None:
+    """Flex attention's fixed rows (`row_tokens`): the positions of a row expected to hold no token, the row less the
+    expected packed tokens less the prompt tokens the shared prefix lays out once (`saved`); None without fixed rows
+    or the data's prompts."""
+    if row_tokens is None or packed is None:
+        return None
+    return max(0.0, row_tokens - (packed - (saved or 0.0)))
 
 
 def resolve_shared_prefix(ppo: PPOConfig, packing: bool, attn_implementation: str | None) -> bool:

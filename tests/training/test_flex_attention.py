@@ -157,7 +157,7 @@ def test_the_plan_states_the_fixed_row_and_the_padding_it_expects():
     layout = plan.layout
     assert layout.row_tokens == 8192 and layout.shared_prefix
     laid_out = layout.expected_packed_tokens_per_micro_batch - layout.expected_prefix_tokens_saved_per_micro_batch
-    assert layout.expected_row_padding_tokens == pytest.approx(8192 - laid_out)
+    assert layout.expected_row_padding_tokens_per_micro_batch == pytest.approx(8192 - laid_out)
     table = plan.table()
     assert "flex_attention: one row per micro-batch padded to 8192 positions" in table
     assert "expected row padding" in table and "(block mask)" in table
