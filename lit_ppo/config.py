@@ -128,9 +128,10 @@ class PPOConfig:
     shared_prefix: bool | None = None
     """Packed micro-batches with each prompt once: a prompt group's samples in one micro-batch share their prompt's
     tokens (a multi-turn episode's first prompt), each response attending to the prompt and to itself only (a 4-D
-    mask), its position ids going on from the prompt's; log-probs, values and gradients are the flat packed layout's
-    (lit_ppo/training/shared_prefix.py). null: on where that is exact (packing on, n_samples_per_prompt >= 2, sdpa or
-    eager attention); true: refused where it is not; false: every sample's prompt laid out."""
+    mask; flex attention: a block mask), its position ids going on from the prompt's; log-probs, values and gradients
+    are the flat packed layout's (lit_ppo/training/shared_prefix.py). Under data parallelism a group's samples train on
+    one rank. null: on where that is exact (packing on, n_samples_per_prompt >= 2, sdpa, eager or flex_attention, no
+    sliding window); true: refused where it is not; false: every sample's prompt laid out."""
     old_logprobs: str = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: an experience forward of the actor before the updates;
     auto: skip that forward when the update is exactly on-policy (ppo_epochs=1, one mini-batch per rollout step, no KL
