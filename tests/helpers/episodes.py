@@ -48,3 +48,13 @@ class FlakyCalculator(DigitCallCalculator):
 
 
 FLAKY_ENVIRONMENT = {"_target_": "tests.helpers.episodes.FlakyCalculator", "call_end": ";", "hang_s": 5.0}
+
+
+class RaisingCalculator(DigitCallCalculator):
+    """DigitCallCalculator whose every step raises."""
+
+    def step(self, action):
+        raise RuntimeError("the sandbox is down")
+
+
+RAISING_ENVIRONMENT = {"_target_": "tests.helpers.episodes.RaisingCalculator", "call_end": ";"}
