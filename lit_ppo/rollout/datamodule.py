@@ -130,9 +130,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.log_dir: Path | None = None  # where rollout worker processes log, if the source starts any (build_run)
-        self.attn_implementation: str | None = (
-            None  # model.attn_implementation: a rollout worker's HF engine loads with it
-        )
+        # model.attn_implementation (build_run): a rollout worker's HF engine loads its model with it.
+        self.attn_implementation: str | None = None
         self.chat_template = chat_template
         # Which version generates which step, what is in flight, what was received (its state joins this one's).
         self.source = source if source is not None else source_for(plan, rollout.tensor_parallel_size)
