@@ -1062,11 +1062,6 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         return
     k = rollout.staleness()
     where = f"rollout.mode=disaggregated (rollout.max_staleness={k})"
-    if rollout.engine != "vllm":
-        raise ConfigError(
-            f"{where} with rollout.engine={rollout.engine}: rollout workers run vLLM engines of their own; "
-            "fix: rollout.engine=vllm, or rollout.mode=colocated"
-        )
     if strategy.data_parallel_size != 1:
         raise ConfigError(
             f"{where} with {strategy.data_parallel_size} trainer ranks: rollout workers serve a single trainer rank "
@@ -1076,11 +1071,6 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         raise ConfigError(
             f"{where} with ppo.dynamic_sampling.enabled=true: the rounds a rollout step needs are known only after its "
             "rewards, so the steps cannot be scheduled ahead; fix: ppo.dynamic_sampling.enabled=false or rollout.mode=colocated"
-        )
-    if rollout.episodes.environment is not None:
-        raise ConfigError(
-            f"{where} with rollout.episodes.environment: multi-turn episodes are generated in the trainer's process "
-            "only; fix: rollout.episodes.environment=null, or rollout.mode=colocated"
         )
     if k > 0 and ppo.rollout_correction.mode == "none":
         raise ConfigError(

@@ -201,7 +201,15 @@ class ModelsPlan:
     def rows(self, plan: StepPlan) -> list[Row]:
         where = "in each rollout worker" if plan.workers else "in this process"
         synced = "pushed over gloo" if plan.workers else "synced"
-        if self.rollout_engine == "hf":
+        if self.rollout_engine == "hf" and plan.workers:
+            what = "only the adapter" if plan.lora else "the actor's weights"
+            engine = (
+                "engine",
+                "hf",
+                f"Hugging Face generate {where}: a copy of the actor loaded from model_dir, {what} {synced} after "
+                "each rollout step",
+            )
+        elif self.rollout_engine == "hf":
             engine = ("engine", "hf", "the actor generates (Hugging Face generate): shares its weights, no sync")
         elif plan.lora:
             engine = (

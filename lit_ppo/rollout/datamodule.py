@@ -38,7 +38,7 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer, Scores
 from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
-from lit_ppo.rollout.episodes import EpisodeSettings, ObservationEncoder, episode_stats, run_episodes
+from lit_ppo.rollout.episodes import EpisodeRunner, EpisodeSettings, EpisodeSpec, ObservationEncoder, episode_stats
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
 from lit_ppo.waits import start_within
@@ -130,6 +130,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.log_dir: Path | None = None  # where rollout worker processes log, if the source starts any (build_run)
+        # model.attn_implementation (build_run): a rollout worker's HF engine loads its model with it.
+        self.attn_implementation: str | None = None
+        self.chat_template = chat_template
         # Which version generates which step, what is in flight, what was received (its state joins this one's).
         self.source = source if source is not None else source_for(plan, rollout.tensor_parallel_size)
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
@@ -337,10 +340,22 @@ class RolloutDataModule(L.LightningDataModule):
 
     def rollout_request(self, rollout_step: int) -> dict:
         """The generate keywords of `rollout_step` taken as one generation round (a source that requests steps ahead
-        asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them."""
+        asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them. With
+        multi-turn episodes: the prompts, their positions and the purpose that seeds each turn, as `generate_round`
+        passes them to `run_episodes` (a rollout worker runs them with the same `EpisodeRunner`)."""
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
         positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         n = self.plan.counts.n_samples_per_prompt
+        if self.make_environment is not None:
+            return dict(
+                prompts=prompts,
+                positions=positions,
+                n=n,
+                temperature=self.rollout.temperature,
+                top_p=self.rollout.top_p,
+                purpose=f"rollout_step={rollout_step}",
+                where=f"rollout step {rollout_step + 1}",
+            )
         return dict(
             prompt_token_ids=[p.prompt_ids for p in prompts],
             n=n,
@@ -376,31 +391,40 @@ class RolloutDataModule(L.LightningDataModule):
         where: str,
     ) -> list:
         """n episodes per prompt (lit_ppo.rollout.episodes); `positions` are the prompts' global positions. Turn t of the
-        episode at global sample position q is seeded base(purpose, turn t) + q, so the episodes do not depend on the
-        number of ranks; `purpose=None` samples unseeded (greedy evaluation)."""
-        samples = [position * n + j for position in positions for j in range(n)]
-        seeds = None
-        if purpose is not None:
-            cache: dict[int, list[int]] = {}
-
-            def seeds(turn: int) -> list[int]:
-                if turn not in cache:
-                    cache[turn] = sampling_seeds(self.seed, f"{purpose}/turn={turn}", samples, 1)
-                return cache[turn]
-
-        return run_episodes(
+        episode at global sample position q is seeded base(purpose, turn t) + q (`episode_seeds`), so the episodes do
+        not depend on the number of ranks; `purpose=None` samples unseeded (greedy evaluation). Rollout workers run
+        the same `EpisodeRunner`, built from `episode_spec`."""
+        runner = EpisodeRunner(
+            self.make_environment, self.tokenizer, self.episode_settings, self.observation_encoder, self.seed
+        )
+        return runner.run(
             self.start_engine(),
             prompts,
+            positions,
             n,
-            self.make_environment,
-            self.tokenizer,
-            self.episode_settings,
-            self.observation_encoder,
             temperature=temperature,
             top_p=top_p,
-            seeds=seeds,
+            purpose=purpose,
             where=where,
-            sample_positions=samples,
+        )
+
+    def episode_spec(self) -> EpisodeSpec | None:
+        """The run's multi-turn settings as plain values, for rollout workers to build their episodes from (None:
+        single-turn responses)."""
+        if self.make_environment is None:
+            return None
+        environment = self.rollout.episodes.environment
+        if not isinstance(environment, dict):  # an OmegaConf node: plain values cross to the workers
+            from omegaconf import OmegaConf
+
+            environment = OmegaConf.to_container(environment, resolve=True)
+        return EpisodeSpec(
+            environment=dict(environment),
+            settings=self.episode_settings,
+            model_dir=str(self.model_dir),
+            chat_template=self.chat_template,
+            observation_role=self.rollout.episodes.observation_role,
+            seed=self.seed,
         )
 
     def rewards_of(

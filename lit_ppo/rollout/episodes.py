@@ -20,12 +20,13 @@ from typing import Callable
 from lit_ppo.environments import (
     EnvironmentTimeout,
     TokenIds,
+    build_environment_factory,
     call_all_with_timeout,
     check_observation,
     check_step_result,
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure
-from lit_ppo.rollout.engine import Generation
+from lit_ppo.rollout.engine import Generation, sampling_seeds
 from lit_ppo.rollout.prompts import Prompt, end_of_turn_token_ids
 
 log = logging.getLogger("lit_ppo")
@@ -325,6 +326,88 @@ def run_episodes(
         ep.text = tokenizer.decode(ep.token_ids, skip_special_tokens=True)
         episodes.append(ep)
     return episodes
+
+
+def episode_seeds(seed: int, purpose: str | None, samples: list[int]) -> Callable[[int], list[int]] | None:
+    """Per turn, one seed per episode: turn t of the episode at global sample position q is seeded
+    base(purpose, turn t) + q, so episodes do not depend on the number of ranks or rollout workers; `purpose=None`:
+    unseeded (greedy evaluation)."""
+    if purpose is None:
+        return None
+    cache: dict[int, list[int]] = {}
+
+    def seeds(turn: int) -> list[int]:
+        if turn not in cache:
+            cache[turn] = sampling_seeds(seed, f"{purpose}/turn={turn}", samples, 1)
+        return cache[turn]
+
+    return seeds
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """A run's multi-turn settings as plain values, which a rollout worker builds its episodes from (its WorkerSpec):
+    rollout.episodes.environment (a `_target_` node), the episode settings, the tokenizer's directory, how
+    observations are encoded, and the run's seed."""
+
+    environment: dict
+    settings: EpisodeSettings
+    model_dir: str
+    chat_template: bool
+    observation_role: str
+    seed: int
+
+
+class EpisodeRunner:
+    """Runs n episodes per prompt of a request (`run_episodes`) with the run's environment, tokenizer, settings and
+    observation encoder, seeded per turn and global sample position (`episode_seeds`): the data module's, and a
+    rollout worker's built from the run's `EpisodeSpec` (`from_spec`), so both generate the same episodes."""
+
+    def __init__(self, make_environment, tokenizer, settings: EpisodeSettings, encoder: ObservationEncoder, seed: int):
+        self.make_environment, self.tokenizer, self.settings, self.encoder, self.seed = (
+            make_environment,
+            tokenizer,
+            settings,
+            encoder,
+            seed,
+        )
+
+    @classmethod
+    def from_spec(cls, spec: EpisodeSpec) -> "EpisodeRunner":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        encoder = ObservationEncoder(tokenizer, spec.chat_template, spec.observation_role)
+        return cls(build_environment_factory(spec.environment), tokenizer, spec.settings, encoder, spec.seed)
+
+    def run(
+        self,
+        engine,
+        prompts: list[Prompt],
+        positions: list[int],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        purpose: str | None,
+        where: str,
+    ) -> list[Episode]:
+        """n episodes of each prompt; `positions`: the prompts' global positions in the round."""
+        samples = [position * n + j for position in positions for j in range(n)]
+        return run_episodes(
+            engine,
+            prompts,
+            n,
+            self.make_environment,
+            self.tokenizer,
+            self.settings,
+            self.encoder,
+            temperature=temperature,
+            top_p=top_p,
+            seeds=episode_seeds(self.seed, purpose, samples),
+            where=where,
+            sample_positions=samples,
+        )
 
 
 def episode_stats(episodes: list) -> dict[str, float]:

@@ -21,6 +21,11 @@ the training step: the start-of-run evaluation); bf16-true has bf16 weights. The
 order of summation (KV cache against one forward over the sequence): ~1e-7 nats per token in float32, bf16 noise
 under bf16.
 
+In a rollout worker (rollout.mode=disaggregated, `from_model_dir`) the engine holds a model of its own, loaded from
+`model_dir` as the trainer loads its actor, and the trainer's pushes are applied to it: full weights copied in by
+Hugging Face name (`sync_weights`), or with model.lora the adapter (`sync_adapter`: the model wrapped in peft once,
+each pushed adapter loaded into it and recorded as `adapter_version` on every sample).
+
 Ranks: under DDP every rank holds the whole actor and generates its own share with no collective, as vLLM does.
 FSDP is refused at config time (`config.validate_rollout_engine`): a sharded actor gathers every layer for every
 decoded token, on every rank in lock-step, so ranks whose responses end sooner would have to keep stepping.
@@ -42,6 +47,7 @@ from transformers import (
 )
 
 from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.errors import WeightSyncError
 
 
 class _SeededSampler(LogitsProcessor):
@@ -146,6 +152,31 @@ class HFEngine:
         self.eos_token_ids = {int(i) for i in eos + [tokenizer.eos_token_id] if i is not None}
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_token_ids)
 
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str,
+        *,
+        precision: str = "32-true",
+        seed: int = 0,
+        max_batch_sequences: int | None = None,
+        lora: bool = False,
+        attn_implementation: str | None = None,
+    ) -> "HFEngine":
+        """An engine with a model of its own (a rollout worker's), loaded from `model_dir` in the dtype the trainer
+        loads its actor in (`training.models.load_models`: float32; bf16 under bf16-true, and a LoRA base's under
+        bf16-mixed), on the first GPU if there is one."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        bf16 = precision == "bf16-true" or (lora and precision == "bf16-mixed")
+        attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16 if bf16 else torch.float32, **attention
+        )
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval().requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(model, tokenizer, precision=precision, seed=seed, max_batch_sequences=max_batch_sequences)
+
     # ------------------------------------------------------------ the engine interface
 
     def generate(
@@ -196,10 +227,12 @@ class HFEngine:
                     truncated=reason == "length",
                     text=text,
                     logprobs=logprobs,
+                    adapter_version=self.adapter_version,
                 )
         return results
 
-    # The adapter (model.lora) is the actor's own too: samples record adapter version 0, as the base's.
+    # Sharing the actor, the adapter (model.lora) is the actor's own too: samples record adapter version 0, as the
+    # base's. An engine of its own (a rollout worker's) records the version of the adapter pushed last.
     adapter_version = 0
 
     def update_weights(self, update: WeightUpdate) -> int:
@@ -207,6 +240,39 @@ class HFEngine:
         tensors are not read (a sharded actor would gather every one); nothing moves."""
         self.weights_version += 1
         return 0
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors) -> None:
+        """An engine of its own (`from_model_dir`): copy the pushed tensors, by Hugging Face name, into its model."""
+        own = self.model.state_dict()
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise WeightSyncError(
+                    f"HF engine: the pushed weights name {name!r}, which its model ({type(self.model).__name__}) "
+                    "lacks; fix: start the rollout workers from the actor's model_dir"
+                )
+            own[name].copy_(tensor)
+
+    @torch.no_grad()
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict, version: int) -> None:
+        """An engine of its own, model.lora: load the adapter (peft's tensor names and adapter config) into its model,
+        wrapped in peft at the first one, and record `version` on every later sample; every adapter tensor must be
+        loaded."""
+        import dataclasses
+
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        if not hasattr(self.model, "peft_config"):
+            fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+            config = LoraConfig(**{k: v for k, v in peft_config.items() if k in fields})
+            self.model = get_peft_model(self.model, config).eval().requires_grad_(False)
+        loaded = set_peft_model_state_dict(self.model, tensors)
+        if loaded.unexpected_keys:
+            raise WeightSyncError(
+                f"HF engine: adapter version {version} has {len(loaded.unexpected_keys)} tensors its peft model does "
+                f"not take (e.g. {loaded.unexpected_keys[0]}); the rollouts would not sample from the trained policy"
+            )
+        self.adapter_version = version
 
     @torch.no_grad()
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:

@@ -147,22 +147,13 @@ class AheadOfTimeSource:
 
     def start_engine(self, datamodule) -> RolloutEngine:
         from lit_ppo.rollout.workers.client import RolloutWorkers
+        from lit_ppo.rollout.workers.engines import worker_engine_settings
 
         r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
         return RolloutWorkers(
-            engine_kwargs=dict(
-                model_dir=datamodule.model_dir,
-                dtype=r.dtype or plan.models.rollout_dtype,
-                max_model_len=r.max_model_len,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                kv_cache_gib=r.kv_cache_gib,
-                seed=datamodule.seed,
-                tensor_parallel_size=r.tensor_parallel_size,
-                enforce_eager=r.enforce_eager,
-                max_lora_rank=(
-                    plan.lora.vllm_max_lora_rank if plan.lora else None
-                ),  # model.lora: the base, then adapters pushed
-            ),
+            engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
+            engine_name=r.engine,
+            episodes=datamodule.episode_spec(),  # multi-turn episodes: the workers build their environments
             workers=w.count,
             devices_per_worker=w.devices,
             trainer_devices=plan.counts.data_parallel_size,
@@ -228,7 +219,7 @@ class AheadOfTimeSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.received = {
-            int(step): Received([Generation(**g) for g in gens], list(versions), float(seconds))
+            int(step): Received([generation_of(g) for g in gens], list(versions), float(seconds))
             for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
         }
         self.next_step = min(self.received, default=0)  # a checkpoint keeps none before the cursor
@@ -240,6 +231,13 @@ class AheadOfTimeSource:
 
     def restore(self, snapshot: dict) -> None:
         self.next_step = snapshot["next_step"]
+
+
+def generation_of(fields: dict) -> Generation:
+    """A kept generation back from its fields: an episode (multi-turn, with its mask) or a single-turn response."""
+    from lit_ppo.rollout.episodes import Episode
+
+    return Episode(**fields) if "policy_mask" in fields else Generation(**fields)
 
 
 def source_for(plan: StepPlan | None, tensor_parallel_size: int = 1) -> RolloutSource:

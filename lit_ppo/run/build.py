@@ -90,7 +90,7 @@ def build_run(
     tokenizer, the (train, eval) prompts, the scorer, and where metrics.csv goes. `engine`: a vLLM engine to share
     (single process only); None starts one per rank in the data module's setup. `strategy`: the Lightning strategy
     built from `config.strategy.lightning`. With rollout.engine=hf the data module is given an `HFEngine` on the
-    module's actor."""
+    module's actor (colocated; rollout workers start HF engines of their own)."""
     quiet_known_warnings()
     train_prompts, eval_prompts = prompts
     datamodule = datamodule_class(
@@ -107,6 +107,7 @@ def build_run(
         source=source_for(plan, config.rollout.tensor_parallel_size),
     )
     datamodule.log_dir = Path(output_dir) / "logs"  # rollout.mode=disaggregated: the rollout workers' logs
+    datamodule.attn_implementation = config.model.attn_implementation  # a rollout worker's HF engine loads with it
     module = PPOModule(
         model_dir=model_dir,
         ppo=config.ppo,
@@ -121,7 +122,8 @@ def build_run(
         attn_implementation=config.model.attn_implementation,
     )
     rollout = config.rollout
-    if rollout.engine == "hf":  # the actor itself generates: the engine holds the module's model, not a copy
+    # The actor itself generates: the engine holds the module's model, not a copy (rollout workers load their own).
+    if rollout.engine == "hf" and not plan.workers:
         if engine is not None:
             raise ValueError("build_run: rollout.engine=hf generates with this run's actor; pass engine=None")
         datamodule.engine = HFEngine(

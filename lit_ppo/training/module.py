@@ -628,15 +628,15 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
     step (`StepPlan.generating_version`: k, or max(0, k - max_staleness) with rollout workers), adapter version
     v + 1 for the actor after v rollout steps. A sync that was skipped or lost stops the run here, within one rollout
     step."""
-    if batch.adapter_versions is None or plan.models.rollout_engine != "vllm":
-        return  # no LoRA; or the engine is the actor itself (rollout.engine=hf)
+    if batch.adapter_versions is None or (plan.models.rollout_engine == "hf" and not plan.workers):
+        return  # no LoRA; or the engine is the actor itself (rollout.engine=hf, colocated)
     policy_version = plan.generating_version(batch.rollout_step)
     expected = adapter_version(policy_version)
     stale = sorted({v for v in batch.adapter_versions if v != expected})
     if stale:
         logs = "logs/rollout_worker<N>.log" if plan.workers else "logs/run.log"
         raise WeightSyncError(
-            f"rollout step {batch.rollout_step + 1}: vLLM sampled with LoRA adapter version(s) {stale}, but the trainer's "
+            f"rollout step {batch.rollout_step + 1}: {'vLLM' if plan.models.rollout_engine == 'vllm' else 'the HF engine'} sampled with LoRA adapter version(s) {stale}, but the trainer's "
             f"adapter of policy version {policy_version} is version {expected}: the adapter sync did not reach the "
             f"engine; fix: report it with {logs} (the rollouts were not from the trained policy)"
         )

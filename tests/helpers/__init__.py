@@ -104,6 +104,7 @@ def build_run(
     precision: str = "32-true",
     datamodule_class=RolloutDataModule,
     lora=None,
+    on_error: str = "raise",
     **ppo_overrides,
 ):
     """(trainer, module, data module, plan) of a small run on the tiny model in this process (8 prompts x 4 samples,
@@ -134,7 +135,7 @@ def build_run(
         config,
         model_dir,
         files,
-        scorer=RewardScorer(fn=reward_fn),
+        scorer=RewardScorer(fn=reward_fn, on_error=on_error),
         output_dir=tmp_path,
         engine=engine,
         callbacks=callbacks,

@@ -22,3 +22,39 @@ class DigitCallCalculator(CalculatorEnvironment):
 
 
 ENVIRONMENT = {"_target_": "tests.helpers.episodes.DigitCallCalculator", "call_end": ";"}
+
+
+class FlakyCalculator(DigitCallCalculator):
+    """DigitCallCalculator whose second step fails in some episodes, chosen by the prompt (so a colocated run and a
+    rollout worker fail the same ones): it raises where the prompt's digits sum to 0 mod 3, hangs for `hang_s` where
+    they sum to 1 mod 3 (beyond rollout.episodes.environment_timeout_s: a timeout), and answers otherwise."""
+
+    def __init__(self, hang_s: float = 5.0, **kwargs):
+        super().__init__(**kwargs)
+        self.hang_s = hang_s
+
+    def reset(self, record):
+        self.kind = sum(int(c) for c in record["prompt"] if c.isdigit()) % 3
+        return super().reset(record)
+
+    def step(self, action):
+        if self.turn == 1 and self.kind == 0:
+            raise RuntimeError("the sandbox is down")
+        if self.turn == 1 and self.kind == 1:
+            import time
+
+            time.sleep(self.hang_s)
+        return super().step(action)
+
+
+FLAKY_ENVIRONMENT = {"_target_": "tests.helpers.episodes.FlakyCalculator", "call_end": ";", "hang_s": 5.0}
+
+
+class RaisingCalculator(DigitCallCalculator):
+    """DigitCallCalculator whose every step raises."""
+
+    def step(self, action):
+        raise RuntimeError("the sandbox is down")
+
+
+RAISING_ENVIRONMENT = {"_target_": "tests.helpers.episodes.RaisingCalculator", "call_end": ";"}

@@ -1,10 +1,11 @@
-"""Rollout workers (rollout.mode=disaggregated): processes with their own vLLM engines, by side.
+"""Rollout workers (rollout.mode=disaggregated): processes with engines of their own, by side.
 
 - `client.py`: the trainer's side, `RolloutWorkers`, an engine of the contract (lit_ppo/contract.py).
 - `launch.py`: how the workers start and how the trainer watches them (spawned by the trainer, or external: started
   by the user's launcher on any node).
 - `transport.py`: the channel, a TCPStore for commands and answers and a gloo group for the weights.
 - `worker_main.py`: the worker process's loop (`python -m lit_ppo.rollout.workers`).
+- `engines.py`: the engine a worker runs, by rollout.engine (vLLM, or HF on a copy of the actor).
 - `messages.py`: what goes through the store, as frozen dataclasses.
 
 Which version generates which rollout step is not here but in lit_ppo/rollout/schedule.py; see docs/async.md.

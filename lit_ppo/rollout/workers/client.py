@@ -9,6 +9,7 @@ rollout.workers.launch).
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import time
@@ -21,9 +22,13 @@ import torch
 from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.engine import tensor_bytes
+from lit_ppo.rollout.episodes import EpisodeSpec
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, BucketHeader, Generate, Result, Stop, WorkerSpec
 from lit_ppo.rollout.workers.transport import POLL_S, broadcast, gloo_group, seconds_delta, weight_buckets
+
+PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
+"""A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class RolloutWorkers:
         launch: str = "spawn",
         port: int = 0,
         heartbeat_timeout_s: float = 60.0,
+        engine_name: str = "vllm",
+        episodes: EpisodeSpec | None = None,
     ):
         import torch.distributed as dist
 
@@ -79,7 +86,8 @@ class RolloutWorkers:
                 "rollout.workers.port to a free port on this node"
             ) from None
         self.address = f"{self.host}:{self.store.port}"
-        self.store.set("spec", pickle.dumps(WorkerSpec(engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers)))
+        spec = WorkerSpec(engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers, engine_name, episodes)
+        self.store.set("spec", pickle.dumps(spec))
         self.launch: Launch = (
             ExternalLaunch(
                 store=self.store, address=self.address, workers=workers, heartbeat_timeout_s=heartbeat_timeout_s
@@ -145,20 +153,18 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------ generation
 
-    def submit(self, prompt_token_ids: list[list[int]], **params) -> list[Ticket]:
+    def submit(self, prompt_token_ids: list[list[int]] | None = None, **params) -> list[Ticket]:
         """Queue generation of these prompts (contiguous shares over the workers, behind what each has queued);
-        returns the tickets to `collect`. `params`: those of `VLLMEngine.generate` (seeds: one per prompt)."""
+        returns the tickets to `collect`. `params`: those of `VLLMEngine.generate` (seeds: one per prompt), or
+        multi-turn episodes' (`prompts`, `positions`, ...: `EpisodeRunner.run`'s) without `prompt_token_ids`."""
+        request = params if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids, **params}
+        n_prompts = len(request["prompt_token_ids"] if prompt_token_ids is not None else request["prompts"])
         tickets = []
-        n_prompts = len(prompt_token_ids)
         for worker in range(self.workers):
             start, stop = worker * n_prompts // self.workers, (worker + 1) * n_prompts // self.workers
-            share = dict(params)
-            if share.get("seeds") is not None:
-                share["seeds"] = share["seeds"][start:stop]
-            if isinstance(share.get("max_tokens"), list):
-                share["max_tokens"] = share["max_tokens"][start:stop]
+            share = {k: v[start:stop] if k in PER_PROMPT and isinstance(v, list) else v for k, v in request.items()}
             self.tickets += 1
-            self._send(worker, Generate(self.tickets, {"prompt_token_ids": prompt_token_ids[start:stop], **share}))
+            self._send(worker, Generate(self.tickets, share))
             tickets.append(Ticket(worker, self.tickets, start))
         return tickets
 
@@ -176,6 +182,8 @@ class RolloutWorkers:
                     t.worker,
                 )
             )
+            for warning in result.warnings:  # e.g. episodes scored 0 after environment errors, as colocated runs say
+                logging.getLogger("lit_ppo").warning("rollout worker %d: %s", t.worker, warning)
             for g in result.generations:
                 g.prompt_index += t.offset
             generations += result.generations

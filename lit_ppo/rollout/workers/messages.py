@@ -9,17 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit_ppo.contract import Generation, Probe
+from lit_ppo.rollout.episodes import EpisodeSpec
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker reads first (`spec`): its engine's keywords (VLLMEngine's), how long a weight bucket may
-    take, the bound on the probe's log-prob difference, and how many workers the trainer expects."""
+    """What every worker reads first (`spec`): its engine's settings (`engines.WORKER_ENGINES[engine_name]`), how
+    long a weight bucket may take, the bound on the probe's log-prob difference, how many workers the trainer expects,
+    and with multi-turn episodes the settings the worker builds its environments from (plain values, never live
+    objects)."""
 
     engine: dict
     push_timeout_s: float
     max_logprob_abs_diff: float | None
     workers: int
+    engine_name: str = "vllm"  # rollout.engine
+    episodes: EpisodeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,9 @@ class Hello:
 
 @dataclass(frozen=True)
 class Generate:
-    """Generate `request` (VLLMEngine.generate's keywords) and store the result under `ticket`."""
+    """Generate `request` and store the result under `ticket`: `VLLMEngine.generate`'s keywords, or with `prompts`
+    multi-turn episodes (`EpisodeRunner.run`'s keywords: prompts, positions, n, temperature, top_p, purpose,
+    where)."""
 
     ticket: int
     request: dict
@@ -59,11 +66,13 @@ class Stop:
 @dataclass(frozen=True)
 class Result:
     """A worker's answer to `Generate` (`result/<worker>/<ticket>`): its generations, the policy version that
-    generated them, and the seconds they took."""
+    generated them, the seconds they took, and the warnings it logged meanwhile (e.g. episodes scored 0 after
+    environment errors), which the trainer logs again."""
 
     generations: list[Generation]
     policy_version: int
     seconds: float
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

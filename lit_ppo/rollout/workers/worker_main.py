@@ -1,5 +1,7 @@
-"""A rollout worker process: connects to the trainer's store, starts the engine of its spec, then follows its ordered
-commands (generate, apply a received weight version, stop) until told to stop or the trainer is gone.
+"""A rollout worker process: connects to the trainer's store, starts the engine of its spec (`engines.py`, by
+rollout.engine) and, with multi-turn episodes, builds their environments from the run's settings, then follows its
+ordered commands (generate responses or episodes, apply a received weight version, stop) until told to stop or the
+trainer is gone.
 
 Started by the trainer (rollout.workers.launch=spawn: `python -m lit_ppo.rollout.workers HOST PORT WORKER WORKERS`) or
 by the user's launcher on any node (external: `python -m lit_ppo.rollout.workers --connect HOST:PORT [--worker N]`,
@@ -7,6 +9,7 @@ docs/async.md)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -57,6 +60,30 @@ def _address_towards(host: str, port: int) -> str:
     with socket.socket(family, kind) as probe:
         probe.connect(address)
         return probe.getsockname()[0]
+
+
+class WarningLines(logging.Handler):
+    """The warnings lit_ppo logs in this worker while it generates (`with` it), which go back to the trainer with the
+    result (`take`): e.g. run_episodes' count of episodes scored 0 after environment errors or timeouts."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        print(f"warning: {record.getMessage()}", flush=True)  # and in this worker's log
+
+    def __enter__(self):
+        logging.getLogger("lit_ppo").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("lit_ppo").removeHandler(self)
+
+    def take(self) -> tuple[str, ...]:
+        lines, self.lines = tuple(self.lines), []
+        return lines
 
 
 def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, version: int) -> None:
@@ -127,11 +154,20 @@ def worker_main(
             threads.append(threading.Thread(target=send_heartbeats, args=(store, worker, stopping), daemon=True))
             threads[-1].start()
             print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
-        from lit_ppo.rollout.engine import VLLMEngine
+        from lit_ppo.rollout.workers.engines import start_worker_engine
 
         started = time.perf_counter()
-        engine = VLLMEngine(**spec.engine)
-        print(f"rollout worker {worker}: engine started in {time.perf_counter() - started:.1f} s", flush=True)
+        engine = start_worker_engine(spec.engine_name, spec.engine)
+        print(
+            f"rollout worker {worker}: {spec.engine_name} engine started in {time.perf_counter() - started:.1f} s",
+            flush=True,
+        )
+        episodes = None
+        if spec.episodes is not None:  # multi-turn episodes: the environments are built here, from the run's settings
+            from lit_ppo.rollout.episodes import EpisodeRunner
+
+            episodes = EpisodeRunner.from_spec(spec.episodes)
+        warnings = WarningLines()
         store.set(f"ready/{worker}", b"1")
         own_host = _address_towards(host, port) if external else host
         group = gloo_group(store, worker + 1, workers + 1, spec.push_timeout_s, own_host)
@@ -156,9 +192,14 @@ def worker_main(
                 check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
             elif isinstance(command, Generate):
                 started = time.perf_counter()
-                generations = engine.generate(**command.request)
+                with warnings:
+                    if "prompts" in command.request:  # multi-turn episodes (EpisodeRunner.run's keywords)
+                        generations = episodes.run(engine, **command.request)
+                    else:
+                        generations = engine.generate(**command.request)
                 seconds = time.perf_counter() - started
-                store.set(f"result/{worker}/{command.ticket}", pickle.dumps(Result(generations, version, seconds)))
+                result = Result(generations, version, seconds, warnings.take())
+                store.set(f"result/{worker}/{command.ticket}", pickle.dumps(result))
         engine.close()
         stop_threads(stopping, threads)
         # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.
