@@ -201,8 +201,6 @@ NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError): a r
 warning line each (`remedy_changes`). Learning rates take effect from the resumed run's first optimizer step
 (`training.optim.apply_learning_rates`), the others where they are read, every rollout step."""
 
-CHANGEABLE_KEYS = ()  # set below: every key (or key prefix) a resumed run may change
-
 UNTRACKED_KEYS = (
     "trainer.eval_every",
     "trainer.checkpoint_every",
