@@ -974,3 +974,102 @@ def test_sigterm_at_k2_drops_the_step_without_waiting_ahead_and_resumes_bitwise(
     assert resumed.rollout_step == full.rollout_step == 4
     for name, tensor in full.actor.state_dict().items():
         assert torch.equal(tensor, resumed.actor.state_dict()[name]), name
+
+
+def checkpointed_run(tiny_model_dir, files, out, steps, *, resume_from=None, datamodule_class=None, callbacks=(), **rollout):
+    """A disaggregated k = 1 run of `steps` rollout steps in this process (one spawned worker), checkpointed only at
+    the end and on the errors that stop a run with one; `rollout`: settings beside `disaggregated(1)`'s. Returns the
+    module, the batches it trained (RecordingDataModule) and the plan."""
+    import dataclasses
+
+    from lit_ppo.checkpoints import RolloutCheckpoint
+
+    datamodule_class = datamodule_class or type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=dataclasses.replace(disaggregated(1), **rollout),
+        callbacks=[RolloutCheckpoint(out / "checkpoints", every=0, keep=2), *callbacks],
+        datamodule_class=datamodule_class,
+        reward_fn=digit_share,
+        rollout_batch_size=8,
+        train_batch_size=16,
+        micro_train_batch_size=8,
+        **TIS,
+    )
+    torch.manual_seed(0)
+    try:
+        ckpt = str(resume_from) if resume_from else None
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    finally:
+        datamodule.engine.close()
+    return module, datamodule_class.batches, plan
+
+
+@pytest.mark.slow
+def test_a_finished_run_extended_on_resume_follows_the_schedule_and_equals_the_longer_run(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """Issue 36 item 5: a finished disaggregated k = 1 run of 3 rollout steps, resumed from its last checkpoint with
+    trainer.total_rollout_steps raised to 5, ends with the planned counts, every sample of the version the schedule
+    gives its step, and the weights of an uninterrupted 5-step run. Its last checkpoint kept step 4 (index 3),
+    generated past the planned end by version 2; the run used to stop: "rollout step 4 is due for policy version 3
+    but the workers hold version 4"."""
+    from lit_ppo.checkpoints import list_checkpoints
+    from tests.helpers.resume import counters
+
+    longer, _, plan = checkpointed_run(tiny_model_dir, arithmetic_files, tmp_path / "longer", 5)
+    out = tmp_path / "extended"
+    checkpointed_run(tiny_model_dir, arithmetic_files, out, 3)
+    [last] = list_checkpoints(out / "checkpoints")
+    assert last.name == "rollout_step_000003.ckpt"
+    kept = next(v for v in torch.load(last, weights_only=False).values() if isinstance(v, dict) and "prefetched" in v)
+    assert sorted(kept["prefetched"]) == [3] and set(kept["prefetched"][3][1]) == {2}  # step 4, by version 2
+    extended, batches, _ = checkpointed_run(tiny_model_dir, arithmetic_files, out, 5, resume_from=last)
+    assert [b.rollout_step for b in batches] == [3, 4]
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[plan.generating_version(s)] for s in (3, 4)] == [[2], [3]]
+    assert counters(extended) == counters(longer) and counters(extended)["rollout_step"] == 5
+    for name, tensor in longer.actor.state_dict().items():
+        assert torch.equal(tensor, extended.actor.state_dict()[name]), name
+
+
+@pytest.mark.slow
+def test_resume_from_an_exception_checkpoint_with_rollout_workers_trains_the_failing_steps_prompts(
+    tiny_model_dir, arithmetic_files, tmp_path, monkeypatch
+):
+    """Issue 36 item 5 in rollout.mode=disaggregated (k = 1): the checkpoints written on NonFiniteUpdatesError (losses
+    non-finite from rollout step 2's start) and on RolloutMismatchError (vLLM's log-probs of step 1 2 nats off) hold the
+    failing step's start, the step taken from the workers among the steps kept; resumed (with the fix), the run
+    trains the failing step's prompts and ends with the uninterrupted run's counts and weights. It used to stop:
+    "rollout step N is due for policy version ... but the workers hold version ..."."""
+    from lit_ppo.checkpoints import list_checkpoints
+    from lit_ppo.errors import NonFiniteUpdatesError, RolloutMismatchError
+    from tests.helpers.resume import NonFiniteLossesFrom, counters, recording_datamodule
+
+    full, full_batches, plan = checkpointed_run(tiny_model_dir, arithmetic_files, tmp_path / "full", 3)
+    per_step = plan.counts.optimizer_steps_per_rollout_step
+    cases = {
+        "nonfinite": (NonFiniteUpdatesError, {"callbacks": [NonFiniteLossesFrom(monkeypatch, per_step)]}, 1, {}),
+        "mismatch": (
+            RolloutMismatchError,
+            {"datamodule_class": recording_datamodule(mismatch_at=0)},
+            0,
+            {"max_logprob_abs_diff": None},
+        ),
+    }
+    for name, (error, failing, step, fix) in cases.items():
+        out = tmp_path / name
+        with pytest.raises(error):
+            checkpointed_run(tiny_model_dir, arithmetic_files, out, 3, **failing)
+        monkeypatch.undo()  # the losses are finite again in the resumed run
+        [saved] = list_checkpoints(out / "checkpoints")
+        assert saved.name == f"rollout_step_{step:06d}.ckpt", name
+        resumed, batches, _ = checkpointed_run(tiny_model_dir, arithmetic_files, out, 3, resume_from=saved, **fix)
+        assert [b.rollout_step for b in batches] == list(range(step, 3)), name
+        assert [b.dataset_indices for b in batches] == [b.dataset_indices for b in full_batches[step:]], name
+        assert counters(resumed) == counters(full), name
+        for key, tensor in full.actor.state_dict().items():
+            assert torch.equal(tensor, resumed.actor.state_dict()[key]), (name, key)
