@@ -404,7 +404,7 @@ class StepStart:
 
 
 class RolloutCheckpoint(L.Callback):
-    """Saves after every `every` rollout steps and at the end of training, and on the errors that a setting fixes
+    """Saves after every `every` rollout steps and after the last, and on the errors that a setting fixes
     (STOPPING_ERRORS): then the checkpoint of the failing step's start, which a resumed run trains again."""
 
     def __init__(self, directory: Path, every: int, keep: int):
@@ -429,7 +429,10 @@ class RolloutCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.step_start = None
-        if self.every and module.rollout_step % self.every == 0:
+        last = module.rollout_step == module.plan.counts.total_rollout_steps
+        if last or (self.every and module.rollout_step % self.every == 0):
+            # The last step's too, here: a checkpoint written once Lightning's loop has ended (`on_train_end`) records
+            # its one epoch as done, and a run extended from it (trainer.total_rollout_steps raised) trained nothing.
             self.save(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:

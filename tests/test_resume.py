@@ -210,8 +210,10 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine,
     assert state["skipped_updates"] == 3
 
 
-def run_until_done_or_failed(paths, engine, out, datamodule_class, *, resume_from=None, callbacks=(), **rollout):
-    """3 rollout steps of 16 prompts x 4 samples (8 optimizer steps each), a checkpoint only at the end or on an
+def run_until_done_or_failed(
+    paths, engine, out, datamodule_class, *, resume_from=None, callbacks=(), steps=3, **rollout
+):
+    """`steps` rollout steps of 16 prompts x 4 samples (8 optimizer steps each), a checkpoint only at the end or on an
     error; `rollout`: RolloutConfig settings beside the tests' (rollout.max_logprob_abs_diff)."""
     from lit_ppo.config import RolloutConfig
 
@@ -221,7 +223,7 @@ def run_until_done_or_failed(paths, engine, out, datamodule_class, *, resume_fro
         engine,
         paths[1],
         out,
-        total_rollout_steps=3,
+        total_rollout_steps=steps,
         rollout=RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, **rollout),
         callbacks=[checkpoints, *callbacks],
         datamodule_class=datamodule_class,
@@ -312,3 +314,18 @@ def test_resume_from_a_nonfinite_checkpoint_trains_the_failing_steps_prompts(
         assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
     else:  # the models kept the step's 2 updates: not the uninterrupted run's
         assert any(not torch.equal(v, full.actor.state_dict()[k]) for k, v in resumed.actor.state_dict().items())
+
+
+def test_a_finished_run_extended_on_resume_trains_the_added_steps(paths, engine, tmp_path):
+    """The last checkpoint of a run whose trainer.checkpoint_every does not divide its length: written after the last
+    step, not once Lightning's loop has ended (which records its one epoch as done: the extended run trained nothing
+    and ended "finished" at the old length)."""
+    from tests.helpers.resume import recording_datamodule
+
+    run_until_done_or_failed(paths, engine, tmp_path, recording_datamodule(), steps=2)
+    [last] = list_checkpoints(tmp_path / "checkpoints")
+    assert last.name == "rollout_step_000002.ckpt"
+    extended_class = recording_datamodule()
+    extended, plan = run_until_done_or_failed(paths, engine, tmp_path, extended_class, resume_from=last, steps=3)
+    assert [b.rollout_step for b in extended_class.batches] == [2]
+    assert extended.rollout_step == 3 and extended.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
