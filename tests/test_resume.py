@@ -207,7 +207,9 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine,
     saved = list_checkpoints(tmp_path / "checkpoints")
     assert len(saved) == 1
     state = torch.load(saved[0], weights_only=False)["lit_ppo"]
-    assert state["skipped_updates"] == 3
+    # The failing step's start (issue 36 item 5): its skipped updates belong to the attempt a resume makes again.
+    assert saved[0].name == "rollout_step_000000.ckpt"
+    assert state["skipped_updates"] == 0 and state["actor_optimizer_steps"] == 0
 
 
 def run_until_done_or_failed(
