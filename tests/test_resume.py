@@ -213,7 +213,7 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine,
 
 
 def run_until_done_or_failed(
-    paths, engine, out, datamodule_class, *, resume_from=None, callbacks=(), steps=3, **rollout
+    paths, engine, out, datamodule_class, *, resume_from=None, callbacks=(), steps=2, **rollout
 ):
     """`steps` rollout steps of 16 prompts x 4 samples (8 optimizer steps each), a checkpoint only at the end or on an
     error; `rollout`: RolloutConfig settings beside the tests' (rollout.max_logprob_abs_diff)."""
@@ -278,14 +278,16 @@ def test_resume_from_a_rollout_mismatch_checkpoint_trains_the_failing_steps_prom
         {"max_logprob_abs_diff": None},
     )
     assert saved.name == "rollout_step_000001.ckpt"
-    assert [b.rollout_step for b in failed] == [0, 1] and [b.rollout_step for b in again] == [1, 2]
+    assert [b.rollout_step for b in failed] == [0, 1] and [b.rollout_step for b in again] == [1]
     assert again[0].dataset_indices == failed[1].dataset_indices  # the failing step's prompts, trained again
-    planned = plan.counts.optimizer_steps_per_rollout_step * 3
-    assert counters(resumed) == counters(full) == {"rollout_step": 3, "actor": planned, "critic": 0, "samples": 192}
+    planned = plan.counts.optimizer_steps_per_rollout_step * 2
+    assert counters(resumed) == counters(full) == {"rollout_step": 2, "actor": planned, "critic": 0, "samples": 128}
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
 
 
-@pytest.mark.parametrize("applied", [0, 2], ids=["diverged-at-the-steps-start", "after-2-updates"])
+@pytest.mark.parametrize(
+    "applied", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["diverged-at-the-steps-start", "after-2-updates"]
+)
 def test_resume_from_a_nonfinite_checkpoint_trains_the_failing_steps_prompts(
     paths, engine, tmp_path, monkeypatch, applied
 ):
@@ -310,7 +312,7 @@ def test_resume_from_a_nonfinite_checkpoint_trains_the_failing_steps_prompts(
     state = torch.load(saved, weights_only=False)
     assert state["lit_ppo"]["actor_optimizer_steps"] == per_step and state["lit_ppo"]["skipped_updates"] == 0
     assert again[0].rollout_step == 1 and again[0].dataset_indices == failed[1].dataset_indices
-    assert counters(resumed) == counters(full) == {"rollout_step": 3, "actor": 24, "critic": 0, "samples": 192}
+    assert counters(resumed) == counters(full) == {"rollout_step": 2, "actor": 16, "critic": 0, "samples": 128}
     assert resumed.skipped_updates == 0
     if applied == 0:
         assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
@@ -324,10 +326,10 @@ def test_a_finished_run_extended_on_resume_trains_the_added_steps(paths, engine,
     and ended "finished" at the old length)."""
     from tests.helpers.resume import recording_datamodule
 
-    run_until_done_or_failed(paths, engine, tmp_path, recording_datamodule(), steps=2)
+    run_until_done_or_failed(paths, engine, tmp_path, recording_datamodule(), steps=1)
     [last] = list_checkpoints(tmp_path / "checkpoints")
-    assert last.name == "rollout_step_000002.ckpt"
+    assert last.name == "rollout_step_000001.ckpt"
     extended_class = recording_datamodule()
-    extended, plan = run_until_done_or_failed(paths, engine, tmp_path, extended_class, resume_from=last, steps=3)
-    assert [b.rollout_step for b in extended_class.batches] == [2]
-    assert extended.rollout_step == 3 and extended.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
+    extended, plan = run_until_done_or_failed(paths, engine, tmp_path, extended_class, resume_from=last, steps=2)
+    assert [b.rollout_step for b in extended_class.batches] == [1]
+    assert extended.rollout_step == 2 and extended.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
