@@ -189,6 +189,18 @@ RESHARD_KEYS = (
 """The number of ranks, which a resumed run may change too (a run moved from 8 GPUs to 4, a requeued job on another
 node count): the checkpoint's states are full ones, resharded on load."""
 
+REMEDY_KEYS = (
+    "ppo.actor_lr",
+    "ppo.critic_lr",
+    "ppo.dynamic_sampling.max_generation_rounds",
+    "ppo.dynamic_sampling.on_shortfall",
+    "rollout.max_logprob_abs_diff",
+)
+"""The settings that the errors which stop a run with a checkpoint name as their fix ("..., then resume=auto":
+NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError): a resumed run may change them, with one
+warning line each (`remedy_changes`). Learning rates take effect from the resumed run's first optimizer step
+(`training.optim.apply_learning_rates`), the others where they are read, every rollout step."""
+
 UNTRACKED_KEYS = (
     "trainer.eval_every",
     "trainer.checkpoint_every",
@@ -205,6 +217,13 @@ UNTRACKED_KEYS = (
 """Keys (or key prefixes) that change what is recorded or where, not what is trained: free on resume too."""
 
 
+CHANGEABLE_KEYS = RUN_LENGTH_KEYS + RESHARD_KEYS + UNTRACKED_KEYS + REMEDY_KEYS
+
+
+def _is_among(key: str, keys: tuple[str, ...]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
 def _flat(config, prefix: str = "") -> dict:
     if isinstance(config, dict):
         flat = {}
@@ -218,11 +237,21 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     """`key: saved -> current` for every key that differs between two configs (`RunConfig.to_dict()`s), except the
     run length and the keys that do not change the training."""
     a, b = _flat(saved), _flat(current)
-    free = RUN_LENGTH_KEYS + RESHARD_KEYS + UNTRACKED_KEYS
     return [
         f"{key}: {a.get(key, '(absent)')} -> {b.get(key, '(absent)')}"
         for key in sorted(a.keys() | b.keys())
-        if a.get(key, _MISSING) != b.get(key, _MISSING) and not any(key == k or key.startswith(k + ".") for k in free)
+        if a.get(key, _MISSING) != b.get(key, _MISSING) and not _is_among(key, CHANGEABLE_KEYS)
+    ]
+
+
+def remedy_changes(saved: dict, current: dict) -> list[str]:
+    """One warning line per REMEDY_KEYS setting that a resumed run changes, with its old and new values."""
+    a, b = _flat(saved), _flat(current)
+    return [
+        f"resume: {key} changed from {a.get(key, '(absent)')} to {b.get(key, '(absent)')} (the fix an error named); "
+        "the resumed run trains with the new value"
+        for key in REMEDY_KEYS
+        if a.get(key, _MISSING) != b.get(key, _MISSING)
     ]
 
 
@@ -275,10 +304,12 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
         shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
         raise ConfigError(
             f"resume={resume}: {path.name} was written under another config ({shown}); only the run length "
-            f"({', '.join(RUN_LENGTH_KEYS)}) and the number of ranks ({', '.join(RESHARD_KEYS[:2])}) may change on "
-            f"resume; fix: resume with the values in {saved_config}, "
-            "or start a new run in another output_dir"
+            f"({', '.join(RUN_LENGTH_KEYS)}), the number of ranks ({', '.join(RESHARD_KEYS[:2])}) and the fixes "
+            f"errors name ({', '.join(REMEDY_KEYS)}) may change on resume; fix: resume with the values in "
+            f"{saved_config}, or start a new run in another output_dir"
         )
+    for line in remedy_changes(saved, config.to_dict()):
+        show(line)
 
 
 def strategy_for_resume(saved_strategy: str, strategy) -> str:
@@ -331,14 +362,57 @@ def check_same_adapters(saved_plan: dict, plan) -> None:
         )
 
 
+STOPPING_ERRORS = (NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError)
+"""The errors that stop a run with a checkpoint of the failing step's start (`RolloutCheckpoint.on_exception`), whose
+fixes (REMEDY_KEYS) a resumed run may set."""
+
+
+class StepStart:
+    """What a rollout step moves before it completes, as it was at the step's start: the data module's position
+    (`snapshot`: its prompts, and with rollout workers the step taken from them), the random streams, the optimizer
+    step counters and the learning-rate schedules' positions. Cheap to take (no tensor of the models): taken at every
+    step's start, put back by an exception checkpoint (`RolloutCheckpoint.on_exception`)."""
+
+    def __init__(self, trainer, module):
+        self.rollout_step = module.rollout_step
+        datamodule = trainer.datamodule
+        self.data = datamodule.snapshot() if datamodule is not None else None
+        self.rng = rng_state()
+        self.shuffle = module.shuffle_generator.get_state()
+        self.counters = {k: getattr(module, k) for k in ("actor_optimizer_steps", "critic_optimizer_steps")}
+        self.skipped, self.applied = module.guarded_step.skipped, module.guarded_step.applied
+        self.schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+
+    def updates_applied(self, module) -> int:
+        """The optimizer steps the step applied to the models since its start (those a non-finite gradient skipped
+        left them as they were)."""
+        return module.guarded_step.applied - self.applied
+
+    def put_back(self, trainer, module) -> None:
+        if trainer.datamodule is not None:
+            trainer.datamodule.restore(self.data)
+        restore_rng_state(self.rng)
+        module.shuffle_generator.set_state(self.shuffle)
+        for k, v in self.counters.items():
+            setattr(module, k, v)
+        module.guarded_step.skipped = self.skipped
+        module.guarded_step.consecutive = 0
+        for config, state in zip(trainer.lr_scheduler_configs, self.schedulers):
+            config.scheduler.load_state_dict(state)
+            for group, lr in zip(config.scheduler.optimizer.param_groups, config.scheduler.get_last_lr()):
+                group["lr"] = lr
+
+
 class RolloutCheckpoint(L.Callback):
-    """Saves after every `every` rollout steps and at the end of training."""
+    """Saves after every `every` rollout steps and after the last, and on the errors that a setting fixes
+    (STOPPING_ERRORS): then the checkpoint of the failing step's start, which a resumed run trains again."""
 
     def __init__(self, directory: Path, every: int, keep: int):
         self.directory = Path(directory)
         self.every = every
         self.keep = keep
         self.last_saved = -1
+        self.step_start: StepStart | None = None
 
     def save(self, trainer: L.Trainer, module) -> Path | None:
         if module.rollout_step == self.last_saved:
@@ -350,18 +424,38 @@ class RolloutCheckpoint(L.Callback):
             prune(self.directory, self.keep, newest=path)
         return path
 
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.step_start = StepStart(trainer, module)
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if self.every and module.rollout_step % self.every == 0:
+        self.step_start = None
+        last = module.rollout_step == module.plan.counts.total_rollout_steps
+        if last or (self.every and module.rollout_step % self.every == 0):
+            # The last step's too, here: a checkpoint written once Lightning's loop has ended (`on_train_end`) records
+            # its one epoch as done, and a run extended from it (trainer.total_rollout_steps raised) trained nothing.
             self.save(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:
         self.save(trainer, module)
 
     def on_exception(self, trainer, module, exception: BaseException) -> None:
-        # Keep what was learned: before the divergence, before dynamic sampling ran short, or before a rollout that
-        # did not match the actor.
-        if isinstance(exception, (NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError)):
-            self.save(trainer, module)
+        # The failing step's start, so that a resumed run (with the fix the error names) trains its prompts again: no
+        # prompt skipped, the planned optimizer steps. What the models learned before the step is kept; where the
+        # step had already applied updates (a divergence after them, a mismatch found after an on-policy update), the
+        # weights and the optimizer's moments carry them, and the line below says so.
+        if not isinstance(exception, STOPPING_ERRORS) or self.last_saved == module.rollout_step:
+            return  # the step's start is on disk already (the previous step's checkpoint)
+        start = self.step_start
+        if start is not None and start.rollout_step == module.rollout_step:
+            applied = start.updates_applied(module)
+            start.put_back(trainer, module)
+            if applied and trainer.is_global_zero:
+                show(
+                    f"the checkpoint of rollout step {module.rollout_step} holds the models after {applied} of the "
+                    f"failing step's optimizer steps (applied before it failed) and the data position, counters and "
+                    "learning-rate schedules of its start: a resumed run trains the step's prompts again from them"
+                )
+        self.save(trainer, module)
 
 
 def rng_state() -> dict:

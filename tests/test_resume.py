@@ -207,4 +207,129 @@ def test_repeated_nonfinite_losses_stop_the_run_with_a_checkpoint(paths, engine,
     saved = list_checkpoints(tmp_path / "checkpoints")
     assert len(saved) == 1
     state = torch.load(saved[0], weights_only=False)["lit_ppo"]
-    assert state["skipped_updates"] == 3
+    # The failing step's start (issue 36 item 5): its skipped updates belong to the attempt a resume makes again.
+    assert saved[0].name == "rollout_step_000000.ckpt"
+    assert state["skipped_updates"] == 0 and state["actor_optimizer_steps"] == 0
+
+
+def run_until_done_or_failed(
+    paths, engine, out, datamodule_class, *, resume_from=None, callbacks=(), steps=2, **rollout
+):
+    """`steps` rollout steps of 16 prompts x 4 samples (8 optimizer steps each), a checkpoint only at the end or on an
+    error; `rollout`: RolloutConfig settings beside the tests' (rollout.max_logprob_abs_diff)."""
+    from lit_ppo.config import RolloutConfig
+
+    checkpoints = RolloutCheckpoint(out / "checkpoints", every=0, keep=2)
+    trainer, module, datamodule, plan = build_run(
+        paths[0],
+        engine,
+        paths[1],
+        out,
+        total_rollout_steps=steps,
+        rollout=RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, **rollout),
+        callbacks=[checkpoints, *callbacks],
+        datamodule_class=datamodule_class,
+        reward_fn=lambda p, responses, r, e: [len(x) % 3 for x in responses],  # differs within groups: updates
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        ppo_epochs=2,
+        rollout_batch_size=16,
+        train_batch_size=16,
+        micro_train_batch_size=8,
+    )
+    torch.manual_seed(0)
+    ckpt = str(resume_from) if resume_from else None
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    return module, plan
+
+
+def resume_after(error, paths, engine, tmp_path, make_failing, fix):
+    """(the uninterrupted run, the run resumed from the exception checkpoint, the failing run's batches, the resumed
+    run's batches): a run that fails with `error` (set up by `make_failing(out)` -> (data module class, callbacks,
+    rollout settings)), then resumed from its checkpoint with `fix` (rollout settings)."""
+    from tests.helpers.resume import recording_datamodule
+
+    full, plan = run_until_done_or_failed(paths, engine, tmp_path / "full", recording_datamodule())
+    failing_class, callbacks, settings = make_failing(tmp_path / "failed")
+    with pytest.raises(error):
+        run_until_done_or_failed(paths, engine, tmp_path / "failed", failing_class, callbacks=callbacks, **settings)
+    [saved] = list_checkpoints(tmp_path / "failed" / "checkpoints")
+    resumed_class = recording_datamodule()
+    resumed, _ = run_until_done_or_failed(
+        paths, engine, tmp_path / "failed", resumed_class, resume_from=saved, **fix
+    )
+    return full, resumed, failing_class.batches, resumed_class.batches, plan, saved
+
+
+def test_resume_from_a_rollout_mismatch_checkpoint_trains_the_failing_steps_prompts(paths, engine, tmp_path):
+    """Issue 36 item 5: the checkpoint written on RolloutMismatchError at rollout step 2 (index 1) is the step's start
+    (the data module's position included): resumed with the fix the error names (rollout.max_logprob_abs_diff=null),
+    the run trains step 2's prompts, ends with the planned counts and the uninterrupted run's weights. It used to hold
+    the data position after the step, and the resumed run skipped the step's prompts."""
+    from lit_ppo.errors import RolloutMismatchError
+    from tests.helpers.resume import recording_datamodule
+
+    full, resumed, failed, again, plan, saved = resume_after(
+        RolloutMismatchError,
+        paths,
+        engine,
+        tmp_path,
+        lambda out: (recording_datamodule(mismatch_at=1), [], {}),
+        {"max_logprob_abs_diff": None},
+    )
+    assert saved.name == "rollout_step_000001.ckpt"
+    assert [b.rollout_step for b in failed] == [0, 1] and [b.rollout_step for b in again] == [1]
+    assert again[0].dataset_indices == failed[1].dataset_indices  # the failing step's prompts, trained again
+    planned = plan.counts.optimizer_steps_per_rollout_step * 2
+    assert counters(resumed) == counters(full) == {"rollout_step": 2, "actor": planned, "critic": 0, "samples": 128}
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+
+
+@pytest.mark.parametrize(
+    "applied", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["diverged-at-the-steps-start", "after-2-updates"]
+)
+def test_resume_from_a_nonfinite_checkpoint_trains_the_failing_steps_prompts(
+    paths, engine, tmp_path, monkeypatch, applied
+):
+    """Issue 36 item 5: non-finite losses from rollout step 2's optimizer step `applied` + 1 on stop the run after
+    3 in a row (NonFiniteUpdatesError); its checkpoint holds step 2's start for the data position, counters, random
+    streams and learning-rate schedules, so the resumed run (losses finite again: the lowered learning rate) trains step
+    2's prompts and ends with the planned optimizer steps. Where the step had applied no update the checkpoint is its
+    start exactly and the resumed run ends with the uninterrupted run's weights."""
+    from lit_ppo.errors import NonFiniteUpdatesError
+    from tests.helpers.resume import NonFiniteLossesFrom, recording_datamodule
+
+    per_step = 8  # 16 prompts x 4 samples x 2 epochs / 16
+
+    def failing(out):
+        return recording_datamodule(), [NonFiniteLossesFrom(monkeypatch, per_step + applied)], {}
+
+    full, resumed, failed, again, plan, saved = resume_after(
+        NonFiniteUpdatesError, paths, engine, tmp_path, failing, {}
+    )
+    assert plan.counts.optimizer_steps_per_rollout_step == per_step
+    assert saved.name == "rollout_step_000001.ckpt"
+    state = torch.load(saved, weights_only=False)
+    assert state["lit_ppo"]["actor_optimizer_steps"] == per_step and state["lit_ppo"]["skipped_updates"] == 0
+    assert again[0].rollout_step == 1 and again[0].dataset_indices == failed[1].dataset_indices
+    assert counters(resumed) == counters(full) == {"rollout_step": 2, "actor": 16, "critic": 0, "samples": 128}
+    assert resumed.skipped_updates == 0
+    if applied == 0:
+        assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+    else:  # the models kept the step's 2 updates: not the uninterrupted run's
+        assert any(not torch.equal(v, full.actor.state_dict()[k]) for k, v in resumed.actor.state_dict().items())
+
+
+def test_a_finished_run_extended_on_resume_trains_the_added_steps(paths, engine, tmp_path):
+    """The last checkpoint of a run whose trainer.checkpoint_every does not divide its length: written after the last
+    step, not once Lightning's loop has ended (which records its one epoch as done: the extended run trained nothing
+    and ended "finished" at the old length)."""
+    from tests.helpers.resume import recording_datamodule
+
+    run_until_done_or_failed(paths, engine, tmp_path, recording_datamodule(), steps=1)
+    [last] = list_checkpoints(tmp_path / "checkpoints")
+    assert last.name == "rollout_step_000001.ckpt"
+    extended_class = recording_datamodule()
+    extended, plan = run_until_done_or_failed(paths, engine, tmp_path, extended_class, resume_from=last, steps=2)
+    assert [b.rollout_step for b in extended_class.batches] == [1]
+    assert extended.rollout_step == 2 and extended.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step

@@ -304,8 +304,8 @@ class RolloutDataModule(L.LightningDataModule):
                 self.next_generation_round = first_round  # a resume retries this rollout step from its first round
                 raise DynamicSamplingShortfallError(
                     f"rollout step {rollout_step + 1}: {informative} of {plan.counts.rollout_batch_size} prompt groups had differing "
-                    f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; a "
-                    "checkpoint was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
+                    f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; the "
+                    "checkpoint of the step's start was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
                     "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
                 )
             groups, dropped, filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)

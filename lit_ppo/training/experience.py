@@ -129,7 +129,8 @@ def check_rollout_logprobs(
             f"{float(mean):.3f} nats per token on average (max {float(largest):.2f}), more than "
             f"rollout.max_logprob_abs_diff={max_logprob_abs_diff}: vLLM is not sampling from the actor being "
             "trained (a weight sync that failed) or samples another distribution (rollout.top_p < 1, rollout.dtype); "
-            "fix: check the weight sync and those settings, or raise rollout.max_logprob_abs_diff (null disables)"
+            "the checkpoint of the step's start was saved; fix: raise rollout.max_logprob_abs_diff (null disables), "
+            "then resume=auto (the resumed run syncs the weights anew; the other settings need a new run)"
         )
     return mean, largest
 

@@ -81,7 +81,7 @@ from lit_ppo.training.models import (
     response_logprobs_and_entropy,
     trained_state,
 )
-from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
+from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 
@@ -392,6 +392,12 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------ the rollout step
 
     def on_train_start(self) -> None:
+        # A resumed run restored the checkpoint's optimizer and schedule states, with their learning rates: this run's
+        # (a changed ppo.actor_lr or ppo.critic_lr, the fix NonFiniteUpdatesError names) from here on.
+        optimizers, schedulers = self.optimizers_and_schedulers()
+        apply_learning_rates(
+            [getattr(o, "optimizer", o) for o in optimizers], schedulers, [self.ppo.actor_lr, self.ppo.critic_lr]
+        )
         # The engine may hold other weights (a resumed run, a shared engine): start from the actor's.
         engine = self.trainer.datamodule.start_engine()
         device_peak_memory_gib(self.device)  # each rollout step's peak starts here: loading is not counted

@@ -22,6 +22,18 @@ def adamw_with_schedule(model: torch.nn.Module, lr: float, ppo: PPOConfig, plan:
     return optimizer, {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}
 
 
+def apply_learning_rates(optimizers: list, schedulers: list, learning_rates: list[float]) -> None:
+    """Each schedule's base learning rate set to this run's (`ppo.actor_lr`, `ppo.critic_lr`), at the schedule's
+    position: a resumed run restores the checkpoint's optimizer and schedule states, which hold the rates the
+    checkpoint was written with, and a changed rate (the fix NonFiniteUpdatesError names) would otherwise be ignored."""
+    for optimizer, scheduler, lr in zip(optimizers, schedulers, learning_rates):
+        scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        factors = [schedule(scheduler.last_epoch) for schedule in scheduler.lr_lambdas]
+        scheduler._last_lr = [lr * f for f in factors]
+        for group, now in zip(optimizer.param_groups, scheduler._last_lr):
+            group["initial_lr"], group["lr"] = lr, now
+
+
 def actor_critic_optimizers(actor: torch.nn.Module, critic: torch.nn.Module | None, ppo: PPOConfig, plan: StepPlan):
     """Lightning's `configure_optimizers` answer: the actor's optimizer and schedule, then the critic's if it exists."""
     models = [(actor, ppo.actor_lr)] + ([(critic, ppo.critic_lr)] if critic is not None else [])
@@ -38,6 +50,7 @@ class GuardedStep:
         self.max_consecutive = max_consecutive
         self.skipped = 0  # in all (checkpointed by the module)
         self.consecutive = 0
+        self.applied = 0  # updates applied (in this process: an exception checkpoint counts a step's)
 
     def __call__(self, model: torch.nn.Module, optimizer, scheduler, rollout_step: int) -> float:
         """The gradient's norm before clipping (NaN when the update was skipped)."""
@@ -48,6 +61,7 @@ class GuardedStep:
         if math.isfinite(grad_norm):
             optimizer.step()
             self.consecutive = 0
+            self.applied += 1
         else:
             self.skipped += 1
             self.consecutive += 1
@@ -56,7 +70,7 @@ class GuardedStep:
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteUpdatesError(
                 f"rollout step {rollout_step + 1}: {self.consecutive} optimizer steps in a row had a non-finite loss or "
-                f"gradient ({self.skipped} skipped in all); a checkpoint was saved; fix: lower ppo.actor_lr/critic_lr "
-                "or check the rewards, then resume=auto"
+                f"gradient ({self.skipped} skipped in all); the checkpoint of the step's start was saved; fix: lower "
+                "ppo.actor_lr (ppo.critic_lr for the critic's), then resume=auto; or check the rewards"
             )
         return grad_norm if math.isfinite(grad_norm) else float("nan")

@@ -4,6 +4,8 @@ test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import torch
 
@@ -37,3 +39,54 @@ class CrashAfter(L.Callback):
     def on_train_batch_end(self, trainer, module, *args) -> None:
         if module.rollout_step == self.rollout_step:
             raise Crash()
+
+
+class NonFiniteLossesFrom(L.Callback):
+    """Makes every loss non-finite from the run's optimizer step `optimizer_step` on (counted over the run, from 0),
+    as a learning rate that diverges would: `lit_ppo.algorithms.aggregate_loss` (through `monkeypatch`) multiplied by
+    NaN once the module it watches has taken that many actor optimizer steps. A callback of the run that fails."""
+
+    def __init__(self, monkeypatch, optimizer_step: int):
+        from lit_ppo import algorithms  # the losses' aggregation, where lit_ppo.training.loss reads it
+
+        self.module = None
+        original = algorithms.aggregate_loss
+
+        def aggregate_loss(*args, **kwargs):
+            value = original(*args, **kwargs)
+            diverged = self.module is not None and self.module.actor_optimizer_steps >= optimizer_step
+            return value * float("nan") if diverged else value
+
+        monkeypatch.setattr(algorithms, "aggregate_loss", aggregate_loss)
+
+    def on_train_start(self, trainer, module) -> None:
+        self.module = module
+
+    def on_train_end(self, trainer, module) -> None:
+        self.module = None
+
+    def on_exception(self, trainer, module, exception) -> None:
+        self.module = None
+
+
+
+def recording_datamodule(mismatch_at: int | None = None):
+    """A RolloutDataModule class that records every rollout batch it produces (`batches`: of this class alone, one class
+    per run) and, at rollout step `mismatch_at`, hands the trainer vLLM log-probs 2 nats off, as a weight sync that
+    failed would: the trainer's check (rollout.max_logprob_abs_diff) then stops the step with RolloutMismatchError."""
+    from lit_ppo.rollout.datamodule import RolloutDataModule
+
+    class Recording(RolloutDataModule):
+        batches: list = []
+
+        def produce_rollout(self, rollout_step):
+            batch = super().produce_rollout(rollout_step)
+            if rollout_step == mismatch_at:
+                batch = dataclasses.replace(
+                    batch, rollout_logprobs=[[x - 2.0 for x in logprobs] for logprobs in batch.rollout_logprobs]
+                )
+            type(self).batches.append(batch)
+            return batch
+
+    Recording.batches = []
+    return Recording

@@ -147,13 +147,20 @@ def test_resume_mid_run_matches_an_uninterrupted_run(paths, engine, full_run, tm
     assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in full.history]
 
 
-def test_on_shortfall_stop_ends_with_a_checkpoint_to_resume_from(paths, engine, tmp_path):
+def test_on_shortfall_stop_ends_with_a_checkpoint_to_resume_from_with_on_shortfall_fill(paths, engine, tmp_path):
     # One round of 8 prompts holds fewer than 8 odd answers: stop.
     with pytest.raises(DynamicSamplingShortfallError, match="on_shortfall=fill"):
         run(paths, engine, tmp_path, steps=2, rounds=1, on_shortfall="stop")
     saved = torch.load(checkpoint_path(tmp_path / "checkpoints", 0), weights_only=False)
     state = next(v for k, v in saved.items() if "RolloutDataModule" in k)
     assert state == {"next_rollout_step": 0, "next_generation_round": 0}  # the failed step is retried on resume
+    # The fix the error names, on resume (a key that may change then): the run ends with the planned counts.
+    module, _, plan, batches = run(
+        paths, engine, tmp_path, steps=2, rounds=1, resume_from=checkpoint_path(tmp_path / "checkpoints", 0)
+    )
+    assert [b.rollout_step for b in batches] == [0, 1] and batches[0].generation_rounds == 1
+    assert module.rollout_step == 2
+    assert module.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
 
 
 def test_plan_states_the_rounds_and_refuses_data_epochs():

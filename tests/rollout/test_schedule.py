@@ -49,13 +49,14 @@ def plan(k: int):
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_each_step_is_requested_k_ahead_after_its_versions_push_and_received_in_order(k):
-    """At step s the requests reach s + k (no further than the plan's end), each made while the workers hold the
-    version the plan gives it; only s is received; every sample is of the plan's version."""
+    """At step s the requests reach s + k (past the plan's end too: the last checkpoint keeps them for a run extended
+    on resume), each made while the workers hold the version the plan gives it; only s is received; every sample is
+    of the plan's version."""
     p = plan(k)
     source, workers = AheadOfTimeSource(p), QueueingWorkers()
     for s in range(STEPS):
         got = source.take(s, workers, not_here, request)
-        assert workers.submitted == list(range(min(s + k, STEPS - 1) + 1))
+        assert workers.submitted == list(range(s + k + 1))
         assert workers.collected == list(range(s + 1))
         assert got.policy_versions == [p.generating_version(s)] * 4
         assert [g.token_ids[0] for g in got.generations] == [s] * 4
@@ -86,7 +87,34 @@ def test_a_checkpoint_collects_what_is_in_flight_and_a_resumed_source_goes_on_wi
         versions.append(resumed.take(s, fresh, not_here, request).policy_versions[0])
         fresh.version = s + 1
     assert versions == [p.generating_version(s) for s in range(2, STEPS)] == [0, 1, 2, 3]
-    assert fresh.submitted == [4, 5]
+    assert fresh.submitted == [4, 5, 6, 7]  # 6 and 7: past the plan's end, for the last checkpoint
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_finished_runs_last_checkpoint_keeps_k_steps_past_its_end_and_an_extended_run_goes_on_from_them(k):
+    """Issue 36 item 5: extending a finished run (trainer.total_rollout_steps raised on resume). The steps past the
+    plan's end were requested with the versions the schedule gives them, and the last checkpoint keeps them: the
+    resumed source takes them and requests the rest with the versions its workers hold. (It used to request none past
+    the end, and the extended run stopped: "rollout step 7 is due for policy version 5 but the workers hold
+    version 6".)"""
+    source, workers = AheadOfTimeSource(plan(k)), QueueingWorkers()
+    for s in range(STEPS):
+        source.take(s, workers, not_here, request)
+        workers.version = s + 1
+    source.collect(workers)  # the final checkpoint
+    state = source.state_dict()
+    assert sorted(state["prefetched"]) == list(range(STEPS, STEPS + k))
+
+    longer = plan_of(256, rollout=RolloutConfig(mode="disaggregated", max_staleness=k), steps=STEPS + 2)
+    resumed, fresh = AheadOfTimeSource(longer), QueueingWorkers()
+    resumed.load_state_dict(state)
+    fresh.version = STEPS  # the resumed trainer's first push: the checkpoint's weights
+    versions = []
+    for s in range(STEPS, STEPS + 2):
+        versions.append(resumed.take(s, fresh, not_here, request).policy_versions[0])
+        fresh.version = s + 1
+    assert versions == [longer.generating_version(s) for s in range(STEPS, STEPS + 2)] == [STEPS - k, STEPS + 1 - k]
+    assert fresh.submitted == list(range(STEPS + k, STEPS + 2 + k))
 
 
 def test_a_schedule_that_does_not_hold_the_planned_version_stops():

@@ -20,6 +20,7 @@ from lit_ppo.checkpoints import (
     RolloutCheckpoint,
     check_run_directory,
     checkpoint_path,
+    REMEDY_KEYS,
     config_differences,
     finished_note,
     fresh_start_note,
@@ -38,9 +39,10 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_another_lr(tmp_path):
+def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_another_seed(tmp_path):
     """The issue's scenario: a run with checkpoints, then another run with another learning rate in the same
-    directory (which used to delete its own checkpoint and leave resume=auto to continue the first run)."""
+    directory (which used to delete its own checkpoint and leave resume=auto to continue the first run); resumed with
+    another seed, refused (a learning rate may change on resume: the fix NonFiniteUpdatesError names)."""
     out = tmp_path / "run"
     common = [
         "trainer.checkpoint_every=1",  # with keep_checkpoints=2: rollout steps 2 and 3 stay
@@ -67,10 +69,10 @@ def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_ano
     assert f"output_dir={out}" in line and "resume=auto" in line and "another output_dir" in line, line
     assert list_checkpoints(out / "checkpoints") == before and (out / "config.yaml").read_text() == config
 
-    resumed = train("trainer.total_rollout_steps=5", "ppo.actor_lr=1e-3", "resume=auto")
+    resumed = train("trainer.total_rollout_steps=5", "seed=1", "resume=auto")
     assert resumed.returncode == 2
     line = error_line(resumed)
-    assert "ppo.actor_lr: 0.0002 -> 0.001" in line and "another output_dir" in line, line
+    assert "seed: 0 -> 1" in line and "another output_dir" in line, line
     assert list_checkpoints(out / "checkpoints") == before
 
 
@@ -84,6 +86,65 @@ def test_only_the_run_length_and_what_is_recorded_may_change_on_resume(tmp_path)
     assert config_differences(saved, settings("seed=1")) == ["seed: 0 -> 1"]
     changed = config_differences(saved, settings("ppo=grpo"))
     assert any(line.startswith("ppo.advantage_estimator: gae -> grpo") for line in changed), changed
+
+
+def test_the_fixes_the_errors_name_may_change_on_resume_with_one_line_each(tmp_path, capsys):
+    """Issue 36 item 5: a run stopped by NonFiniteUpdatesError, DynamicSamplingShortfallError or RolloutMismatchError
+    is resumed with the fix its error names; each changed setting is one line with its old and new values."""
+    saved = compose_run_config("ppo=dapo")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved.to_dict()))
+    write_checkpoints(tmp_path / "checkpoints", [3])
+    fixed = compose_run_config(
+        "ppo=dapo",
+        "ppo.actor_lr=1e-5",
+        "ppo.critic_lr=2e-5",
+        "ppo.dynamic_sampling.max_generation_rounds=9",
+        "ppo.dynamic_sampling.on_shortfall=stop",
+        "rollout.max_logprob_abs_diff=null",
+        "resume=auto",
+    )
+    capsys.readouterr()
+    check_run_directory(fixed, tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(REMEDY_KEYS) == 5, lines
+    changes = [("0.0002", "1e-05"), ("0.0005", "2e-05"), ("3", "9"), ("fill", "stop"), ("0.5", "None")]
+    for key, line, (before, after) in zip(REMEDY_KEYS, lines, changes):
+        assert line.startswith(f"resume: {key} changed from {before} to {after} "), line
+    # Anything else is still refused, naming what may change.
+    with pytest.raises(ConfigError, match=r"ppo.clip_ratio_low: .*the fixes errors name \(ppo.actor_lr, .*rollout.max_logprob_abs_diff\)"):
+        check_run_directory(dataclasses.replace(fixed, ppo=dataclasses.replace(fixed.ppo, clip_ratio_low=0.3)), tmp_path)
+
+
+def test_every_error_that_says_then_resume_auto_names_only_settings_a_resume_may_change():
+    """Each message in the package that ends its fix with "then resume=auto" (grep: every string constant of the
+    package, f-strings joined) names, between its "fix:" and that phrase, only keys that check_run_directory lets
+    change (CHANGEABLE_KEYS): the fix the error advises is not then refused by the resume it advises."""
+    import ast
+    import re
+
+    from lit_ppo.checkpoints import CHANGEABLE_KEYS
+
+    sections = {"ppo", "rollout", "trainer", "model", "reward", "strategy", "data", "eval"}
+    advised: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "lit_ppo").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Call, ast.JoinedStr)):
+                continue
+            parts = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            text = "".join(parts)
+            for fix in re.findall(r"fix: (.*?)then resume=auto", text):
+                keys = [k for k in re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+)", fix) if k.split(".")[0] in sections]
+                advised.setdefault(f"{path.relative_to(ROOT)}: {fix}", keys)
+    named = {k for keys in advised.values() for k in keys}
+    # The three errors that stop a run with a checkpoint name their fixes, found by the walk.
+    assert {"ppo.actor_lr", "ppo.critic_lr", "rollout.max_logprob_abs_diff"} <= named, advised
+    assert {"ppo.dynamic_sampling.max_generation_rounds", "ppo.dynamic_sampling.on_shortfall"} <= named, advised
+    refused = {
+        where: [k for k in keys if not any(k == c or k.startswith(c + ".") for c in CHANGEABLE_KEYS)]
+        for where, keys in advised.items()
+    }
+    assert not any(refused.values()), {w: k for w, k in refused.items() if k}
 
 
 def test_the_number_of_ranks_and_the_waits_limits_may_change_on_resume():

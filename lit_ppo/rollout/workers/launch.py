@@ -36,6 +36,11 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 Send = Callable[[int, Stop], None]
 
 
+SPAWNED_EXIT_SETTLE_S = 2.0
+"""The longest a spawned worker's exit takes to show to `poll` after its sockets closed: the kernel closes a killed
+process's files first, and it becomes a child that `poll` reaps a moment later (under load, later still)."""
+
+
 def error_line(store, worker: int) -> str:
     """The one line a worker reported when it failed (`error/<worker>`), or ""."""
     key = f"error/{worker}"
@@ -101,8 +106,10 @@ class SpawnedLaunch:
         return "see " + ", ".join(str(self.log_file(i)) for i in range(self.workers))
 
     def settle_s(self) -> float:
-        """How long a failed transfer waits for a dead worker to show (a child's exit shows at once)."""
-        return 0.0
+        """How long a failed transfer waits for a dead worker to show: a killed child's sockets close (the transfer
+        fails) moments before `poll` sees its exit, so a push that fails at once would otherwise call a worker killed
+        during it stuck (issue 36 item 6's worker kills at k = 1)."""
+        return SPAWNED_EXIT_SETTLE_S
 
     def check_alive(self, what: str) -> None:
         for i, proc in enumerate(self.procs):
