@@ -121,10 +121,6 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "ppo.rollout_correction.mode=tis"],
             r"with 2 trainer ranks: .*fix: strategy=single",
         ),
-        (
-            ["rollout.mode=disaggregated", "ppo=dapo", "ppo.rollout_correction.mode=tis"],
-            r"ppo.dynamic_sampling.enabled=true: .*fix:",
-        ),
         (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
         (
             ["rollout.mode=disaggregated", "rollout.workers.count=0", "rollout.max_staleness=0"],
