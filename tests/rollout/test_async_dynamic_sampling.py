@@ -255,3 +255,75 @@ def test_on_shortfall_stop_raises_the_one_line_error_and_keeps_the_step_to_retry
     assert state["next_rollout_step"] == 0 and sorted(state["prefetched"]) == [0, 1]
     assert state["step_generation_rounds"] == {0: [0], 1: [1]}
     assert isinstance(dm.source, AheadOfTimeSource)
+
+
+# ---------------------------------------------------------------- real rollout workers (vLLM in their own process)
+
+
+def real_run(tiny_model_dir, files, tmp_path, rollout, engine=None, steps=4):
+    """`steps` rollout steps of dynamic sampling on the tiny model through the trainer (Lightning's loop), colocated on
+    `engine` or with a rollout worker; every batch recorded."""
+    import torch
+
+    from lit_ppo.rollout.workers.client import RolloutWorkers
+    from tests.helpers import build_run
+    from tests.rollout.test_async import RecordingDataModule
+
+    datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        engine,
+        files,
+        tmp_path,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        datamodule_class=datamodule_class,
+        reward_fn=even_answers_are_uniform,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=ROLLOUT_BATCH,
+        # every group expected to differ: 1 round requested ahead, the rest refilled after the step's rewards
+        dynamic_sampling=DynamicSamplingConfig(
+            enabled=True, max_generation_rounds=3, expected_informative_fraction=1.0
+        ),
+    )
+    torch.manual_seed(0)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if engine is None and isinstance(datamodule.engine, RolloutWorkers):
+            datamodule.engine.close()
+    return module, datamodule_class.batches, plan
+
+
+@pytest.mark.slow
+def test_real_workers_at_k0_train_the_colocated_samples_and_weights(tiny_model_dir, arithmetic_files, tmp_path, engine):
+    """The key test of issue 36 item 2 with vLLM: `ppo=dapo`-style dynamic sampling with a rollout worker at k = 0
+    equals the colocated run step for step (samples, rewards, rounds, dropped and filled groups) and ends with bitwise
+    the same weights."""
+    from tests.helpers.resume import assert_same_weights
+    from tests.rollout.test_async import disaggregated
+
+    colocated_rollout = RolloutConfig(max_response_tokens=6, temperature=0.8, eval_samples_per_prompt=2)
+    colocated, theirs, _ = real_run(tiny_model_dir, arithmetic_files, tmp_path / "colocated", colocated_rollout, engine)
+    module, ours, _ = real_run(tiny_model_dir, arithmetic_files, tmp_path / "k0", disaggregated(0))
+    assert [trained(b) for b in ours] == [trained(b) for b in theirs]
+    assert max(b.generation_rounds for b in ours) > 1  # refill rounds were requested
+    assert [set(b.policy_versions) for b in ours] == [{s} for s in range(4)]
+    assert_same_weights(module.actor.state_dict(), colocated.actor.state_dict())
+
+
+@pytest.mark.slow
+def test_real_workers_at_k1_train_full_batches_of_the_plans_versions(tiny_model_dir, arithmetic_files, tmp_path):
+    """k = 1 with a rollout worker: every trained batch has the plan's size; rounds requested ahead are of version
+    max(0, s - 1), refill rounds of version s (the trainer's check passed on every step)."""
+    from tests.rollout.test_async import disaggregated
+
+    module, batches, plan = real_run(tiny_model_dir, arithmetic_files, tmp_path, disaggregated(1))
+    assert plan.dynamic_sampling.rounds_requested_ahead == 1
+    for step, batch in enumerate(batches):
+        assert len(batch.response_ids) == ROLLOUT_BATCH * N
+        assert batch.policy_versions == [plan.generating_version(step, r) for r in batch.rounds_in_step]
+    assert any(set(b.policy_versions) == {b.rollout_step - 1, b.rollout_step} for b in batches[1:])
+    assert module.actor_optimizer_steps == 4 * plan.counts.optimizer_steps_per_rollout_step
