@@ -326,4 +326,8 @@ def test_real_workers_at_k1_train_full_batches_of_the_plans_versions(tiny_model_
         assert len(batch.response_ids) == ROLLOUT_BATCH * N
         assert batch.policy_versions == [plan.generating_version(step, r) for r in batch.rounds_in_step]
     assert any(set(b.policy_versions) == {b.rollout_step - 1, b.rollout_step} for b in batches[1:])
+    # counted per step: the rounds generated after the rewards (beyond the 1 requested ahead)
+    refills = [row["rollout/refill_rounds"] for row in module.history]
+    assert refills == [b.generation_rounds - 1 for b in batches] and max(refills) > 0
+    assert all(row["rollout/returned_rounds"] == 0 for row in module.history)
     assert module.actor_optimizer_steps == 4 * plan.counts.optimizer_steps_per_rollout_step
