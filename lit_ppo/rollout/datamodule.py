@@ -251,7 +251,9 @@ class RolloutDataModule(L.LightningDataModule):
         if round_in_step < len(rounds):
             return rounds[round_in_step]
         if round_in_step != len(rounds):
-            raise RuntimeError(f"rollout step {rollout_step}: round {round_in_step} asked for before round {len(rounds)}")
+            raise RuntimeError(
+                f"rollout step {rollout_step}: round {round_in_step} asked for before round {len(rounds)}"
+            )
         if self.returned_generation_rounds:
             rounds.append(self.returned_generation_rounds.pop(0))
         else:
@@ -277,7 +279,9 @@ class RolloutDataModule(L.LightningDataModule):
     def set_stream_state(self, state: dict) -> None:
         self.next_generation_round = state["next_generation_round"]
         self.returned_generation_rounds = list(state.get("returned_generation_rounds", []))
-        self.step_generation_rounds = {int(step): list(r) for step, r in state.get("step_generation_rounds", {}).items()}
+        self.step_generation_rounds = {
+            int(step): list(r) for step, r in state.get("step_generation_rounds", {}).items()
+        }
 
     # ------------------------------------------------------------ rollouts
 
@@ -340,7 +344,6 @@ class RolloutDataModule(L.LightningDataModule):
         `rollout_batch_size` groups with differing rewards are collected over all ranks (at most
         `max_generation_rounds`); each rank then takes its contiguous share of them."""
         plan = self.plan
-        first_round = self.next_generation_round
         # Where a step that stops short (on_shortfall=stop) restarts: the stream and the source as they were, except
         # what the source requested ahead meanwhile (kept: `stream_restart`).
         source_start, self.stream_restart = self.source.snapshot(), (rollout_step, self.stream_state())

@@ -219,7 +219,14 @@ class AheadOfTimeSource:
             # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
             self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
             self.next_step = rollout_step + 1
-        got = self.received[rollout_step][round_in_step]
+        rounds = self.received[rollout_step]
+        if round_in_step >= len(rounds):  # only a checkpoint written under other dynamic sampling settings has fewer
+            raise RuntimeError(
+                f"rollout step {rollout_step} was requested with {len(rounds)} generation round(s) ahead but the plan "
+                f"requests {self.rounds_ahead}: ppo.dynamic_sampling settings changed since its checkpoint; fix: resume "
+                "with the checkpoint's ppo.dynamic_sampling settings"
+            )
+        got = rounds[round_in_step]
         return ScheduledRound(
             got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
         )

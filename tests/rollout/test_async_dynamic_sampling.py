@@ -98,8 +98,10 @@ def datamodule(parts, k: int | None, engine, steps: int = STEPS, **ds):
     from lit_ppo.rollout.datamodule import RolloutDataModule
 
     model_dir, tokenizer, prompts = parts
-    rollout = RolloutConfig(max_response_tokens=6) if k is None else RolloutConfig(
-        max_response_tokens=6, mode="disaggregated", max_staleness=k
+    rollout = (
+        RolloutConfig(max_response_tokens=6)
+        if k is None
+        else RolloutConfig(max_response_tokens=6, mode="disaggregated", max_staleness=k)
     )
     plan = plan_of(len(prompts), ppo=ppo(**ds), rollout=rollout, steps=steps)
     return RolloutDataModule(
@@ -156,7 +158,12 @@ def test_the_plan_states_the_rounds_requested_ahead_and_the_expected_refill():
     # colocated: the expected rounds, nothing requested ahead; every group differing: 1 round ahead
     colocated = plan_of(64, ppo=ppo(), steps=4).dynamic_sampling
     assert colocated.rounds_requested_ahead is None and colocated.expected_rounds == pytest.approx(ds.expected_rounds)
-    assert plan_of(64, ppo=ppo(expected_informative_fraction=1.0), rollout=disaggregated).dynamic_sampling.rounds_requested_ahead == 1
+    assert (
+        plan_of(
+            64, ppo=ppo(expected_informative_fraction=1.0), rollout=disaggregated
+        ).dynamic_sampling.rounds_requested_ahead
+        == 1
+    )
 
 
 def test_dapo_runs_with_rollout_workers():
@@ -250,7 +257,9 @@ def test_on_shortfall_stop_raises_the_one_line_error_and_keeps_the_step_to_retry
     with pytest.raises(DynamicSamplingShortfallError) as info:
         dm.produce_rollout(0)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("rollout step 1: ") and "on_shortfall=fill, then resume" in message
+    assert (
+        "\n" not in message and message.startswith("rollout step 1: ") and "on_shortfall=fill, then resume" in message
+    )
     state = dm.state_dict()
     assert state["next_rollout_step"] == 0 and sorted(state["prefetched"]) == [0, 1]
     assert state["step_generation_rounds"] == {0: [0], 1: [1]}
@@ -260,15 +269,23 @@ def test_on_shortfall_stop_raises_the_one_line_error_and_keeps_the_step_to_retry
 # ---------------------------------------------------------------- real rollout workers (vLLM in their own process)
 
 
-def real_run(tiny_model_dir, files, tmp_path, rollout, engine=None, steps=4):
+def real_run(
+    tiny_model_dir, files, tmp_path, rollout, engine=None, steps=4, checkpoints=None, crash_after=None, resume_from=None
+):
     """`steps` rollout steps of dynamic sampling on the tiny model through the trainer (Lightning's loop), colocated on
-    `engine` or with a rollout worker; every batch recorded."""
+    `engine` or with a rollout worker; every batch recorded. `checkpoints`: a directory to checkpoint into after every
+    step; `crash_after`: end abruptly after that rollout step (tests.helpers.resume.Crash); `resume_from`: a
+    checkpoint."""
     import torch
 
+    from lit_ppo.checkpoints import RolloutCheckpoint
     from lit_ppo.rollout.workers.client import RolloutWorkers
     from tests.helpers import build_run
+    from tests.helpers.resume import CrashAfter
     from tests.rollout.test_async import RecordingDataModule
 
+    callbacks = [RolloutCheckpoint(checkpoints, every=1, keep=10)] if checkpoints else []
+    callbacks += [CrashAfter(crash_after)] if crash_after else []
     datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
@@ -277,6 +294,7 @@ def real_run(tiny_model_dir, files, tmp_path, rollout, engine=None, steps=4):
         tmp_path,
         total_rollout_steps=steps,
         rollout=rollout,
+        callbacks=callbacks,
         datamodule_class=datamodule_class,
         reward_fn=even_answers_are_uniform,
         advantage_estimator="grpo",
@@ -290,11 +308,20 @@ def real_run(tiny_model_dir, files, tmp_path, rollout, engine=None, steps=4):
     )
     torch.manual_seed(0)
     try:
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from, weights_only=False)
     finally:
         if engine is None and isinstance(datamodule.engine, RolloutWorkers):
             datamodule.engine.close()
     return module, datamodule_class.batches, plan
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_model_dir, arithmetic_files, tmp_path_factory):
+    """5 rollout steps of dynamic sampling at k = 1 with a rollout worker, checkpointed after each."""
+    from tests.rollout.test_async import disaggregated
+
+    out = tmp_path_factory.mktemp("dynamic_k1")
+    return real_run(tiny_model_dir, arithmetic_files, out, disaggregated(1), steps=5, checkpoints=out / "checkpoints")
 
 
 @pytest.mark.slow
@@ -314,20 +341,70 @@ def test_real_workers_at_k0_train_the_colocated_samples_and_weights(tiny_model_d
     assert_same_weights(module.actor.state_dict(), colocated.actor.state_dict())
 
 
-@pytest.mark.slow
-def test_real_workers_at_k1_train_full_batches_of_the_plans_versions(tiny_model_dir, arithmetic_files, tmp_path):
+def test_real_workers_at_k1_train_full_batches_of_the_plans_versions(one_step_off):
     """k = 1 with a rollout worker: every trained batch has the plan's size; rounds requested ahead are of version
     max(0, s - 1), refill rounds of version s (the trainer's check passed on every step)."""
-    from tests.rollout.test_async import disaggregated
-
-    module, batches, plan = real_run(tiny_model_dir, arithmetic_files, tmp_path, disaggregated(1))
+    module, batches, plan = one_step_off
     assert plan.dynamic_sampling.rounds_requested_ahead == 1
     for step, batch in enumerate(batches):
         assert len(batch.response_ids) == ROLLOUT_BATCH * N
         assert batch.policy_versions == [plan.generating_version(step, r) for r in batch.rounds_in_step]
     assert any(set(b.policy_versions) == {b.rollout_step - 1, b.rollout_step} for b in batches[1:])
+    assert module.actor_optimizer_steps == len(batches) * plan.counts.optimizer_steps_per_rollout_step
     # counted per step: the rounds generated after the rewards (beyond the 1 requested ahead)
     refills = [row["rollout/refill_rounds"] for row in module.history]
     assert refills == [b.generation_rounds - 1 for b in batches] and max(refills) > 0
     assert all(row["rollout/returned_rounds"] == 0 for row in module.history)
-    assert module.actor_optimizer_steps == 4 * plan.counts.optimizer_steps_per_rollout_step
+
+
+@pytest.mark.slow
+def test_real_workers_at_k1_resume_from_a_checkpoint_exactly(one_step_off, tiny_model_dir, arithmetic_files, tmp_path):
+    """A k = 1 run that crashes after rollout step 4, resumed from its checkpoint after step 3 (which keeps step 3's
+    rounds requested ahead, generated by version 2, and the prompt stream): the same batches and bitwise the same
+    final weights as the uninterrupted run."""
+    from lit_ppo.checkpoints import checkpoint_path
+    from tests.helpers.resume import Crash, assert_same_weights
+    from tests.rollout.test_async import disaggregated
+
+    full, full_batches, _ = one_step_off
+    checkpoints = tmp_path / "checkpoints"
+    with pytest.raises(Crash):
+        real_run(
+            tiny_model_dir,
+            arithmetic_files,
+            tmp_path,
+            disaggregated(1),
+            steps=5,
+            checkpoints=checkpoints,
+            crash_after=4,
+        )
+    resumed, batches, _ = real_run(
+        tiny_model_dir,
+        arithmetic_files,
+        tmp_path,
+        disaggregated(1),
+        steps=5,
+        checkpoints=checkpoints,
+        resume_from=str(checkpoint_path(checkpoints, 3)),
+    )
+    assert [b.rollout_step for b in batches] == [3, 4]
+    assert [trained(b) for b in batches] == [trained(b) for b in full_batches[3:]]
+    assert [b.policy_versions for b in batches] == [b.policy_versions for b in full_batches[3:]]
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+
+
+def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_stops_in_one_line(parts):
+    """The rounds requested ahead come from the plan: a checkpoint whose steps were requested with fewer (settings
+    changed since, were resume to allow it) stops in one line instead of generating with a version the plan does not
+    give those rounds."""
+    dm = datamodule(parts, 1, StandInWorkers(), expected_informative_fraction=1.0)  # 1 round ahead
+    drive(dm, 0, 2)
+    state = dm.state_dict()
+    resumed = datamodule(parts, 1, StandInWorkers(version=2))  # half expected to differ: 2 rounds ahead
+    resumed.load_state_dict(state)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^rollout step 2 was requested with 1 generation round\(s\) ahead but the plan requests 2: .*fix: resume with",
+    ) as info:
+        resumed.produce_rollout(2)
+    assert "\n" not in str(info.value)
