@@ -77,6 +77,8 @@ CASES = {
     "disaggregated_k2_worker": Case((*DISAGGREGATED, "rollout.max_staleness=2"), target="worker"),
     "lora": Case(("model.lora.rank=8", "model.lora.alpha=16")),
     "dynamic_sampling": Case(("ppo=dapo",)),
+    # DAPO with rollout workers (issue 36 item 2): steps requested ahead with the plan's rounds, refilled from version s
+    "dynamic_sampling_k1": Case((*DISAGGREGATED, "rollout.max_staleness=1", "ppo=dapo")),
     # Tool episodes, shortened: the experiment at COMMON's counts, which the command line sets over it (colocated:
     # the workers refuse episodes until issue 36 item 1).
     "tool_episodes": Case(("+experiment=tool_arithmetic",)),

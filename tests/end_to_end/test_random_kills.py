@@ -55,6 +55,7 @@ def test_a_colocated_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_pa
         "disaggregated_k2_worker",
         "lora",
         "dynamic_sampling",
+        "dynamic_sampling_k1",
         "tool_episodes",
     ],
 )
