@@ -79,6 +79,10 @@ CASES = {
     "dynamic_sampling": Case(("ppo=dapo",)),
     # DAPO with rollout workers (issue 36 item 2): steps requested ahead with the plan's rounds, refilled from version s
     "dynamic_sampling_k1": Case((*DISAGGREGATED, "rollout.max_staleness=1", "ppo=dapo")),
+    # ... every group expected to differ: 1 round requested ahead, refill rounds (version s) in most steps
+    "dynamic_sampling_k1_refill": Case(
+        (*DISAGGREGATED, "rollout.max_staleness=1", "ppo=dapo", "ppo.dynamic_sampling.expected_informative_fraction=1")
+    ),
     # Tool episodes, shortened: the experiment at COMMON's counts, which the command line sets over it (colocated:
     # the workers refuse episodes until issue 36 item 1).
     "tool_episodes": Case(("+experiment=tool_arithmetic",)),

@@ -56,6 +56,7 @@ def test_a_colocated_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_pa
         "lora",
         "dynamic_sampling",
         "dynamic_sampling_k1",
+        "dynamic_sampling_k1_refill",
         "tool_episodes",
     ],
 )
