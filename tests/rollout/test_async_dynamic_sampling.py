@@ -408,3 +408,21 @@ def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_stops_in_one_line(part
     ) as info:
         resumed.produce_rollout(2)
     assert "\n" not in str(info.value)
+
+
+def test_a_refill_requested_while_the_workers_hold_another_version_stops(parts):
+    """Refill rounds are requested from version s: workers that hold another one then (here a version pushed too
+    early, 7, while step 0's refill is due for version 0) stop the run naming the step, the round and both versions."""
+
+    class PushedTooEarly(StandInWorkers):
+        def collect(self, ticket):
+            got = super().collect(ticket)
+            self.version = 7
+            return got
+
+    dm = datamodule(parts, 1, PushedTooEarly(), expected_informative_fraction=1.0)  # 1 round ahead, then refill
+    with pytest.raises(
+        RuntimeError,
+        match=r"^rollout step 0 \(generation round 2\) is due for policy version 0 but the workers hold version 7$",
+    ):
+        dm.produce_rollout(0)
