@@ -133,9 +133,10 @@ class PPOConfig:
     shared_prefix: bool | None = None
     """Packed micro-batches with each prompt once: a prompt group's samples in one micro-batch share their prompt's
     tokens (a multi-turn episode's first prompt), each response attending to the prompt and to itself only (a 4-D
-    mask), its position ids going on from the prompt's; log-probs, values and gradients are the flat packed layout's
-    (lit_ppo/training/shared_prefix.py). null: on where that is exact (packing on, n_samples_per_prompt >= 2, sdpa or
-    eager attention); true: refused where it is not; false: every sample's prompt laid out."""
+    mask; flex attention: a block mask), its position ids going on from the prompt's; log-probs, values and gradients
+    are the flat packed layout's (lit_ppo/training/shared_prefix.py). Under data parallelism a group's samples train on
+    one rank. null: on where that is exact (packing on, n_samples_per_prompt >= 2, sdpa, eager or flex_attention, no
+    sliding window); true: refused where it is not; false: every sample's prompt laid out."""
     old_logprobs: str = "auto"
     """Where the PPO ratio's old log-probs come from. recompute: an experience forward of the actor before the updates;
     auto: skip that forward when the update is exactly on-policy (ppo_epochs=1, one mini-batch per rollout step, no KL
@@ -826,8 +827,10 @@ class ModelConfig:
     attn_implementation: str | None = None
     """The attention kernels of the trained models (transformers' `attn_implementation`): null leaves transformers'
     default (sdpa); flash_attention_2 / flash_attention_3 (the flash-attn package) train packed micro-batches in one
-    row with per-sample varlen kernels, where sdpa/eager/flex_attention compute each packed row's attention under a
-    block-diagonal mask (lit_ppo/training/packing.py). Checked by the pre-flight before any model loads."""
+    row with per-sample varlen kernels, flex_attention in one row padded to a fixed token budget (the plan's
+    row_tokens: compiled once) under a block-sparse mask, where sdpa/eager compute each packed row's attention under a
+    block-diagonal mask (lit_ppo/training/packing.py). Checked by the pre-flight before any model loads (flex_attention:
+    a GPU, where torch has no flex attention backward on a CPU)."""
 
     def __post_init__(self) -> None:
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:

@@ -247,12 +247,17 @@ class LayoutPlan:
     # as many on every rank (training/batching.py:balanced_rank_batch); else each rank trains what it generated.
     rank_balance: bool = False
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
+    # Packed with flex attention: each micro-batch one row padded to this many positions (max_micro_batch_tokens), the
+    # one shape its compiled kernel sees (training/packing.py:fixed_row); None otherwise.
+    row_tokens: int | None = None
     # Expected tokens per training micro-batch (`expected_micro_batch_tokens`) with every response at the limit
     # (counts.max_response_tokens) and prompts of the data's lengths (`prompt_stats`); None without the data's prompts.
     prompt_stats: PromptStats | None = None
     expected_real_tokens_per_micro_batch: float | None = None  # this run's layout (its micro-batch count)
     expected_packed_tokens_per_micro_batch: float | None = None  # positions packed (row ends not counted)
     expected_padded_layout_tokens_per_micro_batch: float | None = None  # positions padded, at most
+    # flex attention's fixed rows: positions of a row expected to hold no token (`expected_row_padding`)
+    expected_row_padding_tokens_per_micro_batch: float | None = None
 
     def rows(self, plan: StepPlan) -> list[Row]:
         if self.micro_train_max_tokens is None:
@@ -271,19 +276,27 @@ class LayoutPlan:
                 )
             ]
         if self.packing:
-            attention = (
-                f"{self.attn_implementation}: one row per micro-batch, varlen kernels per sample"
-                if self.attn_implementation in ("flash_attention_2", "flash_attention_3")
-                else f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
-                "sample, block-diagonal mask"
-            )
+            if self.attn_implementation in ("flash_attention_2", "flash_attention_3"):
+                attention = f"{self.attn_implementation}: one row per micro-batch, varlen kernels per sample"
+            elif self.row_tokens is not None:
+                attention = (
+                    f"{self.attn_implementation}: one row per micro-batch padded to {self.row_tokens} positions, the "
+                    "one shape it compiles for (per forward kind), blocks no sample attends to skipped"
+                )
+            else:
+                attention = (
+                    f"{self.attn_implementation or 'sdpa, transformers default'}: rows of up to twice the longest "
+                    "sample, block-diagonal mask"
+                )
             packing = (
                 f"whole samples end to end, position ids from 0 at each; attention within a sample ({attention}); LM "
                 "head at response positions only, in the model's own forward; proven against the padded layout on "
                 "the first micro-batch"
             ) + (
                 "; shared prefix: a prompt group's prompt once, each response attending to it and to itself "
-                "(4-D mask), groups kept together in micro-batches (ppo.shared_prefix)"
+                f"({'block mask' if self.row_tokens is not None else '4-D mask'}), groups kept together in micro-batches"
+                + (" and on a rank" if plan.counts.data_parallel_size > 1 else "")
+                + " (ppo.shared_prefix)"
                 if self.shared_prefix
                 else ""
             )
@@ -308,7 +321,12 @@ class LayoutPlan:
                     "by tokens" if self.rank_balance else "generated",
                     "experience: whole prompt groups over the ranks by real tokens after generation, as many on "
                     "each (heaviest - lightest rank <= heaviest - lightest group; perf/rank_token_imbalance); "
-                    "updates: each global mini-batch's samples, by real tokens"
+                    + (
+                        "updates: each global mini-batch's samples, a prompt group's on one rank where one has room "
+                        "(its prompt laid out once), by the tokens laid out"
+                        if self.shared_prefix
+                        else "updates: each global mini-batch's samples, by real tokens"
+                    )
                     if self.rank_balance
                     else "experience: the prompt groups each rank generated (contiguous shares; by tokens when "
                     "packed); updates: each global mini-batch's samples, in runs of its shuffled order",
@@ -352,6 +370,16 @@ class LayoutPlan:
             )
         rows = [("expected real tokens", round(real), assumed), laid_out]
         saved = self.expected_prefix_tokens_saved_per_micro_batch
+        if self.expected_row_padding_tokens_per_micro_batch is not None:
+            rows.append(
+                (
+                    "expected row padding",
+                    round(self.expected_row_padding_tokens_per_micro_batch),
+                    f"/ micro-batch / rank: positions of the {self.row_tokens}-position row that hold no token (the "
+                    "layers compute them, the attention skips their blocks); ppo.micro_train_max_tokens near the "
+                    "real tokens narrows it",
+                )
+            )
         if self.shared_prefix and saved is not None:
             rows.append(
                 (
@@ -994,11 +1022,18 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
     ppo, data_parallel_size = config.ppo, counts.data_parallel_size
     packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
     shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation)
+    max_tokens = ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len
     expected = (None, None, None)
     if prompt_stats is not None:
         expected = expected_micro_batch_tokens(
             ppo, ppo.train_batch_size // data_parallel_size, counts.max_response_tokens, prompt_stats, packing
         )
+    saved = (
+        expected[0] * prefix_fraction(ppo, counts.max_response_tokens, prompt_stats)
+        if shared_prefix and prompt_stats is not None
+        else None
+    )
+    row_tokens = max_tokens if packing and config.model.attn_implementation == "flex_attention" else None
     return LayoutPlan(
         micro_train_batch_size=ppo.micro_train_batch_size,
         grad_accumulation_steps=ppo.train_batch_size // (ppo.micro_train_batch_size * data_parallel_size),
@@ -1006,31 +1041,39 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         packing=packing,
         attn_implementation=config.model.attn_implementation,
         shared_prefix=shared_prefix,
-        expected_prefix_tokens_saved_per_micro_batch=(
-            expected[0] * prefix_fraction(ppo, counts.max_response_tokens, prompt_stats)
-            if shared_prefix and prompt_stats is not None
-            else None
-        ),
+        expected_prefix_tokens_saved_per_micro_batch=saved,
         rank_balance=packing and data_parallel_size > 1,
-        max_micro_batch_tokens=ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len,
+        max_micro_batch_tokens=max_tokens,
+        row_tokens=row_tokens,
         prompt_stats=prompt_stats,
         expected_real_tokens_per_micro_batch=expected[0],
         expected_packed_tokens_per_micro_batch=expected[1],
         expected_padded_layout_tokens_per_micro_batch=expected[2],
+        expected_row_padding_tokens_per_micro_batch=expected_row_padding(row_tokens, expected[1], saved),
     )
+
+
+def expected_row_padding(row_tokens: int | None, packed: float | None, saved: float | None) -> float | None:
+    """Flex attention's fixed rows (`row_tokens`): the positions of a row expected to hold no token, the row less the
+    expected packed tokens less the prompt tokens the shared prefix lays out once (`saved`); None without fixed rows
+    or the data's prompts."""
+    if row_tokens is None or packed is None:
+        return None
+    return max(0.0, row_tokens - (packed - (saved or 0.0)))
 
 
 def resolve_shared_prefix(ppo: PPOConfig, packing: bool, attn_implementation: str | None) -> bool:
     """ppo.shared_prefix resolved: null is on where the layout is exact and saves tokens (packed, several samples per
-    prompt, an attention implementation that takes a ready 4-D mask); true where it is not is refused in one line. (A
+    prompt, an attention implementation that takes a ready mask: sdpa, eager, flex_attention's block mask); true where
+    it is not is refused in one line. (A
     model with sliding-window layers is refused when it loads: `training/packing.py:shared_prefix_unsupported`.)"""
     reason = None
     if not packing:
         reason = "it lays out packed micro-batches, and ppo.packing is off"
     elif ppo.n_samples_per_prompt < 2:
         reason = "ppo.n_samples_per_prompt=1: no two samples share a prompt"
-    elif attn_implementation not in (None, "sdpa", "eager"):
-        reason = f"model.attn_implementation={attn_implementation} takes no ready 4-D mask (sdpa or eager do)"
+    elif attn_implementation not in (None, "sdpa", "eager", "flex_attention"):
+        reason = f"model.attn_implementation={attn_implementation} takes no ready mask (sdpa, eager, flex_attention do)"
     if reason and ppo.shared_prefix:
         raise ConfigError(f"ppo.shared_prefix=true: {reason}; fix: set ppo.shared_prefix=null or false")
     return reason is None and ppo.shared_prefix is not False

@@ -584,7 +584,12 @@ def test_a_flat_plan_of_an_old_checkpoint_maps_to_the_sections():
     flat = json.loads(FLAT_V1.read_text())
     config, prompt_stats, lora_targets = run_module.preflight(compose_run_config("model.lora.rank=8"))
     now = compute_plan(config, 2000, prompt_stats, lora_targets).to_dict()
-    newer = {"shared_prefix", "expected_prefix_tokens_saved_per_micro_batch"}  # layout fields added after v1
+    newer = {
+        "shared_prefix",
+        "expected_prefix_tokens_saved_per_micro_batch",
+        "row_tokens",
+        "expected_row_padding_tokens_per_micro_batch",
+    }
     assert now["layout"].keys() >= newer
     now["layout"] = {k: v for k, v in now["layout"].items() if k not in newer}
     mapped = sections_of(flat)

@@ -148,7 +148,7 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
         longest_prompt=longest,
     )
     if training:
-        checks.check_attention(config.model.attn_implementation)
+        checks.check_attention(config.model.attn_implementation, config.strategy.accelerator)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
     shared_prefix = config.ppo.shared_prefix
     if packing is not False and architecture is not None:  # the layout exact for this model, or off (null)

@@ -8,6 +8,7 @@ takes plain values (paths, numbers, callables) and raises a `UserError` naming t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -86,11 +87,10 @@ def call_parameters(target: Any, bound: Mapping[str, Any], partial: bool) -> dic
             return {}
         parameters = list(inspect.signature(call).parameters.values())[1:]  # without self
         return {p.name: p for p in parameters}
-    parameters = dict(inspect.signature(target).parameters)
-    for name in bound:
-        if name in parameters:  # bound by keyword: still accepted, with a default now
-            parameters[name] = parameters[name].replace(default=bound[name], kind=inspect.Parameter.KEYWORD_ONLY)
-    return parameters
+    # What functools.partial makes of it: a parameter bound by keyword is still accepted, with a default now, and
+    # it and every positional parameter after it become keyword-only (so `def f(a, b, c)` with b bound takes a, then
+    # b=..., c=...: a signature in that order, which replacing b's kind alone would not be).
+    return dict(inspect.signature(functools.partial(target, **bound)).parameters)
 
 
 def check_bound_keywords(target: Any, bound: Mapping[str, Any], partial: bool, name: str) -> None:
@@ -384,9 +384,13 @@ def resolve_shared_prefix(shared_prefix: bool | None, model_config, attn_impleme
     return shared_prefix
 
 
-def check_attention(attn_implementation: str | None) -> None:
-    """model.attn_implementation where the run trains: the kernels it names must be installed here, or the model's
-    load would fail (or, for flex attention, compile) only after the data and the engine were set up."""
+def check_attention(attn_implementation: str | None, accelerator: str = "auto") -> None:
+    """model.attn_implementation where the run trains on `accelerator` (strategy.accelerator): the kernels it names must
+    be installed here, or the model's load would fail (or, for flex attention, its first forward or backward) only after
+    the data and the engine were set up. Flex attention trains on a GPU only: torch (2.13) runs its forward on a CPU but
+    not its backward ("FlexAttention does not support backward on CPU"; `flex_backward_on_cpu` asks the installed
+    torch)."""
+    import torch
     import transformers.utils as available
 
     needs = {
@@ -404,6 +408,27 @@ def check_attention(attn_implementation: str | None) -> None:
                 f"model.attn_implementation={attn_implementation}: needs {what}, not found here; fix: install it, or "
                 "model.attn_implementation=null (transformers' default, sdpa)"
             )
+    on_cpu = str(accelerator) == "cpu" or (str(accelerator) == "auto" and not torch.cuda.is_available())
+    if attn_implementation == "flex_attention" and on_cpu and not flex_backward_on_cpu():
+        raise ConfigError(
+            f"model.attn_implementation=flex_attention: torch {torch.__version__} has no flex attention backward on a "
+            "CPU (strategy.accelerator resolves to cpu here); fix: train on a GPU, or model.attn_implementation=null "
+            "(sdpa)"
+        )
+
+
+def flex_backward_on_cpu() -> bool:
+    """Whether the installed torch computes flex attention's gradients on a CPU: one backward through 16 positions,
+    uncompiled (torch refuses at the call, before any kernel runs, where it cannot)."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    query = torch.zeros(1, 1, 16, 8, requires_grad=True)
+    try:
+        flex_attention(query, query, query).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------ LoRA targets

@@ -38,6 +38,9 @@ class MicroBatch:
     # response_mask > 0, in the row-major order of those [B, T] entries (the LM head runs there only)
     head_index: Tensor | None = None
     layout_tokens: int | None = None  # shared prefix (ppo.shared_prefix): real tokens laid out, each prompt once
+    # shared prefix: [2, R, L] each position's segment (a prompt, a response, a row's end) and the segment it may
+    # attend to besides its own (its prompt), what the masks are built from (`shared_prefix.attention_mask_for`)
+    segments: Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -104,6 +107,7 @@ def pack_samples(
     policy_masks: list[list[int]] | None = None,
     expected_ids: list[list[int]] | None = None,
     one_row: bool = False,
+    row_tokens: int | None = None,
 ) -> MicroBatch:
     """Whole samples (prompt + response, with an episode's observations) laid end to end in rows, position ids
     restarting at 0 at each sample, no attention mask: transformers reads the packed position ids and keeps each
@@ -116,15 +120,20 @@ def pack_samples(
     small micro-batches (one forward and backward of 16 realistic samples on the 24 M bench model, CPU seconds: one
     row 1.1x the padded layout's, rows of twice the longest sample 0.73x, of the longest 0.69x, which pads 2 samples
     of 400 and 200 tokens to 800 positions). A row's unused end is a segment of its own (positions from 0) that no
-    sample attends to."""
+    sample attends to.
+
+    `row_tokens` (flex attention, `plan.layout.row_tokens`): one row padded to that many positions, so that every
+    forward has the shape the kernel was compiled for (`fixed_row_length`)."""
     B = len(prompt_ids)
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     T = max(1, max(len(r) for r in response_ids))
-    if one_row:
+    if one_row or row_tokens is not None:
         rows = [list(range(B))]
     else:
         rows = packed_rows(lengths)
     L = max(sum(lengths[b] for b in row) for row in rows)
+    if row_tokens is not None:
+        L = fixed_row_length(L, row_tokens)
     input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), L), dtype=torch.long)
     start = [0] * B  # flat position of each sample's first token
@@ -153,6 +162,13 @@ def pack_samples(
         0,
         head_index.to(device),
     )
+
+
+def fixed_row_length(tokens: int, row_tokens: int) -> int:
+    """The length of a fixed-budget row (flex attention) holding `tokens`: the budget, or, for a micro-batch over it (a
+    sample longer than ppo.micro_train_max_tokens has one of its own), the next multiple of it (a shape compiled
+    once more)."""
+    return row_tokens * max(1, -(-tokens // row_tokens))
 
 
 def policy_mask_rows(
@@ -312,17 +328,60 @@ def global_batch(batch: RolloutBatch, rank: int) -> tuple[RolloutBatch, list[tup
 def rank_share(batch: RolloutBatch, minibatch: list[int], plan: StepPlan, rank: int) -> list[int]:
     """This rank's samples of the global mini-batch `minibatch` (indices of `global_batch`'s batch): train_batch_size /
     ranks of them, so the ranks run as many micro-batches. Packed (`plan.layout.rank_balance`): split by real tokens
-    (`equal_count_partition`), so the ranks' forwards and backwards take about as long; otherwise consecutive runs of
-    the shuffled order. The loss denominators are the whole mini-batch's (`loss_denominators`): the update does not
-    depend on the split, nor on the number of ranks."""
+    (`equal_count_partition`), so the ranks' forwards and backwards take about as long; with the shared prefix
+    (`plan.layout.shared_prefix`) a prompt group's samples on one rank (`group_rank_partition`), so that its prompt is
+    laid out once there and not once per rank; otherwise consecutive runs of the shuffled order. The loss denominators
+    are the whole mini-batch's (`loss_denominators`): the update does not depend on the split, nor on the number of
+    ranks."""
     world = plan.counts.data_parallel_size
     if world == 1:
         return minibatch
+    if plan.layout.shared_prefix:
+        prompts = [batch.prompt_ids[i] for i in minibatch]
+        responses = [len(batch.response_ids[i]) for i in minibatch]
+        return [minibatch[j] for j in group_rank_partition(prompts, responses, world)[rank]]
     if plan.layout.rank_balance:
         tokens = [len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in minibatch]
         return [minibatch[j] for j in equal_count_partition(tokens, world)[rank]]
     size = len(minibatch) // world
     return minibatch[rank * size : (rank + 1) * size]
+
+
+def group_rank_partition(prompt_ids: list[list[int]], response_lengths: list[int], parts: int) -> list[list[int]]:
+    """The positions of a mini-batch's samples in `parts` parts of as many samples each that keep prompt groups (the
+    same prompt ids) together: groups largest first (then by the tokens the shared-prefix layout computes for them:
+    the prompt once and each response), each to the part with room for it whole that computes the fewest tokens so
+    far; a group no part has room for fills the parts with the most room, largest pieces first (a piece's prompt is
+    then laid out once per part). Deterministic (every rank computes the same split); each part's positions
+    ascending."""
+    if parts <= 0 or len(prompt_ids) % parts:
+        raise ValueError(f"cannot split {len(prompt_ids)} samples into {parts} parts of as many each")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, prompt in enumerate(prompt_ids):
+        groups.setdefault(tuple(prompt), []).append(j)
+
+    def tokens(members: list[int]) -> int:
+        return len(prompt_ids[members[0]]) + sum(response_lengths[j] for j in members)
+
+    room = [len(prompt_ids) // parts] * parts
+    loads = [0] * parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    for members in sorted(groups.values(), key=lambda m: (len(m), tokens(m)), reverse=True):
+        fits = [p for p in range(parts) if room[p] >= len(members)]
+        pieces = []
+        if fits:
+            pieces.append((min(fits, key=lambda p: loads[p]), members))
+        else:
+            rest = list(members)
+            for p in sorted(range(parts), key=lambda p: room[p], reverse=True):
+                if rest and room[p]:
+                    pieces.append((p, rest[: room[p]]))
+                    rest = rest[room[p] :]
+        for p, piece in pieces:
+            shares[p].extend(piece)
+            room[p] -= len(piece)
+            loads[p] += tokens(piece)
+    return [sorted(share) for share in shares]
 
 
 def packed_micro_batch_groups(
@@ -450,10 +509,11 @@ def packed_micro_batches(
     packing: bool = False,
     one_row: bool = False,
     pack_shared_prefix=None,
+    row_tokens: int | None = None,
 ):
     """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack.
-    `packing`: laid out by `pack_samples` (in one row when `one_row`; by `pack_shared_prefix`, training/shared_prefix.py's,
-    where given: each group's prompt once), else by `pack`."""
+    `packing`: laid out by `pack_samples` (in one row when `one_row`, padded to `row_tokens` where given; by
+    `pack_shared_prefix`, training/shared_prefix.py's, where given: each group's prompt once), else by `pack`."""
     masks, expected = batch.policy_masks, batch.episode_ids
     for idx in groups:
         args = ([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device)
@@ -462,6 +522,8 @@ def packed_micro_batches(
             expected_ids=None if expected is None else [expected[i] for i in idx],
         )
         if packing and pack_shared_prefix is not None:
-            yield idx, pack_shared_prefix(*args, **kwargs)
+            yield idx, pack_shared_prefix(*args, **kwargs, row_tokens=row_tokens)
+        elif packing:
+            yield idx, pack_samples(*args, **kwargs, one_row=one_row, row_tokens=row_tokens)
         else:
-            yield idx, (pack_samples(*args, **kwargs, one_row=one_row) if packing else pack(*args, **kwargs))
+            yield idx, pack(*args, **kwargs)

@@ -20,8 +20,9 @@ from lit_ppo.training.shared_prefix import pack_shared_prefix, prefix_tokens_sav
 class MicroBatchLayout:
     """This rank's micro-batches of `batch`: ppo.micro_train_batch_size samples each or within
     ppo.micro_train_max_tokens (`batching.rank_micro_batch_groups`), packed end to end (`plan.layout.packing`; in one row
-    when `one_row`) or padded (`batching.packed_micro_batches`). One per pass over a batch: it counts what the
-    mini-batches of the pass laid out."""
+    when `one_row`, padded to `row_tokens` positions where given: flex attention) or padded
+    (`batching.packed_micro_batches`). One per pass over a batch: it counts what the mini-batches of the pass laid
+    out."""
 
     batch: RolloutBatch
     ppo: PPOConfig
@@ -29,6 +30,7 @@ class MicroBatchLayout:
     pad_token_id: int
     device: torch.device
     one_row: bool = False
+    row_tokens: int | None = None  # flex attention: every packed row this long (`plan.layout.row_tokens`)
     micro_batches: int = 0  # of the mini-batches laid out so far
     positions: int = 0  # the positions they laid out (real tokens and padding)
     real_tokens: int = 0  # the prompt and response tokens they hold
@@ -56,6 +58,7 @@ class MicroBatchLayout:
             layout.packing,
             self.one_row,
             pack_shared_prefix if layout.shared_prefix else None,
+            self.row_tokens,
         )
 
     def mini_batch(self, indices: list[int], rollout_step: int) -> Iterator[tuple[list[int], MicroBatch, bool]]:

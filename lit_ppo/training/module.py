@@ -82,7 +82,7 @@ from lit_ppo.training.models import (
     trained_state,
 )
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers
-from lit_ppo.training.packing import one_row, packing_unsupported, shared_prefix_unsupported
+from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 
 
@@ -128,7 +128,11 @@ class PPOModule(L.LightningModule):
             logging.getLogger("lit_ppo").info("shared prefix: off, %s (ppo.shared_prefix=null)", reason)
             layout = dataclasses.replace(plan.layout, shared_prefix=False)
             self.plan = plan = dataclasses.replace(plan, layout=layout)
-        self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels), else balanced rows
+        self.one_row = one_row(attention)  # packed micro-batches in one row (varlen kernels, flex), else balanced rows
+        # flex attention: every packed row padded to the plan's budget, the shape its kernel is compiled for
+        self.row_tokens = (
+            (plan.layout.row_tokens or plan.layout.max_micro_batch_tokens) if fixed_row(attention) else None
+        )
         self.packing_checked = False  # the packed layout proven against the padded one (`check_packing`)
         self.lora = is_lora(self.actor)  # the reference is then the actor with its adapter disabled
         # A checkpoint holds the trained tensors only: the reference and LoRA's frozen base load from model_dir. Set
@@ -191,7 +195,9 @@ class PPOModule(L.LightningModule):
 
     def micro_batch_layout(self, batch: RolloutBatch) -> MicroBatchLayout:
         """How this rank lays out `batch`'s samples in micro-batches, for one pass over it."""
-        return MicroBatchLayout(batch, self.ppo, self.plan, self.pad_token_id, self.device, self.one_row)
+        return MicroBatchLayout(
+            batch, self.ppo, self.plan, self.pad_token_id, self.device, self.one_row, self.row_tokens
+        )
 
     @torch.no_grad()
     def check_packed_layout(self, batch: RolloutBatch) -> None:

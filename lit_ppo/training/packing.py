@@ -72,20 +72,29 @@ def has_recurrent_layers(modeling, model_type: str) -> bool:
 
 def one_row(attn_implementation: str) -> bool:
     """Whether a packed micro-batch goes in one row: for varlen kernels (cost per sample, and transformers reads packed
-    position ids for them in a batch of one row only)."""
-    return attn_implementation in VARLEN_ATTENTION
+    position ids for them in a batch of one row only) and for flex attention (`fixed_row`)."""
+    return attn_implementation in VARLEN_ATTENTION or fixed_row(attn_implementation)
+
+
+def fixed_row(attn_implementation: str | None) -> bool:
+    """Whether a packed micro-batch goes in one row padded to a fixed token budget (`plan.layout.row_tokens`): flex
+    attention, which transformers compiles (torch.compile) with the row's shape; a row of another length compiles
+    again, and then with dynamic shapes. Its block mask skips the blocks no sample attends to, so one long row costs
+    per sample, as the varlen kernels' (at blocks of 128 positions)."""
+    return attn_implementation == "flex_attention"
 
 
 MASK_ATTENTION = ("sdpa", "eager")  # implementations that take a ready 4-D mask as it is
+BLOCK_MASK_ATTENTION = ("flex_attention",)  # takes a ready block mask (torch's BlockMask) as it is
 
 
 def shared_prefix_unsupported(config, attn_implementation: str | None) -> str | None:
     """Why a model (its transformers config) with `attn_implementation` cannot take the shared-prefix layout exactly;
     None when it can."""
-    if attn_implementation not in MASK_ATTENTION:
+    if attn_implementation not in MASK_ATTENTION + BLOCK_MASK_ATTENTION:
         return (
-            f"attention implementation {attn_implementation!r} takes no ready 4-D mask (the layout needs sdpa or eager; "
-            "flex_attention and flash-attention's varlen kernels cannot keep sibling responses apart here)"
+            f"attention implementation {attn_implementation!r} takes no ready 4-D mask (the layout needs sdpa, eager "
+            "or flex_attention; flash-attention's varlen kernels cannot keep sibling responses apart here)"
         )
     layer_types = getattr(config, "layer_types", None) or []
     # A config.json read as it is (the pre-flight) may lack the layer types transformers derives (Gemma2's); a window

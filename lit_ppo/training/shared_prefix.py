@@ -6,8 +6,10 @@ positions, so log-probs, values, entropies and gradients are the flat packed lay
 tests/training/test_shared_prefix.py); the prompt's tokens are computed once instead of n times.
 
 transformers takes such a mask as a ready 4-D mask (`masking_utils._preprocess_mask_arguments` returns a 4-D tensor
-as it is): boolean for sdpa (True: attend), additive for eager. Flash-attention's varlen kernels take no mask, and
-a sliding window would be dropped by a ready mask, so those are refused (`training/packing.py:shared_prefix_unsupported`).
+or a BlockMask as it is): boolean for sdpa (True: attend), additive for eager, a BlockMask of the same rule for flex
+attention (the blocks no position attends to skipped; the row padded to the plan's fixed budget, no dense mask built).
+Flash-attention's varlen kernels take no mask, and a sliding window would be dropped by a ready mask, so those are
+refused (`training/packing.py:shared_prefix_unsupported`).
 
 Shapes: B samples of a micro-batch, T its longest response; R rows of L positions.
 """
@@ -24,6 +26,7 @@ from lit_ppo.training.batching import (
     balanced_partition,
     check_sample_ids,
     first_fit,
+    fixed_row_length,
     policy_mask_rows,
 )
 
@@ -102,23 +105,31 @@ def pack_shared_prefix(
     device,
     policy_masks: list[list[int]] | None = None,
     expected_ids: list[list[int]] | None = None,
+    row_tokens: int | None = None,
 ) -> MicroBatch:
     """The samples in the shared-prefix layout: per prompt group its prompt, then each of its responses; the groups
     laid end to end in rows of at most the longest group or twice the longest sample, as the flat layout's rows
     (first-fit decreasing, as few rows as that finds, spread by tokens where that narrows the widest: every row's
     attention is a square of the row's length under the mask). A
     row's unused end is a segment of its own that attends to itself. The outputs keep `pack`'s per-sample [B, T]
-    layout; `layout_tokens` counts the real tokens laid out (each prompt once)."""
+    layout; `layout_tokens` counts the real tokens laid out (each prompt once). `row_tokens` (flex attention): every
+    group in one row padded to that budget (`batching.fixed_row_length`), and no dense mask (`attention_mask_for`
+    builds a block mask from `segments`)."""
     B = len(prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     groups = prompt_groups(prompt_ids)
     lengths = [len(prompt_ids[g[0]]) + sum(len(response_ids[b]) for b in g) for g in groups]
-    longest_sample = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-    rows = first_fit(lengths, max(max(lengths), 2 * longest_sample))
-    balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
-    if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
-        rows = balanced
+    if row_tokens is not None:
+        rows = [list(range(len(groups)))]
+    else:
+        longest_sample = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+        rows = first_fit(lengths, max(max(lengths), 2 * longest_sample))
+        balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
+        if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
+            rows = balanced
     L = max(sum(lengths[g] for g in row) for row in rows)
+    if row_tokens is not None:
+        L = fixed_row_length(L, row_tokens)
     input_ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), L), dtype=torch.long)
     segment = torch.zeros((len(rows), L), dtype=torch.long)  # one id per prompt, response and row end
@@ -154,30 +165,59 @@ def pack_shared_prefix(
         position_ids[r, offset:] = torch.arange(L - offset)
         segment[r, offset:] = owner[r, offset:] = next_segment
         next_segment += 1
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    same = segment[:, :, None] == segment[:, None, :]  # [R, L, L] query, key
-    prefix = owner[:, :, None] == segment[:, None, :]
-    attention = ((same | prefix) & causal)[:, None]  # [R, 1, L, L], True: attend
+    attention = None  # flex attention: its block mask is built from the segments
+    if row_tokens is None:
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        same = segment[:, :, None] == segment[:, None, :]  # [R, L, L] query, key
+        prefix = owner[:, :, None] == segment[:, None, :]
+        attention = ((same | prefix) & causal)[:, None].to(device)  # [R, 1, L, L], True: attend
     responses, response_mask = policy_mask_rows(response_ids, policy_masks, pad_id, T)
     head_index = predictor[response_mask > 0]  # row-major over [B, T], as the flat layout's
     return MicroBatch(
         input_ids.to(device),
-        attention.to(device),
+        attention,
         position_ids.to(device),
         responses.to(device),
         response_mask.to(device),
         0,
         head_index.to(device),
         layout_tokens=sum(lengths),
+        segments=torch.stack([segment, owner]).to(device),
     )
 
 
-def attention_mask_for(model: torch.nn.Module, mb: MicroBatch) -> Tensor | None:
+def attention_mask_for(model: torch.nn.Module, mb: MicroBatch):
     """The mask a packed forward of `model` passes: None for the flat layout (transformers builds it from the position
-    ids); the shared-prefix layout's 4-D mask, boolean for sdpa, additive (0 or the float minimum) for eager."""
-    if mb.attention_mask is None or mb.attention_mask.dim() != 4:
+    ids); the shared-prefix layout's mask: a BlockMask for flex attention (`block_mask`), the 4-D mask, boolean for
+    sdpa, additive (0 or the float minimum) for eager."""
+    if mb.segments is None:
         return None
-    if model.config._attn_implementation == "eager":
+    implementation = model.config._attn_implementation
+    if implementation == "flex_attention":
+        return block_mask(mb.segments)
+    if mb.attention_mask is None:
+        raise ValueError(f"a shared-prefix micro-batch laid out for flex attention reached a {implementation} model")
+    if implementation == "eager":
         blocked = torch.zeros(mb.attention_mask.shape, dtype=torch.float32, device=mb.attention_mask.device)
         return blocked.masked_fill_(~mb.attention_mask, torch.finfo(torch.float32).min)
     return mb.attention_mask
+
+
+def block_mask(segments: Tensor):
+    """The shared-prefix rule as flex attention's BlockMask over [R, L] rows (`segments`: [2, R, L], each position's
+    segment and the one it may also attend to): causal, within the segment or into its owner's (a response into its
+    prompt). Built as transformers builds its own (`masking_utils.flex_attention_mask`: compiled where torch >= 2.6),
+    once per forward: the row's shape is fixed, so it compiles once."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.utils.import_utils import is_torch_greater_or_equal
+
+    segment, owner = segments[0], segments[1]
+
+    def shared_prefix_rule(batch, head, query, key):
+        seen = (segment[batch, query] == segment[batch, key]) | (owner[batch, query] == segment[batch, key])
+        return seen & (key <= query)
+
+    R, L = segment.shape
+    return create_block_mask(
+        shared_prefix_rule, R, None, L, L, device=segment.device, _compile=is_torch_greater_or_equal("2.6")
+    )

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import lightning as L
 import torch
-from transformers import AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.plan import compute_plan
-from lit_ppo.rewards import RewardScorer, integer_match
-from lit_ppo.rollout.prompts import load_prompts
-from lit_ppo.run.build import TRAINER_FLAGS
-from lit_ppo.testing import FixedBatchDataModule, NullEngine, synthetic_rollout_batch
-from lit_ppo.training.module import PPOModule
+from lit_ppo.testing import synthetic_rollout_batch
 from tests.helpers import compose_run_config, run_config
+from tests.helpers.fixed_batch import train_on_fixed_batch
 
 TEMPERATURE = 0.7
 
@@ -42,41 +37,18 @@ def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
 def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
     """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
     optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(files[0], tokenizer)
     config = dataclasses.replace(compose_run_config(), ppo=ppo)
     rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
-    plan = compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), len(train_prompts), prompt_stats)
-    datamodule = FixedBatchDataModule(
-        plan=plan,
-        train_prompts=train_prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=NullEngine(),
+    return train_on_fixed_batch(
+        model_dir,
+        files[0],
+        tmp_path,
+        batch,
+        ppo,
+        rollout,
+        lambda prompts: compute_plan(run_config(ppo=ppo, rollout=rollout, steps=steps), prompts, prompt_stats),
+        temperature=TEMPERATURE,
     )
-    datamodule.fixed_batch = batch
-    torch.manual_seed(0)
-    module = PPOModule(
-        model_dir=model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id, temperature=TEMPERATURE
-    )
-    step, grads = module.guarded_step, []
-
-    class StepRecordingGrads:  # the module's guarded optimizer step, recording the gradients first
-        def __call__(self, model, optimizer, scheduler, rollout_step):
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-            return step(model, optimizer, scheduler, rollout_step)
-
-        def __getattr__(self, name):
-            return getattr(step, name)
-
-    module.guarded_step = StepRecordingGrads()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
-    trainer.fit(module, datamodule=datamodule)
-    return module, grads
 
 
 def assert_close_tensors(a: dict, b: dict, rel: float) -> None:

@@ -480,3 +480,21 @@ def test_several_devices_under_strategy_single_are_refused_before_any_model_load
     for ok in (["strategy=ddp", "strategy.devices=2"], ["strategy.devices=1"]):
         compose_run_config(*ok)  # the settings themselves are fine; only the pair is refused
         assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ok)) is None
+
+
+def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_as_functools_partial_calls_it():
+    """`reward.fn.prompts=...` with `_partial_: true` on `f(prompts, completions, answer)`: partial makes prompts and
+    every parameter after it keyword-only. The check raised a raw `ValueError: wrong parameter order` instead of
+    checking (or refusing in one line), because it changed the bound parameter's kind alone."""
+    import inspect
+
+    from lit_ppo.run import preflight as checks
+
+    def reward(prompts, completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    parameters = checks.call_parameters(reward, {"prompts": None}, partial=True)
+    assert [p.kind for p in parameters.values()][:3] == [inspect.Parameter.KEYWORD_ONLY] * 3
+    assert checks.check_reward_convention(parameters, "reward", "trl", "answer", []) == "trl"
+    with pytest.raises(ConfigError, match=r"^reward.fn: reward\(prompts, completions, answer, kwargs\) cannot be called"):
+        checks.check_reward_convention(parameters, "reward", "lit_ppo", "answer", [])

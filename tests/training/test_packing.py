@@ -312,13 +312,16 @@ def test_the_global_batch_is_one_process_s_batch_whatever_the_ranks_hold(monkeyp
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 def test_ranks_train_shares_of_the_same_global_mini_batches(packing):
     """Each rank's share of a global mini-batch (`rank_share`): as many samples on every rank, together exactly the
-    mini-batch; packed, balanced by real tokens (within the heaviest minus the lightest sample), padded, consecutive
+    mini-batch; flat packed, balanced by real tokens (within the heaviest minus the lightest sample), padded, consecutive
     runs of the shuffled order. One process trains the whole mini-batch. The mini-batches themselves do not depend
     on the number of ranks (`minibatch_schedule`: the global shuffle from ppo.shuffle_seed)."""
     from lit_ppo.plan import minibatch_schedule
     from lit_ppo.training.batching import rank_share
 
-    ppo = dataclasses.replace(four_prompts_of_two_samples(), rollout_batch_size=8, train_batch_size=8, packing=packing)
+    # the flat packed layout's split (the shared prefix keeps groups together: test_shared_prefix.py)
+    ppo = dataclasses.replace(
+        four_prompts_of_two_samples(), rollout_batch_size=8, train_batch_size=8, packing=packing, shared_prefix=False
+    )
     batch = realistic_batch(n_prompts=8, n=2, seed=5, episodes=False)
     one, two = plan_of(8, ppo=ppo), plan_of(8, ppo=ppo, dp=2)
     assert two.layout.rank_balance == packing

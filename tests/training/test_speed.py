@@ -8,22 +8,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import lightning as L
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig, RolloutConfig, RolloutCorrectionConfig, parse_section
 from lit_ppo.errors import ConfigError, RolloutMismatchError
-from lit_ppo.rewards import RewardScorer, integer_match
-from lit_ppo.rollout.prompts import load_prompts
-from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.run.report import write_plan
-from lit_ppo.testing import FixedBatchDataModule, NullEngine, synthetic_rollout_batch
+from lit_ppo.testing import synthetic_rollout_batch
 from lit_ppo.training.batching import micro_batch_groups, pack, padding_fraction
 from lit_ppo.training.module import PPOModule
 from tests.helpers import ROOT, plan_of
+from tests.helpers.fixed_batch import train_on_fixed_batch
 
 # 4 prompts x 2 samples, on-policy (train_batch_size = samples per rollout step), GRPO with a k3 KL in the loss.
 ON_POLICY = {
@@ -49,65 +45,42 @@ def run_one_step(model_dir, files, tmp_path, batch: RolloutBatch, **overrides):
     """One rollout step on `batch`; returns the module, the actor's forwards in the experience phase, the reference's
     forwards, and the actor's gradient (before clipping) at each optimizer step."""
     ppo = PPOConfig(**{**ON_POLICY, **overrides})
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_prompts = load_prompts(files[0], tokenizer)
     rollout = RolloutConfig(max_response_tokens=16)
-    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout)
-    datamodule = FixedBatchDataModule(
-        plan=plan,
-        train_prompts=train_prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=NullEngine(),
-    )
-    datamodule.fixed_batch = batch
-    torch.manual_seed(0)
-    module = PPOModule(
-        model_dir=model_dir,
-        ppo=ppo,
-        plan=plan,
-        pad_token_id=tokenizer.pad_token_id,
+    calls = {"phase": "", "experience": 0, "reference": 0}
+
+    def count_forwards(module: PPOModule) -> None:
+        def count_actor(*_):
+            calls["experience"] += calls["phase"] == "experience"
+
+        def count_reference(*_):
+            calls["reference"] += 1
+
+        module.actor.register_forward_pre_hook(count_actor)
+        module.reference.register_forward_pre_hook(count_reference)
+        make_experience = module.make_experience
+
+        def counted_experience(b):
+            calls["phase"] = "experience"
+            try:
+                return make_experience(b)
+            finally:
+                calls["phase"] = ""
+
+        module.make_experience = counted_experience
+
+    module, grads = train_on_fixed_batch(
+        model_dir,
+        files[0],
+        tmp_path,
+        batch,
+        ppo,
+        rollout,
+        lambda prompts: plan_of(prompts, ppo=ppo, rollout=rollout),
+        grads_of="actor",
+        prepare=count_forwards,
         temperature=0.7,
         max_logprob_abs_diff=0.5,
     )
-    calls = {"phase": "", "experience": 0, "reference": 0}
-
-    def count_actor(*_):
-        calls["experience"] += calls["phase"] == "experience"
-
-    def count_reference(*_):
-        calls["reference"] += 1
-
-    module.actor.register_forward_pre_hook(count_actor)
-    module.reference.register_forward_pre_hook(count_reference)
-    make_experience, step = module.make_experience, module.guarded_step
-
-    def counted_experience(b):
-        calls["phase"] = "experience"
-        try:
-            return make_experience(b)
-        finally:
-            calls["phase"] = ""
-
-    grads = []
-
-    class StepRecordingGrads:  # the module's guarded optimizer step, recording the actor's gradients first
-        def __call__(self, model, optimizer, scheduler, rollout_step):
-            if model is module.actor:
-                grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-            return step(model, optimizer, scheduler, rollout_step)
-
-        def __getattr__(self, name):  # its counters
-            return getattr(step, name)
-
-    module.make_experience = counted_experience
-    module.guarded_step = StepRecordingGrads()
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
-    trainer.fit(module, datamodule=datamodule)
     return module, calls, grads
 
 
