@@ -341,6 +341,7 @@ def test_real_workers_at_k0_train_the_colocated_samples_and_weights(tiny_model_d
     assert_same_weights(module.actor.state_dict(), colocated.actor.state_dict())
 
 
+@pytest.mark.slow  # a rollout worker's start and 5 checkpointed steps: 20-55 s on 2 shared cores
 def test_real_workers_at_k1_train_full_batches_of_the_plans_versions(one_step_off):
     """k = 1 with a rollout worker: every trained batch has the plan's size; rounds requested ahead are of version
     max(0, s - 1), refill rounds of version s (the trainer's check passed on every step)."""
