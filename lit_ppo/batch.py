@@ -47,6 +47,9 @@ class RolloutBatch:
     # Per sample: the policy version that generated it (the weights after that many rollout steps; the plan's schedule
     # says which: StepPlan.generating_version); None for batches that no engine produced.
     policy_versions: list[int] | None = None
+    # Dynamic sampling: per sample, the generation round of its rollout step that drew it (0: the first), which with
+    # rollout workers says which version the plan gives it (refill rounds: the step's own); None without.
+    rounds_in_step: list[int] | None = None
     # Seconds the trainer waited for this batch (mode=disaggregated: what generation cost the critical path).
     wait_seconds: float | None = None
 
@@ -84,6 +87,7 @@ SAMPLE_FIELDS = (
     "policy_masks",
     "episode_ids",
     "policy_versions",
+    "rounds_in_step",
 )
 RANK_FIELDS = (
     "rollout_step",

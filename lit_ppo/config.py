@@ -98,6 +98,11 @@ class DynamicSamplingConfig:
     on_shortfall: Literal["fill", "stop"] = "fill"
     """After max_generation_rounds with fewer informative groups: fill (complete the batch with dropped groups, in
     the order drawn, so the optimizer steps stay as planned) or stop (save a checkpoint and end with a message)."""
+    expected_informative_fraction: float = field(default=0.5, metadata=within(0, 1, low_open=True))
+    """The share of prompt groups expected to have differing rewards: the plan's expected generation rounds rest on it,
+    and under rollout.mode=disaggregated each rollout step is requested ahead with the rounds it then needs
+    (ceil(rollout_batch_size / (prompts_per_round x this)), at most max_generation_rounds); more are generated after
+    the step's rewards (refill), fewer are given back to the prompt stream."""
 
 
 @dataclass(frozen=True)
@@ -1066,11 +1071,6 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         raise ConfigError(
             f"{where} with {strategy.data_parallel_size} trainer ranks: rollout workers serve a single trainer rank "
             "for now; fix: strategy=single (strategy.devices=1 strategy.num_nodes=1), or rollout.mode=colocated"
-        )
-    if ppo.dynamic_sampling.enabled:
-        raise ConfigError(
-            f"{where} with ppo.dynamic_sampling.enabled=true: the rounds a rollout step needs are known only after its "
-            "rewards, so the steps cannot be scheduled ahead; fix: ppo.dynamic_sampling.enabled=false or rollout.mode=colocated"
         )
     if k > 0 and ppo.rollout_correction.mode == "none":
         raise ConfigError(

@@ -673,6 +673,7 @@ GOLDEN_CASES = {
         "model.lora.rank=8",
     ],
     "dapo_ddp": ["ppo=dapo", "strategy=ddp", "strategy.devices=2"],
+    "dapo_disaggregated": ["ppo=dapo", "rollout.mode=disaggregated"],
     "packing_off_token_budget": ["ppo.packing=false", "ppo.micro_train_max_tokens=256"],
     "hf_engine_top_p": ["rollout.engine=hf", "rollout.kv_cache_gib=2", "rollout.top_p=0.9"],
 }

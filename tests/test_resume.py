@@ -255,9 +255,7 @@ def resume_after(error, paths, engine, tmp_path, make_failing, fix):
         run_until_done_or_failed(paths, engine, tmp_path / "failed", failing_class, callbacks=callbacks, **settings)
     [saved] = list_checkpoints(tmp_path / "failed" / "checkpoints")
     resumed_class = recording_datamodule()
-    resumed, _ = run_until_done_or_failed(
-        paths, engine, tmp_path / "failed", resumed_class, resume_from=saved, **fix
-    )
+    resumed, _ = run_until_done_or_failed(paths, engine, tmp_path / "failed", resumed_class, resume_from=saved, **fix)
     return full, resumed, failing_class.batches, resumed_class.batches, plan, saved
 
 
@@ -332,4 +330,7 @@ def test_a_finished_run_extended_on_resume_trains_the_added_steps(paths, engine,
     extended_class = recording_datamodule()
     extended, plan = run_until_done_or_failed(paths, engine, tmp_path, extended_class, resume_from=last, steps=2)
     assert [b.rollout_step for b in extended_class.batches] == [1]
-    assert extended.rollout_step == 2 and extended.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
+    assert (
+        extended.rollout_step == 2
+        and extended.actor_optimizer_steps == 2 * plan.counts.optimizer_steps_per_rollout_step
+    )

@@ -65,6 +65,7 @@ class PromptGroup:
     rewards: list[float]
     sample_metrics: dict[str, list[float]]
     policy_versions: list[int]  # per generation: the policy version that generated it
+    round_in_step: int = 0  # the generation round of its rollout step that drew it (0: the first)
 
     @property
     def informative(self) -> bool:
@@ -81,6 +82,12 @@ def select_informative_groups(drawn: list[PromptGroup], rollout_batch_size: int)
     uniform = [g for g in drawn if not g.informative]
     filled = max(0, rollout_batch_size - len(informative))
     return (informative + uniform[:filled])[:rollout_batch_size], len(uniform), filled
+
+
+def round_purpose(rollout_step: int, round_in_step: int) -> str:
+    """What seeds round `round_in_step` of `rollout_step` (`sampling_seeds`); the first round keeps the seeds a run
+    without dynamic sampling has."""
+    return f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
 
 
 class _RolloutStream(IterableDataset):
@@ -127,6 +134,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.world_size = world_size
         self.next_rollout_step = 0  # restored on resume, with:
         self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
+        # Dynamic sampling (`generation_round_of`): rounds drawn but not used, drawn again first, and per rollout step
+        # not yet trained the (run-wide) rounds drawn for it; the stream's state where a dropped step restarts.
+        self.returned_generation_rounds: list[int] = []
+        self.step_generation_rounds: dict[int, list[int]] = {}
+        self.stream_restart: tuple[int, dict] | None = None
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.log_dir: Path | None = None  # where rollout worker processes log, if the source starts any (build_run)
@@ -229,19 +241,64 @@ class RolloutDataModule(L.LightningDataModule):
         positions = self.rank_positions(size)
         return batch[positions.start : positions.stop].tolist()
 
+    def generation_round_of(self, rollout_step: int, round_in_step: int) -> int:
+        """The run-wide generation round (`round_prompt_indices`) whose prompts round `round_in_step` of `rollout_step`
+        generates. Without dynamic sampling: the step. With it, rounds are drawn in the order they are asked for
+        (requested ahead for later steps, or generated now): first the rounds drawn before and given back unused (the
+        oldest first), then the next fresh one; a round once drawn for a step stays its. So when every round is drawn
+        in the step that generates it (colocated, and rollout workers with k = 0), a step's rounds follow the last one
+        the step before used, as colocated dynamic sampling draws them; and no round is used twice or skipped."""
+        if self.plan.dynamic_sampling is None:
+            return rollout_step
+        rounds = self.step_generation_rounds.setdefault(rollout_step, [])
+        if round_in_step < len(rounds):
+            return rounds[round_in_step]
+        if round_in_step != len(rounds):
+            raise RuntimeError(
+                f"rollout step {rollout_step}: round {round_in_step} asked for before round {len(rounds)}"
+            )
+        if self.returned_generation_rounds:
+            rounds.append(self.returned_generation_rounds.pop(0))
+        else:
+            rounds.append(self.next_generation_round)
+            self.next_generation_round += 1
+        return rounds[-1]
+
+    def finish_rounds(self, rollout_step: int, used: int) -> list[int]:
+        """The run-wide rounds `rollout_step` used (its first `used`); the rest drawn for it (requested ahead, not
+        needed) are given back to the stream, to be drawn again first."""
+        rounds = self.step_generation_rounds.pop(rollout_step, [])
+        self.returned_generation_rounds = sorted(self.returned_generation_rounds + rounds[used:])
+        return rounds[:used]
+
+    def stream_state(self) -> dict:
+        """The prompt stream's position (a copy)."""
+        return {
+            "next_generation_round": self.next_generation_round,
+            "returned_generation_rounds": list(self.returned_generation_rounds),
+            "step_generation_rounds": {step: list(r) for step, r in self.step_generation_rounds.items()},
+        }
+
+    def set_stream_state(self, state: dict) -> None:
+        self.next_generation_round = state["next_generation_round"]
+        self.returned_generation_rounds = list(state.get("returned_generation_rounds", []))
+        self.step_generation_rounds = {
+            int(step): list(r) for step, r in state.get("step_generation_rounds", {}).items()
+        }
+
     # ------------------------------------------------------------ rollouts
 
     def generate_round(
         self, rollout_step: int, round_in_step: int
     ) -> tuple[list[PromptGroup], dict[str, float], float, float, float | None]:
-        """Generate (through the source) and score this rank's share of the next round of prompts: (groups, the
-        round's reward metrics, generate s, reward s, the trainer's wait for the generations in s or None)."""
-        indices = self.round_prompt_indices(self.next_generation_round)
+        """Generate (through the source) and score this rank's share of round `round_in_step` of `rollout_step`:
+        (groups, the round's reward metrics, generate s, reward s, the trainer's wait for the generations in s or
+        None)."""
+        indices = self.round_prompt_indices(self.generation_round_of(rollout_step, round_in_step))
         positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
         n = self.plan.counts.n_samples_per_prompt
-        # The first round keeps the seeds a run without dynamic sampling has.
-        purpose = f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
+        purpose = round_purpose(rollout_step, round_in_step)
 
         def generate() -> list:
             return self.generate(
@@ -257,7 +314,11 @@ class RolloutDataModule(L.LightningDataModule):
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
         # (lit_ppo.preemption), and the stop points after them stop every rank together. A source that generates
         # ahead bounds its wait, and what it received is kept (checkpoints).
-        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request)
+        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request, round_in_step)
+        if round_in_step == 0 and self.source.requests_ahead:
+            # What the source requested is kept (in flight or received, through a dropped step and a checkpoint): the
+            # rounds drawn for it stay drawn, and a step taken again restarts the stream from here.
+            self.stream_restart = (rollout_step, self.stream_state())
         stop_point(self.device)  # a preemption during generation stops here (`scheduled` is then None)
         generations, versions = scheduled.generations, scheduled.policy_versions
         started = time.perf_counter()
@@ -265,7 +326,8 @@ class RolloutDataModule(L.LightningDataModule):
         stop_point(self.device)  # a preemption during scoring stops here (`scored` is then None)
         rewards, metrics, counts = scored
         reward_seconds = time.perf_counter() - started
-        self.next_generation_round += 1
+        if self.plan.dynamic_sampling is None:
+            self.next_generation_round += 1
         groups = [
             PromptGroup(
                 dataset_index=indices[i],
@@ -274,6 +336,7 @@ class RolloutDataModule(L.LightningDataModule):
                 rewards=rewards[i * n : (i + 1) * n],
                 sample_metrics={k: v[i * n : (i + 1) * n] for k, v in metrics.items()},
                 policy_versions=versions[i * n : (i + 1) * n],
+                round_in_step=round_in_step,
             )
             for i in range(len(prompts))
         ]
@@ -284,7 +347,9 @@ class RolloutDataModule(L.LightningDataModule):
         `rollout_batch_size` groups with differing rewards are collected over all ranks (at most
         `max_generation_rounds`); each rank then takes its contiguous share of them."""
         plan = self.plan
-        first_round = self.next_generation_round
+        # Where a step that stops short (on_shortfall=stop) restarts: the stream and the source as they were, except
+        # what the source requested ahead meanwhile (kept: `stream_restart`).
+        source_start, self.stream_restart = self.source.snapshot(), (rollout_step, self.stream_state())
         groups, round_metrics, generate_seconds, reward_seconds, wait_seconds = self.generate_round(rollout_step, 0)
         counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
         rounds, dropped, filled = 1, 0, 0
@@ -295,13 +360,16 @@ class RolloutDataModule(L.LightningDataModule):
                 sum(g.informative for g in drawn) < plan.counts.rollout_batch_size
                 and rounds < plan.dynamic_sampling.max_generation_rounds
             ):
-                groups, round_metrics, g_s, r_s, _ = self.generate_round(rollout_step, rounds)
+                groups, round_metrics, g_s, r_s, w_s = self.generate_round(rollout_step, rounds)
                 drawn += self.all_groups(groups)
                 counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
                 generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
+                wait_seconds = None if wait_seconds is None else wait_seconds + w_s
             informative = sum(g.informative for g in drawn)
             if informative < plan.counts.rollout_batch_size and plan.dynamic_sampling.on_shortfall == "stop":
-                self.next_generation_round = first_round  # a resume retries this rollout step from its first round
+                # A resume retries this rollout step from its first round.
+                self.set_stream_state(self.stream_restart[1])
+                self.source.restore(source_start)
                 raise DynamicSamplingShortfallError(
                     f"rollout step {rollout_step + 1}: {informative} of {plan.counts.rollout_batch_size} prompt groups had differing "
                     f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; the "
@@ -310,11 +378,14 @@ class RolloutDataModule(L.LightningDataModule):
                 )
             groups, dropped, filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)
             groups = groups[positions.start : positions.stop]
+            last_round = max(self.finish_rounds(rollout_step, rounds))
+        else:
+            last_round = self.next_generation_round - 1
         self.next_rollout_step = rollout_step + 1
         samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
         return RolloutBatch(
             rollout_step=rollout_step,
-            data_epoch=(self.next_generation_round - 1) // plan.counts.generation_rounds_per_data_epoch,
+            data_epoch=last_round // plan.counts.generation_rounds_per_data_epoch,
             prompt_positions=[position for position, _, _ in samples],
             dataset_indices=[group.dataset_index for _, group, _ in samples],
             prompt_ids=[group.prompt.prompt_ids for _, group, _ in samples],
@@ -331,19 +402,22 @@ class RolloutDataModule(L.LightningDataModule):
             generation_rounds=rounds,
             dropped_groups=dropped,
             filled_groups=filled,
-            prompts_consumed=(self.next_generation_round - first_round) * plan.counts.prompts_per_generation_round,
+            prompts_consumed=rounds * plan.counts.prompts_per_generation_round,
             policy_versions=[v for group in groups for v in group.policy_versions],
+            rounds_in_step=[g.round_in_step for g in groups for _ in g.generations] if plan.dynamic_sampling else None,
             wait_seconds=wait_seconds,
             adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora else None,
             **self.episode_fields([g for _, _, g in samples]),
         )
 
-    def rollout_request(self, rollout_step: int) -> dict:
-        """The generate keywords of `rollout_step` taken as one generation round (a source that requests steps ahead
-        asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them. With
-        multi-turn episodes: the prompts, their positions and the purpose that seeds each turn, as `generate_round`
-        passes them to `run_episodes` (a rollout worker runs them with the same `EpisodeRunner`)."""
-        prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
+    def rollout_request(self, rollout_step: int, round_in_step: int = 0) -> dict:
+        """The generate keywords of round `round_in_step` of `rollout_step` (a source that requests steps ahead asks
+        for them): its prompts' ids (`generation_round_of`, which draws the round if it is new) and seeds, as
+        `generate_round` seeds them. With multi-turn episodes: the prompts, their positions and the purpose that seeds
+        each turn, as `generate_round` passes them to `run_episodes` (a rollout worker runs them with the same
+        `EpisodeRunner`)."""
+        indices = self.round_prompt_indices(self.generation_round_of(rollout_step, round_in_step))
+        prompts = [self.train_prompts.prompts[i] for i in indices]
         positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         n = self.plan.counts.n_samples_per_prompt
         if self.make_environment is not None:
@@ -353,7 +427,7 @@ class RolloutDataModule(L.LightningDataModule):
                 n=n,
                 temperature=self.rollout.temperature,
                 top_p=self.rollout.top_p,
-                purpose=f"rollout_step={rollout_step}",
+                purpose=round_purpose(rollout_step, round_in_step),
                 where=f"rollout step {rollout_step + 1}",
             )
         return dict(
@@ -362,7 +436,7 @@ class RolloutDataModule(L.LightningDataModule):
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_tokens,
-            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
+            seeds=sampling_seeds(self.seed, round_purpose(rollout_step, round_in_step), positions, n),
             **self.stop_kwargs(),
         )
 
@@ -578,27 +652,24 @@ class RolloutDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         """The position in the prompt stream and the source's state, after receiving what is in flight."""
         self.source.collect(self.engine)
-        return {
-            "next_rollout_step": self.next_rollout_step,
-            "next_generation_round": self.next_generation_round,
-            **self.source.state_dict(),
-        }
+        # Dynamic sampling's rounds drawn ahead and given back: kept where there are any (colocated runs have none).
+        stream = {k: v for k, v in self.stream_state().items() if v or k == "next_generation_round"}
+        return {"next_rollout_step": self.next_rollout_step, **stream, **self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
-        self.next_generation_round = state["next_generation_round"]
+        self.set_stream_state(state)
         self.source.load_state_dict(state)
 
     def snapshot(self) -> dict:
         """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):
         `state_dict` without waiting for what is in flight (only a real checkpoint collects it)."""
-        return {
-            "next_rollout_step": self.next_rollout_step,
-            "next_generation_round": self.next_generation_round,
-            "source": self.source.snapshot(),
-        }
+        return {"next_rollout_step": self.next_rollout_step, **self.stream_state(), "source": self.source.snapshot()}
 
     def restore(self, snapshot: dict) -> None:
+        """The snapshot's state; the prompt stream as the dropped step left it after what its source requested ahead
+        (kept in flight: the rounds drawn for it stay drawn), where it got that far."""
         self.next_rollout_step = snapshot["next_rollout_step"]
-        self.next_generation_round = snapshot["next_generation_round"]
+        restart = self.stream_restart
+        self.set_stream_state(restart[1] if restart and restart[0] == self.next_rollout_step else snapshot)
         self.source.restore(snapshot["source"])

@@ -7,7 +7,9 @@ The data module asks its source for each generation round's samples and never as
 - `AheadOfTimeSource` (rollout.mode=disaggregated): rollout step s is requested from the rollout workers right after
   the push of the version the plan's schedule gives it (`StepPlan.generating_version`: max(0, s - max_staleness)), so
   the workers generate up to k steps ahead while the trainer trains; a round only waits for its step's results,
-  received in order, and the workers' versions are checked against the plan before each request.
+  received in order, and the workers' versions are checked against the plan before each request. With dynamic
+  sampling a step is requested with the plan's `rounds_requested_ahead` rounds, and its refill rounds (those beyond,
+  which its rewards call for) are requested when the step is taken, from the workers' newest version: the step's own.
 
 What a source keeps across a checkpoint is declared in the `state_dict` it contributes to the data module's; only a
 real checkpoint waits for what is in flight (`collect`): the snapshot a preemption takes at each step's start
@@ -41,6 +43,10 @@ class ScheduledRound:
 class RolloutSource(Protocol):
     """Where the data module's generation rounds come from."""
 
+    requests_ahead: bool
+    """Whether the rounds it takes were requested before (kept by the source, in flight or received, through a dropped
+    step and a checkpoint), rather than generated when taken."""
+
     interruptible: bool
     """Whether a preemption signal may cut this source's generation in this process (lit_ppo.preemption): not where
     the rollout workers generate (their requests stay in their ordered queues) nor where a tensor-parallel engine
@@ -56,11 +62,12 @@ class RolloutSource(Protocol):
         rollout_step: int,
         engine: RolloutEngine,
         generate: Callable[[], list[Generation]],
-        request: Callable[[int], dict],
+        request: Callable[[int, int], dict],
+        round_in_step: int = 0,
     ) -> ScheduledRound | None:
-        """The next round of `rollout_step`: `generate()` generates this rank's round now; `request(step)` gives the
-        generate keywords of a whole rollout step (one round). None: a preemption signal dropped the round (the caller
-        passes a stop point next)."""
+        """Round `round_in_step` (0: the first) of `rollout_step`: `generate()` generates this rank's round now;
+        `request(step, round_in_step)` gives the generate keywords of one round of a rollout step (all its prompts).
+        None: a preemption signal dropped the round (the caller passes a stop point next)."""
         ...
 
     def collect(self, engine: RolloutEngine | None) -> None:
@@ -87,6 +94,8 @@ class SynchronousSource:
     """rollout.mode=colocated: each round generated now, in this process, with the newest weights (version
     `rollout_step`). Nothing is ahead, so nothing is kept."""
 
+    requests_ahead = False
+
     def __init__(self, interruptible: bool = True):
         # Tensor-parallel engines run collectives inside generate: only the end of their round is a stop point.
         self.interruptible = interruptible
@@ -94,7 +103,7 @@ class SynchronousSource:
     def start_engine(self, datamodule) -> RolloutEngine:
         return datamodule.start_in_process_engine()
 
-    def take(self, rollout_step, engine, generate, request) -> ScheduledRound | None:
+    def take(self, rollout_step, engine, generate, request, round_in_step=0) -> ScheduledRound | None:
         started = time.perf_counter()
         generations = interruptibly(generate) if self.interruptible else generate()
         if generations is None:
@@ -132,18 +141,27 @@ class AheadOfTimeSource:
     """rollout.mode=disaggregated: rollout steps requested from the rollout workers up to `max_staleness` steps ahead
     of the one the trainer needs, each right after the push of the version the plan gives it, received in order.
 
-    State: `in_flight` (steps requested, not yet received: the workers' tickets, which no checkpoint can keep),
-    `received` (steps received, from the one being trained on; what a checkpoint keeps of those from `next_step` on,
-    after collecting), and the cursor `next_step` (the step the trainer takes next). The next step to request follows
-    the last one known of in flight and received (or the step the trainer needs)."""
+    State: `in_flight` (steps requested, not yet received: per round the workers' tickets, which no checkpoint can
+    keep), `received` (steps received, per round, from the one being trained on; what a checkpoint keeps of those from
+    `next_step` on, after collecting), and the cursor `next_step` (the step the trainer takes next). The next step to
+    request follows the last one known of in flight and received (or the step the trainer needs). Each step is
+    requested with `rounds_ahead` rounds (1 without dynamic sampling); a refill round is requested when taken and kept
+    nowhere (a step taken again requests it again, from the same version: the step's own)."""
 
     interruptible = False  # the workers' queues are not this process's to cut
+    requests_ahead = True
 
     def __init__(self, plan: StepPlan):
         self.plan = plan
-        self.in_flight: dict[int, list] = {}
-        self.received: dict[int, Received] = {}
+        self.in_flight: dict[int, list[list]] = {}  # step -> per round, the workers' tickets
+        self.received: dict[int, list[Received]] = {}  # step -> per round
         self.next_step = 0
+
+    @property
+    def rounds_ahead(self) -> int:
+        """The generation rounds each rollout step is requested with: the plan's (dynamic sampling), else 1."""
+        ds = self.plan.dynamic_sampling
+        return ds.rounds_requested_ahead if ds is not None and ds.rounds_requested_ahead else 1
 
     def start_engine(self, datamodule) -> RolloutEngine:
         from lit_ppo.rollout.workers.client import RolloutWorkers
@@ -169,37 +187,60 @@ class AheadOfTimeSource:
             heartbeat_timeout_s=w.heartbeat_timeout_s,
         )
 
-    def take(self, rollout_step, engine, generate, request) -> ScheduledRound:
-        """First requests every step up to rollout_step + max_staleness not yet requested (past the plan's end too:
-        the last checkpoint keeps them for a run extended on resume): the workers hold version
-        `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k and, at
-        the start, to steps 0..k; the steps before were requested after their own versions' pushes. Then waits for
-        `rollout_step`'s results (bounded by the workers' timeouts; no dynamic sampling here: one round per step)."""
+    def take(self, rollout_step, engine, generate, request, round_in_step=0) -> ScheduledRound:
+        """Round 0 first requests every step up to rollout_step + max_staleness not yet requested (`rounds_ahead`
+        rounds each): the workers hold version `rollout_step` now (pushed after the previous step), which the schedule
+        gives to step rollout_step + k and, at the start, to steps 0..k; the steps before were requested after their
+        own versions' pushes (past the plan's end too: the last checkpoint keeps them for a run extended on resume).
+        Then it waits for `rollout_step`'s results (bounded by the workers' timeouts). A round
+        requested ahead is taken from those; a later one (dynamic sampling's refill) is requested now, behind what the
+        workers have queued, from the version they hold: `rollout_step`, as the plan states."""
         started = time.perf_counter()
-        # Past the plan's end too: the last checkpoint then keeps the k steps after it, generated by the versions the
-        # schedule gives them, and a run extended on resume (trainer.total_rollout_steps raised) takes them from there.
-        last = rollout_step + self.plan.max_staleness
-        for step in range(max(set(self.in_flight) | set(self.received) | {rollout_step - 1}) + 1, last + 1):
-            if self.plan.generating_version(step) != engine.version:
-                raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
-                    f"rollout step {step} is due for policy version {self.plan.generating_version(step)} but the "
-                    f"workers hold version {engine.version}"
-                )
-            self.in_flight[step] = engine.submit(**request(step))
-        self.receive(engine, upto=rollout_step)
-        # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
-        self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
-        self.next_step = rollout_step + 1
-        got = self.received[rollout_step]
+        if round_in_step >= self.rounds_ahead:
+            self.check_version(rollout_step, round_in_step, engine)
+            got = Received(*engine.collect(engine.submit(**request(rollout_step, round_in_step))))
+            return ScheduledRound(
+                got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
+            )
+        if round_in_step == 0:
+            # Past the plan's end too: the last checkpoint then keeps the k steps after it, generated by the versions
+            # the schedule gives them, and a run extended on resume (trainer.total_rollout_steps raised) takes them
+            # from there.
+            last = rollout_step + self.plan.max_staleness
+            for step in range(max(set(self.in_flight) | set(self.received) | {rollout_step - 1}) + 1, last + 1):
+                self.check_version(step, 0, engine)
+                self.in_flight[step] = [engine.submit(**request(step, j)) for j in range(self.rounds_ahead)]
+            self.receive(engine, upto=rollout_step)
+            # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
+            self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
+            self.next_step = rollout_step + 1
+        rounds = self.received[rollout_step]
+        if round_in_step >= len(rounds):  # only a checkpoint written under other dynamic sampling settings has fewer
+            raise RuntimeError(
+                f"rollout step {rollout_step} was requested with {len(rounds)} generation round(s) ahead but the plan "
+                f"requests {self.rounds_ahead}: ppo.dynamic_sampling settings changed since its checkpoint; fix: resume "
+                "with the checkpoint's ppo.dynamic_sampling settings"
+            )
+        got = rounds[round_in_step]
         return ScheduledRound(
             got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
         )
+
+    def check_version(self, step: int, round_in_step: int, engine) -> None:
+        """The workers hold the version the plan gives this round of `step` (checked before each request)."""
+        due = self.plan.generating_version(step, round_in_step)
+        if due != engine.version:
+            raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
+                f"rollout step {step}"
+                + (f" (generation round {round_in_step + 1})" if round_in_step else "")
+                + f" is due for policy version {due} but the workers hold version {engine.version}"
+            )
 
     def receive(self, engine, upto: int | None = None) -> None:
         """Move the requested steps (those up to `upto`; all: None) from in flight to received, waiting for them."""
         for step in sorted(self.in_flight):
             if upto is None or step <= upto:
-                self.received[step] = Received(*engine.collect(self.in_flight.pop(step)))
+                self.received[step] = [Received(*engine.collect(t)) for t in self.in_flight.pop(step)]
 
     def collect(self, engine) -> None:
         self.receive(engine)
@@ -207,23 +248,30 @@ class AheadOfTimeSource:
     def state_dict(self) -> dict:
         # The steps generated ahead, by policy versions a resumed run no longer has: kept (received first, by the
         # data module's `collect`), so that a resume trains on exactly the samples an uninterrupted run would.
-        # ("prefetched": the key that checkpoints have always had.)
+        # ("prefetched": the key that checkpoints have always had, a step's first round; "prefetched_rounds": the
+        # further rounds requested ahead with dynamic sampling.)
         if self.in_flight:
             raise RuntimeError(
                 f"AheadOfTimeSource.state_dict: rollout steps {sorted(self.in_flight)} are in flight; collect them first"
             )
-        return {
-            "prefetched": {
-                step: ([dataclasses.asdict(g) for g in r.generations], r.policy_versions, r.worker_seconds)
-                for step, r in self.received.items()
-                if step >= self.next_step
-            }
-        }
+
+        def kept(r: Received) -> tuple:
+            return [dataclasses.asdict(g) for g in r.generations], r.policy_versions, r.worker_seconds
+
+        steps = {step: rounds for step, rounds in self.received.items() if step >= self.next_step}
+        state = {"prefetched": {step: kept(rounds[0]) for step, rounds in steps.items()}}
+        more = {step: [kept(r) for r in rounds[1:]] for step, rounds in steps.items() if len(rounds) > 1}
+        return {**state, "prefetched_rounds": more} if more else state
 
     def load_state_dict(self, state: dict) -> None:
+        def round_of(kept) -> Received:
+            gens, versions, seconds = kept
+            return Received([generation_of(g) for g in gens], list(versions), float(seconds))
+
+        more = {int(step): rounds for step, rounds in state.get("prefetched_rounds", {}).items()}
         self.received = {
-            int(step): Received([generation_of(g) for g in gens], list(versions), float(seconds))
-            for step, (gens, versions, seconds) in state.get("prefetched", {}).items()
+            int(step): [round_of(first), *(round_of(r) for r in more.get(int(step), []))]
+            for step, first in state.get("prefetched", {}).items()
         }
         self.next_step = min(self.received, default=0)  # a checkpoint keeps none before the cursor
 

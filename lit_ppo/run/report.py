@@ -63,7 +63,10 @@ def write_summary(output_dir: Path, module, plan, extra: dict) -> dict:
         "skipped_updates": module.skipped_updates,
     }
     if plan.dynamic_sampling:  # samples_generated counts the samples trained on; these count what was drawn
-        for key in ("prompts_consumed", "generation_rounds", "dropped_groups", "filled_groups"):
+        keys = ["prompts_consumed", "generation_rounds", "dropped_groups", "filled_groups"]
+        if plan.dynamic_sampling.rounds_requested_ahead is not None:  # rollout workers (docs/async.md)
+            keys += ["refill_rounds", "returned_rounds"]
+        for key in keys:
             summary[key] = int(sum(row.get(f"rollout/{key}", 0) for row in history))
     for key, metric in TIMING_KEYS.items():
         summary[key] = float(sum(row[metric] for row in history))  # every row has them: a missing one is a bug

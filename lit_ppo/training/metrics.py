@@ -208,6 +208,10 @@ def rollout_step_row(
                 "rollout/prompts_consumed": batch.prompts_consumed,
             }
         )
+        ahead = plan.dynamic_sampling.rounds_requested_ahead
+        if ahead is not None:  # rollout workers: rounds generated after the step's rewards, and requested but not used
+            row["rollout/refill_rounds"] = max(0, batch.generation_rounds - ahead)
+            row["rollout/returned_rounds"] = max(0, ahead - batch.generation_rounds)
     row.update(extra)
     row.update(train_metrics)
     timings = {**timings, "timing/rollout_step_s": sum(timings.values())}

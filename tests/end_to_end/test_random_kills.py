@@ -55,6 +55,8 @@ def test_a_colocated_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_pa
         "disaggregated_k2_worker",
         "lora",
         "dynamic_sampling",
+        "dynamic_sampling_k1",
+        "dynamic_sampling_k1_refill",
         "tool_episodes",
         "tool_episodes_disaggregated_k1_worker",
         "hf_disaggregated_k1",

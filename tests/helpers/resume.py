@@ -69,7 +69,6 @@ class NonFiniteLossesFrom(L.Callback):
         self.module = None
 
 
-
 def recording_datamodule(mismatch_at: int | None = None):
     """A RolloutDataModule class that records every rollout batch it produces (`batches`: of this class alone, one class
     per run) and, at rollout step `mismatch_at`, hands the trainer vLLM log-probs 2 nats off, as a weight sync that

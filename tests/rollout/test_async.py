@@ -121,10 +121,6 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             ["rollout.mode=disaggregated", "rollout.engine=hf", "rollout.tensor_parallel_size=2"],
             r"^rollout.tensor_parallel_size=2 with rollout.engine=hf: .*fix: rollout.tensor_parallel_size=1",
         ),
-        (
-            ["rollout.mode=disaggregated", "ppo=dapo", "ppo.rollout_correction.mode=tis"],
-            r"ppo.dynamic_sampling.enabled=true: .*fix:",
-        ),
         (["rollout.mode=disaggregated", "rollout.max_staleness=-1"], r"must be an integer >= 0"),
         (
             ["rollout.mode=disaggregated", "rollout.workers.count=0", "rollout.max_staleness=0"],
@@ -257,12 +253,16 @@ def test_a_sample_of_another_adapter_than_its_planned_version_stops_the_run_in_o
     from lit_ppo.training.module import check_adapter_versions
 
     plan = compute_plan(compose_run_config("rollout.mode=disaggregated", "model.lora.rank=8"), 2000)
-    check_adapter_versions(SimpleNamespace(rollout_step=0, adapter_versions=[1, 1]), plan)
-    check_adapter_versions(SimpleNamespace(rollout_step=1, adapter_versions=[1, 1]), plan)  # v0: its adapter is 1
-    check_adapter_versions(SimpleNamespace(rollout_step=2, adapter_versions=[2, 2]), plan)
+    check_adapter_versions(SimpleNamespace(rollout_step=0, rounds_in_step=None, adapter_versions=[1, 1]), plan)
+    check_adapter_versions(
+        SimpleNamespace(rollout_step=1, rounds_in_step=None, adapter_versions=[1, 1]), plan
+    )  # v0: its adapter is 1
+    check_adapter_versions(SimpleNamespace(rollout_step=2, rounds_in_step=None, adapter_versions=[2, 2]), plan)
     for versions, stale in (([2, 3], 3), ([1, 2], 1)):
         with pytest.raises(WeightSyncError) as info:
-            check_adapter_versions(SimpleNamespace(rollout_step=2, adapter_versions=versions), plan)
+            check_adapter_versions(
+                SimpleNamespace(rollout_step=2, rounds_in_step=None, adapter_versions=versions), plan
+            )
         message = str(info.value)
         assert message.startswith(
             f"rollout step 3: vLLM sampled with LoRA adapter version(s) [{stale}], but the trainer's adapter of "
@@ -972,7 +972,9 @@ def test_sigterm_at_k2_drops_the_step_without_waiting_ahead_and_resumes_bitwise(
         assert torch.equal(tensor, resumed.actor.state_dict()[name]), name
 
 
-def checkpointed_run(tiny_model_dir, files, out, steps, *, resume_from=None, datamodule_class=None, callbacks=(), **rollout):
+def checkpointed_run(
+    tiny_model_dir, files, out, steps, *, resume_from=None, datamodule_class=None, callbacks=(), **rollout
+):
     """A disaggregated k = 1 run of `steps` rollout steps in this process (one spawned worker), checkpointed only at
     the end and on the errors that stop a run with one; `rollout`: settings beside `disaggregated(1)`'s. Returns the
     module, the batches it trained (RecordingDataModule) and the plan."""
@@ -1026,7 +1028,11 @@ def test_a_finished_run_extended_on_resume_follows_the_schedule_and_equals_the_l
     assert sorted(kept["prefetched"]) == [3] and set(kept["prefetched"][3][1]) == {2}  # step 4, by version 2
     extended, batches, _ = checkpointed_run(tiny_model_dir, arithmetic_files, out, 5, resume_from=last)
     assert [b.rollout_step for b in batches] == [3, 4]
-    assert [sorted(set(b.policy_versions)) for b in batches] == [[plan.generating_version(s)] for s in (3, 4)] == [[2], [3]]
+    assert (
+        [sorted(set(b.policy_versions)) for b in batches]
+        == [[plan.generating_version(s)] for s in (3, 4)]
+        == [[2], [3]]
+    )
     assert counters(extended) == counters(longer) and counters(extended)["rollout_step"] == 5
     for name, tensor in longer.actor.state_dict().items():
         assert torch.equal(tensor, extended.actor.state_dict()[name]), name
@@ -1108,5 +1114,8 @@ def test_a_spawned_worker_killed_during_a_push_is_named_dead_not_stuck(tmp_path,
     workers = object.__new__(RolloutWorkers)  # the trainer's side alone: no store server, no worker process
     workers.store, workers.launch, workers.group, workers.pushes = Store(), launch, None, 0
     workers.bucket_bytes, workers.push_timeout_s = 2**20, 60.0
-    with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 \(pid 4242\) exited with code -9 while the trainer waited for the weight push"):
+    with pytest.raises(
+        RolloutWorkerError,
+        match=r"rollout worker 0 \(pid 4242\) exited with code -9 while the trainer waited for the weight push",
+    ):
         workers._push([("w", torch.zeros(4))], version=3)

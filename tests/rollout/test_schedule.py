@@ -35,7 +35,7 @@ class QueueingWorkers:
         return generations, [version] * (prompts * n), 0.5
 
 
-def request(step: int) -> dict:
+def request(step: int, round_in_step: int = 0) -> dict:
     return {"prompt_token_ids": [[1, 2], [3]], "step": step, "n": 2}
 
 

@@ -17,10 +17,10 @@ import yaml
 
 from lit_ppo.atomic import directory_problem
 from lit_ppo.checkpoints import (
+    REMEDY_KEYS,
     RolloutCheckpoint,
     check_run_directory,
     checkpoint_path,
-    REMEDY_KEYS,
     config_differences,
     finished_note,
     fresh_start_note,
@@ -111,8 +111,13 @@ def test_the_fixes_the_errors_name_may_change_on_resume_with_one_line_each(tmp_p
     for key, line, (before, after) in zip(REMEDY_KEYS, lines, changes):
         assert line.startswith(f"resume: {key} changed from {before} to {after} "), line
     # Anything else is still refused, naming what may change.
-    with pytest.raises(ConfigError, match=r"ppo.clip_ratio_low: .*the fixes errors name \(ppo.actor_lr, .*rollout.max_logprob_abs_diff\)"):
-        check_run_directory(dataclasses.replace(fixed, ppo=dataclasses.replace(fixed.ppo, clip_ratio_low=0.3)), tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"ppo.clip_ratio_low: .*the fixes errors name \(ppo.actor_lr, .*rollout.max_logprob_abs_diff\)",
+    ):
+        check_run_directory(
+            dataclasses.replace(fixed, ppo=dataclasses.replace(fixed.ppo, clip_ratio_low=0.3)), tmp_path
+        )
 
 
 def test_every_error_that_says_then_resume_auto_names_only_settings_a_resume_may_change():

@@ -496,5 +496,7 @@ def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_a
     parameters = checks.call_parameters(reward, {"prompts": None}, partial=True)
     assert [p.kind for p in parameters.values()][:3] == [inspect.Parameter.KEYWORD_ONLY] * 3
     assert checks.check_reward_convention(parameters, "reward", "trl", "answer", []) == "trl"
-    with pytest.raises(ConfigError, match=r"^reward.fn: reward\(prompts, completions, answer, kwargs\) cannot be called"):
+    with pytest.raises(
+        ConfigError, match=r"^reward.fn: reward\(prompts, completions, answer, kwargs\) cannot be called"
+    ):
         checks.check_reward_convention(parameters, "reward", "lit_ppo", "answer", [])
