@@ -2,7 +2,7 @@
 (composed through Hydra or built in code), its plan, a real run without Hydra (small batches on the tiny model, built by
 the product's `lit_ppo.run.build.build_run_on_files`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
 process), `resume` (comparing runs' states), `prompts` (prompts of real lengths), `episodes` (a calculator for
-multi-turn episodes), `packing` (the LM head by hand), `fixed_batch` (a real rollout step on a fixed batch)."""
+multi-turn episodes), `packing` (the LM head by hand), `fixed_batch` (a real rollout step on a fixed batch), `asynchronous` (runs with rollout workers)."""
 
 from __future__ import annotations
 

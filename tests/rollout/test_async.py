@@ -17,29 +17,16 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig, WorkersConfig
+from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
-from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
-
-
-def disaggregated(k: int, **workers) -> RolloutConfig:
-    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker; `workers`: its
-    rollout.workers settings (WorkersConfig) beside the tests' timeouts."""
-    return RolloutConfig(
-        max_response_tokens=6,
-        eval_samples_per_prompt=2,
-        temperature=0.8,
-        mode="disaggregated",
-        max_staleness=k,
-        workers=WorkersConfig(**{"start_timeout_s": 300.0, "batch_timeout_s": 120.0, **workers}),
-    )
 
 
 def digit_share(prompts, responses, references, extras, **_) -> list[float]:
@@ -60,15 +47,6 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.versions.append(copy.deepcopy(module.actor.state_dict()))
-
-
-class RecordingDataModule(RolloutDataModule):
-    batches: list = []
-
-    def produce_rollout(self, rollout_step):
-        batch = super().produce_rollout(rollout_step)
-        type(self).batches.append(batch)
-        return batch
 
 
 def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=None, datamodule_class=None, **ppo):

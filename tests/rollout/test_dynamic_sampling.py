@@ -3,8 +3,6 @@ per rollout step stay as planned, the data position advances by what was drawn, 
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
@@ -12,18 +10,10 @@ from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path
 from lit_ppo.config import DynamicSamplingConfig, PPOConfig
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from tests.helpers import build_run, plan_of
+from tests.helpers.asynchronous import even_answers_are_uniform
 from tests.helpers.resume import Crash, CrashAfter, assert_same_weights
 
 ROLLOUT_BATCH = 8  # prompts per rollout step (and per generation round)
-
-
-def even_answers_are_uniform(prompts, responses, references, extras):
-    """Every sample of a prompt whose answer is even scores 1 (a uniform group, dropped); the others score a hash of
-    their response in [0, 1), so their groups differ unless all samples are the same text."""
-    return [
-        1.0 if int(ref) % 2 == 0 else int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32
-        for r, ref in zip(responses, references)
-    ]
 
 
 def trl_reward_none_for_multiples_of_3(prompts, completions, answer, **kwargs):

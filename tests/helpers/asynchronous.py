@@ -1,0 +1,41 @@
+"""Rollout-worker runs' shared test code (tests/rollout/test_async.py, test_async_dynamic_sampling.py): the tests'
+rollout settings with workers, a data module that records every batch it produced, and a reward whose uniform groups
+dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from lit_ppo.config import RolloutConfig, WorkersConfig
+from lit_ppo.rollout.datamodule import RolloutDataModule
+
+
+def disaggregated(k: int, **workers) -> RolloutConfig:
+    """Rollouts of the tests' shape (temperature != 1, short responses) on one rollout worker; `workers`: its
+    rollout.workers settings (WorkersConfig) beside the tests' timeouts."""
+    return RolloutConfig(
+        max_response_tokens=6,
+        eval_samples_per_prompt=2,
+        temperature=0.8,
+        mode="disaggregated",
+        max_staleness=k,
+        workers=WorkersConfig(**{"start_timeout_s": 300.0, "batch_timeout_s": 120.0, **workers}),
+    )
+
+
+class RecordingDataModule(RolloutDataModule):
+    batches: list = []
+
+    def produce_rollout(self, rollout_step):
+        batch = super().produce_rollout(rollout_step)
+        type(self).batches.append(batch)
+        return batch
+
+
+def even_answers_are_uniform(prompts, responses, references, extras):
+    """Every sample of a prompt whose answer is even scores 1 (a uniform group, dropped); the others score a hash of
+    their response in [0, 1), so their groups differ unless all samples are the same text."""
+    return [
+        1.0 if int(ref) % 2 == 0 else int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32
+        for r, ref in zip(responses, references)
+    ]
