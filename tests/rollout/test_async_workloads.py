@@ -151,12 +151,12 @@ def test_a_checkpoint_keeps_episodes_generated_ahead_with_their_masks():
             return [episode], [self.version], 0.1
 
     source, workers = AheadOfTimeSource(plan), EpisodeWorkers()
-    source.take(0, workers, None, lambda step: {"step": step})
+    source.take(0, workers, None, lambda step, round_in_step=0: {"step": step})
     source.collect(workers)
     state = source.state_dict()
     resumed = AheadOfTimeSource(plan)
     resumed.load_state_dict(state)
-    (kept,) = resumed.received[1].generations
+    (kept,) = resumed.received[1][0].generations  # step 1, its first (only) generation round
     assert isinstance(kept, Episode) and kept.policy_mask == [1, 0, 1] and kept.episode_ids == [1, 5, 6, 7]
     assert kept.failure == "timeout"
 
