@@ -1054,7 +1054,8 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
 
 
 def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: StrategyConfig) -> None:
-    """rollout.mode=disaggregated and its staleness against the engine, the trainer's ranks and the PPO settings."""
+    """rollout.mode=disaggregated and its staleness against the engine and the PPO settings (any number of trainer
+    ranks: rank 0 drives the workers, lit_ppo/rollout/workers/ranks.py)."""
     if rollout.mode != "disaggregated":
         return
     k = rollout.staleness()
@@ -1063,11 +1064,6 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
         raise ConfigError(
             f"{where} with rollout.engine={rollout.engine}: rollout workers run vLLM engines of their own; "
             "fix: rollout.engine=vllm, or rollout.mode=colocated"
-        )
-    if strategy.data_parallel_size != 1:
-        raise ConfigError(
-            f"{where} with {strategy.data_parallel_size} trainer ranks: rollout workers serve a single trainer rank "
-            "for now; fix: strategy=single (strategy.devices=1 strategy.num_nodes=1), or rollout.mode=colocated"
         )
     if ppo.dynamic_sampling.enabled:
         raise ConfigError(

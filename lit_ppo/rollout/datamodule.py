@@ -210,20 +210,21 @@ class RolloutDataModule(L.LightningDataModule):
         """This rank's contiguous share of `size` global positions (shares differ by at most one)."""
         return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
 
-    def round_prompt_indices(self, generation_round: int) -> list[int]:
+    def round_prompt_indices(self, generation_round: int, positions: range | None = None) -> list[int]:
         """The dataset indices of this rank's prompts in generation round `generation_round` (counted over the run),
         in global order.
 
         Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
         the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
-        dynamic sampling a round is a rollout step's rollout batch."""
+        dynamic sampling a round is a rollout step's rollout batch. `positions`: the round's positions to give (None:
+        this rank's)."""
         data_epoch, offset = divmod(generation_round, self.plan.counts.generation_rounds_per_data_epoch)
         order = torch.randperm(
             len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
         )
         size = self.plan.counts.prompts_per_generation_round
         batch = order[offset * size : (offset + 1) * size]
-        positions = self.rank_positions(size)
+        positions = self.rank_positions(size) if positions is None else positions
         return batch[positions.start : positions.stop].tolist()
 
     # ------------------------------------------------------------ rollouts
@@ -254,7 +255,8 @@ class RolloutDataModule(L.LightningDataModule):
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
         # (lit_ppo.preemption), and the stop points after them stop every rank together. A source that generates
         # ahead bounds its wait, and what it received is kept (checkpoints).
-        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request)
+        share = self.rank_positions(self.plan.counts.prompts_per_generation_round)
+        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request, share=share)
         stop_point(self.device)  # a preemption during generation stops here (`scheduled` is then None)
         generations, versions = scheduled.generations, scheduled.policy_versions
         started = time.perf_counter()
@@ -336,10 +338,11 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def rollout_request(self, rollout_step: int) -> dict:
-        """The generate keywords of `rollout_step` taken as one generation round (a source that requests steps ahead
-        asks for them; dynamic sampling is refused there): its prompts' ids and seeds, as `generate` seeds them."""
-        prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step)]
-        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
+        """The generate keywords of `rollout_step` taken as one generation round, every rank's prompts (a source that
+        requests steps ahead asks for them for the whole run; dynamic sampling is refused there): its prompts' ids and
+        seeds, as `generate` seeds them."""
+        positions = range(self.plan.counts.prompts_per_generation_round)
+        prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(rollout_step, positions)]
         n = self.plan.counts.n_samples_per_prompt
         return dict(
             prompt_token_ids=[p.prompt_ids for p in prompts],
@@ -347,7 +350,7 @@ class RolloutDataModule(L.LightningDataModule):
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_tokens,
-            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", positions, n),
+            seeds=sampling_seeds(self.seed, f"rollout_step={rollout_step}", list(positions), n),
             **self.stop_kwargs(),
         )
 
@@ -511,6 +514,9 @@ class RolloutDataModule(L.LightningDataModule):
         def local_pass() -> tuple[list, list, list] | None:
             greedy, greedy_rewards, solved = [], [], []
             if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
+                if getattr(self.engine, "collective", False):  # rollout workers driven by rank 0: every rank asks
+                    for _ in range(2 if k > 1 else 1):
+                        self.start_engine().generate([])
                 return greedy, greedy_rewards, solved
             greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
             scored = cut(lambda: self.rewards_of(prompts, greedy))

@@ -57,10 +57,12 @@ class RolloutSource(Protocol):
         engine: RolloutEngine,
         generate: Callable[[], list[Generation]],
         request: Callable[[int], dict],
+        share: range | None = None,
     ) -> ScheduledRound | None:
         """The next round of `rollout_step`: `generate()` generates this rank's round now; `request(step)` gives the
-        generate keywords of a whole rollout step (one round). None: a preemption signal dropped the round (the caller
-        passes a stop point next)."""
+        generate keywords of a whole rollout step (one round, every rank's prompts); `share`: this rank's prompt
+        positions in it (None: all). None: a preemption signal dropped the round (the caller passes a stop point
+        next)."""
         ...
 
     def collect(self, engine: RolloutEngine | None) -> None:
@@ -94,7 +96,7 @@ class SynchronousSource:
     def start_engine(self, datamodule) -> RolloutEngine:
         return datamodule.start_in_process_engine()
 
-    def take(self, rollout_step, engine, generate, request) -> ScheduledRound | None:
+    def take(self, rollout_step, engine, generate, request, share=None) -> ScheduledRound | None:
         started = time.perf_counter()
         generations = interruptibly(generate) if self.interruptible else generate()
         if generations is None:
@@ -149,7 +151,7 @@ class AheadOfTimeSource:
         from lit_ppo.rollout.workers.client import RolloutWorkers
 
         r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
-        return RolloutWorkers(
+        start = lambda: RolloutWorkers(  # noqa: E731
             engine_kwargs=dict(
                 model_dir=datamodule.model_dir,
                 dtype=r.dtype or plan.models.rollout_dtype,
@@ -177,12 +179,21 @@ class AheadOfTimeSource:
             port=w.port if w.launch == "external" else 0,
             heartbeat_timeout_s=w.heartbeat_timeout_s,
         )
+        if datamodule.world_size == 1:
+            return start()
+        # Data-parallel trainers: rank 0 drives the workers, every rank receives each whole step (workers/ranks.py).
+        from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 
-    def take(self, rollout_step, engine, generate, request) -> ScheduledRound:
+        return DataParallelWorkers.start(datamodule.rank, datamodule.device, start)
+
+    def take(self, rollout_step, engine, generate, request, share: range | None = None) -> ScheduledRound:
         """First requests every step up to rollout_step + max_staleness not yet requested: the workers hold version
         `rollout_step` now (pushed after the previous step), which the schedule gives to step rollout_step + k and, at
         the start, to steps 0..k; the steps before were requested after their own versions' pushes. Then waits for
-        `rollout_step`'s results (bounded by the workers' timeouts; no dynamic sampling here: one round per step)."""
+        `rollout_step`'s results (bounded by the workers' timeouts; no dynamic sampling here: one round per step).
+        `request(step)` is the whole step (every rank's prompts) and is received whole on every rank, so that the
+        ranks' checkpoint states are one; `share` (this rank's prompt positions in the step; None: all) is what this
+        rank is given, its prompt indices counted from the share's first."""
         started = time.perf_counter()
         last = min(rollout_step + self.plan.max_staleness, self.plan.counts.total_rollout_steps - 1)
         for step in range(max(set(self.in_flight) | set(self.received) | {rollout_step - 1}) + 1, last + 1):
@@ -197,9 +208,14 @@ class AheadOfTimeSource:
         self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
         self.next_step = rollout_step + 1
         got = self.received[rollout_step]
-        return ScheduledRound(
-            got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
-        )
+        generations, versions = got.generations, got.policy_versions
+        if share is not None:
+            mine = [i for i, g in enumerate(generations) if g.prompt_index in share]
+            generations = [
+                dataclasses.replace(generations[i], prompt_index=generations[i].prompt_index - share.start) for i in mine
+            ]
+            versions = [versions[i] for i in mine]
+        return ScheduledRound(generations, versions, got.worker_seconds, wait_seconds=time.perf_counter() - started)
 
     def receive(self, engine, upto: int | None = None) -> None:
         """Move the requested steps (those up to `upto`; all: None) from in flight to received, waiting for them."""

@@ -118,10 +118,6 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             r"with rollout.engine=hf: .*fix: rollout.engine=vllm",
         ),
         (
-            ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "ppo.rollout_correction.mode=tis"],
-            r"with 2 trainer ranks: .*fix: strategy=single",
-        ),
-        (
             ["rollout.mode=disaggregated", "ppo=dapo", "ppo.rollout_correction.mode=tis"],
             r"ppo.dynamic_sampling.enabled=true: .*fix:",
         ),
@@ -154,10 +150,6 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         (
             ["rollout.mode=disaggregated", "model.lora.rank=16", "rollout.engine=hf"],
             r"^rollout.mode=disaggregated \(rollout.max_staleness=1\) with rollout.engine=hf: .*fix: rollout.engine=vllm",
-        ),
-        (
-            ["rollout.mode=disaggregated", "model.lora.rank=16", "strategy=ddp", "strategy.devices=2"],
-            r"with 2 trainer ranks: .*fix: strategy=single",
         ),
         (
             ["rollout.mode=disaggregated", "model.lora.rank=16", "ppo.rollout_correction.mode=none"],
