@@ -167,7 +167,8 @@ class AheadOfTimeSource:
             ),
             workers=w.count,
             devices_per_worker=w.devices,
-            trainer_devices=plan.counts.data_parallel_size,
+            # The spawned workers' GPUs follow those of the trainer's ranks on rank 0's node.
+            trainer_devices=datamodule.trainer.num_devices if datamodule.trainer is not None else 1,
             log_dir=datamodule.log_dir or Path("logs"),
             start_timeout_s=w.start_timeout_s,
             batch_timeout_s=w.batch_timeout_s,
