@@ -213,7 +213,8 @@ class AheadOfTimeSource:
         if share is not None:
             mine = [i for i, g in enumerate(generations) if g.prompt_index in share]
             generations = [
-                dataclasses.replace(generations[i], prompt_index=generations[i].prompt_index - share.start) for i in mine
+                dataclasses.replace(generations[i], prompt_index=generations[i].prompt_index - share.start)
+                for i in mine
             ]
             versions = [versions[i] for i in mine]
         return ScheduledRound(generations, versions, got.worker_seconds, wait_seconds=time.perf_counter() - started)
