@@ -8,14 +8,16 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_ppo.contract import WeightUpdate
-from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.ranks import DataParallelWorkers
+from tests.helpers import compose_run_config
 from tests.rollout.test_schedule import QueueingWorkers, not_here, plan
 
 
@@ -141,3 +143,17 @@ def test_a_failed_push_still_reads_every_tensor_on_every_rank_then_stops_them(tm
 
 def test_evaluation_gives_each_rank_its_own_prompts_results(tmp_path):
     assert run_on_two_ranks(tmp_path, "evaluation") == {0: [0, 1, 2], 1: []}
+
+
+def test_a_collective_timeout_shorter_than_the_workers_waits_is_refused_in_one_line():
+    """Ranks 1.. wait for rank 0 in a collective while it waits for the workers: their wait must be the longer."""
+    ddp = ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu"]
+    match = (
+        r"^trainer.collective_timeout_s=300 with 2 trainer ranks and rollout workers: .*"
+        r"rollout.workers.batch_timeout_s=900 s .*fix: trainer.collective_timeout_s above 900"
+    )
+    with pytest.raises(ConfigError, match=match) as info:
+        compose_run_config(*ddp, "trainer.collective_timeout_s=300", "rollout.workers.batch_timeout_s=900")
+    assert "\n" not in str(info.value)
+    compose_run_config(*ddp)  # the defaults: 1800 s against 600 s
+    compose_run_config("rollout.mode=disaggregated", "trainer.collective_timeout_s=300")  # one rank: no collective
