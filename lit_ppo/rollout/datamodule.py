@@ -514,8 +514,8 @@ class RolloutDataModule(L.LightningDataModule):
         def local_pass() -> tuple[list, list, list] | None:
             greedy, greedy_rewards, solved = [], [], []
             if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
-                if getattr(self.engine, "collective", False):  # rollout workers driven by rank 0: every rank asks
-                    for _ in range(2 if k > 1 else 1):
+                if self.plan.workers and self.world_size > 1:  # rank 0 drives the workers: each rank's generate
+                    for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
                         self.start_engine().generate([])
                 return greedy, greedy_rewards, solved
             greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
