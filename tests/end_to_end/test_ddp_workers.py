@@ -230,3 +230,11 @@ def test_fsdp_lora_with_a_worker_pushes_the_gathered_adapter_once_and_trains_the
     )
     assert {float(r["perf/weight_sync_bytes"]) for r in rows} == {float(adapter_bytes)}
     assert adapter.keys() and adapter_bytes < 3e6 / 4  # a fraction of the full weights' 3.3 MB
+
+
+def test_a_rank_without_evaluation_prompts_still_meets_rank_0_in_the_workers_generate(tmp_path, cache):
+    """`data.n_eval=1` on 2 ranks: rank 1 has no held-out prompt, but each evaluation's generate is a collective of
+    the ranks (rank 0 submits every rank's prompts), so it calls it with none instead of leaving rank 0 waiting."""
+    run = train_cli(tmp_path / "run", cache, *STRATEGIES["ddp"], *DISAGGREGATED, "data.n_eval=1")
+    rows = [r for r in metrics(run) if r.get("eval/reward")]
+    assert len(rows) >= 1 and "eval/pass@4" in rows[-1]
