@@ -984,6 +984,7 @@ class RunConfig:
         validate_rollout_engine(self.rollout, self.strategy)
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
+        check_worker_waits_fit_collectives(self.rollout, self.strategy, self.trainer.collective_timeout_s)
         # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction
         if correction.mode is None:  # by the rollout mode: on for samples of an older policy (docs/async.md)
@@ -1061,17 +1062,38 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         )
 
 
+def check_worker_waits_fit_collectives(
+    rollout: RolloutConfig, strategy: StrategyConfig, collective_timeout_s: float
+) -> None:
+    """Data-parallel trainers with rollout workers: while rank 0 waits for the workers (their start, a batch), the other
+    ranks wait for it in a collective; that wait must outlast rank 0's, so that every rank stops with rank 0's line
+    naming the worker rather than a collective's timeout (lit_ppo/rollout/workers/ranks.py)."""
+    if rollout.mode != "disaggregated" or strategy.data_parallel_size == 1:
+        return
+    w = rollout.workers
+    setting, longest = max(
+        [
+            ("rollout.workers.start_timeout_s", w.start_timeout_s),
+            ("rollout.workers.batch_timeout_s", w.batch_timeout_s),
+        ],
+        key=lambda item: item[1],
+    )
+    if collective_timeout_s <= longest:
+        raise ConfigError(
+            f"trainer.collective_timeout_s={collective_timeout_s:g} with {strategy.data_parallel_size} trainer ranks and "
+            f"rollout workers: ranks 1.. wait for rank 0 in a collective while it waits up to {setting}={longest:g} s "
+            f"for the workers, and would stop on their own timeout without naming the worker; fix: "
+            f"trainer.collective_timeout_s above {longest:g}, or lower {setting}"
+        )
+
+
 def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: StrategyConfig) -> None:
-    """rollout.mode=disaggregated and its staleness against the engine, the trainer's ranks and the PPO settings."""
+    """rollout.mode=disaggregated and its staleness against the engine and the PPO settings (any number of trainer
+    ranks: rank 0 drives the workers, lit_ppo/rollout/workers/ranks.py)."""
     if rollout.mode != "disaggregated":
         return
     k = rollout.staleness()
     where = f"rollout.mode=disaggregated (rollout.max_staleness={k})"
-    if strategy.data_parallel_size != 1:
-        raise ConfigError(
-            f"{where} with {strategy.data_parallel_size} trainer ranks: rollout workers serve a single trainer rank "
-            "for now; fix: strategy=single (strategy.devices=1 strategy.num_nodes=1), or rollout.mode=colocated"
-        )
     if k > 0 and ppo.rollout_correction.mode == "none":
         raise ConfigError(
             f"{where} trains on samples of a policy up to {k} rollout step(s) old, but "

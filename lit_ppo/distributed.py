@@ -133,3 +133,13 @@ def gradient_sync(enabled: bool, wrapper, models, sharded: bool):
                 model.set_requires_gradient_sync(True)
     else:
         yield
+
+
+def broadcast_object(obj, device: torch.device, src: int = 0):
+    """Rank `src`'s `obj` (picklable) on every rank (a collective: every rank calls it; the others' `obj` is ignored);
+    `obj` itself on one process. `device`: where the process group's tensors live (NCCL: the rank's GPU)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=device)
+    return box[0]

@@ -13,10 +13,11 @@ from lit_ppo.contract import AdapterWeights, RolloutEngine, WeightUpdate
 from lit_ppo.rollout.engine import VLLMEngine
 from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.rollout.workers.client import RolloutWorkers
+from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 from lit_ppo.testing import NullEngine
 from tests.helpers import ROOT
 
-ENGINES = [VLLMEngine, HFEngine, RolloutWorkers, NullEngine]
+ENGINES = [VLLMEngine, HFEngine, RolloutWorkers, DataParallelWorkers, NullEngine]
 METHODS = ["generate", "update_weights", "sleep", "wake_up", "close"]
 
 

@@ -225,20 +225,21 @@ class RolloutDataModule(L.LightningDataModule):
         """This rank's contiguous share of `size` global positions (shares differ by at most one)."""
         return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
 
-    def round_prompt_indices(self, generation_round: int) -> list[int]:
+    def round_prompt_indices(self, generation_round: int, positions: range | None = None) -> list[int]:
         """The dataset indices of this rank's prompts in generation round `generation_round` (counted over the run),
         in global order.
 
         Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
         the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
-        dynamic sampling a round is a rollout step's rollout batch."""
+        dynamic sampling a round is a rollout step's rollout batch. `positions`: the round's positions to give (None:
+        this rank's)."""
         data_epoch, offset = divmod(generation_round, self.plan.counts.generation_rounds_per_data_epoch)
         order = torch.randperm(
             len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
         )
         size = self.plan.counts.prompts_per_generation_round
         batch = order[offset * size : (offset + 1) * size]
-        positions = self.rank_positions(size)
+        positions = self.rank_positions(size) if positions is None else positions
         return batch[positions.start : positions.stop].tolist()
 
     def generation_round_of(self, rollout_step: int, round_in_step: int) -> int:
@@ -314,7 +315,10 @@ class RolloutDataModule(L.LightningDataModule):
         # Generation and rewards keep nothing until the step's optimizer steps: a preemption signal drops them
         # (lit_ppo.preemption), and the stop points after them stop every rank together. A source that generates
         # ahead bounds its wait, and what it received is kept (checkpoints).
-        scheduled = self.source.take(rollout_step, self.start_engine(), generate, self.rollout_request, round_in_step)
+        share = self.rank_positions(self.plan.counts.prompts_per_generation_round)
+        scheduled = self.source.take(
+            rollout_step, self.start_engine(), generate, self.rollout_request, round_in_step, share=share
+        )
         if round_in_step == 0 and self.source.requests_ahead:
             # What the source requested is kept (in flight or received, through a dropped step and a checkpoint): the
             # rounds drawn for it stay drawn, and a step taken again restarts the stream from here.
@@ -411,19 +415,19 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def rollout_request(self, rollout_step: int, round_in_step: int = 0) -> dict:
-        """The generate keywords of round `round_in_step` of `rollout_step` (a source that requests steps ahead asks
-        for them): its prompts' ids (`generation_round_of`, which draws the round if it is new) and seeds, as
-        `generate_round` seeds them. With multi-turn episodes: the prompts, their positions and the purpose that seeds
-        each turn, as `generate_round` passes them to `run_episodes` (a rollout worker runs them with the same
-        `EpisodeRunner`)."""
-        indices = self.round_prompt_indices(self.generation_round_of(rollout_step, round_in_step))
-        prompts = [self.train_prompts.prompts[i] for i in indices]
-        positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
+        """The generate keywords of round `round_in_step` of `rollout_step`, every rank's prompts (a source that
+        requests steps ahead asks for them for the whole run): its prompts' ids (`generation_round_of`, which draws the
+        round if it is new) and seeds, as `generate_round` seeds them. With multi-turn episodes: the prompts, their
+        positions and the purpose that seeds each turn, as `generate_round` passes them to `run_episodes` (a rollout
+        worker runs them with the same `EpisodeRunner`)."""
+        positions = range(self.plan.counts.prompts_per_generation_round)
+        round_index = self.generation_round_of(rollout_step, round_in_step)
+        prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(round_index, positions)]
         n = self.plan.counts.n_samples_per_prompt
         if self.make_environment is not None:
             return dict(
                 prompts=prompts,
-                positions=positions,
+                positions=list(positions),
                 n=n,
                 temperature=self.rollout.temperature,
                 top_p=self.rollout.top_p,
@@ -436,7 +440,7 @@ class RolloutDataModule(L.LightningDataModule):
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_tokens,
-            seeds=sampling_seeds(self.seed, round_purpose(rollout_step, round_in_step), positions, n),
+            seeds=sampling_seeds(self.seed, round_purpose(rollout_step, round_in_step), list(positions), n),
             **self.stop_kwargs(),
         )
 
@@ -609,6 +613,9 @@ class RolloutDataModule(L.LightningDataModule):
         def local_pass() -> tuple[list, list, list] | None:
             greedy, greedy_rewards, solved = [], [], []
             if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
+                if self.plan.workers and self.world_size > 1:  # rank 0 drives the workers: each rank's generate
+                    for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
+                        self.start_engine().generate([])
                 return greedy, greedy_rewards, solved
             greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
             scored = cut(lambda: self.rewards_of(prompts, greedy))

@@ -64,10 +64,12 @@ class RolloutSource(Protocol):
         generate: Callable[[], list[Generation]],
         request: Callable[[int, int], dict],
         round_in_step: int = 0,
+        share: range | None = None,
     ) -> ScheduledRound | None:
         """Round `round_in_step` (0: the first) of `rollout_step`: `generate()` generates this rank's round now;
-        `request(step, round_in_step)` gives the generate keywords of one round of a rollout step (all its prompts).
-        None: a preemption signal dropped the round (the caller passes a stop point next)."""
+        `request(step, round_in_step)` gives the generate keywords of one round of a rollout step (every rank's
+        prompts); `share`: this rank's prompt positions in it (None: all). None: a preemption signal dropped the round
+        (the caller passes a stop point next)."""
         ...
 
     def collect(self, engine: RolloutEngine | None) -> None:
@@ -103,7 +105,7 @@ class SynchronousSource:
     def start_engine(self, datamodule) -> RolloutEngine:
         return datamodule.start_in_process_engine()
 
-    def take(self, rollout_step, engine, generate, request, round_in_step=0) -> ScheduledRound | None:
+    def take(self, rollout_step, engine, generate, request, round_in_step=0, share=None) -> ScheduledRound | None:
         started = time.perf_counter()
         generations = interruptibly(generate) if self.interruptible else generate()
         if generations is None:
@@ -168,13 +170,14 @@ class AheadOfTimeSource:
         from lit_ppo.rollout.workers.engines import worker_engine_settings
 
         r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
-        return RolloutWorkers(
+        start = lambda: RolloutWorkers(  # noqa: E731
             engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
             engine_name=r.engine,
             episodes=datamodule.episode_spec(),  # multi-turn episodes: the workers build their environments
             workers=w.count,
             devices_per_worker=w.devices,
-            trainer_devices=plan.counts.data_parallel_size,
+            # The spawned workers' GPUs follow those of the trainer's ranks on rank 0's node.
+            trainer_devices=datamodule.trainer.num_devices if datamodule.trainer is not None else 1,
             log_dir=datamodule.log_dir or Path("logs"),
             start_timeout_s=w.start_timeout_s,
             batch_timeout_s=w.batch_timeout_s,
@@ -186,22 +189,29 @@ class AheadOfTimeSource:
             port=w.port if w.launch == "external" else 0,
             heartbeat_timeout_s=w.heartbeat_timeout_s,
         )
+        if datamodule.world_size == 1:
+            return start()
+        # Data-parallel trainers: rank 0 drives the workers, every rank receives each whole step (workers/ranks.py).
+        from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 
-    def take(self, rollout_step, engine, generate, request, round_in_step=0) -> ScheduledRound:
+        return DataParallelWorkers.start(datamodule.rank, datamodule.device, start)
+
+    def take(self, rollout_step, engine, generate, request, round_in_step=0, share=None) -> ScheduledRound:
         """Round 0 first requests every step up to rollout_step + max_staleness not yet requested (`rounds_ahead`
         rounds each): the workers hold version `rollout_step` now (pushed after the previous step), which the schedule
         gives to step rollout_step + k and, at the start, to steps 0..k; the steps before were requested after their
         own versions' pushes (past the plan's end too: the last checkpoint keeps them for a run extended on resume).
         Then it waits for `rollout_step`'s results (bounded by the workers' timeouts). A round
         requested ahead is taken from those; a later one (dynamic sampling's refill) is requested now, behind what the
-        workers have queued, from the version they hold: `rollout_step`, as the plan states."""
+        workers have queued, from the version they hold: `rollout_step`, as the plan states. `request(step, round)` is
+        the whole round (every rank's prompts) and is received whole on every rank, so that the ranks' checkpoint
+        states are one; `share` (this rank's prompt positions in the round; None: all) is what this rank is given, its
+        prompt indices counted from the share's first."""
         started = time.perf_counter()
         if round_in_step >= self.rounds_ahead:
             self.check_version(rollout_step, round_in_step, engine)
             got = Received(*engine.collect(engine.submit(**request(rollout_step, round_in_step))))
-            return ScheduledRound(
-                got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
-            )
+            return share_of(got, share, wait_seconds=time.perf_counter() - started)
         if round_in_step == 0:
             # Past the plan's end too: the last checkpoint then keeps the k steps after it, generated by the versions
             # the schedule gives them, and a run extended on resume (trainer.total_rollout_steps raised) takes them
@@ -221,10 +231,7 @@ class AheadOfTimeSource:
                 f"requests {self.rounds_ahead}: ppo.dynamic_sampling settings changed since its checkpoint; fix: resume "
                 "with the checkpoint's ppo.dynamic_sampling settings"
             )
-        got = rounds[round_in_step]
-        return ScheduledRound(
-            got.generations, got.policy_versions, got.worker_seconds, wait_seconds=time.perf_counter() - started
-        )
+        return share_of(rounds[round_in_step], share, wait_seconds=time.perf_counter() - started)
 
     def check_version(self, step: int, round_in_step: int, engine) -> None:
         """The workers hold the version the plan gives this round of `step` (checked before each request)."""
@@ -289,6 +296,19 @@ def generation_of(fields: dict) -> Generation:
     from lit_ppo.rollout.episodes import Episode
 
     return Episode(**fields) if "policy_mask" in fields else Generation(**fields)
+
+
+def share_of(got: Received, share: range | None, wait_seconds: float) -> ScheduledRound:
+    """This rank's part of a round received whole: the generations of the prompts at positions `share` (None: all),
+    their prompt indices counted from the share's first."""
+    generations, versions = got.generations, got.policy_versions
+    if share is not None:
+        mine = [i for i, g in enumerate(generations) if g.prompt_index in share]
+        generations = [
+            dataclasses.replace(generations[i], prompt_index=generations[i].prompt_index - share.start) for i in mine
+        ]
+        versions = [versions[i] for i in mine]
+    return ScheduledRound(generations, versions, got.worker_seconds, wait_seconds=wait_seconds)
 
 
 def source_for(plan: StepPlan | None, tensor_parallel_size: int = 1) -> RolloutSource:

@@ -92,10 +92,6 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             r"^rollout.mode=disaggregated \(rollout.max_staleness=1\) with ppo.old_logprobs=rollout: .*fix: ppo.old_logprobs=auto",
         ),
         (
-            ["rollout.mode=disaggregated", "strategy=ddp", "strategy.devices=2", "ppo.rollout_correction.mode=tis"],
-            r"with 2 trainer ranks: .*fix: strategy=single",
-        ),
-        (  # what the HF engine cannot do is refused in the workers as in colocated runs
             ["rollout.mode=disaggregated", "rollout.engine=hf", "rollout.tensor_parallel_size=2"],
             r"^rollout.tensor_parallel_size=2 with rollout.engine=hf: .*fix: rollout.tensor_parallel_size=1",
         ),
@@ -126,8 +122,8 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         ),
         # with model.lora, what rollout workers cannot do is refused as without it, naming the key
         (
-            ["rollout.mode=disaggregated", "model.lora.rank=16", "strategy=ddp", "strategy.devices=2"],
-            r"with 2 trainer ranks: .*fix: strategy=single",
+            ["rollout.mode=disaggregated", "model.lora.rank=16", "rollout.engine=hf", "rollout.tensor_parallel_size=2"],
+            r"^rollout.tensor_parallel_size=2 with rollout.engine=hf: .*fix: rollout.tensor_parallel_size=1",
         ),
         (
             ["rollout.mode=disaggregated", "model.lora.rank=16", "ppo.rollout_correction.mode=none"],

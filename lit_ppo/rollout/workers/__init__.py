@@ -1,6 +1,8 @@
 """Rollout workers (rollout.mode=disaggregated): processes with engines of their own, by side.
 
 - `client.py`: the trainer's side, `RolloutWorkers`, an engine of the contract (lit_ppo/contract.py).
+- `ranks.py`: data-parallel trainers, `DataParallelWorkers`: rank 0 drives the workers through its `RolloutWorkers`,
+  the other ranks receive each step and read each push with it (collectives).
 - `launch.py`: how the workers start and how the trainer watches them (spawned by the trainer, or external: started
   by the user's launcher on any node).
 - `transport.py`: the channel, a TCPStore for commands and answers and a gloo group for the weights.
