@@ -216,7 +216,7 @@ def test_fsdp_lora_with_a_worker_pushes_the_gathered_adapter_once_and_trains_the
     the norm)."""
     from safetensors.torch import load_file
 
-    from tests.training.test_lora import assert_same_adapter
+    from tests.helpers.resume import assert_same_adapter
 
     lora = [*DISAGGREGATED, "model.lora.rank=8", "ppo.actor_lr=5e-3"]
     one = train_cli(tmp_path / "one", cache, *lora)

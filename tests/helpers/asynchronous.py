@@ -1,5 +1,6 @@
-"""Rollout-worker runs' shared test code (tests/rollout/test_async.py, test_async_dynamic_sampling.py): the tests'
-rollout settings with workers, a data module that records every batch it produced, and a reward whose uniform groups
+"""Rollout-worker runs' shared test code (tests/rollout/test_async.py, test_async_dynamic_sampling.py,
+test_schedule.py, test_worker_ranks.py): the tests' rollout settings with workers, a stand-in for the workers' client
+(`QueueingWorkers`), a data module that records every batch it produced, and a reward whose uniform groups
 dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too)."""
 
 from __future__ import annotations
@@ -7,7 +8,11 @@ from __future__ import annotations
 import hashlib
 
 from lit_ppo.config import RolloutConfig, WorkersConfig
+from lit_ppo.contract import Generation
 from lit_ppo.rollout.datamodule import RolloutDataModule
+from tests.helpers import plan_of
+
+STEPS = 6  # the schedule tests' run length (tests/rollout/test_schedule.py)
 
 
 def disaggregated(k: int, **workers) -> RolloutConfig:
@@ -39,3 +44,32 @@ def even_answers_are_uniform(prompts, responses, references, extras):
         1.0 if int(ref) % 2 == 0 else int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32
         for r, ref in zip(responses, references)
     ]
+
+
+class QueueingWorkers:
+    """Stands in for the rollout workers' client (`RolloutWorkers`): each request is generated with the version pushed
+    last before it (the workers' ordered commands), and its results are handed out when collected."""
+
+    def __init__(self):
+        self.version = 0  # the last version pushed
+        self.submitted: list[int] = []  # rollout steps, in the order requested
+        self.collected: list[int] = []  # rollout steps, in the order received
+
+    def submit(self, prompt_token_ids, *, step, n):
+        self.submitted.append(step)
+        return (step, self.version, len(prompt_token_ids), n)
+
+    def collect(self, ticket):
+        step, version, prompts, n = ticket
+        self.collected.append(step)
+        generations = [Generation(i // n, [step, i], False, "", [-1.0, -1.0]) for i in range(prompts * n)]
+        return generations, [version] * (prompts * n), 0.5
+
+
+def not_here():
+    raise AssertionError("a source that generates ahead never generates in this process")
+
+
+def plan(k: int):
+    """A plan with rollout workers at staleness k, STEPS rollout steps."""
+    return plan_of(256, rollout=RolloutConfig(mode="disaggregated", max_staleness=k), steps=STEPS)

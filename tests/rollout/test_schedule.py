@@ -11,40 +11,11 @@ from lit_ppo.config import RolloutConfig
 from lit_ppo.contract import Generation
 from lit_ppo.rollout.schedule import AheadOfTimeSource, SynchronousSource, source_for
 from tests.helpers import ROOT, plan_of
-
-STEPS = 6
-
-
-class QueueingWorkers:
-    """Stands in for the rollout workers' client (`RolloutWorkers`): each request is generated with the version pushed
-    last before it (the workers' ordered commands), and its results are handed out when collected."""
-
-    def __init__(self):
-        self.version = 0  # the last version pushed
-        self.submitted: list[int] = []  # rollout steps, in the order requested
-        self.collected: list[int] = []  # rollout steps, in the order received
-
-    def submit(self, prompt_token_ids, *, step, n):
-        self.submitted.append(step)
-        return (step, self.version, len(prompt_token_ids), n)
-
-    def collect(self, ticket):
-        step, version, prompts, n = ticket
-        self.collected.append(step)
-        generations = [Generation(i // n, [step, i], False, "", [-1.0, -1.0]) for i in range(prompts * n)]
-        return generations, [version] * (prompts * n), 0.5
+from tests.helpers.asynchronous import STEPS, QueueingWorkers, not_here, plan
 
 
 def request(step: int, round_in_step: int = 0) -> dict:
     return {"prompt_token_ids": [[1, 2], [3]], "step": step, "n": 2}
-
-
-def not_here():
-    raise AssertionError("a source that generates ahead never generates in this process")
-
-
-def plan(k: int):
-    return plan_of(256, rollout=RolloutConfig(mode="disaggregated", max_staleness=k), steps=STEPS)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])

@@ -18,7 +18,7 @@ from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 from tests.helpers import compose_run_config
-from tests.rollout.test_schedule import QueueingWorkers, not_here, plan
+from tests.helpers.asynchronous import QueueingWorkers, not_here, plan
 
 
 class PushedWorkers(QueueingWorkers):
@@ -50,7 +50,7 @@ class FailingWorkers(QueueingWorkers):
         return 0
 
 
-def request(step: int) -> dict:
+def request(step: int, round_in_step: int = 0) -> dict:
     # 4 prompts, n = 2: rank 0's share is prompts 0-1, rank 1's prompts 2-3
     return {"prompt_token_ids": [[1], [2], [3], [4]], "step": step, "n": 2}
 

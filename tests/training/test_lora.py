@@ -10,6 +10,7 @@ from lit_ppo.config import LoraConfig
 from lit_ppo.errors import ConfigError
 from lit_ppo.testing import NullEngine
 from tests.helpers import compose_run_config, plan_of
+from tests.helpers.resume import assert_same_adapter
 
 
 @pytest.mark.parametrize(
@@ -514,23 +515,6 @@ def lora_fsdp_run(tmp_path_factory, lora_cache, lora_single_run):
 
     out = tmp_path_factory.mktemp("lora_fsdp")
     return train_cli(out, lora_cache, *LORA_PARALLEL, *STRATEGIES["fsdp"], "model.lora.save_merged=true")
-
-
-def assert_same_adapter(one, two, rel: float = 1e-5) -> dict:
-    """The final adapters (actor/) of two runs agree within `rel` of the adapter's norm (all its tensors together), and
-    have trained; returns the first. In norm, not entry by entry: Adam moves an entry whose gradient is float32 rounding
-    (lora_A's, while lora_B is still near its zero start) by up to the learning rate. One process against itself with
-    micro-batches of 16 instead of 32 samples: 5.3e-6; 2 ranks against 1: 2.3e-6 (before the global mini-batches, with
-    two mini-batches per PPO epoch: 0.35)."""
-    from safetensors.torch import load_file
-
-    a = load_file(one / "actor" / "adapter_model.safetensors")
-    b = load_file(two / "actor" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and any("lora_B" in k and float(v.abs().max()) > 0 for k, v in a.items())
-    difference = sum(float((b[k] - a[k]).norm()) ** 2 for k in a) ** 0.5
-    norm = sum(float(v.norm()) ** 2 for v in a.values()) ** 0.5
-    assert difference <= rel * norm, f"the adapters differ by {difference / norm:.2e} of their norm"
-    return a
 
 
 @pytest.mark.slow
