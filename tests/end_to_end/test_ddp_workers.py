@@ -238,3 +238,43 @@ def test_a_rank_without_evaluation_prompts_still_meets_rank_0_in_the_workers_gen
     run = train_cli(tmp_path / "run", cache, *STRATEGIES["ddp"], *DISAGGREGATED, "data.n_eval=1")
     rows = [r for r in metrics(run) if r.get("eval/reward")]
     assert len(rows) >= 1 and "eval/pass@4" in rows[-1]
+
+
+# The workloads rollout workers newly run, on two trainer ranks: dynamic sampling (every rank takes its share of each
+# round, refill rounds requested collectively) and multi-turn tool episodes (rank 0 submits the episodes' request).
+WORKLOADS = {
+    "dapo": ["ppo=dapo", "ppo.rollout_correction.mode=tis"],
+    "tool_episodes": ["+experiment=tool_arithmetic", "trainer.total_rollout_steps=2", "trainer.eval_every=0"],
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_k0_with_a_worker_equals_the_colocated_two_rank_run_for_dynamic_sampling_and_tool_episodes(
+    tmp_path, cache, workload
+):
+    """`strategy=ddp strategy.devices=2 rollout.mode=disaggregated rollout.max_staleness=0` with `ppo=dapo`, and with
+    `+experiment=tool_arithmetic`: the same samples (ids, rewards, each rank's share), rounds and episode counts as
+    the colocated 2-rank run, step for step, and the same final weights."""
+    overrides = [*STRATEGIES["ddp"], *WORKLOADS[workload]]
+    colocated = train_cli(tmp_path / "colocated", cache, *overrides)
+    k0 = train_cli(tmp_path / "k0", cache, *overrides, *DISAGGREGATED, "rollout.max_staleness=0")
+    assert "workers driven by" in (k0 / "logs" / "run.log").read_text()
+    for step in range(2):
+        ours, theirs = experience(k0, step, world=2), experience(colocated, step, world=2)
+        for key in ("prompt_positions", "dataset_indices", "response_ids", "shard_sizes", "rank_positions"):
+            assert ours[key] == theirs[key], (step, key)
+        assert (ours["rewards"] == theirs["rewards"]).all()
+    rows, others = metrics(k0), metrics(colocated)
+    keys = [
+        "rollout/generation_rounds",
+        "rollout/dropped_groups",
+        "rollout/filled_groups",
+        "rollout/tool_calls",
+        "rollout/turns_mean",
+        "rollout/environment_errors",
+    ]
+    for ours, theirs in zip(rows, others, strict=True):
+        assert float(ours["rollout/policy_version_lag"]) == 0.0
+        for key in (k for k in keys if theirs.get(k) not in (None, "")):
+            assert float(ours[key]) == float(theirs[key]), key
+    assert_same_weights(final_actor(k0), final_actor(colocated))
