@@ -17,6 +17,7 @@ pipeline approaches: the longer side on average).
 
 Usage:
   python bench/pipeline_depth.py --steps 12 --slow-s 2.0     # three runs of train.py, then the table
+  python bench/pipeline_depth.py --steps 12 --slow-s 2.0 --slow-side tool   # the slow side in the workers instead
   python bench/pipeline_depth.py --runs K0 K1 K2              # the table from existing run directories
 """
 
@@ -54,6 +55,36 @@ def slow_every_third_step(
         if rollout_step % PERIOD_STEPS == PERIOD_STEPS - 1:
             time.sleep(slow_s)
     return integer_match(prompts, responses, references, extras)
+
+
+class SlowToolEnvironment:
+    """lit_ppo.environments.CalculatorEnvironment whose tool is slow on every third rollout step (a sandbox or an API
+    that stalls at times): the step's first episode sleeps `slow_s` seconds at its start, on rollout steps 2, 5, 8,
+    ... (0-based). Built in the rollout worker (`+experiment=tool_arithmetic` with rollout workers), where the
+    episodes of one step are `step_episodes` resets (ppo.rollout_batch_size x n_samples_per_prompt, one worker), so the
+    slow side is the workers' generation, which a deeper pipeline can run ahead of."""
+
+    resets = 0  # episodes started in this process
+
+    def __init__(self, slow_s: float = 2.0, step_episodes: int = 128, **calculator):
+        from lit_ppo.environments import CalculatorEnvironment
+
+        self.calculator = CalculatorEnvironment(**calculator)
+        self.slow_s, self.step_episodes = slow_s, step_episodes
+        self.stop = self.calculator.stop
+
+    def reset(self, record: dict):
+        step, first = divmod(SlowToolEnvironment.resets, self.step_episodes)
+        SlowToolEnvironment.resets += 1
+        if first == 0 and step % PERIOD_STEPS == PERIOD_STEPS - 1:
+            time.sleep(self.slow_s)
+        return self.calculator.reset(record)
+
+    def step(self, action: str):
+        return self.calculator.step(action)
+
+    def __getattr__(self, name):  # call_text and the rest of the calculator's
+        return getattr(self.calculator, name)
 
 
 def per_step(run: Path) -> list[dict[str, float]]:
@@ -117,6 +148,13 @@ def main() -> None:
     parser.add_argument("--ks", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--slow-s", type=float, default=2.0)
+    parser.add_argument(
+        "--slow-side",
+        choices=("reward", "tool"),
+        default="reward",
+        help="reward: the trainer's reward is slow on every third step (default task); tool: the calculator in the "
+        "rollout worker is (+experiment=tool_arithmetic), so the workers' generation varies",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "pipeline_depth")
     parser.add_argument("overrides", nargs="*", help="more train.py overrides, the same for every k")
     args = parser.parse_args()
@@ -124,12 +162,20 @@ def main() -> None:
     if args.runs:
         runs = dict(zip(args.ks, args.runs))
     else:
+        if args.slow_side == "reward":
+            slow = ["reward.fn._target_=bench.pipeline_depth.slow_every_third_step", f"+reward.fn.slow_s={args.slow_s}"]
+        else:
+            slow = [
+                "+experiment=tool_arithmetic",
+                "rollout.episodes.environment._target_=bench.pipeline_depth.SlowToolEnvironment",
+                f"+rollout.episodes.environment.slow_s={args.slow_s}",
+                "+rollout.episodes.environment.step_episodes=128",  # grpo's 32 prompts x 4
+            ]
         common = [
             "strategy.precision=32-true",
             "rollout.mode=disaggregated",
             "ppo.rollout_correction.mode=tis",
-            "reward.fn._target_=bench.pipeline_depth.slow_every_third_step",
-            f"+reward.fn.slow_s={args.slow_s}",
+            *slow,
             *args.overrides,
         ]
         runs = {k: train_py(args.out / f"k{k}", args.steps, *common, f"rollout.max_staleness={k}") for k in args.ks}

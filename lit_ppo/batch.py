@@ -50,6 +50,9 @@ class RolloutBatch:
     # Dynamic sampling: per sample, the generation round of its rollout step that drew it (0: the first), which with
     # rollout workers says which version the plan gives it (refill rounds: the step's own); None without.
     rounds_in_step: list[int] | None = None
+    # ... and with rollout workers the rounds the step was requested ahead with (the plan's, or fewer where a checkpoint
+    # kept the step under other ppo.dynamic_sampling settings: its further rounds are refill rounds, version s).
+    rounds_ahead: int | None = None
     # Seconds the trainer waited for this batch (mode=disaggregated: what generation cost the critical path).
     wait_seconds: float | None = None
 
@@ -101,4 +104,5 @@ RANK_FIELDS = (
     "prompts_consumed",
     "episode_stats",
     "wait_seconds",
+    "rounds_ahead",
 )

@@ -700,15 +700,20 @@ class WorkersPlan:
 
 
 def check_policy_versions(
-    plan: StepPlan, rollout_step: int, policy_versions: list[int] | None, rounds_in_step: list[int] | None = None
+    plan: StepPlan,
+    rollout_step: int,
+    policy_versions: list[int] | None,
+    rounds_in_step: list[int] | None = None,
+    rounds_ahead: int | None = None,
 ) -> None:
     """The runtime proof of the generation schedule: every sample about to be trained in `rollout_step` was generated
     by the policy version the plan states for it (`StepPlan.generating_version` of its step and of its generation
-    round, `rounds_in_step`: None, every sample of round 0), never by whatever was newest."""
+    round, `rounds_in_step`: None, every sample of round 0; `rounds_ahead`: the rounds the step was requested ahead
+    with, None: the plan's), never by whatever was newest."""
     if policy_versions is None:  # batches that no engine produced (benchmarks with fixed responses)
         return
     rounds = rounds_in_step if rounds_in_step is not None else [0] * len(policy_versions)
-    expected = [plan.generating_version(rollout_step, r) for r in rounds]
+    expected = [plan.generating_version(rollout_step, r, rounds_ahead) for r in rounds]
     wrong = [(v, e) for v, e in zip(policy_versions, expected) if v != e]
     if wrong:
         mode = "disaggregated" if plan.workers else "colocated"
@@ -759,13 +764,15 @@ class StepPlan:
         """k of the generation schedule: the rollout workers' (rollout.max_staleness), 0 without them."""
         return self.workers.max_staleness if self.workers else 0
 
-    def generating_version(self, rollout_step: int, round_in_step: int = 0) -> int:
+    def generating_version(self, rollout_step: int, round_in_step: int = 0, rounds_ahead: int | None = None) -> int:
         """The policy version (the weights after that many rollout steps) that generates `rollout_step`'s samples of
         its generation round `round_in_step` (0: the first): max(0, s - k), except the refill rounds of dynamic
         sampling with rollout workers (those beyond the rounds requested ahead), which are requested once the step's
-        rewards are in, from the workers' newest version, s."""
+        rewards are in, from the workers' newest version, s. `rounds_ahead`: the rounds the step was requested ahead
+        with, where a checkpoint kept it under other dynamic sampling settings (None: the plan's)."""
         ds = self.dynamic_sampling
-        if ds is not None and ds.rounds_requested_ahead is not None and round_in_step >= ds.rounds_requested_ahead:
+        ahead = rounds_ahead if rounds_ahead is not None else (ds.rounds_requested_ahead if ds is not None else None)
+        if ds is not None and ahead is not None and round_in_step >= ahead:
             return rollout_step
         return max(0, rollout_step - self.max_staleness)
 

@@ -409,6 +409,7 @@ class RolloutDataModule(L.LightningDataModule):
             prompts_consumed=rounds * plan.counts.prompts_per_generation_round,
             policy_versions=[v for group in groups for v in group.policy_versions],
             rounds_in_step=[g.round_in_step for g in groups for _ in g.generations] if plan.dynamic_sampling else None,
+            rounds_ahead=self.source.rounds_ahead_of(rollout_step) if plan.dynamic_sampling else None,
             wait_seconds=wait_seconds,
             adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora else None,
             **self.episode_fields([g for _, _, g in samples]),
@@ -471,7 +472,20 @@ class RolloutDataModule(L.LightningDataModule):
         """n episodes per prompt (lit_ppo.rollout.episodes); `positions` are the prompts' global positions. Turn t of the
         episode at global sample position q is seeded base(purpose, turn t) + q (`episode_seeds`), so the episodes do
         not depend on the number of ranks; `purpose=None` samples unseeded (greedy evaluation). Rollout workers run
-        the same `EpisodeRunner`, built from `episode_spec`."""
+        the same `EpisodeRunner`, built from `episode_spec`: with them (evaluation; rollouts go through the source's
+        requests) the whole episodes run there, one request for the prompts, not a generate per turn from here (with
+        several trainer ranks each generate is a collective, which ranks whose episodes end after different turns
+        would not meet)."""
+        if self.plan is not None and self.plan.workers:
+            return self.start_engine().generate(
+                prompts=prompts,
+                positions=list(positions),
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                purpose=purpose,
+                where=where,
+            )
         runner = EpisodeRunner(
             self.make_environment, self.tokenizer, self.episode_settings, self.observation_encoder, self.seed
         )
@@ -617,16 +631,19 @@ class RolloutDataModule(L.LightningDataModule):
                     for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
                         self.start_engine().generate([])
                 return greedy, greedy_rewards, solved
+            # Both passes generated before any reward is scored: with rollout workers and several ranks each generate
+            # is a collective, which a rank whose scoring a signal cut would otherwise not meet.
             greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
-            scored = cut(lambda: self.rewards_of(prompts, greedy))
-            if scored is None:
-                return None
-            greedy_rewards = scored[0]
             if k > 1:
                 temperature = self.rollout.eval_temperature
                 sampled = self.generate(
                     prompts, positions, k, temperature=temperature, top_p=1.0, purpose="eval", where="evaluation"
                 )
+            scored = cut(lambda: self.rewards_of(prompts, greedy))
+            if scored is None:
+                return None
+            greedy_rewards = scored[0]
+            if k > 1:
                 scored = cut(lambda: self.rewards_of(prompts, sampled))
                 if scored is None:
                     return None

@@ -105,6 +105,9 @@ class SynchronousSource:
     def start_engine(self, datamodule) -> RolloutEngine:
         return datamodule.start_in_process_engine()
 
+    def rounds_ahead_of(self, rollout_step: int) -> int | None:
+        return None  # nothing is requested ahead
+
     def take(self, rollout_step, engine, generate, request, round_in_step=0, share=None) -> ScheduledRound | None:
         started = time.perf_counter()
         generations = interruptibly(generate) if self.interruptible else generate()
@@ -208,8 +211,8 @@ class AheadOfTimeSource:
         states are one; `share` (this rank's prompt positions in the round; None: all) is what this rank is given, its
         prompt indices counted from the share's first."""
         started = time.perf_counter()
-        if round_in_step >= self.rounds_ahead:
-            self.check_version(rollout_step, round_in_step, engine)
+        if round_in_step > 0 and round_in_step >= self.rounds_ahead_of(rollout_step):
+            self.check_version(rollout_step, round_in_step, engine, self.rounds_ahead_of(rollout_step))
             got = Received(*engine.collect(engine.submit(**request(rollout_step, round_in_step))))
             return share_of(got, share, wait_seconds=time.perf_counter() - started)
         if round_in_step == 0:
@@ -224,18 +227,18 @@ class AheadOfTimeSource:
             # The step taken stays received until the next one is taken: a dropped step is taken again (`restore`).
             self.received = {step: r for step, r in self.received.items() if step >= rollout_step}
             self.next_step = rollout_step + 1
-        rounds = self.received[rollout_step]
-        if round_in_step >= len(rounds):  # only a checkpoint written under other dynamic sampling settings has fewer
-            raise RuntimeError(
-                f"rollout step {rollout_step} was requested with {len(rounds)} generation round(s) ahead but the plan "
-                f"requests {self.rounds_ahead}: ppo.dynamic_sampling settings changed since its checkpoint; fix: resume "
-                "with the checkpoint's ppo.dynamic_sampling settings"
-            )
-        return share_of(rounds[round_in_step], share, wait_seconds=time.perf_counter() - started)
+        return share_of(self.received[rollout_step][round_in_step], share, wait_seconds=time.perf_counter() - started)
 
-    def check_version(self, step: int, round_in_step: int, engine) -> None:
+    def rounds_ahead_of(self, rollout_step: int) -> int:
+        """The rounds `rollout_step` was requested ahead with: the plan's, or as many as a checkpoint kept where it was
+        written under other dynamic sampling settings (ppo.dynamic_sampling.max_generation_rounds raised on resume, as
+        a shortfall's error advises): rounds beyond them are refill rounds, requested when they are needed from
+        version s (the versions that would have requested them ahead are gone)."""
+        return len(self.received[rollout_step]) if rollout_step in self.received else self.rounds_ahead
+
+    def check_version(self, step: int, round_in_step: int, engine, rounds_ahead: int | None = None) -> None:
         """The workers hold the version the plan gives this round of `step` (checked before each request)."""
-        due = self.plan.generating_version(step, round_in_step)
+        due = self.plan.generating_version(step, round_in_step, rounds_ahead)
         if due != engine.version:
             raise RuntimeError(  # the schedule's own bookkeeping, not a setting: check_policy_versions proves it
                 f"rollout step {step}"

@@ -446,7 +446,9 @@ class PPOModule(L.LightningModule):
         batch, _, _ = next(dataloader_iter)
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample is of the policy version the plan states.
-        check_policy_versions(self.plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step)
+        check_policy_versions(
+            self.plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step, batch.rounds_ahead
+        )
         engine = self.trainer.datamodule.engine
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
@@ -637,7 +639,8 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
     if batch.adapter_versions is None or (plan.models.rollout_engine == "hf" and not plan.workers):
         return  # no LoRA; or the engine is the actor itself (rollout.engine=hf, colocated)
     rounds = batch.rounds_in_step or [0] * len(batch.adapter_versions)
-    planned = [plan.generating_version(batch.rollout_step, r) for r in rounds]  # dynamic sampling's refill: version s
+    # dynamic sampling's refill rounds: version s
+    planned = [plan.generating_version(batch.rollout_step, r, batch.rounds_ahead) for r in rounds]
     wrong = [(v, p) for v, p in zip(batch.adapter_versions, planned) if v != adapter_version(p)]
     if wrong:
         stale, policy_version = sorted({v for v, _ in wrong}), wrong[0][1]

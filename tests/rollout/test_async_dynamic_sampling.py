@@ -394,21 +394,30 @@ def test_real_workers_at_k1_resume_from_a_checkpoint_exactly(one_step_off, tiny_
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
 
 
-def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_stops_in_one_line(parts):
-    """The rounds requested ahead come from the plan: a checkpoint whose steps were requested with fewer (settings
-    changed since, were resume to allow it) stops in one line instead of generating with a version the plan does not
-    give those rounds."""
+def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_completes_its_kept_steps_with_refill_rounds(parts):
+    """A checkpoint whose steps were requested with fewer rounds ahead than the resumed run's plan (the settings
+    changed on resume: ppo.dynamic_sampling.max_generation_rounds raised, as a shortfall's error advises, can raise
+    the rounds requested ahead): the kept step's further rounds are refill rounds, requested from version s when
+    needed, and the batch says so (`rounds_ahead`), so the version checks hold; later steps follow the new plan."""
+    from lit_ppo.plan import check_policy_versions
+
     dm = datamodule(parts, 1, StandInWorkers(), expected_informative_fraction=1.0)  # 1 round ahead
     drive(dm, 0, 2)
     state = dm.state_dict()
     resumed = datamodule(parts, 1, StandInWorkers(version=2))  # half expected to differ: 2 rounds ahead
+    assert resumed.plan.dynamic_sampling.rounds_requested_ahead == 2
     resumed.load_state_dict(state)
-    with pytest.raises(
-        RuntimeError,
-        match=r"^rollout step 2 was requested with 1 generation round\(s\) ahead but the plan requests 2: .*fix: resume with",
-    ) as info:
-        resumed.produce_rollout(2)
-    assert "\n" not in str(info.value)
+    kept = resumed.produce_rollout(2)  # step 2 was kept with 1 round (version 1); its round 2 is a refill (version 2)
+    assert kept.rounds_ahead == 1 and kept.generation_rounds >= 2
+    assert {(r, v) for r, v in zip(kept.rounds_in_step, kept.policy_versions)} <= {(0, 1), (1, 2), (2, 2)}
+    assert 1 in kept.rounds_in_step
+    check_policy_versions(resumed.plan, 2, kept.policy_versions, kept.rounds_in_step, kept.rounds_ahead)
+    with pytest.raises(Exception, match="the rollout schedule is not what the plan states"):  # the plan's own count
+        check_policy_versions(resumed.plan, 2, kept.policy_versions, kept.rounds_in_step)
+    resumed.engine.version = 3
+    later = resumed.produce_rollout(3)  # step 3: requested after the resume with the new plan's 2 rounds
+    assert later.rounds_ahead == 2
+    check_policy_versions(resumed.plan, 3, later.policy_versions, later.rounds_in_step, later.rounds_ahead)
 
 
 def test_a_refill_requested_while_the_workers_hold_another_version_stops(parts):

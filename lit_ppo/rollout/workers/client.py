@@ -191,8 +191,9 @@ class RolloutWorkers:
             seconds = max(seconds, result.seconds)
         return generations, versions, seconds
 
-    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
-        """`VLLMEngine.generate` on the workers, behind what they have queued (evaluation)."""
+    def generate(self, prompt_token_ids: list[list[int]] | None = None, **params) -> list[Generation]:
+        """`VLLMEngine.generate` (or, with `prompts=`, whole multi-turn episodes) on the workers, behind what they
+        have queued (evaluation)."""
         return self.collect(self.submit(prompt_token_ids, **params))[0]
 
     # ------------------------------------------------------------ weights
