@@ -59,10 +59,12 @@ def slow_every_third_step(
 
 class SlowToolEnvironment:
     """lit_ppo.environments.CalculatorEnvironment whose tool is slow on every third rollout step (a sandbox or an API
-    that stalls at times): the step's first episode sleeps `slow_s` seconds at its start, on rollout steps 2, 5, 8,
-    ... (0-based). Built in the rollout worker (`+experiment=tool_arithmetic` with rollout workers), where the
-    episodes of one step are `step_episodes` resets (ppo.rollout_batch_size x n_samples_per_prompt, one worker), so the
-    slow side is the workers' generation, which a deeper pipeline can run ahead of."""
+    that stalls at times): every third block of `step_episodes` episodes (ppo.rollout_batch_size x
+    n_samples_per_prompt: a rollout step's, one worker) sleeps `slow_s` seconds at its first episode's start. Built in
+    the rollout worker (`+experiment=tool_arithmetic` with rollout workers), so the slow side is the workers'
+    generation, which a deeper pipeline can run ahead of. The worker also runs the evaluation's episodes (the first
+    evaluation's 200 greedy + 800 sampled come first), which shifts which steps are slow: 0, 3, 6, 9 in the runs of
+    bench/results/pipeline_depth_tool_2026-11-27.log; the period stays three steps."""
 
     resets = 0  # episodes started in this process
 
