@@ -1043,10 +1043,12 @@ def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) ->
         return
     precision = resolve_precision(strategy.precision, strategy.accelerator)
     target = str((strategy.lightning or {}).get("_target_") or "")
-    if strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy")):
+    sharded = strategy.name == "fsdp" or target.endswith(("ModelParallelStrategy", "FSDPStrategy"))
+    if sharded and rollout.mode != "disaggregated":  # rollout workers load a whole copy of their own
         raise ConfigError(
             "rollout.engine=hf with strategy=fsdp: a sharded actor would gather every layer for every generated token, "
-            "on all ranks in lock-step; fix: strategy=ddp (each rank holds the whole actor) or rollout.engine=vllm"
+            "on all ranks in lock-step; fix: strategy=ddp (each rank holds the whole actor), rollout.engine=vllm, or "
+            "rollout.mode=disaggregated (rollout workers load a copy of their own)"
         )
     if rollout.tensor_parallel_size != 1:
         raise ConfigError(

@@ -276,6 +276,19 @@ def test_engine_settings_that_cannot_run_are_refused_in_one_line(overrides, matc
     assert "\n" not in str(info.value)
 
 
+def test_hf_rollout_workers_take_a_sharded_trainer():
+    """The FSDP refusal is about the colocated HF engine (the sharded actor itself generating); rollout workers load a
+    whole copy of their own and take the gathered push, so `strategy=fsdp` with HF-engine workers is planned
+    (FSDP pushes are tested with vLLM workers in tests/end_to_end/test_ddp_workers.py)."""
+    overrides = ["rollout.engine=hf", "strategy=fsdp", "strategy.devices=2", "rollout.mode=disaggregated"]
+    plan = compute_plan(compose_run_config(*overrides), 1000)
+    assert "Hugging Face generate in each rollout worker" in plan.table()
+    with pytest.raises(
+        ConfigError, match=r"or rollout.mode=disaggregated \(rollout workers load a copy of their own\)$"
+    ):
+        compute_plan(compose_run_config(*overrides[:-1]), 1000)
+
+
 def test_the_plan_names_the_engine():
     hf = compute_plan(compose_run_config("rollout.engine=hf", "strategy=ddp", "strategy.devices=2"), 1000)
     assert "shares its weights, no sync" in hf.table() and "vLLM dtype" not in hf.table()
