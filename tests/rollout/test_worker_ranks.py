@@ -5,6 +5,7 @@ tests/end_to_end/test_ddp_workers.py (slow)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import traceback
 from pathlib import Path
 
@@ -110,9 +111,12 @@ def evaluation(rank: int):
 
 def run_on_two_ranks(tmp_path: Path, scenario: str) -> dict:
     results = mp.Manager().dict()
-    # Forked, not spawned: a spawned process imports lit_ppo again (about 40 s on this machine's shared cores).
+    # From a fork server, not forked from pytest's process: that one runs the session's in-process vLLM engine (its
+    # threads and its torch.distributed group; a fork of it crashes with SIGSEGV). The server imports this module
+    # once (preloaded), so each rank's process starts without importing lit_ppo again (about 40 s if spawned).
+    multiprocessing.set_forkserver_preload([__name__])
     mp.start_processes(
-        on_two_ranks, args=(str(tmp_path / "store"), scenario, results), nprocs=2, join=True, start_method="fork"
+        on_two_ranks, args=(str(tmp_path / "store"), scenario, results), nprocs=2, join=True, start_method="forkserver"
     )
     return dict(results)
 
