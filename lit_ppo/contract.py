@@ -45,12 +45,15 @@ class WeightUpdate:
     """The actor's weights as policy `policy_version` (the rollout steps it has taken): either every tensor by Hugging
     Face name (`tensors`, streamed: a sharded actor gathers each as it is read) or the adapter (`adapter`).
     `probe`, called only by engines that check what they applied (rollout workers), gives a sequence and the trainer's
-    log-probs of it."""
+    log-probs of it. `metadata`: with `tensors`, each one's (name, dtype, shape) in order, declared without reading
+    them (`distributed.full_tensor_metadata`); a weight-transfer engine sizes and checks the push by it (rollout
+    workers: `rollout/workers/weight_transfer.py`)."""
 
     policy_version: int
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None
     adapter: AdapterWeights | None = None
     probe: Callable[[], Probe | None] | None = None
+    metadata: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
 
     def __post_init__(self):
         if (self.tensors is None) == (self.adapter is None):

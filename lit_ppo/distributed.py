@@ -112,6 +112,12 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, gathered[key[name]]
 
 
+def full_tensor_metadata(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What `full_tensors` will yield, in its order: each name, dtype and whole (global) shape, read without gathering
+    anything (a sharded tensor knows its global shape)."""
+    return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+
+
 @contextmanager
 def gradient_sync(enabled: bool, wrapper, models, sharded: bool):
     """Backward passes with the gradient all-reduce (DDP) or reduce-scatter (FSDP2) only when `enabled`: the last

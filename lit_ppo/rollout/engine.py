@@ -68,6 +68,7 @@ class VLLMEngine:
         distributed: bool = False,
         enable_sleep_mode: bool = False,
         max_lora_rank: int | None = None,
+        weight_transfer: bool = False,
     ):
         configure_vllm_environment(kv_cache_gib)
         from vllm.platforms import current_platform
@@ -90,6 +91,12 @@ class VLLMEngine:
         if max_lora_rank is not None:
             # LoRA runs: the base stays as loaded and one adapter at a time serves every request (`sync_adapter`).
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if weight_transfer:
+            # A rollout worker's engine: pushes arrive through vLLM's weight-transfer interface, lit-ppo's gloo backend
+            # (rollout/workers/weight_transfer.py), registered with vLLM's factory in this process.
+            from lit_ppo.rollout.workers.weight_transfer import BACKEND
+
+            kwargs["weight_transfer_config"] = {"backend": BACKEND}
         self.lora_request = None  # the adapter version every generate call uses (LoRA runs)
         with quiet_stderr():  # vLLM's C++ warnings and loading bars on fd 2 go to run.log, not the console
             from vllm import LLM  # imported late: heavy, and not needed by `mode=plan`
@@ -213,6 +220,40 @@ class VLLMEngine:
         weights = ((name, tensor.detach()) for name, tensor in named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------ a rollout worker's end of the weight transfer
+
+    def open_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's weight-transfer group (vLLM's `init_weight_transfer_engine`: the engine built from
+        `weight_transfer=True` starts receiving every push as it is sent)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def apply_weight_transfer(self, update_infos: list[dict], version: int) -> None:
+        """Load a received push as policy `version`, through vLLM's RL API: `start_weight_update`, one
+        `update_weights` per bucket, `finish_weight_update(version)` (vLLM's weight version); then drop stale cache."""
+        self.llm.start_weight_update()
+        for info in update_infos:
+            self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update(str(version))
+        self.llm.reset_prefix_cache()
+
+    def received_tensors(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
+        """A received push's tensors as they came (a LoRA adapter, which vLLM's transfer engines do not load)."""
+        from lit_ppo.rollout.workers.weight_transfer import received_tensors
+
+        return self.llm.collective_rpc(received_tensors, args=(update_infos,))[0]
+
+    def close_weight_transfer(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    @property
+    def weight_version(self) -> int:
+        """The policy version vLLM committed last (`finish_weight_update` / `set_weight_version`); 0: as loaded."""
+        committed = self.llm.get_weight_version()
+        return int(committed) if committed not in (None, "") else 0
+
+    def set_weight_version(self, version: int) -> None:
+        self.llm.update_weight_version(str(version))
 
     @property
     def adapter_version(self) -> int:

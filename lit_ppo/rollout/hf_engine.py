@@ -274,6 +274,32 @@ class HFEngine:
             )
         self.adapter_version = version
 
+    # ------------------------------------------------------------ a rollout worker's end of the weight transfer
+
+    def open_weight_transfer(self, init_info: dict) -> None:
+        """Receive every push as it is sent, as vLLM's engine does (`weight_transfer.StagedReceiver`)."""
+        from lit_ppo.rollout.workers.weight_transfer import GlooInitInfo, StagedReceiver
+
+        self.receiver = StagedReceiver.joining(GlooInitInfo(**init_info))
+        self.receiver.start()
+
+    def apply_weight_transfer(self, update_infos: list[dict], version: int) -> None:
+        self.sync_weights(self.receiver.take_all(update_infos))
+        self.weight_version = version
+
+    def received_tensors(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
+        return self.receiver.take_all(update_infos)
+
+    def close_weight_transfer(self) -> None:
+        if getattr(self, "receiver", None) is not None:
+            self.receiver.stop()
+            self.receiver = None
+
+    weight_version = 0  # a worker's engine: the policy version it applied last
+
+    def set_weight_version(self, version: int) -> None:
+        self.weight_version = version
+
     @torch.no_grad()
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
         """The model's log-probability of each response token given the prompt (teacher-forced, raw logits)."""

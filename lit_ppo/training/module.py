@@ -37,7 +37,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.checkpoints import check_same_adapters, check_same_models, module_state, restore_module_state
 from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.contract import AdapterWeights, WeightUpdate
-from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
+from lit_ppo.distributed import full_tensor_metadata, full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.plan import (
     StepPlan,
@@ -518,7 +518,8 @@ class PPOModule(L.LightningModule):
             adapter = AdapterWeights(adapter_tensors(self.actor), self.adapter_config(), adapter_version(version))
             update = WeightUpdate(version, adapter=adapter, probe=probe)
         else:
-            update = WeightUpdate(version, tensors=self.full_actor_tensors(), probe=probe)
+            tensors, metadata = self.full_actor_tensors(), full_tensor_metadata(self.actor)
+            update = WeightUpdate(version, tensors=tensors, probe=probe, metadata=metadata)
         self.last_sync_bytes = engine.update_weights(update)
 
     def adapter_config(self) -> dict:

@@ -383,7 +383,7 @@ def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
 ):
     """A push whose bytes arrive wrong (here: in reverse order from the second push on) is caught where it is applied: the
     worker compares its engine's log-probs of a probe sequence with the trainer's of that version and stops."""
-    import lit_ppo.rollout.workers.client as channel
+    import lit_ppo.rollout.workers.weight_transfer as channel
 
     pack, pushes = channel.weight_buckets, []
 
@@ -840,7 +840,7 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
 WORKER_THREADS_AT_EXIT = """
 import sys, threading, time, datetime
 import torch.distributed as dist
-from lit_ppo.rollout.workers.transport import WeightReceiver
+from lit_ppo.rollout.workers.weight_transfer import StagedReceiver
 from lit_ppo.rollout.workers.worker_main import send_heartbeats, stop_threads
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
@@ -852,7 +852,7 @@ def always_in_the_store():
     while not stopping.is_set():
         client.check(["push/0/0"])
 
-threads = [WeightReceiver(client, None, stopping)]
+threads = [StagedReceiver(client, None, stopping)]
 threads.append(threading.Thread(target=send_heartbeats, args=(client, 0, stopping), daemon=True))
 threads.append(threading.Thread(target=always_in_the_store, daemon=True))
 for thread in threads:
@@ -1059,8 +1059,9 @@ def test_a_spawned_worker_killed_during_a_push_is_named_dead_not_stuck(tmp_path,
     """A worker SIGKILLed during a weight push: the push's broadcast fails as its sockets close, moments before the
     trainer's `poll` sees the child's exit. The push waits that moment (SpawnedLaunch.settle_s) and names the dead
     worker; it used to say "a rollout worker is stuck" (bench/random_kills.py's worker kills at k = 1)."""
+    from lit_ppo.contract import WeightUpdate
     from lit_ppo.errors import RolloutWorkerError
-    from lit_ppo.rollout.workers import client
+    from lit_ppo.rollout.workers import client, weight_transfer
     from lit_ppo.rollout.workers.launch import SpawnedLaunch
 
     class Store:
@@ -1084,16 +1085,17 @@ def test_a_spawned_worker_killed_during_a_push_is_named_dead_not_stuck(tmp_path,
         child.exits_at = time.monotonic() + 0.3
         raise RuntimeError("Connection reset by peer")
 
-    monkeypatch.setattr(client, "broadcast", broadcast)
+    monkeypatch.setattr(weight_transfer, "broadcast", broadcast)
     launch = SpawnedLaunch(
         store=Store(), host="127.0.0.1", workers=1, log_dir=tmp_path, devices_per_worker=1, trainer_devices=1
     )
     launch.procs = [child]
     workers = object.__new__(RolloutWorkers)  # the trainer's side alone: no store server, no worker process
-    workers.store, workers.launch, workers.group, workers.pushes = Store(), launch, None, 0
-    workers.bucket_bytes, workers.push_timeout_s = 2**20, 60.0
+    workers.store, workers.launch, workers.workers, workers.push_timeout_s = Store(), launch, 1, 60.0
+    workers.sync_client = client.WorkerSyncClient(workers)
+    workers.transfer = weight_transfer.GlooTrainerWeightTransferEngine(client=workers.sync_client, bucket_bytes=2**20)
     with pytest.raises(
         RolloutWorkerError,
         match=r"rollout worker 0 \(pid 4242\) exited with code -9 while the trainer waited for the weight push",
     ):
-        workers._push([("w", torch.zeros(4))], version=3)
+        workers.update_weights(WeightUpdate(3, tensors=[("w", torch.zeros(4))], metadata=[("w", torch.float32, (4,))]))

@@ -1,6 +1,7 @@
 """The trainer's side of the rollout workers (rollout.mode=disaggregated): `RolloutWorkers`, an engine of the contract
 that hosts the channel (`transport`), starts or awaits the workers (`launch`), queues their ordered commands, pushes
-weights and collects results.
+weights (through vLLM's weight-transfer interface: `weight_transfer`; `RolloutWorkers` is the trainer engine's
+`VLLMWeightSyncClient`) and collects results.
 
 No hang, no orphan: every wait of the trainer has a timeout and checks that the workers are alive, failing with one
 line naming the side, the worker and its log (RolloutWorkerError); `close` stops them (see `launch` for how, per
@@ -15,17 +16,15 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
-from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
+from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
-from lit_ppo.rollout.engine import tensor_bytes
 from lit_ppo.rollout.episodes import EpisodeSpec
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
-from lit_ppo.rollout.workers.messages import ApplyWeights, BucketHeader, Generate, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import POLL_S, broadcast, gloo_group, seconds_delta, weight_buckets
+from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
+from lit_ppo.rollout.workers.transport import POLL_S, seconds_delta
 
 PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
 """A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
@@ -38,6 +37,40 @@ class Ticket:
     worker: int
     ticket: int
     offset: int
+
+
+class WorkerSyncClient:
+    """vLLM's `VLLMWeightSyncClient` for the trainer's weight-transfer engine (`weight_transfer`), over the workers'
+    store: the engine's init becomes each worker's first command; each bucket's update info is announced under its
+    key, where the workers' receivers wait for it before its broadcast, and kept for the "apply" command that
+    `RolloutWorkers.update_weights` queues after the push (the workers load it when their queues reach it)."""
+
+    def __init__(self, workers: "RolloutWorkers"):
+        self.workers = workers
+        self.pushes = 0  # pushes finished
+        self.updates: list[dict] = []  # the push in flight's (or the last push's) bucket infos
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        for worker in range(self.workers.workers):
+            self.workers._send(worker, InitWeightTransfer(init_info))
+
+    def start_weight_update(self) -> None:
+        self.workers.launch.check_alive("the weight push")
+        self.updates = []
+
+    def update_weights(self, update_info: dict) -> None:
+        from lit_ppo.rollout.workers.weight_transfer import update_info_key
+
+        if update_info["push"] != self.pushes:
+            raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
+        self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+        self.updates.append(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        from lit_ppo.rollout.workers.weight_transfer import push_done_key
+
+        self.workers.store.set(push_done_key(self.pushes), b"1")
+        self.pushes += 1
 
 
 class RolloutWorkers:
@@ -104,16 +137,26 @@ class RolloutWorkers:
         )
         self.commands = [0] * workers  # commands sent to each worker
         self.tickets = 0
-        self.pushes = 0
         self.version: int | None = None  # the last version pushed
         self.pushed_adapter_version = 0  # model.lora: the adapter version of the last push
-        self.group = None
+        self.transfer = None  # the trainer's weight-transfer engine (lit_ppo_gloo), once the workers are ready
         started = time.perf_counter()
         try:
             self.launch.start(start_timeout_s)
             for i in range(workers):
                 self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.workers.start_timeout_s", i)
-            self.group = gloo_group(self.store, 0, workers + 1, push_timeout_s, self.host)
+            from lit_ppo.rollout.workers.weight_transfer import GlooTrainerInitInfo, WeightTransferTrainerFactory
+
+            info = GlooTrainerInitInfo(
+                host=self.host,
+                port=self.store.port,
+                world_size=workers + 1,
+                bucket_bytes=self.bucket_bytes,
+                timeout_s=push_timeout_s,
+                rank=0,
+            )
+            self.sync_client = WorkerSyncClient(self)
+            self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.sync_client)
         except BaseException:
             self.close()
             raise
@@ -147,7 +190,7 @@ class RolloutWorkers:
         self.store.delete_key(key)
         return value
 
-    def _send(self, worker: int, command: Generate | ApplyWeights | Stop) -> None:
+    def _send(self, worker: int, command: Generate | ApplyWeights | InitWeightTransfer | Stop) -> None:
         self.store.set(f"cmd/{worker}/{self.commands[worker]}", pickle.dumps(command))
         self.commands[worker] += 1
 
@@ -205,55 +248,53 @@ class RolloutWorkers:
 
     @torch.no_grad()
     def update_weights(self, update: WeightUpdate) -> int:
-        """Broadcast the update's tensors (with model.lora the adapter alone) to every worker in buckets, then queue
-        "apply `update.policy_version`" behind each one's queued requests: those generate with the version they were
-        queued after. With the apply goes the update's probe (a sequence and the trainer's log-probs of it at
+        """Push the update's tensors (with model.lora the adapter alone) to every worker through the trainer's
+        weight-transfer engine (`weight_transfer`: buckets broadcast now, received by each worker while it generates),
+        then queue "apply `update.policy_version`" behind each one's queued requests: those generate with the version
+        they were queued after. With the apply goes the update's probe (a sequence and the trainer's log-probs of it at
         temperature 1), which each worker compares with its engine's once it applied the version; a worker whose
         weights differ stops with the reason (reported at the trainer's next wait). An adapter is loaded by each worker
         as adapter `adapter_version` of its engine from memory (`VLLMEngine.sync_adapter`), removing the previous one;
         a worker whose engine then does not serve exactly that adapter (vLLM's list_loras) stops with the reason.
-        Every generation records the policy version (and adapter version) that sampled it. Returns the bytes pushed."""
+        Every generation records the policy version (and adapter version) that sampled it, as its engine committed it
+        (vLLM's weight version). Returns the bytes pushed."""
+        from lit_ppo.rollout.workers.weight_transfer import BucketBroadcastError, ParamMeta, TensorSource
+
         version, probe = update.policy_version, update.probe() if update.probe is not None else None
         if update.adapter is not None:
+            source = TensorSource.of_dict(update.adapter.tensors)
+        else:
+            if update.metadata is None:
+                raise ValueError(
+                    "RolloutWorkers.update_weights: full weights need their metadata (WeightUpdate.metadata)"
+                )
+            source = TensorSource(update.tensors, [ParamMeta(*m) for m in update.metadata])
+        try:
+            self.transfer.send_weights(source, weight_version=str(version))
+        except BucketBroadcastError as e:
+            self.launch.check_alive("the weight push")  # a dead worker is the better message
+            deadline = time.monotonic() + self.launch.settle_s()
+            while time.monotonic() < deadline:
+                self.launch.check_alive("the weight push")
+                time.sleep(POLL_S)
+            self.launch.failed = True
+            raise RolloutWorkerError(
+                f"trainer: the weight push of version {version} (bucket {e.bucket}, {e.nbytes / 2**20:.1f} MiB) did "
+                f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s "
+                f"({e.seconds:.1f} s, {e.__cause__ and type(e.__cause__).__name__ or 'RuntimeError'}); a rollout "
+                f"worker is stuck: {self.launch.logs()}"
+            ) from None
+        updates = tuple(self.sync_client.updates)
+        if update.adapter is not None:
             a = update.adapter
-            push, moved = self._push(a.tensors.items(), version), tensor_bytes(a.tensors)
-            message = ApplyWeights(push, version, probe, a.peft_config, a.adapter_version)
+            message = ApplyWeights(updates, version, probe, a.peft_config, a.adapter_version)
             self.pushed_adapter_version = a.adapter_version
         else:
-            counted = CountedTensors(update.tensors)
-            push = self._push(counted, version)
-            moved = counted.bytes
-            message = ApplyWeights(push, version, probe)
+            message = ApplyWeights(updates, version, probe)
         for worker in range(self.workers):
             self._send(worker, message)
-        return moved
-
-    def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Broadcast the tensors in buckets to every worker's receiver; returns the push's number."""
-        self.launch.check_alive("the weight push")
-        push = self.pushes
-        for b, (entries, flat) in enumerate(weight_buckets(named_tensors, self.bucket_bytes)):
-            self.store.set(f"push/{push}/{b}", pickle.dumps(BucketHeader(entries, flat.numel())))
-            started = time.monotonic()
-            try:
-                broadcast(self.group, flat)
-            except RuntimeError as e:
-                seconds = time.monotonic() - started
-                self.launch.check_alive("the weight push")  # a dead worker is the better message
-                deadline = time.monotonic() + self.launch.settle_s()
-                while time.monotonic() < deadline:
-                    self.launch.check_alive("the weight push")
-                    time.sleep(POLL_S)
-                self.launch.failed = True
-                raise RolloutWorkerError(
-                    f"trainer: the weight push of version {version} (bucket {b}, {flat.numel() / 2**20:.1f} MiB) did "
-                    f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s "
-                    f"({seconds:.1f} s, {type(e).__name__}); a rollout worker is stuck: {self.launch.logs()}"
-                ) from None
-        self.store.set(f"push/{push}/done", b"1")
-        self.pushes += 1
         self.version = version
-        return push
+        return source.bytes
 
     def wake_up(self) -> None:  # the workers' engines never sleep: they generate while the trainer trains
         pass
@@ -271,4 +312,6 @@ class RolloutWorkers:
         finally:
             # Dropping the store (the gloo group and the launch hold it too) stops its server: a worker still running
             # sees it gone.
-            self.group = self.launch.store = self.store = None
+            if self.transfer is not None:
+                self.transfer.shutdown()
+            self.transfer = self.launch.store = self.store = None

@@ -2,14 +2,17 @@
 sends each worker (`settings`, plain values in the WorkerSpec) and how the worker starts the engine from them
 (`start`). A new engine for the workers is a new row here; nothing else asks which engine a worker holds.
 
-Every engine here does, beside the contract's `generate`: `sync_weights(named_tensors)` (full weights by Hugging Face
-name), `sync_adapter(tensors, peft_config, version)` (model.lora: the adapter alone), `sequence_logprobs` (the
-probe check after each applied version) and `adapter_version` (recorded on every sample).
+Every engine here does, beside the contract's `generate`: the worker's end of the weight transfer
+(`weight_transfer.py`: `open_weight_transfer(init_info)`, `apply_weight_transfer(update_infos, version)`,
+`received_tensors(update_infos)`, `close_weight_transfer()`, `weight_version`, `set_weight_version`),
+`sync_adapter(tensors, peft_config, version)` (model.lora: the adapter alone), `sequence_logprobs` (the probe check
+after each applied version) and `adapter_version` (recorded on every sample).
 
-- `vllm`: `VLLMEngine`, the run's vLLM settings.
+- `vllm`: `VLLMEngine`, the run's vLLM settings; pushes load through vLLM's own weight-transfer API.
 - `hf`: `HFEngine.from_model_dir`: the worker loads `model_dir` itself (a copy of the actor, in the trainer's
   precision) and generates with Hugging Face `generate`, seeded per sample as in colocated runs; pushed weights are
-  copied into it, a pushed adapter wraps it in peft once and is loaded into it.
+  received by the same receiver as vLLM's (`StagedReceiver`) and copied into it, a pushed adapter wraps it in peft
+  once and is loaded into it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def vllm_settings(datamodule, plan) -> dict:
         tensor_parallel_size=r.tensor_parallel_size,
         enforce_eager=r.enforce_eager,
         max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else None,  # model.lora: the base, then adapters pushed
+        weight_transfer=True,  # pushes through vLLM's weight-transfer interface (weight_transfer.py)
     )
 
 

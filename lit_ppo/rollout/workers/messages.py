@@ -46,12 +46,20 @@ class Generate:
 
 
 @dataclass(frozen=True)
-class ApplyWeights:
-    """Apply weight push number `push` (received by the worker's receiver thread) as policy version `policy_version`;
-    with `peft_config` the push is an adapter, served as adapter `adapter_version`. `probe`: check the applied weights
-    against the trainer's log-probs of a sequence."""
+class InitWeightTransfer:
+    """Join the weight-transfer group (`weight_transfer.GlooInitInfo`'s fields, less this worker's rank and address):
+    the engine's `open_weight_transfer`, the first command every worker gets."""
 
-    push: int
+    init_info: dict
+
+
+@dataclass(frozen=True)
+class ApplyWeights:
+    """Load a received weight push (`updates`: its buckets' `weight_transfer.GlooUpdateInfo`s, received meanwhile
+    by the engine's receiver) as policy version `policy_version`; with `peft_config` the push is an adapter, served as
+    adapter `adapter_version`. `probe`: check the applied weights against the trainer's log-probs of a sequence."""
+
+    updates: tuple
     policy_version: int
     probe: Probe | None
     peft_config: dict | None = None
@@ -73,12 +81,3 @@ class Result:
     policy_version: int
     seconds: float
     warnings: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class BucketHeader:
-    """What precedes one bucket of a weight push (`push/<push>/<bucket>`): per tensor its name, dtype and shape, and
-    the bucket's size in bytes (its broadcast follows over the gloo group)."""
-
-    entries: list[tuple[str, str, list[int]]]
-    numel: int

@@ -132,7 +132,7 @@ class DataParallelWorkers:
             tensors = iter(CountedTensors(update.tensors))
             if not self.driver:
                 self._drain(tensors)  # each tensor gathered (FSDP: with rank 0's push) and dropped
-            pushed = WeightUpdate(update.policy_version, tensors=tensors, probe=lambda: probe)
+            pushed = WeightUpdate(update.policy_version, tensors=tensors, probe=lambda: probe, metadata=update.metadata)
             moved = self._on_driver(lambda: self._push_then_drain(pushed, tensors))
         self.version = update.policy_version
         return moved

@@ -19,8 +19,8 @@ import time
 import traceback
 
 from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
-from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import WeightReceiver, gloo_group, seconds_delta, take_key
+from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
+from lit_ppo.rollout.workers.transport import seconds_delta, take_key
 
 
 def _watch_parent(parent: int, stopping: threading.Event) -> None:
@@ -170,24 +170,28 @@ def worker_main(
         warnings = WarningLines()
         store.set(f"ready/{worker}", b"1")
         own_host = _address_towards(host, port) if external else host
-        group = gloo_group(store, worker + 1, workers + 1, spec.push_timeout_s, own_host)
-        receiver = WeightReceiver(store, group, stopping)
-        receiver.start()
-        threads.append(receiver)
-        version = 0  # the engine starts from model_dir: the initial policy
         n = 0
         while True:
             command = pickle.loads(take_key(store, f"cmd/{worker}/{n}"))
             n += 1
             if isinstance(command, Stop):
                 break
-            if isinstance(command, ApplyWeights):
+            if isinstance(command, InitWeightTransfer):  # the first: join the trainer's weight-transfer group
+                engine.open_weight_transfer({**command.init_info, "rank": worker + 1, "own_host": own_host})
+            elif isinstance(command, ApplyWeights):
                 version = command.policy_version
-                if command.peft_config is None:
-                    engine.sync_weights(receiver.take(command.push))
+                if command.peft_config is None:  # through vLLM's weight-transfer interface (or HF's copy of it)
+                    engine.apply_weight_transfer(list(command.updates), version)
                 else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
                     # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
-                    engine.sync_adapter(dict(receiver.take(command.push)), command.peft_config, command.adapter_version)
+                    tensors = dict(engine.received_tensors(list(command.updates)))
+                    engine.sync_adapter(tensors, command.peft_config, command.adapter_version)
+                    engine.set_weight_version(version)
+                if engine.weight_version != version:
+                    raise RuntimeError(
+                        f"rollout worker {worker}: its engine reports weight version {engine.weight_version} after "
+                        f"applying policy version {version}"
+                    )
                 print(f"rollout worker {worker}: policy version {version} applied", flush=True)
                 check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
             elif isinstance(command, Generate):
@@ -198,12 +202,13 @@ def worker_main(
                     else:
                         generations = engine.generate(**command.request)
                 seconds = time.perf_counter() - started
-                result = Result(generations, version, seconds, warnings.take())
+                result = Result(generations, engine.weight_version, seconds, warnings.take())
                 store.set(f"result/{worker}/{command.ticket}", pickle.dumps(result))
+        # The weight receiver is joined and its gloo group's pairs closed here, while the trainer (which waits for
+        # "stopped") still holds its end.
+        engine.close_weight_transfer()
         engine.close()
         stop_threads(stopping, threads)
-        # The gloo group's pairs are closed here, while the trainer (which waits for "stopped") still holds its end.
-        receiver.group = group = None
         store.set(f"stopped/{worker}", b"1")
     except BaseException as e:
         traceback.print_exc()
