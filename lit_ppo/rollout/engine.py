@@ -247,6 +247,12 @@ class VLLMEngine:
         self.llm.shutdown_weight_transfer_engine()
 
     @property
+    def weight_transfer_name(self) -> str:
+        """Which transfer engine vLLM built from `weight_transfer_config` (the worker logs it)."""
+        [name] = self.llm.collective_rpc(_weight_transfer_engine_name)
+        return f"vLLM's weight-transfer interface ({name})"
+
+    @property
     def weight_version(self) -> int:
         """The policy version vLLM committed last (`finish_weight_update` / `set_weight_version`); 0: as loaded."""
         committed = self.llm.get_weight_version()
@@ -384,6 +390,10 @@ def _free_memory_only() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _weight_transfer_engine_name(worker) -> str:
+    return type(worker.weight_transfer_engine).__name__
 
 
 def _load_adapter_from_tensors(worker, version: int, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:

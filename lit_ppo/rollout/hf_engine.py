@@ -296,6 +296,7 @@ class HFEngine:
             self.receiver = None
 
     weight_version = 0  # a worker's engine: the policy version it applied last
+    weight_transfer_name = "lit-ppo's receiver of the lit_ppo_gloo backend (StagedReceiver; no vLLM engine)"
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version

@@ -293,6 +293,18 @@ def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_o
         assert "terminate called" not in log
 
 
+def test_pushes_load_through_vllms_weight_transfer_engine_and_versions_are_vllms(one_step_off):
+    """The worker's vLLM engine built lit-ppo's registered transfer engine from its weight_transfer_config, and each
+    sample's version is the one vLLM committed (`finish_weight_update(version)`; the trainer checks it is the
+    planned one); every push is logged with its bytes and seconds."""
+    module, batches, _, _, out = one_step_off
+    log = (out / "logs" / "rollout_worker0.log").read_text()
+    assert "receives weights through vLLM's weight-transfer interface (GlooWeightTransferEngine)" in log
+    assert [f"policy version {v} applied" in log for v in (1, 2)] == [True, True]
+    assert [b.policy_versions[0] for b in batches] == [0, 0, 1]
+    assert all(row["perf/weight_sync_bytes"] > 0 and row["timing/weight_sync_s"] > 0 for row in module.history)
+
+
 def test_the_workers_log_probs_are_the_trainers_of_that_version(one_step_off, tiny_model_dir):
     """The weights a worker generated with are the trainer's of the version it recorded: vLLM's log-probs of the
     sampled tokens equal the trainer's under those weights (float32), as in synchronous runs."""

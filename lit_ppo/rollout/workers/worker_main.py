@@ -178,6 +178,7 @@ def worker_main(
                 break
             if isinstance(command, InitWeightTransfer):  # the first: join the trainer's weight-transfer group
                 engine.open_weight_transfer({**command.init_info, "rank": worker + 1, "own_host": own_host})
+                print(f"rollout worker {worker}: receives weights through {engine.weight_transfer_name}", flush=True)
             elif isinstance(command, ApplyWeights):
                 version = command.policy_version
                 if command.peft_config is None:  # through vLLM's weight-transfer interface (or HF's copy of it)

@@ -1,0 +1,141 @@
+"""The weight push through vLLM's weight-transfer interface (rollout/workers/weight_transfer.py): lit-ppo's
+`lit_ppo_gloo` backend as vLLM's factories build it, a push received while the worker still serves the previous
+version and loaded later, and the checks that stop a push whose tensors differ from what it declared. The push into
+real vLLM workers is tested with the rollout workers' runs (tests/rollout/test_async.py)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from lit_ppo.errors import WeightSyncError
+from lit_ppo.rollout.workers.client import WorkerSyncClient
+from lit_ppo.rollout.workers.messages import InitWeightTransfer
+from lit_ppo.rollout.workers.weight_transfer import (
+    BACKEND,
+    GlooTrainerInitInfo,
+    GlooTrainerWeightTransferEngine,
+    GlooWeightTransferEngine,
+    ParamMeta,
+    TensorSource,
+)
+
+
+def test_both_sides_of_lit_ppo_gloo_are_registered_with_vllms_factories():
+    assert WeightTransferEngineFactory._registry[BACKEND]() is GlooWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry[BACKEND]() is GlooTrainerWeightTransferEngine
+
+
+def test_a_trainer_rank_that_does_not_send_reads_the_whole_source_and_never_calls_the_workers():
+    """Ranks other than 0 build the trainer engine too: they read every tensor (an FSDP actor's gathers are
+    collectives that rank 0's read must meet) and touch neither the client nor a group."""
+    calls = []
+    client = SimpleNamespace(**{m: lambda *a, m=m, **k: calls.append(m) for m in ("init_weight_transfer_engine",)})
+    info = GlooTrainerInitInfo(host="127.0.0.1", port=1, world_size=2, bucket_bytes=64, timeout_s=5.0, rank=1)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+    assert isinstance(engine, GlooTrainerWeightTransferEngine) and not engine.is_sender
+    read = []
+    tensors = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    source = TensorSource(
+        ((n, read.append(n) or t) for n, t in tensors.items()), TensorSource.of_dict(tensors)._metadata
+    )
+    engine.send_weights(source)
+    assert read == ["a", "b"] and calls == [] and engine.group is None
+
+
+def models(tiny_model_dir, seeds):
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for seed in seeds:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        out.append(model)
+    return out
+
+
+def test_pushes_are_received_while_the_worker_serves_the_last_version_and_loaded_when_applied(tiny_model_dir):
+    """The exact schedule's need: versions 1 and 2 are broadcast before the worker applies either (it is still
+    generating with version 0); applying 1 then loads version 1's tensors bitwise, and 2 then 2's. Trainer side
+    built by vLLM's factory, driven through the workers' `VLLMWeightSyncClient`; the worker's end is the receiver
+    that vLLM's engine and the HF engine share (an HF engine here: vLLM's is exercised by the worker runs)."""
+    from lit_ppo.rollout.hf_engine import HFEngine
+
+    worker = HFEngine.from_model_dir(tiny_model_dir)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    joining = []
+
+    def send(_, command):  # what RolloutWorkers._send queues; the worker process runs it (here: a thread)
+        assert isinstance(command, InitWeightTransfer)
+        info = {**command.init_info, "rank": 1, "own_host": "127.0.0.1"}
+        joining.append(threading.Thread(target=worker.open_weight_transfer, args=(info,)))
+        joining[-1].start()
+
+    workers = SimpleNamespace(workers=1, store=store, launch=SimpleNamespace(check_alive=lambda what: None), _send=send)
+    client = WorkerSyncClient(workers)
+    info = GlooTrainerInitInfo(
+        host="127.0.0.1", port=store.port, world_size=2, bucket_bytes=20_000, timeout_s=60.0, rank=0
+    )
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client)
+    joining[0].join()
+    try:
+        one, two = models(tiny_model_dir, seeds=(1, 2))
+        pushes = []
+        for version, model in ((1, one), (2, two)):
+            state = model.state_dict()
+            source = TensorSource(state.items(), [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()])
+            trainer.send_weights(source, weight_version=str(version))
+            assert source.bytes == sum(t.numel() * t.element_size() for t in state.values())
+            pushes.append(list(client.updates))
+        assert len(pushes[0]) > 1, "the buckets of 20,000 bytes split the push"
+        assert [u["push"] for u in pushes[1]] == [1] * len(pushes[1])
+        for version, model, updates in ((1, one, pushes[0]), (2, two, pushes[1])):
+            worker.apply_weight_transfer(updates, version)
+            assert worker.weight_version == version
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(worker.model.state_dict()[name], tensor), (version, name)
+    finally:
+        worker.close_weight_transfer()
+        trainer.shutdown()
+
+
+def test_a_push_whose_tensors_differ_from_what_it_declared_stops_in_one_line():
+    declared = [ParamMeta("a", torch.float32, (3,)), ParamMeta("b", torch.float32, (2,))]
+    with pytest.raises(
+        WeightSyncError, match=r"^trainer: the weight push read a \(float32 \[4\]\) where its metadata "
+    ):
+        list(TensorSource([("a", torch.ones(4))], declared))
+    with pytest.raises(WeightSyncError, match=r"^trainer: the weight push ended before b \(float32 \[2\]\)"):
+        list(TensorSource([("a", torch.ones(3))], declared))
+    with pytest.raises(WeightSyncError, match=r"read c \(bfloat16 \[1\]\) where its metadata declared no more tensors"):
+        list(
+            TensorSource(
+                [("a", torch.ones(3)), ("b", torch.ones(2)), ("c", torch.ones(1, dtype=torch.bfloat16))], declared
+            )
+        )
+    with pytest.raises(
+        WeightSyncError, match=r"read b \(float32 \[2\]\) where its metadata declared a \(float32 \[3\]\)"
+    ):
+        list(TensorSource([("b", torch.ones(2))], declared))
+
+
+def test_the_declared_metadata_of_a_model_is_what_its_full_tensors_yield(tiny_model_dir):
+    """`full_tensor_metadata` declares, without reading, exactly what `full_tensors` yields (tied names included)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_ppo.distributed import full_tensor_metadata, full_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    source = TensorSource(full_tensors(model), [ParamMeta(*m) for m in full_tensor_metadata(model)])
+    assert [n for n, _ in source] == list(model.state_dict())
