@@ -40,7 +40,7 @@ measured peaks; tests/end_to_end/test_gpu.py checks it against the CUDA allocato
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 GIB = 1024**3
@@ -158,6 +158,8 @@ class MemoryInputs:
     # shape, by the names of a Qwen2/Llama layer's seven linear modules (`ModelShape.lora_parameters`).
     lora_adapter_parameters: int | None = None
     vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.lora.vllm_max_lora_rank)
+    rollout_workers: int = 0  # rollout.mode=disaggregated: rollout.workers.count; 0: the trainer's devices generate
+    max_staleness: int = 0  # rollout.max_staleness (k): versions a worker may hold received before it applies them
 
     def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
         """One model's LoRA adapter parameters at `rank` (default: lora_rank); they grow with the rank."""
@@ -175,6 +177,8 @@ class MemoryEstimate:
     peak_bytes: int
     device_memory_gib: float | None
     warning: str | None
+    worker_rows: list[tuple[str, int, str]] = field(default_factory=list)  # per rollout worker (its own device)
+    worker_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -184,10 +188,20 @@ class MemoryEstimate:
             "peak_gib": round(self.peak_bytes / GIB, 3),
             "device_memory_gib": self.device_memory_gib,
             "warning": self.warning,
+            **(
+                {
+                    "worker_rows": [
+                        {"what": w, "gib": round(b / GIB, 3), "bytes": b, "how": h} for w, b, h in self.worker_rows
+                    ],
+                    "worker_gib": round(self.worker_bytes / GIB, 3),
+                }
+                if self.worker_rows
+                else {}
+            ),
         }
 
     def table(self) -> str:
-        width = max(len(w) for w, _, _ in self.rows)
+        width = max(len(w) for w, _, _ in self.rows + self.worker_rows)
         lines = ["Memory per device (estimate)", "-" * (width + 40)]
         lines += [f"{w:<{width}}  {b / GIB:>9.2f} GiB  {h}" for w, b, h in self.rows]
         lines.append(f"{'training phase':<{width}}  {self.training_bytes / GIB:>9.2f} GiB")
@@ -196,6 +210,10 @@ class MemoryEstimate:
         lines.append(f"{'peak':<{width}}  {self.peak_bytes / GIB:>9.2f} GiB{device}")
         if self.warning:
             lines.append(f"warning: {self.warning}")
+        if self.worker_rows:
+            lines += ["", "Memory per rollout worker (its own device or process; estimate)", "-" * (width + 40)]
+            lines += [f"{w:<{width}}  {b / GIB:>9.2f} GiB  {h}" for w, b, h in self.worker_rows]
+            lines.append(f"{'worker total':<{width}}  {self.worker_bytes / GIB:>9.2f} GiB")
         return "\n".join(lines)
 
 
@@ -327,7 +345,12 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens",
         )
     )
-    if run.rollout_engine == "hf":
+    worker_rows: list[tuple[str, int, str]] = []
+    worker_bytes = 0
+    if run.rollout_workers:  # the workers generate, on their own devices: nothing of it on the trainer's
+        vllm = vllm_while_training = 0
+        worker_bytes = rollout_worker_bytes(shape, run, params, c, worker_rows)
+    elif run.rollout_engine == "hf":
         vllm = hf_generation_bytes(shape, run, c, rows)
         vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
     else:
@@ -348,7 +371,36 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         peak_bytes=peak,
         device_memory_gib=run.device_memory_gib,
         warning=warning,
+        worker_rows=worker_rows,
+        worker_bytes=worker_bytes,
     )
+
+
+def rollout_worker_bytes(shape: ModelShape, run: MemoryInputs, params: int, compute_bytes: int, rows: list) -> int:
+    """rollout.mode=disaggregated: what one rollout worker holds, its rows added to `rows`: its engine (vLLM's
+    weights and KV cache for its share of all ranks' sequences, or an HF model of its own and one generate call's
+    cache) and, in host memory, the pushes it received ahead of applying them (at most max(k, 1) versions: the pushed
+    tensors as the trainer holds them, float32, or the adapter's)."""
+    share = replace(run, rollout_sequences=-(-run.rollout_sequences * run.data_parallel_size // run.rollout_workers))
+    if run.rollout_engine == "hf":
+        own = params * compute_bytes
+        rows.append(("HF model (the worker's own)", own, f"{params / 1e6:,.0f} M params x {compute_bytes} B"))
+        engine = own + hf_generation_bytes(shape, share, compute_bytes, rows)
+    else:
+        engine, _ = vllm_bytes(shape, share, params, rows)
+    pushed = run.adapter_parameters(shape) * 4 if run.lora_rank > 0 else params * 4
+    versions = max(run.max_staleness, 1)  # at k = 0 one push is held from its receipt until its apply
+    staged = pushed * versions
+    rows.append(
+        (
+            "received pushes not yet applied",
+            staged,
+            f"host memory: up to max(k, 1) = {versions} version{'s' if versions > 1 else ''} of "
+            + ("the adapter" if run.lora_rank > 0 else "the weights")
+            + " x 4 B (docs/async.md, the weight push)",
+        )
+    )
+    return engine + staged
 
 
 def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) -> tuple[int, int]:
@@ -375,7 +427,8 @@ def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) ->
         (
             "vLLM KV cache, all in flight",
             kv_needed,
-            f"{in_flight} of this rank's {run.rollout_sequences} sequences at once x {run.max_model_len} tokens",
+            f"{in_flight} of this {'worker' if run.rollout_workers else 'rank'}'s {run.rollout_sequences} sequences at "
+            f"once x {run.max_model_len} tokens",
         )
     )
     if run.on_gpu and run.device_memory_gib:

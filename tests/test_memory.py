@@ -199,3 +199,21 @@ def test_device_peak_memory_reads_and_resets_the_cuda_peak_and_is_none_on_cpu(mo
     assert device_peak_memory_gib(torch.device("cuda", 0)) == 3.0
     assert peaks["resets"] == 1
     assert device_peak_memory_gib(torch.device("cuda", 0)) == 0.0
+
+
+def test_with_rollout_workers_generation_is_counted_on_the_workers_not_on_the_trainers_device():
+    """rollout.mode=disaggregated: the trainer's device holds no vLLM (its rollout phase is its weights and optimizer
+    states); each worker holds vLLM's weights, the KV cache of its share of every rank's sequences, and up to
+    max(k, 1) received pushes in host memory (float32 weights, or the adapter)."""
+    colocated = estimate_memory(SHAPE, RUN)
+    workers = estimate_memory(SHAPE, dataclasses.replace(RUN, rollout_workers=2, max_staleness=2))
+    assert not any(what.startswith("vLLM") for what in rows(workers))
+    assert workers.rollout_bytes == 24288 + 32384 and workers.training_bytes == colocated.training_bytes
+    w = dict((what, b) for what, b, _ in workers.worker_rows)
+    assert w["vLLM weights"] == 2024 * 4
+    assert w["vLLM KV cache, all in flight"] == 2 * 16 * 2 * 2 * 4 * 4  # 4 sequences x 1 rank / 2 workers
+    assert w["received pushes not yet applied"] == 2 * 2024 * 4
+    # on a GPU vLLM reserves gpu_memory_utilization of the (same kind of) device, its weights and cache inside it
+    assert workers.worker_bytes == w["vLLM reservation"] + w["received pushes not yet applied"]
+    assert "Memory per rollout worker" in workers.table() and "worker_rows" in workers.to_dict()
+    assert "Memory per rollout worker" not in colocated.table() and "worker_rows" not in colocated.to_dict()

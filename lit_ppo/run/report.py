@@ -206,6 +206,8 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             lora_target_modules=config.model.lora.target_modules,
             lora_adapter_parameters=plan.lora.adapter_parameters if plan.lora else None,
             vllm_max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else 0,
+            rollout_workers=rollout.workers.count if rollout.mode == "disaggregated" else 0,
+            max_staleness=rollout.staleness() if rollout.mode == "disaggregated" else 0,
         ),
     )
 
