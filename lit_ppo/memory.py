@@ -26,6 +26,9 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   `generate` call (hf_max_batch_sequences sequences, or all of this rank's, x prompt + response tokens, in the compute
   dtype) and the last position's float32 logits per sequence; freed when generation ends, so only the rollout
   phase holds them.
+- rollout.mode=disaggregated instead: nothing of generation on the trainer's devices; a second table per rollout
+  worker: its engine as above for its share of every rank's sequences, and the pushes it received ahead of applying
+  them (host memory, up to max(k, 1) versions; docs/async.md).
 
 With `model.lora` (rank > 0): the base weights once per model body (actor, critic) and frozen, in the compute dtype
 under bf16-mixed (no autocast copies then), no reference (the actor with its adapter disabled); gradients and AdamW
