@@ -237,26 +237,21 @@ class VLLMEngine:
         self.llm.finish_weight_update(str(version))
         self.llm.reset_prefix_cache()
 
-    def received_tensors(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
-        """A received push's tensors as they came (a LoRA adapter, which vLLM's transfer engines do not load)."""
-        from lit_ppo.rollout.workers.weight_transfer import received_tensors
-
-        return self.llm.collective_rpc(received_tensors, args=(update_infos,))[0]
-
     def close_weight_transfer(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
 
     @property
     def weight_transfer_name(self) -> str:
-        """Which transfer engine vLLM built from `weight_transfer_config` (the worker logs it)."""
-        [name] = self.llm.collective_rpc(_weight_transfer_engine_name)
-        return f"vLLM's weight-transfer interface ({name})"
+        """Which transfer engine vLLM built from `weight_transfer_config` (the worker logs it), in each process."""
+        names = sorted(set(self.llm.collective_rpc(_weight_transfer_engine_name)))
+        return f"vLLM's weight-transfer interface ({', '.join(names)})"
 
     @property
     def weight_version(self) -> int:
-        """The policy version vLLM committed last (`finish_weight_update` / `set_weight_version`); 0: as loaded."""
+        """The policy version vLLM committed last (`finish_weight_update` / `set_weight_version`); 0: as loaded
+        (vLLM's "default")."""
         committed = self.llm.get_weight_version()
-        return int(committed) if committed not in (None, "") else 0
+        return 0 if committed == "default" else int(committed)
 
     def set_weight_version(self, version: int) -> None:
         self.llm.update_weight_version(str(version))
@@ -275,12 +270,21 @@ class VLLMEngine:
         worker's adapter manager in this process (`_load_adapter_from_tensors`), as verl's TensorLoRARequest does
         through a patched loader; requests then name the version, which is already loaded, and nothing reads a disk.
         The check after it (`list_loras`) fails the run in one line if the engine does not serve this version."""
+        copies = adapter_host_copies(tensors)
+        self._serve_adapter(version, _load_adapter_from_tensors, (version, copies, peft_config))
+        return tensor_bytes(copies)
+
+    def apply_adapter_transfer(self, update_infos: list[dict], peft_config: dict, version: int) -> None:
+        """A rollout worker's: the adapter of a received push loaded as adapter `version`, as `sync_adapter` loads,
+        in each of the engine's processes from its own receiver (`_load_received_adapter`)."""
+        self._serve_adapter(version, _load_received_adapter, (version, update_infos, peft_config))
+
+    def _serve_adapter(self, version: int, load, args: tuple) -> None:
         if version < 1:
             raise ValueError(f"sync_adapter: adapter versions start at 1 (vLLM's LoRA ids), got {version}")
-        copies = adapter_host_copies(tensors)
         for stale in self.llm.llm_engine.list_loras():  # the previous version, or another run's same id
             self.llm.llm_engine.remove_lora(stale)
-        self.llm.collective_rpc(_load_adapter_from_tensors, args=(version, copies, peft_config))
+        self.llm.collective_rpc(load, args=args)
         from vllm.lora.request import LoRARequest
 
         self.lora_request = LoRARequest(f"policy-v{version}", version, f"in-memory:policy-v{version}")
@@ -294,7 +298,6 @@ class VLLMEngine:
                 "(logs/run.log, or the rollout worker's; vLLM's LoRA manager refused the adapter)"
             )
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
-        return tensor_bytes(copies)
 
     def sequence_logprobs(self, prompt_token_ids: list[int], response_token_ids: list[int]) -> list[float]:
         """vLLM's log-probability of each response token given the prompt (teacher-forced)."""
@@ -390,6 +393,13 @@ def _free_memory_only() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _load_received_adapter(worker, version: int, update_infos: list[dict], peft_config: dict) -> None:
+    """Runs in each vLLM worker process: the adapter its weight-transfer engine received (weight_transfer.py), loaded
+    as `_load_adapter_from_tensors` loads."""
+    tensors = dict(worker.weight_transfer_engine.receiver.take_all(update_infos))
+    _load_adapter_from_tensors(worker, version, adapter_host_copies(tensors), peft_config)
 
 
 def _weight_transfer_engine_name(worker) -> str:

@@ -280,22 +280,25 @@ class HFEngine:
         """Receive every push as it is sent, as vLLM's engine does (`weight_transfer.StagedReceiver`)."""
         from lit_ppo.rollout.workers.weight_transfer import GlooInitInfo, StagedReceiver
 
-        self.receiver = StagedReceiver.joining(GlooInitInfo(**init_info))
+        self.receiver = StagedReceiver.joining(GlooInitInfo(**init_info))  # one process: the first rank
         self.receiver.start()
 
     def apply_weight_transfer(self, update_infos: list[dict], version: int) -> None:
+        if self.receiver is None:
+            raise RuntimeError("HF engine: a weight push applied before open_weight_transfer")
         self.sync_weights(self.receiver.take_all(update_infos))
         self.weight_version = version
 
-    def received_tensors(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
-        return self.receiver.take_all(update_infos)
+    def apply_adapter_transfer(self, update_infos: list[dict], peft_config: dict, version: int) -> None:
+        self.sync_adapter(dict(self.receiver.take_all(update_infos)), peft_config, version)
 
     def close_weight_transfer(self) -> None:
-        if getattr(self, "receiver", None) is not None:
+        if self.receiver is not None:
             self.receiver.stop()
             self.receiver = None
 
     weight_version = 0  # a worker's engine: the policy version it applied last
+    receiver = None  # a worker's engine: its end of the weight push, once open
     weight_transfer_name = "lit-ppo's receiver of the lit_ppo_gloo backend (StagedReceiver; no vLLM engine)"
 
     def set_weight_version(self, version: int) -> None:

@@ -31,10 +31,30 @@ def disaggregated(k: int, **workers) -> RolloutConfig:
 class RecordingDataModule(RolloutDataModule):
     batches: list = []
 
+    @classmethod
+    def fresh(cls) -> type:
+        """A subclass with its own (empty) record: one per run, so runs in one test never share batches."""
+        return type("Recording", (cls,), {"batches": []})
+
     def produce_rollout(self, rollout_step):
         batch = super().produce_rollout(rollout_step)
         type(self).batches.append(batch)
         return batch
+
+
+def fit_then_close(trainer, module, datamodule, *, resume_from=None, close: bool = True, seed: int | None = 0) -> None:
+    """`trainer.fit` (resumed from the checkpoint `resume_from`, if any) with torch's seed set first (None: left as
+    is), then the data module's engine closed, also when the run raised (`close=False`: the test's shared engine)."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        ckpt = str(resume_from) if resume_from else None
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    finally:
+        if close and datamodule.engine is not None:
+            datamodule.engine.close()
 
 
 def even_answers_are_uniform(prompts, responses, references, extras):

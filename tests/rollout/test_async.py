@@ -24,7 +24,7 @@ from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
-from tests.helpers.asynchronous import RecordingDataModule, disaggregated
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated, fit_then_close
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 
@@ -51,7 +51,7 @@ class Recorder(L.Callback):
 
 def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=None, datamodule_class=None, **ppo):
     recorder = Recorder()
-    datamodule_class = datamodule_class or type("Recording", (RecordingDataModule,), {"batches": []})
+    datamodule_class = datamodule_class or RecordingDataModule.fresh()
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         engine,
@@ -938,12 +938,7 @@ def test_sigterm_at_k2_drops_the_step_without_waiting_ahead_and_resumes_bitwise(
             micro_train_batch_size=8,
             **TIS,
         )
-        torch.manual_seed(0)
-        try:
-            ckpt = str(resume_from) if resume_from else None
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
-        finally:
-            datamodule.engine.close()
+        fit_then_close(trainer, module, datamodule, resume_from=resume_from)
         return module
 
     full = go(tmp_path / "full", integer_match)
@@ -972,7 +967,7 @@ def checkpointed_run(
 
     from lit_ppo.checkpoints import RolloutCheckpoint
 
-    datamodule_class = datamodule_class or type("Recording", (RecordingDataModule,), {"batches": []})
+    datamodule_class = datamodule_class or RecordingDataModule.fresh()
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         None,
@@ -988,12 +983,7 @@ def checkpointed_run(
         micro_train_batch_size=8,
         **TIS,
     )
-    torch.manual_seed(0)
-    try:
-        ckpt = str(resume_from) if resume_from else None
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
-    finally:
-        datamodule.engine.close()
+    fit_then_close(trainer, module, datamodule, resume_from=resume_from)
     return module, datamodule_class.batches, plan
 
 

@@ -276,17 +276,14 @@ def real_run(
     `engine` or with a rollout worker; every batch recorded. `checkpoints`: a directory to checkpoint into after every
     step; `crash_after`: end abruptly after that rollout step (tests.helpers.resume.Crash); `resume_from`: a
     checkpoint."""
-    import torch
-
     from lit_ppo.checkpoints import RolloutCheckpoint
-    from lit_ppo.rollout.workers.client import RolloutWorkers
     from tests.helpers import build_run
-    from tests.helpers.asynchronous import RecordingDataModule
+    from tests.helpers.asynchronous import RecordingDataModule, fit_then_close
     from tests.helpers.resume import CrashAfter
 
     callbacks = [RolloutCheckpoint(checkpoints, every=1, keep=10)] if checkpoints else []
     callbacks += [CrashAfter(crash_after)] if crash_after else []
-    datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
+    datamodule_class = RecordingDataModule.fresh()
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         engine,
@@ -306,12 +303,8 @@ def real_run(
             enabled=True, max_generation_rounds=3, expected_informative_fraction=1.0
         ),
     )
-    torch.manual_seed(0)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from, weights_only=False)
-    finally:
-        if engine is None and isinstance(datamodule.engine, RolloutWorkers):
-            datamodule.engine.close()
+    # the engine is closed when the run started it (workers); a test's own engine stays open for the next run
+    fit_then_close(trainer, module, datamodule, resume_from=resume_from, close=engine is None)
     return module, datamodule_class.batches, plan
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -78,7 +79,7 @@ def test_pushes_are_received_while_the_worker_serves_the_last_version_and_loaded
 
     def send(_, command):  # what RolloutWorkers._send queues; the worker process runs it (here: a thread)
         assert isinstance(command, InitWeightTransfer)
-        info = {**command.init_info, "rank": 1, "own_host": "127.0.0.1"}
+        info = {**command.init_info, "rank_offset": 1, "own_host": "127.0.0.1"}
         joining.append(threading.Thread(target=worker.open_weight_transfer, args=(info,)))
         joining[-1].start()
 
@@ -141,3 +142,77 @@ def test_the_declared_metadata_of_a_model_is_what_its_full_tensors_yield(tiny_mo
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     source = TensorSource(full_tensors(model), [ParamMeta(*m) for m in full_tensor_metadata(model)])
     assert [n for n, _ in source] == list(model.state_dict()) and "lm_head.weight" in model.state_dict()
+
+
+def test_a_received_bucket_other_than_the_apply_command_names_stops_the_worker_in_one_line():
+    """The broadcast (announced in the store) and the worker's apply command come by different ways: a bucket of
+    another version, or of other tensors, is not loaded."""
+    from lit_ppo.rollout.workers.weight_transfer import GlooUpdateInfo, StagedReceiver
+
+    receiver = StagedReceiver(store=None, group=None)
+    entries = [("w", "float32", [2])]
+    receiver.received[(0, 0)] = (GlooUpdateInfo(0, 0, entries, 8, "1"), [("w", torch.zeros(2))])
+    with pytest.raises(RuntimeError, match=r"^weight push 0 bucket 0: received version 1 with 1 tensors where the "):
+        receiver.take(GlooUpdateInfo(0, 0, entries, 8, "2"))
+    receiver.received[(0, 0)] = (GlooUpdateInfo(0, 0, entries, 8, "1"), [("w", torch.zeros(2))])
+    assert torch.equal(receiver.take(GlooUpdateInfo(0, 0, entries, 8, "1"))[0][1], torch.zeros(2))
+
+
+def test_a_stopped_receiver_raises_instead_of_waiting_forever():
+    from lit_ppo.rollout.workers.weight_transfer import GlooUpdateInfo, StagedReceiver
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    receiver = StagedReceiver(store, group=None)
+    receiver.start()
+    receiver.stop()
+    with pytest.raises(RuntimeError, match="failed: the receiver was stopped"):
+        receiver.take(GlooUpdateInfo(0, 0, [], 0))
+
+
+def test_after_a_push_failed_part_way_the_next_one_refuses_and_a_worker_dead_before_the_rendezvous_is_named():
+    """A push that raised after announcing buckets leaves the workers' receivers waiting for the rest: the next push
+    stops in one line instead of reusing its number. And the trainer's rendezvous watches the workers: one that died
+    before joining is named at once, not after the group's timeout."""
+
+    class Announcing:
+        def start_weight_update(self):
+            pass
+
+        def update_weights(self, info):
+            raise ConnectionError("the store is gone")
+
+    engine = GlooTrainerWeightTransferEngine(client=Announcing(), bucket_bytes=64)
+    with pytest.raises(ConnectionError):
+        engine.send_weights(TensorSource.of_dict({"w": torch.zeros(2)}))
+    with pytest.raises(RuntimeError, match="an earlier weight push failed part way"):
+        engine.send_weights(TensorSource.of_dict({"w": torch.zeros(2)}))
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+
+    class DeadWorker:
+        def init_weight_transfer_engine(self, info):
+            pass  # the worker never joins
+
+        def check_alive(self):
+            raise RuntimeError("rollout worker 0 (pid 4242) exited with code 1")
+
+    info = GlooTrainerInitInfo(host="127.0.0.1", port=store.port, world_size=2, bucket_bytes=64, timeout_s=60.0, rank=0)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rollout worker 0 \(pid 4242\) exited with code 1"):
+        WeightTransferTrainerFactory.trainer_init(info, client=DeadWorker())
+    assert time.monotonic() - started < 10
+
+
+def test_a_vllm_engine_as_loaded_reports_version_0():
+    """vLLM's weight version before any push is "default": a worker that generates before the first push records
+    policy version 0 (the model as loaded)."""
+    from lit_ppo.rollout.engine import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)
+    for committed, version in (("default", 0), ("3", 3)):
+        engine.llm = SimpleNamespace(get_weight_version=lambda committed=committed: committed)
+        assert engine.weight_version == version

@@ -47,8 +47,11 @@ class WorkerSyncClient:
 
     def __init__(self, workers: "RolloutWorkers"):
         self.workers = workers
-        self.pushes = 0  # pushes finished
         self.updates: list[dict] = []  # the push in flight's (or the last push's) bucket infos
+
+    def check_alive(self) -> None:
+        """Between the rendezvous' polls: a worker that died before joining is named at once."""
+        self.workers.launch.check_alive("the weight push's rendezvous")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         for worker in range(self.workers.workers):
@@ -61,16 +64,15 @@ class WorkerSyncClient:
     def update_weights(self, update_info: dict) -> None:
         from lit_ppo.rollout.workers.weight_transfer import update_info_key
 
-        if update_info["push"] != self.pushes:
-            raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
         self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
         self.updates.append(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         from lit_ppo.rollout.workers.weight_transfer import push_done_key
 
-        self.workers.store.set(push_done_key(self.pushes), b"1")
-        self.pushes += 1
+        if not self.updates:
+            raise ValueError("a weight push of no tensors")
+        self.workers.store.set(push_done_key(self.updates[0]["push"]), b"1")
 
 
 class RolloutWorkers:
@@ -119,7 +121,10 @@ class RolloutWorkers:
                 "rollout.workers.port to a free port on this node"
             ) from None
         self.address = f"{self.host}:{self.store.port}"
-        spec = WorkerSpec(engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers, engine_name, episodes)
+        processes = engine_kwargs.get("tensor_parallel_size", 1) if engine_name == "vllm" else 1
+        spec = WorkerSpec(
+            engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers, engine_name, episodes, processes
+        )
         self.store.set("spec", pickle.dumps(spec))
         self.launch: Launch = (
             ExternalLaunch(
@@ -150,7 +155,7 @@ class RolloutWorkers:
             info = GlooTrainerInitInfo(
                 host=self.host,
                 port=self.store.port,
-                world_size=workers + 1,
+                world_size=1 + workers * processes,
                 bucket_bytes=self.bucket_bytes,
                 timeout_s=push_timeout_s,
                 rank=0,
@@ -281,7 +286,7 @@ class RolloutWorkers:
             raise RolloutWorkerError(
                 f"trainer: the weight push of version {version} (bucket {e.bucket}, {e.nbytes / 2**20:.1f} MiB) did "
                 f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s "
-                f"({e.seconds:.1f} s, {e.__cause__ and type(e.__cause__).__name__ or 'RuntimeError'}); a rollout "
+                f"({e.seconds:.1f} s, {e.cause_name}); a rollout "
                 f"worker is stuck: {self.launch.logs()}"
             ) from None
         updates = tuple(self.sync_client.updates)

@@ -4,9 +4,9 @@ sends each worker (`settings`, plain values in the WorkerSpec) and how the worke
 
 Every engine here does, beside the contract's `generate`: the worker's end of the weight transfer
 (`weight_transfer.py`: `open_weight_transfer(init_info)`, `apply_weight_transfer(update_infos, version)`,
-`received_tensors(update_infos)`, `close_weight_transfer()`, `weight_version`, `set_weight_version`),
-`sync_adapter(tensors, peft_config, version)` (model.lora: the adapter alone), `sequence_logprobs` (the probe check
-after each applied version) and `adapter_version` (recorded on every sample).
+`apply_adapter_transfer(update_infos, peft_config, version)` with model.lora, `close_weight_transfer()`,
+`weight_version`, `set_weight_version`), `sequence_logprobs` (the probe check after each applied version) and
+`adapter_version` (recorded on every sample).
 
 - `vllm`: `VLLMEngine`, the run's vLLM settings; pushes load through vLLM's own weight-transfer API.
 - `hf`: `HFEngine.from_model_dir`: the worker loads `model_dir` itself (a copy of the actor, in the trainer's

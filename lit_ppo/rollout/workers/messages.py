@@ -25,6 +25,7 @@ class WorkerSpec:
     workers: int
     engine_name: str = "vllm"  # rollout.engine
     episodes: EpisodeSpec | None = None
+    processes_per_engine: int = 1  # vLLM's tensor-parallel size: each of its processes joins the weight push's group
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Iterable, Iterator
 
@@ -71,26 +72,29 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """A worker's side (`init_weight_transfer_engine`'s info): the trainer's store, the group's size and timeout, this
-    worker's rank in the group (1 + its number) and the address its end binds to."""
+    """A worker's side (`init_weight_transfer_engine`'s info): the trainer's store, the group's size and timeout, the
+    first group rank of this worker's engine (1 + its number x its engine's processes: each tensor-parallel rank of a
+    vLLM engine receives whole tensors and loads its part, as vLLM's NCCL engine does) and the address its end binds
+    to."""
 
     host: str
     port: int
     world_size: int
     timeout_s: float
-    rank: int = -1
+    rank_offset: int = -1
     own_host: str = ""
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket (`update_weights`' info): push number, bucket number, each tensor's name, dtype and shape, and the
-    bucket's size in bytes."""
+    """One bucket (`update_weights`' info): push number, bucket number, each tensor's name, dtype and shape, the
+    bucket's size in bytes and the policy version the push carries."""
 
     push: int
     bucket: int
     entries: list
-    numel: int
+    nbytes: int
+    weight_version: str | None = None
 
 
 def update_info_key(push: int, bucket: int) -> str:
@@ -186,7 +190,7 @@ class BucketBroadcastError(RuntimeError):
 
     def __init__(self, bucket: int, nbytes: int, seconds: float, cause: BaseException):
         super().__init__(f"bucket {bucket} ({nbytes / 2**20:.1f} MiB) after {seconds:.1f} s: {type(cause).__name__}")
-        self.bucket, self.nbytes, self.seconds = bucket, nbytes, seconds
+        self.bucket, self.nbytes, self.seconds, self.cause_name = bucket, nbytes, seconds, type(cause).__name__
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -205,6 +209,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.group = None
         self._store = None
         self.pushes = 0
+        self.failed = False  # a push failed part way: the receivers wait for buckets that never come
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None) -> "GlooTrainerWeightTransferEngine":
@@ -221,7 +226,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine._store = dist.TCPStore(
             init_info.host, init_info.port, is_master=False, timeout=seconds_delta(init_info.timeout_s)
         )
-        engine.group = gloo_group(engine._store, 0, init_info.world_size, init_info.timeout_s, init_info.host)
+        # The rendezvous waits for every worker's engine: watched, so that a worker that fails before it joins is
+        # named at once (the client's check_alive) rather than after the group's timeout.
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            joined = pool.submit(
+                gloo_group, engine._store, 0, init_info.world_size, init_info.timeout_s, init_info.host
+            )
+            while not joined.done():
+                check_alive = getattr(client, "check_alive", None)
+                if check_alive is not None:
+                    check_alive()
+                time.sleep(POLL_S)
+            engine.group = joined.result()
+        finally:
+            pool.shutdown(wait=False)  # after a failure the join ends with its own timeout; nobody waits for it
         return engine
 
     def send_weights(self, source: TensorSource | None = None, weight_version: str | None = None) -> None:
@@ -233,16 +252,26 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             for _ in source:  # the gathers the sender's read meets
                 pass
             return
+        if self.failed:
+            raise RuntimeError(
+                "lit_ppo_gloo: an earlier weight push failed part way, so the workers' receivers are out of step with "
+                "the trainer; the run must stop (a resume starts a new group)"
+            )
         push = self.pushes
-        self.client.start_weight_update()
-        for bucket, (entries, flat) in enumerate(weight_buckets(source, self.bucket_bytes)):
-            self.client.update_weights(asdict(GlooUpdateInfo(push, bucket, entries, flat.numel())))
-            started = time.monotonic()
-            try:
-                broadcast(self.group, flat)
-            except RuntimeError as e:
-                raise BucketBroadcastError(bucket, flat.numel(), time.monotonic() - started, e) from None
-        self.client.finish_weight_update(weight_version)
+        try:
+            self.client.start_weight_update()
+            for bucket, (entries, flat) in enumerate(weight_buckets(source, self.bucket_bytes)):
+                info = GlooUpdateInfo(push, bucket, entries, flat.numel(), weight_version)
+                self.client.update_weights(asdict(info))
+                started = time.monotonic()
+                try:
+                    broadcast(self.group, flat)
+                except RuntimeError as e:
+                    raise BucketBroadcastError(bucket, flat.numel(), time.monotonic() - started, e) from None
+            self.client.finish_weight_update(weight_version)
+        except BaseException:
+            self.failed = True
+            raise
         self.pushes += 1
 
     def shutdown(self) -> None:
@@ -254,25 +283,27 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 class StagedReceiver(threading.Thread):
     """A worker's end of the push: joins the gloo group, then receives every bucket as soon as the trainer announces
-    and broadcasts it (while the worker's engine generates), keeping it until `take(push, bucket)` (the worker's
+    and broadcasts it (while the worker's engine generates), keeping it until `take` (the worker's
     apply of that version) asks for it."""
 
     def __init__(self, store, group, stopping: threading.Event | None = None):
         super().__init__(daemon=True, name="lit-ppo-weight-receiver")
         self.store, self.group = store, group
         self.stopping = stopping if stopping is not None else threading.Event()
-        self.received: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
+        self.received: dict[tuple[int, int], tuple[GlooUpdateInfo, list[tuple[str, torch.Tensor]]]] = {}
         self.ready = threading.Condition()
         self.failure: BaseException | None = None
 
     @classmethod
-    def joining(cls, info: GlooInitInfo) -> "StagedReceiver":
-        """A receiver in the trainer's group: a client of its store, this worker's end of the gloo group (the
-        rendezvous completes when the trainer and every worker joined)."""
+    def joining(cls, info: GlooInitInfo, rank_within_engine: int = 0) -> "StagedReceiver":
+        """A receiver in the trainer's group: a client of its store, this process's end of the gloo group (the
+        rendezvous completes when the trainer and every worker joined); `rank_within_engine`: the engine process's
+        rank among its engine's (tensor-parallel) processes."""
         import torch.distributed as dist
 
         store = dist.TCPStore(info.host, info.port, is_master=False, timeout=seconds_delta(info.timeout_s))
-        return cls(store, gloo_group(store, info.rank, info.world_size, info.timeout_s, info.own_host or info.host))
+        rank = info.rank_offset + rank_within_engine
+        return cls(store, gloo_group(store, rank, info.world_size, info.timeout_s, info.own_host or info.host))
 
     def run(self) -> None:
         try:
@@ -283,14 +314,17 @@ class StagedReceiver(threading.Thread):
                     key = update_info_key(push, bucket)
                     while not (self.store.check([key]) or self.store.check([push_done_key(push)])):
                         if self.stopping.wait(POLL_S):
-                            return  # the worker stops: no push is in flight after the trainer's stop command
+                            with self.ready:  # the worker stops: nothing more is taken
+                                self.failure = RuntimeError("the receiver was stopped")
+                                self.ready.notify_all()
+                            return
                     if not self.store.check([key]):
                         break  # the push is complete
                     info = GlooUpdateInfo(**pickle.loads(self.store.get(key)))
-                    flat = torch.empty(info.numel, dtype=torch.uint8)
+                    flat = torch.empty(info.nbytes, dtype=torch.uint8)
                     broadcast(self.group, flat)
                     with self.ready:
-                        self.received[(push, bucket)] = unpack_bucket(info.entries, flat)
+                        self.received[(push, bucket)] = (info, unpack_bucket(info.entries, flat))
                         self.ready.notify_all()
                     bucket += 1
                 push += 1
@@ -299,17 +333,27 @@ class StagedReceiver(threading.Thread):
                 self.failure = e
                 self.ready.notify_all()
 
-    def take(self, push: int, bucket: int) -> list[tuple[str, torch.Tensor]]:
+    def take(self, expected: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+        """The bucket `expected` names, once received; it must be the one announced (same tensors, same policy
+        version): the worker's "apply" command and the broadcast came by different ways."""
+        key = (expected.push, expected.bucket)
         with self.ready:
-            while (push, bucket) not in self.received and self.failure is None:
+            while key not in self.received and self.failure is None:
                 self.ready.wait(1.0)
-            if (push, bucket) not in self.received:
-                raise RuntimeError(f"receiving weight push {push} (bucket {bucket}) failed: {self.failure}")
-            return self.received.pop((push, bucket))
+            if key not in self.received:
+                raise RuntimeError(f"receiving weight push {key[0]} (bucket {key[1]}) failed: {self.failure}")
+            got, tensors = self.received.pop(key)
+        if got != expected:
+            raise RuntimeError(
+                f"weight push {key[0]} bucket {key[1]}: received version {got.weight_version} with {len(got.entries)} "
+                f"tensors where the apply command names version {expected.weight_version} with "
+                f"{len(expected.entries)}; the worker would load other weights than planned"
+            )
+        return tensors
 
     def take_all(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
         """Every bucket of a push, in order (its `update_weights` infos)."""
-        return [t for info in update_infos for t in self.take(info["push"], info["bucket"])]
+        return [t for info in update_infos for t in self.take(GlooUpdateInfo(**info))]
 
     def stop(self) -> None:
         """Stop receiving and join (a thread inside gloo's C++ at interpreter teardown aborts the process)."""
@@ -333,7 +377,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receiver: StagedReceiver | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        self.receiver = StagedReceiver.joining(init_info)
+        # Each of the engine's processes (tensor-parallel ranks) receives whole tensors; load_weights takes its part.
+        self.receiver = StagedReceiver.joining(init_info, self.parallel_config.rank)
         self.receiver.start()
 
     def start_weight_update(self) -> None:
@@ -349,7 +394,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.receiver is None:
             raise RuntimeError("lit_ppo_gloo: update_weights before init_weight_transfer_engine")
-        self.model.load_weights(self.receiver.take(update_info.push, update_info.bucket))
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        tensors = self.receiver.take(update_info)
+        with disable_mtp_completeness_check():  # a bucket is part of the model, as vLLM's NCCL engine loads it
+            self.model.load_weights(tensors)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -357,18 +406,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.receiver = None
 
 
-def received_tensors(worker, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
-    """Runs on the vLLM worker (`collective_rpc`): a push's received tensors, for what vLLM's transfer engines do not
-    load (a LoRA adapter)."""
-    return worker.weight_transfer_engine.receiver.take_all(update_infos)
-
-
 def register() -> None:
-    """`lit_ppo_gloo` in vLLM's factories (once per process; the trainer's and each worker's)."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+    """`lit_ppo_gloo` in vLLM's factories, once per process: on import here, and through lit-ppo's vLLM plugin entry
+    point (pyproject.toml, `vllm.general_plugins`), which vLLM loads in every process it starts (an engine core or
+    tensor-parallel workers in processes of their own)."""
+    for factory, engine in (
+        (WeightTransferEngineFactory, GlooWeightTransferEngine),
+        (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine),
+    ):
+        if BACKEND not in factory._registry:
+            factory.register_engine(BACKEND, engine)
+        elif factory._registry[BACKEND]() is not engine:
+            raise RuntimeError(
+                f"vLLM's {factory.__name__} has another engine registered as {BACKEND!r} "
+                f"({factory._registry[BACKEND]().__module__}); fix: rename that backend"
+            )
 
 
 register()

@@ -177,7 +177,8 @@ def worker_main(
             if isinstance(command, Stop):
                 break
             if isinstance(command, InitWeightTransfer):  # the first: join the trainer's weight-transfer group
-                engine.open_weight_transfer({**command.init_info, "rank": worker + 1, "own_host": own_host})
+                first = 1 + worker * spec.processes_per_engine  # the trainer is rank 0 of the group
+                engine.open_weight_transfer({**command.init_info, "rank_offset": first, "own_host": own_host})
                 print(f"rollout worker {worker}: receives weights through {engine.weight_transfer_name}", flush=True)
             elif isinstance(command, ApplyWeights):
                 version = command.policy_version
@@ -185,8 +186,7 @@ def worker_main(
                     engine.apply_weight_transfer(list(command.updates), version)
                 else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
                     # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
-                    tensors = dict(engine.received_tensors(list(command.updates)))
-                    engine.sync_adapter(tensors, command.peft_config, command.adapter_version)
+                    engine.apply_adapter_transfer(list(command.updates), command.peft_config, command.adapter_version)
                     engine.set_weight_version(version)
                 if engine.weight_version != version:
                     raise RuntimeError(
