@@ -1,0 +1,246 @@
+"""vLLM servers as rollout workers (rollout.workers.launch=server, lit_ppo/rollout/workers/servers.py, docs/async.md):
+what the route refuses, what the plan says, and real runs against real `vllm serve` processes, spawned by the trainer
+or started by the test (a URL given), whose samples are the spawned rollout workers' and of the planned versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_ppo.config import RolloutCorrectionConfig
+from lit_ppo.errors import ConfigError, RolloutWorkerError
+from lit_ppo.plan import compute_plan
+from lit_ppo.rollout.workers.servers import (
+    PLUGIN_ENTRY_POINT,
+    ServerWorkers,
+    plugin_path,
+    server_arguments,
+    server_environment,
+)
+from tests.helpers import ROOT, build_run, compose_run_config, free_port
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated
+
+TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
+SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
+
+
+# ---------------------------------------------------------------- settings and the plan
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["model.lora.rank=8"],
+            r"^rollout.workers.launch=server \(vLLM servers as rollout workers\) with model.lora: a server loads a LoRA "
+            r"adapter only from a folder .*; fix: rollout.workers.launch=spawn, or model.lora.rank=0$",
+        ),
+        (["rollout.engine=hf"], r"with rollout.engine=hf: the servers are vLLM's; fix: rollout.workers.launch=spawn"),
+        (
+            ["+rollout.episodes.environment._target_=lit_ppo.environments.CalculatorEnvironment"],
+            r"with multi-turn episodes \(rollout.episodes.environment\): .*fix: rollout.workers.launch=spawn",
+        ),
+        (
+            ["rollout.tensor_parallel_size=2"],
+            r"with rollout.tensor_parallel_size=2: .*fix: rollout.workers.launch=spawn, or rollout.tensor_parallel_size=1",
+        ),
+        (["strategy.devices=2"], r"with 2 trainer ranks: .*fix: rollout.workers.launch=spawn, or one trainer device$"),
+        (
+            ["rollout.workers.server_urls=[node1:8000]"],
+            r"^rollout.workers.server_urls: 'node1:8000' is not a server's URL; fix: e.g. http://node1:8000$",
+        ),
+        (
+            ["rollout.workers.server_urls=[http://a:8000,http://b:8000]"],
+            r"^rollout.workers.count=1 with 2 rollout.workers.server_urls: .*fix: rollout.workers.count=2$",
+        ),
+    ],
+)
+def test_what_servers_cannot_do_is_refused_in_one_line_before_any_model_loads(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        compute_plan(compose_run_config(*SERVER, *overrides), 1000)
+    assert "\n" not in str(info.value)
+
+
+def test_server_urls_without_launch_server_are_refused():
+    with pytest.raises(ConfigError, match=r"only vLLM servers are given by URL; fix: rollout.workers.launch=server"):
+        compute_plan(
+            compose_run_config("rollout.mode=disaggregated", "rollout.workers.server_urls=[http://a:8000]"), 1000
+        )
+
+
+def test_the_plan_names_the_servers_and_the_push_that_waits_for_the_steps_in_flight():
+    spawned = compute_plan(compose_run_config(*SERVER, "rollout.workers.count=2"), 2000)
+    assert (spawned.workers.launch, spawned.workers.count, spawned.workers.server_urls) == ("server", 2, ())
+    table = spawned.table()
+    assert "vLLM servers (vllm serve), driven over HTTP" in table
+    assert "the trainer spawns them on free ports of its node" in table
+    assert "each push waits until every request sent before it (the steps in flight) has finished" in table
+    given = compute_plan(
+        compose_run_config(
+            *SERVER, "rollout.workers.count=2", "rollout.workers.server_urls=[http://node1:8000,http://node2:8000]"
+        ),
+        2000,
+    )
+    assert given.workers.server_urls == ("http://node1:8000", "http://node2:8000")
+    assert "given: http://node1:8000, http://node2:8000" in given.table()
+    assert json.loads(json.dumps(given.to_dict()))["workers"]["server_urls"] == [
+        "http://node1:8000",
+        "http://node2:8000",
+    ]
+
+
+def test_the_editable_install_declares_the_vllm_plugin(tmp_path):
+    """`make install` (pip install -e) writes the dist-info that setuptools prepares for an editable build: its
+    entry points name lit_ppo_gloo in vLLM's plugin group, so a server in that environment registers the backend."""
+    from setuptools import build_meta
+
+    name = build_meta.prepare_metadata_for_build_editable(str(tmp_path))
+    entry_points = (tmp_path / name / "entry_points.txt").read_text()
+    assert f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}" in entry_points
+
+
+def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_it(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RolloutWorkerError) as info:
+        ServerWorkers(
+            engine_kwargs={},
+            server_urls=[url],
+            workers=1,
+            devices_per_worker=1,
+            trainer_devices=1,
+            log_dir=tmp_path,
+            start_timeout_s=2.0,
+            batch_timeout_s=10.0,
+            push_timeout_s=10.0,
+            bucket_mib=1,
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls")
+    assert "did not answer /health within rollout.workers.start_timeout_s=2 s" in message
+
+
+# ---------------------------------------------------------------- real servers
+
+
+def digit_share(prompts, responses, references, extras, **_) -> list[float]:
+    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def run(tiny_model_dir, files, out: Path, rollout, steps: int):
+    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client."""
+    datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        datamodule_class=datamodule_class,
+        reward_fn=digit_share,
+        # 2 optimizer steps per rollout step: the policy moves between versions
+        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **TIS},
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if datamodule.engine is not None:
+            datamodule.engine.close()
+    return datamodule_class.batches, datamodule.engine, plan
+
+
+def assert_same_samples(ours, theirs) -> None:
+    assert [b.rollout_step for b in ours] == [b.rollout_step for b in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
+        assert a.policy_versions == b.policy_versions
+        assert a.rollout_logprobs == b.rollout_logprobs
+        assert torch.equal(a.rewards, b.rewards)
+
+
+@pytest.fixture(scope="module")
+def spawned_workers(tiny_model_dir, long_prompt_files, tmp_path_factory):  # noqa: F811
+    """The reference: runs with spawned rollout workers (launch=spawn) at k = 0 (2 steps) and k = 1 (3 steps)."""
+    out = tmp_path_factory.mktemp("spawned_workers")
+    return {
+        0: run(tiny_model_dir, long_prompt_files, out / "k0", disaggregated(0), steps=2)[0],
+        1: run(tiny_model_dir, long_prompt_files, out / "k1", disaggregated(1), steps=3)[0],
+    }
+
+
+@pytest.mark.slow
+def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
+    spawned_workers,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """launch=server with no URL: the trainer spawns a vLLM server (plugin from a dist-info on its PYTHONPATH where the
+    installed lit-ppo lacks the entry point), and at k = 0 the run's samples (token ids, log-probs, versions, rewards)
+    are exactly those of the run with spawned rollout workers: per-request seeds over HTTP sample as the in-process
+    engine does, and the push of version 1 arrives intact. close stops the server."""
+    batches, servers, _ = run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(0, launch="server"), steps=2)
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [1]]
+    assert_same_samples(batches, spawned_workers[0])
+    log = (tmp_path / "logs" / "rollout_server0.log").read_text()
+    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
+    assert servers.exit_codes == [0], log[-3000:]
+    assert all(server.process.poll() is not None for server in servers.servers)
+
+
+def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]:
+    """A vLLM server started outside the trainer, as docs/async.md tells a user to (lit-ppo's plugin from a dist-info on
+    its PYTHONPATH, as an environment with lit-ppo installed gets it from its entry point)."""
+    port = free_port()
+    settings = dict(
+        model_dir=model_dir,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+    )
+    env = server_environment(kv_cache_gib=1)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin_path(log_file.parent / "plugin")), str(ROOT)])
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_arguments(settings, port)]
+    with open(log_file, "wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.slow
+def test_a_server_given_by_url_at_k1_samples_with_the_planned_versions_and_is_left_running(
+    spawned_workers,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """launch=server with rollout.workers.server_urls: a server the test started. At k = 1 every sample is of the
+    planned version (max(0, s - 1): the run's check_policy_versions passes, and the versions are the server's own
+    weight versions), and the samples equal the spawned workers' at k = 1. The trainer leaves the server running."""
+    process, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    try:
+        rollout = disaggregated(1, launch="server", server_urls=[url])
+        batches, servers, plan = run(tiny_model_dir, long_prompt_files, tmp_path / "run", rollout, steps=3)
+        assert plan.workers.server_urls == (url,)
+        assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]
+        assert all(len(b.policy_versions) == 32 for b in batches)
+        assert_same_samples(batches, spawned_workers[1])
+        assert servers.procs == [] and process.poll() is None
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            assert response.status == 200
+        assert not (tmp_path / "run" / "logs" / "rollout_server0.log").exists()
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
