@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from lit_ppo.config import RolloutCorrectionConfig
+from lit_ppo.contract import WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.servers import (
@@ -128,6 +130,37 @@ def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_i
     assert "did not answer /health within rollout.workers.start_timeout_s=2 s" in message
 
 
+def test_a_spawned_server_ends_with_its_trainer_even_when_the_trainer_is_killed(tmp_path):
+    """A spawned server is started with `end_with_parent` (PR_SET_PDEATHSIG): a trainer killed with SIGKILL, which
+    runs no `close`, leaves no server behind (here a stand-in child that would sleep two minutes)."""
+    spawn = (
+        "import subprocess, sys, time\n"
+        "from lit_ppo.rollout.workers.servers import end_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=end_with_parent,"
+        " start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(trainer.stdout.readline())
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running(child):
+        time.sleep(0.1)
+    assert not running(child)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
 # ---------------------------------------------------------------- real servers
 
 
@@ -219,9 +252,19 @@ def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]
     return process, f"http://127.0.0.1:{port}"
 
 
+@pytest.fixture(scope="module")
+def given_server(tiny_model_dir, tmp_path_factory):
+    """A vLLM server started by the test, outside any trainer (its URL is given to the runs); stopped at the end."""
+    process, url = start_server(tiny_model_dir, tmp_path_factory.mktemp("given_server") / "server.log")
+    yield process, url
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(60)
+
+
 @pytest.mark.slow
 def test_a_server_given_by_url_at_k1_samples_with_the_planned_versions_and_is_left_running(
     spawned_workers,
+    given_server,
     tiny_model_dir,
     long_prompt_files,  # noqa: F811
     tmp_path,
@@ -229,18 +272,77 @@ def test_a_server_given_by_url_at_k1_samples_with_the_planned_versions_and_is_le
     """launch=server with rollout.workers.server_urls: a server the test started. At k = 1 every sample is of the
     planned version (max(0, s - 1): the run's check_policy_versions passes, and the versions are the server's own
     weight versions), and the samples equal the spawned workers' at k = 1. The trainer leaves the server running."""
-    process, url = start_server(tiny_model_dir, tmp_path / "server.log")
+    process, url = given_server
+    rollout = disaggregated(1, launch="server", server_urls=[url])
+    batches, servers, plan = run(tiny_model_dir, long_prompt_files, tmp_path, rollout, steps=3)
+    assert plan.workers.server_urls == (url,)
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]
+    assert all(len(b.policy_versions) == 32 for b in batches)
+    assert_same_samples(batches, spawned_workers[1])
+    assert servers.procs == [] and process.poll() is None
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert response.status == 200
+    assert not (tmp_path / "logs" / "rollout_server0.log").exists()
+
+
+def update_of(model, version: int, probe_ids: list[int], prompt_tokens: int) -> WeightUpdate:
+    """`model`'s state_dict as policy `version`, with the trainer's probe: its log-probs of probe_ids' response."""
+    state = model.state_dict()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), dim=-1)
+    expected = [logprobs[j - 1, probe_ids[j]].item() for j in range(prompt_tokens, len(probe_ids))]
+    return WeightUpdate(
+        version,
+        tensors=list(state.items()),
+        metadata=[(name, t.dtype, tuple(t.shape)) for name, t in state.items()],
+        probe=lambda: (probe_ids[:prompt_tokens], probe_ids[prompt_tokens:], expected),
+    )
+
+
+@pytest.mark.slow
+def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(given_server, tiny_model_dir, tmp_path):
+    """A server applies a push as it receives it, so `update_weights` first waits for the requests in flight: a batch
+    sent under version 0 and still generating when version 1 is pushed comes back all of version 0, and equal to the
+    same request generated again under version 0's weights (pushed as version 2); under version 1 it differs. A second
+    client of the same server (this test after the run above) joins a weight-transfer group of its own."""
+    from transformers import AutoModelForCausalLM
+
+    _, url = given_server
+    policy_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    policy_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in policy_b.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    workers = ServerWorkers(
+        engine_kwargs={},
+        server_urls=[url],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=tmp_path,
+        start_timeout_s=60.0,
+        batch_timeout_s=300.0,
+        push_timeout_s=60.0,
+        bucket_mib=1,
+        max_logprob_abs_diff=1e-4,
+    )
+    prompts = [[5 + i] * 10 for i in range(8)]
+    request = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=100, seeds=[100 + 4 * i for i in range(8)])
+    probe = prompts[0] + list(range(20, 30))
     try:
-        rollout = disaggregated(1, launch="server", server_urls=[url])
-        batches, servers, plan = run(tiny_model_dir, long_prompt_files, tmp_path / "run", rollout, steps=3)
-        assert plan.workers.server_urls == (url,)
-        assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]
-        assert all(len(b.policy_versions) == 32 for b in batches)
-        assert_same_samples(batches, spawned_workers[1])
-        assert servers.procs == [] and process.poll() is None
-        with urllib.request.urlopen(url + "/health", timeout=10) as response:
-            assert response.status == 200
-        assert not (tmp_path / "run" / "logs" / "rollout_server0.log").exists()
+        workers.update_weights(update_of(policy_a, 0, probe, 10))
+        in_flight = workers.submit(prompts, **request)
+        workers.update_weights(update_of(policy_b, 1, probe, 10))
+        waited_s = workers.last_push_wait_s
+        before, versions_before, _ = workers.collect(in_flight)
+        under_b, versions_b, _ = workers.collect(workers.submit(prompts, **request))
+        workers.update_weights(update_of(policy_a, 2, probe, 10))
+        again, versions_again, _ = workers.collect(workers.submit(prompts, **request))
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
+        workers.close()
+    assert (versions_before, versions_b, versions_again) == ([0] * 32, [1] * 32, [2] * 32)
+    assert sum(len(g.token_ids) for g in before) > 1000  # up to 3,200 tokens: still generating when the push came
+    assert waited_s > 0.05
+    assert [g.token_ids for g in before] == [g.token_ids for g in again]
+    assert [g.token_ids for g in before] != [g.token_ids for g in under_b]

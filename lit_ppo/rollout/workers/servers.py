@@ -113,6 +113,18 @@ def plugin_path(root: Path) -> Path:
     return root
 
 
+def end_with_parent() -> None:
+    """`preexec_fn` of a spawned server: the kernel sends it SIGTERM when the trainer's process ends, however it ends
+    (SIGKILL too), and vLLM's server then stops its engine's processes; no server outlives its trainer (Linux; elsewhere
+    `close` alone stops it)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -339,7 +351,13 @@ class ServerWorkers:
             out.write(f"$ VLLM_SERVER_DEV_MODE=1 {' '.join(command)}\n".encode())
             out.flush()
             process = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: `close` signals the server and its engine's processes
+                preexec_fn=end_with_parent,
             )
         server = Server(number, f"http://{self.host}:{port}", process, log_file)
         log.info("rollout worker %d: vLLM server starting at %s (log: %s)", number, server.url, log_file)
