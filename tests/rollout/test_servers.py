@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -169,7 +170,7 @@ def digit_share(prompts, responses, references, extras, **_) -> list[float]:
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def run(tiny_model_dir, files, out: Path, rollout, steps: int):
+def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
     """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client."""
     datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
     trainer, module, datamodule, plan = build_run(
@@ -180,6 +181,7 @@ def run(tiny_model_dir, files, out: Path, rollout, steps: int):
         total_rollout_steps=steps,
         rollout=rollout,
         datamodule_class=datamodule_class,
+        callbacks=callbacks,
         reward_fn=digit_share,
         # 2 optimizer steps per rollout step: the policy moves between versions
         **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **TIS},
@@ -229,6 +231,31 @@ def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
     assert servers.exit_codes == [0], log[-3000:]
     assert all(server.process.poll() is not None for server in servers.servers)
+
+
+class KillServer(L.Callback):
+    """SIGKILL a spawned server (its process group: the API server and its engine's processes) during rollout step 1's
+    updates."""
+
+    def __init__(self):
+        self.pid = None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.pid is None:
+            self.pid = trainer.datamodule.engine.procs[0].pid
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_server_stops_the_run_in_one_line_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    kill = KillServer()
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, launch="server"), steps=3, callbacks=[kill])
+    message = str(info.value)
+    assert "\n" not in message
+    log_file = tmp_path / "logs" / "rollout_server0.log"
+    assert message.startswith("trainer: vLLM server 0 at http://127.0.0.1:"), message
+    assert f"(pid {kill.pid}; see {log_file}) exited with code -9 while the trainer waited for" in message
 
 
 def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]:
