@@ -4,6 +4,7 @@ or started by the test (a URL given), whose samples are the spawned rollout work
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -331,7 +332,8 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
     """A server applies a push as it receives it, so `update_weights` first waits for the requests in flight: a batch
     sent under version 0 and still generating when version 1 is pushed comes back all of version 0, and equal to the
     same request generated again under version 0's weights (pushed as version 2); under version 1 it differs. A second
-    client of the same server (this test after the run above) joins a weight-transfer group of its own."""
+    client of the same server (this test after the run above) joins a weight-transfer group of its own. A push whose
+    weights are not the trainer's of that version (its probe's log-probs differ) stops in one line naming the server."""
     from transformers import AutoModelForCausalLM
 
     _, url = given_server
@@ -366,8 +368,15 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
         under_b, versions_b, _ = workers.collect(workers.submit(prompts, **request))
         workers.update_weights(update_of(policy_a, 2, probe, 10))
         again, versions_again, _ = workers.collect(workers.submit(prompts, **request))
+        # weights that are not the trainer's of that version (A's, where the trainer's probe is B's): one line
+        wrong = dataclasses.replace(update_of(policy_a, 3, probe, 10), probe=update_of(policy_b, 3, probe, 10).probe)
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(wrong)
     finally:
         workers.close()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"trainer: vLLM server 0 at {url} (given by")
+    assert "after the push of policy version 3 its log-probs of a probe sequence differ from the trainer's" in message
     assert (versions_before, versions_b, versions_again) == ([0] * 32, [1] * 32, [2] * 32)
     assert sum(len(g.token_ids) for g in before) > 1000  # up to 3,200 tokens: still generating when the push came
     assert waited_s > 0.05
