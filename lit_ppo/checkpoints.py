@@ -207,6 +207,7 @@ UNTRACKED_KEYS = (
     "trainer.keep_checkpoints",
     "trainer.collective_timeout_s",
     "rollout.engine_start_timeout_s",
+    "rollout.workers.server_urls",  # where the vLLM servers run (a requeued job gets new ones), not what they serve
     "resume",
     "output_dir",
     "cache_dir",

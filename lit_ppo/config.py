@@ -200,7 +200,7 @@ class PPOConfig:
 
 ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
-WORKER_LAUNCHES = ("spawn", "external")  # rollout.workers.launch
+WORKER_LAUNCHES = ("spawn", "external", "server")  # rollout.workers.launch
 VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
 """rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
 set (`vllm_only_settings_set`)."""
@@ -264,7 +264,11 @@ class WorkersConfig:
     launch: str = "spawn"
     """spawn: the trainer starts its workers itself, on its own node; external: the user's launcher starts them, on
     any node (`python -m lit_ppo.rollout.workers --connect HOST:PORT`, docs/async.md), and the trainer waits for
-    them to connect."""
+    them to connect; server: the workers are vLLM servers (`vllm serve`), given by `server_urls` or spawned by the
+    trainer (lit_ppo/rollout/workers/servers.py)."""
+    server_urls: list[str] = field(default_factory=list)
+    """With launch=server: the servers' URLs (http://host:port), started outside the trainer as docs/async.md says;
+    empty: the trainer spawns `count` servers on free ports of its node."""
     port: int = 29600
     """With launch=external: the TCP port of the trainer's store that the workers connect to (spawn: any free port)."""
     trainer_host: str | None = None
@@ -308,6 +312,20 @@ def validate_workers(workers: WorkersConfig) -> None:
         raise ConfigError(
             f"rollout.workers.port={port!r} with rollout.workers.launch=external must be a TCP port (1..65535) that "
             "the workers connect to; fix: e.g. rollout.workers.port=29600"
+        )
+    urls = list(workers.server_urls or [])
+    if urls and workers.launch != "server":
+        raise ConfigError(
+            f"rollout.workers.server_urls={urls} with rollout.workers.launch={workers.launch}: only vLLM servers are "
+            "given by URL; fix: rollout.workers.launch=server, or rollout.workers.server_urls=[]"
+        )
+    bad = [url for url in urls if not isinstance(url, str) or not url.startswith(("http://", "https://"))]
+    if bad:
+        raise ConfigError(f"rollout.workers.server_urls: {bad[0]!r} is not a server's URL; fix: e.g. http://node1:8000")
+    if urls and workers.count != len(urls):
+        raise ConfigError(
+            f"rollout.workers.count={workers.count} with {len(urls)} rollout.workers.server_urls: each server is one "
+            f"rollout worker; fix: rollout.workers.count={len(urls)}"
         )
     for key in ("start_timeout_s", "heartbeat_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
         if not getattr(workers, key) > 0:
@@ -984,6 +1002,7 @@ class RunConfig:
         validate_rollout_engine(self.rollout, self.strategy)
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
+        validate_server_workers(self.rollout, self.model, self.strategy)
         check_worker_waits_fit_collectives(self.rollout, self.strategy, self.trainer.collective_timeout_s)
         # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction
@@ -1087,6 +1106,42 @@ def check_worker_waits_fit_collectives(
             f"for the workers, and would stop on their own timeout without naming the worker; fix: "
             f"trainer.collective_timeout_s above {longest:g}, or lower {setting}"
         )
+
+
+def validate_server_workers(rollout: RolloutConfig, model: ModelConfig, strategy: StrategyConfig) -> None:
+    """rollout.workers.launch=server (vLLM servers as rollout workers, lit_ppo/rollout/workers/servers.py): what the
+    servers' HTTP routes cannot do, refused before any model loads."""
+    if rollout.mode != "disaggregated" or rollout.workers.launch != "server":
+        return
+    where = "rollout.workers.launch=server (vLLM servers as rollout workers)"
+    refused = [
+        (
+            model.lora.enabled,
+            "with model.lora: a server loads a LoRA adapter only from a folder (/v1/load_lora_adapter), and lit-ppo "
+            "pushes each adapter version from memory",
+            "model.lora.rank=0",
+        ),
+        (rollout.engine == "hf", "with rollout.engine=hf: the servers are vLLM's", "rollout.engine=vllm"),
+        (
+            rollout.episodes.environment is not None,
+            "with multi-turn episodes (rollout.episodes.environment): the servers generate single-turn responses only",
+            "no environment",
+        ),
+        (
+            rollout.tensor_parallel_size != 1,
+            f"with rollout.tensor_parallel_size={rollout.tensor_parallel_size}: lit-ppo's gloo weight push reaches one "
+            "worker process per server",
+            "rollout.tensor_parallel_size=1",
+        ),
+        (
+            strategy.data_parallel_size != 1,
+            f"with {strategy.data_parallel_size} trainer ranks: only one trainer rank driving the servers is built",
+            "one trainer device",
+        ),
+    ]
+    for cannot, why, other in refused:
+        if cannot:
+            raise ConfigError(f"{where} {why}; fix: rollout.workers.launch=spawn, or {other}")
 
 
 def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: StrategyConfig) -> None:

@@ -173,6 +173,23 @@ class AheadOfTimeSource:
         from lit_ppo.rollout.workers.engines import worker_engine_settings
 
         r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
+        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_server_workers)
+            from lit_ppo.rollout.workers.servers import ServerWorkers
+
+            return ServerWorkers(
+                engine_kwargs=worker_engine_settings("vllm", datamodule, plan),
+                server_urls=list(w.server_urls),
+                workers=w.count,
+                devices_per_worker=w.devices,
+                trainer_devices=datamodule.trainer.num_devices if datamodule.trainer is not None else 1,
+                log_dir=datamodule.log_dir or Path("logs"),
+                start_timeout_s=w.start_timeout_s,
+                batch_timeout_s=w.batch_timeout_s,
+                push_timeout_s=w.weight_push_timeout_s,
+                bucket_mib=w.weight_push_bucket_mib,
+                max_logprob_abs_diff=r.max_logprob_abs_diff,
+                host=w.trainer_address_host(),
+            )
         start = lambda: RolloutWorkers(  # noqa: E731
             engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
             engine_name=r.engine,

@@ -106,7 +106,7 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
         ),
         (
             ["rollout.mode=disaggregated", "rollout.workers.launch=ssh"],
-            r"^rollout.workers.launch='ssh' is unknown; fix: use one of spawn, external$",
+            r"^rollout.workers.launch='ssh' is unknown; fix: use one of spawn, external, server$",
         ),
         (
             ["rollout.mode=disaggregated", "rollout.workers.launch=external", "rollout.workers.port=0"],

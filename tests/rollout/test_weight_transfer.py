@@ -152,10 +152,16 @@ def test_a_received_bucket_other_than_the_apply_command_names_stops_the_worker_i
     receiver = StagedReceiver(store=None, group=None)
     entries = [("w", "float32", [2])]
     receiver.received[(0, 0)] = (GlooUpdateInfo(0, 0, entries, 8, "1"), [("w", torch.zeros(2))])
-    with pytest.raises(RuntimeError, match=r"^weight push 0 bucket 0: received version 1 with 1 tensors where the "):
+    with pytest.raises(RuntimeError, match=r"^weight push 0 bucket 0: the received bucket's weight_version differs "):
         receiver.take(GlooUpdateInfo(0, 0, entries, 8, "2"))
     receiver.received[(0, 0)] = (GlooUpdateInfo(0, 0, entries, 8, "1"), [("w", torch.zeros(2))])
-    assert torch.equal(receiver.take(GlooUpdateInfo(0, 0, entries, 8, "1"))[0][1], torch.zeros(2))
+    with pytest.raises(
+        RuntimeError, match=r"bucket's entries differs .* 1 tensors, 8 bytes; named version 1, 1 tensors"
+    ):
+        receiver.take(GlooUpdateInfo(0, 0, [("w", "bfloat16", [4])], 8, "1"))
+    # the same bucket as JSON gives it (lists, not tuples: a server's /update_weights) is the same bucket
+    receiver.received[(0, 0)] = (GlooUpdateInfo(0, 0, [("w", "float32", (2,))], 8, "1"), [("w", torch.zeros(2))])
+    assert torch.equal(receiver.take(GlooUpdateInfo(0, 0, [["w", "float32", [2]]], 8, "1"))[0][1], torch.zeros(2))
 
 
 def test_a_stopped_receiver_raises_instead_of_waiting_forever():

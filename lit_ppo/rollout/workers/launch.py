@@ -47,6 +47,23 @@ def error_line(store, worker: int) -> str:
     return store.get(key).decode() if store.check([key]) else ""
 
 
+def worker_devices(env: dict, worker: int, devices_per_worker: int, trainer_devices: int) -> str | None:
+    """On GPUs, a spawned worker's own devices (CUDA_VISIBLE_DEVICES): the ones after the trainer's; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    first = trainer_devices + worker * devices_per_worker
+    mine = ids[first : first + devices_per_worker]
+    if len(mine) < devices_per_worker:
+        raise RolloutWorkerError(
+            f"rollout worker {worker} needs devices {first}..{first + devices_per_worker - 1} after the trainer's "
+            f"{trainer_devices}, but {len(ids)} are visible; fix: lower rollout.workers.count or "
+            "rollout.workers.devices, or make more devices visible"
+        )
+    return ",".join(mine)
+
+
 class SpawnedLaunch:
     """rollout.workers.launch=spawn: the workers are this process's children (see the module's docstring)."""
 
@@ -69,18 +86,9 @@ class SpawnedLaunch:
         env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
         # The worker imports this checkout of lit_ppo, whatever is installed.
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
-        if torch.cuda.is_available():  # its own devices: the ones after the trainer's
-            visible = env.get("CUDA_VISIBLE_DEVICES")
-            ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-            first = self.trainer_devices + worker * self.devices_per_worker
-            mine = ids[first : first + self.devices_per_worker]
-            if len(mine) < self.devices_per_worker:
-                raise RolloutWorkerError(
-                    f"rollout worker {worker} needs devices {first}..{first + self.devices_per_worker - 1} after the "
-                    f"trainer's {self.trainer_devices}, but {len(ids)} are visible; fix: lower rollout.workers.count or "
-                    "rollout.workers.devices, or make more devices visible"
-                )
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        devices = worker_devices(env, worker, self.devices_per_worker, self.trainer_devices)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
         log = open(self.log_file(worker), "ab")
         try:
             return subprocess.Popen(

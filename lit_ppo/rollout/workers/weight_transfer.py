@@ -19,7 +19,10 @@ v". vLLM's own engines receive and load in the one `update_weights` call (their 
 stall the trainer until the worker's queue came round. So the receiver thread takes each bucket as it is broadcast;
 the worker's client calls (`update_weights` with the bucket's info) come later, through vLLM's offline RL API
 (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`), and load what was received. The same
-receiver serves `rollout.engine=hf` workers, which have no vLLM (`HFEngine.open_weight_transfer`).
+receiver serves `rollout.engine=hf` workers, which have no vLLM (`HFEngine.open_weight_transfer`). A vLLM server
+(rollout.workers.launch=server) builds the same engine side, registered by lit-ppo's vLLM general plugin (`register`,
+pyproject.toml's entry point); its client (`servers.ServerSyncClient`) sends each bucket's /update_weights while the
+bucket is broadcast, and the server loads it as soon as its receiver has it (a server has no ordered queue).
 
 With model.lora the pushed tensors are the adapter: they travel the same way, and the worker loads them as an adapter
 version (`VLLMEngine.sync_adapter`), since vLLM's transfer engines load base weights only.
@@ -95,6 +98,9 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     entries: list
     nbytes: int
     weight_version: str | None = None
+
+    def __post_init__(self):  # one form whichever way it came (pickled tuples, or JSON lists from an HTTP client)
+        self.entries = [[name, dtype, list(shape)] for name, dtype, shape in self.entries]
 
 
 def update_info_key(push: int, bucket: int) -> str:
@@ -344,10 +350,14 @@ class StagedReceiver(threading.Thread):
                 raise RuntimeError(f"receiving weight push {key[0]} (bucket {key[1]}) failed: {self.failure}")
             got, tensors = self.received.pop(key)
         if got != expected:
+            differs = next(
+                f for f in ("weight_version", "nbytes", "entries") if getattr(got, f) != getattr(expected, f)
+            )
             raise RuntimeError(
-                f"weight push {key[0]} bucket {key[1]}: received version {got.weight_version} with {len(got.entries)} "
-                f"tensors where the apply command names version {expected.weight_version} with "
-                f"{len(expected.entries)}; the worker would load other weights than planned"
+                f"weight push {key[0]} bucket {key[1]}: the received bucket's {differs} differs from the apply "
+                f"command's (received version {got.weight_version}, {len(got.entries)} tensors, {got.nbytes} bytes; "
+                f"named version {expected.weight_version}, {len(expected.entries)} tensors, {expected.nbytes} bytes); "
+                "the worker would load other weights than planned"
             )
         return tensors
 

@@ -1,0 +1,385 @@
+"""vLLM servers as rollout workers (rollout.workers.launch=server, lit_ppo/rollout/workers/servers.py, docs/async.md):
+what the route refuses, what the plan says, and real runs against real `vllm serve` processes, spawned by the trainer
+or started by the test (a URL given), whose samples are the spawned rollout workers' and of the planned versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lit_ppo.config import RolloutCorrectionConfig
+from lit_ppo.contract import WeightUpdate
+from lit_ppo.errors import ConfigError, RolloutWorkerError
+from lit_ppo.plan import compute_plan
+from lit_ppo.rollout.workers.servers import (
+    PLUGIN_ENTRY_POINT,
+    ServerWorkers,
+    plugin_path,
+    server_arguments,
+    server_environment,
+)
+from tests.helpers import ROOT, build_run, compose_run_config, free_port
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated
+
+TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
+SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
+
+
+# ---------------------------------------------------------------- settings and the plan
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["model.lora.rank=8"],
+            r"^rollout.workers.launch=server \(vLLM servers as rollout workers\) with model.lora: a server loads a LoRA "
+            r"adapter only from a folder .*; fix: rollout.workers.launch=spawn, or model.lora.rank=0$",
+        ),
+        (["rollout.engine=hf"], r"with rollout.engine=hf: the servers are vLLM's; fix: rollout.workers.launch=spawn"),
+        (
+            ["+rollout.episodes.environment._target_=lit_ppo.environments.CalculatorEnvironment"],
+            r"with multi-turn episodes \(rollout.episodes.environment\): .*fix: rollout.workers.launch=spawn",
+        ),
+        (
+            ["rollout.tensor_parallel_size=2"],
+            r"with rollout.tensor_parallel_size=2: .*fix: rollout.workers.launch=spawn, or rollout.tensor_parallel_size=1",
+        ),
+        (["strategy.devices=2"], r"with 2 trainer ranks: .*fix: rollout.workers.launch=spawn, or one trainer device$"),
+        (
+            ["rollout.workers.server_urls=[node1:8000]"],
+            r"^rollout.workers.server_urls: 'node1:8000' is not a server's URL; fix: e.g. http://node1:8000$",
+        ),
+        (
+            ["rollout.workers.server_urls=[http://a:8000,http://b:8000]"],
+            r"^rollout.workers.count=1 with 2 rollout.workers.server_urls: .*fix: rollout.workers.count=2$",
+        ),
+    ],
+)
+def test_what_servers_cannot_do_is_refused_in_one_line_before_any_model_loads(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        compute_plan(compose_run_config(*SERVER, *overrides), 1000)
+    assert "\n" not in str(info.value)
+
+
+def test_server_urls_without_launch_server_are_refused():
+    with pytest.raises(ConfigError, match=r"only vLLM servers are given by URL; fix: rollout.workers.launch=server"):
+        compute_plan(
+            compose_run_config("rollout.mode=disaggregated", "rollout.workers.server_urls=[http://a:8000]"), 1000
+        )
+
+
+def test_the_plan_names_the_servers_and_the_push_that_waits_for_the_steps_in_flight():
+    spawned = compute_plan(compose_run_config(*SERVER, "rollout.workers.count=2"), 2000)
+    assert (spawned.workers.launch, spawned.workers.count, spawned.workers.server_urls) == ("server", 2, ())
+    table = spawned.table()
+    assert "vLLM servers (vllm serve), driven over HTTP" in table
+    assert "the trainer spawns them on free ports of its node" in table
+    assert "each push waits until every request sent before it (the steps in flight) has finished" in table
+    given = compute_plan(
+        compose_run_config(
+            *SERVER, "rollout.workers.count=2", "rollout.workers.server_urls=[http://node1:8000,http://node2:8000]"
+        ),
+        2000,
+    )
+    assert given.workers.server_urls == ("http://node1:8000", "http://node2:8000")
+    assert "given: http://node1:8000, http://node2:8000" in given.table()
+    assert json.loads(json.dumps(given.to_dict()))["workers"]["server_urls"] == [
+        "http://node1:8000",
+        "http://node2:8000",
+    ]
+
+
+def test_the_editable_install_declares_the_vllm_plugin(tmp_path):
+    """`make install` (pip install -e) writes the dist-info that setuptools prepares for an editable build: its
+    entry points name lit_ppo_gloo in vLLM's plugin group, so a server in that environment registers the backend."""
+    from setuptools import build_meta
+
+    name = build_meta.prepare_metadata_for_build_editable(str(tmp_path))
+    entry_points = (tmp_path / name / "entry_points.txt").read_text()
+    assert f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}" in entry_points
+
+
+def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_it(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RolloutWorkerError) as info:
+        ServerWorkers(
+            engine_kwargs={},
+            server_urls=[url],
+            workers=1,
+            devices_per_worker=1,
+            trainer_devices=1,
+            log_dir=tmp_path,
+            start_timeout_s=2.0,
+            batch_timeout_s=10.0,
+            push_timeout_s=10.0,
+            bucket_mib=1,
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls")
+    assert "did not answer /health within rollout.workers.start_timeout_s=2 s" in message
+
+
+def test_a_spawned_server_ends_with_its_trainer_even_when_the_trainer_is_killed(tmp_path):
+    """A spawned server is started with `end_with_parent` (PR_SET_PDEATHSIG): a trainer killed with SIGKILL, which
+    runs no `close`, leaves no server behind (here a stand-in child that would sleep two minutes)."""
+    spawn = (
+        "import subprocess, sys, time\n"
+        "from lit_ppo.rollout.workers.servers import end_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=end_with_parent,"
+        " start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(trainer.stdout.readline())
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running(child):
+        time.sleep(0.1)
+    assert not running(child)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+# ---------------------------------------------------------------- real servers
+
+
+def digit_share(prompts, responses, references, extras, **_) -> list[float]:
+    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
+    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client."""
+    datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        datamodule_class=datamodule_class,
+        callbacks=callbacks,
+        reward_fn=digit_share,
+        # 2 optimizer steps per rollout step: the policy moves between versions
+        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **TIS},
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        if datamodule.engine is not None:
+            datamodule.engine.close()
+    return datamodule_class.batches, datamodule.engine, plan
+
+
+def assert_same_samples(ours, theirs) -> None:
+    assert [b.rollout_step for b in ours] == [b.rollout_step for b in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
+        assert a.policy_versions == b.policy_versions
+        assert a.rollout_logprobs == b.rollout_logprobs
+        assert torch.equal(a.rewards, b.rewards)
+
+
+@pytest.fixture(scope="module")
+def spawned_workers(tiny_model_dir, long_prompt_files, tmp_path_factory):  # noqa: F811
+    """The reference: runs with spawned rollout workers (launch=spawn) at k = 0 (2 steps) and k = 1 (3 steps)."""
+    out = tmp_path_factory.mktemp("spawned_workers")
+    return {
+        0: run(tiny_model_dir, long_prompt_files, out / "k0", disaggregated(0), steps=2)[0],
+        1: run(tiny_model_dir, long_prompt_files, out / "k1", disaggregated(1), steps=3)[0],
+    }
+
+
+@pytest.mark.slow
+def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
+    spawned_workers,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """launch=server with no URL: the trainer spawns a vLLM server (plugin from a dist-info on its PYTHONPATH where the
+    installed lit-ppo lacks the entry point), and at k = 0 the run's samples (token ids, log-probs, versions, rewards)
+    are exactly those of the run with spawned rollout workers: per-request seeds over HTTP sample as the in-process
+    engine does, and the push of version 1 arrives intact. close stops the server."""
+    batches, servers, _ = run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(0, launch="server"), steps=2)
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [1]]
+    assert_same_samples(batches, spawned_workers[0])
+    log = (tmp_path / "logs" / "rollout_server0.log").read_text()
+    assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
+    assert servers.exit_codes == [0], log[-3000:]
+    assert all(server.process.poll() is not None for server in servers.servers)
+
+
+class KillServer(L.Callback):
+    """SIGKILL a spawned server (its process group: the API server and its engine's processes) during rollout step 1's
+    updates."""
+
+    def __init__(self):
+        self.pid = None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.pid is None:
+            self.pid = trainer.datamodule.engine.procs[0].pid
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_server_stops_the_run_in_one_line_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
+    kill = KillServer()
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, launch="server"), steps=3, callbacks=[kill])
+    message = str(info.value)
+    assert "\n" not in message
+    log_file = tmp_path / "logs" / "rollout_server0.log"
+    assert message.startswith("trainer: vLLM server 0 at http://127.0.0.1:"), message
+    assert f"(pid {kill.pid}; see {log_file}) exited with code -9 while the trainer waited for" in message
+
+
+def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]:
+    """A vLLM server started outside the trainer, as docs/async.md tells a user to (lit-ppo's plugin from a dist-info on
+    its PYTHONPATH, as an environment with lit-ppo installed gets it from its entry point)."""
+    port = free_port()
+    settings = dict(
+        model_dir=model_dir,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+    )
+    env = server_environment(kv_cache_gib=1)
+    env["PYTHONPATH"] = os.pathsep.join([str(plugin_path(log_file.parent / "plugin")), str(ROOT)])
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_arguments(settings, port)]
+    with open(log_file, "wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def given_server(tiny_model_dir, tmp_path_factory):
+    """A vLLM server started by the test, outside any trainer (its URL is given to the runs); stopped at the end."""
+    process, url = start_server(tiny_model_dir, tmp_path_factory.mktemp("given_server") / "server.log")
+    yield process, url
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(60)
+
+
+@pytest.mark.slow
+def test_a_server_given_by_url_at_k1_samples_with_the_planned_versions_and_is_left_running(
+    spawned_workers,
+    given_server,
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+):
+    """launch=server with rollout.workers.server_urls: a server the test started. At k = 1 every sample is of the
+    planned version (max(0, s - 1): the run's check_policy_versions passes, and the versions are the server's own
+    weight versions), and the samples equal the spawned workers' at k = 1. The trainer leaves the server running."""
+    process, url = given_server
+    rollout = disaggregated(1, launch="server", server_urls=[url])
+    batches, servers, plan = run(tiny_model_dir, long_prompt_files, tmp_path, rollout, steps=3)
+    assert plan.workers.server_urls == (url,)
+    assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]
+    assert all(len(b.policy_versions) == 32 for b in batches)
+    assert_same_samples(batches, spawned_workers[1])
+    assert servers.procs == [] and process.poll() is None
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert response.status == 200
+    assert not (tmp_path / "logs" / "rollout_server0.log").exists()
+
+
+def update_of(model, version: int, probe_ids: list[int], prompt_tokens: int) -> WeightUpdate:
+    """`model`'s state_dict as policy `version`, with the trainer's probe: its log-probs of probe_ids' response."""
+    state = model.state_dict()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([probe_ids])).logits[0].float(), dim=-1)
+    expected = [logprobs[j - 1, probe_ids[j]].item() for j in range(prompt_tokens, len(probe_ids))]
+    return WeightUpdate(
+        version,
+        tensors=list(state.items()),
+        metadata=[(name, t.dtype, tuple(t.shape)) for name, t in state.items()],
+        probe=lambda: (probe_ids[:prompt_tokens], probe_ids[prompt_tokens:], expected),
+    )
+
+
+@pytest.mark.slow
+def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(given_server, tiny_model_dir, tmp_path):
+    """A server applies a push as it receives it, so `update_weights` first waits for the requests in flight: a batch
+    sent under version 0 and still generating when version 1 is pushed comes back all of version 0, and equal to the
+    same request generated again under version 0's weights (pushed as version 2); under version 1 it differs. A second
+    client of the same server (this test after the run above) joins a weight-transfer group of its own. A push whose
+    weights are not the trainer's of that version (its probe's log-probs differ) stops in one line naming the server."""
+    from transformers import AutoModelForCausalLM
+
+    _, url = given_server
+    policy_a = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    policy_b = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in policy_b.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    workers = ServerWorkers(
+        engine_kwargs={},
+        server_urls=[url],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=tmp_path,
+        start_timeout_s=60.0,
+        batch_timeout_s=300.0,
+        push_timeout_s=60.0,
+        bucket_mib=1,
+        max_logprob_abs_diff=1e-4,
+    )
+    prompts = [[5 + i] * 10 for i in range(8)]
+    request = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=100, seeds=[100 + 4 * i for i in range(8)])
+    probe = prompts[0] + list(range(20, 30))
+    try:
+        workers.update_weights(update_of(policy_a, 0, probe, 10))
+        to_b = update_of(policy_b, 1, probe, 10)  # built first: the push follows the submit at once
+        in_flight = workers.submit(prompts, **request)
+        workers.update_weights(to_b)
+        waited_s = workers.last_push_wait_s
+        before, versions_before, _ = workers.collect(in_flight)
+        under_b, versions_b, _ = workers.collect(workers.submit(prompts, **request))
+        workers.update_weights(update_of(policy_a, 2, probe, 10))
+        again, versions_again, _ = workers.collect(workers.submit(prompts, **request))
+        # weights that are not the trainer's of that version (A's, where the trainer's probe is B's): one line
+        wrong = dataclasses.replace(update_of(policy_a, 3, probe, 10), probe=update_of(policy_b, 3, probe, 10).probe)
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(wrong)
+    finally:
+        workers.close()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"trainer: vLLM server 0 at {url} (given by")
+    assert "after the push of policy version 3 its log-probs of a probe sequence differ from the trainer's" in message
+    assert (versions_before, versions_b, versions_again) == ([0] * 32, [1] * 32, [2] * 32)
+    assert sum(len(g.token_ids) for g in before) > 1000  # up to 3,200 tokens: still generating when the push came
+    assert waited_s > 0.05
+    assert [g.token_ids for g in before] == [g.token_ids for g in again]
+    assert [g.token_ids for g in before] != [g.token_ids for g in under_b]
