@@ -208,6 +208,8 @@ UNTRACKED_KEYS = (
     "trainer.collective_timeout_s",
     "rollout.engine_start_timeout_s",
     "rollout.workers.server_urls",  # where the vLLM servers run (a requeued job gets new ones), not what they serve
+    "rollout.workers.trainer_host",  # where the trainer runs (a requeued job may land on another node)
+    "rollout.workers.port",
     "resume",
     "output_dir",
     "cache_dir",

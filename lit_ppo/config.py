@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
@@ -299,6 +300,9 @@ class WorkersConfig:
         return socket.gethostname() if self.launch == "external" else "127.0.0.1"
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def validate_workers(workers: WorkersConfig) -> None:
     """The workers' count, launch, port and timeouts."""
     _positive("rollout.workers", count=workers.count, devices=workers.devices)
@@ -322,10 +326,22 @@ def validate_workers(workers: WorkersConfig) -> None:
     bad = [url for url in urls if not isinstance(url, str) or not url.startswith(("http://", "https://"))]
     if bad:
         raise ConfigError(f"rollout.workers.server_urls: {bad[0]!r} is not a server's URL; fix: e.g. http://node1:8000")
+    if len(set(urls)) != len(urls):
+        twice = next(url for url in urls if urls.count(url) > 1)
+        raise ConfigError(
+            f"rollout.workers.server_urls lists {twice} twice: one server would join the weight push twice; fix: list "
+            "each server once"
+        )
     if urls and workers.count != len(urls):
         raise ConfigError(
             f"rollout.workers.count={workers.count} with {len(urls)} rollout.workers.server_urls: each server is one "
             f"rollout worker; fix: rollout.workers.count={len(urls)}"
+        )
+    remote = [url for url in urls if urllib.parse.urlsplit(url).hostname not in LOOPBACK_HOSTS]
+    if remote and workers.trainer_address_host() in LOOPBACK_HOSTS:
+        raise ConfigError(
+            f"rollout.workers.server_urls has {remote[0]}, on another node, but the trainer's address it would be told "
+            f"is {workers.trainer_address_host()}; fix: rollout.workers.trainer_host=<this node's name or address>"
         )
     for key in ("start_timeout_s", "heartbeat_timeout_s", "batch_timeout_s", "weight_push_timeout_s"):
         if not getattr(workers, key) > 0:
@@ -1148,6 +1164,11 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
     """rollout.mode=disaggregated and its staleness against the engine and the PPO settings (any number of trainer
     ranks: rank 0 drives the workers, lit_ppo/rollout/workers/ranks.py)."""
     if rollout.mode != "disaggregated":
+        if rollout.workers.server_urls:
+            raise ConfigError(
+                f"rollout.workers.server_urls={list(rollout.workers.server_urls)} with rollout.mode={rollout.mode}: "
+                "the servers would not be used; fix: rollout.mode=disaggregated, or rollout.workers.server_urls=[]"
+            )
         return
     k = rollout.staleness()
     where = f"rollout.mode=disaggregated (rollout.max_staleness={k})"

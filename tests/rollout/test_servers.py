@@ -4,6 +4,7 @@ or started by the test (a URL given), whose samples are the spawned rollout work
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -65,12 +66,36 @@ SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
             ["rollout.workers.server_urls=[http://a:8000,http://b:8000]"],
             r"^rollout.workers.count=1 with 2 rollout.workers.server_urls: .*fix: rollout.workers.count=2$",
         ),
+        (
+            ["rollout.workers.server_urls=[http://127.0.0.1:8000,http://127.0.0.1:8000]", "rollout.workers.count=2"],
+            r"^rollout.workers.server_urls lists http://127.0.0.1:8000 twice: .*fix: list each server once$",
+        ),
+        (
+            ["rollout.workers.server_urls=[http://node1:8000]"],
+            r"^rollout.workers.server_urls has http://node1:8000, on another node, but the trainer's address it would "
+            r"be told is 127.0.0.1; fix: rollout.workers.trainer_host=<this node's name or address>$",
+        ),
     ],
 )
 def test_what_servers_cannot_do_is_refused_in_one_line_before_any_model_loads(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:
         compute_plan(compose_run_config(*SERVER, *overrides), 1000)
     assert "\n" not in str(info.value)
+
+
+def test_remote_servers_are_planned_when_the_trainer_has_an_address_they_reach_and_urls_need_the_mode():
+    plan = compute_plan(
+        compose_run_config(
+            *SERVER, "rollout.workers.server_urls=[http://node1:8000]", "rollout.workers.trainer_host=node0"
+        ),
+        1000,
+    )
+    assert plan.workers is not None
+    with pytest.raises(ConfigError, match=r"with rollout.mode=colocated: the servers would not be used; fix: "):
+        compute_plan(
+            compose_run_config("rollout.workers.launch=server", "rollout.workers.server_urls=[http://127.0.0.1:8000]"),
+            1000,
+        )
 
 
 def test_server_urls_without_launch_server_are_refused():
@@ -89,7 +114,10 @@ def test_the_plan_names_the_servers_and_the_push_that_waits_for_the_steps_in_fli
     assert "each push waits until every request sent before it (the steps in flight) has finished" in table
     given = compute_plan(
         compose_run_config(
-            *SERVER, "rollout.workers.count=2", "rollout.workers.server_urls=[http://node1:8000,http://node2:8000]"
+            *SERVER,
+            "rollout.workers.count=2",
+            "rollout.workers.server_urls=[http://node1:8000,http://node2:8000]",
+            "rollout.workers.trainer_host=node0",  # the servers on other nodes reach the trainer there
         ),
         2000,
     )
@@ -136,10 +164,10 @@ def test_a_spawned_server_ends_with_its_trainer_even_when_the_trainer_is_killed(
     """A spawned server is started with `end_with_parent` (PR_SET_PDEATHSIG): a trainer killed with SIGKILL, which
     runs no `close`, leaves no server behind (here a stand-in child that would sleep two minutes)."""
     spawn = (
-        "import subprocess, sys, time\n"
+        "import functools, os, subprocess, sys, time\n"
         "from lit_ppo.rollout.workers.servers import end_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], preexec_fn=end_with_parent,"
-        " start_new_session=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
+        " preexec_fn=functools.partial(end_with_parent, os.getpid()), start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(120)\n"
     )
@@ -383,3 +411,44 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
     assert waited_s > 0.05
     assert [g.token_ids for g in before] == [g.token_ids for g in again]
     assert [g.token_ids for g in before] != [g.token_ids for g in under_b]
+
+
+def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_naming_the_flag():
+    """Its log-probs would silently be of the raw logits, or the push would reach no engine: the trainer reads the
+    given server's /server_info and names the flag it lacks."""
+    from lit_ppo.rollout.workers.servers import Server, ServerWorkers
+
+    right = {
+        "vllm_config": {
+            "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": 256},
+            "weight_transfer_config": {"backend": "lit_ppo_gloo"},
+            "parallel_config": {"tensor_parallel_size": 1},
+        }
+    }
+    wrongs = [
+        (("model_config", "logprobs_mode", "raw_logprobs"), "--logprobs-mode processed_logprobs"),
+        (("weight_transfer_config", "backend", "nccl"), "--weight-transfer-config"),
+        (("parallel_config", "tensor_parallel_size", 2), "--tensor-parallel-size 1"),
+        (("model_config", "max_model_len", 64), "--max-model-len 128"),
+    ]
+    for (section, key, value), flag in [((None, None, None), None)] + wrongs:
+        config = copy.deepcopy(right)
+        if section is not None:
+            config["vllm_config"][section][key] = value
+
+        class Given(Server):
+            def call(self, method, path, body=None, timeout_s=60.0):
+                assert path == "/server_info?config_format=json"
+                return config
+
+        workers = object.__new__(ServerWorkers)
+        workers.failed = False
+        server = Given(0, "http://127.0.0.1:8000")
+        if flag is None:
+            workers._check_settings(server, {"max_model_len": 128})
+            continue
+        with pytest.raises(RolloutWorkerError) as info:
+            workers._check_settings(server, {"max_model_len": 128})
+        message = str(info.value)
+        assert message.startswith("trainer: vLLM server 0 at http://127.0.0.1:8000 (given by") and flag in message
+        assert "\n" not in message and workers.failed

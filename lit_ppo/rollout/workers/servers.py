@@ -25,6 +25,9 @@ What a rollout worker does and how a server does it:
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import http.client
 import importlib.metadata
 import json
 import logging
@@ -57,6 +60,7 @@ PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.workers.weight_transfer:reg
 """The vLLM general plugin that registers lit-ppo's weight-transfer backend in a server (pyproject.toml too)."""
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 HEALTH_TIMEOUT_S = 5.0  # one /health call
+SETTLE_S = 2.0  # after a failed broadcast: how long a killed server may take to be seen exited
 
 
 def server_arguments(settings: dict, port: int, host: str = "127.0.0.1") -> list[str]:
@@ -113,16 +117,19 @@ def plugin_path(root: Path) -> Path:
     return root
 
 
-def end_with_parent() -> None:
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def end_with_parent(trainer_pid: int) -> None:
     """`preexec_fn` of a spawned server: the kernel sends it SIGTERM when the trainer's process ends, however it ends
     (SIGKILL too), and vLLM's server then stops its engine's processes; no server outlives its trainer (Linux; elsewhere
     `close` alone stops it)."""
-    if sys.platform != "linux":
+    if _LIBC is None:
         return
-    import ctypes
-
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != trainer_pid:  # the trainer ended before the call: nobody would send it
+        os._exit(1)
 
 
 def free_port(host: str) -> int:
@@ -161,10 +168,13 @@ class Server:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").replace("\n", " ")[:300]
             raise HTTPFailure(f"{method} {path} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut, timed out
             reason = getattr(e, "reason", e)
-            raise HTTPFailure(f"{method} {path} failed after at most {timeout_s:g} s: {reason}") from None
-        return json.loads(text) if text else {}
+            raise HTTPFailure(f"{method} {path} failed after at most {timeout_s:g} s: {reason!r}") from None
+        try:
+            return json.loads(text) if text else {}
+        except ValueError:
+            raise HTTPFailure(f"{method} {path} answered what is not JSON: {text[:200]!r}") from None
 
     def post(self, path: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
         return self.call("POST", path, body if body is not None else {}, timeout_s)
@@ -208,6 +218,15 @@ class ServerSyncClient:
             own_host = urllib.parse.urlsplit(server.url).hostname or init_info["host"]
             info = {**init_info, "rank_offset": server.number + 1, "own_host": own_host}
             self._send(server, sender, "/init_weight_transfer_engine", {"init_info": info})
+
+    def check_alive(self) -> None:
+        """Between the rendezvous' polls: a server that exited, or whose join call already failed, is named at
+        once, not after the group's timeout."""
+        for server in self.workers.servers:
+            self.workers._check_alive(server, "the weight push's rendezvous")
+        for server, future in self.pending:
+            if future.done() and future.exception() is not None:
+                self.workers.result(server, future, "joining the weight push's gloo group", 0.0)
 
     def joined(self) -> None:
         self._await("joining the weight push's gloo group", self.workers.start_timeout_s)
@@ -302,11 +321,12 @@ class ServerWorkers:
             if server_urls:
                 self.servers = [Server(i, url.rstrip("/")) for i, url in enumerate(server_urls)]
             else:
-                self.servers = [
-                    self._spawn(i, engine_kwargs, devices_per_worker, trainer_devices) for i in range(workers)
-                ]
+                for i in range(workers):  # appended one by one: a failed spawn still stops the ones before it
+                    self.servers.append(self._spawn(i, engine_kwargs, devices_per_worker, trainer_devices))
             for server in self.servers:
                 self._wait_ready(server)
+                if server.process is None:
+                    self._check_settings(server, engine_kwargs)
             # The gloo group's rendezvous: a store of the trainer's, which the servers' receivers also poll for each
             # bucket's info.
             self.store = dist.TCPStore(
@@ -358,7 +378,7 @@ class ServerWorkers:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: `close` signals the server and its engine's processes
-                preexec_fn=end_with_parent,
+                preexec_fn=functools.partial(end_with_parent, os.getpid()),
             )
         server = Server(number, f"http://{self.host}:{port}", process, log_file)
         log.info("rollout worker %d: vLLM server starting at %s (log: %s)", number, server.url, log_file)
@@ -379,6 +399,35 @@ class ServerWorkers:
             time.sleep(1.0)
         models = self.call(server, "/v1/models", "its model list", 30.0, method="GET")["data"]
         server.model = models[0]["id"]
+
+    def _check_settings(self, server: Server, settings: dict) -> None:
+        """A server started outside the trainer must run with what `server_arguments` gives a spawned one where the
+        samples or the push depend on it (its /server_info, dev mode): else its log-probs would silently be of the raw
+        logits, or the push would reach no engine. One line naming the server and the flag."""
+        config = self.call(server, "/server_info?config_format=json", "/server_info", 30.0, method="GET")
+        vllm = config.get("vllm_config") or {}
+        model = vllm.get("model_config") or {}
+        transfer = vllm.get("weight_transfer_config") or {}
+        tensor_parallel = (vllm.get("parallel_config") or {}).get("tensor_parallel_size", 1)
+        wrong = [
+            (model.get("logprobs_mode"), "processed_logprobs", "--logprobs-mode processed_logprobs"),
+            (transfer.get("backend"), "lit_ppo_gloo", '--weight-transfer-config \'{"backend": "lit_ppo_gloo"}\''),
+            (tensor_parallel, 1, "--tensor-parallel-size 1"),
+        ]
+        for got, wanted, flag in wrong:
+            if got != wanted:
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: {server.describe()} runs with {got!r} where a rollout worker needs {wanted!r}; fix: "
+                    f"start it with {flag} (docs/async.md gives the whole command)"
+                )
+        length = model.get("max_model_len")
+        if isinstance(length, int) and length < settings.get("max_model_len", 0):
+            self.failed = True
+            raise RolloutWorkerError(
+                f"trainer: {server.describe()} serves max_model_len {length}, below rollout.max_model_len="
+                f"{settings['max_model_len']}; fix: start it with --max-model-len {settings['max_model_len']}"
+            )
 
     def _check_alive(self, server: Server, what: str) -> None:
         code = server.exit_code()
@@ -435,8 +484,9 @@ class ServerWorkers:
         limits = params["max_tokens"]
         stop_ids, stop = list(params.get("stop_token_ids") or ()), list(params.get("stop") or ())
         prompts = []
+        owner = share_owners(len(prompt_token_ids), len(self.servers))
         for i, ids in enumerate(prompt_token_ids):
-            server = self.servers[i * len(self.servers) // len(prompt_token_ids)]
+            server = self.servers[owner[i]]
             sampling = dict(
                 n=params["n"],
                 temperature=params["temperature"],
@@ -509,6 +559,8 @@ class ServerWorkers:
         trainer's. Returns the bytes pushed."""
         from lit_ppo.rollout.workers.weight_transfer import BucketBroadcastError, ParamMeta, TensorSource
 
+        if update.adapter is None and update.metadata is None:
+            raise ValueError("ServerWorkers.update_weights: full weights need their metadata (WeightUpdate.metadata)")
         if update.adapter is not None:
             raise RolloutWorkerError(
                 "trainer: vLLM servers load a LoRA adapter only from a folder, not from memory; fix: "
@@ -527,13 +579,19 @@ class ServerWorkers:
         try:
             self.transfer.send_weights(source, weight_version=str(version))
         except BucketBroadcastError as e:
-            for server in self.servers:
-                self._check_alive(server, "the weight push")
             self.failed = True
+            # A killed server closes its sockets moments before it is seen to exit, and a server whose receiver
+            # failed answers its /update_weights with the reason: either is the better message.
+            deadline = time.monotonic() + SETTLE_S
+            while time.monotonic() < deadline:
+                for server in self.servers:
+                    self._check_alive(server, "the weight push")
+                self.sync_client.check_alive()
+                time.sleep(0.05)
             raise RolloutWorkerError(
                 f"trainer: the weight push of version {version} (bucket {e.bucket}, {e.nbytes / 2**20:.1f} MiB) did "
-                f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s; a server is "
-                f"stuck: {', '.join(s.describe() for s in self.servers)}"
+                f"not complete within rollout.workers.weight_push_timeout_s={self.push_timeout_s:g} s ({e.seconds:.1f} "
+                f"s, {e.cause_name}); a server is stuck: {', '.join(s.describe() for s in self.servers)}"
             ) from None
         for server in self.servers:
             self.call(server, "/resume", "/resume after a push", self.batch_timeout_s)
@@ -591,19 +649,42 @@ class ServerWorkers:
                     log.warning("trainer: %s: shutting its weight transfer down failed: %s", server.describe(), e)
         if self.transfer is not None:
             self.transfer.shutdown()
-        self.exit_codes = []
-        for server in self.servers:
-            if server.process is None:
-                continue
+        if self.failed:  # a given server may be paused mid-push: let other clients on
+            for server in self.servers:
+                if server.process is None:
+                    try:
+                        server.post("/resume", timeout_s=10.0)
+                    except HTTPFailure:
+                        pass
+        # Spawned servers: every one signalled first (at once with SIGKILL after a failure), then one deadline.
+        spawned = [s for s in self.servers if s.process is not None]
+        for server in spawned:
             if server.process.poll() is None:
-                os.killpg(server.process.pid, signal.SIGTERM)
+                signal_group(server.process.pid, signal.SIGKILL if self.failed else signal.SIGTERM)
+        deadline = time.monotonic() + (0.0 if self.failed else timeout_s)
+        self.exit_codes = []
+        for server in spawned:
             try:
-                self.exit_codes.append(server.process.wait(timeout=timeout_s))
+                self.exit_codes.append(server.process.wait(timeout=max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
-                os.killpg(server.process.pid, signal.SIGKILL)
+                signal_group(server.process.pid, signal.SIGKILL)
                 server.process.wait()
                 self.exit_codes.append(None)
         self.transfer = self.store = self.requests = None
+
+
+def signal_group(pid: int, signum: int) -> None:
+    """`signum` to a spawned server's process group (its engine's processes too); gone already is fine."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def share_owners(prompts: int, workers: int) -> list[int]:
+    """Which worker generates each prompt: contiguous shares, prompts [w n / W, (w + 1) n / W) to worker w, as
+    `RolloutWorkers.submit` gives spawned workers theirs."""
+    return [w for w in range(workers) for _ in range(w * prompts // workers, (w + 1) * prompts // workers)]
 
 
 def server_command_line(settings: dict, port: int, host: str = "127.0.0.1") -> str:
