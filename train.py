@@ -37,8 +37,10 @@ def main(cfg: DictConfig) -> None:
     if not hasattr(workers_config, "get"):  # `workers: N` in a YAML of the last release (now rollout.workers.count)
         workers_config = {"count": workers_config, "launch": cfg.rollout.get("worker_launch", "spawn")}
     workers = str(workers_config.get("count") or 1)
-    # (External workers are the launcher's, on nodes it chose: the user shares out their cores.)
-    spawned = workers_config.get("launch", "spawn") == "spawn"
+    # (External workers are the launcher's, on nodes it chose, and given servers the user's: they share out their
+    # cores. Servers the trainer spawns run on its node.)
+    launch = workers_config.get("launch", "spawn")
+    spawned = launch == "spawn" or (launch == "server" and not workers_config.get("server_urls"))
     if cfg.rollout.get("mode") == "disaggregated" and spawned and workers.isdigit():
         local_processes += int(workers)
     threads = use_cpu_threads(local_processes)
