@@ -309,7 +309,9 @@ class ServerWorkers:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.version: int | None = None  # the last version pushed
-        self.requests = ThreadPoolExecutor(max_requests_in_flight, thread_name_prefix="lit-ppo-generate")
+        # One pool per server (`server_of`): a server's requests never queue behind another's.
+        self.requests: dict[int, ThreadPoolExecutor] | None = {}
+        self.max_requests_in_flight = max_requests_in_flight
         self.in_flight: set[Future] = set()  # generate requests not yet answered (a push waits for them)
         self.servers: list[Server] = []
         self.exit_codes: list[int | None] = []
@@ -499,12 +501,20 @@ class ServerWorkers:
             )
             body = dict(model=server.model, token_ids=list(ids), sampling_params=sampling, output_mode="text")
             body["return_token_ids"] = True
-            future = self.requests.submit(self._generate_one, server, body)
+            future = self.pool_of(server).submit(self._generate_one, server, body)
             future.server = server  # which server a push waits for, by the request
             self.in_flight.add(future)
             future.add_done_callback(self.in_flight.discard)
             prompts.append((server.number, future))
         return ServerTicket(prompts, time.perf_counter())
+
+    def pool_of(self, server: Server) -> ThreadPoolExecutor:
+        """The threads that send `server`'s requests (at most max_requests_in_flight at once)."""
+        if server.number not in self.requests:
+            self.requests[server.number] = ThreadPoolExecutor(
+                self.max_requests_in_flight, thread_name_prefix=f"lit-ppo-generate{server.number}"
+            )
+        return self.requests[server.number]
 
     def _generate_one(self, server: Server, body: dict) -> tuple[list[dict], float]:
         choices = server.post("/inference/v1/generate", body, self.batch_timeout_s)["choices"]
@@ -638,7 +648,8 @@ class ServerWorkers:
         `timeout_s`); given servers are left running, their weight-transfer engine shut down."""
         if self.requests is None:
             return
-        self.requests.shutdown(wait=False, cancel_futures=True)
+        for pool in self.requests.values():
+            pool.shutdown(wait=False, cancel_futures=True)
         if self.sync_client is not None:
             self.sync_client.close()
         for server in self.servers:
