@@ -852,7 +852,7 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
 WORKER_THREADS_AT_EXIT = """
 import sys, threading, time, datetime
 import torch.distributed as dist
-from lit_ppo.rollout.workers.weight_transfer import StagedReceiver
+from lit_ppo.rollout.workers.transport import StagedReceiver
 from lit_ppo.rollout.workers.worker_main import send_heartbeats, stop_threads
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))

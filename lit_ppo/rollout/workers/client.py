@@ -62,13 +62,13 @@ class WorkerSyncClient:
         self.updates = []
 
     def update_weights(self, update_info: dict) -> None:
-        from lit_ppo.rollout.workers.weight_transfer import update_info_key
+        from lit_ppo.rollout.workers.transport import update_info_key
 
         self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
         self.updates.append(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from lit_ppo.rollout.workers.weight_transfer import push_done_key
+        from lit_ppo.rollout.workers.transport import push_done_key
 
         if not self.updates:
             raise ValueError("a weight push of no tensors")

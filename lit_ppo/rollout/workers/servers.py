@@ -238,7 +238,7 @@ class ServerSyncClient:
     def update_weights(self, update_info: dict) -> None:
         import pickle
 
-        from lit_ppo.rollout.workers.weight_transfer import update_info_key
+        from lit_ppo.rollout.workers.transport import update_info_key
 
         if update_info["push"] != self.pushes:
             raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
@@ -247,7 +247,7 @@ class ServerSyncClient:
             self._send(server, sender, "/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from lit_ppo.rollout.workers.weight_transfer import push_done_key
+        from lit_ppo.rollout.workers.transport import push_done_key
 
         self.workers.store.set(push_done_key(self.pushes), b"1")
         self.pushes += 1

@@ -8,13 +8,18 @@
 - A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
   and Lightning use) carries the weights, through vLLM's weight-transfer interface (`weight_transfer`: the trainer
   broadcasts each version in flat byte buckets, a thread in each worker receives them while its engine generates,
-  and the worker loads a version when its ordered commands reach it).
+  and the worker loads a version when its ordered commands reach it). The receiving end is here, free of vLLM
+  (`StagedReceiver`, with the bucket announcements it reads, `BucketInfo`): the HF engine's workers use it without
+  vLLM, and vLLM's engine side (`weight_transfer.GlooWeightTransferEngine`) holds one.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
+import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,3 +57,129 @@ def take_key(store, key: str) -> bytes:
     value = store.get(key)
     store.delete_key(key)
     return value
+
+
+@dataclass
+class BucketInfo:
+    """One bucket of a weight push as the trainer announces it (`weight_transfer.GlooUpdateInfo` is this, as vLLM's
+    update info): push number, bucket number, each tensor's name, dtype and shape, the bucket's size in bytes and the
+    policy version the push carries."""
+
+    push: int
+    bucket: int
+    entries: list
+    nbytes: int
+    weight_version: str | None = None
+
+    def __post_init__(self):  # one form whichever way it came (pickled tuples, or JSON lists from an HTTP client)
+        self.entries = [[name, dtype, list(shape)] for name, dtype, shape in self.entries]
+
+
+def bucket_fields(info) -> tuple:
+    return info.push, info.bucket, info.entries, info.nbytes, info.weight_version
+
+
+def update_info_key(push: int, bucket: int) -> str:
+    """The store key under which the trainer announces a bucket before broadcasting it (the receivers wait on it)."""
+    return f"push/{push}/{bucket}"
+
+
+def push_done_key(push: int) -> str:
+    return f"push/{push}/done"
+
+
+def unpack_bucket(entries: list, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of one bucket received as bytes (views into `flat`)."""
+    tensors, offset = [], 0
+    for name, dtype, shape in entries:
+        dtype = getattr(torch, dtype)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        tensors.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
+    return tensors
+
+
+class StagedReceiver(threading.Thread):
+    """A worker's end of the push: joins the gloo group, then receives every bucket as soon as the trainer announces
+    and broadcasts it (while the worker's engine generates), keeping it until `take` (the worker's
+    apply of that version) asks for it."""
+
+    def __init__(self, store, group, stopping: threading.Event | None = None):
+        super().__init__(daemon=True, name="lit-ppo-weight-receiver")
+        self.store, self.group = store, group
+        self.stopping = stopping if stopping is not None else threading.Event()
+        self.received: dict[tuple[int, int], tuple[BucketInfo, list[tuple[str, torch.Tensor]]]] = {}
+        self.ready = threading.Condition()
+        self.failure: BaseException | None = None
+
+    @classmethod
+    def joining(cls, info, rank_within_engine: int = 0) -> "StagedReceiver":
+        """A receiver in the trainer's group: a client of its store, this process's end of the gloo group (the
+        rendezvous completes when the trainer and every worker joined); `rank_within_engine`: the engine process's
+        rank among its engine's (tensor-parallel) processes; `info`: a `weight_transfer.GlooInitInfo`."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(info.host, info.port, is_master=False, timeout=seconds_delta(info.timeout_s))
+        rank = info.rank_offset + rank_within_engine
+        return cls(store, gloo_group(store, rank, info.world_size, info.timeout_s, info.own_host or info.host))
+
+    def run(self) -> None:
+        try:
+            push = 0
+            while True:
+                bucket = 0
+                while True:
+                    key = update_info_key(push, bucket)
+                    while not (self.store.check([key]) or self.store.check([push_done_key(push)])):
+                        if self.stopping.wait(POLL_S):
+                            with self.ready:  # the worker stops: nothing more is taken
+                                self.failure = RuntimeError("the receiver was stopped")
+                                self.ready.notify_all()
+                            return
+                    if not self.store.check([key]):
+                        break  # the push is complete
+                    info = BucketInfo(**pickle.loads(self.store.get(key)))
+                    flat = torch.empty(info.nbytes, dtype=torch.uint8)
+                    broadcast(self.group, flat)
+                    with self.ready:
+                        self.received[(push, bucket)] = (info, unpack_bucket(info.entries, flat))
+                        self.ready.notify_all()
+                    bucket += 1
+                push += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the thread that takes
+            with self.ready:
+                self.failure = e
+                self.ready.notify_all()
+
+    def take(self, expected: BucketInfo) -> list[tuple[str, torch.Tensor]]:
+        """The bucket `expected` names, once received; it must be the one announced (same tensors, same policy
+        version): the worker's "apply" command and the broadcast came by different ways."""
+        key = (expected.push, expected.bucket)
+        with self.ready:
+            while key not in self.received and self.failure is None:
+                self.ready.wait(1.0)
+            if key not in self.received:
+                raise RuntimeError(f"receiving weight push {key[0]} (bucket {key[1]}) failed: {self.failure}")
+            got, tensors = self.received.pop(key)
+        if bucket_fields(got) != bucket_fields(expected):
+            differs = next(
+                f for f in ("weight_version", "nbytes", "entries") if getattr(got, f) != getattr(expected, f)
+            )
+            raise RuntimeError(
+                f"weight push {key[0]} bucket {key[1]}: the received bucket's {differs} differs from the apply "
+                f"command's (received version {got.weight_version}, {len(got.entries)} tensors, {got.nbytes} bytes; "
+                f"named version {expected.weight_version}, {len(expected.entries)} tensors, {expected.nbytes} bytes); "
+                "the worker would load other weights than planned"
+            )
+        return tensors
+
+    def take_all(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
+        """Every bucket of a push, in order (its `update_weights` infos)."""
+        return [t for info in update_infos for t in self.take(BucketInfo(**info))]
+
+    def stop(self) -> None:
+        """Stop receiving and join (a thread inside gloo's C++ at interpreter teardown aborts the process)."""
+        self.stopping.set()
+        if self.is_alive():
+            self.join()
+        self.group = None

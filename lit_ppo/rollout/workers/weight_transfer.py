@@ -30,8 +30,6 @@ version (`VLLMEngine.sync_adapter`), since vLLM's transfer engines load base wei
 
 from __future__ import annotations
 
-import pickle
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -50,7 +48,14 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lit_ppo.errors import WeightSyncError
-from lit_ppo.rollout.workers.transport import POLL_S, broadcast, gloo_group, seconds_delta
+from lit_ppo.rollout.workers.transport import (
+    POLL_S,
+    BucketInfo,
+    StagedReceiver,
+    broadcast,
+    gloo_group,
+    seconds_delta,
+)
 
 BACKEND = "lit_ppo_gloo"
 """The backend's name in vLLM's factories (`weight_transfer_config={"backend": BACKEND}`)."""
@@ -89,27 +94,9 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 
 @dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket (`update_weights`' info): push number, bucket number, each tensor's name, dtype and shape, the
-    bucket's size in bytes and the policy version the push carries."""
-
-    push: int
-    bucket: int
-    entries: list
-    nbytes: int
-    weight_version: str | None = None
-
-    def __post_init__(self):  # one form whichever way it came (pickled tuples, or JSON lists from an HTTP client)
-        self.entries = [[name, dtype, list(shape)] for name, dtype, shape in self.entries]
-
-
-def update_info_key(push: int, bucket: int) -> str:
-    """The store key under which the trainer announces a bucket before broadcasting it (the receivers wait on it)."""
-    return f"push/{push}/{bucket}"
-
-
-def push_done_key(push: int) -> str:
-    return f"push/{push}/done"
+class GlooUpdateInfo(BucketInfo, WeightTransferUpdateInfo):
+    """One bucket (`update_weights`' info; `transport.BucketInfo`'s fields): push number, bucket number, each tensor's
+    name, dtype and shape, the bucket's size in bytes and the policy version the push carries."""
 
 
 # ------------------------------------------------------------ trainer side
@@ -178,17 +165,6 @@ def weight_buckets(
         size += nbytes
     if parts:
         yield entries, torch.cat(parts)
-
-
-def unpack_bucket(entries: list[tuple[str, str, list[int]]], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors of one bucket received as bytes (views into `flat`)."""
-    tensors, offset = [], 0
-    for name, dtype, shape in entries:
-        dtype = getattr(torch, dtype)
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        tensors.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
-    return tensors
 
 
 class BucketBroadcastError(RuntimeError):
@@ -285,92 +261,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 
 # ------------------------------------------------------------ engine (worker) side
-
-
-class StagedReceiver(threading.Thread):
-    """A worker's end of the push: joins the gloo group, then receives every bucket as soon as the trainer announces
-    and broadcasts it (while the worker's engine generates), keeping it until `take` (the worker's
-    apply of that version) asks for it."""
-
-    def __init__(self, store, group, stopping: threading.Event | None = None):
-        super().__init__(daemon=True, name="lit-ppo-weight-receiver")
-        self.store, self.group = store, group
-        self.stopping = stopping if stopping is not None else threading.Event()
-        self.received: dict[tuple[int, int], tuple[GlooUpdateInfo, list[tuple[str, torch.Tensor]]]] = {}
-        self.ready = threading.Condition()
-        self.failure: BaseException | None = None
-
-    @classmethod
-    def joining(cls, info: GlooInitInfo, rank_within_engine: int = 0) -> "StagedReceiver":
-        """A receiver in the trainer's group: a client of its store, this process's end of the gloo group (the
-        rendezvous completes when the trainer and every worker joined); `rank_within_engine`: the engine process's
-        rank among its engine's (tensor-parallel) processes."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(info.host, info.port, is_master=False, timeout=seconds_delta(info.timeout_s))
-        rank = info.rank_offset + rank_within_engine
-        return cls(store, gloo_group(store, rank, info.world_size, info.timeout_s, info.own_host or info.host))
-
-    def run(self) -> None:
-        try:
-            push = 0
-            while True:
-                bucket = 0
-                while True:
-                    key = update_info_key(push, bucket)
-                    while not (self.store.check([key]) or self.store.check([push_done_key(push)])):
-                        if self.stopping.wait(POLL_S):
-                            with self.ready:  # the worker stops: nothing more is taken
-                                self.failure = RuntimeError("the receiver was stopped")
-                                self.ready.notify_all()
-                            return
-                    if not self.store.check([key]):
-                        break  # the push is complete
-                    info = GlooUpdateInfo(**pickle.loads(self.store.get(key)))
-                    flat = torch.empty(info.nbytes, dtype=torch.uint8)
-                    broadcast(self.group, flat)
-                    with self.ready:
-                        self.received[(push, bucket)] = (info, unpack_bucket(info.entries, flat))
-                        self.ready.notify_all()
-                    bucket += 1
-                push += 1
-        except BaseException as e:  # noqa: BLE001 - reported by the thread that takes
-            with self.ready:
-                self.failure = e
-                self.ready.notify_all()
-
-    def take(self, expected: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
-        """The bucket `expected` names, once received; it must be the one announced (same tensors, same policy
-        version): the worker's "apply" command and the broadcast came by different ways."""
-        key = (expected.push, expected.bucket)
-        with self.ready:
-            while key not in self.received and self.failure is None:
-                self.ready.wait(1.0)
-            if key not in self.received:
-                raise RuntimeError(f"receiving weight push {key[0]} (bucket {key[1]}) failed: {self.failure}")
-            got, tensors = self.received.pop(key)
-        if got != expected:
-            differs = next(
-                f for f in ("weight_version", "nbytes", "entries") if getattr(got, f) != getattr(expected, f)
-            )
-            raise RuntimeError(
-                f"weight push {key[0]} bucket {key[1]}: the received bucket's {differs} differs from the apply "
-                f"command's (received version {got.weight_version}, {len(got.entries)} tensors, {got.nbytes} bytes; "
-                f"named version {expected.weight_version}, {len(expected.entries)} tensors, {expected.nbytes} bytes); "
-                "the worker would load other weights than planned"
-            )
-        return tensors
-
-    def take_all(self, update_infos: list[dict]) -> list[tuple[str, torch.Tensor]]:
-        """Every bucket of a push, in order (its `update_weights` infos)."""
-        return [t for info in update_infos for t in self.take(GlooUpdateInfo(**info))]
-
-    def stop(self) -> None:
-        """Stop receiving and join (a thread inside gloo's C++ at interpreter teardown aborts the process)."""
-        self.stopping.set()
-        if self.is_alive():
-            self.join()
-        self.group = None
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
