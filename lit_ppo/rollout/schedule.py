@@ -173,27 +173,8 @@ class AheadOfTimeSource:
         from lit_ppo.rollout.workers.engines import worker_engine_settings
 
         r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
-        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_server_workers)
-            from lit_ppo.rollout.workers.servers import ServerWorkers
-
-            return ServerWorkers(
-                engine_kwargs=worker_engine_settings("vllm", datamodule, plan),
-                server_urls=list(w.server_urls),
-                workers=w.count,
-                devices_per_worker=w.devices,
-                trainer_devices=datamodule.trainer.num_devices if datamodule.trainer is not None else 1,
-                log_dir=datamodule.log_dir or Path("logs"),
-                start_timeout_s=w.start_timeout_s,
-                batch_timeout_s=w.batch_timeout_s,
-                push_timeout_s=w.weight_push_timeout_s,
-                bucket_mib=w.weight_push_bucket_mib,
-                max_logprob_abs_diff=r.max_logprob_abs_diff,
-                host=w.trainer_address_host(),
-            )
-        start = lambda: RolloutWorkers(  # noqa: E731
-            engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
-            engine_name=r.engine,
-            episodes=datamodule.episode_spec(),  # multi-turn episodes: the workers build their environments
+        # What every launch's client takes from the run's settings.
+        common = dict(
             workers=w.count,
             devices_per_worker=w.devices,
             # The spawned workers' GPUs follow those of the trainer's ranks on rank 0's node.
@@ -205,9 +186,20 @@ class AheadOfTimeSource:
             bucket_mib=w.weight_push_bucket_mib,
             max_logprob_abs_diff=r.max_logprob_abs_diff,
             host=w.trainer_address_host(),
+        )
+        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_server_workers)
+            from lit_ppo.rollout.workers.servers import ServerWorkers
+
+            engine_kwargs = worker_engine_settings("vllm", datamodule, plan)
+            return ServerWorkers(engine_kwargs=engine_kwargs, server_urls=list(w.server_urls), **common)
+        start = lambda: RolloutWorkers(  # noqa: E731
+            engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
+            engine_name=r.engine,
+            episodes=datamodule.episode_spec(),  # multi-turn episodes: the workers build their environments
             launch=w.launch,
             port=w.port if w.launch == "external" else 0,
             heartbeat_timeout_s=w.heartbeat_timeout_s,
+            **common,
         )
         if datamodule.world_size == 1:
             return start()
