@@ -78,6 +78,12 @@ def parallel_run(request, tmp_path_factory, cache, single_run) -> tuple[str, Pat
     return request.param, train_cli(tmp_path_factory.mktemp(request.param), cache, *STRATEGIES[request.param])
 
 
+# The resumes of the FSDP run are `make test-slow`'s (about 40 s): `make test` resumes the DDP run and trains the FSDP run.
+RESUMES_OF_EACH_STRATEGY = pytest.mark.parametrize(
+    "parallel_run", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)], indirect=True
+)
+
+
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, cache, parallel_run) -> Path:
     """A fresh output directory resuming from the 2-process run's checkpoint after rollout step 1."""
@@ -207,6 +213,7 @@ def padded_runs(tmp_path_factory, cache, single_run) -> tuple[Path, Path]:
     return one, train_cli(tmp_path_factory.mktemp("padded_ddp"), cache, *settings, *DDP)
 
 
+@pytest.mark.slow  # two runs (42 s); make test keeps the packed 2-rank comparison above
 def test_two_padded_ranks_make_one_process_s_update_with_the_default_mini_batches(padded_runs):
     one, two = padded_runs
     assert json.loads((two / "plan.json").read_text())["counts"]["optimizer_steps_per_rollout_step"] == 2
@@ -217,6 +224,7 @@ def test_two_padded_ranks_make_one_process_s_update_with_the_default_mini_batche
             assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4, abs=1e-8), key
 
 
+@RESUMES_OF_EACH_STRATEGY
 def test_resumed_run_continues_exactly(parallel_run, resumed_run):
     _, run = parallel_run
     full, resumed = (json.loads((r / "summary.json").read_text()) for r in (run, resumed_run))
@@ -239,6 +247,7 @@ def test_resumed_run_continues_exactly(parallel_run, resumed_run):
         torch.testing.assert_close(final_resumed[name], final[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+@RESUMES_OF_EACH_STRATEGY
 def test_a_two_rank_checkpoint_resumes_on_one_rank(single_run, parallel_run, resumed_on_one_rank):
     """2 ranks -> 1: the checkpoint after rollout step 1 of the 2-process run, resumed by one process, makes the
     update a 1-process run makes. Compared with the uninterrupted 1-process run: its second rollout step's samples
