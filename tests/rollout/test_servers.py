@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import RolloutCorrectionConfig
+from lit_ppo.config import DynamicSamplingConfig, RolloutCorrectionConfig
 from lit_ppo.contract import WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
@@ -31,7 +31,7 @@ from lit_ppo.rollout.workers.servers import (
     server_environment,
 )
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
-from tests.helpers.asynchronous import RecordingDataModule, disaggregated
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated, even_answers_are_uniform
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
@@ -199,8 +199,9 @@ def digit_share(prompts, responses, references, extras, **_) -> list[float]:
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
-    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client."""
+def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), **overrides):
+    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client.
+    `overrides`: build_run's keywords (the PPO settings, the reward) over the tests' own."""
     datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
@@ -211,9 +212,15 @@ def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
         rollout=rollout,
         datamodule_class=datamodule_class,
         callbacks=callbacks,
-        reward_fn=digit_share,
         # 2 optimizer steps per rollout step: the policy moves between versions
-        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **TIS},
+        **{
+            "reward_fn": digit_share,
+            "rollout_batch_size": 8,
+            "train_batch_size": 16,
+            "micro_train_batch_size": 8,
+            **TIS,
+            **overrides,
+        },
     )
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -260,6 +267,48 @@ def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
     assert servers.exit_codes == [0], log[-3000:]
     assert all(server.process.poll() is not None for server in servers.servers)
+
+
+def dynamic_sampling_run(tiny_model_dir, files, out: Path, rollout, steps: int = 3):
+    """`steps` rollout steps of dynamic sampling: every group expected to differ, so 1 round is requested ahead and
+    the rounds the dropped groups (those of even answers) call for are refill rounds, requested after the step's
+    rewards from the step's own version."""
+    return run(
+        tiny_model_dir,
+        files,
+        out,
+        rollout,
+        steps,
+        reward_fn=even_answers_are_uniform,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        dynamic_sampling=DynamicSamplingConfig(
+            enabled=True, max_generation_rounds=3, expected_informative_fraction=1.0
+        ),
+    )
+
+
+@pytest.mark.slow  # a spawned worker's run and a spawned server's, 3 steps each
+def test_dynamic_sampling_with_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """Dynamic sampling's refill rounds go to a server as to spawned workers: a round is sent once the step's rewards
+    call for it, after the push of the step's version, and a push waits for it. At k = 0 every round (requested ahead
+    or refilled) has the spawned workers' prompts, token ids, log-probs, versions and rewards, and the steps the same
+    rounds and dropped and filled groups."""
+    workers, _, plan = dynamic_sampling_run(tiny_model_dir, arithmetic_files, tmp_path / "spawn", disaggregated(0))
+    servers, _, _ = dynamic_sampling_run(
+        tiny_model_dir, arithmetic_files, tmp_path / "server", disaggregated(0, launch="server")
+    )
+    assert plan.dynamic_sampling.rounds_requested_ahead == 1
+    assert_same_samples(servers, workers)
+    rounds = lambda batches: [  # noqa: E731
+        (b.generation_rounds, b.rounds_in_step, b.dropped_groups, b.filled_groups, b.dataset_indices) for b in batches
+    ]
+    assert rounds(servers) == rounds(workers)
+    assert max(b.generation_rounds for b in servers) > 1  # refill rounds were sent to the server
+    assert [set(b.policy_versions) for b in servers] == [{s} for s in range(3)]
 
 
 class KillServer(L.Callback):
