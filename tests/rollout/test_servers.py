@@ -501,3 +501,113 @@ def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_
         message = str(info.value)
         assert message.startswith("trainer: vLLM server 0 at http://127.0.0.1:8000 (given by") and flag in message
         assert "\n" not in message and workers.failed
+
+
+def spawned_server_workers(tiny_model_dir: str, log_dir: Path, push_timeout_s: float) -> ServerWorkers:
+    """One vLLM server spawned by `ServerWorkers` (the trainer's client, without a run), as a run with
+    rollout.workers.launch=server starts it."""
+    settings = dict(
+        model_dir=tiny_model_dir,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=1,
+    )
+    return ServerWorkers(
+        engine_kwargs=settings,
+        server_urls=[],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=log_dir,
+        start_timeout_s=300.0,
+        batch_timeout_s=120.0,
+        push_timeout_s=push_timeout_s,
+        bucket_mib=1,
+        max_logprob_abs_diff=1e-4,
+    )
+
+
+@pytest.mark.slow  # a spawned server's start
+@pytest.mark.parametrize("failure", ["killed", "refused"])
+def test_a_push_that_fails_part_way_stops_at_once_in_one_line_naming_the_server_and_the_cause(
+    failure, tiny_model_dir, tmp_path
+):
+    """The push of version 1 fails after it started (/start_weight_update answered) on a real spawned server:
+    killed: the server is SIGKILLed (its process group: the API server and its engine core) before the bucket is
+    announced, so the bucket's broadcast and its /update_weights fail, and the push settles on the better message,
+    the server's exit; refused: the bucket's /update_weights names another version than the trainer announced in its
+    store, so the server's receiver refuses to load it and answers with the reason. Either way one line naming the
+    server and the cause, long before rollout.workers.weight_push_timeout_s."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = [5] * 10 + list(range(20, 30))
+    workers = spawned_server_workers(tiny_model_dir, tmp_path, push_timeout_s=120.0)
+    try:
+        workers.update_weights(update_of(policy, 0, probe, 10))
+        pid, client = workers.procs[0].pid, workers.sync_client
+        announce, send = client.update_weights, client._send
+
+        def kill_then_announce(update_info: dict) -> None:
+            os.killpg(pid, signal.SIGKILL)
+            announce(update_info)
+
+        def another_version(server, sender, path, body, what) -> None:
+            if path == "/update_weights":
+                body = {"update_info": {**body["update_info"], "weight_version": "7"}}
+            send(server, sender, path, body, what)
+
+        if failure == "killed":
+            client.update_weights = kill_then_announce
+        else:
+            client._send = another_version
+        started = time.monotonic()
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(update_of(policy, 1, probe, 10))
+        seconds = time.monotonic() - started
+    finally:
+        workers.close()
+    message = str(info.value)
+    server = f"trainer: vLLM server 0 at {workers.servers[0].url} (pid {pid}; see {tmp_path / 'rollout_server0.log'})"
+    assert "\n" not in message and workers.failed
+    if failure == "killed":
+        assert message == f"{server} exited with code -9 while the trainer waited for the weight push"
+        assert workers.exit_codes == [-9]
+    else:
+        assert message.startswith(
+            f"{server} failed the weight push's bucket 0 (/update_weights): POST /update_weights answered HTTP 500: "
+        ), message
+        assert "weight push 1 bucket 0: the received bucket's weight_version differs" in message
+    assert seconds < 30.0, (seconds, message)  # the settle (servers.SETTLE_S), not the push's timeout
+
+
+def test_while_a_failed_push_settles_a_failed_bucket_call_is_named_as_that_call(tmp_path):
+    """The push's settle names a server's call that already failed by what it was (here a bucket's /update_weights
+    to a URL where nothing answers), not as the rendezvous' join."""
+    import torch.distributed as dist
+
+    from lit_ppo.rollout.workers.servers import Server, ServerSyncClient
+
+    workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
+    url = f"http://127.0.0.1:{free_port()}"
+    workers.servers, workers.failed, workers.push_timeout_s = [Server(0, url)], False, 5.0
+    workers.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = ServerSyncClient(workers)
+    try:
+        client.update_weights({"push": 0, "bucket": 3, "entries": [], "nbytes": 0, "weight_version": "1"})
+        client.pending[0][1].exception(timeout=10.0)  # refused at once
+        with pytest.raises(RolloutWorkerError) as info:
+            client.check_alive("the weight push")
+    finally:
+        client.close()
+    message = str(info.value)
+    assert "\n" not in message and workers.failed
+    assert message.startswith(
+        f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own) failed the weight "
+        "push's bucket 3 (/update_weights): POST /update_weights failed after at most 5 s: "
+    ), message
+    assert message.endswith("; it does not answer /health either")

@@ -207,7 +207,7 @@ class ServerSyncClient:
     def __init__(self, workers: "ServerWorkers"):
         self.workers = workers
         self.pushes = 0
-        self.pending: list[tuple[Server, Future]] = []
+        self.pending: list[tuple[Server, Future, str]] = []  # calls sent, not yet awaited: server, answer, what
         self.senders = [ThreadPoolExecutor(1, thread_name_prefix=f"lit-ppo-push{s.number}") for s in workers.servers]
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -217,19 +217,21 @@ class ServerSyncClient:
         for server, sender in zip(self.workers.servers, self.senders):
             own_host = urllib.parse.urlsplit(server.url).hostname or init_info["host"]
             info = {**init_info, "rank_offset": server.number + 1, "own_host": own_host}
-            self._send(server, sender, "/init_weight_transfer_engine", {"init_info": info})
+            what = "joining the weight push's gloo group"
+            self._send(server, sender, "/init_weight_transfer_engine", {"init_info": info}, what)
 
-    def check_alive(self) -> None:
-        """Between the rendezvous' polls: a server that exited, or whose join call already failed, is named at
-        once, not after the group's timeout."""
+    def check_alive(self, what: str = "the weight push's rendezvous") -> None:
+        """Between the rendezvous' polls, and while a failed push settles: a server that exited, or whose call
+        already failed (its join, a bucket's /update_weights), is named at once with the call, not after the group's
+        timeout."""
         for server in self.workers.servers:
-            self.workers._check_alive(server, "the weight push's rendezvous")
-        for server, future in self.pending:
+            self.workers._check_alive(server, what)
+        for server, future, call in self.pending:
             if future.done() and future.exception() is not None:
-                self.workers.result(server, future, "joining the weight push's gloo group", 0.0)
+                self.workers.result(server, future, call, 0.0)
 
     def joined(self) -> None:
-        self._await("joining the weight push's gloo group", self.workers.start_timeout_s)
+        self._await(self.workers.start_timeout_s)
 
     def start_weight_update(self) -> None:
         for server in self.workers.servers:
@@ -243,15 +245,16 @@ class ServerSyncClient:
         if update_info["push"] != self.pushes:
             raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
         self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+        what = f"the weight push's bucket {update_info['bucket']} (/update_weights)"
         for server, sender in zip(self.workers.servers, self.senders):
-            self._send(server, sender, "/update_weights", {"update_info": update_info})
+            self._send(server, sender, "/update_weights", {"update_info": update_info}, what)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         from lit_ppo.rollout.workers.transport import push_done_key
 
         self.workers.store.set(push_done_key(self.pushes), b"1")
         self.pushes += 1
-        self._await("the weight push's buckets", self.workers.push_timeout_s)
+        self._await(self.workers.push_timeout_s)
         for server in self.workers.servers:
             self.workers.call(
                 server,
@@ -261,13 +264,14 @@ class ServerSyncClient:
                 {"weight_version": weight_version},
             )
 
-    def _send(self, server: Server, sender: ThreadPoolExecutor, path: str, body: dict) -> None:
+    def _send(self, server: Server, sender: ThreadPoolExecutor, path: str, body: dict, what: str) -> None:
+        """`path` sent from the server's thread; `what` names the call in the line that reports its failure."""
         timeout_s = self.workers.push_timeout_s
-        self.pending.append((server, sender.submit(server.post, path, body, timeout_s)))
+        self.pending.append((server, sender.submit(server.post, path, body, timeout_s), what))
 
-    def _await(self, what: str, timeout_s: float) -> None:
+    def _await(self, timeout_s: float) -> None:
         pending, self.pending = self.pending, []
-        for server, future in pending:
+        for server, future, what in pending:
             self.workers.result(server, future, what, timeout_s)
 
     def close(self) -> None:
@@ -594,9 +598,7 @@ class ServerWorkers:
             # failed answers its /update_weights with the reason: either is the better message.
             deadline = time.monotonic() + SETTLE_S
             while time.monotonic() < deadline:
-                for server in self.servers:
-                    self._check_alive(server, "the weight push")
-                self.sync_client.check_alive()
+                self.sync_client.check_alive("the weight push")
                 time.sleep(0.05)
             raise RolloutWorkerError(
                 f"trainer: the weight push of version {version} (bucket {e.bucket}, {e.nbytes / 2**20:.1f} MiB) did "
