@@ -611,3 +611,51 @@ def test_while_a_failed_push_settles_a_failed_bucket_call_is_named_as_that_call(
         "push's bucket 3 (/update_weights): POST /update_weights failed after at most 5 s: "
     ), message
     assert message.endswith("; it does not answer /health either")
+
+
+KEEP_THE_FIRST_VERSION = """
+import sys
+
+if "vllm.entrypoints.openai.api_server" in sys.orig_argv:  # the server only: it commits its first version only
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    real, versions = AsyncLLM.finish_weight_update, []
+
+    async def first_version_only(self, weight_version=None):
+        versions.append(weight_version)
+        await real(self, weight_version if len(versions) == 1 else None)
+        if len(versions) > 1:
+            print(f"test: the commit of weight version {weight_version} skipped", flush=True)
+
+    AsyncLLM.finish_weight_update = first_version_only
+"""
+
+
+@pytest.mark.slow  # a spawned server's start
+def test_a_server_that_reports_another_version_than_pushed_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """The server loads every push but commits only the first one's version (its /finish_weight_update patched in
+    the server's own process, by a sitecustomize on its PYTHONPATH): after the push of version 1 its /weight_info
+    still says "0", so its samples would be recorded with a version that did not generate them. The push stops in one
+    line naming the server, both versions and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(KEEP_THE_FIRST_VERSION)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = [5] * 10 + list(range(20, 30))
+    workers = spawned_server_workers(tiny_model_dir, tmp_path, push_timeout_s=120.0)
+    try:
+        workers.update_weights(update_of(policy, 0, probe, 10))
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(update_of(policy, 1, probe, 10))
+    finally:
+        workers.close()
+    message, log = str(info.value), (tmp_path / "rollout_server0.log").read_text()
+    assert "\n" not in message and workers.failed and workers.version == 0
+    assert message == (
+        f"trainer: {workers.servers[0].describe()} reports weight version '0' after the push of version 1 (it did "
+        "not commit the version, or another client pushed to it); fix: give each run servers of its own"
+    )
+    assert "test: the commit of weight version 1 skipped" in log

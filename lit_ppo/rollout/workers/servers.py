@@ -604,7 +604,8 @@ class ServerWorkers:
         if held != str(version):
             self.failed = True
             raise RolloutWorkerError(
-                f"trainer: {server.describe()} reports weight version {held!r} after the push of version {version}"
+                f"trainer: {server.describe()} reports weight version {held!r} after the push of version {version} "
+                "(it did not commit the version, or another client pushed to it); fix: give each run servers of its own"
             )
         sequence_logprobs = functools.partial(self._sequence_logprobs, server)
         where = f"trainer: {server.describe()}: after the push of policy version {version}"
