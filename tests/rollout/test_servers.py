@@ -311,6 +311,63 @@ def test_dynamic_sampling_with_a_spawned_server_at_k0_generates_the_spawned_work
     assert [set(b.policy_versions) for b in servers] == [{s} for s in range(3)]
 
 
+def checkpointed_k1_run(tiny_model_dir, files, out: Path, steps: int, resume_from: Path | None = None):
+    """Dynamic sampling at k = 1 on a spawned server, checkpointed after every step: rounds of 16 prompts for 8,
+    0.3 of the groups expected to differ, so 2 rounds are requested ahead of each step and its second is given back
+    to the prompt stream where the first sufficed; `resume_from`: a checkpoint. Returns the module and the batches."""
+    from lit_ppo.checkpoints import RolloutCheckpoint
+    from tests.helpers.asynchronous import fit_then_close
+
+    datamodule_class = RecordingDataModule.fresh()
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=disaggregated(1, launch="server"),
+        callbacks=[RolloutCheckpoint(out / "checkpoints", every=1, keep=10)],
+        datamodule_class=datamodule_class,
+        reward_fn=even_answers_are_uniform,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=8,
+        dynamic_sampling=DynamicSamplingConfig(
+            enabled=True, max_generation_rounds=3, expected_informative_fraction=0.3, prompts_per_round=16
+        ),
+        **TIS,
+    )
+    fit_then_close(trainer, module, datamodule, resume_from=resume_from)
+    return module, datamodule_class.batches, plan
+
+
+@pytest.mark.slow  # two runs on a spawned server
+def test_dynamic_sampling_on_a_server_at_k1_resumes_from_a_checkpoint_exactly(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """A checkpoint of a k = 1 run on a server keeps the step generated ahead (both its rounds, of version s - 1) and
+    the prompt stream (rounds given back included): resumed on a new server from the checkpoint after step 2, the run
+    trains steps 2 and 3 on the same samples, versions and rounds, and ends with bitwise the same weights."""
+    from lit_ppo.checkpoints import checkpoint_path
+    from tests.helpers.resume import assert_same_weights
+
+    full, batches, plan = checkpointed_k1_run(tiny_model_dir, arithmetic_files, tmp_path / "full", steps=4)
+    ahead = plan.dynamic_sampling.rounds_requested_ahead
+    assert ahead == 2 and min(b.generation_rounds for b in batches) < ahead  # a round was given back
+    for step, batch in enumerate(batches):
+        assert batch.policy_versions == [plan.generating_version(step, r) for r in batch.rounds_in_step]
+    kept = checkpoint_path(tmp_path / "full" / "checkpoints", 2)
+    resumed, again, _ = checkpointed_k1_run(
+        tiny_model_dir, arithmetic_files, tmp_path / "resumed", steps=4, resume_from=kept
+    )
+    assert [b.rollout_step for b in again] == [2, 3]
+    assert_same_samples(again, batches[2:])
+    rounds = lambda bs: [(b.generation_rounds, b.rounds_in_step, b.prompts_consumed, b.data_epoch) for b in bs]  # noqa: E731
+    assert rounds(again) == rounds(batches[2:])
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+
+
 class KillServer(L.Callback):
     """SIGKILL a spawned server (its process group: the API server and its engine's processes) during rollout step 1's
     updates."""
