@@ -720,6 +720,51 @@ def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it
     assert "test: the load of adapter version 2 skipped" in log and "policy version 1 applied" not in log
 
 
+KEEP_THE_FIRST_VERSION = """
+import sys
+
+if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its vLLM commits its first version only
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    real, commits = LLMEngine.set_weight_version, []
+
+    def first_commit_only(self, weight_version):
+        commits.append(weight_version)
+        if len(commits) == 1:
+            return real(self, weight_version)
+        print(f"test: the commit of weight version {weight_version} skipped", flush=True)
+
+    LLMEngine.set_weight_version = first_commit_only
+"""
+
+
+def test_a_worker_whose_engine_reports_another_version_than_it_applied_stops_the_run_in_one_line(
+    tiny_model_dir,
+    long_prompt_files,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """The worker's vLLM loads every push but commits only the first one's version (patched in the worker's own
+    process, by a sitecustomize on its PYTHONPATH): after applying policy version 1 its engine still reports version
+    0, so its samples would be recorded with a version that did not generate them. The worker stops; the trainer
+    reports it in one line naming the worker, both versions and its log."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(KEEP_THE_FIRST_VERSION)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    with pytest.raises(RolloutWorkerError) as info:
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **TIS)
+    message = str(info.value)
+    assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
+    assert (
+        "RuntimeError: rollout worker 0: its engine reports weight version 0 after applying policy version 1" in message
+    )
+    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
+    log = (tmp_path / "logs" / "rollout_worker0.log").read_text()
+    assert "test: the commit of weight version 1 skipped" in log and "policy version 0 applied" in log
+    assert "policy version 1 applied" not in log
+
+
 def children_of(pid: int) -> list[int]:
     """The processes whose parent is `pid` (from /proc)."""
     found = []

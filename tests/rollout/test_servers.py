@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import RolloutCorrectionConfig
+from lit_ppo.config import DynamicSamplingConfig, RolloutCorrectionConfig
 from lit_ppo.contract import WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
@@ -31,7 +31,7 @@ from lit_ppo.rollout.workers.servers import (
     server_environment,
 )
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
-from tests.helpers.asynchronous import RecordingDataModule, disaggregated
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated, even_answers_are_uniform
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
@@ -199,8 +199,9 @@ def digit_share(prompts, responses, references, extras, **_) -> list[float]:
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
-    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client."""
+def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), **overrides):
+    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client.
+    `overrides`: build_run's keywords (the PPO settings, the reward) over the tests' own."""
     datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
@@ -211,9 +212,15 @@ def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=()):
         rollout=rollout,
         datamodule_class=datamodule_class,
         callbacks=callbacks,
-        reward_fn=digit_share,
         # 2 optimizer steps per rollout step: the policy moves between versions
-        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **TIS},
+        **{
+            "reward_fn": digit_share,
+            "rollout_batch_size": 8,
+            "train_batch_size": 16,
+            "micro_train_batch_size": 8,
+            **TIS,
+            **overrides,
+        },
     )
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -260,6 +267,105 @@ def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
     assert servers.exit_codes == [0], log[-3000:]
     assert all(server.process.poll() is not None for server in servers.servers)
+
+
+def dynamic_sampling_run(tiny_model_dir, files, out: Path, rollout, steps: int = 3):
+    """`steps` rollout steps of dynamic sampling: every group expected to differ, so 1 round is requested ahead and
+    the rounds the dropped groups (those of even answers) call for are refill rounds, requested after the step's
+    rewards from the step's own version."""
+    return run(
+        tiny_model_dir,
+        files,
+        out,
+        rollout,
+        steps,
+        reward_fn=even_answers_are_uniform,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        dynamic_sampling=DynamicSamplingConfig(
+            enabled=True, max_generation_rounds=3, expected_informative_fraction=1.0
+        ),
+    )
+
+
+@pytest.mark.slow  # a spawned worker's run and a spawned server's, 3 steps each
+def test_dynamic_sampling_with_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """Dynamic sampling's refill rounds go to a server as to spawned workers: a round is sent once the step's rewards
+    call for it, after the push of the step's version, and a push waits for it. At k = 0 every round (requested ahead
+    or refilled) has the spawned workers' prompts, token ids, log-probs, versions and rewards, and the steps the same
+    rounds and dropped and filled groups."""
+    workers, _, plan = dynamic_sampling_run(tiny_model_dir, arithmetic_files, tmp_path / "spawn", disaggregated(0))
+    servers, _, _ = dynamic_sampling_run(
+        tiny_model_dir, arithmetic_files, tmp_path / "server", disaggregated(0, launch="server")
+    )
+    assert plan.dynamic_sampling.rounds_requested_ahead == 1
+    assert_same_samples(servers, workers)
+    rounds = lambda batches: [  # noqa: E731
+        (b.generation_rounds, b.rounds_in_step, b.dropped_groups, b.filled_groups, b.dataset_indices) for b in batches
+    ]
+    assert rounds(servers) == rounds(workers)
+    assert max(b.generation_rounds for b in servers) > 1  # refill rounds were sent to the server
+    assert [set(b.policy_versions) for b in servers] == [{s} for s in range(3)]
+
+
+def checkpointed_k1_run(tiny_model_dir, files, out: Path, steps: int, resume_from: Path | None = None):
+    """Dynamic sampling at k = 1 on a spawned server, checkpointed after every step: rounds of 16 prompts for 8,
+    0.3 of the groups expected to differ, so 2 rounds are requested ahead of each step and its second is given back
+    to the prompt stream where the first sufficed; `resume_from`: a checkpoint. Returns the module and the batches."""
+    from lit_ppo.checkpoints import RolloutCheckpoint
+    from tests.helpers.asynchronous import fit_then_close
+
+    datamodule_class = RecordingDataModule.fresh()
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        None,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=disaggregated(1, launch="server"),
+        callbacks=[RolloutCheckpoint(out / "checkpoints", every=1, keep=10)],
+        datamodule_class=datamodule_class,
+        reward_fn=even_answers_are_uniform,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=8,
+        dynamic_sampling=DynamicSamplingConfig(
+            enabled=True, max_generation_rounds=3, expected_informative_fraction=0.3, prompts_per_round=16
+        ),
+        **TIS,
+    )
+    fit_then_close(trainer, module, datamodule, resume_from=resume_from)
+    return module, datamodule_class.batches, plan
+
+
+@pytest.mark.slow  # two runs on a spawned server
+def test_dynamic_sampling_on_a_server_at_k1_resumes_from_a_checkpoint_exactly(
+    tiny_model_dir, arithmetic_files, tmp_path
+):
+    """A checkpoint of a k = 1 run on a server keeps the step generated ahead (both its rounds, of version s - 1) and
+    the prompt stream (rounds given back included): resumed on a new server from the checkpoint after step 2, the run
+    trains steps 2 and 3 on the same samples, versions and rounds, and ends with bitwise the same weights."""
+    from lit_ppo.checkpoints import checkpoint_path
+    from tests.helpers.resume import assert_same_weights
+
+    full, batches, plan = checkpointed_k1_run(tiny_model_dir, arithmetic_files, tmp_path / "full", steps=4)
+    ahead = plan.dynamic_sampling.rounds_requested_ahead
+    assert ahead == 2 and min(b.generation_rounds for b in batches) < ahead  # a round was given back
+    for step, batch in enumerate(batches):
+        assert batch.policy_versions == [plan.generating_version(step, r) for r in batch.rounds_in_step]
+    kept = checkpoint_path(tmp_path / "full" / "checkpoints", 2)
+    resumed, again, _ = checkpointed_k1_run(
+        tiny_model_dir, arithmetic_files, tmp_path / "resumed", steps=4, resume_from=kept
+    )
+    assert [b.rollout_step for b in again] == [2, 3]
+    assert_same_samples(again, batches[2:])
+    rounds = lambda bs: [(b.generation_rounds, b.rounds_in_step, b.prompts_consumed, b.data_epoch) for b in bs]  # noqa: E731
+    assert rounds(again) == rounds(batches[2:])
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
 
 
 class KillServer(L.Callback):
@@ -452,3 +558,161 @@ def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_
         message = str(info.value)
         assert message.startswith("trainer: vLLM server 0 at http://127.0.0.1:8000 (given by") and flag in message
         assert "\n" not in message and workers.failed
+
+
+def spawned_server_workers(tiny_model_dir: str, log_dir: Path, push_timeout_s: float) -> ServerWorkers:
+    """One vLLM server spawned by `ServerWorkers` (the trainer's client, without a run), as a run with
+    rollout.workers.launch=server starts it."""
+    settings = dict(
+        model_dir=tiny_model_dir,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=1,
+    )
+    return ServerWorkers(
+        engine_kwargs=settings,
+        server_urls=[],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=log_dir,
+        start_timeout_s=300.0,
+        batch_timeout_s=120.0,
+        push_timeout_s=push_timeout_s,
+        bucket_mib=1,
+        max_logprob_abs_diff=1e-4,
+    )
+
+
+@pytest.mark.slow  # a spawned server's start
+@pytest.mark.parametrize("failure", ["killed", "refused"])
+def test_a_push_that_fails_part_way_stops_at_once_in_one_line_naming_the_server_and_the_cause(
+    failure, tiny_model_dir, tmp_path
+):
+    """The push of version 1 fails after it started (/start_weight_update answered) on a real spawned server:
+    killed: the server is SIGKILLed (its process group: the API server and its engine core) before the bucket is
+    announced, so the bucket's broadcast and its /update_weights fail, and the push settles on the better message,
+    the server's exit; refused: the bucket's /update_weights names another version than the trainer announced in its
+    store, so the server's receiver refuses to load it and answers with the reason. Either way one line naming the
+    server and the cause, long before rollout.workers.weight_push_timeout_s."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = [5] * 10 + list(range(20, 30))
+    workers = spawned_server_workers(tiny_model_dir, tmp_path, push_timeout_s=120.0)
+    try:
+        workers.update_weights(update_of(policy, 0, probe, 10))
+        pid, client = workers.procs[0].pid, workers.sync_client
+        announce, send = client.update_weights, client._send
+
+        def kill_then_announce(update_info: dict) -> None:
+            os.killpg(pid, signal.SIGKILL)
+            announce(update_info)
+
+        def another_version(server, sender, path, body, what) -> None:
+            if path == "/update_weights":
+                body = {"update_info": {**body["update_info"], "weight_version": "7"}}
+            send(server, sender, path, body, what)
+
+        if failure == "killed":
+            client.update_weights = kill_then_announce
+        else:
+            client._send = another_version
+        started = time.monotonic()
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(update_of(policy, 1, probe, 10))
+        seconds = time.monotonic() - started
+    finally:
+        workers.close()
+    message = str(info.value)
+    server = f"trainer: vLLM server 0 at {workers.servers[0].url} (pid {pid}; see {tmp_path / 'rollout_server0.log'})"
+    assert "\n" not in message and workers.failed
+    if failure == "killed":
+        assert message == f"{server} exited with code -9 while the trainer waited for the weight push"
+        assert workers.exit_codes == [-9]
+    else:
+        assert message.startswith(
+            f"{server} failed the weight push's bucket 0 (/update_weights): POST /update_weights answered HTTP 500: "
+        ), message
+        assert "weight push 1 bucket 0: the received bucket's weight_version differs" in message
+    assert seconds < 30.0, (seconds, message)  # the settle (servers.SETTLE_S), not the push's timeout
+
+
+def test_while_a_failed_push_settles_a_failed_bucket_call_is_named_as_that_call(tmp_path):
+    """The push's settle names a server's call that already failed by what it was (here a bucket's /update_weights
+    to a URL where nothing answers), not as the rendezvous' join."""
+    import torch.distributed as dist
+
+    from lit_ppo.rollout.workers.servers import Server, ServerSyncClient
+
+    workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
+    url = f"http://127.0.0.1:{free_port()}"
+    workers.servers, workers.failed, workers.push_timeout_s = [Server(0, url)], False, 5.0
+    workers.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = ServerSyncClient(workers)
+    try:
+        client.update_weights({"push": 0, "bucket": 3, "entries": [], "nbytes": 0, "weight_version": "1"})
+        client.pending[0][1].exception(timeout=10.0)  # refused at once
+        with pytest.raises(RolloutWorkerError) as info:
+            client.check_alive("the weight push")
+    finally:
+        client.close()
+    message = str(info.value)
+    assert "\n" not in message and workers.failed
+    assert message.startswith(
+        f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own) failed the weight "
+        "push's bucket 3 (/update_weights): POST /update_weights failed after at most 5 s: "
+    ), message
+    assert message.endswith("; it does not answer /health either")
+
+
+KEEP_THE_FIRST_VERSION = """
+import sys
+
+if "vllm.entrypoints.openai.api_server" in sys.orig_argv:  # the server only: it commits its first version only
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    real, versions = AsyncLLM.finish_weight_update, []
+
+    async def first_version_only(self, weight_version=None):
+        versions.append(weight_version)
+        await real(self, weight_version if len(versions) == 1 else None)
+        if len(versions) > 1:
+            print(f"test: the commit of weight version {weight_version} skipped", flush=True)
+
+    AsyncLLM.finish_weight_update = first_version_only
+"""
+
+
+@pytest.mark.slow  # a spawned server's start
+def test_a_server_that_reports_another_version_than_pushed_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """The server loads every push but commits only the first one's version (its /finish_weight_update patched in
+    the server's own process, by a sitecustomize on its PYTHONPATH): after the push of version 1 its /weight_info
+    still says "0", so its samples would be recorded with a version that did not generate them. The push stops in one
+    line naming the server, both versions and the fix."""
+    from transformers import AutoModelForCausalLM
+
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(KEEP_THE_FIRST_VERSION)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    probe = [5] * 10 + list(range(20, 30))
+    workers = spawned_server_workers(tiny_model_dir, tmp_path, push_timeout_s=120.0)
+    try:
+        workers.update_weights(update_of(policy, 0, probe, 10))
+        with pytest.raises(RolloutWorkerError) as info:
+            workers.update_weights(update_of(policy, 1, probe, 10))
+    finally:
+        workers.close()
+    message, log = str(info.value), (tmp_path / "rollout_server0.log").read_text()
+    assert "\n" not in message and workers.failed and workers.version == 0
+    assert message == (
+        f"trainer: {workers.servers[0].describe()} reports weight version '0' after the push of version 1 (it did "
+        "not commit the version, or another client pushed to it); fix: give each run servers of its own"
+    )
+    assert "test: the commit of weight version 1 skipped" in log

@@ -222,3 +222,56 @@ def test_a_vllm_engine_as_loaded_reports_version_0():
     for committed, version in (("default", 0), ("3", 3)):
         engine.llm = SimpleNamespace(get_weight_version=lambda committed=committed: committed)
         assert engine.weight_version == version
+
+
+def test_a_taken_store_port_stops_either_client_in_one_line_naming_the_setting(tmp_path):
+    """The trainer's store on a port another process holds (rollout.workers.port with launch=external): one line with
+    the setting to change, from the shared `host_store`, here through the spawned workers' client."""
+    from lit_ppo.errors import RolloutWorkerError
+    from lit_ppo.rollout.workers.client import RolloutWorkers
+    from lit_ppo.rollout.workers.transport import host_store
+
+    taken = host_store("127.0.0.1", 0, 5.0)
+    line = (
+        rf"^trainer: cannot host the rollout workers' store on port {taken.port} \(.+\); fix: set rollout.workers.port "
+    )
+    with pytest.raises(RolloutWorkerError, match=line + "to a free port on this node$") as info:
+        RolloutWorkers(
+            engine_kwargs={},
+            workers=1,
+            devices_per_worker=1,
+            trainer_devices=1,
+            log_dir=tmp_path,
+            start_timeout_s=5.0,
+            batch_timeout_s=5.0,
+            push_timeout_s=5.0,
+            bucket_mib=1,
+            host="127.0.0.1",
+            launch="external",
+            port=taken.port,
+        )
+    assert "\n" not in str(info.value)
+
+
+def test_the_probe_check_bounds_the_mean_absolute_difference_per_token_for_workers_and_servers():
+    """`probe_mismatch` (a worker's check after applying a version, and a server's after a push): the engine's
+    log-probs [-1.1, -2.3] against the trainer's [-1.0, -2.0] differ by (0.1 + 0.3) / 2 = 0.2 nats per token."""
+    from lit_ppo.rollout.workers.transport import probe_mismatch
+
+    probe = ([7, 8], [9, 10], [-1.0, -2.0])
+    asked = []
+
+    def engine(prompt, response):
+        asked.append((prompt, response))
+        return [-1.1, -2.3]
+
+    where = "rollout worker 0: after applying policy version 3"
+    assert probe_mismatch(probe, 0.21, engine, where) is None and asked == [([7, 8], [9, 10])]
+    assert probe_mismatch(probe, 0.19, engine, where) == (
+        "rollout worker 0: after applying policy version 3 its log-probs of a probe sequence differ from the "
+        "trainer's by 0.200 nats per token (more than rollout.max_logprob_abs_diff=0.19): the pushed weights did "
+        "not arrive intact"
+    )
+    assert "by nan nats" in probe_mismatch(probe, 0.5, lambda p, r: [float("nan"), -2.0], where)
+    assert probe_mismatch(None, 0.5, engine, where) is None and probe_mismatch(probe, None, engine, where) is None
+    assert len(asked) == 2  # no probe, or no bound: the engine is not asked

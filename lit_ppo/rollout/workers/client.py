@@ -24,7 +24,7 @@ from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeSpec
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import POLL_S, seconds_delta
+from lit_ppo.rollout.workers.transport import POLL_S, announce_bucket, announce_push_end, host_store
 
 PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
 """A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
@@ -62,17 +62,13 @@ class WorkerSyncClient:
         self.updates = []
 
     def update_weights(self, update_info: dict) -> None:
-        from lit_ppo.rollout.workers.transport import update_info_key
-
-        self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+        announce_bucket(self.workers.store, update_info)
         self.updates.append(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from lit_ppo.rollout.workers.transport import push_done_key
-
         if not self.updates:
             raise ValueError("a weight push of no tensors")
-        self.workers.store.set(push_done_key(self.updates[0]["push"]), b"1")
+        announce_push_end(self.workers.store, self.updates[0]["push"])
 
 
 class RolloutWorkers:
@@ -101,8 +97,6 @@ class RolloutWorkers:
         engine_name: str = "vllm",
         episodes: EpisodeSpec | None = None,
     ):
-        import torch.distributed as dist
-
         self.workers = workers
         self.batch_timeout_s = batch_timeout_s
         self.push_timeout_s = push_timeout_s
@@ -110,16 +104,7 @@ class RolloutWorkers:
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
-        try:  # the server listens on every interface; `host` is the address the workers are told
-            self.store = dist.TCPStore(
-                self.host, port, is_master=True, wait_for_workers=False, timeout=seconds_delta(start_timeout_s)
-            )
-        except RuntimeError as e:
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise RolloutWorkerError(
-                f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: set "
-                "rollout.workers.port to a free port on this node"
-            ) from None
+        self.store = host_store(self.host, port, start_timeout_s)
         self.address = f"{self.host}:{self.store.port}"
         processes = engine_kwargs.get("tensor_parallel_size", 1) if engine_name == "vllm" else 1
         spec = WorkerSpec(
@@ -150,18 +135,12 @@ class RolloutWorkers:
             self.launch.start(start_timeout_s)
             for i in range(workers):
                 self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.workers.start_timeout_s", i)
-            from lit_ppo.rollout.workers.weight_transfer import GlooTrainerInitInfo, WeightTransferTrainerFactory
+            from lit_ppo.rollout.workers.weight_transfer import start_trainer_transfer
 
-            info = GlooTrainerInitInfo(
-                host=self.host,
-                port=self.store.port,
-                world_size=1 + workers * processes,
-                bucket_bytes=self.bucket_bytes,
-                timeout_s=push_timeout_s,
-                rank=0,
-            )
             self.sync_client = WorkerSyncClient(self)
-            self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.sync_client)
+            self.transfer = start_trainer_transfer(
+                self.store, self.host, 1 + workers * processes, self.bucket_bytes, push_timeout_s, self.sync_client
+            )
         except BaseException:
             self.close()
             raise

@@ -50,7 +50,7 @@ import torch
 from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.workers.launch import DIST_ENV, worker_devices
-from lit_ppo.rollout.workers.transport import seconds_delta
+from lit_ppo.rollout.workers.transport import announce_bucket, announce_push_end, host_store, probe_mismatch
 
 log = logging.getLogger("lit_ppo")
 
@@ -207,7 +207,7 @@ class ServerSyncClient:
     def __init__(self, workers: "ServerWorkers"):
         self.workers = workers
         self.pushes = 0
-        self.pending: list[tuple[Server, Future]] = []
+        self.pending: list[tuple[Server, Future, str]] = []  # calls sent, not yet awaited: server, answer, what
         self.senders = [ThreadPoolExecutor(1, thread_name_prefix=f"lit-ppo-push{s.number}") for s in workers.servers]
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -217,41 +217,38 @@ class ServerSyncClient:
         for server, sender in zip(self.workers.servers, self.senders):
             own_host = urllib.parse.urlsplit(server.url).hostname or init_info["host"]
             info = {**init_info, "rank_offset": server.number + 1, "own_host": own_host}
-            self._send(server, sender, "/init_weight_transfer_engine", {"init_info": info})
+            what = "joining the weight push's gloo group"
+            self._send(server, sender, "/init_weight_transfer_engine", {"init_info": info}, what)
 
-    def check_alive(self) -> None:
-        """Between the rendezvous' polls: a server that exited, or whose join call already failed, is named at
-        once, not after the group's timeout."""
+    def check_alive(self, what: str = "the weight push's rendezvous") -> None:
+        """Between the rendezvous' polls, and while a failed push settles: a server that exited, or whose call
+        already failed (its join, a bucket's /update_weights), is named at once with the call, not after the group's
+        timeout."""
         for server in self.workers.servers:
-            self.workers._check_alive(server, "the weight push's rendezvous")
-        for server, future in self.pending:
+            self.workers._check_alive(server, what)
+        for server, future, call in self.pending:
             if future.done() and future.exception() is not None:
-                self.workers.result(server, future, "joining the weight push's gloo group", 0.0)
+                self.workers.result(server, future, call, 0.0)
 
     def joined(self) -> None:
-        self._await("joining the weight push's gloo group", self.workers.start_timeout_s)
+        self._await(self.workers.start_timeout_s)
 
     def start_weight_update(self) -> None:
         for server in self.workers.servers:
             self.workers.call(server, "/start_weight_update", "the weight push's start", self.workers.push_timeout_s)
 
     def update_weights(self, update_info: dict) -> None:
-        import pickle
-
-        from lit_ppo.rollout.workers.transport import update_info_key
-
         if update_info["push"] != self.pushes:
             raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
-        self.workers.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+        announce_bucket(self.workers.store, update_info)
+        what = f"the weight push's bucket {update_info['bucket']} (/update_weights)"
         for server, sender in zip(self.workers.servers, self.senders):
-            self._send(server, sender, "/update_weights", {"update_info": update_info})
+            self._send(server, sender, "/update_weights", {"update_info": update_info}, what)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        from lit_ppo.rollout.workers.transport import push_done_key
-
-        self.workers.store.set(push_done_key(self.pushes), b"1")
+        announce_push_end(self.workers.store, self.pushes)
         self.pushes += 1
-        self._await("the weight push's buckets", self.workers.push_timeout_s)
+        self._await(self.workers.push_timeout_s)
         for server in self.workers.servers:
             self.workers.call(
                 server,
@@ -261,13 +258,14 @@ class ServerSyncClient:
                 {"weight_version": weight_version},
             )
 
-    def _send(self, server: Server, sender: ThreadPoolExecutor, path: str, body: dict) -> None:
+    def _send(self, server: Server, sender: ThreadPoolExecutor, path: str, body: dict, what: str) -> None:
+        """`path` sent from the server's thread; `what` names the call in the line that reports its failure."""
         timeout_s = self.workers.push_timeout_s
-        self.pending.append((server, sender.submit(server.post, path, body, timeout_s)))
+        self.pending.append((server, sender.submit(server.post, path, body, timeout_s), what))
 
-    def _await(self, what: str, timeout_s: float) -> None:
+    def _await(self, timeout_s: float) -> None:
         pending, self.pending = self.pending, []
-        for server, future in pending:
+        for server, future, what in pending:
             self.workers.result(server, future, what, timeout_s)
 
     def close(self) -> None:
@@ -297,8 +295,6 @@ class ServerWorkers:
         host: str | None = None,
         max_requests_in_flight: int = 256,
     ):
-        import torch.distributed as dist
-
         self.start_timeout_s, self.batch_timeout_s, self.push_timeout_s = (
             start_timeout_s,
             batch_timeout_s,
@@ -331,21 +327,13 @@ class ServerWorkers:
                     self._check_settings(server, engine_kwargs)
             # The gloo group's rendezvous: a store of the trainer's, which the servers' receivers also poll for each
             # bucket's info.
-            self.store = dist.TCPStore(
-                self.host, 0, is_master=True, wait_for_workers=False, timeout=seconds_delta(start_timeout_s)
-            )
-            from lit_ppo.rollout.workers.weight_transfer import GlooTrainerInitInfo, WeightTransferTrainerFactory
+            self.store = host_store(self.host, 0, start_timeout_s)
+            from lit_ppo.rollout.workers.weight_transfer import start_trainer_transfer
 
-            info = GlooTrainerInitInfo(
-                host=self.host,
-                port=self.store.port,
-                world_size=len(self.servers) + 1,
-                bucket_bytes=bucket_mib * 2**20,
-                timeout_s=push_timeout_s,
-                rank=0,
-            )
             self.sync_client = ServerSyncClient(self)
-            self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=self.sync_client)
+            self.transfer = start_trainer_transfer(
+                self.store, self.host, len(self.servers) + 1, bucket_mib * 2**20, push_timeout_s, self.sync_client
+            )
             self.sync_client.joined()
         except BaseException:
             self.failed = True
@@ -594,9 +582,7 @@ class ServerWorkers:
             # failed answers its /update_weights with the reason: either is the better message.
             deadline = time.monotonic() + SETTLE_S
             while time.monotonic() < deadline:
-                for server in self.servers:
-                    self._check_alive(server, "the weight push")
-                self.sync_client.check_alive()
+                self.sync_client.check_alive("the weight push")
                 time.sleep(0.05)
             raise RolloutWorkerError(
                 f"trainer: the weight push of version {version} (bucket {e.bucket}, {e.nbytes / 2**20:.1f} MiB) did "
@@ -618,24 +604,23 @@ class ServerWorkers:
         if held != str(version):
             self.failed = True
             raise RolloutWorkerError(
-                f"trainer: {server.describe()} reports weight version {held!r} after the push of version {version}"
+                f"trainer: {server.describe()} reports weight version {held!r} after the push of version {version} "
+                "(it did not commit the version, or another client pushed to it); fix: give each run servers of its own"
             )
-        if probe is None or self.max_logprob_abs_diff is None:
-            return
-        prompt, response, expected = probe
+        sequence_logprobs = functools.partial(self._sequence_logprobs, server)
+        where = f"trainer: {server.describe()}: after the push of policy version {version}"
+        mismatch = probe_mismatch(probe, self.max_logprob_abs_diff, sequence_logprobs, where)
+        if mismatch is not None:
+            self.failed = True
+            raise RolloutWorkerError(mismatch)
+
+    def _sequence_logprobs(self, server: Server, prompt: list[int], response: list[int]) -> list[float]:
+        """The server's teacher-forced log-probs of each response token (/v1/completions' `prompt_logprobs`)."""
         ids = list(prompt) + list(response)
         body = dict(model=server.model, prompt=ids, max_tokens=1, temperature=0.0, prompt_logprobs=0)
         per_position = self.call(server, "/v1/completions", "the probe after a push", self.batch_timeout_s, body)
         per_position = per_position["choices"][0]["prompt_logprobs"]
-        got = [per_position[j][str(ids[j])]["logprob"] for j in range(len(prompt), len(ids))]
-        diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
-        if not diff <= self.max_logprob_abs_diff:  # NaN too
-            self.failed = True
-            raise RolloutWorkerError(
-                f"trainer: {server.describe()}: after the push of policy version {version} its log-probs of a probe "
-                f"sequence differ from the trainer's by {diff:.3f} nats per token (more than "
-                f"rollout.max_logprob_abs_diff={self.max_logprob_abs_diff}): the pushed weights did not arrive intact"
-            )
+        return [per_position[j][str(ids[j])]["logprob"] for j in range(len(prompt), len(ids))]
 
     def wake_up(self) -> None:  # a server never sleeps: it generates while the trainer trains
         pass

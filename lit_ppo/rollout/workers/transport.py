@@ -49,6 +49,23 @@ def broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def host_store(host: str, port: int, timeout_s: float):
+    """The trainer's store (it listens on every interface; `host` is the address the workers are told; `port` 0: any
+    free one), or RolloutWorkerError in one line where it cannot listen (a taken rollout.workers.port)."""
+    import torch.distributed as dist
+
+    from lit_ppo.errors import RolloutWorkerError
+
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s))
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        fix = "set rollout.workers.port to a free port on this node" if port else "free a TCP port on this node"
+        raise RolloutWorkerError(
+            f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: {fix}"
+        ) from None
+
+
 def take_key(store, key: str) -> bytes:
     """A worker's wait for its next command: the value of `key` once set, then deleted (the trainer's waits are
     bounded and watch liveness instead: `RolloutWorkers`)."""
@@ -86,6 +103,36 @@ def update_info_key(push: int, bucket: int) -> str:
 
 def push_done_key(push: int) -> str:
     return f"push/{push}/done"
+
+
+def announce_bucket(store, update_info: dict) -> None:
+    """The trainer's announcement of a bucket (its `update_weights` info) before its broadcast: the receivers
+    (`StagedReceiver`) wait for it, spawned workers' and servers' alike."""
+    store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+
+
+def announce_push_end(store, push: int) -> None:
+    """The trainer's announcement that push `push` has no more buckets (the receivers then wait for the next push)."""
+    store.set(push_done_key(push), b"1")
+
+
+def probe_mismatch(probe, max_logprob_abs_diff: float | None, sequence_logprobs, where: str) -> str | None:
+    """Whether weights just applied are the trainer's of that version: `sequence_logprobs(prompt, response)`, the
+    engine's log-probs of the probe's response (a worker's engine, or a server's teacher-forced `prompt_logprobs`),
+    against the trainer's (`probe`: prompt, response, expected), their mean absolute difference per token within
+    rollout.max_logprob_abs_diff, as colocated runs bound it. The one line to raise where not (`where` names the side
+    and the version), else None."""
+    if probe is None or max_logprob_abs_diff is None:
+        return None
+    prompt, response, expected = probe
+    got = sequence_logprobs(prompt, response)
+    diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
+    if diff <= max_logprob_abs_diff:  # NaN is not
+        return None
+    return (
+        f"{where} its log-probs of a probe sequence differ from the trainer's by {diff:.3f} nats per token (more "
+        f"than rollout.max_logprob_abs_diff={max_logprob_abs_diff}): the pushed weights did not arrive intact"
+    )
 
 
 def unpack_bucket(entries: list, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

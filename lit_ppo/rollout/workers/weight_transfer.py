@@ -175,6 +175,18 @@ class BucketBroadcastError(RuntimeError):
         self.bucket, self.nbytes, self.seconds, self.cause_name = bucket, nbytes, seconds, type(cause).__name__
 
 
+def start_trainer_transfer(
+    store, host: str, world_size: int, bucket_bytes: int, timeout_s: float, client
+) -> "GlooTrainerWeightTransferEngine":
+    """The trainer's end of `lit_ppo_gloo` (rank 0) over its store, as vLLM's factory builds it, for the workers'
+    sync `client` (spawned workers' or servers'): returns once the group is joined (the client's
+    `init_weight_transfer_engine` brings the workers in)."""
+    info = GlooTrainerInitInfo(
+        host=host, port=store.port, world_size=world_size, bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=0
+    )
+    return WeightTransferTrainerFactory.trainer_init(info, client=client)
+
+
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """The trainer's end of `lit_ppo_gloo`. Built by `WeightTransferTrainerFactory.trainer_init` (every trainer rank
     may build one; rank 0 sends, the others only read the source, which keeps an FSDP actor's gathers aligned).

@@ -20,7 +20,7 @@ import traceback
 
 from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import seconds_delta, take_key
+from lit_ppo.rollout.workers.transport import probe_mismatch, seconds_delta, take_key
 
 
 def _watch_parent(parent: int, stopping: threading.Event) -> None:
@@ -89,17 +89,10 @@ class WarningLines(logging.Handler):
 def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, version: int) -> None:
     """The weights this worker just applied are the trainer's of that version: its engine's log-probs of the probe
     sequence equal the trainer's (as rollout.max_logprob_abs_diff bounds them in colocated runs)."""
-    if probe is None or max_logprob_abs_diff is None:
-        return
-    prompt, response, expected = probe
-    got = engine.sequence_logprobs(prompt, response)
-    diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
-    if not diff <= max_logprob_abs_diff:  # NaN too
-        raise RuntimeError(
-            f"rollout worker {worker}: after applying policy version {version} its log-probs of a probe sequence "
-            f"differ from the trainer's by {diff:.3f} nats per token (more than rollout.max_logprob_abs_diff="
-            f"{max_logprob_abs_diff}): the pushed weights did not arrive intact"
-        )
+    where = f"rollout worker {worker}: after applying policy version {version}"
+    mismatch = probe_mismatch(probe, max_logprob_abs_diff, engine.sequence_logprobs, where)
+    if mismatch is not None:
+        raise RuntimeError(mismatch)
 
 
 def worker_main(
