@@ -12,7 +12,7 @@
 # from the script's start, inside the tool's 600 s): a part starts only with at least 30 s of the budget left and runs
 # under min(its limit, what is left), so the parts at the end are the ones cut. Expected seconds on one H100/H200 (estimates from
 # issue 28's H200 run, not measurements): e2e7b ~170 (limit 230), anchor 4B ~60 (80), anchor 7B ~70 (95), anchor 0.6B
-# ~45 (60), shared_prefix ~60 (80) = limits 545; then async ~2 x 60 (90 each) where the budget allows.
+# ~45 (60), shared_prefix ~50 (80) = limits 545; then async ~2 x 60 (90 each) where the budget allows.
 #   1. e2e7b: `+experiment=qwen7b_lora rollout.engine=hf` at the Qwen2.5-7B shape, random weights, 16 prompts x 4
 #      samples, responses <= 256, 3 rollout steps (bench/gpu_e2e.py --shape qwen2.5-7b).
 #   2. anchor: the anchor's training-phase protocol with model.attn_implementation=flex_attention: Qwen3-4B LoRA r16,
@@ -95,7 +95,7 @@ fi
 if wanted shared_prefix; then
   run_part shared_prefix_qwen3_0.6b "${LIMIT_SHARED:-80}" "$OUT/shared_prefix.log" shared_prefix.py --accelerator gpu \
     --model qwen3-0.6b --prompts 4 --samples-per-prompt 8 --prompt-tokens 1000 1000 --response-lengths 500 \
-    --train-batch-size 16 --micro-batch-size 16 --steps 3 --repeats 2
+    --train-batch-size 16 --micro-batch-size 16 --steps 3 --repeats 1
   rm -rf "$CACHE/shared-prefix-train-phase"
 fi
 if wanted async; then

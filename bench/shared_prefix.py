@@ -8,13 +8,13 @@ step (so the old log-probs come from an experience forward of the actor, in the 
 batch, A B A B alternating, a fresh run each time; the first rollout step of each run is warm-up and not counted.
 Printed per layout: the training phase (timing/experience_s + timing/train_s) per rollout step, the tokens the
 forwards computed (real tokens less perf/prefix_tokens_saved) and the positions laid out; the ratio of the medians.
-Goal: shared <= 0.8 x flat. The machine line says whether bf16 is native (lit_ppo/precision.py); the runs are float32.
+Goal: shared <= 0.8 x flat. The machine line says whether bf16 is native (lit_ppo/precision.py); CPU runs are float32.
 
 On a GPU (issue 41: n = 8, 1,000-token prompts, 500-token responses, the Qwen3-0.6B shape of bench/anchor.py, bf16-mixed,
 gradient checkpointing; goal: shared >= 1.5 x flat in real tokens per second, i.e. seconds <= 0.67 x):
 
     python bench/shared_prefix.py --accelerator gpu --model qwen3-0.6b --prompts 4 --prompt-tokens 1000 1000 \
-        --response-lengths 500 --train-batch-size 16 --micro-batch-size 16 --repeats 2
+        --response-lengths 500 --train-batch-size 16 --micro-batch-size 16 --repeats 1
     .venv/bin/python bench/shared_prefix.py              # the measurement (minutes on 2 cores)
     .venv/bin/python bench/shared_prefix.py --smoke      # checks that it runs
 """
