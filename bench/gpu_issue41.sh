@@ -37,6 +37,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
   export PYTHONPATH="$ROOT/bench/no_vllm${PYTHONPATH:+:$PYTHONPATH}"  # vLLM and flash-attn unimportable, as there
 fi
 mkdir -p "$OUT"
+if [ ! -d .whl ] && [ -z "$SMOKE_FLAG" ]; then
+  echo "gpu_issue41: no .whl/ here; fix: make gpu-wheels on the CPU machine, then run with carry [\".whl\"]" | tee "$OUT/env.log"
+fi
 if [ -d .whl ] && [ -z "$SMOKE_FLAG" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
@@ -54,7 +57,7 @@ WORK=$(mktemp -d)
   $PY -c "import sys, torch, transformers, lightning, peft, hydra, tokenizers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'peft', peft.__version__, 'hydra', hydra.__version__, 'tokenizers', tokenizers.__version__)"
   $PY -c "import importlib.util as u; print('vllm importable:', u.find_spec('vllm') is not None, '; flash_attn importable:', u.find_spec('flash_attn') is not None)"
   nproc; free -g | head -2; df -h /dev/shm . 2>&1 | tail -2; echo "cache: $CACHE; budget $BUDGET_S s; parts: $PARTS"
-} > "$OUT/env.log" 2>&1
+} >> "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 cd "$ROOT/bench"
 wanted() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
@@ -73,10 +76,17 @@ run_part() {  # run_part NAME LIMIT LOG ARGS...: one script under min(LIMIT, the
   echo "== $name: exit $RC after $(( $(date +%s) - started )) s (limit $limit s)" | tee -a "$OUT/env.log"
   [ "$RC" != 0 ] && tail -n 3 "$log" | cut -c1-300 | sed 's/^/==     /' | tee -a "$OUT/env.log"
 }
+partial_report() {  # partial_report RUN_DIR LOG: a cut or failed run's report from the steps metrics.csv holds
+  if [ "$RC" != 0 ] && [ "$RC" != skipped ] && [ -f "$1/metrics.csv" ] && [ -f "$1/plan.json" ]; then
+    echo "######## the steps it finished (gpu_e2e.py --report-only)" >> "$2"
+    timeout 60 $PY gpu_e2e.py --report-only --run-dir "$1" --out "$WORK/unused" $SMOKE_FLAG >> "$2" 2>&1
+  fi
+}
 if wanted e2e7b; then
   run_part e2e7b "${LIMIT_E2E7B:-230}" "$OUT/e2e7b.log" gpu_e2e.py --shape qwen2.5-7b --prompts 16 --samples 4 \
     --response-tokens 256 --steps 3 --run-dir "$CACHE/e2e7b-run" --out "$WORK/e2e7b"
-  cp "$WORK/e2e7b/metrics.csv" "$OUT/e2e7b_metrics.csv" 2>/dev/null; cp "$WORK/e2e7b/plan.json" "$OUT/e2e7b_plan.json" 2>/dev/null
+  partial_report "$CACHE/e2e7b-run" "$OUT/e2e7b.log"
+  cp "$CACHE/e2e7b-run/metrics.csv" "$OUT/e2e7b_metrics.csv" 2>/dev/null; cp "$CACHE/e2e7b-run/plan.json" "$OUT/e2e7b_plan.json" 2>/dev/null
   rm -rf "$CACHE/e2e7b-run"
 fi
 if wanted anchor; then
@@ -102,10 +112,11 @@ if wanted async; then
   for mode in colocated disaggregated; do
     run_part "async_$mode" "${LIMIT_ASYNC:-90}" "$OUT/async.log" gpu_e2e.py --shape qwen2.5-1.5b --mode $mode \
       --prompts 8 --samples 4 --response-tokens 128 --steps 4 --run-dir "$CACHE/async-run" --out "$WORK/async-$mode"
-    [ -f "$WORK/async-$mode/rollout_worker0.log" ] && { echo "######## rollout_worker0.log"; cat "$WORK/async-$mode/rollout_worker0.log"; } >> "$OUT/async.log"
+    partial_report "$CACHE/async-run" "$OUT/async.log"
+    [ -f "$CACHE/async-run/logs/rollout_worker0.log" ] && { echo "######## rollout_worker0.log"; cat "$CACHE/async-run/logs/rollout_worker0.log"; } >> "$OUT/async.log"
+    [ "$mode" = disaggregated ] && cp "$CACHE/async-run/metrics.csv" "$OUT/async_metrics.csv" 2>/dev/null
     rm -rf "$CACHE/async-run"
   done
-  cp "$WORK/async-disaggregated/metrics.csv" "$OUT/async_metrics.csv" 2>/dev/null
 fi
 REPORT='^(device|plan  |workers|step \||[0-9]+ \||median|weight sync|peak device|wall)'
 {
