@@ -90,7 +90,9 @@ SHAPES = {
         vocab_size=4096,
     ),  # fmt: skip
 }
-ANCHOR = {  # prime-rl, one H100 (benchmarks/results/BENCHMARKS.md, seq len 16,384, FA3): tok/s, MFU %, its model
+# prime-rl, one H100, seq len 16,384: tok/s, MFU %, its model. The first two from its benchmarks/results/BENCHMARKS.md
+# (FA3), the OLMo-3-7B point as issue 41 gives it; all three follow from bench/mfu.prime_rl_flops_per_token.
+ANCHOR = {
     "qwen3-0.6b": (11.9e3, 11.1, "Qwen3-0.6B full RL"),
     "qwen3-4b-lora": (6.23e3, 21.7, "Qwen3-4B LoRA r16"),
     "qwen2.5-7b-lora": (5.35e3, 29.0, "OLMo-3-7B LoRA r16"),

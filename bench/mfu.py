@@ -91,7 +91,8 @@ def prime_rl_flops_per_token(config: dict, lora_parameters: int, seq_len: int) -
     - attention: 12 x layers x heads x (hidden / heads) x seq_len per token, where `seq_len` is its benchmark's
       sequence length (the packed micro-batch's 16,384 tokens, not each sample's; no causal halving). Its published
       single-H100 points follow from this with seq_len 16,384: Qwen3-0.6B 9.21 GFLOP/token (11.9k tok/s = 11.1 %),
-      Qwen3-4B LoRA r16 34.4 (6.23k = 21.7 %), OLMo-3-7B LoRA r16 53.6 (5.35k = 29.0 %) of 989 TFLOP/s."""
+      Qwen3-4B LoRA r16 34.4 (6.23k = 21.7 %), OLMo-3-7B LoRA r16 53.6 (5.35k = 29.0 %) of 989 TFLOP/s (OLMo-3-7B
+      taken as 32 layers, hidden 4096, 32 heads and KV heads, intermediate 11008, vocabulary 100278)."""
     layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
