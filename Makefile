@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VLLM_EXTRA ?= cpu
 
-.PHONY: train test test-no-bf16 test-slow plan install clean bench bench-smoke format
+.PHONY: train test test-no-bf16 test-slow plan install clean bench bench-smoke format gpu-wheels
 
 .venv/installed: pyproject.toml
 	python3 -m venv .venv
@@ -49,6 +49,18 @@ bench: .venv/bench-installed
 
 bench-smoke: .venv/bench-installed
 	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py --smoke; done
+
+# The wheels a lent GPU machine lacks (no network there; Python 3.12, torch 2.11, transformers 5.17 in its image):
+# carried in .whl/ (ignored by git; `run` with carry [".whl"]) and installed by bench/gpu_issue*.sh. transformers
+# matches this venv's; antlr4 4.9.3 has no wheel on PyPI, so pip builds its (pure-Python) one. 14 MB.
+GPU_WHEELS := transformers==5.19.0 hydra-core==1.3.8 omegaconf==2.3.1 peft==0.21.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	du -sh .whl
 
 format: .venv/installed
 	.venv/bin/ruff format .

@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-CACHE = ROOT / ".cache" / "lit_ppo" / "bench"
+CACHE = Path(os.environ.get("LIT_PPO_BENCH_CACHE") or ROOT / ".cache" / "lit_ppo" / "bench")
+"""Built models, prompts and run directories; LIT_PPO_BENCH_CACHE moves them (a lent GPU machine's scripts put them in
+memory, /dev/shm, where writing a 7B model or a 1.5B run's final checkpoint takes seconds rather than a minute)."""
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -199,12 +201,13 @@ def build_run(
     precision: str = "32-true",
     max_model_len: int | None = None,
     lora=None,
+    attn_implementation: str | None = None,
     **kwargs,
 ):
     """A real run without Hydra, from the benchmark's batch options: the settings as a `RunConfig`, then
     `run_from_config`. `precision`: a resolved one (32-true, bf16-mixed, bf16-true); `max_model_len`: vLLM's context
-    (default: an arithmetic prompt plus the response); `kwargs`: run_from_config's, and RolloutConfig fields beyond the
-    response length."""
+    (default: an arithmetic prompt plus the response); `attn_implementation`: model.attn_implementation (None:
+    transformers' default); `kwargs`: run_from_config's, and RolloutConfig fields beyond the response length."""
     run_keys = ("engine", "out_dir", "callbacks", "datamodule_class", "eval_prompt_file", "reward_fn")
     rollout = RolloutConfig(
         max_response_tokens=max_response_tokens,
@@ -220,7 +223,12 @@ def build_run(
     )
     config = replace(
         config,
-        model=replace(config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})),
+        model=replace(
+            config.model,
+            gradient_checkpointing=gradient_checkpointing,
+            attn_implementation=attn_implementation,
+            **({"lora": lora} if lora else {}),
+        ),
     )
     return run_from_config(config, model_dir, prompt_file, **{k: v for k, v in kwargs.items() if k in run_keys})
 

@@ -82,6 +82,27 @@ def training_flops(shape: ModelShape, sequences: int, prompt_tokens: int, respon
     return float(body + head + attention)
 
 
+def prime_rl_flops_per_token(config: dict, lora_parameters: int, seq_len: int) -> float:
+    """Model FLOPs per trained token as prime-rl counts them for its published MFU (PrimeIntellect-ai/prime-rl,
+    src/prime_rl/trainer/perf.py, `PerfCounter`, read at commit 0e6c67fc): non-attention + attention, where
+    - non-attention: the matmul parameters N = q, k, v, o (heads x head_dim, no biases) + 3 x hidden x intermediate per
+      layer + the LM head (vocab x hidden, at every position; the input embedding is not a matmul); full training
+      6 x N, with LoRA 4 x N (the frozen base's forward and input gradient) + 6 x the adapters' parameters;
+    - attention: 12 x layers x heads x (hidden / heads) x seq_len per token, where `seq_len` is its benchmark's
+      sequence length (the packed micro-batch's 16,384 tokens, not each sample's; no causal halving). Its published
+      single-H100 points follow from this with seq_len 16,384: Qwen3-0.6B 9.21 GFLOP/token (11.9k tok/s = 11.1 %),
+      Qwen3-4B LoRA r16 34.4 (6.23k = 21.7 %), OLMo-3-7B LoRA r16 53.6 (5.35k = 29.0 %) of 989 TFLOP/s (OLMo-3-7B
+      taken as 32 layers, hidden 4096, 32 heads and KV heads, intermediate 11008, vocabulary 100278)."""
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    attention_params = layers * hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp_params = layers * 3 * config["intermediate_size"] * hidden
+    matmul_params = attention_params + mlp_params + config["vocab_size"] * hidden
+    body = 4 * matmul_params + 6 * lora_parameters if lora_parameters else 6 * matmul_params
+    return float(body + 12 * layers * heads * (hidden // heads) * seq_len)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])

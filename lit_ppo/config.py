@@ -261,7 +261,9 @@ class WorkersConfig:
     count: int = 1
     """Rollout worker processes; each generates a contiguous share of every batch."""
     devices: int = 1
-    """On GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES)."""
+    """On GPUs: devices per rollout worker, the ones after the trainer's (CUDA_VISIBLE_DEVICES); 0: the workers share
+    the trainer's first device (one GPU for both: the worker's model and generation then count on the trainer's
+    device in `mode=plan`'s estimate)."""
     launch: str = "spawn"
     """spawn: the trainer starts its workers itself, on its own node; external: the user's launcher starts them, on
     any node (`python -m lit_ppo.rollout.workers --connect HOST:PORT`, docs/async.md), and the trainer waits for
@@ -305,7 +307,12 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def validate_workers(workers: WorkersConfig) -> None:
     """The workers' count, launch, port and timeouts."""
-    _positive("rollout.workers", count=workers.count, devices=workers.devices)
+    _positive("rollout.workers", count=workers.count)
+    if not isinstance(workers.devices, int) or isinstance(workers.devices, bool) or workers.devices < 0:
+        raise ConfigError(
+            f"rollout.workers.devices={workers.devices!r}; fix: devices per worker after the trainer's (e.g. 1), or 0 "
+            "to share the trainer's first device"
+        )
     _positive("rollout.workers", weight_push_bucket_mib=workers.weight_push_bucket_mib)
     if workers.launch not in WORKER_LAUNCHES:
         raise ConfigError(

@@ -162,6 +162,7 @@ class MemoryInputs:
     lora_adapter_parameters: int | None = None
     vllm_max_lora_rank: int = 0  # vLLM's adapter slot (StepPlan.lora.vllm_max_lora_rank)
     rollout_workers: int = 0  # rollout.mode=disaggregated: rollout.workers.count; 0: the trainer's devices generate
+    workers_share_device: bool = False  # rollout.workers.devices=0: the workers are on the trainer's first device
     max_staleness: int = 0  # rollout.max_staleness (k): versions a worker may hold received before it applies them
 
     def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
@@ -352,7 +353,16 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     worker_bytes = 0
     if run.rollout_workers:  # the workers generate, on their own devices: nothing of it on the trainer's
         vllm = vllm_while_training = 0
-        worker_bytes = rollout_worker_bytes(shape, run, params, c, worker_rows)
+        worker_bytes, worker_device_bytes = rollout_worker_bytes(shape, run, params, c, worker_rows)
+        if run.workers_share_device:  # ... unless they share its device: their engines are there all the time
+            vllm = vllm_while_training = run.rollout_workers * worker_device_bytes
+            rows.append(
+                (
+                    "rollout workers' engines (on this device)",
+                    vllm,
+                    f"{run.rollout_workers} x the worker's table less its host memory (rollout.workers.devices=0)",
+                )
+            )
     elif run.rollout_engine == "hf":
         vllm = hf_generation_bytes(shape, run, c, rows)
         vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
@@ -379,10 +389,12 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     )
 
 
-def rollout_worker_bytes(shape: ModelShape, run: MemoryInputs, params: int, compute_bytes: int, rows: list) -> int:
-    """rollout.mode=disaggregated: what one rollout worker holds, its rows added to `rows`: its engine (vLLM's
-    weights and KV cache for its share of all ranks' sequences, or an HF model of its own and one generate call's
-    cache) and, in host memory, the pushes it received ahead of applying them (at most max(k, 1) versions: the pushed
+def rollout_worker_bytes(
+    shape: ModelShape, run: MemoryInputs, params: int, compute_bytes: int, rows: list
+) -> tuple[int, int]:
+    """rollout.mode=disaggregated: (what one rollout worker holds, of it on its device), its rows added to `rows`: its
+    engine on its device (vLLM's weights and KV cache for its share of all ranks' sequences, or an HF model of its own
+    and one generate call's cache) and, in host memory, the pushes it received ahead of applying them (at most max(k, 1) versions: the pushed
     tensors as the trainer holds them, float32, or the adapter's)."""
     share = replace(run, rollout_sequences=-(-run.rollout_sequences * run.data_parallel_size // run.rollout_workers))
     if run.rollout_engine == "hf":
@@ -403,7 +415,7 @@ def rollout_worker_bytes(shape: ModelShape, run: MemoryInputs, params: int, comp
             + " x 4 B (docs/async.md, the weight push)",
         )
     )
-    return engine + staged
+    return engine + staged, engine
 
 
 def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) -> tuple[int, int]:

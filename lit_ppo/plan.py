@@ -658,6 +658,11 @@ class WorkersPlan:
     def launch_rows(self, plan: StepPlan) -> list[Row]:
         """How the workers start: spawned processes, a launcher's, or vLLM servers (spawned, or given by URL)."""
         trainer = f"trainer: {plan.counts.data_parallel_size} device(s)"
+        own = (
+            f"{self.devices_per_worker} device(s) each"
+            if self.devices_per_worker
+            else "sharing the trainer's first device"
+        )
         if self.launch == "server":
             return [
                 ("rollout workers", self.count, f"vLLM servers (vllm serve), driven over HTTP; {trainer}"),
@@ -666,7 +671,7 @@ class WorkersPlan:
                     "server",
                     f"given: {', '.join(self.server_urls)}"
                     if self.server_urls
-                    else f"the trainer spawns them on free ports of its node, {self.devices_per_worker} device(s) each "
+                    else f"the trainer spawns them on free ports of its node, {own} "
                     "on GPUs (their URLs and logs: run.log, <run>/logs/rollout_server<N>.log)",
                 ),
                 (
@@ -682,7 +687,7 @@ class WorkersPlan:
                 "rollout workers",
                 self.count,
                 (
-                    f"processes, {self.devices_per_worker} device(s) each on GPUs (CPU: own process); "
+                    f"processes, {own} on GPUs (CPU: own process); "
                     if spawn
                     else "processes, on the devices their launcher gives them; "
                 )

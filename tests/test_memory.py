@@ -217,3 +217,18 @@ def test_with_rollout_workers_generation_is_counted_on_the_workers_not_on_the_tr
     assert workers.worker_bytes == w["vLLM reservation"] + w["received pushes not yet applied"]
     assert "Memory per rollout worker" in workers.table() and "worker_rows" in workers.to_dict()
     assert "Memory per rollout worker" not in colocated.table() and "worker_rows" not in colocated.to_dict()
+
+
+def test_rollout_workers_sharing_the_trainers_device_count_their_engines_there_and_their_pushes_in_host_memory():
+    """rollout.workers.devices=0 (one GPU for the trainer and its worker): each worker's engine (vLLM's reservation
+    here) is on the trainer's device in both phases; the pushes it holds are in host memory, not on the device."""
+    own = estimate_memory(SHAPE, dataclasses.replace(RUN, rollout_workers=2, max_staleness=2))
+    shared = estimate_memory(
+        SHAPE, dataclasses.replace(RUN, rollout_workers=2, max_staleness=2, workers_share_device=True)
+    )
+    w = dict((what, b) for what, b, _ in shared.worker_rows)
+    engines = 2 * w["vLLM reservation"]
+    assert rows(shared)["rollout workers' engines (on this device)"] == engines
+    assert shared.training_bytes == own.training_bytes
+    assert shared.peak_bytes == max(own.training_bytes + engines, own.rollout_bytes + engines)
+    assert shared.worker_bytes == own.worker_bytes

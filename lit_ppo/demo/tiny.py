@@ -78,8 +78,10 @@ def tiny_config(
     num_kv_heads: int,
     intermediate_size: int,
     max_position_embeddings: int,
+    tie_word_embeddings: bool = True,
 ) -> Qwen2Config:
-    """The tiny model's config (`model.tiny`'s shape), what its config.json will say."""
+    """The tiny model's config (`model.tiny`'s shape), what its config.json will say. `tie_word_embeddings=False`:
+    an LM head of its own, as the larger Qwen2.5 models (7B and up) have."""
     vocab_size = padded_vocab_size(len(tokenizer))
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -89,7 +91,7 @@ def tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
@@ -107,6 +109,7 @@ def build_tiny_model(
     intermediate_size: int,
     max_position_embeddings: int,
     seed: int,
+    tie_word_embeddings: bool = True,
 ):
     config = tiny_config(
         tokenizer,
@@ -116,6 +119,7 @@ def build_tiny_model(
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

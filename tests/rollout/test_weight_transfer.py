@@ -275,3 +275,69 @@ def test_the_probe_check_bounds_the_mean_absolute_difference_per_token_for_worke
     assert "by nan nats" in probe_mismatch(probe, 0.5, lambda p, r: [float("nan"), -2.0], where)
     assert probe_mismatch(None, 0.5, engine, where) is None and probe_mismatch(probe, None, engine, where) is None
     assert len(asked) == 2  # no probe, or no bound: the engine is not asked
+
+
+NO_VLLM = (
+    "import sys\nfor name in ('vllm', 'flash_attn'):\n    sys.modules[name] = None  # import fails, find_spec: None\n"
+)
+
+
+def test_the_interface_written_for_machines_without_vllm_has_vllms_names_fields_and_calls():
+    """transfer_interface.py stands in for vLLM's interface where vLLM is not installed: the same dataclass fields, the
+    trainer engine's keywords and the factories' calls that weight_transfer.py uses."""
+    import dataclasses
+    import inspect
+
+    from vllm.distributed.weight_transfer import base
+
+    from lit_ppo.rollout.workers import transfer_interface as ours
+
+    for name in ("ParamMeta", "TrainerInitInfo", "WeightTransferInitInfo", "WeightTransferUpdateInfo"):
+        assert [f.name for f in dataclasses.fields(getattr(ours, name))] == [
+            f.name for f in dataclasses.fields(getattr(base, name))
+        ], name
+    assert ours.TrainerInitInfo(rank=0).is_sender and not ours.TrainerInitInfo(rank=1).is_sender
+    ours_init = inspect.signature(ours.TrainerWeightTransferEngine.__init__).parameters
+    assert list(ours_init) == list(inspect.signature(base.TrainerWeightTransferEngine.__init__).parameters)
+    for name in ("WeightTransferEngineFactory", "WeightTransferTrainerFactory"):
+        assert hasattr(getattr(ours, name), "register_engine")
+    assert list(inspect.signature(ours.WeightTransferTrainerFactory.trainer_init).parameters) == list(
+        inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters
+    )
+
+
+def test_hf_engine_rollout_workers_train_on_a_machine_without_vllm(tmp_path):
+    """rollout.engine=hf workers need no vLLM (a GPU image without it): with vLLM unimportable the push's interface is
+    transfer_interface.py's, and a disaggregated run pushes its weights to its worker and trains (devices=0: on a CPU
+    the worker is its own process, as with 1)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, rollout_step_rows
+    from tests.helpers.cli_runs import train_cli
+
+    blocker = tmp_path / "no_vllm"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NO_VLLM)
+    which = subprocess.run(
+        [sys.executable, "-c", "import lit_ppo.rollout.workers.weight_transfer as w; print(w.ParamMeta.__module__)"],
+        env={"PYTHONPATH": f"{blocker}:{ROOT}", "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert which.stdout.strip() == "lit_ppo.rollout.workers.transfer_interface"
+    out = train_cli(
+        tmp_path / "run",
+        tmp_path / "cache",
+        "rollout.engine=hf",
+        "rollout.mode=disaggregated",
+        "rollout.workers.devices=0",
+        "strategy.accelerator=cpu",
+        "ppo.ppo_epochs=1",
+        pythonpath=(str(blocker),),
+    )
+    rows = rollout_step_rows(out / "metrics.csv")
+    assert len(rows) == 2
+    assert all(float(r["perf/weight_sync_bytes"]) > 0 for r in rows)
+    assert "rollout worker 0: policy version 2 applied" in (out / "logs" / "rollout_worker0.log").read_text()

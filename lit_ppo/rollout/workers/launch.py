@@ -48,11 +48,19 @@ def error_line(store, worker: int) -> str:
 
 
 def worker_devices(env: dict, worker: int, devices_per_worker: int, trainer_devices: int) -> str | None:
-    """On GPUs, a spawned worker's own devices (CUDA_VISIBLE_DEVICES): the ones after the trainer's; None on CPU."""
+    """On GPUs, a spawned worker's own devices (CUDA_VISIBLE_DEVICES): the ones after the trainer's, or with
+    devices_per_worker=0 the trainer's first (shared); None on CPU."""
     if not torch.cuda.is_available():
         return None
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return worker_device_ids(ids, worker, devices_per_worker, trainer_devices)
+
+
+def worker_device_ids(ids: list[str], worker: int, devices_per_worker: int, trainer_devices: int) -> str:
+    """Worker `worker`'s devices among the visible `ids` (the trainer's are the first `trainer_devices`)."""
+    if devices_per_worker == 0:  # shares the trainer's first device (one GPU: trainer and worker on it)
+        return ids[0]
     first = trainer_devices + worker * devices_per_worker
     mine = ids[first : first + devices_per_worker]
     if len(mine) < devices_per_worker:

@@ -26,6 +26,9 @@ bucket is broadcast, and the server loads it as soon as its receiver has it (a s
 
 With model.lora the pushed tensors are the adapter: they travel the same way, and the worker loads them as an adapter
 version (`VLLMEngine.sync_adapter`), since vLLM's transfer engines load base weights only.
+
+Without vLLM (rollout.engine=hf workers on a machine that lacks it) the interface's base classes and factories are
+transfer_interface.py's, with the same names and calls; the push is the same code.
 """
 
 from __future__ import annotations
@@ -36,16 +39,30 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar, Iterable, Iterator
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightSource,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+try:
+    from vllm.distributed.weight_transfer.base import (
+        ParamMeta,
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightSource,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+except ImportError:  # no vLLM (rollout.engine=hf workers): the interface's names as transfer_interface.py writes them
+    from lit_ppo.rollout.workers.transfer_interface import (
+        ParamMeta,
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightSource,
+        WeightTransferEngine,
+        WeightTransferEngineFactory,
+        WeightTransferInitInfo,
+        WeightTransferTrainerFactory,
+        WeightTransferUpdateInfo,
+    )
 
 from lit_ppo.errors import WeightSyncError
 from lit_ppo.rollout.workers.transport import (
