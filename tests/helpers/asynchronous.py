@@ -6,6 +6,8 @@ dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too)."""
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 
 from lit_ppo.config import RolloutConfig, WorkersConfig
 from lit_ppo.contract import Generation
@@ -93,3 +95,12 @@ def not_here():
 def plan(k: int):
     """A plan with rollout workers at staleness k, STEPS rollout steps."""
     return plan_of(256, rollout=RolloutConfig(mode="disaggregated", max_staleness=k), steps=STEPS)
+
+
+def patch_child_processes(directory: Path, monkeypatch, source: str) -> None:
+    """`source` as the sitecustomize of every Python process the test starts (workers, servers: their interpreters
+    import it at start, and `source` picks its process by `sys.orig_argv`), first on their PYTHONPATH, which the
+    test's end restores. No empty entry is added (one would put the working directory on `sys.path`)."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")])))

@@ -24,7 +24,7 @@ from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
-from tests.helpers.asynchronous import RecordingDataModule, disaggregated, fit_then_close
+from tests.helpers.asynchronous import RecordingDataModule, disaggregated, fit_then_close, patch_child_processes
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 
@@ -706,10 +706,7 @@ def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it
     """The worker's vLLM skips every adapter load after the first (patched in the worker's own process, by a
     sitecustomize on its PYTHONPATH): after the push of policy version 1 its engine serves no adapter where it must
     serve version 2, and the worker stops; the trainer reports it in one line naming the worker and its log."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(SKIP_ADAPTER_LOADS)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    patch_child_processes(tmp_path / "patch", monkeypatch, SKIP_ADAPTER_LOADS)
     with pytest.raises(RolloutWorkerError) as info:
         run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **LORA, **TIS)
     message = str(info.value)
@@ -720,7 +717,7 @@ def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it
     assert "test: the load of adapter version 2 skipped" in log and "policy version 1 applied" not in log
 
 
-KEEP_THE_FIRST_VERSION = """
+WORKER_COMMITS_ONLY_ITS_FIRST_VERSION = """
 import sys
 
 if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its vLLM commits its first version only
@@ -748,16 +745,14 @@ def test_a_worker_whose_engine_reports_another_version_than_it_applied_stops_the
     process, by a sitecustomize on its PYTHONPATH): after applying policy version 1 its engine still reports version
     0, so its samples would be recorded with a version that did not generate them. The worker stops; the trainer
     reports it in one line naming the worker, both versions and its log."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(KEEP_THE_FIRST_VERSION)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]))
+    patch_child_processes(tmp_path / "patch", monkeypatch, WORKER_COMMITS_ONLY_ITS_FIRST_VERSION)
     with pytest.raises(RolloutWorkerError) as info:
         run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **TIS)
     message = str(info.value)
     assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
     assert (
-        "RuntimeError: rollout worker 0: its engine reports weight version 0 after applying policy version 1" in message
+        "RuntimeError: rollout worker 0: its engine reports weight version 0 after applying policy version 1 (vLLM "
+        "did not commit it); fix: install the vLLM version lit-ppo pins" in message
     )
     assert str(tmp_path / "logs" / "rollout_worker0.log") in message
     log = (tmp_path / "logs" / "rollout_worker0.log").read_text()

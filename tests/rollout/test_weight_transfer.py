@@ -224,9 +224,9 @@ def test_a_vllm_engine_as_loaded_reports_version_0():
         assert engine.weight_version == version
 
 
-def test_a_taken_store_port_stops_either_client_in_one_line_naming_the_setting(tmp_path):
+def test_a_taken_store_port_stops_the_workers_client_in_one_line_naming_the_setting(tmp_path):
     """The trainer's store on a port another process holds (rollout.workers.port with launch=external): one line with
-    the setting to change, from the shared `host_store`, here through the spawned workers' client."""
+    the setting to change, from `host_store` (the servers' client takes any free port)."""
     from lit_ppo.errors import RolloutWorkerError
     from lit_ppo.rollout.workers.client import RolloutWorkers
     from lit_ppo.rollout.workers.transport import host_store
@@ -253,6 +253,20 @@ def test_a_taken_store_port_stops_either_client_in_one_line_naming_the_setting(t
     assert "\n" not in str(info.value)
 
 
+def test_a_store_host_that_is_not_this_nodes_is_named_with_its_setting_not_as_a_taken_port():
+    """TCPStore's master connects to itself at the host the workers are told: an address of no interface here (TEST-NET
+    192.0.2.1) times out, and the line names the host setting, not a port."""
+    from lit_ppo.errors import RolloutWorkerError
+    from lit_ppo.rollout.workers.transport import host_store
+
+    line = (
+        r"^trainer: cannot host the rollout workers' store on 192\.0\.2\.1:\(any free port\) \(.+\); fix: set "
+        r"rollout\.workers\.trainer_host \(or LIT_PPO_ROLLOUT_HOST\) to this node's name or address$"
+    )
+    with pytest.raises(RolloutWorkerError, match=line):
+        host_store("192.0.2.1", 0, 1.0)
+
+
 def test_the_probe_check_bounds_the_mean_absolute_difference_per_token_for_workers_and_servers():
     """`probe_mismatch` (a worker's check after applying a version, and a server's after a push): the engine's
     log-probs [-1.1, -2.3] against the trainer's [-1.0, -2.0] differ by (0.1 + 0.3) / 2 = 0.2 nats per token."""
@@ -275,6 +289,11 @@ def test_the_probe_check_bounds_the_mean_absolute_difference_per_token_for_worke
     assert "by nan nats" in probe_mismatch(probe, 0.5, lambda p, r: [float("nan"), -2.0], where)
     assert probe_mismatch(None, 0.5, engine, where) is None and probe_mismatch(probe, None, engine, where) is None
     assert len(asked) == 2  # no probe, or no bound: the engine is not asked
+    short = probe_mismatch(probe, 0.5, lambda p, r: [-1.0], where)  # one log-prob for two tokens: zip would hide it
+    assert short.endswith(
+        "it returned 1 log-probs for a probe response of 2 tokens: the engine does not score the "
+        "sequence the trainer sent"
+    )
 
 
 NO_VLLM = (

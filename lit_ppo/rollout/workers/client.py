@@ -139,7 +139,12 @@ class RolloutWorkers:
 
             self.sync_client = WorkerSyncClient(self)
             self.transfer = start_trainer_transfer(
-                self.store, self.host, 1 + workers * processes, self.bucket_bytes, push_timeout_s, self.sync_client
+                host=self.host,
+                port=self.store.port,
+                world_size=1 + workers * processes,
+                bucket_bytes=self.bucket_bytes,
+                timeout_s=push_timeout_s,
+                client=self.sync_client,
             )
         except BaseException:
             self.close()

@@ -332,7 +332,12 @@ class ServerWorkers:
 
             self.sync_client = ServerSyncClient(self)
             self.transfer = start_trainer_transfer(
-                self.store, self.host, len(self.servers) + 1, bucket_mib * 2**20, push_timeout_s, self.sync_client
+                host=self.host,
+                port=self.store.port,
+                world_size=len(self.servers) + 1,
+                bucket_bytes=bucket_mib * 2**20,
+                timeout_s=push_timeout_s,
+                client=self.sync_client,
             )
             self.sync_client.joined()
         except BaseException:

@@ -20,8 +20,11 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from lit_ppo.errors import RolloutWorkerError
 
 POLL_S = 0.01  # how often a wait looks at the store (and, on the trainer's side, at the workers' liveness)
 
@@ -50,19 +53,25 @@ def broadcast(group, tensor: torch.Tensor) -> None:
 
 
 def host_store(host: str, port: int, timeout_s: float):
-    """The trainer's store (it listens on every interface; `host` is the address the workers are told; `port` 0: any
-    free one), or RolloutWorkerError in one line where it cannot listen (a taken rollout.workers.port)."""
+    """The trainer's store (it listens on every interface and connects to itself at `host`, the address the workers
+    are told; `port` 0: any free one), or RolloutWorkerError in one line naming what to change: a taken
+    rollout.workers.port, or a `host` that is not this node's."""
     import torch.distributed as dist
-
-    from lit_ppo.errors import RolloutWorkerError
 
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s))
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        fix = "set rollout.workers.port to a free port on this node" if port else "free a TCP port on this node"
+        if "address already in use" in reason.lower():
+            where = f"port {port}" if port else "a free port"
+            fix = "set rollout.workers.port to a free port on this node" if port else "free a TCP port on this node"
+        else:  # the store reaches itself at `host`: an address of another node never answers
+            where, fix = (
+                f"{host}:{port or '(any free port)'}",
+                ("set rollout.workers.trainer_host (or LIT_PPO_ROLLOUT_HOST) to this node's name or address"),
+            )
         raise RolloutWorkerError(
-            f"trainer: cannot host the rollout workers' store on port {port} ({reason}); fix: {fix}"
+            f"trainer: cannot host the rollout workers' store on {where} ({reason}); fix: {fix}"
         ) from None
 
 
@@ -116,17 +125,27 @@ def announce_push_end(store, push: int) -> None:
     store.set(push_done_key(push), b"1")
 
 
-def probe_mismatch(probe, max_logprob_abs_diff: float | None, sequence_logprobs, where: str) -> str | None:
-    """Whether weights just applied are the trainer's of that version: `sequence_logprobs(prompt, response)`, the
-    engine's log-probs of the probe's response (a worker's engine, or a server's teacher-forced `prompt_logprobs`),
-    against the trainer's (`probe`: prompt, response, expected), their mean absolute difference per token within
-    rollout.max_logprob_abs_diff, as colocated runs bound it. The one line to raise where not (`where` names the side
-    and the version), else None."""
+def probe_mismatch(
+    probe: tuple[list[int], list[int], list[float]] | None,
+    max_logprob_abs_diff: float | None,
+    sequence_logprobs: Callable[[list[int], list[int]], list[float]],
+    where: str,
+) -> str | None:
+    """The one line to raise where weights just applied are not the trainer's of that version, else None:
+    `sequence_logprobs(prompt, response)`, the engine's log-probs of the probe's response (a worker's engine, or a
+    server's teacher-forced `prompt_logprobs`), against the trainer's (`probe`: prompt, response, expected), their mean
+    absolute difference per token within rollout.max_logprob_abs_diff, as colocated runs bound it (`where` names the
+    side and the version). An engine that returns another number of log-probs than the response's tokens fails too."""
     if probe is None or max_logprob_abs_diff is None:
         return None
     prompt, response, expected = probe
-    got = sequence_logprobs(prompt, response)
-    diff = sum(abs(a - b) for a, b in zip(got, expected)) / len(expected)
+    got = list(sequence_logprobs(prompt, response))
+    if len(got) != len(expected) or not expected:
+        return (
+            f"{where} it returned {len(got)} log-probs for a probe response of {len(expected)} tokens: the engine "
+            "does not score the sequence the trainer sent"
+        )
+    diff = sum(abs(a - b) for a, b in zip(got, expected, strict=True)) / len(expected)
     if diff <= max_logprob_abs_diff:  # NaN is not
         return None
     return (

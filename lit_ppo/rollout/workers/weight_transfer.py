@@ -193,13 +193,14 @@ class BucketBroadcastError(RuntimeError):
 
 
 def start_trainer_transfer(
-    store, host: str, world_size: int, bucket_bytes: int, timeout_s: float, client
+    *, host: str, port: int, world_size: int, bucket_bytes: int, timeout_s: float, client
 ) -> "GlooTrainerWeightTransferEngine":
-    """The trainer's end of `lit_ppo_gloo` (rank 0) over its store, as vLLM's factory builds it, for the workers'
-    sync `client` (spawned workers' or servers'): returns once the group is joined (the client's
-    `init_weight_transfer_engine` brings the workers in)."""
+    """The trainer's end of `lit_ppo_gloo` (rank 0), as vLLM's factory builds it, for the workers' sync `client`
+    (spawned workers' or servers'), its group's rendezvous on the trainer's store at `host:port`. The workers join
+    through the client's `init_weight_transfer_engine`; the servers' client then waits for their answers
+    (`ServerSyncClient.joined`)."""
     info = GlooTrainerInitInfo(
-        host=host, port=store.port, world_size=world_size, bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=0
+        host=host, port=port, world_size=world_size, bucket_bytes=bucket_bytes, timeout_s=timeout_s, rank=0
     )
     return WeightTransferTrainerFactory.trainer_init(info, client=client)
 

@@ -184,7 +184,8 @@ def worker_main(
                 if engine.weight_version != version:
                     raise RuntimeError(
                         f"rollout worker {worker}: its engine reports weight version {engine.weight_version} after "
-                        f"applying policy version {version}"
+                        f"applying policy version {version} (vLLM did not commit it); fix: install the vLLM version "
+                        "lit-ppo pins (pyproject.toml's extras) and report it with this worker's log if it persists"
                     )
                 print(f"rollout worker {worker}: policy version {version} applied", flush=True)
                 check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
