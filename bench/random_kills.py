@@ -90,6 +90,9 @@ CASES = {
         ("+experiment=tool_arithmetic", *DISAGGREGATED, "rollout.max_staleness=1"), target="worker"
     ),
     "hf_disaggregated_k1": Case((*DISAGGREGATED, "rollout.max_staleness=1", "rollout.engine=hf")),
+    # A spawned `vllm serve` as the rollout worker (rollout.workers.launch=server), the trainer killed (its server
+    # ends with it) and resumed with a new server.
+    "server_k1": Case((*DISAGGREGATED, "rollout.max_staleness=1", "rollout.workers.launch=server")),
 }
 
 

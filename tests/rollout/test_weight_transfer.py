@@ -360,3 +360,25 @@ def test_hf_engine_rollout_workers_train_on_a_machine_without_vllm(tmp_path):
     assert len(rows) == 2
     assert all(float(r["perf/weight_sync_bytes"]) > 0 for r in rows)
     assert "rollout worker 0: policy version 2 applied" in (out / "logs" / "rollout_worker0.log").read_text()
+
+
+def test_the_push_announcer_refuses_a_push_out_of_order_or_of_no_tensors_and_numbers_pushes_in_order():
+    """Workers' and servers' clients announce through one `PushAnnouncer`: the receivers wait for push 0, 1, ... in
+    order, so a bucket of another push, or a push that ends with no bucket, is refused instead of waited on."""
+    import pickle
+
+    from lit_ppo.rollout.workers.transport import PushAnnouncer, push_done_key, update_info_key
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    announcer = PushAnnouncer(store)
+    with pytest.raises(ValueError, match="^weight push 0 of no tensors$"):
+        announcer.end()
+    info = {"push": 0, "bucket": 0, "entries": [], "nbytes": 0, "weight_version": "1"}
+    announcer.bucket(info)
+    announcer.end()
+    assert pickle.loads(store.get(update_info_key(0, 0))) == info and store.get(push_done_key(0)) == b"1"
+    with pytest.raises(RuntimeError, match="^weight push 0 announced where push 1 was due$"):
+        announcer.bucket(info)
+    announcer.bucket({**info, "push": 1})
+    announcer.end()
+    assert store.check([push_done_key(1)])

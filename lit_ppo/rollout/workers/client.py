@@ -24,7 +24,7 @@ from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeSpec
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import POLL_S, announce_bucket, announce_push_end, host_store
+from lit_ppo.rollout.workers.transport import POLL_S, PushAnnouncer, host_store
 
 PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
 """A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
@@ -47,6 +47,7 @@ class WorkerSyncClient:
 
     def __init__(self, workers: "RolloutWorkers"):
         self.workers = workers
+        self.announcer = PushAnnouncer(workers.store)
         self.updates: list[dict] = []  # the push in flight's (or the last push's) bucket infos
 
     def check_alive(self) -> None:
@@ -62,13 +63,11 @@ class WorkerSyncClient:
         self.updates = []
 
     def update_weights(self, update_info: dict) -> None:
-        announce_bucket(self.workers.store, update_info)
+        self.announcer.bucket(update_info)
         self.updates.append(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if not self.updates:
-            raise ValueError("a weight push of no tensors")
-        announce_push_end(self.workers.store, self.updates[0]["push"])
+        self.announcer.end()
 
 
 class RolloutWorkers:

@@ -50,7 +50,7 @@ import torch
 from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.workers.launch import DIST_ENV, worker_devices
-from lit_ppo.rollout.workers.transport import announce_bucket, announce_push_end, host_store, probe_mismatch
+from lit_ppo.rollout.workers.transport import PushAnnouncer, host_store, probe_mismatch
 
 log = logging.getLogger("lit_ppo")
 
@@ -206,7 +206,7 @@ class ServerSyncClient:
 
     def __init__(self, workers: "ServerWorkers"):
         self.workers = workers
-        self.pushes = 0
+        self.announcer = PushAnnouncer(workers.store)
         self.pending: list[tuple[Server, Future, str]] = []  # calls sent, not yet awaited: server, answer, what
         self.senders = [ThreadPoolExecutor(1, thread_name_prefix=f"lit-ppo-push{s.number}") for s in workers.servers]
 
@@ -238,16 +238,13 @@ class ServerSyncClient:
             self.workers.call(server, "/start_weight_update", "the weight push's start", self.workers.push_timeout_s)
 
     def update_weights(self, update_info: dict) -> None:
-        if update_info["push"] != self.pushes:
-            raise RuntimeError(f"weight push {update_info['push']} announced where push {self.pushes} was due")
-        announce_bucket(self.workers.store, update_info)
+        self.announcer.bucket(update_info)
         what = f"the weight push's bucket {update_info['bucket']} (/update_weights)"
         for server, sender in zip(self.workers.servers, self.senders):
             self._send(server, sender, "/update_weights", {"update_info": update_info}, what)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        announce_push_end(self.workers.store, self.pushes)
-        self.pushes += 1
+        self.announcer.end()
         self._await(self.workers.push_timeout_s)
         for server in self.workers.servers:
             self.workers.call(

@@ -114,15 +114,29 @@ def push_done_key(push: int) -> str:
     return f"push/{push}/done"
 
 
-def announce_bucket(store, update_info: dict) -> None:
-    """The trainer's announcement of a bucket (its `update_weights` info) before its broadcast: the receivers
-    (`StagedReceiver`) wait for it, spawned workers' and servers' alike."""
-    store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+class PushAnnouncer:
+    """The trainer's announcements of each push's buckets and end in its store, where the receivers
+    (`StagedReceiver`, spawned workers' and servers' alike) wait for them: pushes numbered 0, 1, ... in order. A
+    bucket of another push than the one due, or a push of no bucket, is refused: the receivers would wait on for it."""
 
+    def __init__(self, store):
+        self.store = store
+        self.push = 0  # the push due
+        self.buckets = 0  # announced of it so far
 
-def announce_push_end(store, push: int) -> None:
-    """The trainer's announcement that push `push` has no more buckets (the receivers then wait for the next push)."""
-    store.set(push_done_key(push), b"1")
+    def bucket(self, update_info: dict) -> None:
+        """A bucket's info (its `update_weights` info), before its broadcast."""
+        if update_info["push"] != self.push:
+            raise RuntimeError(f"weight push {update_info['push']} announced where push {self.push} was due")
+        self.store.set(update_info_key(update_info["push"], update_info["bucket"]), pickle.dumps(update_info))
+        self.buckets += 1
+
+    def end(self) -> None:
+        """The push has no more buckets (the receivers then wait for the next push)."""
+        if not self.buckets:
+            raise ValueError(f"weight push {self.push} of no tensors")
+        self.store.set(push_done_key(self.push), b"1")
+        self.push, self.buckets = self.push + 1, 0
 
 
 def probe_mismatch(
