@@ -4,15 +4,17 @@
 # CPU machines, hydra-core, omegaconf, antlr4 4.9.3, peft, math-verify, latex2sympy2_extended).
 #
 #   device tool:  run(command="bash bench/gpu_issue41.sh", carry=[".whl"], timeout_s=600)
+#                 then, at once (the machine stays warm 30 s; its /tmp/site keeps the wheels), rerun a part that
+#                 failed: run(command="PARTS=<name> BUDGET_S=<what the lease has left - 60> bash bench/gpu_issue41.sh")
 #   here:         SMOKE=1 OUT=/tmp/gpu41 bash bench/gpu_issue41.sh      (every part's --smoke on the CPU, vLLM and
 #                 flash-attn made unimportable by bench/no_vllm/sitecustomize.py, as on the GPU machine)
 #   one part:     PARTS="async" bash bench/gpu_issue41.sh               (names below; default: all, in this order)
 #
-# Parts, in priority order, each under its own limit (LIMIT_<NAME> overrides it) and all under BUDGET_S (default 560 s
-# from the script's start, inside the tool's 600 s): a part starts only with at least 30 s of the budget left and runs
+# Parts, in priority order, each under its own limit (LIMIT_<NAME> overrides it) and all under BUDGET_S (default 450 s
+# from the script's start: with the machine's start, 15 minutes of device time then leave a rerun of one part): a part starts only with at least 30 s of the budget left and runs
 # under min(its limit, what is left), so the parts at the end are the ones cut. Expected seconds on one H100/H200 (estimates from
 # issue 28's H200 run, not measurements): e2e7b ~170 (limit 230), anchor 4B ~60 (80), anchor 7B ~70 (95), anchor 0.6B
-# ~45 (60), shared_prefix ~50 (80) = limits 545; then async ~2 x 60 (90 each) where the budget allows.
+# ~45 (60), shared_prefix ~50 (80) = limits 545 (the budget cuts the last); then async ~2 x 60 (90 each) if time is left.
 #   1. e2e7b: `+experiment=qwen7b_lora rollout.engine=hf` at the Qwen2.5-7B shape, random weights, 16 prompts x 4
 #      samples, responses <= 256, 3 rollout steps (bench/gpu_e2e.py --shape qwen2.5-7b).
 #   2. anchor: the anchor's training-phase protocol with model.attn_implementation=flex_attention: Qwen3-4B LoRA r16,
@@ -29,7 +31,7 @@ ROOT=$(pwd)
 PY=${PY:-python3}
 SMOKE_FLAG=""
 STARTED=$(date +%s)
-BUDGET_S=${BUDGET_S:-560}
+BUDGET_S=${BUDGET_S:-450}
 PARTS=${PARTS:-e2e7b anchor shared_prefix async}
 : "${OUT:?set OUT to the folder for the logs}"
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -39,6 +41,7 @@ fi
 mkdir -p "$OUT"
 if [ ! -d .whl ] && [ -z "$SMOKE_FLAG" ]; then
   echo "gpu_issue41: no .whl/ here; fix: make gpu-wheels on the CPU machine, then run with carry [\".whl\"]" | tee "$OUT/env.log"
+  exit 1
 fi
 if [ -d .whl ] && [ -z "$SMOKE_FLAG" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -79,7 +82,7 @@ run_part() {  # run_part NAME LIMIT LOG ARGS...: one script under min(LIMIT, the
 partial_report() {  # partial_report RUN_DIR LOG: a cut or failed run's report from the steps metrics.csv holds
   if [ "$RC" != 0 ] && [ "$RC" != skipped ] && [ -f "$1/metrics.csv" ] && [ -f "$1/plan.json" ]; then
     echo "######## the steps it finished (gpu_e2e.py --report-only)" >> "$2"
-    timeout 60 $PY gpu_e2e.py --report-only --run-dir "$1" --out "$WORK/unused" $SMOKE_FLAG >> "$2" 2>&1
+    timeout 30 $PY gpu_e2e.py --report-only --run-dir "$1" --out "$WORK/unused" $SMOKE_FLAG >> "$2" 2>&1
   fi
 }
 if wanted e2e7b; then

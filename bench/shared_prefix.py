@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="rollout steps per run, the first warm-up")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
                         help="gpu: precision auto (bf16-mixed) and gradient checkpointing")  # fmt: skip
-    parser.add_argument("--model", choices=["bench", "qwen3-0.6b", "qwen3-4b-lora"], default="bench",
+    parser.add_argument("--model", choices=["bench", "qwen3-0.6b"], default="bench",
                         help="bench: the 24 M bench model; else bench/anchor.py's shape of that name (random weights)")  # fmt: skip
     parser.add_argument("--attn", choices=["sdpa", "eager", "flex_attention"], default=None,
                         help="model.attn_implementation; default: transformers' (sdpa)")  # fmt: skip

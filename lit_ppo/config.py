@@ -310,8 +310,8 @@ def validate_workers(workers: WorkersConfig) -> None:
     _positive("rollout.workers", count=workers.count)
     if not isinstance(workers.devices, int) or isinstance(workers.devices, bool) or workers.devices < 0:
         raise ConfigError(
-            f"rollout.workers.devices={workers.devices!r}; fix: devices per worker after the trainer's (e.g. 1), or 0 "
-            "to share the trainer's first device"
+            f"rollout.workers.devices={workers.devices!r} must be a whole number >= 0; fix: devices per worker after "
+            "the trainer's (e.g. 1), or 0 to share the trainer's first device"
         )
     _positive("rollout.workers", weight_push_bucket_mib=workers.weight_push_bucket_mib)
     if workers.launch not in WORKER_LAUNCHES:
@@ -1026,6 +1026,7 @@ class RunConfig:
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
         validate_server_workers(self.rollout, self.model, self.strategy)
+        validate_worker_devices(self.rollout, self.strategy)
         check_worker_waits_fit_collectives(self.rollout, self.strategy, self.trainer.collective_timeout_s)
         # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction
@@ -1128,6 +1129,34 @@ def check_worker_waits_fit_collectives(
             f"rollout workers: ranks 1.. wait for rank 0 in a collective while it waits up to {setting}={longest:g} s "
             f"for the workers, and would stop on their own timeout without naming the worker; fix: "
             f"trainer.collective_timeout_s above {longest:g}, or lower {setting}"
+        )
+
+
+def validate_worker_devices(rollout: RolloutConfig, strategy: StrategyConfig) -> None:
+    """rollout.workers.devices against where the workers run: 0 (share the trainer's first device) only for workers
+    the trainer spawns beside one trainer device, and a vLLM worker's tensor-parallel size within its devices."""
+    if rollout.mode != "disaggregated":
+        return
+    workers = rollout.workers
+    if workers.devices == 0:
+        where = "rollout.workers.devices=0 (the workers share the trainer's first device)"
+        if workers.launch == "external" or workers.server_urls:
+            how = "launch=external" if workers.launch == "external" else "rollout.workers.server_urls"
+            raise ConfigError(
+                f"{where} with {how}: those workers run where their launcher or server put them; fix: "
+                "rollout.workers.devices=1 (it applies to spawned workers only), or launch=spawn"
+            )
+        if strategy.data_parallel_size != 1:
+            raise ConfigError(
+                f"{where} with {strategy.data_parallel_size} trainer ranks: every worker would load onto rank 0's "
+                "device; fix: rollout.workers.devices=1 (devices after the trainers'), or one trainer device"
+            )
+    spawned = workers.launch != "external" and not workers.server_urls
+    if spawned and rollout.engine == "vllm" and rollout.tensor_parallel_size > max(workers.devices, 1):
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} with rollout.workers.devices="
+            f"{workers.devices}: each worker's vLLM engine splits the model over its own devices; fix: "
+            f"rollout.workers.devices={rollout.tensor_parallel_size}"
         )
 
 

@@ -207,7 +207,7 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             lora_adapter_parameters=plan.lora.adapter_parameters if plan.lora else None,
             vllm_max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else 0,
             rollout_workers=rollout.workers.count if rollout.mode == "disaggregated" else 0,
-            workers_share_device=rollout.mode == "disaggregated" and rollout.workers.devices == 0,
+            workers_share_device=rollout.mode == "disaggregated" and rollout.workers.devices == 0 and on_gpu(strategy),
             max_staleness=rollout.staleness() if rollout.mode == "disaggregated" else 0,
         ),
     )

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.helpers import ROOT
 
@@ -67,7 +68,8 @@ def test_the_7b_lora_recipe_composes_with_a_random_weight_model_of_its_shape_and
     assert "+experiment=qwen7b_lora" in out and "rollout.engine=hf" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["lora"]["rank"] == 32 and plan["models"]["rollout_engine"] == "hf"
-    config = (ROOT / ".cache/lit_ppo/bench/gpu-e2e-qwen2.5-7b-smoke-0/config.json").read_text()
+    cache = Path(os.environ.get("LIT_PPO_BENCH_CACHE") or ROOT / ".cache" / "lit_ppo" / "bench")  # bench/common.CACHE
+    config = (cache / "gpu-e2e-qwen2.5-7b-smoke-0/config.json").read_text()
     assert '"tie_word_embeddings": false' in config
 
 

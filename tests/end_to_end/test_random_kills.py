@@ -60,6 +60,7 @@ def test_a_colocated_run_killed_and_resumed_ends_as_the_uninterrupted_one(tmp_pa
         "tool_episodes",
         "tool_episodes_disaggregated_k1_worker",
         "hf_disaggregated_k1",
+        "server_k1",
     ],
 )
 def test_runs_killed_three_times_and_resumed_end_as_the_uninterrupted_ones(case, tmp_path):

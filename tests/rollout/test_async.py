@@ -120,6 +120,39 @@ def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=
             ["rollout.workers.heartbeat_timeout_s=0"],
             r"^rollout.workers.heartbeat_timeout_s=0 must be a positive number of seconds",
         ),
+        # rollout.workers.devices=0 (the workers on the trainer's first device) only where the trainer places them
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.devices=0", "rollout.workers.launch=external"],
+            r"^rollout.workers.devices=0 \(the workers share the trainer's first device\) with launch=external: .*fix: "
+            r"rollout.workers.devices=1",
+        ),
+        (
+            [
+                "rollout.mode=disaggregated",
+                "rollout.workers.devices=0",
+                "rollout.workers.launch=server",
+                "rollout.workers.server_urls=[http://127.0.0.1:8000]",
+            ],
+            r"^rollout.workers.devices=0 .* with rollout.workers.server_urls: .*fix: rollout.workers.devices=1",
+        ),
+        (
+            [
+                "rollout.mode=disaggregated",
+                "rollout.workers.devices=0",
+                "strategy=ddp",
+                "strategy.devices=2",
+                "strategy.accelerator=cpu",
+            ],
+            r"^rollout.workers.devices=0 .* with 2 trainer ranks: every worker would load onto rank 0's device; fix:",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.devices=0", "rollout.tensor_parallel_size=2"],
+            r"^rollout.tensor_parallel_size=2 with rollout.workers.devices=0: .*fix: rollout.workers.devices=2$",
+        ),
+        (
+            ["rollout.mode=disaggregated", "rollout.workers.devices=-1"],
+            r"^rollout.workers.devices=-1 must be a whole number >= 0; fix:",
+        ),
         # with model.lora, what rollout workers cannot do is refused as without it, naming the key
         (
             ["rollout.mode=disaggregated", "model.lora.rank=16", "rollout.engine=hf", "rollout.tensor_parallel_size=2"],
@@ -1158,6 +1191,7 @@ def test_a_worker_gets_the_devices_after_the_trainers_or_shares_the_trainers_fir
         worker_device_ids(["0"], 0, 1, 1)
     assert WorkersConfig(devices=0).devices == 0
     with pytest.raises(
-        ConfigError, match=r"rollout.workers.devices=-1; fix: .* or 0 to share the trainer's first device"
+        ConfigError,
+        match=r"rollout.workers.devices=-1 must be a whole number >= 0; fix: .* or 0 to share the trainer's",
     ):
         WorkersConfig(devices=-1)

@@ -56,6 +56,11 @@ class TrainerInitInfo:
     backend: ClassVar[str]
     rank: int = field(kw_only=True)
 
+    def __init_subclass__(cls, **kwargs) -> None:  # as vLLM's: the backend is the factory's key
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "backend", None):
+            raise TypeError(f"{cls.__name__} must set a class-level `backend` string (the factory's registry key)")
+
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
@@ -66,6 +71,17 @@ class TrainerWeightTransferEngine(ABC, Generic[InitInfo]):
 
     def __init__(self, *, client, source: WeightSource | None = None, is_sender: bool = True) -> None:
         self.is_sender, self.client, self.source = is_sender, client, source
+
+    @classmethod
+    @abstractmethod
+    def trainer_init(cls, init_info: InitInfo, *, client, source: WeightSource | None = None):
+        """The rendezvous; a ready engine on every trainer rank."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def send_weights(self, *args, **kwargs) -> None:
+        """One push: start, one update per bucket, finish."""
+        raise NotImplementedError
 
     def shutdown(self) -> None:
         pass

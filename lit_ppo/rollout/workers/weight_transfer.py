@@ -33,6 +33,7 @@ transfer_interface.py's, with the same names and calls; the push is the same cod
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -40,7 +41,7 @@ from typing import ClassVar, Iterable, Iterator
 
 import torch
 
-try:
+if importlib.util.find_spec("vllm") is not None:  # vLLM's own interface (an import error in it is raised as is)
     from vllm.distributed.weight_transfer.base import (
         ParamMeta,
         TrainerInitInfo,
@@ -51,7 +52,7 @@ try:
         WeightTransferUpdateInfo,
     )
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-except ImportError:  # no vLLM (rollout.engine=hf workers): the interface's names as transfer_interface.py writes them
+else:  # no vLLM (rollout.engine=hf workers): the interface's names as transfer_interface.py writes them
     from lit_ppo.rollout.workers.transfer_interface import (
         ParamMeta,
         TrainerInitInfo,
