@@ -524,6 +524,113 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
     assert [g.token_ids for g in before] != [g.token_ids for g in under_b]
 
 
+def requests_on(url: str) -> float:
+    """The requests a server is generating or holding (its /metrics: running + waiting, n samples counted n times)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    names = ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(names))
+
+
+def generate_as_another_client(url: str, n: int, max_tokens: int) -> list[dict]:
+    """Another client's request to the same server (its own id): n samples of exactly max_tokens tokens."""
+    sampling = dict(n=n, temperature=1.0, max_tokens=max_tokens, seed=7, ignore_eos=True)
+    body = dict(model="policy", token_ids=[9] * 10, sampling_params=sampling, request_id="another-client-0")
+    body.update(output_mode="text", return_token_ids=True)
+    request = urllib.request.Request(
+        url + "/inference/v1/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())["choices"]
+
+
+@pytest.mark.slow
+def test_close_aborts_the_runs_requests_on_a_given_server_and_not_another_clients(given_server, tmp_path):
+    """A given server is left running at `close`, but not generating the run's requests for nobody (a failed run's,
+    or the steps requested ahead at the end): `close` aborts them by their ids. 128 prompts x 32 samples of up to 110
+    tokens (seconds of generation on CPU) are in flight when `close` is called, and another client's request is queued
+    behind them on the same server. The run's requests are answered at once, aborted (vLLM's finish reason "abort")
+    where they had not finished, and the server then holds only the other client's request, which completes: 64
+    samples of its 110 tokens each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, url = given_server
+    workers = ServerWorkers(
+        engine_kwargs={},
+        server_urls=[url],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=tmp_path,
+        start_timeout_s=60.0,
+        batch_timeout_s=300.0,
+        push_timeout_s=60.0,
+        bucket_mib=1,
+    )
+    prompts = [[5 + i % 20] * 10 for i in range(128)]
+    request = dict(n=32, temperature=1.0, top_p=1.0, max_tokens=110, seeds=list(range(128)))
+    other_client = ThreadPoolExecutor(1)
+    try:
+        ticket = workers.submit(prompts, **request)
+        deadline = time.monotonic() + 60.0
+        while requests_on(url) < 1000 and time.monotonic() < deadline:  # the run's requests reached the engine
+            time.sleep(0.05)
+        other = other_client.submit(generate_as_another_client, url, 64, 110)
+        time.sleep(0.5)  # the other client's request reaches the server, behind the run's
+        assert not other.done() and not all(future.done() for _, future in ticket.prompts)
+    finally:
+        started = time.monotonic()
+        workers.close()
+        close_s = time.monotonic() - started
+    answers = [future.result(timeout=30.0)[0] for _, future in ticket.prompts]
+    answered_s = time.monotonic() - started
+    left_on_server = requests_on(url)
+    theirs = other.result(timeout=300.0)
+    other_client.shutdown()
+    reasons = [choice["finish_reason"] for choices in answers for choice in choices]
+    aborted = sum(reason == "abort" for reason in reasons)
+    assert aborted > 1000, (aborted, len(reasons))  # of 4,096 samples: most had not finished when close came
+    assert set(reasons) <= {"abort", "stop", "length"}
+    assert close_s < 10.0 and answered_s < 10.0, (close_s, answered_s)
+    assert left_on_server <= 64, left_on_server  # the other client's samples at most
+    assert [(c["finish_reason"], len(c["token_ids"])) for c in theirs] == [("length", 110)] * 64
+
+
+def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog):
+    """`close` runs after the run's own error: aborting on a given server where nothing answers (refused) or that
+    never answers (a socket that accepts and is silent) returns within its timeout with one warning naming the server,
+    and raises nothing. A spawned server's requests are not aborted (the server is stopped)."""
+    import socket
+    from concurrent.futures import Future
+
+    from lit_ppo.rollout.workers.servers import Server
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    for url in (f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"):
+        workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
+        spawned = Server(1, "http://127.0.0.1:1", process=subprocess.Popen([sys.executable, "-c", "pass"]))
+        spawned.process.wait(timeout=30)
+        workers.in_flight = set()
+        for server, request_id in ((Server(0, url), "lit-ppo-run-submit0-prompt0"), (spawned, "not-aborted")):
+            future = Future()  # never answered
+            future.server, future.request_id = server, request_id
+            workers.in_flight.add(future)
+        caplog.clear()
+        started = time.monotonic()
+        workers.abort_in_flight(timeout_s=1.0)
+        seconds = time.monotonic() - started
+        assert seconds < 3.0, seconds
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(
+            f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own): aborting the "
+            "run's 1 requests failed: POST /inference/v1/abort_requests "
+        ), warnings
+    silent.close()
+
+
 def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_naming_the_flag():
     """Its log-probs would silently be of the raw logits, or the push would reach no engine: the trainer reads the
     given server's /server_info and names the flag it lacks."""

@@ -20,7 +20,9 @@ What a rollout worker does and how a server does it:
 - The check of each push: the server's teacher-forced log-probs of the trainer's probe sequence (`prompt_logprobs`
   of /v1/completions) against the trainer's, within rollout.max_logprob_abs_diff, and its /weight_info version.
 - Failures: an HTTP error or timeout, or a server that stops answering /health, stops the run in one line naming the
-  server's URL and (spawned) its process and log. `close` stops spawned servers; given ones are left running.
+  server's URL and (spawned) its process and log. `close` stops spawned servers; given ones are left running, and
+  the run's requests still generating on them are aborted by their ids (`abort_in_flight`): a user's deployment may
+  serve other clients, whose requests are left alone.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +65,11 @@ PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.workers.weight_transfer:reg
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 HEALTH_TIMEOUT_S = 5.0  # one /health call
 SETTLE_S = 2.0  # after a failed broadcast: how long a killed server may take to be seen exited
+ABORT_TIMEOUT_S = 5.0  # `close` on given servers: how long the run's aborted requests may take to be answered
+ABORT_RESEND_S = 0.5  # ... and how often the abort is sent again for those not answered yet (sent after the abort)
+GENERATE_ID_PREFIX = "generate-tokens-"
+"""What vLLM's /inference/v1/generate puts before a request's `request_id` to make the engine's id, the id its
+abort routes take (vLLM 0.32, entrypoints/scale_out/token_in_token_out/serving.py)."""
 
 
 def server_arguments(settings: dict, port: int, host: str = "127.0.0.1") -> list[str]:
@@ -306,6 +315,10 @@ class ServerWorkers:
         self.requests: dict[int, ThreadPoolExecutor] | None = {}
         self.max_requests_in_flight = max_requests_in_flight
         self.in_flight: set[Future] = set()  # generate requests not yet answered (a push waits for them)
+        # Each generate request's id: this run's, so that `close` can abort the run's own requests on a given server
+        # and nobody else's.
+        self.request_id_prefix = f"lit-ppo-{uuid.uuid4().hex[:12]}"
+        self.submits = 0  # `submit` calls so far (a request id's middle part)
         self.servers: list[Server] = []
         self.exit_codes: list[int | None] = []
         self.store = self.transfer = self.sync_client = None
@@ -477,6 +490,7 @@ class ServerWorkers:
         stop_ids, stop = list(params.get("stop_token_ids") or ()), list(params.get("stop") or ())
         prompts = []
         owner = share_owners(len(prompt_token_ids), len(self.servers))
+        submit_number, self.submits = self.submits, self.submits + 1
         for i, ids in enumerate(prompt_token_ids):
             server = self.servers[owner[i]]
             sampling = dict(
@@ -489,10 +503,12 @@ class ServerWorkers:
                 stop_token_ids=stop_ids or None,
                 stop=stop or None,
             )
+            request_id = f"{self.request_id_prefix}-submit{submit_number}-prompt{i}"
             body = dict(model=server.model, token_ids=list(ids), sampling_params=sampling, output_mode="text")
-            body["return_token_ids"] = True
+            body.update(return_token_ids=True, request_id=request_id)
             future = self.pool_of(server).submit(self._generate_one, server, body)
             future.server = server  # which server a push waits for, by the request
+            future.request_id = request_id  # what `close` aborts
             self.in_flight.add(future)
             future.add_done_callback(self.in_flight.discard)
             prompts.append((server.number, future))
@@ -632,11 +648,13 @@ class ServerWorkers:
 
     def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop the spawned servers (SIGTERM to each one's process group, SIGKILL for what has not exited within
-        `timeout_s`); given servers are left running, their weight-transfer engine shut down."""
+        `timeout_s`); given servers are left running, the run's requests still generating on them aborted (after a
+        failure, or the steps requested ahead at the end), their weight-transfer engine shut down."""
         if self.requests is None:
             return
-        for pool in self.requests.values():
+        for pool in self.requests.values():  # what was not sent yet is never sent
             pool.shutdown(wait=False, cancel_futures=True)
+        self.abort_in_flight()
         if self.sync_client is not None:
             self.sync_client.close()
         for server in self.servers:
@@ -669,6 +687,42 @@ class ServerWorkers:
                 server.process.wait()
                 self.exit_codes.append(None)
         self.transfer = self.store = self.requests = None
+
+    def abort_in_flight(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
+        """Abort the run's generate requests still running on given servers, by their ids: else a server generates
+        them to their max tokens for nobody (and this process's request threads wait for the answers at its exit).
+        By id, not `/pause?mode=abort`: a user's deployment may serve other clients. The route is
+        `/inference/v1/abort_requests` (the generate route's own, --enable-scale-out), which refuses a body without
+        ids, where the dev-mode `/abort_requests` aborts every request on the server when given none. A request
+        whose thread took it just before `close` may reach the server after an abort, so the abort is sent again for
+        those not answered every ABORT_RESEND_S, within `timeout_s`. Never raises: `close` runs after the run's own
+        error, which is the one to see."""
+        deadline, refused = time.monotonic() + timeout_s, set()  # refused: servers whose abort failed, not retried
+        while True:
+            running = [f for f in list(self.in_flight) if f.server.process is None and not f.done()]
+            running = [f for f in running if f.server.number not in refused]
+            if not running or time.monotonic() >= deadline:
+                break
+            for server in {f.server.number: f.server for f in running}.values():
+                # The engine's id (GENERATE_ID_PREFIX + ours) and ours as sent, should a vLLM stop prefixing it: an
+                # id the server does not know is ignored.
+                ids = [f.request_id for f in running if f.server is server]
+                body = {"request_ids": [GENERATE_ID_PREFIX + i for i in ids] + ids}
+                try:
+                    server.post("/inference/v1/abort_requests", body, max(0.1, deadline - time.monotonic()))
+                except HTTPFailure as e:
+                    refused.add(server.number)
+                    log.warning(
+                        "trainer: %s: aborting the run's %d requests failed: %s", server.describe(), len(ids), e
+                    )
+            wait_for_futures(running, timeout=min(ABORT_RESEND_S, max(0.0, deadline - time.monotonic())))
+        if running:
+            log.warning(
+                "trainer: %d of the run's requests on given vLLM servers were not answered within %g s of their abort; "
+                "they may still be generating there",
+                len(running),
+                timeout_s,
+            )
 
 
 def signal_group(pid: int, signum: int) -> None:
