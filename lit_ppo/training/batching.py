@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.distributed import all_gather_objects, global_max
+from lit_ppo.distributed import all_gather_objects, global_max, world_size
 from lit_ppo.errors import RolloutMismatchError
 from lit_ppo.plan import StepPlan, check_rank_balance
 
@@ -470,14 +470,64 @@ def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[li
 
 def check_sample_ids(b: int, packed: list[int], expected: list[int]) -> None:
     """Sample `b`'s laid-out ids are exactly `expected` (`check_packed_ids`)."""
-    if packed != list(expected):
-        first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
+    difference = ids_difference(packed, expected)
+    if difference is not None:
         raise RolloutMismatchError(
-            f"sample {b} of a micro-batch: the ids the trainer packs differ from the ids vLLM was given and produced "
-            f"at position {first} of {len(expected)} (packed {packed[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); "
-            "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.episodes.check_token_ids=false "
-            "turns this check off"
+            f"sample {b} of a micro-batch: {difference}; rollout.episodes.check_token_ids=false turns this check off"
         )
+
+
+def ids_difference(packed: list[int], expected: list[int]) -> str | None:
+    """Where the ids the trainer lays out (`packed`) first differ from the ids vLLM was given and produced
+    (`expected`), in words; None where they are the same."""
+    if list(packed) == list(expected):
+        return None
+    first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
+    return (
+        f"the ids the trainer packs differ from the ids vLLM was given and produced at position {first} of "
+        f"{len(expected)} (packed {list(packed)[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); the "
+        "trajectory was rebuilt instead of kept (e.g. decoded and re-encoded)"
+    )
+
+
+def rollout_ids_mismatch(batch: RolloutBatch) -> str | None:
+    """The first of `batch`'s episodes whose policy mask is not one entry per response token, or (with
+    rollout.episodes.check_token_ids) whose prompt + response ids are not the ids vLLM was given and produced, in
+    words; None when every one is as vLLM left it. What the layouts lay out is exactly prompt + response, so this is
+    the check of what the trainer packs, made on the data once, before any forward."""
+    masks, expected = batch.policy_masks, batch.episode_ids
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        where = f"rollout step {batch.rollout_step + 1}, sample {i} (prompt position {batch.prompt_positions[i]})"
+        if masks is not None and len(masks[i]) != len(response):
+            return (
+                f"{where}: {len(masks[i])} policy-mask entries for {len(response)} response tokens; the episode's "
+                "mask and ids were built apart"
+            )
+        difference = None if expected is None else ids_difference(list(prompt) + list(response), expected[i])
+        if difference is not None:
+            return f"{where}: {difference}"
+    return None
+
+
+def check_rollout_ids(batch: RolloutBatch) -> None:
+    """Every rank's episodes checked (`rollout_ids_mismatch`) and the verdict shared before the step's first forward:
+    on a mismatch every rank raises the same RolloutMismatchError, naming the rank and the sample, at this same
+    point. A rank that raised alone would save the exception checkpoint (collectives) while the others were in the
+    step's forwards and all-reduces: the run would hang until trainer.collective_timeout_s and lose the error. One
+    all-gather of a few bytes per rollout step, only for episodes (their masks and ids exist on every rank or on
+    none)."""
+    if batch.policy_masks is None and batch.episode_ids is None:
+        return
+    found = [(rank, line) for rank, line in enumerate(all_gather_objects(rollout_ids_mismatch(batch))) if line]
+    if not found:
+        return
+    rank, line = found[0]
+    on_rank = f"rank {rank}: " if world_size() > 1 else ""
+    raise RolloutMismatchError(
+        f"{on_rank}{line}; the checkpoint of the step's start was saved; fix: keep each episode's ids and policy mask "
+        "as vLLM and the environment gave them (a tokenization of the episode's text is not them), or set "
+        "rollout.episodes.check_token_ids=false (the trainer then trains on ids vLLM did not sample), then resume=auto"
+    )
 
 
 def rank_micro_batch_groups(
@@ -511,16 +561,14 @@ def packed_micro_batches(
     pack_shared_prefix=None,
     row_tokens: int | None = None,
 ):
-    """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack.
+    """(indices, MicroBatch) per group; episodes bring their policy masks (their ids were checked before the step's
+    first forward, on every rank together: `check_rollout_ids`; a check here would stop one rank alone).
     `packing`: laid out by `pack_samples` (in one row when `one_row`, padded to `row_tokens` where given; by
     `pack_shared_prefix`, training/shared_prefix.py's, where given: each group's prompt once), else by `pack`."""
-    masks, expected = batch.policy_masks, batch.episode_ids
+    masks = batch.policy_masks
     for idx in groups:
         args = ([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device)
-        kwargs = dict(
-            policy_masks=None if masks is None else [masks[i] for i in idx],
-            expected_ids=None if expected is None else [expected[i] for i in idx],
-        )
+        kwargs = dict(policy_masks=None if masks is None else [masks[i] for i in idx])
         if packing and pack_shared_prefix is not None:
             yield idx, pack_shared_prefix(*args, **kwargs, row_tokens=row_tokens)
         elif packing:
