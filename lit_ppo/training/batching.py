@@ -5,7 +5,8 @@ micro-batches chosen by count or token budget
 (`micro_batch_groups`, or `packed_micro_batch_groups`: a balanced partition by real tokens), and the rows of one
 micro-batch laid out for a forward: `pack` (padded: prompts left-padded, responses right-padded) or `pack_samples`
 (ppo.packing: whole samples end to end, position ids restarting at each, no padding between them), each with the
-episodes' policy masks and the check of the ids vLLM produced.
+episodes' policy masks; and the check that the episodes' ids are the ones vLLM produced, made by every rank together
+before a step's first forward (`check_rollout_ids`).
 
 Shapes: B samples of a micro-batch, P its widest prompt, T its longest response; packed: R rows of L positions.
 """
@@ -58,14 +59,13 @@ def pack(
     pad_id: int,
     device,
     policy_masks: list[list[int]] | None = None,
-    expected_ids: list[list[int]] | None = None,
 ) -> MicroBatch:
     """Left-pad prompts and right-pad responses so every response starts at column P.
 
     `policy_masks` (multi-turn episodes): per response token 1 where the policy wrote it, 0 on observations;
     `response_mask` is then 1 on the policy's tokens only, so no loss, KL, entropy or token count reaches an
-    observation (the model still reads them: they stay in the attention mask). `expected_ids`: per sample the
-    ids vLLM was given and produced; every packed row must be exactly them (`check_packed_ids`)."""
+    observation (the model still reads them: they stay in the attention mask). Each row holds exactly the sample's
+    prompt + response, which `check_rollout_ids` compared with the ids vLLM was given and produced."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     B = len(prompt_ids)
@@ -83,8 +83,6 @@ def pack(
                     f"{len(r)} response tokens; the episode's mask and ids were built apart"
                 )
             policy[b, : len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
-    if expected_ids is not None:
-        check_packed_ids(input_ids, attention, expected_ids)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention[:, P:].float()
     if policy_masks is not None:
@@ -105,7 +103,6 @@ def pack_samples(
     pad_id: int,
     device,
     policy_masks: list[list[int]] | None = None,
-    expected_ids: list[list[int]] | None = None,
     one_row: bool = False,
     row_tokens: int | None = None,
 ) -> MicroBatch:
@@ -141,8 +138,6 @@ def pack_samples(
         offset = 0
         for b in row:
             ids = list(prompt_ids[b]) + list(response_ids[b])
-            if expected_ids is not None:
-                check_sample_ids(b, ids, expected_ids[b])
             input_ids[r, offset : offset + len(ids)] = torch.tensor(ids, dtype=torch.long)
             position_ids[r, offset : offset + len(ids)] = torch.arange(len(ids))
             start[b] = r * L + offset
@@ -458,23 +453,6 @@ def padding_fraction(prompt_lengths: list[int], response_lengths: list[int], gro
     positions = sum(padded_tokens(prompt_lengths, response_lengths, g) for g in groups)
     real = sum(prompt_lengths[i] + response_lengths[i] for g in groups for i in g)
     return 1 - real / positions if positions else 0.0
-
-
-def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[list[int]]) -> None:
-    """Each packed row's attended ids are exactly `expected_ids` (what vLLM was given and produced for the
-    episode): the trainer computes log-probs of the tokens that were sampled, in the context they were sampled
-    in. Cheap: one comparison per token, on the CPU tensors before they move to the device."""
-    for b, expected in enumerate(expected_ids):
-        check_sample_ids(b, input_ids[b][attention[b].bool()].tolist(), expected)
-
-
-def check_sample_ids(b: int, packed: list[int], expected: list[int]) -> None:
-    """Sample `b`'s laid-out ids are exactly `expected` (`check_packed_ids`)."""
-    difference = ids_difference(packed, expected)
-    if difference is not None:
-        raise RolloutMismatchError(
-            f"sample {b} of a micro-batch: {difference}; rollout.episodes.check_token_ids=false turns this check off"
-        )
 
 
 def ids_difference(packed: list[int], expected: list[int]) -> str | None:
