@@ -195,6 +195,7 @@ REMEDY_KEYS = (
     "ppo.dynamic_sampling.max_generation_rounds",
     "ppo.dynamic_sampling.on_shortfall",
     "rollout.max_logprob_abs_diff",
+    "rollout.episodes.check_token_ids",
 )
 """The settings that the errors which stop a run with a checkpoint name as their fix ("..., then resume=auto":
 NonFiniteUpdatesError, DynamicSamplingShortfallError, RolloutMismatchError): a resumed run may change them, with one

@@ -185,19 +185,35 @@ def extra_loggers(config: RunConfig, output_dir: Path, resume_from: Path | None 
     return [hydra.utils.instantiate(logger.extra, **extra)]
 
 
-def stop_started_ranks(trainer: L.Trainer) -> None:
-    """After an error on rank 0, stop the ranks it started: they would wait in their next collective (with
-    NCCL, until the process-group timeout), and Lightning stops them only on Ctrl-C. (An error on another
-    rank makes Lightning kill rank 0.)"""
-    children = list(getattr(trainer.strategy.launcher, "procs", None) or [])
-    if not children:
-        return
-    # Lightning's observer thread watches this very list and SIGKILLs rank 0 when a child dies with a
-    # non-zero code, which would cut rank 0's own error message and exit code short: empty it first.
-    trainer.strategy.launcher.procs.clear()
-    for child in children:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+class StartedRanks(L.Callback):
+    """The ranks rank 0 started (Lightning's launcher), stopped by rank 0 after its error (`stop`): they would wait in
+    their next collective (with NCCL, until the process-group timeout), and Lightning stops them only on Ctrl-C. (An
+    error on another rank alone makes Lightning kill rank 0.)
+
+    Lightning's observer thread SIGKILLs rank 0 as soon as a child exits with a non-zero code, which would cut rank
+    0's own error message, exit code and exception checkpoint short where every rank stops together (the
+    STOPPING_ERRORS): at an error rank 0 takes the children off its watch first (`on_exception`, before the
+    checkpoint's, whose collectives hold the other ranks until rank 0 is there too)."""
+
+    def __init__(self) -> None:
+        self.children: list = []
+
+    def take(self, trainer: L.Trainer) -> list:
+        """The started ranks, off the observer's watch (it watches this very list)."""
+        procs = getattr(trainer.strategy.launcher, "procs", None)
+        if procs:
+            self.children += procs
+            procs.clear()
+        return self.children
+
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        self.take(trainer)
+
+    def stop(self, trainer: L.Trainer) -> None:
+        for child in self.take(trainer):
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        self.children = []
 
 
 def lightning_strategy(config: RunConfig):
@@ -278,6 +294,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     checkpoints = RolloutCheckpoint(
         output_dir / "checkpoints", every=trainer_cfg.checkpoint_every, keep=trainer_cfg.keep_checkpoints
     )
+    started_ranks = StartedRanks()
     if resume_from:
         log.info("resuming from %s", resume_from)
     elif plan.models.critic_enabled and rank_zero:  # (a resumed run's critic is its checkpoint's)
@@ -293,6 +310,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         engine=engine,
         callbacks=[
             RolloutProgressBar(plan.counts.total_rollout_steps),
+            started_ranks,  # before the checkpoint's: its on_exception first
             checkpoints,
             Preemption(checkpoints),
             SampleTableLogger(),
@@ -310,7 +328,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         # engine's shutdown can touch the process group; rank 0 saves them below.
         actor_state = module.saved_actor_state() if module.sharded else None
     except (Exception, Stopped) as error:  # (Stopped: a signal during start-up inside fit, e.g. the engine's start)
-        stop_started_ranks(trainer)
+        started_ranks.stop(trainer)
         timed_out = waits.named_timeout(error, trainer.global_rank)
         if timed_out is not None:
             raise timed_out from error

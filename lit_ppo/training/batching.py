@@ -5,7 +5,8 @@ micro-batches chosen by count or token budget
 (`micro_batch_groups`, or `packed_micro_batch_groups`: a balanced partition by real tokens), and the rows of one
 micro-batch laid out for a forward: `pack` (padded: prompts left-padded, responses right-padded) or `pack_samples`
 (ppo.packing: whole samples end to end, position ids restarting at each, no padding between them), each with the
-episodes' policy masks and the check of the ids vLLM produced.
+episodes' policy masks; and the check that the episodes' ids are the ones vLLM produced, made by every rank together
+before a step's first forward (`check_rollout_ids`).
 
 Shapes: B samples of a micro-batch, P its widest prompt, T its longest response; packed: R rows of L positions.
 """
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.distributed import all_gather_objects, global_max
+from lit_ppo.distributed import all_gather_objects, global_max, world_size
 from lit_ppo.errors import RolloutMismatchError
 from lit_ppo.plan import StepPlan, check_rank_balance
 
@@ -58,14 +59,13 @@ def pack(
     pad_id: int,
     device,
     policy_masks: list[list[int]] | None = None,
-    expected_ids: list[list[int]] | None = None,
 ) -> MicroBatch:
     """Left-pad prompts and right-pad responses so every response starts at column P.
 
     `policy_masks` (multi-turn episodes): per response token 1 where the policy wrote it, 0 on observations;
     `response_mask` is then 1 on the policy's tokens only, so no loss, KL, entropy or token count reaches an
-    observation (the model still reads them: they stay in the attention mask). `expected_ids`: per sample the
-    ids vLLM was given and produced; every packed row must be exactly them (`check_packed_ids`)."""
+    observation (the model still reads them: they stay in the attention mask). Each row holds exactly the sample's
+    prompt + response, which `check_rollout_ids` compared with the ids vLLM was given and produced."""
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     B = len(prompt_ids)
@@ -83,8 +83,6 @@ def pack(
                     f"{len(r)} response tokens; the episode's mask and ids were built apart"
                 )
             policy[b, : len(r)] = torch.tensor(policy_masks[b], dtype=torch.float32)
-    if expected_ids is not None:
-        check_packed_ids(input_ids, attention, expected_ids)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     response_mask = attention[:, P:].float()
     if policy_masks is not None:
@@ -105,7 +103,6 @@ def pack_samples(
     pad_id: int,
     device,
     policy_masks: list[list[int]] | None = None,
-    expected_ids: list[list[int]] | None = None,
     one_row: bool = False,
     row_tokens: int | None = None,
 ) -> MicroBatch:
@@ -141,8 +138,6 @@ def pack_samples(
         offset = 0
         for b in row:
             ids = list(prompt_ids[b]) + list(response_ids[b])
-            if expected_ids is not None:
-                check_sample_ids(b, ids, expected_ids[b])
             input_ids[r, offset : offset + len(ids)] = torch.tensor(ids, dtype=torch.long)
             position_ids[r, offset : offset + len(ids)] = torch.arange(len(ids))
             start[b] = r * L + offset
@@ -460,24 +455,57 @@ def padding_fraction(prompt_lengths: list[int], response_lengths: list[int], gro
     return 1 - real / positions if positions else 0.0
 
 
-def check_packed_ids(input_ids: Tensor, attention: Tensor, expected_ids: list[list[int]]) -> None:
-    """Each packed row's attended ids are exactly `expected_ids` (what vLLM was given and produced for the
-    episode): the trainer computes log-probs of the tokens that were sampled, in the context they were sampled
-    in. Cheap: one comparison per token, on the CPU tensors before they move to the device."""
-    for b, expected in enumerate(expected_ids):
-        check_sample_ids(b, input_ids[b][attention[b].bool()].tolist(), expected)
+def ids_difference(packed: list[int], expected: list[int]) -> str | None:
+    """Where the ids the trainer lays out (`packed`) first differ from the ids vLLM was given and produced
+    (`expected`), in words; None where they are the same."""
+    if list(packed) == list(expected):
+        return None
+    first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
+    return (
+        f"the ids the trainer packs differ from the ids vLLM was given and produced at position {first} of "
+        f"{len(expected)} (packed {list(packed)[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); the "
+        "trajectory was rebuilt instead of kept (e.g. decoded and re-encoded)"
+    )
 
 
-def check_sample_ids(b: int, packed: list[int], expected: list[int]) -> None:
-    """Sample `b`'s laid-out ids are exactly `expected` (`check_packed_ids`)."""
-    if packed != list(expected):
-        first = next((i for i, (x, y) in enumerate(zip(packed, expected)) if x != y), min(len(packed), len(expected)))
-        raise RolloutMismatchError(
-            f"sample {b} of a micro-batch: the ids the trainer packs differ from the ids vLLM was given and produced "
-            f"at position {first} of {len(expected)} (packed {packed[first : first + 5]}, vLLM {list(expected)[first : first + 5]}); "
-            "the trajectory was rebuilt instead of kept (e.g. decoded and re-encoded); rollout.episodes.check_token_ids=false "
-            "turns this check off"
-        )
+def rollout_ids_mismatch(batch: RolloutBatch) -> str | None:
+    """The first of `batch`'s episodes whose policy mask is not one entry per response token, or (with
+    rollout.episodes.check_token_ids) whose prompt + response ids are not the ids vLLM was given and produced, in
+    words; None when every one is as vLLM left it. What the layouts lay out is exactly prompt + response, so this is
+    the check of what the trainer packs, made on the data once, before any forward."""
+    masks, expected = batch.policy_masks, batch.episode_ids
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        where = f"rollout step {batch.rollout_step + 1}, sample {i} (prompt position {batch.prompt_positions[i]})"
+        if masks is not None and len(masks[i]) != len(response):
+            return (
+                f"{where}: {len(masks[i])} policy-mask entries for {len(response)} response tokens; the episode's "
+                "mask and ids were built apart"
+            )
+        difference = None if expected is None else ids_difference(list(prompt) + list(response), expected[i])
+        if difference is not None:
+            return f"{where}: {difference}"
+    return None
+
+
+def check_rollout_ids(batch: RolloutBatch) -> None:
+    """Every rank's episodes checked (`rollout_ids_mismatch`) and the verdict shared before the step's first forward:
+    on a mismatch every rank raises the same RolloutMismatchError, naming the rank and the sample, at this same
+    point. A rank that raised alone would save the exception checkpoint (collectives) while the others were in the
+    step's forwards and all-reduces: the run would hang until trainer.collective_timeout_s and lose the error. One
+    all-gather of a few bytes per rollout step, only for episodes (their masks and ids exist on every rank or on
+    none)."""
+    if batch.policy_masks is None and batch.episode_ids is None:
+        return
+    found = [(rank, line) for rank, line in enumerate(all_gather_objects(rollout_ids_mismatch(batch))) if line]
+    if not found:
+        return
+    rank, line = found[0]
+    on_rank = f"rank {rank}: " if world_size() > 1 else ""
+    raise RolloutMismatchError(
+        f"{on_rank}{line}; the checkpoint of the step's start was saved; fix: keep each episode's ids and policy mask "
+        "as vLLM and the environment gave them (a tokenization of the episode's text is not them), or set "
+        "rollout.episodes.check_token_ids=false (the trainer then trains on ids vLLM did not sample), then resume=auto"
+    )
 
 
 def rank_micro_batch_groups(
@@ -511,16 +539,14 @@ def packed_micro_batches(
     pack_shared_prefix=None,
     row_tokens: int | None = None,
 ):
-    """(indices, MicroBatch) per group; episodes bring their policy masks and the ids the trainer must pack.
+    """(indices, MicroBatch) per group; episodes bring their policy masks (their ids were checked before the step's
+    first forward, on every rank together: `check_rollout_ids`; a check here would stop one rank alone).
     `packing`: laid out by `pack_samples` (in one row when `one_row`, padded to `row_tokens` where given; by
     `pack_shared_prefix`, training/shared_prefix.py's, where given: each group's prompt once), else by `pack`."""
-    masks, expected = batch.policy_masks, batch.episode_ids
+    masks = batch.policy_masks
     for idx in groups:
         args = ([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_token_id, device)
-        kwargs = dict(
-            policy_masks=None if masks is None else [masks[i] for i in idx],
-            expected_ids=None if expected is None else [expected[i] for i in idx],
-        )
+        kwargs = dict(policy_masks=None if masks is None else [masks[i] for i in idx])
         if packing and pack_shared_prefix is not None:
             yield idx, pack_shared_prefix(*args, **kwargs, row_tokens=row_tokens)
         elif packing:

@@ -49,6 +49,7 @@ from lit_ppo.plan import (
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_rank_batch,
+    check_rollout_ids,
     global_batch,
     pack,
     packed_micro_batches,
@@ -458,6 +459,9 @@ class PPOModule(L.LightningModule):
         self.rank_balance_stats = {}
         if self.plan.layout.rank_balance:
             batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
+        # The episodes' ids and policy masks, as this rank will lay them out, before any forward: every rank stops
+        # together on a mismatch, so that the exception checkpoint's collectives meet.
+        check_rollout_ids(batch)
         if self.plan.layout.packing and not self.packing_checked:  # once per process: a resumed run checks again
             self.check_packed_layout(batch)
         # 2. Experience: old log-probs, reference log-probs, values and advantages, once.

@@ -24,7 +24,6 @@ from torch import Tensor
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_partition,
-    check_sample_ids,
     first_fit,
     fixed_row_length,
     policy_mask_rows,
@@ -104,7 +103,6 @@ def pack_shared_prefix(
     pad_id: int,
     device,
     policy_masks: list[list[int]] | None = None,
-    expected_ids: list[list[int]] | None = None,
     row_tokens: int | None = None,
 ) -> MicroBatch:
     """The samples in the shared-prefix layout: per prompt group its prompt, then each of its responses; the groups
@@ -150,8 +148,6 @@ def pack_shared_prefix(
             next_segment += 1
             for b in groups[g]:
                 response = list(response_ids[b])
-                if expected_ids is not None:
-                    check_sample_ids(b, prompt + response, expected_ids[b])
                 n = len(response)
                 input_ids[r, offset : offset + n] = torch.tensor(response, dtype=torch.long)
                 position_ids[r, offset : offset + n] = torch.arange(P, P + n)

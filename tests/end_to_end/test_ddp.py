@@ -33,7 +33,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cli_runs import DDP, STRATEGIES, assert_same_weights, experience, final_actor, metrics, train_cli
+from tests.helpers.cli_runs import (
+    DDP,
+    STRATEGIES,
+    assert_same_weights,
+    experience,
+    final_actor,
+    live_processes_in_group,
+    metrics,
+    train_cli,
+)
 
 ROLLOUT_METRICS = [
     "rollout/reward_mean",
@@ -47,19 +56,6 @@ ROLLOUT_METRICS = [
     "critic/explained_variance",
 ]
 ACTOR_STATISTICS = ["actor/policy_loss", "actor/clip_fraction", "actor/approx_kl", "actor/entropy"]
-
-
-def live_processes_in_group(pgid: int) -> list[int]:
-    """Processes of a process group that are still running (zombies waiting to be reaped do not count)."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
 
 
 @pytest.fixture(scope="module")

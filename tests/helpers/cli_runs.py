@@ -1,5 +1,6 @@
 """`python train.py` in a process of its own, as a user or a scheduler starts it (one rank or several), and what such a
-run leaves for a test to read: its dumped experience, its metrics and its final actor. Used by the 2-process runs
+run leaves for a test to read: its dumped experience, its metrics, its final actor and any of its processes still
+running (`live_processes_in_group`). Used by the 2-process runs
 (tests/end_to_end/test_ddp.py, test_ddp_tools.py), LoRA's (tests/training/test_lora.py), the HF engine's
 (tests/rollout/test_hf_engine.py) and the gradient synchronisation counts (tests/training/test_grad_sync.py)."""
 
@@ -61,6 +62,19 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
     )
     out.joinpath("pgid").write_text(str(proc.pid))
     return out
+
+
+def live_processes_in_group(pgid: int) -> list[int]:
+    """Processes of a process group that are still running (zombies waiting to be reaped do not count)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
 
 
 def experience(run: Path, rollout_step: int, world: int) -> dict:

@@ -31,7 +31,8 @@ from lit_ppo.rollout.episodes import (
     run_episodes,
 )
 from lit_ppo.rollout.prompts import Prompt
-from lit_ppo.training.batching import pack
+from lit_ppo.testing import rollout_batch_from_ids
+from lit_ppo.training.batching import check_rollout_ids, pack
 from lit_ppo.training.metrics import episode_metrics
 from tests.helpers import ROOT
 
@@ -208,27 +209,16 @@ def test_three_turn_episode_ids_equal_what_the_trainer_packs():
     # The tokenizer is one where decode -> encode changes ids, on this very episode.
     assert tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids != episode.token_ids
 
-    mb = pack(
-        [prompt_ids],
-        [episode.token_ids],
-        tok.pad_token_id,
-        "cpu",
-        policy_masks=[episode.policy_mask],
-        expected_ids=[episode.episode_ids],
-    )
+    mb = pack([prompt_ids], [episode.token_ids], tok.pad_token_id, "cpu", policy_masks=[episode.policy_mask])
     assert mb.input_ids[0][mb.attention_mask[0].bool()].tolist() == episode.episode_ids
     assert mb.response_mask[0].tolist() == [float(m) for m in episode.policy_mask]
+    batch = rollout_batch_from_ids([prompt_ids], [episode.token_ids], 1, policy_masks=[episode.policy_mask])
+    batch.episode_ids = [episode.episode_ids]
+    check_rollout_ids(batch)
     # The check catches a trajectory rebuilt from text (the bug of TRL #5224 / verl #3720).
-    re_encoded = prompt_ids + tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids
+    batch.episode_ids = [prompt_ids + tok(tok.decode(episode.token_ids), add_special_tokens=False).input_ids]
     with pytest.raises(RolloutMismatchError, match="differ from the ids vLLM was given"):
-        pack(
-            [prompt_ids],
-            [episode.token_ids],
-            tok.pad_token_id,
-            "cpu",
-            policy_masks=[episode.policy_mask],
-            expected_ids=[re_encoded],
-        )
+        check_rollout_ids(batch)
     stats = episode_stats([episode])
     assert stats["turns"] == 3 and stats["tool_calls"] == 2 and stats["tool_call_episodes"] == 1
     assert stats["episode_tokens"] == len(episode.token_ids)

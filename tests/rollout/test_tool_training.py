@@ -52,7 +52,6 @@ def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, a
         module.pad_token_id,
         "cpu",
         policy_masks=batch.policy_masks,
-        expected_ids=batch.episode_ids,
     )
     with torch.no_grad():
         logp = module.response_logprobs(module.actor, mb)

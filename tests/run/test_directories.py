@@ -101,19 +101,27 @@ def test_the_fixes_the_errors_name_may_change_on_resume_with_one_line_each(tmp_p
         "ppo.dynamic_sampling.max_generation_rounds=9",
         "ppo.dynamic_sampling.on_shortfall=stop",
         "rollout.max_logprob_abs_diff=null",
+        "rollout.episodes.check_token_ids=false",
         "resume=auto",
     )
     capsys.readouterr()
     check_run_directory(fixed, tmp_path)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(REMEDY_KEYS) == 5, lines
-    changes = [("0.0002", "1e-05"), ("0.0005", "2e-05"), ("3", "9"), ("fill", "stop"), ("0.5", "None")]
+    assert len(lines) == len(REMEDY_KEYS) == 6, lines
+    changes = [
+        ("0.0002", "1e-05"),
+        ("0.0005", "2e-05"),
+        ("3", "9"),
+        ("fill", "stop"),
+        ("0.5", "None"),
+        ("True", "False"),
+    ]
     for key, line, (before, after) in zip(REMEDY_KEYS, lines, changes):
         assert line.startswith(f"resume: {key} changed from {before} to {after} "), line
     # Anything else is still refused, naming what may change.
     with pytest.raises(
         ConfigError,
-        match=r"ppo.clip_ratio_low: .*the fixes errors name \(ppo.actor_lr, .*rollout.max_logprob_abs_diff\)",
+        match=r"ppo.clip_ratio_low: .*the fixes errors name \(ppo.actor_lr, .*rollout.episodes.check_token_ids\)",
     ):
         check_run_directory(
             dataclasses.replace(fixed, ppo=dataclasses.replace(fixed.ppo, clip_ratio_low=0.3)), tmp_path

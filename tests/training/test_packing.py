@@ -968,3 +968,47 @@ def test_model_types_with_recurrent_layers_are_refused_for_their_state_crosses_p
         assert packing_unsupported(model_type).startswith(f"transformers' {model_type} models have recurrent layers")
     for model_type in ("qwen2", "llama", "gemma2", "gemma3_text", "cohere", "granite", "minicpm3", "lfm2", "gpt_oss"):
         assert packing_unsupported(model_type) is None, model_type
+
+
+def test_an_episode_mismatch_on_one_rank_is_raised_by_every_rank_naming_it(monkeypatch):
+    """`check_rollout_ids` with 2 ranks (the all-gather stood in for): rank 1's second sample ends with another id than
+    vLLM's. Rank 0, whose samples are as vLLM left them, raises rank 1's line, as rank 1 does; on one process the line
+    names no rank; a policy mask one entry short is found the same way; clean batches pass."""
+    from lit_ppo.errors import RolloutMismatchError
+    from lit_ppo.testing import rollout_batch_from_ids
+    from lit_ppo.training import batching
+
+    def batch(last_id: int = 7, mask: list[int] | None = None):
+        made = rollout_batch_from_ids([[1, 2], [1, 2]], [[5, 6], [5, 7]], 2, policy_masks=[[1, 1], mask or [1, 0]])
+        made.episode_ids[1] = [1, 2, 5, last_id]
+        return made
+
+    assert batching.rollout_ids_mismatch(batch()) is None
+    assert batching.rollout_ids_mismatch(batch(last_id=9)) == (
+        "rollout step 1, sample 1 (prompt position 0): the ids the trainer packs differ from the ids vLLM was given "
+        "and produced at position 3 of 4 (packed [7], vLLM [9]); the trajectory was rebuilt instead of kept (e.g. "
+        "decoded and re-encoded)"
+    )
+    assert batching.rollout_ids_mismatch(batch(mask=[1])) == (
+        "rollout step 1, sample 1 (prompt position 0): 1 policy-mask entries for 2 response tokens; the episode's mask "
+        "and ids were built apart"
+    )
+    batching.check_rollout_ids(batch())  # one process, clean
+    with pytest.raises(RolloutMismatchError, match=r"^rollout step 1, sample 1 .* then resume=auto$"):
+        batching.check_rollout_ids(batch(last_id=9))
+
+    ranks = [batch(), batch(last_id=9)]  # what each rank holds
+    monkeypatch.setattr(batching, "world_size", lambda: 2)
+    monkeypatch.setattr(batching, "all_gather_objects", lambda line: [batching.rollout_ids_mismatch(b) for b in ranks])
+    for rank in range(2):
+        with pytest.raises(RolloutMismatchError) as raised:
+            batching.check_rollout_ids(ranks[rank])
+        assert str(raised.value).startswith(
+            "rank 1: rollout step 1, sample 1 (prompt position 0): the ids the trainer packs differ"
+        )
+        assert "the checkpoint of the step's start was saved" in str(raised.value)
+    ranks[1] = batch()
+    batching.check_rollout_ids(ranks[0])  # every rank clean: no one raises
+    # Without episodes no rank gathers anything (every rank skips alike).
+    monkeypatch.setattr(batching, "all_gather_objects", lambda line: pytest.fail("gathered without episodes"))
+    batching.check_rollout_ids(rollout_batch_from_ids([[1, 2]], [[5, 6]], 1))
