@@ -47,7 +47,8 @@ from lit_ppo.precision import resolve_precision
 from lit_ppo.run.preflight import flex_backward_on_cpu
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, rollout_batch_from_ids
 
-# Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B): tied embeddings, head_dim 128.
+# Qwen3's published configs (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-4B): tied embeddings, head_dim 128. The
+# Qwen2.5-7B rows are bench/gpu_e2e.py's model of that shape (`model_dir_of`).
 SHAPES = {
     "qwen3-0.6b": dict(
         hidden_size=1024,
@@ -65,22 +66,6 @@ SHAPES = {
         intermediate_size=9728,
         vocab_size=151936,
     ),  # fmt: skip
-    "qwen2.5-7b-lora": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-    ),  # fmt: skip; Qwen2.5-7B's config.json (head_dim 128, q/k/v biases, untied)
-    "smoke-qwen2": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=128,
-        vocab_size=4096,
-    ),  # fmt: skip; the smoke of the Qwen2.5-7B row: bench/gpu_e2e.py's smoke model of that shape (untied)
     "smoke": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -169,7 +154,8 @@ def main() -> None:
               "refuses it); this CPU run uses sdpa")  # fmt: skip
         attn = None
     model_dir = model_dir_of(name)
-    batch = anchor_batch(args.micro_batch_tokens, 2, SHAPES[name]["vocab_size"], args.seed)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # the Qwen2.5-7B rows: gpu_e2e's
+    batch = anchor_batch(args.micro_batch_tokens, 2, vocab_size, args.seed)
     N = len(batch.prompt_ids)
     real = sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids))
     accelerator = "gpu" if cuda else "cpu"

@@ -35,6 +35,7 @@ from tests.helpers.asynchronous import (
     RecordingDataModule,
     disaggregated,
     even_answers_are_uniform,
+    fit_then_close,
     patch_child_processes,
 )
 
@@ -144,21 +145,25 @@ def test_the_editable_install_declares_the_vllm_plugin(tmp_path):
     assert f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}" in entry_points
 
 
+def given_server_workers(url: str, log_dir: Path, **settings) -> ServerWorkers:
+    """The trainer's client of one server given by `url` (started outside the run), with the tests' timeouts;
+    `settings`: ServerWorkers' keywords over them."""
+    return ServerWorkers(
+        engine_kwargs={},
+        server_urls=[url],
+        workers=1,
+        devices_per_worker=1,
+        trainer_devices=1,
+        log_dir=log_dir,
+        bucket_mib=1,
+        **{"start_timeout_s": 60.0, "batch_timeout_s": 300.0, "push_timeout_s": 60.0, **settings},
+    )
+
+
 def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_it(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RolloutWorkerError) as info:
-        ServerWorkers(
-            engine_kwargs={},
-            server_urls=[url],
-            workers=1,
-            devices_per_worker=1,
-            trainer_devices=1,
-            log_dir=tmp_path,
-            start_timeout_s=2.0,
-            batch_timeout_s=10.0,
-            push_timeout_s=10.0,
-            bucket_mib=1,
-        )
+        given_server_workers(url, tmp_path, start_timeout_s=2.0, batch_timeout_s=10.0, push_timeout_s=10.0)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls")
@@ -204,10 +209,13 @@ def digit_share(prompts, responses, references, extras, **_) -> list[float]:
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), **overrides):
-    """A run with rollout workers of `rollout`'s launch; returns the batches it trained and the workers' client.
-    `overrides`: build_run's keywords (the PPO settings, the reward) over the tests' own."""
-    datamodule_class = type("Recording", (RecordingDataModule,), {"batches": []})
+def run(
+    tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), resume_from: Path | None = None, **overrides
+):
+    """A run with rollout workers of `rollout`'s launch (resumed from the checkpoint `resume_from`, if any); returns the
+    batches it trained, the workers' client, the plan and the module. `overrides`: build_run's keywords (the PPO
+    settings, the reward) over the tests' own."""
+    datamodule_class = RecordingDataModule.fresh()
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         None,
@@ -227,12 +235,8 @@ def run(tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), **o
             **overrides,
         },
     )
-    try:
-        trainer.fit(module, datamodule=datamodule)
-    finally:
-        if datamodule.engine is not None:
-            datamodule.engine.close()
-    return datamodule_class.batches, datamodule.engine, plan
+    fit_then_close(trainer, module, datamodule, resume_from=resume_from)
+    return datamodule_class.batches, datamodule.engine, plan, module
 
 
 def assert_same_samples(ours, theirs) -> None:
@@ -265,7 +269,9 @@ def test_a_spawned_server_at_k0_generates_the_spawned_workers_samples(
     installed lit-ppo lacks the entry point), and at k = 0 the run's samples (token ids, log-probs, versions, rewards)
     are exactly those of the run with spawned rollout workers: per-request seeds over HTTP sample as the in-process
     engine does, and the push of version 1 arrives intact. close stops the server."""
-    batches, servers, _ = run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(0, launch="server"), steps=2)
+    batches, servers, _, _ = run(
+        tiny_model_dir, long_prompt_files, tmp_path, disaggregated(0, launch="server"), steps=2
+    )
     assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [1]]
     assert_same_samples(batches, spawned_workers[0])
     log = (tmp_path / "logs" / "rollout_server0.log").read_text()
@@ -302,8 +308,8 @@ def test_dynamic_sampling_with_a_spawned_server_at_k0_generates_the_spawned_work
     call for it, after the push of the step's version, and a push waits for it. At k = 0 every round (requested ahead
     or refilled) has the spawned workers' prompts, token ids, log-probs, versions and rewards, and the steps the same
     rounds and dropped and filled groups."""
-    workers, _, plan = dynamic_sampling_run(tiny_model_dir, arithmetic_files, tmp_path / "spawn", disaggregated(0))
-    servers, _, _ = dynamic_sampling_run(
+    workers, _, plan, _ = dynamic_sampling_run(tiny_model_dir, arithmetic_files, tmp_path / "spawn", disaggregated(0))
+    servers, _, _, _ = dynamic_sampling_run(
         tiny_model_dir, arithmetic_files, tmp_path / "server", disaggregated(0, launch="server")
     )
     assert plan.dynamic_sampling.rounds_requested_ahead == 1
@@ -321,30 +327,26 @@ def checkpointed_k1_run(tiny_model_dir, files, out: Path, steps: int, resume_fro
     0.3 of the groups expected to differ, so 2 rounds are requested ahead of each step and its second is given back
     to the prompt stream where the first sufficed; `resume_from`: a checkpoint. Returns the module and the batches."""
     from lit_ppo.checkpoints import RolloutCheckpoint
-    from tests.helpers.asynchronous import fit_then_close
 
-    datamodule_class = RecordingDataModule.fresh()
-    trainer, module, datamodule, plan = build_run(
+    batches, _, plan, module = run(
         tiny_model_dir,
-        None,
         files,
         out,
-        total_rollout_steps=steps,
-        rollout=disaggregated(1, launch="server"),
+        disaggregated(1, launch="server"),
+        steps,
         callbacks=[RolloutCheckpoint(out / "checkpoints", every=1, keep=10)],
-        datamodule_class=datamodule_class,
+        resume_from=resume_from,
+        train_batch_size=8,  # build_run's own (4 optimizer steps per rollout step), not run's
+        micro_train_batch_size=4,
         reward_fn=even_answers_are_uniform,
         advantage_estimator="grpo",
         kl_coef=0.0,
         kl_mode="loss",
-        rollout_batch_size=8,
         dynamic_sampling=DynamicSamplingConfig(
             enabled=True, max_generation_rounds=3, expected_informative_fraction=0.3, prompts_per_round=16
         ),
-        **TIS,
     )
-    fit_then_close(trainer, module, datamodule, resume_from=resume_from)
-    return module, datamodule_class.batches, plan
+    return module, batches, plan
 
 
 @pytest.mark.slow  # two runs on a spawned server
@@ -441,7 +443,7 @@ def test_a_server_given_by_url_at_k1_samples_with_the_planned_versions_and_is_le
     weight versions), and the samples equal the spawned workers' at k = 1. The trainer leaves the server running."""
     process, url = given_server
     rollout = disaggregated(1, launch="server", server_urls=[url])
-    batches, servers, plan = run(tiny_model_dir, long_prompt_files, tmp_path, rollout, steps=3)
+    batches, servers, plan, _ = run(tiny_model_dir, long_prompt_files, tmp_path, rollout, steps=3)
     assert plan.workers.server_urls == (url,)
     assert [sorted(set(b.policy_versions)) for b in batches] == [[0], [0], [1]]
     assert all(len(b.policy_versions) == 32 for b in batches)
@@ -482,19 +484,7 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
     with torch.no_grad():
         for param in policy_b.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    workers = ServerWorkers(
-        engine_kwargs={},
-        server_urls=[url],
-        workers=1,
-        devices_per_worker=1,
-        trainer_devices=1,
-        log_dir=tmp_path,
-        start_timeout_s=60.0,
-        batch_timeout_s=300.0,
-        push_timeout_s=60.0,
-        bucket_mib=1,
-        max_logprob_abs_diff=1e-4,
-    )
+    workers = given_server_workers(url, tmp_path, max_logprob_abs_diff=1e-4)
     prompts = [[5 + i] * 10 for i in range(8)]
     request = dict(n=4, temperature=1.0, top_p=1.0, max_tokens=100, seeds=[100 + 4 * i for i in range(8)])
     probe = prompts[0] + list(range(20, 30))
@@ -555,18 +545,7 @@ def test_close_aborts_the_runs_requests_on_a_given_server_and_not_another_client
     from concurrent.futures import ThreadPoolExecutor
 
     _, url = given_server
-    workers = ServerWorkers(
-        engine_kwargs={},
-        server_urls=[url],
-        workers=1,
-        devices_per_worker=1,
-        trainer_devices=1,
-        log_dir=tmp_path,
-        start_timeout_s=60.0,
-        batch_timeout_s=300.0,
-        push_timeout_s=60.0,
-        bucket_mib=1,
-    )
+    workers = given_server_workers(url, tmp_path)
     prompts = [[5 + i % 20] * 10 for i in range(128)]
     request = dict(n=32, temperature=1.0, top_p=1.0, max_tokens=110, seeds=list(range(128)))
     other_client = ThreadPoolExecutor(1)
