@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,8 +74,7 @@ def this_process() -> dict:
         "boot_id": _read(Path("/proc/sys/kernel/random/boot_id")),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        "command": " ".join(sys.argv),
+        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "").strip() or 0),
         "token": uuid.uuid4().hex,
     }
 
