@@ -9,15 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.console import setup_logging, show_error
 from lit_ppo.errors import UserError
-
-
-def launcher_rank() -> int:
-    """This process's global rank as the launcher (Lightning, torchrun, SLURM) set it; 0 when alone."""
-    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
+from lit_ppo.run.lock import launcher_rank
 
 # hydra.run.dir (conf/config.yaml): the run's output_dir when one is given, so Hydra leaves no empty
 # outputs/<date>/<time>/.hydra behind in the working directory; registered before Hydra composes the config.

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
 from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
+from lit_ppo.run.lock import LOCK_NAME
 from tests.helpers import ROOT, build_run
 from tests.helpers.resume import assert_same_weights, counters
 
@@ -390,3 +391,4 @@ def test_sigterm_during_start_up_exits_143_with_a_line(tmp_path):
     lines = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM during start-up")]
     assert len(lines) == 1 and "nothing was trained and no checkpoint written" in lines[0], output[-3000:]
     assert not list_checkpoints(out / "checkpoints") and seconds < 25
+    assert not (out / LOCK_NAME).exists()  # the run's lock is released on this way out too (lit_ppo/run/lock.py)

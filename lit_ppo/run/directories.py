@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.atomic import directory_problem
 from lit_ppo.errors import DirectoryError
+from lit_ppo.run.lock import hold_until_exit
 
 
 def check_writable(directory: Path, what: str, fix: str) -> None:
@@ -41,7 +42,8 @@ def check_run_directories(output_dir: Path, key: str, training: bool) -> None:
 
 class RunDirectoryCheck(Callback):
     """Registered in conf/config.yaml under hydra.callbacks: an output_dir (Hydra's run directory) that cannot be
-    written is refused in one line, exit 2, before Hydra makes it."""
+    written, or that another run holds (lit_ppo/run/lock.py), is refused in one line, exit 2, before Hydra makes it
+    or writes its files into it; else its lock is held until the process exits."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
@@ -53,6 +55,9 @@ class RunDirectoryCheck(Callback):
         key = "output_dir" if config.get("output_dir") else "hydra.run.dir"
         try:
             check_run_directories(Path(str(run_dir)), key, training=str(config.get("mode")) == "train")
+            lock = hold_until_exit(Path(str(run_dir)), key)
         except DirectoryError as error:
             print(f"error: {error}", file=sys.stderr, flush=True)
             sys.exit(2)
+        if lock is not None and lock.note:  # before run.log is opened: run/entry.py:run writes it there
+            print(lock.note, flush=True)

@@ -16,6 +16,7 @@ from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, compute_plan
 from lit_ppo.run import preflight as checks
 from lit_ppo.run.directories import check_run_directories
+from lit_ppo.run.lock import run_lock
 from lit_ppo.run.report import write_plan
 
 log = logging.getLogger("lit_ppo")
@@ -218,22 +219,25 @@ def compose_run_config(*overrides: str) -> RunConfig:
 
 
 def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
-    """From typed settings to a run, the one road: the run directory's check, the pre-flight, the plan; `mode=plan`
+    """From typed settings to a run, the one road: the run directory's check and lock (held while the run lasts:
+    lit_ppo/run/lock.py), the pre-flight, the plan; `mode=plan`
     writes the plan and returns None, a training run trains (`lit_ppo.run.train.train`) and returns its summary.
     `python train.py` comes here through `main`, and so do the tests' in-process runs of it, with `engine` a vLLM
     engine to share between single-process runs of one architecture."""
-    # (train.py's Hydra callback checked them before Hydra made the directory; callers without Hydra's run, here)
+    # (train.py's Hydra callback checked them and took the lock before Hydra made the directory; callers without
+    # Hydra's run, here: one run per directory at any moment, mode=plan too, which writes plan.json there)
     check_run_directories(output_dir, "output_dir", training=config.mode == "train")
-    config, prompt_stats, lora_targets = preflight(config)
-    size, source = planned_dataset_size(config.data)
-    plan = compute_plan(config, size, prompt_stats, lora_targets)
-    if config.mode == "plan":
-        write_plan(plan, output_dir, source, config)
-        show(f"plan written to {output_dir / 'plan.json'}")
-        return None
-    from lit_ppo.run.train import train  # heavy imports only when training
+    with run_lock(output_dir):
+        config, prompt_stats, lora_targets = preflight(config)
+        size, source = planned_dataset_size(config.data)
+        plan = compute_plan(config, size, prompt_stats, lora_targets)
+        if config.mode == "plan":
+            write_plan(plan, output_dir, source, config)
+            show(f"plan written to {output_dir / 'plan.json'}")
+            return None
+        from lit_ppo.run.train import train  # heavy imports only when training
 
-    return train(config, output_dir, engine=engine, lora_targets=lora_targets)
+        return train(config, output_dir, engine=engine, lora_targets=lora_targets)
 
 
 def main(cfg: DictConfig) -> dict | None:

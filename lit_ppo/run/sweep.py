@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -16,7 +18,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.atomic import atomic_path, write_text_atomic
-from lit_ppo.errors import ConfigError
 
 log = logging.getLogger("lit_ppo")
 
@@ -122,15 +123,67 @@ def write_sweep_summary(sweep_dir: Path) -> list[dict]:
     return jobs
 
 
+# What differs between the jobs of one sweep besides the swept keys (Hydra sets them per job)
+PER_JOB = ("hydra.job.num", "hydra.job.id", "hydra.job.override_dirname", "hydra.sweep.subdir")
+# ${key}, ${hydra:key} or a resolver's name (${oc.env:...}); nested interpolations are found on their own
+REFERENCE = re.compile(r"\$\{\s*([\w.\-]+)\s*(:?)\s*([\w.\-]*)")
+
+
+def referenced_keys(text: str) -> set[str]:
+    """The config keys an unresolved value reads: `runs/${seed}_${hydra:job.num}` -> {seed, hydra.job.num}."""
+    keys = set()
+    for name, colon, argument in REFERENCE.findall(text):
+        if not colon:
+            keys.add(name)
+        elif name == "hydra":
+            keys.add(f"hydra.{argument}")
+    return keys
+
+
+def shared_job_directory(config: DictConfig) -> str | None:
+    """Why every job of the sweep `config` (as Hydra composed it for on_multirun_start: the swept overrides are in
+    hydra.overrides.task, not applied) would write into one directory, in one line with the fix; None where each
+    job's differs (it names Hydra's job number or a swept key; a swept output_dir too) or the sweep has one job."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hydra = OmegaConf.to_container(config.get("hydra") or OmegaConf.create(), resolve=False)
+    task = list(hydra.get("overrides", {}).get("task") or [])
+    params = (hydra.get("sweeper") or {}).get("params") or {}  # a sweep in the config (the basic sweeper's too)
+    sweeps = OverridesParser.create().parse_overrides([*task, *(f"{k}={v}" for k, v in params.items())])
+    swept = {o.key_or_group for o in sweeps if o.is_sweep_override()}
+    if not swept or "output_dir" in swept:  # one job, or each its own output_dir
+        return None
+    output_dir = OmegaConf.to_container(config, resolve=False).get("output_dir")
+    key, text = (
+        ("output_dir", output_dir) if output_dir else ("hydra.sweep.subdir", hydra.get("sweep", {}).get("subdir"))
+    )
+    if text is None:  # no subdir: Hydra's own default, the job's number
+        return None
+    per_job = (*PER_JOB, *swept)
+    if any(k == p or k.startswith(p + ".") for k in referenced_keys(str(text)) for p in per_job):
+        return None
+    if key == "output_dir":
+        fix = (
+            "leave output_dir unset so each job writes to its own directory under hydra.sweep.dir, or make it differ "
+            f"per job: output_dir='{text}/${{hydra:job.num}}' (or name a swept key, as ${{seed}})"
+        )
+    else:
+        fix = "leave hydra.sweep.subdir at its default (${hydra.job.num}), or make it name a swept key"
+    return (
+        f"{key}={text} would be shared by every job of this sweep, each overwriting the last (with resume=auto a job "
+        f"would take the one before it for its own run and train nothing); fix: {fix}"
+    )
+
+
 class SweepSummary(Callback):
     """Hydra callback: checks that a sweep's jobs write to distinct directories, summarizes the sweep at its end."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if not OmegaConf.is_interpolation(config, "output_dir") and config.get("output_dir"):
-            raise ConfigError(
-                f"output_dir={config.output_dir} would be shared by every job of this sweep, each overwriting the last; "
-                "fix: leave output_dir unset so each job writes to its own directory under hydra.sweep.dir"
-            )
+        # Before the first job. An exception here would be Hydra's warning, and the sweep would run on: exit instead
+        problem = shared_job_directory(config)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

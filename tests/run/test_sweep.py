@@ -10,8 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from lit_ppo.errors import ConfigError
-from lit_ppo.run.sweep import SweepSummary, path_list, write_sweep_summary
+from lit_ppo.run.sweep import path_list, shared_job_directory, write_sweep_summary
 from tests.helpers import FIXTURE_MODEL, ROOT, read_csv
 
 
@@ -76,12 +75,50 @@ def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tm
     assert "| 2 | `ppo=ppo` `seed=0` | done |  | 0.500 |" in (tmp_path / "sweep_summary.md").read_text()
 
 
-def test_a_sweep_with_one_output_dir_for_every_job_stops_before_it_starts():
-    callback = SweepSummary()
-    with pytest.raises(ConfigError, match="leave output_dir unset"):
-        callback.on_multirun_start(OmegaConf.create({"output_dir": "/tmp/shared"}))
-    callback.on_multirun_start(OmegaConf.create({"output_dir": None}))
-    callback.on_multirun_start(OmegaConf.create({"output_dir": "runs/${seed}", "seed": 0}))  # may differ per job
+def test_a_sweep_is_refused_where_every_job_would_write_into_one_directory():
+    def problem(*overrides: str, output_dir=None, subdir="${hydra.job.num}", params=None):
+        hydra = {"overrides": {"task": list(overrides)}, "sweep": {"subdir": subdir}, "sweeper": {"params": params}}
+        return shared_job_directory(OmegaConf.create({"output_dir": output_dir, "seed": 0, "hydra": hydra}))
+
+    shared = problem("seed=0,1", output_dir="/tmp/shared")
+    assert shared.startswith("output_dir=/tmp/shared would be shared by every job of this sweep") and "\n" not in shared
+    assert "leave output_dir unset" in shared and "output_dir='/tmp/shared/${hydra:job.num}'" in shared, shared
+    assert problem("seed=0,1", output_dir="${oc.env:HOME}/runs")  # an interpolation, the same for every job
+    assert problem("seed=0,1", output_dir="runs/${ppo.name}")  # a key no job changes
+    assert problem(output_dir="runs/x", params={"seed": "0,1"})  # swept in the config (hydra.sweeper.params)
+    assert problem("seed=0,1", subdir="same").startswith("hydra.sweep.subdir=same would be shared")
+    # each job its own directory
+    assert problem("seed=0,1") is None  # multirun/<date>/<time>/<job number>
+    assert problem("seed=0,1", output_dir="runs/x_${hydra:job.num}") is None
+    assert problem("seed=0,1", output_dir="runs/x/${hydra.job.override_dirname}") is None
+    assert problem("seed=range(0,3)", output_dir="runs/x_${seed}") is None
+    assert problem("ppo=grpo,rloo", "seed=0", output_dir="runs/${ppo.name}") is None  # a swept group's key
+    assert problem("output_dir=runs/a,runs/b", "seed=0") is None
+    assert problem("seed=0", output_dir="runs/x") is None  # one job
+
+
+def sweep_plans(tmp_path, output_dir: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "train.py", "-m", "seed=0,1", "mode=plan", f"output_dir={output_dir}"]
+    command.append(f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_train_py_refuses_a_sweep_into_one_output_dir_before_its_first_job(tmp_path):
+    """It was a warning of Hydra's (an exception in a callback), and every job ran into the one directory: with
+    resume=auto the second "resumed" the first's finished run, trained nothing, and the sweep exited 0."""
+    refused = sweep_plans(tmp_path, str(tmp_path / "shared"))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: output_dir={tmp_path / 'shared'} would be shared"), lines
+    assert not list(tmp_path.iterdir())  # before the first job: nothing written
+
+
+@pytest.mark.slow
+def test_train_py_runs_a_sweep_whose_output_dir_names_a_swept_key(tmp_path):
+    planned = sweep_plans(tmp_path, str(tmp_path / "runs" / "seed${seed}"))
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plans = [json.loads((tmp_path / "runs" / f"seed{seed}" / "plan.json").read_text()) for seed in (0, 1)]
+    assert plans[0] == plans[1]  # the same plan, written twice, in two directories
 
 
 def test_the_analysis_notebooks_run_dirs_from_papermill_are_a_list_of_paths():
