@@ -15,9 +15,11 @@ import torch
 
 from lit_ppo.algorithms import overlong_penalty
 from lit_ppo.config import ON_ERROR, RunConfig, check_overlong_buffer
+from lit_ppo.console import capture_prints, printed_by
 from lit_ppo.errors import ConfigError, RewardError
 from lit_ppo.rewards.calling import SIGNATURES, RewardCall, _name, detect_signature
 from lit_ppo.rewards.workers import RewardWorkers, _Timeout
+from lit_ppo.signals import raised_by_code
 from lit_ppo.waits import call_with_deadline
 
 log = logging.getLogger("lit_ppo")
@@ -87,7 +89,13 @@ class RewardScorer:
         log.info("reward: %s, called with the %s signature (%s)", _name(self.fn), chosen, how)
         self.call = RewardCall(self.fn, chosen, self.reference_key)
         self.pool = (
-            RewardWorkers(self.call, int(self.workers), self.timeout_s, TIMEOUTS_BEFORE_GIVING_UP)
+            RewardWorkers(
+                self.call,
+                int(self.workers),
+                self.timeout_s,
+                TIMEOUTS_BEFORE_GIVING_UP,
+                printed=lambda line: printed_by(f"reward function {_name(self.fn)}")(line),
+            )
             if self.workers
             else None
         )
@@ -148,7 +156,11 @@ class RewardScorer:
             scores, extra_metrics = self._score_in_workers(prompts, responses, references, extras)
         else:
             try:
-                result = call_with_deadline(lambda: self.call(prompts, responses, references, extras), self.timeout_s)
+                result = call_with_deadline(lambda: self._call(prompts, responses, references, extras), self.timeout_s)
+            except KeyboardInterrupt as interrupt:
+                if not raised_by_code(interrupt):
+                    raise
+                raise self._interrupted(f"on the batch of {len(responses)} samples") from interrupt
             except Exception as batch_error:  # find the sample that fails (or is slow), one by one
                 if isinstance(batch_error, TimeoutError):
                     log.warning(
@@ -202,6 +214,11 @@ class RewardScorer:
         sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
         return Scores(scores, sample_metrics, metrics)
 
+    def _call(self, prompts, responses, references, extras):
+        """The function called in this process, what it prints shown and kept in run.log (`console.capture_prints`)."""
+        with capture_prints(printed_by(f"reward function {_name(self.fn)}")):
+            return self.call(prompts, responses, references, extras)
+
     def _checked(self, result, n: int) -> tuple[list, dict[str, list[float]]]:
         scores, extra_metrics = result
         scores = list(scores)
@@ -224,10 +241,14 @@ class RewardScorer:
             try:
                 one, metrics = self._checked(
                     call_with_deadline(
-                        lambda: self.call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
+                        lambda: self._call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
                     ),
                     1,
                 )
+            except KeyboardInterrupt as interrupt:
+                if not raised_by_code(interrupt):
+                    raise
+                raise self._interrupted(f"on sample {i} (prompt {_clip(prompts[i], 80)!r})") from interrupt
             except Exception as e:
                 self._sample_failed(i, prompts, responses, e)
                 timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, TimeoutError) else 0
@@ -287,6 +308,8 @@ class RewardScorer:
                 failure, timed_out = RewardError(f"returned {len(one)} scores for 1 response"), False
             elif status == "error":
                 name, message, timed_out = payload
+                if name == "KeyboardInterrupt":  # (the workers ignore SIGINT: raised by the function's code)
+                    raise self._interrupted(f"on sample {i} (prompt {_clip(prompts[i], 80)!r}, in a reward worker)")
                 failure = (_Timeout if timed_out else RewardError)(f"{name}: {message}")
             else:
                 timed_out = status in ("timeout", "given up")
@@ -294,6 +317,17 @@ class RewardScorer:
             self._sample_failed(i, prompts, responses, failure, timed_out=timed_out)
             scores.append(0.0)
         return scores, extra_metrics
+
+    def _interrupted(self, where: str) -> RewardError:
+        """The error for a KeyboardInterrupt that the reward function's code raised (`signals.raised_by_code`): it
+        asked to stop, so the run stops as at an error, whatever reward.on_error says, naming it; a Ctrl-C stops the
+        run through lit_ppo.preemption instead, with a checkpoint."""
+        return RewardError(
+            f"reward function {_name(self.fn)} raised KeyboardInterrupt {where}, which no Ctrl-C sent (lit-ppo "
+            "handles Ctrl-C itself, stopping at a safe point with a checkpoint): the run stops here whatever "
+            "reward.on_error says; fix: raise an Exception for a sample it cannot score (reward.on_error decides "
+            "then), or stop the run with a signal"
+        )
 
     def _sample_failed(self, i: int, prompts, responses, error: Exception, *, timed_out: bool | None = None) -> None:
         if timed_out is None:

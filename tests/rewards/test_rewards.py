@@ -170,6 +170,37 @@ def test_on_error_zero_scores_zero_and_counts_exactly():
     assert call(scorer, ["ok"]).metrics["errors"] == 0.0 and scorer.errors == 4
 
 
+def interrupts(prompts, responses, references, extras):
+    """Raises KeyboardInterrupt on a response that says `stop`, and ValueError on a batch of more than 3."""
+    if len(responses) > 3:
+        raise ValueError("batches of 3 at most")
+    if "stop" in responses:
+        raise KeyboardInterrupt
+    return [1.0] * len(responses)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+@pytest.mark.parametrize("batch", [2, 4], ids=["in-the-batch-call", "one-sample-at-a-time"])
+def test_a_keyboard_interrupt_from_the_reward_stops_the_run_in_one_line_naming_it(sigint_handled, on_error, batch):
+    """During a run lit-ppo handles SIGINT (a Ctrl-C stops at a safe point with a checkpoint), so a KeyboardInterrupt
+    out of the reward function is its code's: it went through Lightning's "graceful shutdown", exit 1, no line. Now a
+    RewardError naming the function, whatever reward.on_error says (the function asked to stop)."""
+    responses = ["ok"] * (batch - 1) + ["stop"]
+    with pytest.raises(RewardError) as info:
+        call(RewardScorer(fn=interrupts, on_error=on_error), responses)
+    message = str(info.value)
+    where = "on the batch of 2 samples" if batch == 2 else "on sample 3 (prompt 'prompt 3')"
+    assert f"test_rewards.interrupts raised KeyboardInterrupt {where}, which no Ctrl-C sent" in message, message
+    assert "\n" not in message and isinstance(info.value.__cause__, KeyboardInterrupt)
+
+
+def test_a_keyboard_interrupt_under_pythons_default_handler_passes_through():
+    """Without lit-ppo's handlers (a notebook, a test) a KeyboardInterrupt may be a real Ctrl-C: it is not turned
+    into a reward error."""
+    with pytest.raises(KeyboardInterrupt):
+        call(RewardScorer(fn=interrupts, on_error="zero"), ["ok", "stop"])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "high", "1.0", b"1"])
 def test_non_finite_reward_is_an_error(bad):
     def fn(prompts, responses, references, extras):
