@@ -244,7 +244,7 @@ class RewardScorer:
         can hold none of them; but a function that never applies (it reads a column under another name) trains on
         nothing but zeros, which the run should not do in silence."""
         self.all_none_calls += 1
-        if math.log10(self.all_none_calls) % 1:
+        if self.all_none_calls != 10 ** (len(str(self.all_none_calls)) - 1):  # 1, 10, 100, ...
             return
         columns = ["prompts", "completions"] + ([self.reference_key] if self.reference_key else []) + list(extras[0])
         log.warning(
