@@ -1,15 +1,24 @@
 """lit-ppo's entry point: `python train.py [overrides]` (Hydra; configs in conf/)."""
 
-import logging
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from lit_ppo.console import setup_logging, show_error
-from lit_ppo.errors import UserError
 from lit_ppo.run.lock import launcher_rank
+
+if __name__ == "__main__":
+    from lit_ppo.signals import handle_signals_during_imports
+
+    # Before the imports below, which take seconds: SIGTERM, SIGINT and SIGUSR1 while they load end the process with
+    # the start-up line and 128 + the signal's number too (not a traceback, or a silent death).
+    handle_signals_during_imports(rank_zero=launcher_rank() == 0)
+
+import logging  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from lit_ppo.console import setup_logging, show_error  # noqa: E402
+from lit_ppo.errors import UserError  # noqa: E402
 
 # hydra.run.dir (conf/config.yaml): the run's output_dir when one is given, so Hydra leaves no empty
 # outputs/<date>/<time>/.hydra behind in the working directory; registered before Hydra composes the config.
@@ -81,6 +90,6 @@ if __name__ == "__main__":
     try:
         main()
     except Stopped as stopped:
-        if launcher_rank() == 0:
+        if launcher_rank() == 0 and not stopped.shown:
             show_error(stopped.line)
         raise

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -152,16 +154,92 @@ def adopt_library_loggers() -> None:
     _install_library_filters()
 
 
+def _keep(level: int, text: str) -> None:
+    """`text`, already printed, into run.log; nowhere before any handler is set up (a signal while Hydra composes the
+    config), where Python's last-resort handler would print it a second time."""
+    logger = logging.getLogger(SHOWN)
+    if logger.hasHandlers():
+        logger.log(level, text)
+
+
 def show(text: str) -> None:
     """Print lit-ppo's own output (plan table, eval samples, finish line) and keep it in run.log."""
     tqdm.write(text, file=sys.stdout)  # through tqdm: the progress bar stays intact
-    logging.getLogger(SHOWN).info(text)
+    _keep(logging.INFO, text)
+
+
+def end_progress_bars() -> None:
+    """Close the progress bars still drawn where they stand (left on screen, their line ended): the line printed next
+    starts on a line of its own, and no bar is drawn again under it. For the lines that end a run (an error, the
+    preemption line)."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def show_error(text: str) -> None:
-    """One line for an error the user can fix, on stderr, and in run.log."""
+    """One line for an error the user can fix, on stderr (on a line of its own, the progress bar ended), and in
+    run.log."""
+    end_progress_bars()
     print(text, file=sys.stderr, flush=True)
-    logging.getLogger(SHOWN).error(text)
+    _keep(logging.ERROR, text)
+
+
+def printed_by(source: str) -> Callable[[str], None]:
+    """What becomes of a line that user code (`source`: "reward function mod.fn") printed (`capture_prints`): shown
+    on the console as printed, under the progress bar, and kept in run.log naming `source`."""
+    console = sys.stdout  # taken before capture_prints replaces it
+
+    def printed(line: str) -> None:
+        tqdm.write(line, file=console)
+        _keep(logging.INFO, f"{source} printed: {line}")
+
+    return printed
+
+
+class _PrintedLines(io.TextIOBase):
+    """sys.stdout while user code runs (`capture_prints`): hands on each whole line written to it."""
+
+    def __init__(self, on_line: Callable[[str], None], replaced):
+        self.on_line, self.replaced, self.pending = on_line, replaced, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.on_line(line)
+        return len(text)
+
+    def finish(self) -> None:
+        if self.pending:  # print(..., end="") with no line after it
+            self.on_line(self.pending)
+            self.pending = ""
+
+    def fileno(self) -> int:  # a child process given sys.stdout writes to the console itself, not through here
+        return self.replaced.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.replaced, "encoding", None) or "utf-8"
+
+
+@contextlib.contextmanager
+def capture_prints(on_line: Callable[[str], None]):
+    """sys.stdout during the block (user code: a reward function's print() calls) goes to `on_line`, a line at a
+    time: `printed_by(...)` in this process; a reward worker sends its lines to the trainer, which shows and keeps
+    them so. Without it such prints reach the console but not run.log, and break the progress bar's line."""
+    replaced = sys.stdout
+    capture = _PrintedLines(on_line, replaced)
+    sys.stdout = capture
+    try:
+        yield
+    finally:
+        sys.stdout = replaced
+        capture.finish()
 
 
 @contextlib.contextmanager

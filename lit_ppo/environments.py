@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from lit_ppo.errors import ConfigError
+from lit_ppo.signals import raised_by_code
 
 
 class TokenIds(tuple):
@@ -131,6 +132,10 @@ def call_all_with_timeout(calls: list[tuple[Callable, tuple]], timeout_s: float 
             try:
                 outcomes.append((True, fn(*args)))
             except Exception as e:
+                outcomes.append((False, e))
+            except KeyboardInterrupt as e:  # raised by the environment's code: the caller names it
+                if not raised_by_code(e):
+                    raise
                 outcomes.append((False, e))
         return outcomes
     finished: list[tuple[bool, Any] | None] = [None] * len(calls)

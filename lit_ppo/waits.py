@@ -9,18 +9,24 @@ run stops in one line naming what it waited for and the setting to raise.
 - The vLLM engine's start: `rollout.engine_start_timeout_s`, a deadline in this process (`start_within`), since the
   start also waits on the engine's own process and its compilation, not only on collectives.
 - Rewards and environment calls have their own limits (`reward.timeout_s`, `rollout.episodes.environment_timeout_s`).
+  A reward call that takes more than a few seconds is said on the console while it lasts (`said_while_waiting`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from lit_ppo.errors import UserError, WaitTimeoutError
+
+log = logging.getLogger("lit_ppo")
 
 COLLECTIVE_SETTING = "trainer.collective_timeout_s"
 ENGINE_START_SETTING = "rollout.engine_start_timeout_s"
@@ -127,3 +133,30 @@ def call_with_deadline(fn, timeout_s: float | None, setting: str = "reward.timeo
             signal.signal(DEADLINE_SIGNAL, previous)
     except _DeadlinePassed:  # also when it lands while leaving the call
         raise TimeoutError(f"no result after {setting}={timeout_s:g}s") from None
+
+
+NOTICE_AFTER_S = 5.0  # a wait on user code this long is said on the console (`said_while_waiting`)
+NOTICE_EVERY_AT_MOST_S = 300.0
+
+
+@contextlib.contextmanager
+def said_while_waiting(describe: Callable[[float], str], after_s: float | None = None):
+    """The block waits on code outside lit-ppo (a reward function): once it has lasted `after_s` seconds (default
+    NOTICE_AFTER_S), a console line `describe(seconds so far)` says what it waits for, from a timer thread; again each
+    time the wait has doubled (10, 20, 40 s, ...; at least every NOTICE_EVERY_AT_MOST_S). A stall is not silent, and a
+    long one does not fill the console."""
+    after_s = NOTICE_AFTER_S if after_s is None else after_s
+    done, started = threading.Event(), time.monotonic()
+
+    def announce() -> None:
+        at = after_s
+        while not done.wait(max(0.0, started + at - time.monotonic())):
+            log.info(describe(time.monotonic() - started))
+            at = min(2 * at, at + NOTICE_EVERY_AT_MOST_S)
+
+    thread = threading.Thread(target=announce, daemon=True, name="lit-ppo-wait-notice")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -81,3 +82,12 @@ def long_prompt_files(tmp_path_factory):
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         paths.append(path)
     return paths
+
+
+@pytest.fixture
+def sigint_handled():
+    """SIGINT handled by other than Python's default handler, as during a run (lit_ppo.signals, lit_ppo.preemption):
+    a KeyboardInterrupt is then raised by code, never by a Ctrl-C (`signals.raised_by_code`)."""
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lit_ppo import signals
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
 from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
@@ -392,3 +393,33 @@ def test_sigterm_during_start_up_exits_143_with_a_line(tmp_path):
     assert len(lines) == 1 and "nothing was trained and no checkpoint written" in lines[0], output[-3000:]
     assert not list_checkpoints(out / "checkpoints") and seconds < 25
     assert not (out / LOCK_NAME).exists()  # the run's lock is released on this way out too (lit_ppo/run/lock.py)
+
+
+def catches(pid: int, signums) -> bool:
+    """Whether process `pid` has a handler of its own for each of `signums` (SigCgt of /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.MULTILINE).group(1), 16)
+    return all(caught >> (int(s) - 1) & 1 for s in signums)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_train_py_imports_its_libraries_exits_with_the_start_up_line(tmp_path, signum):
+    """A signal in the first second, while train.py still imports Hydra and tqdm (seconds, before any of its start-up
+    code): SIGINT printed Python's 56-line traceback and SIGTERM killed the process without a word. Now the start-up
+    line and 128 + N, as for a signal later in the start-up. Sent as soon as train.py catches the signals (Python
+    alone catches only SIGINT), or after 1 s: before its imports end either way."""
+    process = train_py(tmp_path / "run", "mode=plan", wait=False, tmp=tmp_path)
+    started = time.monotonic()
+    while time.monotonic() - started < 1.0 and not catches(process.pid, signals.PREEMPTION_SIGNALS):
+        time.sleep(0.002)
+    signal_and_time_the_exit(process, signum)
+    output = process.output()
+    name = signal.Signals(signum).name
+    assert process.returncode == 128 + signum, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"stopped by {name} during start-up"), output[-3000:]
+    assert lines[0].endswith(f"exiting with status {128 + signum} (start the run again)"), output[-3000:]

@@ -5,13 +5,16 @@ raise. The 2-process run whose rank 1 hangs is `tests/end_to_end/test_ddp.py::te
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
 
+from lit_ppo import waits
 from lit_ppo.errors import ConfigError, WaitTimeoutError
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.train import lightning_strategy
@@ -113,3 +116,20 @@ def test_an_engine_start_past_its_limit_stops_the_run_naming_it(tiny_model_dir, 
 def test_a_limit_that_is_not_positive_is_refused(override, key):
     with pytest.raises(ConfigError, match=f"^{key}.*fix: a positive number of seconds"):
         compose_run_config(override)
+
+
+def test_a_long_wait_is_said_after_a_while_then_each_time_it_doubles(caplog):
+    """`said_while_waiting`: nothing for a wait shorter than `after_s`; then lines at after_s, 2x, 4x...; none after
+    the block."""
+    with caplog.at_level(logging.INFO, logger="lit_ppo"):
+        with waits.said_while_waiting(lambda s: f"waiting for the thing: {s:.2f} s so far", after_s=0.5):
+            time.sleep(0.1)
+        assert caplog.records == []
+        with waits.said_while_waiting(lambda s: f"waiting for the thing: {s:.2f} s so far", after_s=0.1):
+            time.sleep(0.7)  # lines near 0.1, 0.2 and 0.4 s (the next would be at 0.8)
+        said = [r.getMessage() for r in caplog.records]
+        time.sleep(0.3)
+    assert [r.getMessage() for r in caplog.records] == said, "a line after the wait ended"
+    assert 2 <= len(said) <= 3 and all(line.startswith("waiting for the thing: ") for line in said), said
+    seconds = [float(line.split(": ")[1].split(" ")[0]) for line in said]
+    assert seconds[0] >= 0.1 and seconds[1] >= 0.2 and seconds == sorted(seconds), said

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,11 +14,14 @@ from typing import Any
 
 import torch
 
+from lit_ppo import waits
 from lit_ppo.algorithms import overlong_penalty
 from lit_ppo.config import ON_ERROR, RunConfig, check_overlong_buffer
+from lit_ppo.console import capture_prints, printed_by
 from lit_ppo.errors import ConfigError, RewardError
 from lit_ppo.rewards.calling import SIGNATURES, RewardCall, _name, detect_signature
 from lit_ppo.rewards.workers import RewardWorkers, _Timeout
+from lit_ppo.signals import raised_by_code
 from lit_ppo.waits import call_with_deadline
 
 log = logging.getLogger("lit_ppo")
@@ -70,6 +74,7 @@ class RewardScorer:
     solved_threshold: float = 1.0  # reward at which a sample counts as solved, without a `correct` metric
     errors: int = 0  # over the run
     timeouts: int = 0  # over the run
+    all_none_calls: int = 0  # over the run: calls of a TRL-style function that returned None for every sample
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -86,8 +91,16 @@ class RewardScorer:
         how = "chosen by reward.signature=auto from its parameters" if self.signature == "auto" else "reward.signature"
         log.info("reward: %s, called with the %s signature (%s)", _name(self.fn), chosen, how)
         self.call = RewardCall(self.fn, chosen, self.reference_key)
+        self._last_call_s = 0.0  # the last call's seconds (a long call is said on the console: `_waiting_line`)
+        self._scored = 0  # samples of the call in progress scored one at a time (in this process)
         self.pool = (
-            RewardWorkers(self.call, int(self.workers), self.timeout_s, TIMEOUTS_BEFORE_GIVING_UP)
+            RewardWorkers(
+                self.call,
+                int(self.workers),
+                self.timeout_s,
+                TIMEOUTS_BEFORE_GIVING_UP,
+                printed=lambda line: printed_by(f"reward function {_name(self.fn)}")(line),
+            )
             if self.workers
             else None
         )
@@ -144,22 +157,12 @@ class RewardScorer:
         """Scores of the responses, with the call's metrics; `lengths` (tokens per response) are needed for the
         overlong shaping."""
         errors_before, timeouts_before = self.errors, self.timeouts
-        if self.pool is not None:
-            scores, extra_metrics = self._score_in_workers(prompts, responses, references, extras)
-        else:
-            try:
-                result = call_with_deadline(lambda: self.call(prompts, responses, references, extras), self.timeout_s)
-            except Exception as batch_error:  # find the sample that fails (or is slow), one by one
-                if isinstance(batch_error, TimeoutError):
-                    log.warning(
-                        "reward: the call on the batch of %d ran past reward.timeout_s=%gs and was cut; scoring its "
-                        "samples one at a time, each under the same limit",
-                        len(responses),
-                        self.timeout_s,
-                    )
-                scores, extra_metrics = self._score_one_by_one(prompts, responses, references, extras, batch_error)
-            else:
-                scores, extra_metrics = self._checked(result, len(responses))
+        started, self._scored = time.monotonic(), 0
+        # A function slow by nature (an LLM judge) is not announced at every call: after 3 times its last call's time.
+        after_s = max(waits.NOTICE_AFTER_S, 3 * self._last_call_s)
+        with waits.said_while_waiting(lambda seconds: self._waiting_line(len(responses), seconds), after_s):
+            scores, extra_metrics = self._score(prompts, responses, references, extras)
+        self._last_call_s = time.monotonic() - started
         none = 0
         for i, score in enumerate(scores):
             if score is None and self.call.signature == "trl":  # TRL's "does not apply to this sample"
@@ -175,6 +178,8 @@ class RewardScorer:
                     ),
                 )
                 scores[i] = 0.0
+        if scores and none == len(scores):
+            self._said_all_none(len(scores), references, extras)
         scores = [float(s) - self.overlong_penalty * bool(t) for s, t in zip(scores, truncated)]
         if self.overlong_buffer_tokens:
             if lengths is None:
@@ -202,6 +207,63 @@ class RewardScorer:
         sample_metrics = {k: [float(x) for x in v] for k, v in extra_metrics.items() if len(v) == len(scores)}
         return Scores(scores, sample_metrics, metrics)
 
+    def _score(self, prompts, responses, references, extras):
+        """The raw scores of a call, and the function's metrics (in workers, or in this process)."""
+        if self.pool is not None:
+            return self._score_in_workers(prompts, responses, references, extras)
+        try:
+            result = call_with_deadline(lambda: self._call(prompts, responses, references, extras), self.timeout_s)
+        except KeyboardInterrupt as interrupt:
+            if not raised_by_code(interrupt):
+                raise
+            raise self._interrupted(f"on the batch of {len(responses)} samples") from interrupt
+        except Exception as batch_error:  # find the sample that fails (or is slow), one by one
+            if isinstance(batch_error, TimeoutError):
+                log.warning(
+                    "reward: the call on the batch of %d ran past reward.timeout_s=%gs and was cut; scoring its "
+                    "samples one at a time, each under the same limit",
+                    len(responses),
+                    self.timeout_s,
+                )
+            return self._score_one_by_one(prompts, responses, references, extras, batch_error)
+        return self._checked(result, len(responses))
+
+    def _waiting_line(self, samples: int, seconds: float) -> str:
+        """The console line for a reward call that takes long (`waits.said_while_waiting`)."""
+        scored = self.pool.scored if self.pool is not None else self._scored
+        where = f"in {self.workers} reward worker processes" if self.pool is not None else "in this process"
+        limit = "null: no limit" if self.timeout_s is None else f"{self.timeout_s:g}"
+        return (
+            f"waiting for the reward function {_name(self.fn)}: {seconds:.0f} s so far, {scored} of {samples} samples "
+            f"scored ({where}; reward.timeout_s={limit})"
+        )
+
+    def _said_all_none(self, samples: int, references: list, extras: list[dict]) -> None:
+        """A TRL-style function that returned None for every sample of a call: said at the 1st such call, the 10th,
+        the 100th... Not an error: in TRL a function may apply to some tasks of a mixed dataset only, and a batch
+        can hold none of them; but a function that never applies (it reads a column under another name) trains on
+        nothing but zeros, which the run should not do in silence."""
+        self.all_none_calls += 1
+        if self.all_none_calls != 10 ** (len(str(self.all_none_calls)) - 1):  # 1, 10, 100, ...
+            return
+        columns = ["prompts", "completions"] + ([self.reference_key] if self.reference_key else []) + list(extras[0])
+        log.warning(
+            'reward: the TRL-style reward function %s returned None (TRL\'s "does not apply to this sample") for all '
+            "%d samples of a call, %d such call(s) so far (said again at 10, 100, ...): each scores 0, counted in "
+            "rollout/reward_none, so these samples carry no reward signal; fix: if the function should apply, check "
+            "that it reads the columns it is given (%s; the reference under data.answer_key's name, %s)",
+            _name(self.fn),
+            samples,
+            self.all_none_calls,
+            ", ".join(f"{c}=" for c in columns),
+            "present" if any(r is not None for r in references) else "None for every sample",
+        )
+
+    def _call(self, prompts, responses, references, extras):
+        """The function called in this process, what it prints shown and kept in run.log (`console.capture_prints`)."""
+        with capture_prints(printed_by(f"reward function {_name(self.fn)}")):
+            return self.call(prompts, responses, references, extras)
+
     def _checked(self, result, n: int) -> tuple[list, dict[str, list[float]]]:
         scores, extra_metrics = result
         scores = list(scores)
@@ -216,6 +278,7 @@ class RewardScorer:
         scores, extra_metrics, failed = [], defaultdict(list), 0
         timeouts_in_a_row, batch_timed_out = 0, isinstance(batch_error, TimeoutError)
         for i in range(len(responses)):
+            self._scored = i  # for the console line of a long call
             # Hung, not slow on one sample: the rest would hang too.
             if batch_timed_out and timeouts_in_a_row == TIMEOUTS_BEFORE_GIVING_UP:
                 self._give_up(i, prompts, responses)
@@ -224,10 +287,14 @@ class RewardScorer:
             try:
                 one, metrics = self._checked(
                     call_with_deadline(
-                        lambda: self.call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
+                        lambda: self._call([prompts[i]], [responses[i]], [references[i]], [extras[i]]), self.timeout_s
                     ),
                     1,
                 )
+            except KeyboardInterrupt as interrupt:
+                if not raised_by_code(interrupt):
+                    raise
+                raise self._interrupted(f"on sample {i} (prompt {_clip(prompts[i], 80)!r})") from interrupt
             except Exception as e:
                 self._sample_failed(i, prompts, responses, e)
                 timeouts_in_a_row = timeouts_in_a_row + 1 if isinstance(e, TimeoutError) else 0
@@ -287,6 +354,8 @@ class RewardScorer:
                 failure, timed_out = RewardError(f"returned {len(one)} scores for 1 response"), False
             elif status == "error":
                 name, message, timed_out = payload
+                if name == "KeyboardInterrupt":  # (the workers ignore SIGINT: raised by the function's code)
+                    raise self._interrupted(f"on sample {i} (prompt {_clip(prompts[i], 80)!r}, in a reward worker)")
                 failure = (_Timeout if timed_out else RewardError)(f"{name}: {message}")
             else:
                 timed_out = status in ("timeout", "given up")
@@ -294,6 +363,17 @@ class RewardScorer:
             self._sample_failed(i, prompts, responses, failure, timed_out=timed_out)
             scores.append(0.0)
         return scores, extra_metrics
+
+    def _interrupted(self, where: str) -> RewardError:
+        """The error for a KeyboardInterrupt that the reward function's code raised (`signals.raised_by_code`): it
+        asked to stop, so the run stops as at an error, whatever reward.on_error says, naming it; a Ctrl-C stops the
+        run through lit_ppo.preemption instead, with a checkpoint."""
+        return RewardError(
+            f"reward function {_name(self.fn)} raised KeyboardInterrupt {where}, which no Ctrl-C sent (lit-ppo "
+            "handles Ctrl-C itself, stopping at a safe point with a checkpoint): the run stops here whatever "
+            "reward.on_error says; fix: raise an Exception for a sample it cannot score (reward.on_error decides "
+            "then), or stop the run with a signal"
+        )
 
     def _sample_failed(self, i: int, prompts, responses, error: Exception, *, timed_out: bool | None = None) -> None:
         if timed_out is None:

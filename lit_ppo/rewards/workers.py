@@ -10,9 +10,11 @@ import pickle
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from lit_ppo.console import capture_prints
 from lit_ppo.errors import ConfigError, RewardError
 from lit_ppo.rewards.calling import RewardCall, _name
 
@@ -37,7 +39,8 @@ def _worker_main(conn, call: RewardCall) -> None:
             return
         index, sample = task
         try:
-            scores, metrics = call(*([x] for x in sample))
+            with capture_prints(lambda line: conn.send(("printed", line))):  # the trainer shows them, and keeps them
+                scores, metrics = call(*([x] for x in sample))
             reply = (index, "ok", (list(scores), dict(metrics)))
             conn.send(reply)
         except BaseException as e:  # math-verify's TimeoutException is a BaseException
@@ -74,7 +77,14 @@ class RewardWorkers:
 
     START_TIMEOUT_S = 300.0  # importing the reward's module (torch, sympy) on a busy machine
 
-    def __init__(self, call: RewardCall, workers: int, timeout_s: float | None, give_up_after: int):
+    def __init__(
+        self,
+        call: RewardCall,
+        workers: int,
+        timeout_s: float | None,
+        give_up_after: int,
+        printed: Callable[[str], None] | None = None,
+    ):
         try:
             pickle.dumps(call)
         except Exception as e:
@@ -83,6 +93,8 @@ class RewardWorkers:
                 f"({_name(call.fn)}: {e}); fix: use a module-level function or class, or reward.workers=0"
             ) from e
         self.call, self.size, self.timeout_s, self.give_up_after = call, workers, timeout_s, give_up_after
+        self.printed = printed or print  # a line the function printed in a worker (`console.printed_by`)
+        self.scored = 0  # samples of the call in progress with an outcome
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self.restarts = 0
@@ -104,6 +116,7 @@ class RewardWorkers:
         self._start_workers()
         outcomes: list = [None] * len(samples)
         pending = deque(range(len(samples)))
+        self.scored = 0
         started = time.monotonic()
         timeouts_in_a_row = 0
         while pending or any(w.task for w in self.workers):
@@ -138,8 +151,12 @@ class RewardWorkers:
                     if message[0] == "ready":
                         worker.ready = True
                         continue
+                    if message[0] == "printed":
+                        self.printed(message[1])
+                        continue
                     index, status, payload = message
                     outcomes[index] = (status, payload)
+                    self.scored += 1
                     worker.task = None
                     timeouts_in_a_row = 0  # it answered (the function's own timeouts included): not hung
                 elif not worker.process.is_alive():
@@ -151,10 +168,12 @@ class RewardWorkers:
                             f"({_name(self.call.fn)}); fix: make its module importable, or set reward.workers=0"
                         )
                     outcomes[worker.task[0]] = ("died", f"killed its worker process (exit code {code})")
+                    self.scored += 1
                     timeouts_in_a_row = 0
                     self._replace(worker)
                 elif worker.task and self.timeout_s and now - worker.task[1] > self.timeout_s:
                     outcomes[worker.task[0]] = ("timeout", f"no result after reward.timeout_s={self.timeout_s:g}s")
+                    self.scored += 1
                     timeouts_in_a_row += 1
                     self._replace(worker)
                 elif not worker.ready and now - started > self.START_TIMEOUT_S:

@@ -28,6 +28,7 @@ from lit_ppo.environments import (
 from lit_ppo.errors import ConfigError, EnvironmentFailure
 from lit_ppo.rollout.engine import Generation, sampling_seeds
 from lit_ppo.rollout.prompts import Prompt, end_of_turn_token_ids
+from lit_ppo.signals import raised_by_code
 
 log = logging.getLogger("lit_ppo")
 
@@ -171,14 +172,32 @@ def run_episodes(
                 logprobs=[],
                 adapter_version=engine.adapter_version,  # every turn of the episode uses this one
             )
-            running.append(_Running(len(running), prompt, make_environment(), episode))
+            try:
+                environment = make_environment()
+            except KeyboardInterrupt as e:
+                if not raised_by_code(e):
+                    raise
+                raise EnvironmentFailure(
+                    f"{where}: building the environment ({getattr(make_environment, '__name__', make_environment)}) "
+                    "raised KeyboardInterrupt, which no Ctrl-C sent (lit-ppo handles Ctrl-C itself): the run stops "
+                    "here; fix: raise an Exception there, or stop the run with a signal"
+                ) from e
+            running.append(_Running(len(running), prompt, environment, episode))
     positions = sample_positions or list(range(len(running)))
     takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
     vocab_size = len(tokenizer)
 
     def failed(r: _Running, what: str, e: BaseException) -> None:
         """An environment call failed: stop the run (on_error=raise) or end the episode with reward 0."""
-        if not isinstance(e, Exception):  # KeyboardInterrupt, a preemption: not the environment's failure
+        if raised_by_code(e):  # the environment's code asked to stop: not a failure to score 0
+            raise EnvironmentFailure(
+                f"{where}: the environment {type(r.environment).__name__}.{what} raised KeyboardInterrupt in episode "
+                f"{positions[r.position]} (turn {r.episode.turns}), which no Ctrl-C sent (lit-ppo handles Ctrl-C "
+                "itself, stopping at a safe point with a checkpoint): the run stops here whatever reward.on_error "
+                "says; fix: raise an Exception for a call that fails (reward.on_error decides then), or stop the run "
+                "with a signal"
+            ) from e
+        if not isinstance(e, Exception):  # a Ctrl-C under Python's default handler, a preemption: not its failure
             raise e
         timed_out = isinstance(e, EnvironmentTimeout)
         if settings.on_error == "raise":

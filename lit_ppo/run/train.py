@@ -168,6 +168,11 @@ class RolloutProgressBar(L.Callback):
         if self.bar is not None:
             self.bar.close()
 
+    def on_exception(self, trainer, module, exception: BaseException) -> None:
+        # Ended where it stands before the lines that end the run (the preemption line, an error): they start on a
+        # line of their own, and the bar is not drawn again under them. (It is the first callback: its hook runs first.)
+        self.on_train_end(trainer, module)
+
 
 def extra_loggers(config: RunConfig, output_dir: Path, resume_from: Path | None = None) -> list:
     """The `logger` group's extra Lightning logger (W&B, TensorBoard), if any; metrics.csv is the module's own

@@ -113,6 +113,27 @@ def test_a_verifier_hanging_on_every_sample_in_workers_gives_up_on_the_rest_of_t
         scorer.close()
 
 
+def test_a_keyboard_interrupt_in_a_reward_worker_stops_the_run_naming_it_and_its_prints_reach_the_run_log(caplog):
+    """A worker ignores SIGINT, so a KeyboardInterrupt there is the function's own: the run stops in one line naming
+    it (it was scored 0 as a failure under on_error=zero). What the function prints in the worker is shown on the
+    console and kept in run.log, as in this process (`console.capture_prints`)."""
+    scorer = scorer_for(f"{PEER}.chatty_verifier", "reward.workers=1", "reward.on_error=zero")
+    try:
+        with caplog.at_level(logging.INFO):
+            assert scorer(["p"] * 2, ["ok", "no"], [None] * 2, [{}] * 2, [False] * 2) == [1.0, 0.0]
+        printed = [r.getMessage() for r in caplog.records if r.name == "lit_ppo.console"]
+        assert printed == [f"reward function {PEER}.chatty_verifier printed: scoring {r!r}" for r in ("ok", "no")]
+        with pytest.raises(RewardError) as info:
+            scorer(["p"] * 2, ["ok", "stop"], [None] * 2, [{}] * 2, [False] * 2)
+        message = str(info.value)
+        assert (
+            f"{PEER}.chatty_verifier raised KeyboardInterrupt on sample 1 (prompt 'p', in a reward worker)" in message
+        )
+        assert "whatever reward.on_error says" in message and "\n" not in message
+    finally:
+        scorer.close()
+
+
 def test_a_verifier_that_kills_its_process_costs_only_its_sample():
     scorer = scorer_for(f"{PEER}.crashing_verifier", "reward.workers=1", "reward.on_error=zero")
     try:

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from lit_ppo import waits
 from lit_ppo.errors import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, SequenceClassifierReward
 from lit_ppo.rewards.math_verifier import extract_answer, math_reward
@@ -168,6 +169,96 @@ def test_on_error_zero_scores_zero_and_counts_exactly():
     assert scorer.errors == 3 and scores.metrics == {"ones": 1.0, "errors": 3.0, "timeouts": 0.0, "none": 0.0}
     assert call(scorer, ["bad", "ok"]).metrics["errors"] == 1.0 and scorer.errors == 4  # this call's, the run's
     assert call(scorer, ["ok"]).metrics["errors"] == 0.0 and scorer.errors == 4
+
+
+def interrupts(prompts, responses, references, extras):
+    """Raises KeyboardInterrupt on a response that says `stop`, and ValueError on a batch of more than 3."""
+    if len(responses) > 3:
+        raise ValueError("batches of 3 at most")
+    if "stop" in responses:
+        raise KeyboardInterrupt
+    return [1.0] * len(responses)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+@pytest.mark.parametrize("batch", [2, 4], ids=["in-the-batch-call", "one-sample-at-a-time"])
+def test_a_keyboard_interrupt_from_the_reward_stops_the_run_in_one_line_naming_it(sigint_handled, on_error, batch):
+    """During a run lit-ppo handles SIGINT (a Ctrl-C stops at a safe point with a checkpoint), so a KeyboardInterrupt
+    out of the reward function is its code's: it went through Lightning's "graceful shutdown", exit 1, no line. Now a
+    RewardError naming the function, whatever reward.on_error says (the function asked to stop)."""
+    responses = ["ok"] * (batch - 1) + ["stop"]
+    with pytest.raises(RewardError) as info:
+        call(RewardScorer(fn=interrupts, on_error=on_error), responses)
+    message = str(info.value)
+    where = "on the batch of 2 samples" if batch == 2 else "on sample 3 (prompt 'prompt 3')"
+    assert f"test_rewards.interrupts raised KeyboardInterrupt {where}, which no Ctrl-C sent" in message, message
+    assert "\n" not in message and isinstance(info.value.__cause__, KeyboardInterrupt)
+
+
+def test_a_keyboard_interrupt_under_pythons_default_handler_passes_through():
+    """Without lit-ppo's handlers (a notebook, a test) a KeyboardInterrupt may be a real Ctrl-C: it is not turned
+    into a reward error."""
+    with pytest.raises(KeyboardInterrupt):
+        call(RewardScorer(fn=interrupts, on_error="zero"), ["ok", "stop"])
+
+
+def reads_solution(prompts, completions, **kwargs):
+    """A TRL reward that reads its reference as `solution`, a column this run names otherwise: None for every sample."""
+    solutions = kwargs.get("solution") or [None] * len(completions)
+    return [None if s is None else float(c == s) for c, s in zip(completions, solutions)]
+
+
+def test_a_trl_function_returning_none_for_every_sample_is_said_on_the_console(caplog):
+    """TRL's None ("does not apply to this sample") scores 0 and is counted in rollout/reward_none; a call where it
+    applies to no sample at all was silent, and a function that never applies trained on zeros. Said at the 1st such
+    call, the 10th, the 100th...; a call where it applies to some samples is not."""
+    scorer = RewardScorer(fn=reads_solution)
+    with caplog.at_level(logging.WARNING, logger="lit_ppo"):
+        for _ in range(12):
+            scores = call(scorer, ["a", "b"])
+    said = [r.getMessage() for r in caplog.records if "returned None" in r.getMessage()]
+    assert scores == [0.0, 0.0] and scores.metrics["none"] == 2.0 and len(said) == 2, said
+    assert [line.split("samples of a call, ")[1].split(" so far")[0] for line in said] == [
+        "1 such call(s)",
+        "10 such call(s)",
+    ]
+    assert said[0].startswith(
+        f"reward: the TRL-style reward function {__name__}.reads_solution returned None (TRL's \"does not apply to "
+        'this sample") for all 2 samples of a call, 1 such call(s) so far (said again at 10, 100, ...): each scores 0, '
+        "counted in rollout/reward_none"
+    ), said[0]
+    assert "(prompts=, completions=, answer=; the reference under data.answer_key's name, present)" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_ppo"):
+        scores = scorer(["p", "q"], ["a", "b"], [None, None], [{"solution": "a"}, {"solution": None}], [False] * 2)
+    assert scores == [1.0, 0.0] and scores.metrics["none"] == 1.0 and caplog.records == []
+
+
+def slow(prompts, responses, references, extras):
+    time.sleep(0.3 * len(responses))
+    return [1.0] * len(responses)
+
+
+def test_a_reward_call_that_takes_long_is_said_on_the_console_with_its_progress(monkeypatch, caplog):
+    """A reward call that stalls printed nothing. Now, after waits.NOTICE_AFTER_S (5 s; 0.12 here), a line says
+    what the run waits for and how far it is, and again each time the wait doubles; a call no slower than 3 times
+    the last one is not said (a function slow by nature, an LLM judge, would say it at every call)."""
+    monkeypatch.setattr(waits, "NOTICE_AFTER_S", 0.12)
+    scorer = RewardScorer(fn=slow, timeout_s=0.5)
+    with caplog.at_level(logging.INFO, logger="lit_ppo"):
+        # The batch is cut at 0.5 s, then its samples take 0.3 s each (0.5-0.8, 0.8-1.1, 1.1-1.4 s): lines near
+        # 0.12, 0.24, 0.48 s (none of the 3 scored) and 0.96 s (one scored).
+        assert call(scorer, ["a", "b", "c"]) == [1.0, 1.0, 1.0]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert said[0] == (
+        f"waiting for the reward function {__name__}.slow: 0 s so far, 0 of 3 samples scored (in this process; "
+        "reward.timeout_s=0.5)"
+    ), said
+    assert any(", 1 of 3 samples scored" in line for line in said) and 3 <= len(said) <= 5, said
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lit_ppo"):
+        call(scorer, ["a"])  # 0.3 s: past NOTICE_AFTER_S, but not past 3 times the last call's 1.4 s
+    assert not [r for r in caplog.records if r.getMessage().startswith("waiting for")]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None, "high", "1.0", b"1"])

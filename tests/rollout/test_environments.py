@@ -345,6 +345,39 @@ def test_environment_failures_follow_on_error(environment, failure):
     assert stats[f"environment_{failure}s" if failure == "timeout" else "environment_errors"] == 2
 
 
+class InterruptingEnvironment(CalculatorEnvironment):
+    def step(self, action):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("timeout_s", [0.3, None], ids=["in-threads", "inline"])
+def test_a_keyboard_interrupt_from_an_environment_stops_the_run_in_one_line_naming_it(sigint_handled, timeout_s):
+    """lit-ppo handles SIGINT during a run, so an environment's KeyboardInterrupt is its code's: it went through
+    Lightning's "graceful shutdown", exit 1, no line. Now an EnvironmentFailure naming it, even under on_error=zero."""
+    tok = merging_tokenizer()
+    prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
+    with pytest.raises(EnvironmentFailure) as info:
+        run_episodes(
+            ScriptedEngine([chars(tok, "[1+1]")]),
+            prompts,
+            2,
+            InterruptingEnvironment,
+            tok,
+            settings(timeout_s=timeout_s, on_error="zero"),
+            ObservationEncoder(tok, False),
+            temperature=1.0,
+            top_p=1.0,
+            seeds=None,
+            where="rollout step 3",
+        )
+    message = str(info.value)
+    assert message.startswith(
+        "rollout step 3: the environment InterruptingEnvironment.step raised KeyboardInterrupt in episode 0 (turn 1), "
+        "which no Ctrl-C sent"
+    ), message
+    assert "\n" not in message
+
+
 class ObservingEnvironment(CalculatorEnvironment):
     """Answers every tool call with the observation it was built with."""
 
