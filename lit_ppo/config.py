@@ -1064,11 +1064,15 @@ def count_records(path: Path) -> int:
     return len(datasets.load_from_disk(str(path)))
 
 
-def planned_dataset_size(data: DataConfig) -> tuple[int, str]:
-    """The number of training prompts, known before loading any model or tokenizer."""
+def planned_dataset_size(data: DataConfig, prompt_stats=None) -> tuple[int, str]:
+    """The number of training prompts: those the pre-flight read as the run reads them (`prompt_stats`, a
+    plan.PromptStats: bad records and prompts over data.max_prompt_length left out under data.bad_records=skip),
+    else the records of data.path, known before loading any model or tokenizer."""
     if data.source == "arithmetic":
         return data.n_train, "generated arithmetic problems"
     path = Path(data.path)
+    if prompt_stats is not None:
+        return prompt_stats.count, f"prompts in {path} as the run reads them"
     if path.exists():
         return count_records(path), f"records in {path} (before length filtering)"
     if data.expected_prompts:

@@ -1,18 +1,25 @@
 """Prompt datasets: local JSONL, Parquet or `datasets.save_to_disk` folders, tokenized once.
 
 Bad records (empty prompt, missing key, prompt longer than `max_prompt_length` tokens) follow the
-user's policy: `error` stops with the file and line, `skip` drops them and counts each reason.
+user's policy: `error` stops with the file and line, `skip` drops them and counts each reason. A file is read as a
+stream (`iter_prompts`), tokenized in batches, with its progress on the console when it takes more than a few seconds:
+the pre-flight (`mode=plan`) keeps only the prompts' lengths, the run keeps the prompts (`load_prompts`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from lit_ppo.config import DataConfig
+from lit_ppo.console import SHOWN
 from lit_ppo.errors import (
     ConfigError,
     DataError,  # noqa: E402,F401 - defined with every user error; importable from here too
@@ -51,8 +58,32 @@ class PromptSet:
         return text
 
 
+GZIP_MAGIC = b"\x1f\x8b"  # the first two bytes of every gzip file
+
+
+def check_not_gzip(path: Path, key: str | None = None) -> None:
+    """A prompt file that is gzip-compressed (its first bytes 1f 8b, whatever its name says) is refused in one line
+    with the command that decompresses it: read as text it would be "not UTF-8" or malformed JSON. The readers take
+    .jsonl, .parquet and `datasets` folders, not compressed files."""
+    if path.is_dir():
+        return
+    with open(path, "rb") as f:
+        if f.read(2) != GZIP_MAGIC:
+            return
+    where = f"{key}={path}" if key else str(path)
+    if path.suffix == ".gz":
+        fix = f"`gunzip -k {path}` and point at the {Path(path.stem).suffix or '.jsonl'} file it writes"
+    else:  # a compressed file under a text file's name
+        fix = f"`mv {path} {path}.gz && gunzip {path}.gz` (the decompressed file keeps its name)"
+    raise DataError(
+        f"{where}: the file is gzip-compressed (it starts with the gzip bytes 1f 8b), not {path.suffix or 'JSONL'} "
+        f"text; fix: decompress it, e.g. {fix}"
+    )
+
+
 def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (location, record); location names the file and line (or row) for messages."""
+    check_not_gzip(path)
     if path.is_dir():
         try:
             import datasets
@@ -109,6 +140,58 @@ def _around(line: str, position: int, width: int = 20) -> str:
     return line[max(0, position - width) : position + width]
 
 
+def records_estimate(path: Path) -> int | None:
+    """About how many records `path` holds, cheaply: a JSONL file's lines (blank ones too), a Parquet file's rows
+    (its metadata); None for a `datasets` folder. For the progress line only."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.is_dir():
+        return None
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    return lines + (last != b"\n")
+
+
+PROGRESS_AFTER_S = 5.0  # a read shorter than this prints nothing
+
+
+class ReadingProgress:
+    """`reading data.path=train.jsonl: 120,000 of ~200,000 records (5 s)`: one console line, drawn once a read has
+    taken PROGRESS_AFTER_S seconds, redrawn in place at most once a second, and left with the read's last count when
+    it ends (that line also in run.log). `estimate` (`records_estimate`) is called only when the line is first drawn."""
+
+    def __init__(self, what: str, estimate: Callable[[], int | None]):
+        self.what, self.estimate = what, estimate
+        self.started = time.monotonic()
+        self.drawn: float | None = None  # when the line was last drawn
+        self.total: int | None = None
+
+    def line(self, records: int) -> str:
+        of = f" of ~{self.total:,}" if self.total else ""
+        return f"reading {self.what}: {records:,}{of} records ({time.monotonic() - self.started:.0f} s)"
+
+    def update(self, records: int) -> None:
+        now = time.monotonic()
+        if now - self.started < PROGRESS_AFTER_S or (self.drawn is not None and now - self.drawn < 1.0):
+            return
+        if self.drawn is None:
+            self.total = self.estimate()
+        self.drawn = now
+        sys.stdout.write("\r" + self.line(records))
+        sys.stdout.flush()
+
+    def close(self, records: int) -> None:
+        if self.drawn is not None:
+            line = self.line(records)
+            sys.stdout.write("\r" + line + "\n")
+            sys.stdout.flush()
+            logging.getLogger(SHOWN).info(line)  # run.log's copy (lit_ppo.console.show's logger)
+
+
 def format_prompt(text: str, tokenizer, *, chat_template: bool, system_prompt: str | None) -> str:
     """The prompt as the model sees it: the raw text, or a user turn (after an optional system turn) in
     the tokenizer's chat template, ending where the assistant's reply starts."""
@@ -148,7 +231,10 @@ def end_of_turn_token_ids(tokenizer) -> list[int]:
     return [special[max(matches, key=len)]] if matches else []
 
 
-def load_prompts(
+TOKENIZE_BATCH = 1024  # prompts tokenized in one call: a fast tokenizer encodes a batch on every core
+
+
+def iter_prompts(
     path: str | Path,
     tokenizer,
     *,
@@ -159,7 +245,13 @@ def load_prompts(
     system_prompt: str | None = None,
     max_prompt_length: int = 512,
     bad_records: str = "error",
-) -> PromptSet:
+    skipped: Counter | None = None,
+    name: str = "",
+) -> Iterator[Prompt]:
+    """The usable prompts of `path` in file order, streamed: read, formatted and tokenized TOKENIZE_BATCH records at a
+    time, so that a caller that keeps only their lengths holds one batch. Bad records follow `bad_records`: `error`
+    stops at the first in file order, `skip` counts each reason in `skipped`; DataError where none is usable. `name`
+    (`data.path=...`) names the file on the progress line of a long read."""
     if bad_records not in ("error", "skip"):
         raise ConfigError(f"data.bad_records={bad_records!r}; fix: use 'error' or 'skip'")
     path = Path(path)
@@ -167,53 +259,87 @@ def load_prompts(
         raise ConfigError(
             f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file"
         )
-    result = PromptSet(prompts=[], source=str(path))
+    skipped = Counter() if skipped is None else skipped
 
     def reject(location: str, reason: str, detail: str) -> None:
         if bad_records == "error":
             raise DataError(f"{location}: {detail}; fix: repair the record or set data.bad_records=skip")
-        result.skipped[reason] += 1
+        skipped[reason] += 1
 
-    first = True
-    for location, record in _read_records(path):
-        missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
-        if missing and first:  # missing from the very first record: a key setting that names no field of the file
-            settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
-            named = ", ".join(f"{settings.get(k, 'data.extra_keys')}={k!r}" for k in missing)
-            raise ConfigError(
-                f"{location}: {named} is not a field of the records (the first has {sorted(record)}); fix: set "
-                f"{settings.get(missing[0], 'data.extra_keys')} to the field that holds it"
-            )
-        first = False
-        if missing:
-            reject(location, "missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
-            continue
-        raw = record[prompt_key]
-        if not isinstance(raw, str) or not raw.strip():
-            reject(location, "empty_prompt", f"prompt {prompt_key!r} is empty or not text")
-            continue
-        text = format_prompt(raw, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+    usable = 0
+
+    def tokenized(batch: list[tuple[str, str | None, Any]]) -> Iterator[Prompt]:
+        """`batch`: per record in file order, (location, its text, the record), or (location, None, (reason,
+        detail)) for a record rejected before tokenizing."""
+        nonlocal usable
+        texts = [text for _, text, _ in batch if text is not None]
         # A chat template writes its own special tokens (BOS included); plain text gets the tokenizer's.
-        ids = tokenizer(text, add_special_tokens=not chat_template).input_ids
-        if len(ids) > max_prompt_length:
-            reject(location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}")
-            continue
-        reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
-        extras = {k: record[k] for k in extra_keys}
-        result.prompts.append(Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location))
-    if not result.prompts:
-        raise DataError(
-            f"{path}: no usable prompts ({result.describe()}); fix: check data.prompt_key and the file's contents"
-        )
-    return result
+        encoded = tokenizer(texts, add_special_tokens=not chat_template, return_attention_mask=False) if texts else None
+        ids_of = iter(encoded.input_ids if encoded is not None else [])
+        for location, text, record in batch:
+            if text is None:
+                reject(location, *record)
+                continue
+            ids = next(ids_of)
+            if len(ids) > max_prompt_length:
+                reject(
+                    location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
+                )
+                continue
+            reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
+            extras = {k: record[k] for k in extra_keys}
+            usable += 1
+            yield Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location)
+
+    progress = ReadingProgress(name or str(path), lambda: records_estimate(path))
+    pending, records = [], 0  # records read and not yet tokenized; records read
+    try:
+        for location, record in _read_records(path):
+            missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
+            if missing and not records:  # missing from the very first record: a key setting that names no field
+                settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
+                named = ", ".join(f"{settings.get(k, 'data.extra_keys')}={k!r}" for k in missing)
+                raise ConfigError(
+                    f"{location}: {named} is not a field of the records (the first has {sorted(record)}); fix: set "
+                    f"{settings.get(missing[0], 'data.extra_keys')} to the field that holds it"
+                )
+            records += 1
+            raw = record.get(prompt_key)
+            if missing:
+                why = ("missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
+                pending.append((location, None, why))
+            elif not isinstance(raw, str) or not raw.strip():
+                pending.append((location, None, ("empty_prompt", f"prompt {prompt_key!r} is empty or not text")))
+            else:
+                text = format_prompt(raw, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
+                pending.append((location, text, record))
+            if len(pending) == TOKENIZE_BATCH:
+                batch, pending = pending, []
+                yield from tokenized(batch)
+                progress.update(records)
+    except DataError:
+        # A line that cannot be read (malformed JSON): the bad records before it, not yet tokenized, are named first.
+        batch, pending = pending, []
+        yield from tokenized(batch)
+        raise
+    finally:
+        progress.close(records)
+    yield from tokenized(pending)
+    if not usable:
+        described = PromptSet([], str(path), skipped).describe()
+        raise DataError(f"{path}: no usable prompts ({described}); fix: check data.prompt_key and the file's contents")
 
 
-def load_data_prompts(path: str | Path, tokenizer, data: DataConfig) -> PromptSet:
-    """`load_prompts` with the `data` settings: the one way the run (run/train.py) and its pre-flight
-    (run/entry.py) read a prompt file, so the pre-flight measures the prompts the run will train on."""
-    return load_prompts(
-        path,
-        tokenizer,
+def load_prompts(path: str | Path, tokenizer, **settings) -> PromptSet:
+    """The usable prompts of `path` (`iter_prompts`, with its settings), kept, with the bad records skipped."""
+    skipped = Counter()
+    prompts = list(iter_prompts(path, tokenizer, skipped=skipped, **settings))
+    return PromptSet(prompts=prompts, source=str(path), skipped=skipped)
+
+
+def data_prompt_settings(data: DataConfig) -> dict:
+    """`iter_prompts`' settings of the `data` section."""
+    return dict(
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
         extra_keys=list(data.extra_keys),
@@ -222,3 +348,46 @@ def load_data_prompts(path: str | Path, tokenizer, data: DataConfig) -> PromptSe
         max_prompt_length=data.max_prompt_length,
         bad_records=data.bad_records,
     )
+
+
+def load_data_prompts(path: str | Path, tokenizer, data: DataConfig, name: str = "") -> PromptSet:
+    """`load_prompts` with the `data` settings: the one way the run (run/train.py) reads a prompt file; its pre-flight
+    (run/entry.py) streams the same prompts through `iter_prompts` with the same settings, so that it measures and
+    counts the prompts the run will train on."""
+    return load_prompts(path, tokenizer, name=name, **data_prompt_settings(data))
+
+
+def prompt_digest(prompt: Prompt) -> bytes:
+    """What makes two prompts the same: the text the model sees (after the chat template), as a 16-byte digest (a set
+    of 200,000 holds about 15 MB where their texts would hold 50)."""
+    return hashlib.blake2b(prompt.text.encode(), digest_size=16).digest()
+
+
+def repetition_notes(
+    train: Iterable[bytes], evaluation: Iterable[bytes] | None, train_name: str, eval_name: str = ""
+) -> list[str]:
+    """The console's notes on repeated prompts (`prompt_digest`s, in file order): training prompts that repeat an
+    earlier one (drawn as often as they appear), and evaluation prompts that are also training prompts (their
+    held-out scores are then of prompts trained on). None is an error: a dataset may repeat prompts on purpose."""
+    seen: set[bytes] = set()
+    count = repeats = 0
+    for digest in train:
+        count += 1
+        repeats += digest in seen
+        seen.add(digest)
+    notes = []
+    if repeats:
+        notes.append(
+            f"{train_name}: {repeats:,} of {count:,} training prompts repeat an earlier one (the same text as the model "
+            "sees it); each copy is drawn as a prompt of its own"
+        )
+    if evaluation is not None:
+        evaluation = list(evaluation)
+        shared = sum(digest in seen for digest in evaluation)
+        if shared:
+            notes.append(
+                f"{eval_name}: {shared:,} of {len(evaluation):,} evaluation prompts are also training prompts "
+                f"({train_name}): their held-out scores are of prompts the run trains on; fix: leave them out of one "
+                "of the two files"
+            )
+    return notes

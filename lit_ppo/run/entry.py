@@ -91,7 +91,7 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
             (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
         ]
         for path, key in files:
-            if path.is_file() and path.suffix in (".jsonl", ".json"):
+            if path.is_file() and path.suffix in (".jsonl", ".json", ".gz"):
                 checks.check_utf8(path, key)
 
     tokenizer, max_positions, positions_source, model_type = None, None, "", None
@@ -130,8 +130,10 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
 
     longest, prompt_stats = None, None
     if tokenizer is not None and (data.source == "arithmetic" or all(path.exists() for path, _ in files)):
-        train_lengths, longest = prompt_lengths(data, tokenizer, [path for path, _ in files])
+        train_lengths, longest, notes = prompt_lengths(data, tokenizer, [path for path, _ in files])
         prompt_stats = PromptStats.of(train_lengths)
+        for note in notes:
+            show(note)
     if environment is not None:
         response_key = (
             "rollout.episodes.max_tokens"
@@ -172,11 +174,21 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     return dataclasses.replace(config, ppo=ppo), prompt_stats, lora_targets
 
 
-def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list[int], tuple[int, str] | None]:
+def prompt_lengths(
+    data: DataConfig, tokenizer, paths: list[Path]
+) -> tuple[list[int], tuple[int, str] | None, list[str]]:
     """The training prompts' lengths in tokens as the run will see them (after the chat template, within
-    data.max_prompt_length under data.bad_records), and the longest prompt of all (training and held-out ones) with
-    where it is. `paths`: data.path first, then data.eval_path if set."""
-    from lit_ppo.rollout.prompts import format_prompt, load_data_prompts
+    data.max_prompt_length under data.bad_records), the longest prompt of all (training and held-out ones) with
+    where it is, and the notes on repeated prompts (`repetition_notes`). `paths`: data.path first, then
+    data.eval_path if set. A file's prompts are streamed (`iter_prompts`, the run's reading and filtering): only
+    their lengths and digests are kept."""
+    from lit_ppo.rollout.prompts import (
+        data_prompt_settings,
+        format_prompt,
+        iter_prompts,
+        prompt_digest,
+        repetition_notes,
+    )
 
     chat = data.chat_template
     if data.source == "arithmetic":
@@ -192,11 +204,19 @@ def prompt_lengths(data: DataConfig, tokenizer, paths: list[Path]) -> tuple[list
         ]
         lengths = [len(tokenizer(t, add_special_tokens=not chat).input_ids) for t in texts]
         longest = max(((n, f"the arithmetic prompt {t!r}") for n, t in zip(lengths, texts)), default=None)
-        return lengths[: len(train)], longest
-    # the same reading and filtering as the run's (run/train.py:load_prompt_sets)
-    prompt_sets = [load_data_prompts(path, tokenizer, data).prompts for path in paths]
-    longest = max(((len(p.prompt_ids), p.location) for prompts in prompt_sets for p in prompts), default=None)
-    return [len(p.prompt_ids) for p in prompt_sets[0]] if prompt_sets else [], longest
+        return lengths[: len(train)], longest, []
+    if not paths:
+        return [], None, []
+    # the same reading and filtering as the run's (run/train.py:load_prompt_sets), keeping lengths and digests only
+    names = [f"{key}={path}" for key, path in zip(("data.path", "data.eval_path"), paths)]
+    lengths, digests, longest = [[] for _ in paths], [[] for _ in paths], None
+    for i, path in enumerate(paths):
+        for prompt in iter_prompts(path, tokenizer, name=names[i], **data_prompt_settings(data)):
+            lengths[i].append(len(prompt.prompt_ids))
+            digests[i].append(prompt_digest(prompt))
+            longest = max(longest or (0, ""), (len(prompt.prompt_ids), prompt.location))
+    notes = repetition_notes(digests[0], digests[1] if len(paths) > 1 else None, *names)
+    return lengths[0], longest, notes
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -229,7 +249,7 @@ def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     check_run_directories(output_dir, "output_dir", training=config.mode == "train")
     with run_lock(output_dir):
         config, prompt_stats, lora_targets = preflight(config)
-        size, source = planned_dataset_size(config.data)
+        size, source = planned_dataset_size(config.data, prompt_stats)
         plan = compute_plan(config, size, prompt_stats, lora_targets)
         if config.mode == "plan":
             write_plan(plan, output_dir, source, config)

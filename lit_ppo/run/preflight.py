@@ -214,7 +214,11 @@ def check_environment_turns(has_environment: bool, max_turns: int) -> None:
 
 
 def check_utf8(path: Path, key: str) -> None:
-    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line."""
+    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line. A gzip-compressed
+    file (under any name) is named as such, with the command that decompresses it."""
+    from lit_ppo.rollout.prompts import check_not_gzip
+
+    check_not_gzip(path, key)
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
             try:

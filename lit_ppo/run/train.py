@@ -131,8 +131,10 @@ def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
 
 
 def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
-    train = load_data_prompts(train_path, tokenizer, data)
-    evaluation = load_data_prompts(eval_path, tokenizer, data) if eval_path else None
+    train = load_data_prompts(train_path, tokenizer, data, name=f"data.path={train_path}")
+    evaluation = (
+        load_data_prompts(eval_path, tokenizer, data, name=f"data.eval_path={eval_path}") if eval_path else None
+    )
     for name, prompt_set in (("train", train), ("eval", evaluation)):
         if prompt_set is not None and prompt_set.skipped:
             log.warning(

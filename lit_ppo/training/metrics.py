@@ -164,6 +164,20 @@ class MeanOver:
         return {k: v / max(1, self.events) for k, v in self.sums.items()}
 
 
+def refill_and_returned_rounds(batch: RolloutBatch, plan: StepPlan) -> dict[str, int]:
+    """Dynamic sampling with rollout workers: the step's rounds generated after its rewards (refill) and those requested
+    ahead but not used (returned), counted against the rounds this batch's step was requested ahead with
+    (`batch.rounds_ahead`): the plan's, or fewer where a checkpoint kept the step under other settings (raised
+    ppo.dynamic_sampling.max_generation_rounds on resume), whose further rounds are refill rounds. {} without workers."""
+    ahead = batch.rounds_ahead if batch.rounds_ahead is not None else plan.dynamic_sampling.rounds_requested_ahead
+    if ahead is None:
+        return {}
+    return {
+        "rollout/refill_rounds": max(0, batch.generation_rounds - ahead),
+        "rollout/returned_rounds": max(0, ahead - batch.generation_rounds),
+    }
+
+
 def rollout_step_row(
     batch: RolloutBatch,
     exp: Experience,
@@ -208,10 +222,7 @@ def rollout_step_row(
                 "rollout/prompts_consumed": batch.prompts_consumed,
             }
         )
-        ahead = plan.dynamic_sampling.rounds_requested_ahead
-        if ahead is not None:  # rollout workers: rounds generated after the step's rewards, and requested but not used
-            row["rollout/refill_rounds"] = max(0, batch.generation_rounds - ahead)
-            row["rollout/returned_rounds"] = max(0, ahead - batch.generation_rounds)
+        row.update(refill_and_returned_rounds(batch, plan))
     row.update(extra)
     row.update(train_metrics)
     timings = {**timings, "timing/rollout_step_s": sum(timings.values())}

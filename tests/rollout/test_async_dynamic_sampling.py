@@ -391,8 +391,10 @@ def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_completes_its_kept_ste
     """A checkpoint whose steps were requested with fewer rounds ahead than the resumed run's plan (the settings
     changed on resume: ppo.dynamic_sampling.max_generation_rounds raised, as a shortfall's error advises, can raise
     the rounds requested ahead): the kept step's further rounds are refill rounds, requested from version s when
-    needed, and the batch says so (`rounds_ahead`), so the version checks hold; later steps follow the new plan."""
+    needed, and the batch says so (`rounds_ahead`), so the version checks hold and its refill rounds are counted (issue 55
+    item 8); later steps follow the new plan."""
     from lit_ppo.plan import check_policy_versions
+    from lit_ppo.training.metrics import refill_and_returned_rounds
 
     dm = datamodule(parts, 1, StandInWorkers(), expected_informative_fraction=1.0)  # 1 round ahead
     drive(dm, 0, 2)
@@ -407,6 +409,11 @@ def test_a_checkpoint_of_fewer_rounds_ahead_than_the_plan_completes_its_kept_ste
     check_policy_versions(resumed.plan, 2, kept.policy_versions, kept.rounds_in_step, kept.rounds_ahead)
     with pytest.raises(Exception, match="the rollout schedule is not what the plan states"):  # the plan's own count
         check_policy_versions(resumed.plan, 2, kept.policy_versions, kept.rounds_in_step)
+    # Its logged rounds (and summary.json's sums of them) count those refill rounds, not against the plan's 2.
+    assert refill_and_returned_rounds(kept, resumed.plan) == {
+        "rollout/refill_rounds": kept.generation_rounds - 1,
+        "rollout/returned_rounds": 0,
+    }
     resumed.engine.version = 3
     later = resumed.produce_rollout(3)  # step 3: requested after the resume with the new plan's 2 rounds
     assert later.rounds_ahead == 2

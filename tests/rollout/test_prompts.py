@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -295,6 +296,114 @@ def test_configuration_mistakes(tokenizer, tmp_path):
     plain.chat_template = None
     with pytest.raises(ConfigError, match="has no chat template; fix: set data.chat_template=false"):
         load_prompts(path, plain, chat_template=True)
+
+
+# ------------------------------------------------------------------ large and compressed files (issue 55 item 16)
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "train.jsonl.gz"])
+def test_a_gzip_file_is_named_as_compressed_with_the_command_that_decompresses_it(name, tokenizer, tmp_path):
+    """It was read as text: the pre-flight told the user to re-encode it from Latin-1 (its first byte, 0x8b, is not
+    UTF-8); a .jsonl.gz file was refused for its suffix with no word of gzip."""
+    import gzip
+
+    path = tmp_path / name
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in RECORDS).encode()))
+    with pytest.raises(DataError) as info:
+        load_prompts(path, tokenizer)
+    message = str(info.value)
+    assert f"{path}: the file is gzip-compressed (it starts with the gzip bytes 1f 8b)" in message
+    assert "fix: decompress it, e.g. `" + ("gunzip -k" if name.endswith(".gz") else "mv") in message
+    assert "latin" not in message.lower() and "\n" not in message
+
+
+class CountingTokenizer:
+    """The tokenizer, with its calls and the texts of each counted."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.calls.append(1 if isinstance(text, str) else len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_file_is_tokenized_in_batches_and_streamed(tokenizer, tmp_path):
+    """2,500 prompts are tokenized in 3 calls (TOKENIZE_BATCH = 1,024), with the ids of one call per prompt, and
+    yielded before the end of the file is read: a reader of lengths holds one batch, not the whole file."""
+    from lit_ppo.rollout.prompts import TOKENIZE_BATCH, iter_prompts
+
+    assert TOKENIZE_BATCH == 1024
+    records = [{"prompt": f"What is {i}+{i % 7}?", "answer": str(i + i % 7)} for i in range(2500)]
+    path = write_jsonl(records, tmp_path / "d.jsonl")
+    counting = CountingTokenizer(tokenizer)
+    prompts = load_prompts(path, counting)
+    assert counting.calls == [1024, 1024, 452]
+    assert [p.prompt_ids for p in prompts.prompts[::499]] == [tokenizer(r["prompt"]).input_ids for r in records[::499]]
+    # a malformed last line: the first 2,048 prompts were given out before it was read
+    with open(path, "a") as f:
+        f.write("{not json\n")
+    stream, seen = iter_prompts(path, tokenizer), 0
+    with pytest.raises(DataError, match=rf"{path}:2501:2: malformed JSON"):
+        for _ in stream:
+            seen += 1
+    assert seen == 2500
+
+
+def test_bad_records_are_named_in_file_order_across_a_batch(tokenizer, tmp_path):
+    """A prompt too long (found once its batch is tokenized) before a malformed line (found as it is read): the
+    first in the file is named, as one record at a time named it."""
+    records = [GOOD] * 5 + [{"prompt": "9" * 40, "answer": "1"}] + [GOOD] * 5
+    path = write_jsonl(records, tmp_path / "d.jsonl")
+    with open(path, "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(DataError, match=rf"{path}:6: prompt has 40 tokens > data.max_prompt_length=32"):
+        load_prompts(path, tokenizer, max_prompt_length=32)
+    with pytest.raises(DataError, match=rf"{path}:12:2: malformed JSON"):
+        load_prompts(path, tokenizer, max_prompt_length=32, bad_records="skip")
+
+
+def test_a_long_read_shows_its_progress_on_one_line(tokenizer, tmp_path, monkeypatch, capsys):
+    """A read past PROGRESS_AFTER_S seconds (here 0) draws `reading <name>: n of ~total records (s)`, redrawn in
+    place (a carriage return, no new line) and left with its last count; a shorter one prints nothing."""
+    from lit_ppo.rollout import prompts as module
+
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(3000)]
+    path = write_jsonl(records, tmp_path / "d.jsonl")
+    load_prompts(path, tokenizer)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(module, "PROGRESS_AFTER_S", 0.0)
+    load_prompts(path, tokenizer, name=f"data.path={path}")
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("\r") and out.endswith("\n")
+    assert re.fullmatch(rf"reading data.path={path}: 3,000 of ~3,000 records \(\d+ s\)\n", out.split("\r")[-1])
+    assert f"reading data.path={path}: 1,024 of ~3,000 records" in out
+
+
+def test_records_estimate_counts_lines_and_rows(tmp_path):
+    from lit_ppo.rollout.prompts import records_estimate
+
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b"}')  # no newline at the end
+    assert records_estimate(tmp_path / "a.jsonl") == 3
+    assert records_estimate(write_parquet(RECORDS, tmp_path / "a.parquet")) == 4
+
+
+def test_repeated_prompts_and_evaluation_prompts_trained_on_are_noted():
+    """Counted on the prompts' digests in file order (hand-written here): repeats of an earlier training prompt, and
+    evaluation prompts that are training prompts."""
+    from lit_ppo.rollout.prompts import repetition_notes
+
+    a, b, c, d = b"a", b"b", b"c", b"d"
+    assert repetition_notes([a, b, c], [d], "data.path=t", "data.eval_path=e") == []
+    assert repetition_notes([a, b, a, a, c], None, "data.path=t") == [
+        "data.path=t: 2 of 5 training prompts repeat an earlier one (the same text as the model sees it); each copy "
+        "is drawn as a prompt of its own"
+    ]
+    [note] = repetition_notes([a, b, c], [c, d, a, a], "data.path=t", "data.eval_path=e")
+    assert note.startswith("data.eval_path=e: 3 of 4 evaluation prompts are also training prompts (data.path=t)")
 
 
 def test_dataset_dict_folder_asks_for_one_split(tokenizer, tmp_path):

@@ -181,6 +181,64 @@ def test_a_data_file_with_a_utf8_byte_order_mark_is_planned_and_read(tmp_path, n
     assert len(no_training) == 1
 
 
+def test_a_gzip_file_named_jsonl_is_named_as_gzip_not_latin1(tmp_path):
+    """It was "not UTF-8 (byte 0x8b at column 2) ... re-encode the file as UTF-8, e.g. `iconv -f latin1`"."""
+    import gzip
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(gzip.compress(b'{"prompt": "1+1=", "answer": "2"}\n' * 40))
+    message = refused(tmp_path, "mode=plan", "data=file", f"data.path={path}")
+    assert message.startswith(f"data.path={path}: the file is gzip-compressed (it starts with the gzip bytes 1f 8b)")
+    assert f"fix: decompress it, e.g. `mv {path} {path}.gz && gunzip {path}.gz`" in message
+    assert "latin" not in message
+
+
+def test_the_plan_counts_the_prompts_the_run_trains_on(tmp_path, no_training):
+    """48 records, one over data.max_prompt_length with data.bad_records=skip: the plan counted 48 records where the
+    run trains on 47 prompts (the run's reader leaves the long one out); the plan reads them as the run does."""
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.rollout.prompts import load_data_prompts
+
+    records = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(47)]
+    records.insert(20, {"prompt": "1+" * 20 + "1=", "answer": "21"})  # 42 tokens > 32
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    overrides = ["data=file", f"data.path={path}", "data.max_prompt_length=32", "data.bad_records=skip"]
+    run_module.main(compose_config(f"output_dir={tmp_path / 'plan'}", "mode=plan", *overrides))
+    planned = json.loads((tmp_path / "plan" / "plan.json").read_text())["counts"]["dataset_prompts"]
+    trained = load_data_prompts(path, build_char_tokenizer(), compose_run_config(*overrides).data)  # run/train.py's
+    assert planned == len(trained) == 47 and trained.skipped == {"too_long": 1}
+
+
+def test_the_pre_flight_streams_the_prompts_in_batches_and_shows_a_long_reads_progress(tmp_path, monkeypatch, capsys):
+    """mode=plan of a 200,000-line file was silent for 84 s and held every prompt and its tokens (0.95 GB): the
+    pre-flight tokenizes a batch per call, keeps the lengths, and draws a progress line once a read takes long
+    (here at once)."""
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.rollout import prompts
+    from tests.rollout.test_prompts import CountingTokenizer
+
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(2100)])
+    counting = CountingTokenizer(build_char_tokenizer())
+    data = compose_run_config("data=file", f"data.path={path}").data
+    lengths, longest, notes = run_module.prompt_lengths(data, counting, [path])
+    assert counting.calls == [1024, 1024, 52] and len(lengths) == 2100 and notes == []
+    assert longest[0] == max(lengths) == len("1000+1=")
+    monkeypatch.setattr(prompts, "PROGRESS_AFTER_S", 0.0)
+    run_module.main(compose_config(f"output_dir={tmp_path / 'plan'}", "mode=plan", "data=file", f"data.path={path}"))
+    assert f"reading data.path={path}: 2,100 of ~2,100 records" in capsys.readouterr().out
+
+
+def test_repeated_prompts_and_an_evaluation_file_equal_to_the_training_file_are_noted(tmp_path, capsys):
+    """Both passed without a word; the plan now says how many repeat, and how many evaluation prompts are trained on."""
+    records = [{"prompt": f"{i % 30}+1=", "answer": str(i % 30 + 1)} for i in range(40)]  # 10 repeats
+    path = write_jsonl(tmp_path / "train.jsonl", records)
+    overrides = ["mode=plan", "data=file", f"data.path={path}", f"data.eval_path={path}"]
+    run_module.main(compose_config(f"output_dir={tmp_path / 'plan'}", *overrides))
+    out = capsys.readouterr().out
+    assert f"data.path={path}: 10 of 40 training prompts repeat an earlier one" in out
+    assert f"data.eval_path={path}: 40 of 40 evaluation prompts are also training prompts (data.path={path})" in out
+
+
 def test_a_prompt_key_that_names_no_field_is_answered_with_the_key_to_set(tmp_path):
     """It was answered "fix: repair the record or set data.bad_records=skip", which would skip every record."""
     path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"}] * 40)

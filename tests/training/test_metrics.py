@@ -169,3 +169,39 @@ def test_next_kl_coef_follows_the_adaptive_controller_and_otherwise_stays():
     assert next_kl_coef(0.05, exp, adaptive, 2) == pytest.approx(0.05 * 1.04)
     assert next_kl_coef(0.05, exp, PPOConfig(kl_coef=0.05), 2) == 0.05  # no target: a fixed coefficient
     assert next_kl_coef(0.05, experience(), adaptive, 2) == 0.05  # no reference, no KL
+
+
+@pytest.mark.parametrize(
+    "rounds_ahead, generation_rounds, refill, returned",
+    [
+        (None, 3, 1, 0),  # the plan's 2 rounds requested ahead, 3 used: 1 refill round
+        (None, 1, 0, 1),  # 1 of the 2 used: 1 returned
+        (1, 3, 2, 0),  # kept by a checkpoint with 1 round ahead (before max_generation_rounds was raised): 2 refills
+        (1, 1, 0, 0),
+    ],
+)
+def test_refill_rounds_are_counted_against_the_rounds_the_batch_was_requested_with(
+    rounds_ahead, generation_rounds, refill, returned
+):
+    """A step kept by a checkpoint written under other dynamic sampling settings (issue 55 item 8: the shortfall's fix,
+    max_generation_rounds raised, then resume=auto) was requested with fewer rounds ahead than the resumed plan's 2:
+    its further rounds are refill rounds, counted as such, not against the plan's 2."""
+    from types import SimpleNamespace
+
+    from lit_ppo.config import DynamicSamplingConfig, RolloutConfig
+    from lit_ppo.training.metrics import refill_and_returned_rounds
+    from tests.helpers import plan_of
+
+    ds = DynamicSamplingConfig(enabled=True, max_generation_rounds=3, expected_informative_fraction=0.5)
+    ppo = PPOConfig(
+        rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=8, micro_train_batch_size=4,
+        advantage_estimator="grpo", kl_coef=0.0, kl_mode="loss",
+        dynamic_sampling=ds,
+    )  # fmt: skip
+    plan = plan_of(64, ppo=ppo, rollout=RolloutConfig(mode="disaggregated", max_staleness=1), steps=2)
+    assert plan.dynamic_sampling.rounds_requested_ahead == 2  # 8 needed / (8 per round x 0.5 informative)
+    batch = SimpleNamespace(generation_rounds=generation_rounds, rounds_ahead=rounds_ahead)
+    assert refill_and_returned_rounds(batch, plan) == {
+        "rollout/refill_rounds": refill,
+        "rollout/returned_rounds": returned,
+    }
