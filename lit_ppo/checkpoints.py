@@ -1,8 +1,9 @@
 """Checkpoints every `checkpoint_every` rollout steps, written atomically, keeping the last K.
 
-A checkpoint is written to `<name>.tmp` and renamed into place, so a crash during the write
+A checkpoint is written to `<name>.tmp` beside it and renamed into place, so a crash during the write
 (out of memory, SIGKILL, a preempted node) leaves the previous checkpoints intact; stale
-`.tmp` files are never read back.
+`.tmp` files are never read back, and a write that fails (a full disk) removes its own. A checkpoint is read before
+any model loads (`checkpoint_problem`): `resume=auto` passes over one cut short, to the newest intact one.
 
 A checkpoint is not bound to the number of ranks that wrote it: it holds full (unsharded) weights and optimizer
 states (DDP's are replicated; under FSDP2 Lightning's ModelParallelStrategy gathers them with
