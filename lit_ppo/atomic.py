@@ -3,6 +3,7 @@ a half-written one. Every file lit-ppo writes to be read back goes through here.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -68,6 +69,22 @@ def directory_problem(directory: str | Path) -> str | None:
         return f"{existing}{link}{made} is not writable ({e.strerror or type(e).__name__})"
     os.close(handle)
     os.unlink(probe)
+    return None
+
+
+FULL = {errno.ENOSPC: "no space left on device (ENOSPC)", errno.EDQUOT: "disk quota exceeded (EDQUOT)"}
+"""The errors of a full file system (or of the user's quota on it), in words."""
+
+
+def space_problem(error: BaseException, directory: str | Path) -> str | None:
+    """`<directory>: no space left on device (ENOSPC)` where `error`, or an error it was raised while handling, is a
+    full file system's (torch's zip writer turns the OSError of a failed write into a RuntimeError of its own); None
+    otherwise."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL:
+            return f"{directory}: {FULL[seen.errno]}"
+        seen = seen.__cause__ or seen.__context__
     return None
 
 

@@ -1,8 +1,9 @@
 """Checkpoints every `checkpoint_every` rollout steps, written atomically, keeping the last K.
 
-A checkpoint is written to `<name>.tmp` and renamed into place, so a crash during the write
+A checkpoint is written to `<name>.tmp` beside it and renamed into place, so a crash during the write
 (out of memory, SIGKILL, a preempted node) leaves the previous checkpoints intact; stale
-`.tmp` files are never read back.
+`.tmp` files are never read back, and a write that fails (a full disk) removes its own. A checkpoint is read before
+any model loads (`checkpoint_problem`): `resume=auto` passes over one cut short, to the newest intact one.
 
 A checkpoint is not bound to the number of ranks that wrote it: it holds full (unsharded) weights and optimizer
 states (DDP's are replicated; under FSDP2 Lightning's ModelParallelStrategy gathers them with
@@ -17,17 +18,21 @@ from __future__ import annotations
 import json
 import random
 import re
+import zipfile
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_ppo import waits
 from lit_ppo.atomic import (
+    FULL,
     directory_problem,
     replace_durably,
+    space_problem,
     temporary_sibling,
 )
 from lit_ppo.config import RunConfig, move_keys
@@ -62,10 +67,24 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+class CheckpointFile(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing the file straight to the path it is given (`save_atomic`'s
+    `<name>.ckpt.tmp`, beside the checkpoint). Lightning's own staged every checkpoint in memory and then in the
+    system's temporary directory (fsspec's transaction), so a small `$TMPDIR` failed checkpoints where the run's
+    directory had room, and a full disk left its partial copy behind."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("CheckpointFile.save_checkpoint takes no storage_options (a local file only)")
+        with open(path, "wb") as f:
+            torch.save(checkpoint, f)
+
+
 def save_atomic(trainer: L.Trainer, path: Path) -> Path:
-    """The trainer's checkpoint at `path`, written under a temporary name and renamed. A collective: every rank calls
-    it, and where rank 0 cannot write the file every rank raises the same DirectoryError (a rank that went on would
-    wait for rank 0 in its next collective until the process group's timeout)."""
+    """The trainer's checkpoint at `path`, written under a temporary name beside it and renamed; a write that fails
+    removes its partial file. A collective: every rank calls it, and where rank 0 cannot write the file (a directory
+    it may not write, a full disk) every rank raises the same DirectoryError (a rank that went on would wait for rank
+    0 in its next collective until the process group's timeout)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path)
@@ -74,16 +93,26 @@ def save_atomic(trainer: L.Trainer, path: Path) -> Path:
         # Every rank takes part (sharded states); rank 0 writes the file; then all meet at Lightning's barrier.
         trainer.save_checkpoint(tmp)
     except Exception as error:  # across file systems, Lightning's atomic save calls a PermissionError an fsspec problem
-        if not (trainer.is_global_zero and directory_problem(path.parent)):
+        if trainer.is_global_zero:
+            tmp.unlink(missing_ok=True)  # a partial file, not left on a full disk
+        reason = trainer.is_global_zero and (directory_problem(path.parent) or space_problem(error, path.parent))
+        if not reason:
             raise
         trainer.strategy.barrier("Trainer.save_checkpoint")  # the others wait there: the write is its last step
-        unwritten = _unwritten(path)
+        unwritten = _unwritten(path, reason)
         unwritten.__cause__ = error
     if trainer.is_global_zero and unwritten is None:
-        if tmp.is_file():
-            replace_durably(tmp, path)
-        else:  # on one file system it swallows the PermissionError and writes nothing
-            unwritten = _unwritten(path)
+        if not tmp.is_file():  # Lightning's atomic save, on one file system, swallows a PermissionError
+            unwritten = _unwritten(path, directory_problem(path.parent) or f"{tmp} was not written")
+        else:
+            try:
+                replace_durably(tmp, path)  # its flush to disk is where a full disk may show first
+            except OSError as error:
+                tmp.unlink(missing_ok=True)
+                unwritten = _unwritten(
+                    path, space_problem(error, path.parent) or f"{path.parent}: {error.strerror or error}"
+                )
+                unwritten.__cause__ = error
     # Rank 0's outcome to every rank (in place of a barrier: a collective all ranks reach, whatever happened).
     problem = trainer.strategy.broadcast(str(unwritten) if unwritten is not None else None, src=0)
     if problem is not None:
@@ -91,11 +120,15 @@ def save_atomic(trainer: L.Trainer, path: Path) -> Path:
     return path
 
 
-def _unwritten(path: Path) -> DirectoryError:
-    reason = directory_problem(path.parent) or f"{temporary_sibling(path)} was not written"
+def _unwritten(path: Path, reason: str) -> DirectoryError:
+    kept = [p.name for p in list_checkpoints(path.parent) if p != path]
+    if len(kept) > 3:
+        kept = [f"{len(kept) - 3} older ones", *kept[-3:]]
+    kept_note = f"; earlier checkpoints kept: {', '.join(kept)}" if kept else ""
+    full = reason.endswith(tuple(FULL.values()))
+    fix = f"free space in {path.parent}" if full else f"make {path.parent} writable (or free space there)"
     return DirectoryError(
-        f"the checkpoint {path.name} could not be written: {reason}; fix: make {path.parent} writable (or free space "
-        "there), then resume=auto"
+        f"the checkpoint {path.name} could not be written: {reason}{kept_note}; fix: {fix}, then resume=auto"
     )
 
 
@@ -116,17 +149,77 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def resolve_resume(resume: str | None, directory: Path) -> Path | None:
-    """`null`: start fresh; `auto`: the latest checkpoint in the run's directory, if any; else a path."""
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the file at `path` cannot be resumed from, in words (cut short, unreadable, or not a lit-ppo checkpoint),
+    or None. Read before any model loads, and cheaply: a checkpoint is a zip archive (torch.save's), whose directory
+    is at its end, so a file cut short (by a full disk, a killed copy) has none; then its objects, with the tensors'
+    storages mapped rather than read (mmap), for lit-ppo's own state."""
+    path = Path(path)
+    try:
+        with zipfile.ZipFile(path):
+            pass
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except zipfile.BadZipFile:
+        size = path.stat().st_size
+        return (
+            f"{path.name} is damaged: its {size} bytes end without the zip directory a checkpoint ends with (cut "
+            "short, by a full disk or a killed copy?)"
+        )
+    except OSError as e:
+        return f"{path.name} cannot be read ({e.strerror or e})"
+    except Exception as e:  # a record torch cannot read: damaged inside
+        return f"{path.name} is damaged ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''})"
+    if not isinstance(state, dict) or not {"state_dict", "lit_ppo"} <= state.keys():
+        holds = f"the keys {sorted(map(str, state))[:6]}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        return (
+            f"{path.name} is not a lit-ppo checkpoint (it holds {holds}, no 'lit_ppo' state: another program's file?)"
+        )
+    return None
+
+
+def resolve_resume(resume: str | None, directory: Path, announce: bool = False) -> Path | None:
+    """`null`: start fresh; `auto`: the newest checkpoint in the run's directory that can be resumed from
+    (`checkpoint_problem`), if any, passing over newer ones that cannot (with one warning line where `announce`: a
+    requeued job would otherwise fail on the same file on every start); else a path, refused in one line where it
+    cannot be resumed from, naming the checkpoint to resume from instead."""
     if resume in (None, "", "none"):
         return None
     if resume == "auto":
-        found = list_checkpoints(directory)
-        return found[-1] if found else None
+        passed_over = []
+        for path in reversed(list_checkpoints(directory)):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if passed_over and announce:
+                    show(
+                        f"warning: resume=auto: {'; '.join(passed_over)}; resuming from {path.name}, the newest intact "
+                        f"checkpoint (the rollout steps after {step_of(path)} are trained again)"
+                    )
+                return path
+            passed_over.append(problem)
+        if passed_over:
+            shown = "; ".join(passed_over[:3]) + (f"; and {len(passed_over) - 3} more" if len(passed_over) > 3 else "")
+            raise ConfigError(
+                f"resume=auto: no checkpoint in {directory} can be resumed from: {shown}; fix: put an intact "
+                "checkpoint there, or start a new run in another output_dir"
+            )
+        return None
     path = Path(resume)
     if not path.is_file():
         raise ConfigError(f"resume={resume}: no such checkpoint file; fix: give a .ckpt path or resume=auto")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(f"resume={resume}: {problem}; fix: {_instead(path, Path(directory))}")
     return path
+
+
+def _instead(path: Path, directory: Path) -> str:
+    """The resume that continues from the newest intact checkpoint beside `path` (a damaged one)."""
+    for other in reversed(list_checkpoints(path.parent)):
+        if other != path and checkpoint_problem(other) is None:
+            if path.parent.resolve() == directory.resolve():
+                return f"resume=auto, which resumes from {other.name}, the newest intact checkpoint in {directory}"
+            return f"resume={other}, the newest intact checkpoint beside it"
+    return "resume from another checkpoint of this run, or start a new run in another output_dir"
 
 
 def fresh_start_note(resume: str | None, output_dir: Path) -> str | None:
@@ -283,11 +376,14 @@ def check_run_directory(config: RunConfig, output_dir: Path) -> None:
     if path is None:
         return
     named = step_of(path)
-    if found and path.parent.resolve() == directory.resolve() and named is not None and named < step_of(found[-1]):
-        raise ConfigError(
-            f"resume={resume} is older than {found[-1].name} in the same directory, whose rotation would then mix two "
-            f"runs; fix: resume=auto, or resume into another output_dir"
-        )
+    if resume != "auto" and path.parent.resolve() == directory.resolve() and named is not None:
+        # (a newer one that cannot be resumed from does not count: resume=auto would pass it over too)
+        newer = [p for p in found if step_of(p) > named and checkpoint_problem(p) is None]
+        if newer:
+            raise ConfigError(
+                f"resume={resume} is older than {newer[-1].name} in the same directory, whose rotation would then mix "
+                f"two runs; fix: resume=auto, or resume into another output_dir"
+            )
     saved_config = path.parent.parent / "config.yaml"  # <run>/checkpoints/<file>.ckpt: its run's config
     if path.parent.name != "checkpoints" or not saved_config.is_file():
         return

@@ -632,6 +632,7 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
 
     from lit_ppo.checkpoints import check_run_directory
     from lit_ppo.config import MOVED_KEYS
+    from tests.helpers.resume import write_checkpoint
 
     def written_by_the_last_release(config) -> dict:
         values = config.to_dict()
@@ -642,8 +643,7 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
         return {**values, "rollout": rollout}
 
     config = compose_run_config("resume=auto", f"output_dir={tmp_path}")
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "rollout_step_000002.ckpt").write_bytes(b"")
+    write_checkpoint(tmp_path / "checkpoints" / "rollout_step_000002.ckpt")
     saved = written_by_the_last_release(config)
     assert "worker_launch" in saved["rollout"] and "episodes" not in saved["rollout"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import signal
 import subprocess
 import sys
@@ -10,17 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from lit_ppo.checkpoints import (
     RolloutCheckpoint,
+    check_run_directory,
     checkpoint_path,
+    checkpoint_problem,
     list_checkpoints,
     resolve_resume,
 )
-from lit_ppo.errors import NonFiniteUpdatesError
-from tests.helpers import ROOT, build_run
-from tests.helpers.resume import Crash, CrashAfter, assert_same_weights, counters
+from lit_ppo.errors import ConfigError, NonFiniteUpdatesError
+from tests.helpers import ROOT, build_run, compose_run_config
+from tests.helpers.resume import Crash, CrashAfter, assert_same_weights, counters, write_checkpoint
 
 
 def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, crash_after=None):
@@ -155,6 +160,139 @@ def test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable(paths
     assert resolve_resume("auto", directory) == before[-1]
     resumed, _ = run_in_process(paths, engine, tmp_path, steps=3, resume_from=resolve_resume("auto", directory))
     assert resumed.rollout_step == 3 and resumed.actor_optimizer_steps == 3 * 8  # 16 x 4 x 2 / 16 per step
+
+
+def truncate(path: Path, keep: float = 0.5) -> int:
+    """Cut the file at `path` to `keep` of its length, as a full disk or a killed copy leaves it; its new size."""
+    size = int(path.stat().st_size * keep)
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    return size
+
+
+def cut_short(name: str, size: int) -> str:
+    return (
+        f"{name} is damaged: its {size} bytes end without the zip directory a checkpoint ends with (cut short, by a "
+        "full disk or a killed copy?)"
+    )
+
+
+def test_resume_auto_passes_over_a_truncated_newest_checkpoint_with_one_warning(tmp_path, capsys):
+    """Issue 55 item 10: resume=auto picked a checkpoint cut short, started the engine and failed on it with a 40-line
+    traceback, on every requeue, never trying the intact one before it. Decided from the files alone (no model)."""
+    directory = tmp_path / "checkpoints"
+    older, newest = (write_checkpoint(checkpoint_path(directory, step)) for step in (2, 4))
+    assert checkpoint_problem(older) is None and checkpoint_problem(newest) is None
+    size = truncate(newest)
+    assert resolve_resume("auto", directory, announce=True) == older
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: resume=auto: {cut_short(newest.name, size)}; resuming from rollout_step_000002.ckpt, the newest "
+        "intact checkpoint (the rollout steps after 2 are trained again)"
+    ]
+    assert resolve_resume("auto", directory) == older and capsys.readouterr().out == ""  # said by rank 0 alone
+    # The run directory's check lets it through: the damaged newer one does not make the intact one "older than the
+    # directory's latest", whether resume=auto chose it or the user named it.
+    config = compose_run_config()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    check_run_directory(dataclasses.replace(config, resume="auto"), tmp_path)
+    check_run_directory(dataclasses.replace(config, resume=str(older)), tmp_path)
+    # None left to resume from: one line naming each.
+    older_size = truncate(older, keep=0.99)
+    with pytest.raises(ConfigError) as info:
+        resolve_resume("auto", directory)
+    assert str(info.value) == (
+        f"resume=auto: no checkpoint in {directory} can be resumed from: {cut_short(newest.name, size)}; "
+        f"{cut_short(older.name, older_size)}; fix: put an intact checkpoint there, or start a new run in another "
+        "output_dir"
+    )
+
+
+def test_an_explicit_resume_of_a_truncated_checkpoint_is_refused_naming_the_intact_one(tmp_path):
+    """resume=<path> to a damaged file is refused, not passed over: the user named it. The line names the way on."""
+    directory = tmp_path / "run" / "checkpoints"
+    older, newest = (write_checkpoint(checkpoint_path(directory, step)) for step in (2, 4))
+    size = truncate(newest)
+
+    def refusal(path: Path, run_directory: Path = directory) -> str:
+        with pytest.raises(ConfigError) as info:
+            resolve_resume(str(path), run_directory)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    assert refusal(newest) == (
+        f"resume={newest}: {cut_short(newest.name, size)}; fix: resume=auto, which resumes from "
+        f"rollout_step_000002.ckpt, the newest intact checkpoint in {directory}"
+    )
+    # A checkpoint of another run's directory: its intact neighbour, by path.
+    assert refusal(newest, tmp_path / "other" / "checkpoints").endswith(
+        f"; fix: resume={older}, the newest intact checkpoint beside it"
+    )
+    alone = tmp_path / "copy" / "start.ckpt"
+    alone.parent.mkdir()
+    alone.write_bytes(newest.read_bytes())
+    assert refusal(alone).endswith(
+        "; fix: resume from another checkpoint of this run, or start a new run in another output_dir"
+    )
+    # Refused before the run writes anything into its directory, and before any model loads.
+    config = dataclasses.replace(compose_run_config(), resume=str(newest))
+    with pytest.raises(ConfigError, match="is damaged: its"):
+        check_run_directory(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_file_that_is_not_a_lit_ppo_checkpoint_is_refused_in_one_line(tmp_path):
+    """A file that loads (a bare state_dict, another program's checkpoint) used to fail in on_load_checkpoint with a
+    KeyError traceback, after the engine's start."""
+    bare = tmp_path / "model.pt"
+    torch.save({"weight": torch.zeros(3), "bias": torch.zeros(1)}, bare)
+    with pytest.raises(ConfigError) as info:
+        resolve_resume(str(bare), tmp_path / "checkpoints")
+    assert str(info.value) == (
+        f"resume={bare}: model.pt is not a lit-ppo checkpoint (it holds the keys ['bias', 'weight'], no 'lit_ppo' "
+        "state: another program's file?); fix: resume from another checkpoint of this run, or start a new run in "
+        "another output_dir"
+    )
+    torch.save([1, 2], bare)
+    with pytest.raises(ConfigError, match=r"model.pt is not a lit-ppo checkpoint \(it holds a list, "):
+        resolve_resume(str(bare), tmp_path / "checkpoints")
+
+
+@pytest.mark.slow
+def test_train_py_resumes_from_the_intact_checkpoint_and_refuses_a_truncated_one_in_one_line(tmp_path):
+    """At train.py's level, without any model: a warning line then the older checkpoint's "finished" line (exit 0;
+    the run finished at the intact one), and resume=<the truncated file> refused in one line (exit 2)."""
+    from lit_ppo.run.entry import preflight
+
+    out = tmp_path / "run"
+    overrides = ["trainer.total_rollout_steps=1", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
+    config, _, _ = preflight(compose_run_config(*overrides))  # as the run wrote it: ppo.packing resolved
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    (out / "summary.json").write_text(json.dumps({"rollout_steps": 1}))
+    write_checkpoint(checkpoint_path(out / "checkpoints", 1))
+    newest = write_checkpoint(checkpoint_path(out / "checkpoints", 2))
+    size = truncate(newest)
+
+    def train(resume: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "train.py", *overrides, f"output_dir={out}", f"resume={resume}"]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    resumed = train("auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = [line for line in resumed.stdout.splitlines() if "resume=auto" in line]
+    assert lines == [
+        f"warning: resume=auto: {cut_short(newest.name, size)}; resuming from rollout_step_000001.ckpt, the newest "
+        "intact checkpoint (the rollout steps after 1 are trained again)",
+        "resume=auto: rollout_step_000001.ckpt is at the end of the run (rollout step 1 of 1), and its run finished "
+        "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
+        "trainer.data_epochs)",
+    ], resumed.stdout[-3000:]
+    refused = train(str(newest))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: resume={newest}: {cut_short(newest.name, size)}; fix: resume=auto, which resumes from "
+        f"rollout_step_000001.ckpt, the newest intact checkpoint in {out / 'checkpoints'}"
+    ]
 
 
 def test_nonfinite_loss_is_skipped_and_counted(paths, engine, tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import lightning as L
 
+from lit_ppo.checkpoints import CheckpointFile
 from lit_ppo.config import RunConfig
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards.scorer import RewardScorer
@@ -142,6 +143,7 @@ def build_run(
         logger=list(loggers) or False,
         callbacks=[MetricsCSV(Path(output_dir) / "metrics.csv"), *callbacks],
         default_root_dir=str(output_dir),
+        plugins=[CheckpointFile()],  # written beside its final name, not staged in $TMPDIR
         **TRAINER_FLAGS,
     )
     return trainer, module, datamodule

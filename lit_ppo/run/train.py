@@ -278,6 +278,9 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
             show(note)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    # Before any model loads (the warm start, the engine): a checkpoint that cannot be resumed from is named in one line
+    # (resume=auto passes over it, with a warning, to the newest intact one).
+    resume_from = resolve_resume(config.resume, output_dir / "checkpoints", announce=rank_zero)
     train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero)
     started_model = time.perf_counter()
     model_dir = prepare_model(config, train_records)
@@ -287,7 +290,6 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         tokenizer.pad_token = tokenizer.eos_token
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
-    resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
     finished = finished_note(config.resume, resume_from, plan.counts.total_rollout_steps, output_dir)
     if finished:  # before the plan.json of the finished run is rewritten and before any model loads
         if rank_zero:

@@ -5,6 +5,10 @@ test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
+import io
+import os
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -106,3 +110,47 @@ def assert_same_adapter(one, two, rel: float = 1e-5) -> dict:
     norm = sum(float(v.norm()) ** 2 for v in a.values()) ** 0.5
     assert difference <= rel * norm, f"the adapters differ by {difference / norm:.2e} of their norm"
     return a
+
+
+def write_checkpoint(path: Path, weights: int = 1000) -> Path:
+    """A checkpoint file with Lightning's and lit-ppo's keys around `weights` float32 zeros and no model, written as a
+    run writes one (`CheckpointFile`): for what is decided from the file before any model loads."""
+    from lit_ppo.checkpoints import CheckpointFile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    CheckpointFile().save_checkpoint({"state_dict": {"w": torch.zeros(weights)}, "lit_ppo": {}}, path)
+    return path
+
+
+class FullDisk(io.FileIO):
+    """A file on a disk with `room` bytes left: a write past them writes what fits and fails with ENOSPC, as the
+    kernel's does (`written` counts what reached the file)."""
+
+    def __init__(self, path, mode: str, room: int):
+        super().__init__(path, mode.replace("b", ""))
+        self.room, self.written = room, 0
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        if len(data) > self.room:
+            self.written += super().write(data[: self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        self.written += len(data)
+        return super().write(data)
+
+
+def full_disk_open(name: str, room: int = 4096, opened: list | None = None):
+    """An `open` for a module that writes checkpoints (lit_ppo.checkpoints): the file `name` is written on a disk with
+    `room` bytes left (`FullDisk`, appended to `opened`); any other file is opened as it is."""
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if Path(path).name == name:
+            file = FullDisk(path, mode, room)
+            if opened is not None:
+                opened.append(file)
+            return file
+        return open(path, mode, *args, **kwargs)
+
+    return full_disk

@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from lit_ppo.atomic import directory_problem
@@ -21,6 +23,7 @@ from lit_ppo.checkpoints import (
     RolloutCheckpoint,
     check_run_directory,
     checkpoint_path,
+    checkpoint_problem,
     config_differences,
     finished_note,
     fresh_start_note,
@@ -31,6 +34,7 @@ from lit_ppo.checkpoints import (
 from lit_ppo.errors import ConfigError, DirectoryError
 from lit_ppo.run.entry import preflight
 from tests.helpers import ROOT, build_run, compose_run_config
+from tests.helpers.resume import write_checkpoint
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:
@@ -186,9 +190,9 @@ def test_the_number_of_ranks_and_the_waits_limits_may_change_on_resume():
 
 
 def write_checkpoints(directory: Path, steps: list[int]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Checkpoints that pass the check before a resume (`checkpoint_problem`) and hold no model."""
     for step in steps:
-        checkpoint_path(directory, step).write_bytes(b"not read here")
+        write_checkpoint(checkpoint_path(directory, step))
 
 
 def test_an_explicit_resume_older_than_the_directorys_latest_is_refused(tmp_path):
@@ -330,7 +334,7 @@ def test_resume_auto_in_a_directory_without_a_checkpoint_says_so(tmp_path):
 
 def test_a_finished_run_resumed_exits_0_in_one_line_without_loading_anything(tmp_path):
     """resume=auto on a run already at its length started the engine, loaded the checkpoint, evaluated again and
-    exited 0 without a word. Here the checkpoint is not even a checkpoint: nothing may read it."""
+    exited 0 without a word. Here the checkpoints hold no model: nothing may load one from them."""
     out = tmp_path / "run"
     overrides = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
     out.mkdir()
@@ -505,6 +509,132 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
     )
 
 
+def no_space(directory: Path, kept: str) -> str:
+    return (
+        f"the checkpoint rollout_step_000003.ckpt could not be written: {directory}: no space left on device (ENOSPC); "
+        f"earlier checkpoints kept: {kept}; fix: free space in {directory}, then resume=auto"
+    )
+
+
+def run_trainer_on_rank_0(trainer) -> SimpleNamespace:
+    """A trainer that saves as `trainer` does on rank 0 of one (Lightning's dump of a checkpoint, then its strategy's
+    checkpoint writer), without a fit: a checkpoint of 400 kB of weights and no model."""
+    writer = trainer.strategy.checkpoint_io
+    state = {"state_dict": {"w": torch.zeros(100_000)}, "lit_ppo": {}}
+    return SimpleNamespace(
+        is_global_zero=True,
+        save_checkpoint=lambda path: writer.save_checkpoint(state, path),
+        strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
+    )
+
+
+def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_with_the_earlier_checkpoints(
+    tiny_model_dir, arithmetic_files, tmp_path, monkeypatch
+):
+    """Issue 55 item 11: a full disk during a checkpoint printed three chained tracebacks and left a partial
+    `.ckpt.tmp` on it; and each checkpoint was staged in the system's temporary directory first (Lightning's fsspec
+    transaction), so a small `$TMPDIR` failed checkpoints where output_dir had room. The run's own trainer's writer
+    (`build_run`), with a temporary directory that does not exist, on a disk that fills during the third checkpoint
+    (train.py's run of it: test_train_py_on_a_full_disk_prints_one_line_and_exits_2)."""
+    import tempfile
+
+    import lit_ppo.checkpoints
+    from lit_ppo.config import RolloutConfig
+    from tests.helpers.resume import full_disk_open
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no_such_tmp"))  # what $TMPDIR gives, when it is read
+    full = []
+    monkeypatch.setattr(
+        lit_ppo.checkpoints, "open", full_disk_open("rollout_step_000003.ckpt.tmp", opened=full), raising=False
+    )
+    built, _, _, _ = build_run(
+        tiny_model_dir,
+        None,
+        arithmetic_files,
+        tmp_path / "run",
+        rollout=RolloutConfig(engine="hf", max_response_tokens=6, eval_samples_per_prompt=2),
+    )
+    trainer = run_trainer_on_rank_0(built)
+    directory = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):
+        save_atomic(trainer, checkpoint_path(directory, step))
+    with pytest.raises(DirectoryError) as info:
+        save_atomic(trainer, checkpoint_path(directory, 3))
+    assert str(info.value) == no_space(directory, "rollout_step_000001.ckpt, rollout_step_000002.ckpt")
+    [partial] = full
+    assert partial.written == 4096  # the disk took what fitted; that partial file is removed
+    assert sorted(p.name for p in directory.iterdir()) == ["rollout_step_000001.ckpt", "rollout_step_000002.ckpt"]
+    assert all(checkpoint_problem(p) is None for p in list_checkpoints(directory))
+
+
+def test_a_full_disk_at_the_checkpoints_flush_is_named_the_same_way(tmp_path, monkeypatch):
+    """A full disk (or an NFS quota) may show only when the written file is flushed to disk (fsync)."""
+    import errno
+
+    import lit_ppo.atomic
+
+    directory = tmp_path / "checkpoints"
+    write_checkpoints(directory, [1, 2])
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lit_ppo.atomic.os, "fsync", full)
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        save_checkpoint=lambda path: Path(path).write_bytes(b"a checkpoint, written"),
+        strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
+    )
+    with pytest.raises(DirectoryError) as info:
+        save_atomic(trainer, checkpoint_path(directory, 3))
+    assert str(info.value) == no_space(directory, "rollout_step_000001.ckpt, rollout_step_000002.ckpt")
+    assert sorted(p.name for p in directory.iterdir()) == ["rollout_step_000001.ckpt", "rollout_step_000002.ckpt"]
+
+
+FULL_DISK_RUN = """
+import runpy, sys
+import lit_ppo.checkpoints
+from tests.helpers.resume import full_disk_open
+
+lit_ppo.checkpoints.open = full_disk_open("rollout_step_000002.ckpt.tmp")
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_train_py_on_a_full_disk_prints_one_line_and_exits_2(tmp_path):
+    """The README's promise, at train.py's level: one line (exit 2), no traceback, the earlier checkpoint kept."""
+    out = tmp_path / "run"
+    overrides = [
+        "rollout.engine=hf",
+        "trainer.total_rollout_steps=2",
+        "trainer.checkpoint_every=1",
+        "trainer.eval_every=0",
+        "ppo.rollout_batch_size=8",
+        "ppo.train_batch_size=32",
+        "ppo.micro_train_batch_size=16",
+        "model.warm_start.steps=20",
+        "data.n_train=16",
+        "data.n_eval=4",
+        "rollout.eval_samples_per_prompt=1",
+        f"output_dir={out}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_RUN, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    # (from "error: " on: the progress bar's line may precede it on the same line, issue 55 item 15)
+    [line] = [line[line.index("error: ") :] for line in re.split(r"[\r\n]", result.stderr) if "error: " in line]
+    directory = out / "checkpoints"
+    assert line == (
+        f"error: the checkpoint rollout_step_000002.ckpt could not be written: {directory}: no space left on device "
+        f"(ENOSPC); earlier checkpoints kept: rollout_step_000001.ckpt; fix: free space in {directory}, then "
+        "resume=auto"
+    )
+    assert sorted(p.name for p in directory.iterdir()) == ["rollout_step_000001.ckpt"]
+
+
 SAVE_ON_TWO_RANKS = """
 import datetime, os, sys
 from pathlib import Path
@@ -573,8 +703,7 @@ def test_a_checkpoint_under_a_name_of_ones_own_resumes(tmp_path):
     not in its name, and nothing that reads the name may fail on it."""
     from lit_ppo.checkpoints import finished_note, step_of
 
-    copy = tmp_path / "start.ckpt"
-    copy.write_bytes(b"")
+    copy = write_checkpoint(tmp_path / "start.ckpt")
     assert step_of(copy) is None and step_of(tmp_path / "rollout_step_000004.ckpt") == 4
     assert step_of(tmp_path / "rollout_step=000004.ckpt") == 4  # an earlier version's name
     assert finished_note(str(copy), copy, 2, tmp_path) is None
