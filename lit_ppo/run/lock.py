@@ -181,9 +181,10 @@ def _set_aside(path: Path, holder: dict, token: str) -> bool:
 class RunLock:
     """The lock of one run directory, held by this process (`acquire`); `release` removes it if it is still ours."""
 
-    def __init__(self, path: Path, record: dict, note: str | None):
+    def __init__(self, path: Path, record: dict, note: str | None, made: tuple[Path, ...] = ()):
         self.path, self.record = path, record
         self.note = note  # the line said when a gone run's lock was taken over
+        self.made = made  # the directories the lock made (deepest first): removed again if the run left them empty
 
     def release(self) -> None:
         if os.getpid() != self.record["pid"]:  # a forked child: the lock is its parent's
@@ -191,6 +192,11 @@ class RunLock:
         holder = _load(self.path)
         if holder and holder.get("token") == self.record["token"]:
             self.path.unlink(missing_ok=True)
+            for directory in self.made:  # a run refused by its pre-flight leaves no empty output_dir behind
+                try:
+                    directory.rmdir()
+                except OSError:  # not empty: the run wrote there
+                    break
 
 
 def acquire(output_dir: Path, key: str = "output_dir") -> RunLock:
@@ -198,13 +204,14 @@ def acquire(output_dir: Path, key: str = "output_dir") -> RunLock:
     where another run holds it; a lock whose run is gone is taken over, with a line (`RunLock.note`)."""
     output_dir = Path(output_dir)
     path = output_dir / LOCK_NAME
+    made = tuple(d for d in (output_dir, *output_dir.parents) if not d.exists())
     output_dir.mkdir(parents=True, exist_ok=True)
     me, note = this_process(), None
     fix = f"wait for it to end, or give this run another {key}"
     for _ in range(5):  # each round: someone else removed or replaced the lock while we looked
         try:
             if _create(path, me):
-                return RunLock(path, me, note)
+                return RunLock(path, me, note, made)
         except OSError as e:  # a full disk, a directory made read-only since its check
             raise DirectoryError(
                 f"{key}={output_dir}: its lock {path} cannot be written ({e.strerror or type(e).__name__}); fix: free "
