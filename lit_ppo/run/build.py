@@ -31,6 +31,7 @@ TRAINER_FLAGS: dict[str, Any] = dict(
     enable_model_summary=False,
     use_distributed_sampler=False,  # the data module splits prompts over ranks itself (sampling seeds by position)
     num_sanity_val_steps=0,  # evaluation is the data module's, every trainer.eval_every rollout steps
+    inference_mode=False,  # mode=eval's Trainer.validate evaluates as a training run does (lit_ppo/run/evaluate.py)
 )
 """The Lightning `Trainer` flags lit-ppo depends on, whoever builds the run."""
 

@@ -117,12 +117,12 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     return str(out)
 
 
-def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
-    """Train/eval prompt files: generated for the arithmetic task (written when `write`, else only
-    named: rank 0 wrote them), else the user's files."""
+def prepare_data(data: DataConfig, output_dir: Path, write: bool = True, folder: str = "data"):
+    """Train/eval prompt files: generated for the arithmetic task into `output_dir/folder` (written when `write`,
+    else only named: rank 0 wrote them), else the user's files."""
     if data.source == "arithmetic":
         train, evaluation = problems_of(data)
-        train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
+        train_path, eval_path = output_dir / folder / "train.jsonl", output_dir / folder / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)
             write_jsonl(evaluation, eval_path)
