@@ -43,6 +43,7 @@ QUIET_WARNINGS = [
     ".*LeafSpec.*",
     ".*weights_only.*",
     ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
+    ".*validation_step.*but have no .val_dataloader.*",  # mode=eval's step (Trainer.validate); training evaluates in its steps
 ]
 """Library warnings about choices lit-ppo makes on purpose (the reasons beside each)."""
 

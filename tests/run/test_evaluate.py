@@ -54,11 +54,29 @@ def test_eval_of_another_model_writes_eval_json_and_the_table(tiny_model_dir, tm
     assert "reward  prompt  response" in console and "evaluation finished: eval/reward" in console
 
 
+def another_tiny_model(directory: Path) -> Path:
+    """The tiny model of the shared engine's shape with other weights: what the engine holds before an evaluation must
+    not be what it evaluates. (A random tiny model's greedy response repeats the prompt's last token, "=": this one's
+    embedding of "7" is ten times that of "=", so it answers "77777777".)"""
+    import torch
+
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    shape = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    model = build_tiny_model(tokenizer, max_position_embeddings=128, seed=0, **shape)
+    embedding = model.get_input_embeddings().weight  # tied: the LM head's too
+    with torch.no_grad():
+        embedding[tokenizer.convert_tokens_to_ids("7")] = 10 * embedding[tokenizer.convert_tokens_to_ids("=")]
+    return save_model_dir(model, tokenizer, directory)
+
+
 @pytest.mark.slow
 def test_eval_of_a_trained_run_reproduces_its_evaluations(engine, tmp_path):
-    """A two-step run, then mode=eval with the same seed: of its actor/ and of its final checkpoint (resume=auto in
-    the run's own directory, which keeps every file of the run as it was) the last evaluation row, and of the initial
-    model its rollout_step 0 row; exactly."""
+    """A two-step run, then mode=eval with the same seed and the same engine: of its actor/ and of its final
+    checkpoint (resume=auto in the run's own directory, which keeps every file of the run as it was) the run's last
+    evaluation, metrics and greedy samples exactly; of the initial model its rollout_step 0 row. Before each, the
+    engine holds another model's weights: each evaluation pushes its own."""
     run_dir = tmp_path / "run"
     train = compose_run_config(
         *SETTINGS,
@@ -74,17 +92,26 @@ def test_eval_of_a_trained_run_reproduces_its_evaluations(engine, tmp_path):
     last = final_evaluation(summary)
     assert rows[-1]["rollout_step"] == "2" and float(rows[-1]["eval/reward"]) == pytest.approx(last["eval/reward"])
     run_files = files_of(run_dir)
+    other_model = another_tiny_model(tmp_path / "other_model")
 
-    actor = entry.run(
-        eval_config(tmp_path, tmp_path / "actor", f"model.path={run_dir / 'actor'}"), tmp_path / "actor", engine=engine
-    )
-    assert actor["metrics"] == last
+    def evaluate_other_model() -> None:
+        out = tmp_path / "other"
+        other = entry.run(eval_config(tmp_path, out, f"model.path={other_model}"), out, engine=engine)
+        assert other["model"] == f"model.path={other_model}"
+        assert other["samples"] != summary["eval_samples_final"]  # another model: other responses
 
+    evaluate_other_model()
+    out = tmp_path / "actor"
+    actor = entry.run(eval_config(tmp_path, out, f"model.path={run_dir / 'actor'}"), out, engine=engine)
+    assert actor["metrics"] == last and actor["samples"] == summary["eval_samples_final"]
+
+    evaluate_other_model()
     checkpoint = entry.run(eval_config(tmp_path, run_dir, "resume=auto"), run_dir, engine=engine)
-    assert checkpoint["metrics"] == last and checkpoint["rollout_step"] == 2
-    assert checkpoint["checkpoint"].endswith("rollout_step_000002.ckpt")
+    assert checkpoint["metrics"] == last and checkpoint["samples"] == summary["eval_samples_final"]
+    assert checkpoint["rollout_step"] == 2 and checkpoint["checkpoint"].endswith("rollout_step_000002.ckpt")
     assert {p: t for p, t in files_of(run_dir).items() if p in run_files} == run_files  # none rewritten
 
+    evaluate_other_model()
     initial = entry.run(eval_config(tmp_path, tmp_path / "initial"), tmp_path / "initial", engine=engine)
     first = {k: float(v) for k, v in rows[0].items() if k.startswith("eval/") and v != ""}
     assert initial["metrics"] == pytest.approx(first, rel=1e-6)  # metrics.csv's digits
