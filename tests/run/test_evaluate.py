@@ -132,6 +132,7 @@ def test_eval_of_a_trained_run_reproduces_its_evaluations(engine, tmp_path):
         (["resume=auto"], "mode=eval resume=auto: no checkpoint in"),
         (["model.path={empty}"], "is a directory without config.json"),
         (["model.path={run}"], "is a run's directory, not a model; fix: model.path="),
+        (["model.path={adapter}"], "is a LoRA adapter (adapter_config.json), not a whole model; fix:"),
     ],
 )
 def test_eval_refusals_are_one_line_before_any_model_loads(overrides, message, arithmetic_files, tmp_path, monkeypatch):
@@ -143,7 +144,15 @@ def test_eval_refusals_are_one_line_before_any_model_loads(overrides, message, a
     (tmp_path / "empty").mkdir()
     (tmp_path / "run" / "actor").mkdir(parents=True)
     (tmp_path / "run" / "actor" / "config.json").write_text("{}")
-    names = dict(train=train_file, missing=tmp_path / "missing.jsonl", empty=tmp_path / "empty", run=tmp_path / "run")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    names = dict(
+        train=train_file,
+        missing=tmp_path / "missing.jsonl",
+        empty=tmp_path / "empty",
+        run=tmp_path / "run",
+        adapter=tmp_path / "adapter",
+    )
     out = tmp_path / "out"
     config = eval_config(tmp_path, out, *(o.format(**names) for o in overrides))
     with pytest.raises(ConfigError) as error:
