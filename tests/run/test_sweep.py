@@ -76,6 +76,21 @@ def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tm
     assert "| 2 | `ppo=ppo` `seed=0` | done |  | 0.500 |" in (tmp_path / "sweep_summary.md").read_text()
 
 
+def test_sweep_summary_of_mode_eval_jobs_reads_their_eval_json(tmp_path):
+    """A sweep of evaluations (`-m mode=eval model.path=a,b`) writes eval.json, no summary.json."""
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["mode=eval", "model.path=a"]))
+    (tmp_path / "0" / "eval.json").write_text(json.dumps({"metrics": {"eval/reward": 0.75}, "wall_seconds": 3.0}))
+    write_sweep_summary(tmp_path)
+    [row] = read_csv(tmp_path / "sweep_summary.csv")
+    assert (row["model.path"], row["status"], row["eval_reward_final"], row["wall_seconds"]) == (
+        "a",
+        "evaluated",
+        "0.75",
+        "3.0",
+    )
+
+
 def test_a_sweep_with_one_output_dir_for_every_job_stops_before_it_starts():
     callback = SweepSummary()
     with pytest.raises(ConfigError, match="leave output_dir unset"):
