@@ -22,7 +22,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer
 
 from lit_ppo.atomic import write_text_atomic
 from lit_ppo.checkpoints import resolve_resume
@@ -34,7 +33,14 @@ from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import format_samples
-from lit_ppo.run.train import lightning_strategy, load_prompt_sets, prepare_data, prepare_model
+from lit_ppo.run.train import (
+    check_shared_engine,
+    lightning_strategy,
+    load_prompt_sets,
+    load_tokenizer,
+    prepare_data,
+    prepare_model,
+)
 from lit_ppo.signals import starting
 
 EVAL_FILE = "eval.json"
@@ -140,10 +146,7 @@ def evaluate(config: RunConfig, output_dir: Path, engine=None, lora_targets: Lor
     engine to share between single-process runs of one architecture (the tests'); the model's weights are pushed
     into it, as into any engine."""
     quiet_known_warnings()
-    if engine is not None and config.strategy.name != "single":
-        raise ConfigError(
-            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
-        )
+    check_shared_engine(engine, config)
     adopt_library_loggers()
     starting()  # a signal from here on stops the evaluation in one line
     started = time.perf_counter()
@@ -153,9 +156,7 @@ def evaluate(config: RunConfig, output_dir: Path, engine=None, lora_targets: Lor
     # The arithmetic prompts beside eval.json, not in data/: output_dir may be the run's own (resume=auto).
     train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero, folder="eval_data")
     model_dir = prepare_model(config, train_records)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:  # as a training run pads (preflight.pad_token_note)
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_dir)
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     if not eval_prompts:
         raise ConfigError(

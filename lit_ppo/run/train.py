@@ -130,6 +130,23 @@ def prepare_data(data: DataConfig, output_dir: Path, write: bool = True, folder:
     return Path(data.path), (Path(data.eval_path) if data.eval_path else None), None
 
 
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer, padding with its eos token where it has no pad token (padding is masked out; the
+    pre-flight said so: preflight.pad_token_note)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_shared_engine(engine, config: RunConfig) -> None:
+    """A vLLM engine given by the caller (the tests share one per process) serves one process only."""
+    if engine is not None and config.strategy.name != "single":
+        raise ConfigError(
+            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
+        )
+
+
 def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
     train = load_data_prompts(train_path, tokenizer, data)
     evaluation = load_data_prompts(eval_path, tokenizer, data) if eval_path else None
@@ -255,10 +272,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture.
     `lora_targets`: the modules model.lora adapts, as the pre-flight matched them (`entry.preflight`), for the plan."""
     quiet_known_warnings()
-    if engine is not None and config.strategy.name != "single":
-        raise ConfigError(
-            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
-        )
+    check_shared_engine(engine, config)
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
     starting()  # a signal from here to the first rollout step stops the run "during start-up"
     started = time.perf_counter()
@@ -275,9 +289,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     started_model = time.perf_counter()
     model_dir = prepare_model(config, train_records)
     warm_start_seconds = time.perf_counter() - started_model
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_dir)
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
     resume_from = resolve_resume(config.resume, output_dir / "checkpoints")
