@@ -993,7 +993,7 @@ class LoggerConfig:
     extra: dict | None = None
 
 
-MODES = ("train", "plan")
+MODES = ("train", "plan", "eval")
 
 
 @dataclass(frozen=True)
@@ -1001,7 +1001,8 @@ class RunConfig:
     """The whole run's settings: conf/config.yaml's root keys and one typed section per config group."""
 
     mode: str = "train"
-    """train, or plan (print and save the step plan, load nothing)."""
+    """train; plan (print and save the step plan, load nothing); or eval (evaluate the model on the held-out prompts,
+    no training: lit_ppo/run/evaluate.py)."""
     seed: int = 0
     output_dir: str | None = None
     """null: Hydra's run directory."""
@@ -1021,7 +1022,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r}; fix: use mode=train or mode=plan")
+            raise ConfigError(f"mode={self.mode!r}; fix: use mode=train, mode=plan or mode=eval")
         validate_rollout_engine(self.rollout, self.strategy)
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors

@@ -32,6 +32,7 @@ TRAINER_FLAGS: dict[str, Any] = dict(
     enable_model_summary=False,
     use_distributed_sampler=False,  # the data module splits prompts over ranks itself (sampling seeds by position)
     num_sanity_val_steps=0,  # evaluation is the data module's, every trainer.eval_every rollout steps
+    inference_mode=False,  # mode=eval's Trainer.validate evaluates as a training run does (lit_ppo/run/evaluate.py)
 )
 """The Lightning `Trainer` flags lit-ppo depends on, whoever builds the run."""
 
@@ -43,6 +44,7 @@ QUIET_WARNINGS = [
     ".*LeafSpec.*",
     ".*weights_only.*",
     ".*returned a view tensor.*",  # FSDP2 on the critic's output, which we only use out of place
+    ".*validation_step.*but have no .val_dataloader.*",  # mode=eval's step (Trainer.validate); training evaluates in its steps
 ]
 """Library warnings about choices lit-ppo makes on purpose (the reasons beside each)."""
 

@@ -63,8 +63,9 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     the model's type is known (`checks.resolve_packing`), the training prompts' lengths in tokens that the plan's
     expected tokens per micro-batch rest on (None where the tokenizer or the prompt files are not on this machine),
     and with model.lora the modules it adapts, matched on the model built from its config.json on the meta device
-    (None without LoRA, or where config.json is not on this machine)."""
-    training = config.mode == "train"
+    (None without LoRA, or where config.json is not on this machine). `mode=eval` loads its model as a training run
+    does, and is checked as one."""
+    training = config.mode != "plan"  # a run that loads the model: mode=train or mode=eval
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
     environment = rollout.episodes.environment
@@ -240,13 +241,18 @@ def compose_run_config(*overrides: str) -> RunConfig:
 
 def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """From typed settings to a run, the one road: the run directory's check and lock (held while the run lasts:
-    lit_ppo/run/lock.py), the pre-flight, the plan; `mode=plan`
-    writes the plan and returns None, a training run trains (`lit_ppo.run.train.train`) and returns its summary.
+    lit_ppo/run/lock.py), the pre-flight, the plan; `mode=plan` writes the plan and returns None, `mode=eval`
+    evaluates the model (`lit_ppo.run.evaluate.evaluate`) and returns eval.json's record, a training run trains
+    (`lit_ppo.run.train.train`) and returns its summary.
     `python train.py` comes here through `main`, and so do the tests' in-process runs of it, with `engine` a vLLM
     engine to share between single-process runs of one architecture."""
     # (train.py's Hydra callback checked them and took the lock before Hydra made the directory; callers without
     # Hydra's run, here: one run per directory at any moment, mode=plan too, which writes plan.json there)
     check_run_directories(output_dir, "output_dir", training=config.mode == "train")
+    if config.mode == "eval":
+        from lit_ppo.run.evaluate import check_evaluation_settings
+
+        check_evaluation_settings(config, output_dir)
     with run_lock(output_dir):
         config, prompt_stats, lora_targets = preflight(config)
         size, source = planned_dataset_size(config.data, prompt_stats)
@@ -255,14 +261,20 @@ def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
             write_plan(plan, output_dir, source, config)
             show(f"plan written to {output_dir / 'plan.json'}")
             return None
+        if config.mode == "eval":  # the run's evaluation alone, through the same functions (heavy imports only now)
+            from lit_ppo.run.evaluate import evaluate, evaluation_plan
+
+            show(evaluation_plan(config, plan, output_dir))
+            return evaluate(config, output_dir, engine=engine, lora_targets=lora_targets)
         from lit_ppo.run.train import train  # heavy imports only when training
 
         return train(config, output_dir, engine=engine, lora_targets=lora_targets)
 
 
 def main(cfg: DictConfig) -> dict | None:
-    """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
-    becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
+    """Entry point behind `python train.py`; returns the summary (None in plan mode; eval.json's record in eval
+    mode). The composed Hydra config becomes the typed `RunConfig` here, and nothing below this function reads the
+    Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg)
     output_dir = output_dir_of(cfg)

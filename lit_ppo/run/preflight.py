@@ -253,6 +253,17 @@ def find_model_files(model_path: str, *, required: bool, offline: bool) -> Model
     path = Path(model_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
+            if (path / "adapter_config.json").is_file():  # a LoRA run's actor/: the adapter alone
+                raise ConfigError(
+                    f"model.path={model_path} is a LoRA adapter (adapter_config.json), not a whole model; fix: the "
+                    "run's merged model (<run>/actor_merged, written with model.lora.save_merged=true), or the run's "
+                    "checkpoint (resume=<path.ckpt>) with its model.lora settings"
+                )
+            if (path / "actor" / "config.json").is_file():  # a run's directory: its final policy is in actor/
+                raise ConfigError(
+                    f"model.path={model_path} is a run's directory, not a model; fix: model.path={path / 'actor'} "
+                    "(the run's final policy)"
+                )
             raise ConfigError(
                 f"model.path={model_path} is a directory without config.json; fix: point model.path at a saved "
                 "Hugging Face model (save_pretrained) or a hub name"

@@ -60,12 +60,20 @@ def path_list(value) -> list[str]:
 def read_job(job_dir: Path, sweep_dir: Path) -> dict:
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.exists() else []
-    summary_file = job_dir / "summary.json"
+    summary_file, eval_file = job_dir / "summary.json", job_dir / "eval.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    status = "done" if summary else "no summary.json"
+    if not summary and eval_file.exists():  # a mode=eval job (lit_ppo/run/evaluate.py): its eval reward, no training
+        evaluation = json.loads(eval_file.read_text())
+        summary = {
+            "eval_reward_final": evaluation["metrics"].get("eval/reward"),
+            "wall_seconds": evaluation.get("wall_seconds"),
+        }
+        status = "evaluated"
     return {
         "job": str(job_dir.relative_to(sweep_dir)),
         "overrides": list(overrides or []),
-        "status": "done" if summary else "no summary.json",
+        "status": status,
         **{key: summary.get(key) for key in SUMMARY_METRICS},
     }
 

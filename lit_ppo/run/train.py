@@ -117,17 +117,34 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     return str(out)
 
 
-def prepare_data(data: DataConfig, output_dir: Path, write: bool = True):
-    """Train/eval prompt files: generated for the arithmetic task (written when `write`, else only
-    named: rank 0 wrote them), else the user's files."""
+def prepare_data(data: DataConfig, output_dir: Path, write: bool = True, folder: str = "data"):
+    """Train/eval prompt files: generated for the arithmetic task into `output_dir/folder` (written when `write`,
+    else only named: rank 0 wrote them), else the user's files."""
     if data.source == "arithmetic":
         train, evaluation = problems_of(data)
-        train_path, eval_path = output_dir / "data" / "train.jsonl", output_dir / "data" / "eval.jsonl"
+        train_path, eval_path = output_dir / folder / "train.jsonl", output_dir / folder / "eval.jsonl"
         if write:
             write_jsonl(train, train_path)
             write_jsonl(evaluation, eval_path)
         return train_path, eval_path, train
     return Path(data.path), (Path(data.eval_path) if data.eval_path else None), None
+
+
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer, padding with its eos token where it has no pad token (padding is masked out; the
+    pre-flight said so: preflight.pad_token_note)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_shared_engine(engine, config: RunConfig) -> None:
+    """A vLLM engine given by the caller (the tests share one per process) serves one process only."""
+    if engine is not None and config.strategy.name != "single":
+        raise ConfigError(
+            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
+        )
 
 
 def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
@@ -262,10 +279,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture.
     `lora_targets`: the modules model.lora adapts, as the pre-flight matched them (`entry.preflight`), for the plan."""
     quiet_known_warnings()
-    if engine is not None and config.strategy.name != "single":
-        raise ConfigError(
-            "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
-        )
+    check_shared_engine(engine, config)
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
     starting()  # a signal from here to the first rollout step stops the run "during start-up"
     started = time.perf_counter()
@@ -285,9 +299,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     started_model = time.perf_counter()
     model_dir = prepare_model(config, train_records)
     warm_start_seconds = time.perf_counter() - started_model
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:  # padding is masked out; the pre-flight said so (preflight.pad_token_note)
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model_dir)
     train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
     plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
     finished = finished_note(config.resume, resume_from, plan.counts.total_rollout_steps, output_dir)

@@ -566,6 +566,16 @@ class PPOModule(L.LightningModule):
         )
         return row
 
+    def validation_step(self, batch, batch_idx) -> None:
+        """`mode=eval` (lit_ppo/run/evaluate.py, through `Trainer.validate`): the evaluation `on_train_start` makes
+        before rollout step 1, of the weights this module holds (a model's, or a checkpoint's), into `eval_history`.
+        A training run has no validation loop (its data module has no val_dataloader): it evaluates in its steps."""
+        engine = self.trainer.datamodule.start_engine()
+        waits.entering("the weight sync before the evaluation")
+        self.sync_weights(engine, self.rollout_step)
+        waits.entering("the evaluation")
+        self._evaluate()
+
     def _evaluate_after_step(self) -> None:
         """The evaluation after rollout step `rollout_step`, into that step's row (the last of `history`)."""
         waits.entering(f"the evaluation after rollout step {self.rollout_step}")

@@ -121,6 +121,21 @@ def test_train_py_runs_a_sweep_whose_output_dir_names_a_swept_key(tmp_path):
     assert plans[0] == plans[1]  # the same plan, written twice, in two directories
 
 
+def test_sweep_summary_of_mode_eval_jobs_reads_their_eval_json(tmp_path):
+    """A sweep of evaluations (`-m mode=eval model.path=a,b`) writes eval.json, no summary.json."""
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["mode=eval", "model.path=a"]))
+    (tmp_path / "0" / "eval.json").write_text(json.dumps({"metrics": {"eval/reward": 0.75}, "wall_seconds": 3.0}))
+    write_sweep_summary(tmp_path)
+    [row] = read_csv(tmp_path / "sweep_summary.csv")
+    assert (row["model.path"], row["status"], row["eval_reward_final"], row["wall_seconds"]) == (
+        "a",
+        "evaluated",
+        "0.75",
+        "3.0",
+    )
+
+
 def test_the_analysis_notebooks_run_dirs_from_papermill_are_a_list_of_paths():
     """`papermill -p run_dirs '[a, b]'` passes a string, which the notebook iterated over character by character."""
     assert path_list("[runs/a, multirun/2026-01-01/10-00-00]") == ["runs/a", "multirun/2026-01-01/10-00-00"]
