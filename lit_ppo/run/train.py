@@ -227,8 +227,9 @@ def lost_step_note(rollout_step: int, total_rollout_steps: int, checkpoints: Pat
         else "no checkpoint was written yet (trainer.checkpoint_every); resume=auto starts the run again"
     )
     again = " once the servers given by rollout.workers.server_urls run again" if given_servers else ""
-    step = min(rollout_step + 1, total_rollout_steps)
-    return f"the run stopped in rollout step {step} of {total_rollout_steps}, which is lost; {where}{again}"
+    if rollout_step >= total_rollout_steps:  # after the last step's updates (its evaluation, the final writes)
+        return f"the run stopped after its last rollout step ({total_rollout_steps}); {where}{again}"
+    return f"the run stopped in rollout step {rollout_step + 1} of {total_rollout_steps}, which is lost; {where}{again}"
 
 
 def lightning_strategy(config: RunConfig):

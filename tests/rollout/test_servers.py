@@ -427,7 +427,14 @@ def start_server(model_dir: str, log_file: Path, dtype: str | None = "float32") 
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]
     with open(log_file, "wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # As docs/async.md tells a user: the trainer is started once the server answers /health (a given URL that refuses
+    # connections for servers.REFUSED_GRACE_S stops the start, and `vllm serve` opens its port once its model is loaded).
+    deadline = time.monotonic() + 300
+    while not Server(0, url).healthy():
+        assert process.poll() is None and time.monotonic() < deadline, log_file.read_text()[-3000:]
+        time.sleep(1.0)
+    return process, url
 
 
 @pytest.fixture(scope="module")
