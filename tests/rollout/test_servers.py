@@ -997,6 +997,44 @@ def test_the_command_to_start_a_server_by_hand_carries_its_environment_and_quote
     assert shlex.split(line)[6:] == server_arguments(settings, 8000, "0.0.0.0")
 
 
+def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp_path, monkeypatch):
+    """The first line of `<run>/logs/rollout_server<N>.log` is the command a spawned server runs with the variables it
+    gets beside the trainer's (VLLM_CPU_KVCACHE_SPACE, which a CPU server cannot start without, and PYTHONPATH), as a
+    shell runs it: pasted, it starts the same server."""
+    import shlex
+
+    from lit_ppo.rollout.workers import servers
+
+    started = []
+
+    class Started:  # the process, not started
+        pid = 4242
+
+        def __init__(self, command, env, **_):
+            started.append((command, env))
+
+    monkeypatch.setattr(servers.subprocess, "Popen", Started)
+    workers = object.__new__(ServerWorkers)
+    workers.host, workers.log_dir = "127.0.0.1", tmp_path
+    settings = dict(
+        model_dir="/models/tiny",
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=3,
+    )
+    workers._spawn(0, settings, 1, 1)
+    (command, env), line = started[0], (tmp_path / "rollout_server0.log").read_text().splitlines()[0]
+    words = shlex.split(line.removeprefix("$ "))
+    variables = dict(word.split("=", 1) for word in words[: words.index(command[0])])
+    assert words[len(variables) :] == command
+    assert variables["VLLM_SERVER_DEV_MODE"] == "1" and variables["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert all(env[k] == v for k, v in variables.items()) and "PYTHONPATH" in variables
+
+
 def process_group(pgid: int) -> list[int]:
     """The running (not zombie) processes of group `pgid`."""
     members = []
