@@ -19,10 +19,14 @@ What a rollout worker does and how a server does it:
   before the next version can be pushed (docs/async.md).
 - The check of each push: the server's teacher-forced log-probs of the trainer's probe sequence (`prompt_logprobs`
   of /v1/completions) against the trainer's, within rollout.max_logprob_abs_diff, and its /weight_info version.
+- The start: a given server must serve the run's model with what a spawned one is started with where the samples or
+  the push depend on it (`server_mismatch`, from its /server_info: the model's shapes, the dtype, the log-probs mode,
+  ...), else one line naming the setting, both values and the flag; a given URL that refuses connections for
+  REFUSED_GRACE_S is not waited for further.
 - Failures: an HTTP error or timeout, or a server that stops answering /health, stops the run in one line naming the
-  server's URL and (spawned) its process and log. `close` stops spawned servers; given ones are left running, and
-  the run's requests still generating on them are aborted by their ids (`abort_in_flight`): a user's deployment may
-  serve other clients, whose requests are left alone.
+  server's URL and (spawned) its process and log. `close` stops spawned servers (their whole process group, the
+  server itself gone or not); given ones are left running, and the run's requests still generating on them are
+  aborted by their ids (`abort_in_flight`): a user's deployment may serve other clients, whose requests are left alone.
 """
 
 from __future__ import annotations
