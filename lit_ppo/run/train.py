@@ -32,13 +32,14 @@ from lit_ppo.checkpoints import (
     check_run_directory,
     finished_note,
     fresh_start_note,
+    list_checkpoints,
     resolve_resume,
 )
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import LoraTargets, compute_plan
 from lit_ppo.preemption import Preemption
 from lit_ppo.rewards.scorer import RewardScorer
@@ -240,6 +241,21 @@ class StartedRanks(L.Callback):
         self.children = []
 
 
+def lost_step_note(rollout_step: int, total_rollout_steps: int, checkpoints: Path, given_servers: bool) -> str:
+    """What a rollout worker's failure during the rollout steps (`rollout_step`: the steps completed) costs, for the
+    end of its line: the step it stopped in, the last checkpoint on disk, and how to continue."""
+    kept = list_checkpoints(checkpoints)
+    where = (
+        f"the last checkpoint on disk is {kept[-1]}; continue from it with resume=auto"
+        if kept
+        else "no checkpoint was written yet (trainer.checkpoint_every); resume=auto starts the run again"
+    )
+    again = " once the servers given by rollout.workers.server_urls run again" if given_servers else ""
+    if rollout_step >= total_rollout_steps:  # after the last step's updates (its evaluation, the final writes)
+        return f"the run stopped after its last rollout step ({total_rollout_steps}); {where}{again}"
+    return f"the run stopped in rollout step {rollout_step + 1} of {total_rollout_steps}, which is lost; {where}{again}"
+
+
 def lightning_strategy(config: RunConfig):
     """The Lightning strategy of `strategy.lightning`, its process group's timeout `trainer.collective_timeout_s`
     (lit_ppo/waits.py); "auto" (Lightning's choice) when none is set."""
@@ -353,6 +369,14 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
         timed_out = waits.named_timeout(error, trainer.global_rank)
         if timed_out is not None:
             raise timed_out from error
+        if isinstance(error, RolloutWorkerError) and datamodule.engine is not None:  # the workers had started
+            note = lost_step_note(
+                module.rollout_step,
+                plan.counts.total_rollout_steps,
+                checkpoints.directory,
+                bool(config.rollout.workers.server_urls),
+            )
+            raise RolloutWorkerError(f"{error}; {note}") from error
         raise
     finally:
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)

@@ -25,10 +25,14 @@ from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.servers import (
     PLUGIN_ENTRY_POINT,
+    HTTPFailure,
+    Server,
     ServerWorkers,
     plugin_path,
     server_arguments,
+    server_command_line,
     server_environment,
+    server_mismatch,
 )
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
 from tests.helpers.asynchronous import (
@@ -149,7 +153,7 @@ def given_server_workers(url: str, log_dir: Path, **settings) -> ServerWorkers:
     """The trainer's client of one server given by `url` (started outside the run), with the tests' timeouts;
     `settings`: ServerWorkers' keywords over them."""
     return ServerWorkers(
-        engine_kwargs={},
+        engine_kwargs=settings.pop("engine_kwargs", {}),
         server_urls=[url],
         workers=1,
         devices_per_worker=1,
@@ -400,13 +404,14 @@ def test_a_killed_server_stops_the_run_in_one_line_naming_it_and_its_log(tiny_mo
     assert f"(pid {kill.pid}; see {log_file}) exited with code -9 while the trainer waited for" in message
 
 
-def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, log_file: Path, dtype: str | None = "float32") -> tuple[subprocess.Popen, str]:
     """A vLLM server started outside the trainer, as docs/async.md tells a user to (lit-ppo's plugin from a dist-info on
-    its PYTHONPATH, as an environment with lit-ppo installed gets it from its entry point)."""
+    its PYTHONPATH, as an environment with lit-ppo installed gets it from its entry point); `dtype` None: started
+    without --dtype (vLLM's auto)."""
     port = free_port()
     settings = dict(
         model_dir=model_dir,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=128,
         seed=0,
         tensor_parallel_size=1,
@@ -415,10 +420,21 @@ def start_server(model_dir: str, log_file: Path) -> tuple[subprocess.Popen, str]
     )
     env = server_environment(kv_cache_gib=1)
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path(log_file.parent / "plugin")), str(ROOT)])
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_arguments(settings, port)]
+    arguments = server_arguments(settings, port)
+    if dtype is None:
+        at = arguments.index("--dtype")
+        del arguments[at : at + 2]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *arguments]
     with open(log_file, "wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return process, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    # As docs/async.md tells a user: the trainer is started once the server answers /health (a given URL that refuses
+    # connections for servers.REFUSED_GRACE_S stops the start, and `vllm serve` opens its port once its model is loaded).
+    deadline = time.monotonic() + 300
+    while not Server(0, url).healthy():
+        assert process.poll() is None and time.monotonic() < deadline, log_file.read_text()[-3000:]
+        time.sleep(1.0)
+    return process, url
 
 
 @pytest.fixture(scope="module")
@@ -578,7 +594,8 @@ def test_close_aborts_the_runs_requests_on_a_given_server_and_not_another_client
 def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog):
     """`close` runs after the run's own error: aborting on a given server where nothing answers (refused) or that
     never answers (a socket that accepts and is silent) returns within its timeout with one warning naming the server,
-    and raises nothing. A spawned server's requests are not aborted (the server is stopped)."""
+    and raises nothing; after a failure of the run (the refused one here) the warning goes to run.log only, the run's
+    own line names the server after `close`. A spawned server's requests are not aborted (the server is stopped)."""
     import socket
     from concurrent.futures import Future
 
@@ -587,8 +604,12 @@ def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()
-    for url in (f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{silent.getsockname()[1]}"):
+    for url, failed in (
+        (f"http://127.0.0.1:{free_port()}", True),
+        (f"http://127.0.0.1:{silent.getsockname()[1]}", False),
+    ):
         workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
+        workers.failed = failed
         spawned = Server(1, "http://127.0.0.1:1", process=subprocess.Popen([sys.executable, "-c", "pass"]))
         spawned.process.wait(timeout=30)
         workers.in_flight = set()
@@ -601,12 +622,14 @@ def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog)
         workers.abort_in_flight(timeout_s=1.0)
         seconds = time.monotonic() - started
         assert seconds < 3.0, seconds
-        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        records = [r for r in caplog.records if r.levelname == "WARNING"]
+        warnings = [r.getMessage() for r in records]
         assert len(warnings) == 1, warnings
         assert warnings[0].startswith(
             f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own): aborting the "
             "run's 1 requests failed: POST /inference/v1/abort_requests "
         ), warnings
+        assert getattr(records[0], "console", True) is (not failed)
     silent.close()
 
 
@@ -617,7 +640,7 @@ def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_
 
     right = {
         "vllm_config": {
-            "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": 256},
+            "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": 256, "generation_config": "vllm"},
             "weight_transfer_config": {"backend": "lit_ppo_gloo"},
             "parallel_config": {"tensor_parallel_size": 1},
         }
@@ -827,3 +850,272 @@ def test_a_server_that_reports_another_version_than_pushed_stops_in_one_line(tin
         "not commit the version, or another client pushed to it); fix: give each run servers of its own"
     )
     assert "test: the commit of weight version 1 skipped" in log
+
+
+# ---------------------------------------------------------------- given servers checked against the run (issue 55)
+
+RECORDED_SERVER_INFO = ROOT / "tests" / "fixtures" / "server_info" / "cpu_auto_dtype.json"
+
+
+def recorded_server_info(model_dir: str, **changes) -> dict:
+    """The recorded /server_info of a CPU server started without --dtype (vLLM's auto: bfloat16), serving `model_dir`;
+    `changes`: "section.key" -> value over it."""
+    info = json.loads(RECORDED_SERVER_INFO.read_text())
+    info["vllm_config"]["model_config"]["model"] = model_dir
+    for where, value in changes.items():
+        section, key = where.split(".")
+        info["vllm_config"][section][key] = value
+    return info
+
+
+def model_folder(root: Path, **shape) -> str:
+    """A model folder with only a config.json (what `server_mismatch` reads of a model): the tests' tiny Qwen2's shape,
+    `shape` over it."""
+    config = dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps({**config, **shape}))
+    return str(root)
+
+
+def test_a_given_server_of_another_dtype_or_setting_is_named_with_both_values_and_the_flag(tmp_path, caplog):
+    """What a given server runs with (its /server_info, recorded from a real CPU server started without --dtype) is
+    compared with what the run's workers need: the plan's vLLM dtype (vLLM's auto picked bfloat16 where the run
+    samples in float32), the model (architecture, shapes, vocabulary, from both config.json), chunked prefill on CPU,
+    the generation config. One line naming the setting, both values and the `vllm serve` flag; nothing where all agree
+    (the same server is right for a bfloat16 run)."""
+    ours = model_folder(tmp_path / "ours")
+    settings = {"model_dir": ours, "dtype": "float32", "max_model_len": 128}
+    assert server_mismatch(recorded_server_info(ours), settings) == (
+        "runs with dtype 'bfloat16' where this run's rollout workers need 'float32'; fix: start it with --dtype "
+        "float32 (docs/async.md gives the whole command)"
+    )
+    assert server_mismatch(recorded_server_info(ours), {**settings, "dtype": "bfloat16"}) is None
+    chunked = recorded_server_info(ours, **{"scheduler_config.enable_chunked_prefill": True})
+    assert server_mismatch(chunked, {**settings, "dtype": "bfloat16"}).startswith(
+        "runs with enable_chunked_prefill True where this run's rollout workers need False; fix: start it with "
+        "--no-enable-chunked-prefill"
+    )
+    generation = recorded_server_info(ours, **{"model_config.generation_config": "auto"})
+    assert "fix: start it with --generation-config vllm" in server_mismatch(generation, {**settings, "dtype": "bf16"})
+    # Another model: named before any setting, by the keys that differ.
+    other = model_folder(tmp_path / "other", hidden_size=128, vocab_size=151936)
+    assert server_mismatch(recorded_server_info(other), settings) == (
+        f"serves another model than the run's: {other} (vocab_size 151936, hidden_size 128) where the run's {ours} "
+        f"has vocab_size 128, hidden_size 64; fix: start it with --model {ours} (docs/async.md gives the whole command)"
+    )
+    same_shape = model_folder(tmp_path / "copy")  # another folder of the same model: its settings are compared
+    assert server_mismatch(recorded_server_info(same_shape), {**settings, "dtype": "bfloat16"}) is None
+    # A path this machine cannot read: one warning naming the server, then the settings are still compared.
+    caplog.clear()
+    unreadable = recorded_server_info(str(tmp_path / "on-another-node"))
+    assert server_mismatch(unreadable, {**settings, "dtype": "bfloat16"}, "vLLM server 0 at http://n1:8000") is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"trainer: vLLM server 0 at http://n1:8000 serves {tmp_path / 'on-another-node'}, which this machine cannot "
+        f"read: its model is not compared with the run's ({ours}); a server of another model fails at the first "
+        "weight push"
+    ]
+
+
+def test_a_given_server_without_dev_mode_is_named_with_the_variable_that_fixes_it():
+    """A server started without VLLM_SERVER_DEV_MODE=1 answers /server_info with 404: the line says so and names the
+    variable, as the lines of a missing flag do."""
+
+    class WithoutDevMode(Server):
+        def call(self, method, path, body=None, timeout_s=60.0):
+            raise HTTPFailure(f'{method} {path} answered HTTP 404: {{"detail":"Not Found"}}', status=404)
+
+    workers = object.__new__(ServerWorkers)
+    workers.failed = False
+    with pytest.raises(RolloutWorkerError) as info:
+        workers._check_settings(WithoutDevMode(0, "http://127.0.0.1:8000"), {"max_model_len": 128})
+    assert str(info.value) == (
+        "trainer: vLLM server 0 at http://127.0.0.1:8000 (given by rollout.workers.server_urls; its log is its own) "
+        "answers /server_info with HTTP 404: it was started without VLLM_SERVER_DEV_MODE=1 (its RL routes: the weight "
+        "push, pause, /server_info); fix: start it with VLLM_SERVER_DEV_MODE=1 in its environment (docs/async.md "
+        "gives the whole command)"
+    )
+    assert workers.failed
+
+
+def test_a_given_url_where_nothing_listens_is_said_and_refused_after_the_grace_not_the_start_timeout(
+    tmp_path, caplog, monkeypatch
+):
+    """A given server is one the user says runs, and `vllm serve` opens its port only once its model is loaded: a URL
+    that refuses connections for servers.REFUSED_GRACE_S (here 2 s) stops the start in one line naming it, long before
+    rollout.workers.start_timeout_s (600 s); after servers.WAIT_NOTE_S the console says what the trainer waits for."""
+    from lit_ppo.rollout.workers import servers
+
+    monkeypatch.setattr(servers, "REFUSED_GRACE_S", 2.0)
+    monkeypatch.setattr(servers, "WAIT_NOTE_S", 0.5)
+    url = f"http://127.0.0.1:{free_port()}"
+    caplog.set_level("INFO", logger="lit_ppo")
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as info:
+        given_server_workers(url, tmp_path, start_timeout_s=600.0)
+    assert time.monotonic() - started < 10.0
+    server = f"vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own)"
+    assert str(info.value) == (
+        f"trainer: {server}: nothing listens there (connection refused for 2 s); fix: start the server "
+        "(docs/async.md gives the command) and check the URL; a server opens its port once its model is loaded, so "
+        "start the trainer once its /health answers"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "lit_ppo"] == [
+        f"trainer: waiting for {server} to answer /health (up to rollout.workers.start_timeout_s=600 s; 2 s while it "
+        "refuses connections)"
+    ]
+
+
+def test_the_command_to_start_a_server_by_hand_carries_its_environment_and_quotes_its_json():
+    """docs/async.md's command and a spawned server's log line: the variables a server needs (the CPU's KV cache size
+    too: without it a CPU server fails with vLLM's memory error), and arguments a shell gives back unchanged."""
+    import shlex
+
+    settings = dict(
+        model_dir="/models/tiny",
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=2,
+    )
+    line = server_command_line(settings, 8000, "0.0.0.0")
+    assert line.startswith(
+        "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 TOKENIZERS_PARALLELISM=false python -m "
+        "vllm.entrypoints.openai.api_server --model /models/tiny "
+    ), line
+    assert shlex.split(line)[6:] == server_arguments(settings, 8000, "0.0.0.0")
+
+
+def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp_path, monkeypatch):
+    """The first line of `<run>/logs/rollout_server<N>.log` is the command a spawned server runs with the variables it
+    gets beside the trainer's (VLLM_CPU_KVCACHE_SPACE, which a CPU server cannot start without, and PYTHONPATH), as a
+    shell runs it: pasted, it starts the same server."""
+    import shlex
+
+    from lit_ppo.rollout.workers import servers
+
+    started = []
+
+    class Started:  # the process, not started
+        pid = 4242
+
+        def __init__(self, command, env, **_):
+            started.append((command, env))
+
+    monkeypatch.setattr(servers.subprocess, "Popen", Started)
+    workers = object.__new__(ServerWorkers)
+    workers.host, workers.log_dir = "127.0.0.1", tmp_path
+    settings = dict(
+        model_dir="/models/tiny",
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=3,
+    )
+    workers._spawn(0, settings, 1, 1)
+    (command, env), line = started[0], (tmp_path / "rollout_server0.log").read_text().splitlines()[0]
+    words = shlex.split(line.removeprefix("$ "))
+    variables = dict(word.split("=", 1) for word in words[: words.index(command[0])])
+    assert words[len(variables) :] == command
+    assert variables["VLLM_SERVER_DEV_MODE"] == "1" and variables["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert all(env[k] == v for k, v in variables.items()) and "PYTHONPATH" in variables
+
+
+def process_group(pgid: int) -> list[int]:
+    """The running (not zombie) processes of group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def closed_with_its_leader_killed(process: subprocess.Popen) -> ServerWorkers:
+    """`close` of a client whose one spawned server (`process`, its group's leader) was killed with SIGKILL first."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)  # the leader gone and reaped: only its group's other processes are left
+    workers = object.__new__(ServerWorkers)  # the trainer's side alone
+    workers.servers = [Server(0, "http://127.0.0.1:1", process=process, log_file=Path("server.log"))]
+    workers.requests, workers.in_flight, workers.sync_client, workers.transfer, workers.failed = (
+        {},
+        set(),
+        None,
+        None,
+        False,
+    )
+    started = time.monotonic()
+    workers.close(timeout_s=5.0)
+    assert time.monotonic() - started < 15.0
+    return workers
+
+
+def test_close_ends_a_spawned_servers_process_group_even_where_its_leader_was_killed():
+    """A spawned server's engine core and workers are its process group's other processes: a server killed with
+    SIGKILL leaves them running, and `close` ends them all the same (the group's id is the server's pid, which stays
+    the group's while any of its processes runs). Here a stand-in group: a shell (the leader) and a `sleep` it started."""
+    leader = subprocess.Popen(["bash", "-c", "sleep 300 & wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(process_group(leader.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(process_group(leader.pid)) == 2
+    workers = closed_with_its_leader_killed(leader)
+    assert process_group(leader.pid) == [] and workers.exit_codes == [-9]
+
+
+@pytest.mark.slow  # a spawned server's start and one given by URL (about a minute each on 2 shared cores)
+def test_real_servers_a_killed_spawned_ones_engine_is_ended_and_a_given_ones_dtype_and_model_are_checked(
+    tiny_model_dir, tmp_path
+):
+    """Real `vllm serve` processes. A spawned server killed with SIGKILL (its API server only, as an OOM killer or a
+    user would) leaves its engine core and worker running; `close` ends every process of its group. A server given by
+    URL and started without --dtype samples in vLLM's auto dtype (bfloat16 on CPU): the start stops in one line naming
+    the dtype, both values and the flag; given as another model's server (the run's folder of other shapes), in one
+    line naming both models."""
+    workers = spawned_server_workers(tiny_model_dir, tmp_path / "spawned", push_timeout_s=60.0)
+    process = workers.procs[0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    time.sleep(2.0)
+    assert process_group(process.pid), "the server's engine core and worker outlive it"
+    workers.close()
+    assert process_group(process.pid) == []
+
+    given, url = start_server(tiny_model_dir, tmp_path / "given.log", dtype=None)
+    try:
+        settings = dict(model_dir=tiny_model_dir, dtype="float32", max_model_len=128)
+        with pytest.raises(RolloutWorkerError) as info:
+            given_server_workers(url, tmp_path / "a", start_timeout_s=300.0, engine_kwargs=settings)
+        assert str(info.value) == (
+            f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own) runs with "
+            "dtype 'bfloat16' where this run's rollout workers need 'float32'; fix: start it with --dtype float32 "
+            "(docs/async.md gives the whole command)"
+        )
+        other = model_folder(tmp_path / "other", hidden_size=128)
+        with pytest.raises(RolloutWorkerError) as info:
+            given_server_workers(url, tmp_path / "b", engine_kwargs={**settings, "model_dir": other})
+        assert (
+            f"serves another model than the run's: {tiny_model_dir} (hidden_size 64) where the run's {other} "
+            in str(info.value)
+        )
+    finally:
+        os.killpg(given.pid, signal.SIGTERM)
+        given.wait(60)

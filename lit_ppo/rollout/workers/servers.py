@@ -19,10 +19,14 @@ What a rollout worker does and how a server does it:
   before the next version can be pushed (docs/async.md).
 - The check of each push: the server's teacher-forced log-probs of the trainer's probe sequence (`prompt_logprobs`
   of /v1/completions) against the trainer's, within rollout.max_logprob_abs_diff, and its /weight_info version.
+- The start: a given server must serve the run's model with what a spawned one is started with where the samples or
+  the push depend on it (`server_mismatch`, from its /server_info: the model's shapes, the dtype, the log-probs mode,
+  ...), else one line naming the setting, both values and the flag; a given URL that refuses connections for
+  REFUSED_GRACE_S is not waited for further.
 - Failures: an HTTP error or timeout, or a server that stops answering /health, stops the run in one line naming the
-  server's URL and (spawned) its process and log. `close` stops spawned servers; given ones are left running, and
-  the run's requests still generating on them are aborted by their ids (`abort_in_flight`): a user's deployment may
-  serve other clients, whose requests are left alone.
+  server's URL and (spawned) its process and log. `close` stops spawned servers (their whole process group, the
+  server itself gone or not); given ones are left running, and the run's requests still generating on them are
+  aborted by their ids (`abort_in_flight`): a user's deployment may serve other clients, whose requests are left alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,6 +69,11 @@ PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.workers.weight_transfer:reg
 """The vLLM general plugin that registers lit-ppo's weight-transfer backend in a server (pyproject.toml too)."""
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 HEALTH_TIMEOUT_S = 5.0  # one /health call
+WAIT_NOTE_S = 5.0  # a server's start: after how long the console says what the trainer waits for
+REFUSED_GRACE_S = 30.0
+"""How long a server given by URL may refuse connections before the start stops: `vllm serve` opens its port only
+once its model is loaded, so a given server (which the user says runs) that refuses is not there; a spawned one is
+waited for up to rollout.workers.start_timeout_s."""
 SETTLE_S = 2.0  # after a failed broadcast: how long a killed server may take to be seen exited
 ABORT_TIMEOUT_S = 5.0  # `close` on given servers: how long the run's aborted requests may take to be answered
 ABORT_RESEND_S = 0.5  # ... and how often the abort is sent again for those not answered yet (sent after the abort)
@@ -96,17 +106,27 @@ def server_arguments(settings: dict, port: int, host: str = "127.0.0.1") -> list
     return args
 
 
+def server_variables(kv_cache_gib: float) -> dict[str, str]:
+    """The variables a rollout worker's server needs in its environment beside the trainer's."""
+    return dict(
+        VLLM_SERVER_DEV_MODE="1",  # the RL routes: pause, resume, the weight transfer, the weight version, /server_info
+        VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),  # CPU: the KV cache's GiB (rollout.kv_cache_gib)
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
 def server_environment(kv_cache_gib: float) -> dict[str, str]:
     """What a server needs in its environment beside the trainer's (without the launcher's rendezvous variables,
     which vLLM would join)."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(
-        VLLM_SERVER_DEV_MODE="1",  # the RL routes: pause, resume, the weight transfer, the weight version
-        VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),
-        TOKENIZERS_PARALLELISM="false",
-    )
+    env.update(server_variables(kv_cache_gib))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the trainer's in-process setting; a server runs its own core
     return env
+
+
+def shell_line(variables: dict[str, str], command: list[str]) -> str:
+    """`command` with `variables` before it, as a shell runs it (the JSON of --weight-transfer-config quoted)."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in variables.items()] + [shlex.join(command)])
 
 
 def plugin_installed() -> bool:
@@ -148,7 +168,12 @@ def free_port(host: str) -> int:
 
 
 class HTTPFailure(RuntimeError):
-    """An HTTP call that failed: its route and the reason, for the one line that names the server."""
+    """An HTTP call that failed: its route and the reason, for the one line that names the server; `status`: the HTTP
+    status it was answered with, if any; `refused`: nothing listens at the address (connection refused)."""
+
+    def __init__(self, message: str, status: int | None = None, refused: bool = False):
+        super().__init__(message)
+        self.status, self.refused = status, refused
 
 
 @dataclass
@@ -176,10 +201,13 @@ class Server:
                 text = response.read().decode()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace").replace("\n", " ")[:300]
-            raise HTTPFailure(f"{method} {path} answered HTTP {e.code}: {detail}") from None
+            raise HTTPFailure(f"{method} {path} answered HTTP {e.code}: {detail}", status=e.code) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut, timed out
             reason = getattr(e, "reason", e)
-            raise HTTPFailure(f"{method} {path} failed after at most {timeout_s:g} s: {reason!r}") from None
+            refused = isinstance(reason, ConnectionRefusedError)
+            raise HTTPFailure(
+                f"{method} {path} failed after at most {timeout_s:g} s: {reason!r}", refused=refused
+            ) from None
         try:
             return json.loads(text) if text else {}
         except ValueError:
@@ -192,11 +220,15 @@ class Server:
         return None if self.process is None else self.process.poll()
 
     def healthy(self) -> bool:
+        return self.health_failure() is None
+
+    def health_failure(self) -> HTTPFailure | None:
+        """Why /health does not answer (None: it does)."""
         try:
             self.call("GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
-            return True
-        except HTTPFailure:
-            return False
+            return None
+        except HTTPFailure as e:
+            return e
 
 
 @dataclass(frozen=True)
@@ -373,8 +405,11 @@ class ServerWorkers:
         # `python -m`, not the `vllm` command: the CPU wheel's command cannot find its own distribution (docs/async.md).
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         command += server_arguments(settings, port, self.host)
+        # The whole command with the variables it gets beside the trainer's, to start the same server by hand.
+        variables = server_variables(settings["kv_cache_gib"])
+        variables.update({k: env[k] for k in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES") if k in env})
         with open(log_file, "ab") as out:
-            out.write(f"$ VLLM_SERVER_DEV_MODE=1 {' '.join(command)}\n".encode())
+            out.write(f"$ {shell_line(variables, command)}\n".encode())
             out.flush()
             process = subprocess.Popen(
                 command,
@@ -390,49 +425,73 @@ class ServerWorkers:
         return server
 
     def _wait_ready(self, server: Server) -> None:
-        """Until /health answers (spawned: the server started; given: it runs), then the served model's name."""
-        deadline = time.monotonic() + self.start_timeout_s
-        while not server.healthy():
+        """Until /health answers (spawned: the server started; given: it runs), then the served model's name. After
+        WAIT_NOTE_S the console says what the trainer waits for; a given server that refuses connections for
+        REFUSED_GRACE_S stops the start (nothing listens at its URL), a spawned one is waited for (it opens its port
+        once its model is loaded)."""
+        started = time.monotonic()
+        deadline, refused_since, noted = started + self.start_timeout_s, None, False
+        while (failure := server.health_failure()) is not None:
             self._check_alive(server, "its start")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            refused_since = (refused_since or now) if failure.refused and server.process is None else None
+            if refused_since is not None and now - refused_since >= REFUSED_GRACE_S:
+                self.failed = True
+                raise RolloutWorkerError(
+                    f"trainer: {server.describe()}: nothing listens there (connection refused for {REFUSED_GRACE_S:g} "
+                    "s); fix: start the server (docs/async.md gives the command) and check the URL; a server opens its "
+                    "port once its model is loaded, so start the trainer once its /health answers"
+                )
+            if now > deadline:
                 self.failed = True
                 raise RolloutWorkerError(
                     f"trainer: {server.describe()} did not answer /health within rollout.workers.start_timeout_s="
                     f"{self.start_timeout_s:g} s; fix: raise rollout.workers.start_timeout_s if it is only slow"
                     + ("" if server.process else ", or start it (docs/async.md) and check the URL")
+                    + f" (last answer: {failure})"
                 )
+            if not noted and now - started >= WAIT_NOTE_S:
+                noted = True
+                if server.process is None:
+                    log.info(
+                        "trainer: waiting for %s to answer /health (up to rollout.workers.start_timeout_s=%g s; "
+                        "%g s while it refuses connections)",
+                        server.describe(),
+                        self.start_timeout_s,
+                        REFUSED_GRACE_S,
+                    )
+                else:
+                    log.info(
+                        "trainer: waiting for %s to start: it loads the model, then answers /health (up to "
+                        "rollout.workers.start_timeout_s=%g s)",
+                        server.describe(),
+                        self.start_timeout_s,
+                    )
             time.sleep(1.0)
         models = self.call(server, "/v1/models", "its model list", 30.0, method="GET")["data"]
         server.model = models[0]["id"]
 
     def _check_settings(self, server: Server, settings: dict) -> None:
-        """A server started outside the trainer must run with what `server_arguments` gives a spawned one where the
-        samples or the push depend on it (its /server_info, dev mode): else its log-probs would silently be of the raw
-        logits, or the push would reach no engine. One line naming the server and the flag."""
-        config = self.call(server, "/server_info?config_format=json", "/server_info", 30.0, method="GET")
-        vllm = config.get("vllm_config") or {}
-        model = vllm.get("model_config") or {}
-        transfer = vllm.get("weight_transfer_config") or {}
-        tensor_parallel = (vllm.get("parallel_config") or {}).get("tensor_parallel_size", 1)
-        wrong = [
-            (model.get("logprobs_mode"), "processed_logprobs", "--logprobs-mode processed_logprobs"),
-            (transfer.get("backend"), "lit_ppo_gloo", '--weight-transfer-config \'{"backend": "lit_ppo_gloo"}\''),
-            (tensor_parallel, 1, "--tensor-parallel-size 1"),
-        ]
-        for got, wanted, flag in wrong:
-            if got != wanted:
+        """A server started outside the trainer must serve the run's model and run with what `server_arguments` gives
+        a spawned one where the samples or the push depend on it (its /server_info, dev mode): else it would sample
+        in another dtype, its log-probs would silently be of the raw logits, or the push would fail or reach no
+        engine. One line naming the server, the setting, both values and the flag (`server_mismatch`). Its --seed is
+        not compared: every sampled request carries its own seed (`sampling_seeds`)."""
+        try:
+            config = server.call("GET", "/server_info?config_format=json", timeout_s=30.0)
+        except HTTPFailure as e:
+            if e.status == 404:  # the dev-mode routes are off: the weight push's and pause's routes too
                 self.failed = True
                 raise RolloutWorkerError(
-                    f"trainer: {server.describe()} runs with {got!r} where a rollout worker needs {wanted!r}; fix: "
-                    f"start it with {flag} (docs/async.md gives the whole command)"
-                )
-        length = model.get("max_model_len")
-        if isinstance(length, int) and length < settings.get("max_model_len", 0):
+                    f"trainer: {server.describe()} answers /server_info with HTTP 404: it was started without "
+                    "VLLM_SERVER_DEV_MODE=1 (its RL routes: the weight push, pause, /server_info); fix: start it with "
+                    "VLLM_SERVER_DEV_MODE=1 in its environment (docs/async.md gives the whole command)"
+                ) from None
+            self._failure(server, "/server_info", e)
+        mismatch = server_mismatch(config, settings, server.describe())
+        if mismatch is not None:
             self.failed = True
-            raise RolloutWorkerError(
-                f"trainer: {server.describe()} serves max_model_len {length}, below rollout.max_model_len="
-                f"{settings['max_model_len']}; fix: start it with --max-model-len {settings['max_model_len']}"
-            )
+            raise RolloutWorkerError(f"trainer: {server.describe()} {mismatch}")
 
     def _check_alive(self, server: Server, what: str) -> None:
         code = server.exit_code()
@@ -647,9 +706,10 @@ class ServerWorkers:
         pass
 
     def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Stop the spawned servers (SIGTERM to each one's process group, SIGKILL for what has not exited within
-        `timeout_s`); given servers are left running, the run's requests still generating on them aborted (after a
-        failure, or the steps requested ahead at the end), their weight-transfer engine shut down."""
+        """Stop the spawned servers (SIGTERM to each one's process group, SIGKILL for what of it has not exited within
+        `timeout_s`; the group even where its leader, the API server, is gone already: its engine's processes would
+        outlive the run); given servers are left running, the run's requests still generating on them aborted (after
+        a failure, or the steps requested ahead at the end), their weight-transfer engine shut down."""
         if self.requests is None:
             return
         for pool in self.requests.values():  # what was not sent yet is never sent
@@ -662,7 +722,9 @@ class ServerWorkers:
                 try:
                     server.post("/shutdown_weight_transfer_engine", timeout_s=10.0)
                 except HTTPFailure as e:
-                    log.warning("trainer: %s: shutting its weight transfer down failed: %s", server.describe(), e)
+                    self._cleanup_warning(
+                        "trainer: %s: shutting its weight transfer down failed: %s", server.describe(), e
+                    )
         if self.transfer is not None:
             self.transfer.shutdown()
         if self.failed:  # a given server may be paused mid-push: let other clients on
@@ -672,21 +734,28 @@ class ServerWorkers:
                         server.post("/resume", timeout_s=10.0)
                     except HTTPFailure:
                         pass
-        # Spawned servers: every one signalled first (at once with SIGKILL after a failure), then one deadline.
+        # Spawned servers: every group signalled first (at once with SIGKILL after a failure), then one deadline.
         spawned = [s for s in self.servers if s.process is not None]
         for server in spawned:
-            if server.process.poll() is None:
-                signal_group(server.process.pid, signal.SIGKILL if self.failed else signal.SIGTERM)
+            signal_group(server.process.pid, signal.SIGKILL if self.failed else signal.SIGTERM)
         deadline = time.monotonic() + (0.0 if self.failed else timeout_s)
         self.exit_codes = []
         for server in spawned:
             try:
-                self.exit_codes.append(server.process.wait(timeout=max(0.0, deadline - time.monotonic())))
+                code = server.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                code = None
+            if code is None or not group_ended(server.process.pid, deadline - time.monotonic()):
                 signal_group(server.process.pid, signal.SIGKILL)
                 server.process.wait()
-                self.exit_codes.append(None)
+                group_ended(server.process.pid, STOP_TIMEOUT_S)
+            self.exit_codes.append(code)
         self.transfer = self.store = self.requests = None
+
+    def _cleanup_warning(self, message: str, *args) -> None:
+        """A warning of `close` about a given server: on the console, except after a failure, whose own line (printed
+        after `close`) names the server: there run.log only."""
+        log.warning(message, *args, extra={"console": False} if self.failed else None)
 
     def abort_in_flight(self, timeout_s: float = ABORT_TIMEOUT_S) -> None:
         """Abort the run's generate requests still running on given servers, by their ids: else a server generates
@@ -712,7 +781,7 @@ class ServerWorkers:
                     server.post("/inference/v1/abort_requests", body, max(0.1, deadline - time.monotonic()))
                 except HTTPFailure as e:
                     refused.add(server.number)
-                    log.warning(
+                    self._cleanup_warning(
                         "trainer: %s: aborting the run's %d requests failed: %s", server.describe(), len(ids), e
                     )
             wait_for_futures(running, timeout=min(ABORT_RESEND_S, max(0.0, deadline - time.monotonic())))
@@ -726,11 +795,159 @@ class ServerWorkers:
 
 
 def signal_group(pid: int, signum: int) -> None:
-    """`signum` to a spawned server's process group (its engine's processes too); gone already is fine."""
+    """`signum` to a spawned server's process group (its engine's processes too), by the group's id, which is the
+    server's pid (start_new_session) and stays the group's while any of its processes lives, the server's own exit
+    and reaping included; gone already is fine."""
     try:
         os.killpg(pid, signum)
     except ProcessLookupError:
         pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies not counted: an orphan's waits for its reaper)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: any member, zombies too
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
+
+
+def group_ended(pgid: int, timeout_s: float) -> bool:
+    """Whether group `pgid` has no running process within `timeout_s`."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    while group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+MODEL_SHAPE_KEYS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+"""What a server's model must share with the run's for the push to load (config.json: the class, the vocabulary, the
+tensors' shapes)."""
+
+
+def model_shape(model: str) -> dict | None:
+    """MODEL_SHAPE_KEYS of the model at `model` (a folder, or a Hugging Face id in this machine's cache) from its
+    config.json (a multimodal model's text_config); None where this machine cannot read it."""
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a repository id either
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        config_file = Path(cached)
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    text = {**config, **(config.get("text_config") or {})}
+    return {key: text[key] for key in MODEL_SHAPE_KEYS if key in text}
+
+
+def dtype_name(dtype) -> str | None:
+    """vLLM's or torch's name of a dtype ("float32", "float", "torch.float32") as torch's dtype's name ("float32");
+    None for what names no dtype ("auto")."""
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
+def server_mismatch(server_info: dict, settings: dict, server: str = "a vLLM server") -> str | None:
+    """What in a given server's /server_info (`?config_format=json`) differs from what this run's rollout workers
+    need (`settings`: `VLLMEngine`'s, as `server_arguments` passes them to a spawned server): the rest of one line
+    naming the setting, both values and the `vllm serve` flag that fixes it; None when nothing differs. The model is
+    compared by its config.json (MODEL_SHAPE_KEYS) where this machine can read the server's."""
+    vllm = server_info.get("vllm_config") or {}
+    model = vllm.get("model_config") or {}
+    served = model.get("model")
+    if (
+        settings.get("model_dir")
+        and served is not None
+        and Path(served).resolve() != Path(settings["model_dir"]).resolve()
+    ):
+        ours, theirs = model_shape(settings["model_dir"]), model_shape(served)
+        if theirs is None:
+            log.warning(
+                "trainer: %s serves %s, which this machine cannot read: its model is not compared with the run's (%s); "
+                "a server of another model fails at the first weight push",
+                server,
+                served,
+                settings["model_dir"],
+            )
+        elif ours is not None and theirs != ours:
+            differ = [k for k in MODEL_SHAPE_KEYS if theirs.get(k) != ours.get(k)]
+            return (
+                f"serves another model than the run's: {served} ("
+                + ", ".join(f"{k} {theirs.get(k)}" for k in differ)
+                + f") where the run's {settings['model_dir']} has "
+                + ", ".join(f"{k} {ours.get(k)}" for k in differ)
+                + f"; fix: start it with --model {settings['model_dir']} (docs/async.md gives the whole command)"
+            )
+    scheduler = vllm.get("scheduler_config") or {}
+    on_cpu = (vllm.get("device_config") or {}).get("device") == "cpu"
+    # (setting, the server's value, the run's, the flag)
+    needed = [
+        ("logprobs_mode", model.get("logprobs_mode"), "processed_logprobs", "--logprobs-mode processed_logprobs"),
+        (
+            "weight_transfer_config.backend",
+            (vllm.get("weight_transfer_config") or {}).get("backend"),
+            "lit_ppo_gloo",
+            '--weight-transfer-config \'{"backend": "lit_ppo_gloo"}\'',
+        ),
+        (
+            "tensor_parallel_size",
+            (vllm.get("parallel_config") or {}).get("tensor_parallel_size", 1),
+            1,
+            "--tensor-parallel-size 1",
+        ),
+        # the model's generation_config.json would fill the fields a request leaves out (top_k, repetition_penalty)
+        ("generation_config", model.get("generation_config"), "vllm", "--generation-config vllm"),
+    ]
+    wanted_dtype = dtype_name(settings.get("dtype"))
+    if wanted_dtype is not None:  # the plan's "vLLM dtype"
+        dtype = dtype_name(model.get("dtype")) or model.get("dtype")
+        needed.append(("dtype", dtype, wanted_dtype, f"--dtype {wanted_dtype}"))
+    if on_cpu:  # seeded CPU generators cannot rewind a chunked prefill's discarded sample (engine.py)
+        chunked = scheduler.get("enable_chunked_prefill")
+        needed.append(("enable_chunked_prefill", chunked, False, "--no-enable-chunked-prefill"))
+    for name, got, wanted, flag in needed:
+        if got != wanted:
+            return (
+                f"runs with {name} {got!r} where this run's rollout workers need {wanted!r}; fix: start it with {flag} "
+                "(docs/async.md gives the whole command)"
+            )
+    length = model.get("max_model_len")
+    if isinstance(length, int) and length < settings.get("max_model_len", 0):
+        return (
+            f"serves max_model_len {length}, below rollout.max_model_len={settings['max_model_len']}; fix: start it "
+            f"with --max-model-len {settings['max_model_len']}"
+        )
+    return None
 
 
 def share_owners(prompts: int, workers: int) -> list[int]:
@@ -740,7 +957,7 @@ def share_owners(prompts: int, workers: int) -> list[int]:
 
 
 def server_command_line(settings: dict, port: int, host: str = "127.0.0.1") -> str:
-    """The command a user runs to start a server for rollout.workers.server_urls (docs/async.md)."""
-    return "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server " + " ".join(
-        server_arguments(settings, port, host)
-    )
+    """The command, with its environment, that starts a server for rollout.workers.server_urls by hand (docs/async.md):
+    what a spawned server runs (its log's first line), less the PYTHONPATH the trainer gives it."""
+    command = ["python", "-m", "vllm.entrypoints.openai.api_server", *server_arguments(settings, port, host)]
+    return shell_line(server_variables(settings["kv_cache_gib"]), command)
