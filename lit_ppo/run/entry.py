@@ -29,6 +29,15 @@ def output_dir_of(cfg: DictConfig) -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def command_line_keys() -> list[str]:
+    """The keys this run's command line set (Hydra's task overrides; none when Hydra did not run the job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o.lstrip("+").partition("=")[0] for o in HydraConfig.get().overrides.task if not o.startswith("~")]
+
+
 def timestamped_run_directory(cfg: DictConfig) -> bool:
     """Whether this run writes into a directory Hydra names after the time it starts (no output_dir, and the default
     hydra.run.dir, or hydra.sweep.dir under -m): a new, empty one on every start, which can hold no checkpoint."""
@@ -240,7 +249,7 @@ def main(cfg: DictConfig) -> dict | None:
     """Entry point behind `python train.py`; returns the summary (None in plan mode). The composed Hydra config
     becomes the typed `RunConfig` here, and nothing below this function reads the Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
-    config = RunConfig.from_hydra(cfg)
+    config = RunConfig.from_hydra(cfg, command_line=command_line_keys())
     output_dir = output_dir_of(cfg)
     check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)
     return run(config, output_dir)
