@@ -1224,10 +1224,17 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
     """rollout.mode=disaggregated and its staleness against the engine and the PPO settings (any number of trainer
     ranks: rank 0 drives the workers, lit_ppo/rollout/workers/ranks.py)."""
     if rollout.mode != "disaggregated":
-        if rollout.workers.server_urls:
+        # (as rollout.max_staleness is, in validate_rollout: each would be planned, then ignored)
+        defaults = WorkersConfig()
+        given = [
+            f"rollout.workers.{f.name}={getattr(rollout.workers, f.name)}"
+            for f in dataclasses.fields(WorkersConfig)
+            if getattr(rollout.workers, f.name) != getattr(defaults, f.name)
+        ]
+        if given:
             raise ConfigError(
-                f"rollout.workers.server_urls={list(rollout.workers.server_urls)} with rollout.mode={rollout.mode}: "
-                "the servers would not be used; fix: rollout.mode=disaggregated, or rollout.workers.server_urls=[]"
+                f"{', '.join(given)} with rollout.mode={rollout.mode}: the engine in the trainer's process generates, "
+                "and no rollout worker would use them; fix: rollout.mode=disaggregated, or remove them"
             )
         return
     k = rollout.staleness()

@@ -246,7 +246,7 @@ def test_old_flat_rollout_keys_in_yaml_work_and_are_announced_once(fresh_announc
         "  workers: 2\n  worker_launch: external\n  worker_port: 29611\n"
     )
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=old_keys"])
+        cfg = compose(config_name="config", overrides=["+experiment=old_keys", "rollout.mode=disaggregated"])
     rollout = RunConfig.from_hydra(cfg).rollout
     assert rollout.episodes.environment["_target_"] == "lit_ppo.environments.CalculatorEnvironment"
     assert (rollout.episodes.max_turns, rollout.episodes.max_tokens, rollout.episodes.reward) == (3, 40, "reward")
@@ -267,13 +267,51 @@ def test_the_new_nested_rollout_keys_work(fresh_announcements, capsys):
         "rollout.workers.launch=external",
         "rollout.workers.trainer_host=node7",
         "+experiment=tool_arithmetic",
-        "rollout.mode=colocated",
         "rollout.episodes.max_turns=2",
     )
     assert (config.rollout.workers.count, config.rollout.workers.launch) == (2, "external")
     assert config.rollout.workers.trainer_address_host() == "node7"
     assert config.rollout.episodes.max_turns == 2 and config.rollout.episode_tokens() == 40
     assert capsys.readouterr().err == ""  # nothing moved, nothing announced
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.workers.count=4"],
+        ["rollout.workers.launch=external", "rollout.workers.count=4"],
+        ["rollout.workers.launch=server", "rollout.workers.server_urls=[http://127.0.0.1:8000]"],
+        ["rollout.workers.devices=2"],
+        ["rollout.workers.port=29700", "rollout.workers.trainer_host=node7"],
+        ["rollout.workers.start_timeout_s=30", "rollout.workers.heartbeat_timeout_s=30"],
+        ["rollout.workers.batch_timeout_s=30", "rollout.workers.weight_push_timeout_s=30"],
+        ["rollout.workers.weight_push_bucket_mib=64"],
+    ],
+)
+def test_rollout_worker_settings_without_the_disaggregated_mode_are_refused(overrides):
+    """Every rollout.workers.* setting off its default with rollout.mode=colocated would be planned and then ignored:
+    refused in one line naming them, as rollout.max_staleness is; the same settings with rollout.mode=disaggregated
+    are taken (issue 55 item 4)."""
+    import dataclasses
+
+    from lit_ppo.config import WorkersConfig
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import compose_run_config
+
+    with pytest.raises(ConfigError) as refused:
+        compose_run_config(*overrides)
+    workers = compose_run_config("rollout.mode=disaggregated", *overrides).rollout.workers
+    names = [
+        f.name
+        for f in dataclasses.fields(WorkersConfig)
+        if getattr(workers, f.name) != getattr(WorkersConfig(), f.name)
+    ]
+    assert sorted(names) == sorted(override.split("=")[0].removeprefix("rollout.workers.") for override in overrides)
+    given = ", ".join(f"rollout.workers.{name}={getattr(workers, name)}" for name in names)
+    assert str(refused.value) == (
+        f"{given} with rollout.mode=colocated: the engine in the trainer's process generates, and no rollout worker "
+        "would use them; fix: rollout.mode=disaggregated, or remove them"
+    )
 
 
 def test_an_unknown_rollout_key_is_refused_with_the_close_match(fresh_announcements):

@@ -667,9 +667,13 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
     assert " moved to " not in capsys.readouterr().err
     other = dataclasses.replace(
         config,
-        rollout=dataclasses.replace(config.rollout, workers=dataclasses.replace(config.rollout.workers, count=3)),
+        rollout=dataclasses.replace(
+            config.rollout, episodes=dataclasses.replace(config.rollout.episodes, environment_timeout_s=30.0)
+        ),
     )
-    with pytest.raises(ConfigError, match=r"another config \(rollout\.workers\.count: 1 -> 3\)"):
+    with pytest.raises(
+        ConfigError, match=r"another config \(rollout\.episodes\.environment_timeout_s: 60\.0 -> 30\.0\)"
+    ):
         check_run_directory(other, tmp_path)
 
 
