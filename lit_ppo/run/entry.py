@@ -75,6 +75,8 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     training = config.mode == "train"
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
+    if training:
+        checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
     environment = rollout.episodes.environment
     checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
     if environment is not None and environment.get("_target_"):

@@ -495,6 +495,23 @@ def _peft_matches(module_name: str, target: str) -> bool:
 # ------------------------------------------------------------------ ranks
 
 
+def check_accelerator(accelerator: str, devices: int, strategy_name: str) -> None:
+    """strategy.accelerator=gpu (strategy=fsdp's preset) or cuda where torch finds no GPU: Lightning would stop after
+    the plan with its 30-line "No supported gpu backend found!". For training runs only: `mode=plan` plans a GPU
+    cluster's run on any machine."""
+    import torch
+
+    if str(accelerator) not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    if str(accelerator) == "gpu" and torch.backends.mps.is_available():  # Lightning's gpu is CUDA or Apple's MPS
+        return
+    processes = f" (strategy.devices={devices}: {devices} CPU processes)" if devices > 1 else ""
+    raise ConfigError(
+        f"strategy.accelerator={accelerator} (strategy={strategy_name}) but torch finds no GPU on this machine; fix: "
+        f"strategy.accelerator=cpu{processes}, or run on a machine with a GPU (mode=plan plans for GPUs on any machine)"
+    )
+
+
 def check_strategy(name: str, devices: int, num_nodes: int) -> None:
     """strategy=single runs one process. Asked for more devices or nodes, Lightning would start the other ranks and
     their engines with its own DDP defaults, and the first backward would fail minutes later with DDP's "parameters

@@ -500,3 +500,31 @@ def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_a
         ConfigError, match=r"^reward.fn: reward\(prompts, completions, answer, kwargs\) cannot be called"
     ):
         checks.check_reward_convention(parameters, "reward", "lit_ppo", "answer", [])
+
+
+def test_a_gpu_strategy_on_a_machine_without_a_gpu_is_refused_before_the_plan_in_a_training_run_only(
+    tmp_path, monkeypatch, no_training
+):
+    """strategy=fsdp's preset says accelerator: gpu: without a GPU a training run passed the pre-flight, printed its
+    plan, then stopped in Lightning's 30-line "No supported gpu backend found!" (issue 55 item 13). A training run is
+    refused in one line with the fix before the plan; mode=plan still plans the GPU cluster's run."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    fsdp = ["strategy=fsdp", "strategy.devices=2"]
+    message = refused(tmp_path, "mode=train", *fsdp, error=ConfigError)
+    assert message == (
+        "strategy.accelerator=gpu (strategy=fsdp) but torch finds no GPU on this machine; fix: strategy.accelerator=cpu "
+        "(strategy.devices=2: 2 CPU processes), or run on a machine with a GPU (mode=plan plans for GPUs on any machine)"
+    )
+    message = refused(tmp_path, "mode=train", "strategy.accelerator=cuda", error=ConfigError)
+    assert (
+        message.startswith("strategy.accelerator=cuda (strategy=single) but torch finds no GPU")
+        and "(strategy.devices" not in message
+    )
+    assert no_training == []
+    assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'plan'}", *fsdp)) is None
+    assert (tmp_path / "plan" / "plan.json").exists()
+    run_module.main(compose_config("mode=train", f"output_dir={tmp_path / 'cpu'}", *fsdp, "strategy.accelerator=cpu"))
+    assert len(no_training) == 1
