@@ -79,12 +79,14 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     from lit_ppo.config import moved_overrides
+    from lit_ppo.run.entry import check_override_keys
     from lit_ppo.signals import Stopped, handle_signals_outside_training
 
     # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced; one
-    # setting given under both keys with two values is refused.
+    # setting given under both keys with two values is refused, and so is a key the config lacks.
     try:
         sys.argv[1:] = moved_overrides(sys.argv[1:])
+        check_override_keys(sys.argv[1:])  # a key the config lacks: what it is, not Hydra's "use +"
     except UserError as error:  # before logging is set up: the line on stderr only
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)

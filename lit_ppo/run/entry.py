@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
+import typing
+from difflib import get_close_matches
 from pathlib import Path
 from types import SimpleNamespace
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
@@ -221,6 +224,73 @@ def compose(*overrides: str) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose_config(config_name="config", overrides=list(overrides))
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """`key=value` of a key the composed config lacks: Hydra answers "To append to your config use +key=value",
+    which for a misspelt key (`rollout.tempreature`) only moves the error and for a setting of another group option
+    (`data.path` with data=arithmetic) hides it. `train.py` composes the overrides here first, and such a key is
+    refused in one line saying what it is; Hydra's other errors are left for Hydra to report."""
+    from hydra.errors import ConfigCompositionException
+
+    if any(override.startswith("-") for override in overrides):  # Hydra's flags (-m, --cfg, ...): Hydra's own run
+        return
+    plain = [override for override in overrides if not override.startswith(("hydra.", "hydra/"))]
+    try:
+        compose(*plain)
+    except ConfigCompositionException as error:
+        found = re.match(r"Could not override '([^']+)'\.\nTo append to your config use \+", str(error))
+        given = [o for o in plain if found and o.partition("=")[0] == found.group(1)]
+        if given:
+            raise ConfigError(unknown_key_line(given[-1])) from None
+    except Exception:  # noqa: S110 (Hydra reports it again, in its own words, when train.py composes)
+        pass
+
+
+def unknown_key_line(override: str) -> str:
+    """What the key of `override`, which the composed config lacks, is, and its fix: a misspelling of a setting, a
+    setting of another group option, or a new key under a free-form section (`reward.fn`: `+` adds it)."""
+    from lit_ppo.config import _dataclass_of
+
+    key, _, value = override.partition("=")
+    parts = key.split(".")
+    cls = RunConfig
+    for depth, name in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if name not in names:
+            hints = get_close_matches(name, names, 1)
+            if hints:
+                right = ".".join([*parts[:depth], hints[0], *parts[depth + 1 :]])
+                return f"{key} is not a setting (did you mean {right}?); fix: {right}={value}"
+            return f"{key} is not a setting; fix: correct it (the keys of {prefix or 'the root'}: {', '.join(names)})"
+        nested = _dataclass_of(typing.get_type_hints(cls)[name])
+        if nested is None:
+            field_key = ".".join(parts[: depth + 1])
+            if field_key != key:  # under a free-form section (reward.fn, strategy.lightning, ...): adding is meant
+                return f"{field_key} has no key {key[len(field_key) + 1 :]} here; fix: +{override} adds it"
+            break
+        cls = nested
+    options = [
+        f"{parts[0]}={path.stem}"
+        for path in sorted((CONF_DIR / parts[0]).glob("*.yaml"))
+        if has_key(OmegaConf.to_container(OmegaConf.load(path), resolve=False), parts[1:])
+    ]
+    if options:
+        return (
+            f"{key} is a setting of {' and '.join(options)} only, not of this run's {parts[0]} config; fix: "
+            f"{options[0]} {override}"
+        )
+    return f"{key} is a setting this run's config does not list; fix: +{override} adds it"
+
+
+def has_key(values, parts: list[str]) -> bool:
+    """Whether nested dicts `values` hold the key `parts` (`???` counts: the option lists the setting)."""
+    for part in parts:
+        if not isinstance(values, dict) or part not in values:
+            return False
+        values = values[part]
+    return True
 
 
 def compose_run_config(*overrides: str) -> RunConfig:
