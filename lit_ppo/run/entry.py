@@ -235,25 +235,47 @@ def check_override_keys(overrides: list[str]) -> None:
 
     if any(override.startswith("-") for override in overrides):  # Hydra's flags (-m, --cfg, ...): Hydra's own run
         return
-    plain = [override for override in overrides if not override.startswith(("hydra.", "hydra/"))]
+    plain = [override for override in overrides if not override.startswith("hydra/")]  # (a group of Hydra's own)
     try:
         compose(*plain)
     except ConfigCompositionException as error:
         found = re.match(r"Could not override '([^']+)'\.\nTo append to your config use \+", str(error))
         given = [o for o in plain if found and o.partition("=")[0] == found.group(1)]
         if given:
-            raise ConfigError(unknown_key_line(given[-1])) from None
+            raise ConfigError(unknown_key_line(given[-1], without(plain, given[-1]))) from None
     except Exception:  # noqa: S110 (Hydra reports it again, in its own words, when train.py composes)
         pass
 
 
-def unknown_key_line(override: str) -> str:
-    """What the key of `override`, which the composed config lacks, is, and its fix: a misspelling of a setting, a
-    setting of another group option, or a new key under a free-form section (`reward.fn`: `+` adds it)."""
-    from lit_ppo.config import _dataclass_of
+def without(overrides: list[str], left_out: str) -> dict | None:
+    """The config composed without the override `left_out` (as plain values), or None where it does not compose."""
+    try:
+        return OmegaConf.to_container(compose(*[o for o in overrides if o != left_out]), resolve=False)
+    except Exception:
+        return None
+
+
+def unknown_key_line(override: str, composed: dict | None = None) -> str:
+    """What the key of `override`, which the config `composed` without it lacks, is, and its fix: a misspelling of a
+    setting, a setting of another group option, a setting under a section the config holds as a value (a YAML of
+    the last release's `rollout.workers: N`), or a new key under a free-form section (`reward.fn`: `+` adds it)."""
+    from lit_ppo.config import MOVED_KEYS, _dataclass_of
 
     key, _, value = override.partition("=")
     parts = key.split(".")
+    for depth in range(1, len(parts)):
+        above = ".".join(parts[:depth])
+        held = composed
+        for part in parts[:depth]:
+            held = held.get(part) if isinstance(held, dict) else None
+        if held is not None and not isinstance(held, dict):
+            if above in MOVED_KEYS:
+                new = MOVED_KEYS[above]
+                return (
+                    f"{override}: a YAML of this run sets {above}: {held}, the last release's key for {new}; fix: "
+                    f"write {new} there ({above}: {{{new.rsplit('.', 1)[1]}: {held}}})"
+                )
+            return f"{override}: a YAML of this run sets {above}: {held}, a value, not a section; fix: remove it there"
     cls = RunConfig
     for depth, name in enumerate(parts):
         prefix = ".".join(parts[:depth])

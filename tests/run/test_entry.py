@@ -46,6 +46,19 @@ def test_a_key_the_config_lacks_is_refused_saying_what_it_is(override, line):
     assert str(refused.value) == line
 
 
+def test_a_key_under_an_old_rollout_key_set_as_a_value_in_a_yaml_names_that_yaml_key(tmp_path):
+    """An experiment file of the last release with `rollout.workers: 2` and `rollout.workers.count=4` on the command
+    line: Hydra's "use +" would fail too (rollout.workers is a number there)."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\nrollout:\n  workers: 2\n")
+    with pytest.raises(ConfigError) as refused:
+        check_override_keys([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=old", "rollout.workers.count=4"])
+    assert str(refused.value) == (
+        "rollout.workers.count=4: a YAML of this run sets rollout.workers: 2, the last release's key for "
+        "rollout.workers.count; fix: write rollout.workers.count there (rollout.workers: {count: 2})"
+    )
+
+
 def test_overrides_the_config_has_and_hydras_other_errors_pass_to_hydra():
     check_override_keys(["rollout.temperature=0.5", "data=file", "data.path=train.jsonl", "+reward.fn.max_chars=1"])
     check_override_keys(["ppo=grop"])  # Hydra names the options of the group itself
