@@ -79,15 +79,22 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from lit_ppo.config import moved_override
+    from lit_ppo.config import moved_overrides
+    from lit_ppo.run.entry import check_override_keys
     from lit_ppo.signals import Stopped, handle_signals_outside_training
 
-    # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced.
-    sys.argv[1:] = [moved_override(arg) for arg in sys.argv[1:]]
     # SIGTERM, SIGINT and SIGUSR1 before the first rollout step (config, pre-flight, model load, engine start) and
     # after the last: one line and 128 + the signal's number; during the rollout steps lit_ppo.preemption saves first.
     handle_signals_outside_training()
     try:
+        # Rollout keys of the last release (`rollout.worker_launch=...`): written with their new keys, announced; one
+        # setting given under both keys with two values is refused, and so is a key the config lacks.
+        try:
+            sys.argv[1:] = moved_overrides(sys.argv[1:])
+            check_override_keys(sys.argv[1:])  # a key the config lacks: what it is, not Hydra's "use +"
+        except UserError as error:  # before logging is set up: the line on stderr only
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
         main()
     except Stopped as stopped:
         if launcher_rank() == 0 and not stopped.shown:

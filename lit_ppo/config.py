@@ -20,7 +20,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Collection, Literal, Mapping
 
 from lit_ppo.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -411,9 +411,32 @@ def moved_override(override: str) -> str:
     return override
 
 
-def move_keys(values: dict, announce: bool = True) -> dict:
+def moved_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides, each moved key written with its new key (`moved_override`). One setting given
+    under its old key and its new key with two values is refused in one line: Hydra would keep the later silently."""
+    rewritten = [moved_override(override) for override in overrides]
+    given: dict[tuple[str, bool], tuple[str, str]] = {}  # (new key, under its old key) -> (override as given, value)
+    for as_given, override in zip(overrides, rewritten):
+        key, eq, value = override.lstrip("+").partition("=")
+        if not eq or override.startswith(("~", "-")):
+            continue
+        moved = as_given != override
+        given[key, moved] = (as_given, value)
+        other = given.get((key, not moved))
+        if other is not None and other[1] != value:
+            old, new = (as_given, other[0]) if moved else (other[0], as_given)
+            raise ConfigError(
+                f"{old} and {new} give {key} two values ({old.lstrip('+').partition('=')[0]} is its old key); fix: "
+                f"give it once, as {key}=<value>"
+            )
+    return rewritten
+
+
+def move_keys(values: dict, announce: bool = True, command_line: Collection[str] = ()) -> dict:
     """The composed config's values with each moved key (MOVED_KEYS) in its new place, announced (`announce`: not
-    for a config the run wrote itself, a checkpoint's config.yaml); a key set in both places is refused in one line."""
+    for a config the run wrote itself, a checkpoint's config.yaml); a key set in both places is refused in one line.
+    `command_line`: the keys the command line set (its old keys already moved, `moved_overrides`), whose values win
+    over a YAML's old key as over any YAML value."""
     rollout = values.get("rollout")
     if not isinstance(rollout, Mapping):
         return values
@@ -426,7 +449,9 @@ def move_keys(values: dict, announce: bool = True) -> dict:
         value = rollout.pop(name)
         nested = dict(rollout.get(section) or {}) if name != section else {}
         default = {f.name: f.default for f in dataclasses.fields(MOVED_SECTIONS[section])}[new_name]
-        if nested.get(new_name, default) not in (default, value):  # (the new key at its default: not set)
+        if any(key == new or key.startswith(new + ".") for key in command_line):
+            value = nested.get(new_name, default)  # the command line's
+        elif nested.get(new_name, default) not in (default, value):  # (the new key at its default: not set)
             raise ConfigError(f"{old}={value!r} and {new}={nested[new_name]!r} are both set; fix: keep only {new}")
         if announce:
             announce_moved(old)
@@ -1036,15 +1061,14 @@ class RunConfig:
             object.__setattr__(self, "ppo", resolved)  # replace() validated it again
 
     @classmethod
-    def from_hydra(cls, cfg) -> RunConfig:
-        """The typed settings of a composed Hydra config (a `DictConfig`), or ConfigError naming the first bad key."""
+    def from_hydra(cls, cfg, command_line: Collection[str] = ()) -> RunConfig:
+        """The typed settings of a composed Hydra config (a `DictConfig`), or ConfigError naming the first bad key.
+        `command_line`: the keys the command line set (`move_keys`)."""
         from omegaconf import OmegaConf
 
         values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-        values.pop("hydra", None)
-        values = move_keys(
-            values
-        )  # rollout keys of the last release, announced  # Hydra's own node, when a caller composed with return_hydra_config=True
+        values.pop("hydra", None)  # Hydra's own node, when a caller composed with return_hydra_config=True
+        values = move_keys(values, command_line=command_line)  # rollout keys of the last release, announced
         return parse_section(cls, values, "")
 
     def to_dict(self) -> dict:
@@ -1205,10 +1229,17 @@ def validate_rollout_mode(rollout: RolloutConfig, ppo: PPOConfig, strategy: Stra
     """rollout.mode=disaggregated and its staleness against the engine and the PPO settings (any number of trainer
     ranks: rank 0 drives the workers, lit_ppo/rollout/workers/ranks.py)."""
     if rollout.mode != "disaggregated":
-        if rollout.workers.server_urls:
+        # (as rollout.max_staleness is, in validate_rollout: each would be planned, then ignored)
+        defaults = WorkersConfig()
+        given = [
+            f"rollout.workers.{f.name}={getattr(rollout.workers, f.name)}"
+            for f in dataclasses.fields(WorkersConfig)
+            if getattr(rollout.workers, f.name) != getattr(defaults, f.name)
+        ]
+        if given:
             raise ConfigError(
-                f"rollout.workers.server_urls={list(rollout.workers.server_urls)} with rollout.mode={rollout.mode}: "
-                "the servers would not be used; fix: rollout.mode=disaggregated, or rollout.workers.server_urls=[]"
+                f"{', '.join(given)} with rollout.mode={rollout.mode}: the engine in the trainer's process generates, "
+                "and no rollout worker would use them; fix: rollout.mode=disaggregated, or remove them"
             )
         return
     k = rollout.staleness()

@@ -158,6 +158,74 @@ def test_an_old_flat_rollout_key_on_the_command_line_works_and_is_announced_once
     ]
 
 
+def test_one_setting_under_its_old_and_new_key_on_the_command_line_with_two_values_is_refused(fresh_announcements):
+    """Hydra keeps the later of two overrides of one key without a word: an old key and its new key given two values
+    on one command line are refused in one line; the same value twice is fine (issue 55 item 3)."""
+    from lit_ppo.config import moved_overrides
+    from lit_ppo.errors import ConfigError
+
+    for overrides, line in (
+        (
+            ["rollout.worker_launch=server", "rollout.workers.launch=external"],
+            "rollout.worker_launch=server and rollout.workers.launch=external give rollout.workers.launch two values "
+            "(rollout.worker_launch is its old key); fix: give it once, as rollout.workers.launch=<value>",
+        ),
+        (
+            ["rollout.workers.count=4", "seed=1", "rollout.workers=2"],
+            "rollout.workers=2 and rollout.workers.count=4 give rollout.workers.count two values (rollout.workers is "
+            "its old key); fix: give it once, as rollout.workers.count=<value>",
+        ),
+        (
+            ["+rollout.environment._target_=a.Env", "+rollout.episodes.environment._target_=b.Env"],
+            "+rollout.environment._target_=a.Env and +rollout.episodes.environment._target_=b.Env give "
+            "rollout.episodes.environment._target_ two values (rollout.environment._target_ is its old key); fix: "
+            "give it once, as rollout.episodes.environment._target_=<value>",
+        ),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            moved_overrides(overrides)
+        assert str(refused.value) == line
+    assert moved_overrides(["rollout.worker_launch=external", "rollout.workers.launch=external", "seed=3"]) == [
+        "rollout.workers.launch=external",
+        "rollout.workers.launch=external",
+        "seed=3",
+    ]
+    # the new key twice is Hydra's own override (the later wins), as for any key
+    assert moved_overrides(["rollout.workers.count=2", "rollout.workers.count=3"]) == [
+        "rollout.workers.count=2",
+        "rollout.workers.count=3",
+    ]
+
+
+def test_the_command_line_wins_over_an_old_rollout_key_in_yaml(fresh_announcements, tmp_path):
+    """An experiment file of the last release gives rollout.worker_launch; the command line's rollout.workers.launch
+    (even at its default) or rollout.worker_launch wins over it, as any override wins over a YAML value; without a
+    command line, the file's two keys with two values are still refused (issue 55 item 3)."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from lit_ppo.config import RunConfig, moved_overrides
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import CONF
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "old_launch.yaml").write_text("# @package _global_\nrollout:\n  worker_launch: server\n")
+    for given, launch in (("rollout.workers.launch=spawn", "spawn"), ("rollout.worker_launch=external", "external")):
+        overrides = ["+experiment=old_launch", "rollout.mode=disaggregated", *moved_overrides([given])]
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        command_line = [override.lstrip("+").partition("=")[0] for override in overrides]
+        assert RunConfig.from_hydra(cfg, command_line=command_line).rollout.workers.launch == launch
+        if launch == "external":
+            with pytest.raises(ConfigError, match="are both set"):
+                RunConfig.from_hydra(cfg)  # both in the composed config, no command line: two values
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=old_launch", "rollout.mode=disaggregated"])
+    assert RunConfig.from_hydra(cfg, command_line=["rollout.mode"]).rollout.workers.launch == "server"
+
+
 def test_old_flat_rollout_keys_in_yaml_work_and_are_announced_once(fresh_announcements, capsys, tmp_path):
     """An experiment file of the last release, composed by Hydra over a copy of conf/: its flat keys land in
     rollout.episodes and rollout.workers, each announced in one line."""
@@ -178,7 +246,7 @@ def test_old_flat_rollout_keys_in_yaml_work_and_are_announced_once(fresh_announc
         "  workers: 2\n  worker_launch: external\n  worker_port: 29611\n"
     )
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=old_keys"])
+        cfg = compose(config_name="config", overrides=["+experiment=old_keys", "rollout.mode=disaggregated"])
     rollout = RunConfig.from_hydra(cfg).rollout
     assert rollout.episodes.environment["_target_"] == "lit_ppo.environments.CalculatorEnvironment"
     assert (rollout.episodes.max_turns, rollout.episodes.max_tokens, rollout.episodes.reward) == (3, 40, "reward")
@@ -199,13 +267,51 @@ def test_the_new_nested_rollout_keys_work(fresh_announcements, capsys):
         "rollout.workers.launch=external",
         "rollout.workers.trainer_host=node7",
         "+experiment=tool_arithmetic",
-        "rollout.mode=colocated",
         "rollout.episodes.max_turns=2",
     )
     assert (config.rollout.workers.count, config.rollout.workers.launch) == (2, "external")
     assert config.rollout.workers.trainer_address_host() == "node7"
     assert config.rollout.episodes.max_turns == 2 and config.rollout.episode_tokens() == 40
     assert capsys.readouterr().err == ""  # nothing moved, nothing announced
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.workers.count=4"],
+        ["rollout.workers.launch=external", "rollout.workers.count=4"],
+        ["rollout.workers.launch=server", "rollout.workers.server_urls=[http://127.0.0.1:8000]"],
+        ["rollout.workers.devices=2"],
+        ["rollout.workers.port=29700", "rollout.workers.trainer_host=node7"],
+        ["rollout.workers.start_timeout_s=30", "rollout.workers.heartbeat_timeout_s=30"],
+        ["rollout.workers.batch_timeout_s=30", "rollout.workers.weight_push_timeout_s=30"],
+        ["rollout.workers.weight_push_bucket_mib=64"],
+    ],
+)
+def test_rollout_worker_settings_without_the_disaggregated_mode_are_refused(overrides):
+    """Every rollout.workers.* setting off its default with rollout.mode=colocated would be planned and then ignored:
+    refused in one line naming them, as rollout.max_staleness is; the same settings with rollout.mode=disaggregated
+    are taken (issue 55 item 4)."""
+    import dataclasses
+
+    from lit_ppo.config import WorkersConfig
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import compose_run_config
+
+    with pytest.raises(ConfigError) as refused:
+        compose_run_config(*overrides)
+    workers = compose_run_config("rollout.mode=disaggregated", *overrides).rollout.workers
+    names = [
+        f.name
+        for f in dataclasses.fields(WorkersConfig)
+        if getattr(workers, f.name) != getattr(WorkersConfig(), f.name)
+    ]
+    assert sorted(names) == sorted(override.split("=")[0].removeprefix("rollout.workers.") for override in overrides)
+    given = ", ".join(f"rollout.workers.{name}={getattr(workers, name)}" for name in names)
+    assert str(refused.value) == (
+        f"{given} with rollout.mode=colocated: the engine in the trainer's process generates, and no rollout worker "
+        "would use them; fix: rollout.mode=disaggregated, or remove them"
+    )
 
 
 def test_an_unknown_rollout_key_is_refused_with_the_close_match(fresh_announcements):

@@ -438,6 +438,22 @@ def test_cli_old_flat_rollout_keys_still_plan_and_are_announced_once(tmp_path):
     assert plan["workers"]["launch"] == "external" and plan["workers"]["address"] == "node7:29600"
 
 
+def test_cli_an_old_rollout_key_and_its_new_key_with_two_values_stop_in_one_line(tmp_path):
+    """`rollout.worker_launch=server rollout.workers.launch=external`: refused in one line, exit 2, before Hydra
+    composes anything (Hydra would keep the later silently; issue 55 item 3)."""
+    out = tmp_path / "run"
+    proc = train_py(
+        tmp_path, "mode=plan", "rollout.worker_launch=server", "rollout.workers.launch=external", f"output_dir={out}"
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("warning: ")]
+    assert errors == [
+        "error: rollout.worker_launch=server and rollout.workers.launch=external give rollout.workers.launch two "
+        "values (rollout.worker_launch is its old key); fix: give it once, as rollout.workers.launch=<value>"
+    ]
+    assert not out.exists()
+
+
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     out = tmp_path / "run"
     proc = train_py(tmp_path, "mode=plan", "ppo.train_batch_size=7", f"output_dir={out}")
@@ -651,9 +667,13 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
     assert " moved to " not in capsys.readouterr().err
     other = dataclasses.replace(
         config,
-        rollout=dataclasses.replace(config.rollout, workers=dataclasses.replace(config.rollout.workers, count=3)),
+        rollout=dataclasses.replace(
+            config.rollout, episodes=dataclasses.replace(config.rollout.episodes, environment_timeout_s=30.0)
+        ),
     )
-    with pytest.raises(ConfigError, match=r"another config \(rollout\.workers\.count: 1 -> 3\)"):
+    with pytest.raises(
+        ConfigError, match=r"another config \(rollout\.episodes\.environment_timeout_s: 60\.0 -> 30\.0\)"
+    ):
         check_run_directory(other, tmp_path)
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
+import typing
+from difflib import get_close_matches
 from pathlib import Path
 from types import SimpleNamespace
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
@@ -28,6 +31,15 @@ def output_dir_of(cfg: DictConfig) -> Path:
     if cfg.get("output_dir"):
         return Path(cfg.output_dir)
     return Path(HydraConfig.get().runtime.output_dir)
+
+
+def command_line_keys() -> list[str]:
+    """The keys this run's command line set (Hydra's task overrides; none when Hydra did not run the job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [o.lstrip("+").partition("=")[0] for o in HydraConfig.get().overrides.task if not o.startswith("~")]
 
 
 def timestamped_run_directory(cfg: DictConfig) -> bool:
@@ -68,6 +80,8 @@ def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTar
     training = config.mode != "plan"  # a run that loads the model: mode=train or mode=eval
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
+    if training:
+        checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
     environment = rollout.episodes.environment
     checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
     if environment is not None and environment.get("_target_"):
@@ -234,6 +248,95 @@ def compose(*overrides: str) -> DictConfig:
         return compose_config(config_name="config", overrides=list(overrides))
 
 
+def check_override_keys(overrides: list[str]) -> None:
+    """`key=value` of a key the composed config lacks: Hydra answers "To append to your config use +key=value",
+    which for a misspelt key (`rollout.tempreature`) only moves the error and for a setting of another group option
+    (`data.path` with data=arithmetic) hides it. `train.py` composes the overrides here first, and such a key is
+    refused in one line saying what it is; Hydra's other errors are left for Hydra to report."""
+    from hydra.errors import ConfigCompositionException
+
+    if any(override.startswith("-") for override in overrides):  # Hydra's flags (-m, --cfg, ...): Hydra's own run
+        return
+    plain = [override for override in overrides if not override.startswith("hydra/")]  # (a group of Hydra's own)
+    try:
+        compose(*plain)
+    except ConfigCompositionException as error:
+        found = re.match(r"Could not override '([^']+)'\.\nTo append to your config use \+", str(error))
+        given = [o for o in plain if found and o.partition("=")[0] == found.group(1)]
+        if given:
+            raise ConfigError(unknown_key_line(given[-1], without(plain, given[-1]))) from None
+    except Exception:  # noqa: S110 (Hydra reports it again, in its own words, when train.py composes)
+        pass
+
+
+def without(overrides: list[str], left_out: str) -> dict | None:
+    """The config composed without the override `left_out` (as plain values), or None where it does not compose."""
+    try:
+        return OmegaConf.to_container(compose(*[o for o in overrides if o != left_out]), resolve=False)
+    except Exception:
+        return None
+
+
+def unknown_key_line(override: str, composed: dict | None = None) -> str:
+    """What the key of `override`, which the config `composed` without it lacks, is, and its fix: a misspelling of a
+    setting, a setting of another group option, a setting under a section the config holds as a value (a YAML of
+    the last release's `rollout.workers: N`), or a new key under a free-form section (`reward.fn`: `+` adds it)."""
+    from lit_ppo.config import MOVED_KEYS, _dataclass_of
+
+    key, _, value = override.partition("=")
+    parts = key.split(".")
+    for depth in range(1, len(parts)):
+        above = ".".join(parts[:depth])
+        held = composed
+        for part in parts[:depth]:
+            held = held.get(part) if isinstance(held, dict) else None
+        if held is not None and not isinstance(held, dict):
+            if above in MOVED_KEYS:
+                new = MOVED_KEYS[above]
+                return (
+                    f"{override}: a YAML of this run sets {above}: {held}, the last release's key for {new}; fix: "
+                    f"write {new} there ({above}: {{{new.rsplit('.', 1)[1]}: {held}}})"
+                )
+            return f"{override}: a YAML of this run sets {above}: {held}, a value, not a section; fix: remove it there"
+    cls = RunConfig
+    for depth, name in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        names = [f.name for f in dataclasses.fields(cls)]
+        if name not in names:
+            hints = get_close_matches(name, names, 1)
+            if hints:
+                right = ".".join([*parts[:depth], hints[0], *parts[depth + 1 :]])
+                return f"{key} is not a setting (did you mean {right}?); fix: {right}={value}"
+            return f"{key} is not a setting; fix: correct it (the keys of {prefix or 'the root'}: {', '.join(names)})"
+        nested = _dataclass_of(typing.get_type_hints(cls)[name])
+        if nested is None:
+            field_key = ".".join(parts[: depth + 1])
+            if field_key != key:  # under a free-form section (reward.fn, strategy.lightning, ...): adding is meant
+                return f"{field_key} has no key {key[len(field_key) + 1 :]} here; fix: +{override} adds it"
+            break
+        cls = nested
+    options = [
+        f"{parts[0]}={path.stem}"
+        for path in sorted((CONF_DIR / parts[0]).glob("*.yaml"))
+        if has_key(OmegaConf.to_container(OmegaConf.load(path), resolve=False), parts[1:])
+    ]
+    if options:
+        return (
+            f"{key} is a setting of {' and '.join(options)} only, not of this run's {parts[0]} config; fix: "
+            f"{options[0]} {override}"
+        )
+    return f"{key} is a setting this run's config does not list; fix: +{override} adds it"
+
+
+def has_key(values, parts: list[str]) -> bool:
+    """Whether nested dicts `values` hold the key `parts` (`???` counts: the option lists the setting)."""
+    for part in parts:
+        if not isinstance(values, dict) or part not in values:
+            return False
+        values = values[part]
+    return True
+
+
 def compose_run_config(*overrides: str) -> RunConfig:
     """The typed settings `python train.py <overrides>` runs."""
     return RunConfig.from_hydra(compose(*overrides))
@@ -276,7 +379,7 @@ def main(cfg: DictConfig) -> dict | None:
     mode). The composed Hydra config becomes the typed `RunConfig` here, and nothing below this function reads the
     Hydra config."""
     checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
-    config = RunConfig.from_hydra(cfg)
+    config = RunConfig.from_hydra(cfg, command_line=command_line_keys())
     output_dir = output_dir_of(cfg)
     check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)
     return run(config, output_dir)

@@ -339,23 +339,44 @@ def check_lengths(
             f"rollout.max_model_len={max_model_len} exceeds the model's {max_positions} positions "
             f"(max_position_embeddings in {positions_source}); fix: set rollout.max_model_len={max_positions} or less"
         )
+    # (a fix never names a max_model_len above the model's positions: where they cannot hold it, the line says so)
+    at_the_limit = max_positions is not None and max_model_len >= max_positions
     if response_tokens >= max_model_len:
         room = f" (the model has {max_positions} positions)" if max_positions is not None else ""
+        limit = f" (at most {max_positions})" if max_positions is not None else ""
+        raise_it = "" if at_the_limit else f" or raise rollout.max_model_len{limit}"
         raise ConfigError(
             f"{response_key}={response_tokens} leaves no room for a prompt in rollout.max_model_len={max_model_len}: "
             f"prompt + response must fit in it, and vLLM would cut the responses short{room}; fix: lower "
-            f"{response_key} or raise rollout.max_model_len"
+            f"{response_key}{raise_it}"
         )
     if longest_prompt is not None:
         tokens, where = longest_prompt
-        if tokens + response_tokens > max_model_len:
-            fits = max_model_len - response_tokens
+        needed = tokens + response_tokens
+        if needed > max_model_len:
+            shorter = (
+                f"data.max_prompt_length={max_model_len - response_tokens} (longer prompts then follow "
+                "data.bad_records)"
+            )
+            if max_positions is not None and needed > max_positions:
+                longest = (
+                    ""
+                    if at_the_limit
+                    else (
+                        f"rollout.max_model_len={max_positions} with data.max_prompt_length="
+                        f"{max_positions - response_tokens}, or "
+                    )
+                )
+                lower = f", or lower {response_key}" if tokens < max_positions else ""  # the prompt alone fits
+                fix = (
+                    f", which the model's {max_positions} positions cannot hold either; fix: {longest}{shorter}{lower}"
+                )
+            else:
+                limit = f" (at most {max_positions}, the model's positions)" if max_positions else ""
+                fix = f"; fix: set rollout.max_model_len={needed} or more{limit}, or {shorter}"
             raise ConfigError(
-                f"{where}: a prompt of {tokens} tokens + {response_key}={response_tokens} = "
-                f"{tokens + response_tokens} > rollout.max_model_len={max_model_len}; fix: set "
-                f"rollout.max_model_len={tokens + response_tokens} or more"
-                + (f" (at most {max_positions}, the model's positions)" if max_positions else "")
-                + f", or data.max_prompt_length={fits} (longer prompts then follow data.bad_records)"
+                f"{where}: a prompt of {tokens} tokens + {response_key}={response_tokens} = {needed} > "
+                f"rollout.max_model_len={max_model_len}{fix}"
             )
 
 
@@ -508,6 +529,23 @@ def _peft_matches(module_name: str, target: str) -> bool:
 
 
 # ------------------------------------------------------------------ ranks
+
+
+def check_accelerator(accelerator: str, devices: int, strategy_name: str) -> None:
+    """strategy.accelerator=gpu (strategy=fsdp's preset) or cuda where torch finds no GPU: Lightning would stop after
+    the plan with its 30-line "No supported gpu backend found!". For training runs only: `mode=plan` plans a GPU
+    cluster's run on any machine."""
+    import torch
+
+    if str(accelerator) not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    if str(accelerator) == "gpu" and torch.backends.mps.is_available():  # Lightning's gpu is CUDA or Apple's MPS
+        return
+    processes = f" (strategy.devices={devices}: {devices} CPU processes)" if devices > 1 else ""
+    raise ConfigError(
+        f"strategy.accelerator={accelerator} (strategy={strategy_name}) but torch finds no GPU on this machine; fix: "
+        f"strategy.accelerator=cpu{processes}, or run on a machine with a GPU (mode=plan plans for GPUs on any machine)"
+    )
 
 
 def check_strategy(name: str, devices: int, num_nodes: int) -> None:

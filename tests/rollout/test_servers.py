@@ -101,7 +101,7 @@ def test_remote_servers_are_planned_when_the_trainer_has_an_address_they_reach_a
         1000,
     )
     assert plan.workers is not None
-    with pytest.raises(ConfigError, match=r"with rollout.mode=colocated: the servers would not be used; fix: "):
+    with pytest.raises(ConfigError, match=r"with rollout.mode=colocated: .* no rollout worker would use them; fix: "):
         compute_plan(
             compose_run_config("rollout.workers.launch=server", "rollout.workers.server_urls=[http://127.0.0.1:8000]"),
             1000,

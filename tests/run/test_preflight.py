@@ -92,8 +92,11 @@ def test_prompts_longer_than_max_model_len_found_in_the_data(tmp_path, tiny_mode
             f"{path}:41: a prompt of 142 tokens + rollout.max_response_tokens=8 = 150 > rollout.max_model_len=128"
             in (message)
         )
-        assert "fix: set rollout.max_model_len=150 or more (at most 128, the model's positions)" in message
-        assert "data.max_prompt_length=120" in message
+        # no max_model_len would hold it on this model: the fix is the prompt's length, not a length above 128
+        assert message.endswith(
+            "= 150 > rollout.max_model_len=128, which the model's 128 positions cannot hold either; fix: "
+            "data.max_prompt_length=120 (longer prompts then follow data.bad_records)"
+        )
     assert no_training == []
     # Within the limit the same data plans.
     run_module.main(
@@ -106,6 +109,46 @@ def test_prompts_longer_than_max_model_len_found_in_the_data(tmp_path, tiny_mode
         )
     )
     assert (tmp_path / "ok" / "plan.json").exists()
+
+
+def test_the_max_model_len_fix_never_names_a_length_above_the_models_positions():
+    """check_lengths' fixes: a rollout.max_model_len within the model's positions where one would do, and else what
+    would (a shorter prompt or response), saying the model cannot take it (issue 55 item 17)."""
+    from lit_ppo.run.preflight import check_lengths
+
+    def line(max_model_len, max_positions, response_tokens, longest_prompt) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_lengths(
+                max_model_len=max_model_len,
+                max_positions=max_positions,
+                positions_source="config.json",
+                response_tokens=response_tokens,
+                response_key="rollout.max_response_tokens",
+                longest_prompt=longest_prompt,
+            )
+        return str(info.value)
+
+    # within the positions: raise max_model_len to what the prompt needs
+    assert line(128, 512, 8, (142, "train.jsonl:41")).endswith(
+        "fix: set rollout.max_model_len=150 or more (at most 512, the model's positions), or data.max_prompt_length=120 "
+        "(longer prompts then follow data.bad_records)"
+    )
+    # beyond them, with max_model_len below them: up to the positions with a shorter prompt, or shorter still
+    assert line(128, 256, 100, (200, "train.jsonl:7")).endswith(
+        "= 300 > rollout.max_model_len=128, which the model's 256 positions cannot hold either; fix: "
+        "rollout.max_model_len=256 with data.max_prompt_length=156, or data.max_prompt_length=28 (longer prompts "
+        "then follow data.bad_records), or lower rollout.max_response_tokens"
+    )
+    # at the positions already: no larger max_model_len is suggested
+    assert line(128, 128, 8, (142, "train.jsonl:41")).endswith(
+        "which the model's 128 positions cannot hold either; fix: data.max_prompt_length=120 (longer prompts then "
+        "follow data.bad_records)"
+    )
+    assert line(128, 128, 200, None).endswith("fix: lower rollout.max_response_tokens")
+    assert line(64, 128, 100, None).endswith(
+        "fix: lower rollout.max_response_tokens or raise rollout.max_model_len (at most 128)"
+    )
+    assert line(64, None, 100, None).endswith("fix: lower rollout.max_response_tokens or raise rollout.max_model_len")
 
 
 # ------------------------------------------------------------------ the model's files
@@ -558,3 +601,31 @@ def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_a
         ConfigError, match=r"^reward.fn: reward\(prompts, completions, answer, kwargs\) cannot be called"
     ):
         checks.check_reward_convention(parameters, "reward", "lit_ppo", "answer", [])
+
+
+def test_a_gpu_strategy_on_a_machine_without_a_gpu_is_refused_before_the_plan_in_a_training_run_only(
+    tmp_path, monkeypatch, no_training
+):
+    """strategy=fsdp's preset says accelerator: gpu: without a GPU a training run passed the pre-flight, printed its
+    plan, then stopped in Lightning's 30-line "No supported gpu backend found!" (issue 55 item 13). A training run is
+    refused in one line with the fix before the plan; mode=plan still plans the GPU cluster's run."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    fsdp = ["strategy=fsdp", "strategy.devices=2"]
+    message = refused(tmp_path, "mode=train", *fsdp, error=ConfigError)
+    assert message == (
+        "strategy.accelerator=gpu (strategy=fsdp) but torch finds no GPU on this machine; fix: strategy.accelerator=cpu "
+        "(strategy.devices=2: 2 CPU processes), or run on a machine with a GPU (mode=plan plans for GPUs on any machine)"
+    )
+    message = refused(tmp_path, "mode=train", "strategy.accelerator=cuda", error=ConfigError)
+    assert (
+        message.startswith("strategy.accelerator=cuda (strategy=single) but torch finds no GPU")
+        and "(strategy.devices" not in message
+    )
+    assert no_training == []
+    assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'plan'}", *fsdp)) is None
+    assert (tmp_path / "plan" / "plan.json").exists()
+    run_module.main(compose_config("mode=train", f"output_dir={tmp_path / 'cpu'}", *fsdp, "strategy.accelerator=cpu"))
+    assert len(no_training) == 1
