@@ -21,3 +21,17 @@ def long_prompts(tokenizer, count: int, low: int, high: int, seed: int = 0) -> l
 
 
 PROMPT_TOKENS = 110  # realistic length that still fits the tiny model's 128 positions with the response
+
+
+class CountingTokenizer:
+    """The tokenizer, with its calls and the texts of each counted."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.calls.append(1 if isinstance(text, str) else len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)

@@ -37,13 +37,15 @@ TIS = RolloutCorrectionConfig(mode="tis")
 def rollout_config(mode: str, k: int = 0, engine: str = "hf", episodes: EpisodesConfig | None = None, count: int = 1):
     """The tests' rollouts (temperature != 1, short responses) colocated or on `count` rollout workers with
     max_staleness k, on `engine`, single-turn or `episodes`."""
-    workers = {"mode": "disaggregated", "max_staleness": k} if mode == "disaggregated" else {}
+    workers = {}  # colocated: the workers' settings at their defaults (others are refused there)
+    if mode == "disaggregated":
+        workers_config = WorkersConfig(count=count, start_timeout_s=300.0, batch_timeout_s=120.0)
+        workers = {"mode": "disaggregated", "max_staleness": k, "workers": workers_config}
     return RolloutConfig(
         engine=engine,
         max_response_tokens=6,
         eval_samples_per_prompt=2,
         temperature=0.8,
-        workers=WorkersConfig(count=count, start_timeout_s=300.0, batch_timeout_s=120.0),
         **({"episodes": episodes} if episodes else {}),
         **workers,
     )

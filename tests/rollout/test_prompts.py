@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from lit_ppo.errors import ConfigError
 from lit_ppo.rollout.prompts import DataError, load_prompts
 from tests.helpers import write_jsonl
+from tests.helpers.prompts import CountingTokenizer
 
 RECORDS = [
     {"prompt": "What is 2+3?", "answer": 5, "topic": "add"},
@@ -315,20 +316,6 @@ def test_a_gzip_file_is_named_as_compressed_with_the_command_that_decompresses_i
     assert f"{path}: the file is gzip-compressed (it starts with the gzip bytes 1f 8b)" in message
     assert "fix: decompress it, e.g. `" + ("gunzip -k" if name.endswith(".gz") else "mv") in message
     assert "latin" not in message.lower() and "\n" not in message
-
-
-class CountingTokenizer:
-    """The tokenizer, with its calls and the texts of each counted."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls = tokenizer, []
-
-    def __call__(self, text, **kwargs):
-        self.calls.append(1 if isinstance(text, str) else len(text))
-        return self.tokenizer(text, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
 
 
 def test_a_file_is_tokenized_in_batches_and_streamed(tokenizer, tmp_path):

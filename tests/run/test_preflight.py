@@ -258,7 +258,7 @@ def test_the_pre_flight_streams_the_prompts_in_batches_and_shows_a_long_reads_pr
     (here at once)."""
     from lit_ppo.demo.tiny import build_char_tokenizer
     from lit_ppo.rollout import prompts
-    from tests.rollout.test_prompts import CountingTokenizer
+    from tests.helpers.prompts import CountingTokenizer
 
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(2100)])
     counting = CountingTokenizer(build_char_tokenizer())
