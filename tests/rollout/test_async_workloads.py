@@ -129,7 +129,7 @@ def test_the_hf_engine_and_episodes_are_planned_in_the_workers():
         "rollout.mode=disaggregated", "rollout.engine=hf", "+experiment=tool_arithmetic", "strategy.precision=32-true"
     )
     plan = compute_plan(config, 4000)
-    rows = {row[0]: row for row in plan.models.rows(plan)}
+    rows = {row[0]: row for row in plan.models.rows(workers=plan.workers is not None, lora=plan.lora)}
     assert rows["engine"][1] == "hf" and "in each rollout worker" in rows["engine"][2], rows["engine"]
     assert plan.workers.max_staleness == 1 and plan.episodes.max_turns == 3
 
