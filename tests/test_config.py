@@ -129,9 +129,9 @@ def test_ranges_are_written_beside_their_fields():
 @pytest.fixture
 def fresh_announcements(monkeypatch):
     """Each test sees the moved keys unannounced (a process announces each once)."""
-    import lit_ppo.config as config_module
+    import lit_ppo.config.root as root  # where the announced keys are kept
 
-    monkeypatch.setattr(config_module, "_announced", set())
+    monkeypatch.setattr(root, "_announced", set())
 
 
 def test_an_old_flat_rollout_key_on_the_command_line_works_and_is_announced_once(fresh_announcements, capsys):
