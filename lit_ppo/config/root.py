@@ -1,6 +1,6 @@
-"""The root of the config: `RunConfig`, which holds every section, and its road from Hydra (`from_hydra`: the keys of
-the last release moved to their new places, `move_keys` and `moved_overrides`, then every section parsed by
-`parse_section`)."""
+"""The root of the config: `RunConfig`, which holds every section and checks them against each other (`__post_init__`,
+calling each section's module), and its road from Hydra (`from_hydra`: the keys of the last release moved to their new
+places, `move_keys` and `moved_overrides`, then every section parsed by `parse_section`)."""
 
 from __future__ import annotations
 
