@@ -5,7 +5,7 @@ Hydra parses only `true` and `false` as booleans and hands any other word over a
 what it got would test for truth (`ppo.packing=off` would pack). So a boolean accepts the YAML spellings true/false,
 yes/no, on/off (any case) and nothing else; an integer refuses 8.5 and reads "8"; a float reads "1e-6"; a choice
 (`Literal`) is one of its choices; `X | None` is X or null; `list[X]` a list of X. A refusal is one ConfigError line
-naming the key, the value and what the key accepts. `parse_section` (lit_ppo/config.py) calls `read_field` for every
+naming the key, the value and what the key accepts. `parse_section` (lit_ppo/config/parse.py) calls `read_field` for every
 key it is given, so the dataclasses' own checks (`__post_init__`) see values of their types.
 """
 

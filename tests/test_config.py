@@ -129,9 +129,9 @@ def test_ranges_are_written_beside_their_fields():
 @pytest.fixture
 def fresh_announcements(monkeypatch):
     """Each test sees the moved keys unannounced (a process announces each once)."""
-    import lit_ppo.config as config_module
+    import lit_ppo.config.root as root  # where the announced keys are kept
 
-    monkeypatch.setattr(config_module, "_announced", set())
+    monkeypatch.setattr(root, "_announced", set())
 
 
 def test_an_old_flat_rollout_key_on_the_command_line_works_and_is_announced_once(fresh_announcements, capsys):
@@ -347,3 +347,39 @@ def test_a_rollout_key_set_under_its_old_and_new_name_is_refused(fresh_announcem
         ConfigError, match="rollout.worker_launch='spawn' and rollout.workers.launch='external' are both"
     ):
         RunConfig.from_hydra(cfg)
+
+
+# ---------------------------------------------------------------- the config package (issue 49)
+
+
+def test_the_config_is_small_modules_each_section_checked_beside_its_dataclass():
+    """lit_ppo/config/ (a 1,257-line config.py before): no module over 500 lines, and each `validate_<x>` in the module
+    of the dataclass it checks (its first parameter's type), every name importers use taken from `lit_ppo.config`."""
+    import typing
+
+    import lit_ppo.config as config
+    from tests.helpers import ROOT
+
+    lengths = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "lit_ppo" / "config").glob("*.py")}
+    assert len(lengths) >= 10 and max(lengths.values()) <= 500, lengths
+    checks = [getattr(config, name) for name in config.__all__ if name.startswith("validate_")]
+    assert len(checks) >= 8
+    for check in checks:
+        checked = typing.get_type_hints(check)[next(iter(inspect.signature(check).parameters))]
+        assert checked.__module__ == check.__module__, f"{check.__name__} checks {checked.__name__}, defined elsewhere"
+
+
+def test_the_workers_launch_is_read_in_one_module_of_the_config():
+    """rollout.workers.launch (six checks across 950 lines of config.py before) is checked in config/workers.py alone:
+    no other module of the config reads a `.launch` or a `.spawned`."""
+    import ast
+
+    from tests.helpers import ROOT
+
+    readers = {
+        path.name
+        for path in (ROOT / "lit_ppo" / "config").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("launch", "spawned")
+    }
+    assert readers == {"workers.py"}

@@ -187,7 +187,7 @@ class AheadOfTimeSource:
             max_logprob_abs_diff=r.max_logprob_abs_diff,
             host=w.trainer_address_host(),
         )
-        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_server_workers)
+        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_launch_in_run)
             from lit_ppo.rollout.workers.servers import ServerWorkers
 
             engine_kwargs = worker_engine_settings("vllm", datamodule, plan)

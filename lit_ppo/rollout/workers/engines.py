@@ -73,7 +73,7 @@ WORKER_ENGINES = {
     "vllm": WorkerEngine(vllm_settings, start_vllm),
     "hf": WorkerEngine(hf_settings, start_hf),
 }
-"""rollout.engine -> how a rollout worker runs it (config.py:ROLLOUT_ENGINES names the same; tests/rollout/test_async.py checks
+"""rollout.engine -> how a rollout worker runs it (config/rollout.py:ROLLOUT_ENGINES names the same; tests/rollout/test_async.py checks
 that every one has a row)."""
 
 

@@ -623,7 +623,7 @@ class ServerWorkers:
 
     @property
     def adapter_version(self) -> int:
-        return 0  # model.lora is refused with servers (config.py)
+        return 0  # model.lora is refused with servers (config/workers.py)
 
     @torch.no_grad()
     def update_weights(self, update: WeightUpdate) -> int:
