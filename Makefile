@@ -24,17 +24,21 @@ plan: .venv/installed
 test: .venv/installed
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow" $(DURATIONS) $(ARGS)
+
+# Every run of the suite ends with its wall time (pytest's last line) and its 10 slowest tests, so growth is seen
+# (issue 50: `make test` under 15 minutes on 2 idle cores without native bf16).
+DURATIONS := --durations=10 --durations-min=5
 
 # The suite down the path a CPU without native bf16 takes (precision auto -> 32-true), on any CPU: .ci/run runs it
 # after `make test` where bf16 is native, so a submission from such a machine tests the other path too. PyTorch's and
 # oneDNN's kernels are held to AVX2 as well (the ISA of such a CPU), so the kernels and their timings are the ones
 # that machine runs, not only the precision.
 test-no-bf16: .venv/installed
-	LIT_PPO_NATIVE_BF16=0 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -m "not slow" $(ARGS)
+	LIT_PPO_NATIVE_BF16=0 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -m "not slow" $(DURATIONS) $(ARGS)
 
 test-slow: .venv/installed
-	$(PY) -m pytest -m slow $(ARGS)
+	$(PY) -m pytest -m slow $(DURATIONS) $(ARGS)
 
 # Benchmarks (BENCHMARKS.md): TRL is an optional extra, installed only for them.
 BENCHES := vs_trl train_phase mfu weight_sync generation scaling lora_memory

@@ -487,7 +487,12 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.mark.parametrize(
-    "experiment,prompts,updates", [("qwen7b", 8532, 4), ("qwen1.5b", 8532, 4), ("qwen0.5b", 8532, 4)]
+    "experiment,prompts,updates",
+    [
+        ("qwen7b", 8532, 4),  # the process imports neither vLLM nor transformers: one experiment shows it
+        pytest.param("qwen1.5b", 8532, 4, marks=pytest.mark.slow),  # counts: test_conf_discovery, test_memory
+        pytest.param("qwen0.5b", 8532, 4, marks=pytest.mark.slow),
+    ],
 )
 def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updates, tmp_path):
     """`python train.py +experiment=<name> mode=plan` on a machine with no GPU, no weights and no data."""

@@ -144,7 +144,16 @@ FIXTURE_MODEL = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "auto"])
+# 32-true: every build_run test of make test trains in it; auto resolves to one of the others (test_auto_picks_...).
+@pytest.mark.parametrize(
+    "precision",
+    [
+        pytest.param("32-true", marks=pytest.mark.slow),
+        "bf16-mixed",
+        "bf16-true",
+        pytest.param("auto", marks=pytest.mark.slow),
+    ],
+)
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
     from lit_ppo.run import entry
 

@@ -81,6 +81,8 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
     assert [r["rollout/reward_mean"] for r in resumed.history] == [r["rollout/reward_mean"] for r in full.history]
 
 
+@pytest.mark.slow  # make test: test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable, the exact in-process
+# resumes here and test_ddp.py's train.py resume=auto; make test-slow: test_random_kills.py's 13 cases
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
     common = [
         "trainer.total_rollout_steps=4",

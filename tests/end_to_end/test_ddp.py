@@ -220,6 +220,7 @@ def test_two_padded_ranks_make_one_process_s_update_with_the_default_mini_batche
             assert float(b[key]) == pytest.approx(float(a[key]), rel=1e-4, abs=1e-8), key
 
 
+@pytest.mark.slow  # make test keeps test_a_two_rank_checkpoint_resumes_on_one_rank[ddp] (train.py resume=auto, exact)
 @RESUMES_OF_EACH_STRATEGY
 def test_resumed_run_continues_exactly(parallel_run, resumed_run):
     _, run = parallel_run

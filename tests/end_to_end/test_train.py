@@ -140,7 +140,14 @@ def test_the_preset_list_is_complete():
     )
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# grpo, gspo and cispo train through PPOModule in tests/training/test_packing.py (packed = padded update), dr_grpo in
+# tests/training/test_sampling.py; their estimators and losses in tests/test_algorithms.py: their two-step runs are slow.
+COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo"}
+
+
+@pytest.mark.parametrize(
+    "preset", [pytest.param(p, marks=pytest.mark.slow) if p in COVERED_PRESETS else p for p in PRESETS]
+)
 def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
     from lit_ppo.run import entry
 

@@ -176,6 +176,7 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
         scorer.close()
 
 
+@pytest.mark.slow  # make test: the pool's hang, crash and restart tests above; on_error=zero counted in test_workloads.py
 def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_path, caplog):
     """Two rollout steps with reward.workers=2 and on_error=zero: one sample kills its worker, one hangs
     past reward.timeout_s; both score 0, are named in the log, and the run finishes."""

@@ -166,6 +166,7 @@ def test_a_checkpoint_keeps_episodes_generated_ahead_with_their_masks():
 # ---------------------------------------------------------------- rollout.engine=hf in the workers
 
 
+@pytest.mark.slow  # make test: test_episodes_in_hf_workers_at_k0_equal_the_colocated_run (HF workers at k = 0, 2 of them)
 def test_hf_workers_at_k0_equal_the_colocated_hf_run_step_for_step(tiny_model_dir, long_prompt_files, tmp_path):
     """The worker's own HF engine, loaded from model_dir and given each pushed version, samples what the colocated HF
     engine (the actor itself) samples: same responses, log-probs, rewards, and the same weights after every step."""

@@ -217,6 +217,7 @@ def test_an_episode_with_a_tool_environment_runs_on_the_hf_engine(tiny_model_dir
     assert datamodule.engine.weights_version == 3  # the start and each rollout step: nothing to load
 
 
+@pytest.mark.slow  # make test: tests/end_to_end/test_gpu_scripts.py's train.py smokes with rollout.engine=hf and vLLM unimportable
 def test_train_py_runs_with_the_hf_engine_and_no_vllm(tmp_path):
     """`python train.py rollout.engine=hf` on a machine without vLLM (made unimportable here): two rollout steps in the
     precision `auto` picks, temperature 0.7, the log-prob check active and passed, evaluation at every step."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from transformers import AutoTokenizer
 
 from lit_ppo.rollout.engine import sampling_seeds
@@ -150,6 +151,7 @@ def write_gsm8k_file(path, count: int, seed: int) -> None:
     path.write_text("".join(lines))
 
 
+@pytest.mark.slow  # make test: the prefill and chat-stop tests above on the shared engine, test_workloads.py's gsm8k run
 def test_gsm8k_format_run_completes(tmp_path):
     """`train.py data=gsm8k reward=math` as a new user runs it on a GSM8K-format file: 100-300-token chat prompts
     whose end-of-turn token is not EOS, 16 prompts x 4 samples = 64 sequences in flight (32 tokens each),

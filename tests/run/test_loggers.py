@@ -268,6 +268,7 @@ def test_the_evaluation_before_any_update_is_shown_before_rollout_step_1(capsys)
     assert "eval samples" not in capsys.readouterr().out  # shown once
 
 
+@pytest.mark.slow  # make test: the wandb run's rows from step 0 (the module's logger loop) and the TensorBoard config test
 def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

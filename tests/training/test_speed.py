@@ -252,6 +252,7 @@ def test_token_budget_micro_batches_same_gradients_less_padding(tiny_model_dir, 
     assert 0 <= padding < padding_fixed
 
 
+@pytest.mark.slow  # a performance property (a fresh engine of its own); the warm-up runs at every engine start
 def test_the_first_rollout_batch_after_engine_start_compiles_nothing(tiny_model_dir):
     """vLLM compiles its log-prob ranking kernel (torch.compile) on first use; VLLMEngine pays that at start-up
     (`_warm_up`), so the first rollout step is timed like the others. Checked in a fresh process (this one's engine
