@@ -598,8 +598,10 @@ def test_a_flat_plan_of_an_old_checkpoint_maps_to_the_sections():
     written before the sections (bench/plan_tables.py): mapped by `sections_of`, it is this version's plan of the same
     config from the same pre-flight (prompt lengths, LoRA targets matched on the tiny model), value for value."""
     flat = json.loads(FLAT_V1.read_text())
-    config, prompt_stats, lora_targets = run_module.preflight(compose_run_config("model.lora.rank=8"))
-    now = compute_plan(config, 2000, prompt_stats, lora_targets).to_dict()
+    from lit_ppo.run.prepare import preflight
+
+    checked = preflight(compose_run_config("model.lora.rank=8", "mode=plan"))
+    now = compute_plan(checked.config, 2000, checked.prompt_stats, checked.lora_targets).to_dict()
     newer = {
         "shared_prefix",
         "expected_prefix_tokens_saved_per_micro_batch",

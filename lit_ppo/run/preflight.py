@@ -1,6 +1,6 @@
 """Pre-flight checks: what a user can get wrong, caught before any model loads, each in one line.
 
-`mode=plan` and every training run pass through them (`run/entry.py:preflight`, the one caller, which reads the
+`mode=plan` and every training run pass through them (`run/prepare.py:preflight`, the one caller, which reads the
 values out of the config). They read only what is cheap to read: the model's config.json and tokenizer files,
 the prompt files, a reward function's or environment's signature (bound, never called). Each function here
 takes plain values (paths, numbers, callables) and raises a `UserError` naming the key or file:line and the fix.
