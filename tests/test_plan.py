@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from lit_ppo.checkpoints import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import compute_plan, sections_of
 from lit_ppo.run import entry as run_module
+from lit_ppo.training.state import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from tests.helpers import ROOT, compose_config, compose_run_config, plan_of
 
 REPO = ROOT
