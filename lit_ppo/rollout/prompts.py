@@ -82,9 +82,26 @@ def check_not_gzip(path: Path, key: str | None = None) -> None:
     )
 
 
-def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
-    """Yield (location, record); location names the file and line (or row) for messages."""
-    check_not_gzip(path)
+def check_utf8(path: Path, key: str | None = None) -> None:
+    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line. A gzip-compressed
+    file (under any name) is named as such, with the command that decompresses it. `key`: the setting that names the
+    file (data.path)."""
+    check_not_gzip(path, key)
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; {key}); fix: "
+                    "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`"
+                ) from None
+
+
+def _read_records(path: Path, key: str | None = None) -> Iterator[tuple[str, dict]]:
+    """Yield (location, record); location names the file and line (or row) for messages. `key`: the setting that
+    names the file (data.path), for the refusal of a compressed or non-UTF-8 file."""
+    check_not_gzip(path, key)
     if path.is_dir():
         try:
             import datasets
@@ -113,23 +130,28 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
     elif path.suffix in (".jsonl", ".json"):
         # utf-8-sig: a byte-order mark at the start (Windows tools write one) is read past, as JSON readers do
         with open(path, encoding="utf-8-sig") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                line = line.rstrip("\r\n")  # a column past the record's end is on its own line, not the next
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}:{line_no}:{e.colno}: malformed JSON ({e.msg} at line {line_no}, column {e.colno}: "
-                        f"{_around(line, e.pos)!r}); fix: repair that record (a JSONL file holds one JSON object per "
-                        "line)"
-                    ) from e
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line"
-                    )
-                yield f"{path}:{line_no}", record
+            try:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    line = line.rstrip("\r\n")  # a column past the record's end is on its own line, not the next
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(
+                            f"{path}:{line_no}:{e.colno}: malformed JSON ({e.msg} at line {line_no}, column "
+                            f"{e.colno}: {_around(line, e.pos)!r}); fix: repair that record (a JSONL file holds one "
+                            "JSON object per line)"
+                        ) from e
+                    if not isinstance(record, dict):
+                        raise DataError(
+                            f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object "
+                            "per line"
+                        )
+                    yield f"{path}:{line_no}", record
+            except UnicodeDecodeError:  # not UTF-8: its first such line named (the bytes scanned on this error only)
+                check_utf8(path, key)
+                raise
     else:
         raise ConfigError(
             f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder"
@@ -295,7 +317,8 @@ def iter_prompts(
             yield Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location)
 
     if generated is None:
-        read, estimate = _read_records(path), lambda: records_estimate(path)
+        key = name.partition("=")[0] if name else None  # data.path=...: the setting, for a refusal of the file
+        read, estimate = _read_records(path, key), lambda: records_estimate(path)
     else:
         read, estimate = ((f"{path}:{i}", r) for i, r in enumerate(generated, start=1)), lambda: len(generated)
     progress = ReadingProgress(name or str(path), estimate)

@@ -22,7 +22,7 @@ from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
-from lit_ppo.rollout.prompts import PromptSet
+from lit_ppo.rollout.prompts import PromptSet, check_utf8
 from lit_ppo.run import preflight as checks
 
 log = logging.getLogger("lit_ppo")
@@ -137,9 +137,6 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         files = [
             (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
         ]
-        for path, key in files:
-            if path.is_file() and path.suffix in (".jsonl", ".json", ".gz"):
-                checks.check_utf8(path, key)
 
     tokenizer, max_positions, positions_source, model_type = None, None, "", None
     architecture, model_name = None, ""  # a transformers config, or the directory of config.json
@@ -184,6 +181,9 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         prompts = PromptsRead(*prompt_lengths(data, tokenizer, [path for path, _ in files]))
     for note in prompts.notes if prompts else []:
         show(note)
+    for path, key in files if prompts is None else []:  # not read here (no tokenizer): their encoding at least
+        if path.is_file() and path.suffix in (".jsonl", ".json", ".gz"):
+            check_utf8(path, key)
     if environment is not None:
         response_key = (
             "rollout.episodes.max_tokens"

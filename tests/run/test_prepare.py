@@ -45,9 +45,9 @@ def counted(monkeypatch, function) -> list[tuple]:
 def test_a_run_reads_its_prompt_files_and_computes_its_plan_once(
     mode, data, engine, arithmetic_files, tmp_path, monkeypatch
 ):
-    """It read each prompt file twice (the pre-flight, then the training run or the evaluation) and planned twice;
-    under strategy=ddp every rank did so. Now once each: the arithmetic task's generated prompts are not read back
-    from the files the run writes either."""
+    """It read each prompt file twice (the pre-flight, then the training run or the evaluation), scanned its bytes
+    once more (the pre-flight's UTF-8 check), and planned twice; under strategy=ddp every rank did so. Now once each:
+    the arithmetic task's generated prompts are not read back from the files the run writes either."""
     import lit_ppo.run.evaluate
     import lit_ppo.run.train  # noqa: F401 (loaded: their names of the counted functions are counted too)
 
@@ -59,8 +59,10 @@ def test_a_run_reads_its_prompt_files_and_computes_its_plan_once(
     )
     plans = counted(monkeypatch, plan_module.compute_plan)
     reads = counted(monkeypatch, prompts_module._read_records)
+    scans = counted(monkeypatch, prompts_module.check_utf8)  # a pass over a file's bytes (its encoding)
     result = entry.run(config, tmp_path, engine=engine)
     assert [Path(path) for path, *_ in reads] == ([train_file, eval_file] if data == "file" else [])
+    assert scans == []  # the read itself names a line that is not UTF-8
     assert len(plans) == 1
     if mode == "train":
         assert result["rollout_steps"] == 1
