@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from lit_ppo.checkpoints import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from lit_ppo.config import PPOConfig, RolloutConfig, parse_section
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import compute_plan, sections_of
 from lit_ppo.run import entry as run_module
+from lit_ppo.training.state import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from tests.helpers import ROOT, compose_config, compose_run_config, plan_of
 
 REPO = ROOT
@@ -603,8 +603,10 @@ def test_a_flat_plan_of_an_old_checkpoint_maps_to_the_sections():
     written before the sections (bench/plan_tables.py): mapped by `sections_of`, it is this version's plan of the same
     config from the same pre-flight (prompt lengths, LoRA targets matched on the tiny model), value for value."""
     flat = json.loads(FLAT_V1.read_text())
-    config, prompt_stats, lora_targets = run_module.preflight(compose_run_config("model.lora.rank=8"))
-    now = compute_plan(config, 2000, prompt_stats, lora_targets).to_dict()
+    from lit_ppo.run.prepare import preflight
+
+    checked = preflight(compose_run_config("model.lora.rank=8", "mode=plan"))
+    now = compute_plan(checked.config, 2000, checked.prompt_stats, checked.lora_targets).to_dict()
     newer = {
         "shared_prefix",
         "expected_prefix_tokens_saved_per_micro_batch",

@@ -263,11 +263,11 @@ def test_a_file_that_is_not_a_lit_ppo_checkpoint_is_refused_in_one_line(tmp_path
 def test_train_py_resumes_from_the_intact_checkpoint_and_refuses_a_truncated_one_in_one_line(tmp_path):
     """At train.py's level, without any model: a warning line then the older checkpoint's "finished" line (exit 0;
     the run finished at the intact one), and resume=<the truncated file> refused in one line (exit 2)."""
-    from lit_ppo.run.entry import preflight
+    from lit_ppo.run.prepare import preflight
 
     out = tmp_path / "run"
     overrides = ["trainer.total_rollout_steps=1", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
-    config, _, _ = preflight(compose_run_config(*overrides))  # as the run wrote it: ppo.packing resolved
+    config = preflight(compose_run_config(*overrides)).config  # as the run wrote it: ppo.packing resolved
     out.mkdir()
     (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
     (out / "summary.json").write_text(json.dumps({"rollout_steps": 1}))

@@ -16,7 +16,7 @@ from lit_ppo.plan.table import Row
 class PromptStats:
     """The training prompts' lengths in tokens as the run reads them (after the chat template and
     data.max_prompt_length): what the plan's expected tokens per micro-batch rest on. Measured by the pre-flight
-    (`run/entry.py:preflight`, `mode=plan`) and by a training run from the prompts it loaded; None where the prompts
+    (`run/prepare.py:preflight`, `mode=plan`) and by a training run from the prompts it loaded; None where the prompts
     or the tokenizer are not on this machine."""
 
     count: int  # prompts

@@ -3,7 +3,8 @@
 Bad records (empty prompt, missing key, prompt longer than `max_prompt_length` tokens) follow the
 user's policy: `error` stops with the file and line, `skip` drops them and counts each reason. A file is read as a
 stream (`iter_prompts`), tokenized in batches, with its progress on the console when it takes more than a few seconds:
-the pre-flight (`mode=plan`) keeps only the prompts' lengths, the run keeps the prompts (`load_prompts`).
+the pre-flight (`run/prepare.py:read_prompts`) keeps only the prompts' lengths in `mode=plan`, and for a run the prompts
+themselves, from the same single read.
 """
 
 from __future__ import annotations
@@ -81,9 +82,26 @@ def check_not_gzip(path: Path, key: str | None = None) -> None:
     )
 
 
-def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
-    """Yield (location, record); location names the file and line (or row) for messages."""
-    check_not_gzip(path)
+def check_utf8(path: Path, key: str | None = None) -> None:
+    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line. A gzip-compressed
+    file (under any name) is named as such, with the command that decompresses it. `key`: the setting that names the
+    file (data.path)."""
+    check_not_gzip(path, key)
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; {key}); fix: "
+                    "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`"
+                ) from None
+
+
+def _read_records(path: Path, key: str | None = None) -> Iterator[tuple[str, dict]]:
+    """Yield (location, record); location names the file and line (or row) for messages. `key`: the setting that
+    names the file (data.path), for the refusal of a compressed or non-UTF-8 file."""
+    check_not_gzip(path, key)
     if path.is_dir():
         try:
             import datasets
@@ -112,23 +130,28 @@ def _read_records(path: Path) -> Iterator[tuple[str, dict]]:
     elif path.suffix in (".jsonl", ".json"):
         # utf-8-sig: a byte-order mark at the start (Windows tools write one) is read past, as JSON readers do
         with open(path, encoding="utf-8-sig") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                line = line.rstrip("\r\n")  # a column past the record's end is on its own line, not the next
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}:{line_no}:{e.colno}: malformed JSON ({e.msg} at line {line_no}, column {e.colno}: "
-                        f"{_around(line, e.pos)!r}); fix: repair that record (a JSONL file holds one JSON object per "
-                        "line)"
-                    ) from e
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object per line"
-                    )
-                yield f"{path}:{line_no}", record
+            try:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    line = line.rstrip("\r\n")  # a column past the record's end is on its own line, not the next
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(
+                            f"{path}:{line_no}:{e.colno}: malformed JSON ({e.msg} at line {line_no}, column "
+                            f"{e.colno}: {_around(line, e.pos)!r}); fix: repair that record (a JSONL file holds one "
+                            "JSON object per line)"
+                        ) from e
+                    if not isinstance(record, dict):
+                        raise DataError(
+                            f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; fix: one object "
+                            "per line"
+                        )
+                    yield f"{path}:{line_no}", record
+            except UnicodeDecodeError:  # not UTF-8: its first such line named (the bytes scanned on this error only)
+                check_utf8(path, key)
+                raise
     else:
         raise ConfigError(
             f"data: cannot read {path} (suffix {path.suffix!r}); fix: use .jsonl, .parquet or a `datasets` save_to_disk folder"
@@ -247,15 +270,17 @@ def iter_prompts(
     bad_records: str = "error",
     skipped: Counter | None = None,
     name: str = "",
+    generated: list[dict] | None = None,
 ) -> Iterator[Prompt]:
     """The usable prompts of `path` in file order, streamed: read, formatted and tokenized TOKENIZE_BATCH records at a
     time, so that a caller that keeps only their lengths holds one batch. Bad records follow `bad_records`: `error`
     stops at the first in file order, `skip` counts each reason in `skipped`; DataError where none is usable. `name`
-    (`data.path=...`) names the file on the progress line of a long read."""
+    (`data.path=...`) names the file on the progress line of a long read. `generated`: the file's records, given in
+    place of reading it (the arithmetic task's; the run writes them to `path`, one a line), named by their lines."""
     if bad_records not in ("error", "skip"):
         raise ConfigError(f"data.bad_records={bad_records!r}; fix: use 'error' or 'skip'")
     path = Path(path)
-    if not path.exists():
+    if generated is None and not path.exists():
         raise ConfigError(
             f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file"
         )
@@ -291,10 +316,15 @@ def iter_prompts(
             usable += 1
             yield Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location)
 
-    progress = ReadingProgress(name or str(path), lambda: records_estimate(path))
+    if generated is None:
+        key = name.partition("=")[0] if name else None  # data.path=...: the setting, for a refusal of the file
+        read, estimate = _read_records(path, key), lambda: records_estimate(path)
+    else:
+        read, estimate = ((f"{path}:{i}", r) for i, r in enumerate(generated, start=1)), lambda: len(generated)
+    progress = ReadingProgress(name or str(path), estimate)
     pending, records = [], 0  # records read and not yet tokenized; records read
     try:
-        for location, record in _read_records(path):
+        for location, record in read:
             missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
             if missing and not records:  # missing from the very first record: a key setting that names no field
                 settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
@@ -351,9 +381,8 @@ def data_prompt_settings(data: DataConfig) -> dict:
 
 
 def load_data_prompts(path: str | Path, tokenizer, data: DataConfig, name: str = "") -> PromptSet:
-    """`load_prompts` with the `data` settings: the one way the run (run/train.py) reads a prompt file; its pre-flight
-    (run/entry.py) streams the same prompts through `iter_prompts` with the same settings, so that it measures and
-    counts the prompts the run will train on."""
+    """`load_prompts` with the `data` settings: one file's prompts as a run reads them (`run/prepare.py:read_prompts`,
+    which reads a run's files once through `iter_prompts` with the same settings, for the run and its plan)."""
     return load_prompts(path, tokenizer, name=name, **data_prompt_settings(data))
 
 

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 import typing
 from difflib import get_close_matches
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
+from lit_ppo.config import RunConfig
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import LoraTargets, PromptStats, compute_plan
 from lit_ppo.run import preflight as checks
 from lit_ppo.run.directories import check_run_directories
 from lit_ppo.run.lock import run_lock
+from lit_ppo.run.prepare import prepare_run
 from lit_ppo.run.report import write_plan
 
 log = logging.getLogger("lit_ppo")
@@ -66,172 +64,6 @@ def check_resume_directory(resume: str | None, timestamped: bool, run_directory:
             "rollout step 0; fix: give the run a fixed directory, the same on every start: output_dir=runs/<name> "
             "resume=auto"
         )
-
-
-def preflight(config: RunConfig) -> tuple[RunConfig, PromptStats | None, LoraTargets | None]:
-    """The pre-flight checks of lit_ppo/run/preflight.py on these settings, before the plan and before any model loads
-    (the one place that reads them out of the config). A training run needs the model's files; `mode=plan`
-    checks what is on this machine and plans without the rest. Returns the settings with ppo.packing resolved where
-    the model's type is known (`checks.resolve_packing`), the training prompts' lengths in tokens that the plan's
-    expected tokens per micro-batch rest on (None where the tokenizer or the prompt files are not on this machine),
-    and with model.lora the modules it adapts, matched on the model built from its config.json on the meta device
-    (None without LoRA, or where config.json is not on this machine). `mode=eval` loads its model as a training run
-    does, and is checked as one."""
-    training = config.mode != "plan"  # a run that loads the model: mode=train or mode=eval
-    rollout, data = config.rollout, config.data
-    checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
-    if training:
-        checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
-    environment = rollout.episodes.environment
-    checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
-    if environment is not None and environment.get("_target_"):
-        environment_class = checks.resolve_target(environment["_target_"], "rollout.episodes.environment")
-        arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
-        checks.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
-    spec = config.reward.fn
-    target = checks.resolve_target(spec.get("_target_"), "reward.fn")
-    bound = {k: v for k, v in spec.items() if not k.startswith("_")}
-    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}"
-    checks.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
-    checks.check_reward_convention(
-        checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
-        name,
-        config.reward.signature,
-        data.answer_key,
-        list(data.extra_keys),
-    )
-    files = []
-    if data.source == "file":
-        files = [
-            (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
-        ]
-        for path, key in files:
-            if path.is_file() and path.suffix in (".jsonl", ".json", ".gz"):
-                checks.check_utf8(path, key)
-
-    tokenizer, max_positions, positions_source, model_type = None, None, "", None
-    architecture, model_name = None, ""  # a transformers config, or the directory of config.json
-    if config.model.path:
-        model = checks.find_model_files(config.model.path, required=training, offline=checks.hub_offline())
-        if model is not None:
-            max_positions, positions_source = model.max_positions, model.source
-            model_type = model.config.get("model_type")
-            architecture, model_name = model.directory, f"model.path={config.model.path} ({model.source})"
-            from transformers import AutoTokenizer
-
-            try:  # a hub model's tokenizer by its name when training (fetched as the run would); else what is here
-                tokenizer = AutoTokenizer.from_pretrained(
-                    config.model.path if training and not model.local else model.directory
-                )
-            except Exception as e:
-                if training:
-                    raise ConfigError(
-                        f"model.path={config.model.path}: its tokenizer cannot be loaded "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); fix: save the tokenizer "
-                        "beside the model (tokenizer.save_pretrained)"
-                    ) from None
-    elif config.model.tiny is not None:  # the tiny model: its shape is in the config and its tokenizer is built
-        from lit_ppo.demo.tiny import build_char_tokenizer, tiny_config
-
-        tokenizer = build_char_tokenizer()
-        max_positions, positions_source = config.model.tiny.max_position_embeddings, "model.tiny"
-        model_type = "qwen2"  # lit_ppo.demo.tiny builds a Qwen2 model
-        architecture = tiny_config(tokenizer, **dataclasses.asdict(config.model.tiny))
-        model_name = "the tiny model (model.tiny)"
-    if tokenizer is not None:
-        note = checks.pad_token_note(config.model.path or "the tiny model", tokenizer.pad_token, tokenizer.eos_token)
-        if note:
-            show(note)
-
-    longest, prompt_stats = None, None
-    if tokenizer is not None and (data.source == "arithmetic" or all(path.exists() for path, _ in files)):
-        train_lengths, longest, notes = prompt_lengths(data, tokenizer, [path for path, _ in files])
-        prompt_stats = PromptStats.of(train_lengths)
-        for note in notes:
-            show(note)
-    if environment is not None:
-        response_key = (
-            "rollout.episodes.max_tokens"
-            if rollout.episodes.max_tokens
-            else "rollout.episodes.max_turns x max_response_tokens"
-        )
-    else:
-        response_key = "rollout.max_response_tokens"
-    checks.check_lengths(
-        max_model_len=rollout.max_model_len,
-        max_positions=max_positions,
-        positions_source=positions_source,
-        response_tokens=rollout.response_budget_tokens(),
-        response_key=response_key,
-        longest_prompt=longest,
-    )
-    if training:
-        checks.check_attention(config.model.attn_implementation, config.strategy.accelerator)
-    packing = checks.resolve_packing(config.ppo.packing, model_type)
-    shared_prefix = config.ppo.shared_prefix
-    if packing is not False and architecture is not None:  # the layout exact for this model, or off (null)
-        # config.json read as it is (no transformers import in mode=plan): the layout reads model_type and its windows
-        model_config = architecture
-        if not hasattr(architecture, "model_type"):
-            model_config = SimpleNamespace(**json.loads((Path(architecture) / "config.json").read_text()))
-        shared_prefix = checks.resolve_shared_prefix(shared_prefix, model_config, config.model.attn_implementation)
-    lora, lora_targets = config.model.lora, None
-    if lora.enabled and architecture is None:
-        show(
-            f"LoRA targets: model.lora.target_modules={lora.target_modules} not matched on the model here (its "
-            "config.json is not on this machine); a run matches them before its model loads"
-        )
-    elif lora.enabled:
-        lora_targets = checks.lora_targets(
-            checks.meta_model(architecture, model_name), lora.target_modules, lora.rank, model_name
-        )
-    ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
-    return dataclasses.replace(config, ppo=ppo), prompt_stats, lora_targets
-
-
-def prompt_lengths(
-    data: DataConfig, tokenizer, paths: list[Path]
-) -> tuple[list[int], tuple[int, str] | None, list[str]]:
-    """The training prompts' lengths in tokens as the run will see them (after the chat template, within
-    data.max_prompt_length under data.bad_records), the longest prompt of all (training and held-out ones) with
-    where it is, and the notes on repeated prompts (`repetition_notes`). `paths`: data.path first, then
-    data.eval_path if set. A file's prompts are streamed (`iter_prompts`, the run's reading and filtering): only
-    their lengths and digests are kept."""
-    from lit_ppo.rollout.prompts import (
-        data_prompt_settings,
-        format_prompt,
-        iter_prompts,
-        prompt_digest,
-        repetition_notes,
-    )
-
-    chat = data.chat_template
-    if data.source == "arithmetic":
-        from lit_ppo.demo.arithmetic import problems_of
-
-        try:
-            train, evaluation = problems_of(data)
-        except ValueError as e:  # its messages name the data keys and the fix
-            raise ConfigError(str(e)) from e
-        texts = [
-            format_prompt(r["prompt"], tokenizer, chat_template=chat, system_prompt=data.system_prompt)
-            for r in train + evaluation
-        ]
-        lengths = [len(tokenizer(t, add_special_tokens=not chat).input_ids) for t in texts]
-        longest = max(((n, f"the arithmetic prompt {t!r}") for n, t in zip(lengths, texts)), default=None)
-        return lengths[: len(train)], longest, []
-    if not paths:
-        return [], None, []
-    # the same reading and filtering as the run's (run/train.py:load_prompt_sets), keeping lengths and digests only
-    names = [f"{key}={path}" for key, path in zip(("data.path", "data.eval_path"), paths)]
-    lengths, digests, longest = [[] for _ in paths], [[] for _ in paths], None
-    for i, path in enumerate(paths):
-        for prompt in iter_prompts(path, tokenizer, name=names[i], **data_prompt_settings(data)):
-            lengths[i].append(len(prompt.prompt_ids))
-            digests[i].append(prompt_digest(prompt))
-            longest = max(longest or (0, ""), (len(prompt.prompt_ids), prompt.location))
-    notes = repetition_notes(digests[0], digests[1] if len(paths) > 1 else None, *names)
-    return lengths[0], longest, notes
 
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -344,7 +176,7 @@ def compose_run_config(*overrides: str) -> RunConfig:
 
 def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """From typed settings to a run, the one road: the run directory's check and lock (held while the run lasts:
-    lit_ppo/run/lock.py), the pre-flight, the plan; `mode=plan` writes the plan and returns None, `mode=eval`
+    lit_ppo/run/lock.py), the run prepared once (`prepare_run`: the pre-flight, the prompts read, the plan); `mode=plan` writes the plan and returns None, `mode=eval`
     evaluates the model (`lit_ppo.run.evaluate.evaluate`) and returns eval.json's record, a training run trains
     (`lit_ppo.run.train.train`) and returns its summary.
     `python train.py` comes here through `main`, and so do the tests' in-process runs of it, with `engine` a vLLM
@@ -357,21 +189,19 @@ def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
 
         check_evaluation_settings(config, output_dir)
     with run_lock(output_dir):
-        config, prompt_stats, lora_targets = preflight(config)
-        size, source = planned_dataset_size(config.data, prompt_stats)
-        plan = compute_plan(config, size, prompt_stats, lora_targets)
+        prepared = prepare_run(config, output_dir)  # the pre-flight, the prompts read and the plan, once
         if config.mode == "plan":
-            write_plan(plan, output_dir, source, config)
+            write_plan(prepared.plan, output_dir, prepared.dataset, prepared.config)
             show(f"plan written to {output_dir / 'plan.json'}")
             return None
         if config.mode == "eval":  # the run's evaluation alone, through the same functions (heavy imports only now)
             from lit_ppo.run.evaluate import evaluate, evaluation_plan
 
-            show(evaluation_plan(config, plan, output_dir))
-            return evaluate(config, output_dir, engine=engine, lora_targets=lora_targets)
+            show(evaluation_plan(prepared, output_dir))
+            return evaluate(prepared.config, output_dir, engine=engine, prepared=prepared)
         from lit_ppo.run.train import train  # heavy imports only when training
 
-        return train(config, output_dir, engine=engine, lora_targets=lora_targets)
+        return train(prepared.config, output_dir, engine=engine, prepared=prepared)
 
 
 def main(cfg: DictConfig) -> dict | None:

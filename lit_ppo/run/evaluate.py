@@ -25,21 +25,21 @@ from torch.utils.data import DataLoader
 
 from lit_ppo.atomic import write_text_atomic
 from lit_ppo.checkpoints import resolve_resume
-from lit_ppo.config import RunConfig, count_records
+from lit_ppo.config import RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import LoraTargets, StepPlan, compute_plan
+from lit_ppo.plan import StepPlan
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import format_samples
+from lit_ppo.run.prepare import DATA_FOLDERS, PreparedRun, prepare_run
 from lit_ppo.run.train import (
     check_shared_engine,
     lightning_strategy,
-    load_prompt_sets,
-    load_tokenizer,
-    prepare_data,
     prepare_model,
+    run_tokenizer,
+    write_generated_data,
 )
 from lit_ppo.signals import starting
 
@@ -80,17 +80,6 @@ def model_label(config: RunConfig, checkpoint: Path | None) -> str:
     return f"the actor of {checkpoint} (on {base})" if checkpoint is not None else base
 
 
-def evaluation_prompt_count(config: RunConfig) -> tuple[int, str]:
-    """The held-out prompts before any tokenizer loads (`mode=eval`'s plan; the evaluation counts those it keeps)."""
-    data = config.data
-    if data.source == "arithmetic":
-        return data.n_eval, "generated arithmetic problems (data.n_eval)"
-    path = Path(data.eval_path)
-    if path.is_file() and path.suffix in (".jsonl", ".json", ".parquet"):
-        return count_records(path), f"records in data.eval_path={path} (before length filtering)"
-    return -1, f"data.eval_path={path}"
-
-
 def engine_description(plan: StepPlan, config: RunConfig) -> str:
     rollout = config.rollout
     if plan.workers and plan.workers.launch == "server":
@@ -107,15 +96,18 @@ def engine_description(plan: StepPlan, config: RunConfig) -> str:
     return f"vLLM in this process ({plan.models.rollout_dtype})"
 
 
-def evaluation_plan(config: RunConfig, plan: StepPlan, output_dir: Path) -> str:
+def evaluation_plan(prepared: PreparedRun, output_dir: Path) -> str:
     """What `mode=eval` will do, printed before any model loads (in place of the training run's step plan)."""
+    config, plan = prepared.config, prepared.plan
     rollout = config.rollout
     checkpoint = resolve_resume(config.resume, Path(output_dir) / "checkpoints")
-    count, source = evaluation_prompt_count(config)
+    source = "generated arithmetic problems (data.n_eval)"
+    if config.data.source != "arithmetic":  # those the pre-flight kept (data.bad_records, data.max_prompt_length)
+        source = f"data.eval_path={config.data.eval_path}, as the run reads them"
     k = rollout.eval_samples_per_prompt
     rows = [
         ("model", model_label(config, checkpoint)),
-        ("prompts", f"{count if count >= 0 else '?'} held-out prompts: {source}"),
+        ("prompts", f"{len(prepared.eval_prompts)} held-out prompts: {source}"),
         ("greedy", "1 response per prompt at temperature 0: eval/reward, eval/response_length"),
         (
             "sampled",
@@ -141,10 +133,13 @@ class EvaluationDataModule(RolloutDataModule):
         return DataLoader([0], batch_size=None)
 
 
-def evaluate(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTargets | None = None) -> dict | None:
+def evaluate(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRun | None = None) -> dict | None:
     """The evaluation of `mode=eval`: eval.json's record (None on ranks > 0, which write nothing). `engine`: a vLLM
     engine to share between single-process runs of one architecture (the tests'); the model's weights are pushed
-    into it, as into any engine."""
+    into it, as into any engine. `prepared`: this config's run as `lit_ppo.run.entry.run` prepared it (`prepare_run`:
+    the pre-flight, the prompts, the plan); without it, prepared here the same way."""
+    prepared = prepared or prepare_run(config, output_dir)
+    config = prepared.config
     quiet_known_warnings()
     check_shared_engine(engine, config)
     adopt_library_loggers()
@@ -153,18 +148,18 @@ def evaluate(config: RunConfig, output_dir: Path, engine=None, lora_targets: Lor
     L.seed_everything(config.seed, workers=True)
     rank_zero = rank_zero_only.rank == 0
     checkpoint = resolve_resume(config.resume, output_dir / "checkpoints")
-    # The arithmetic prompts beside eval.json, not in data/: output_dir may be the run's own (resume=auto).
-    train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero, folder="eval_data")
-    model_dir = prepare_model(config, train_records)
-    tokenizer = load_tokenizer(model_dir)
-    train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
+    if rank_zero:  # the arithmetic prompts beside eval.json, not in data/: output_dir may be a run's own (resume=auto)
+        write_generated_data(prepared, output_dir, DATA_FOLDERS["eval"])
+    model_dir = prepare_model(config, prepared.records[0] if prepared.records else None)
+    tokenizer = run_tokenizer(prepared, model_dir)
+    train_prompts, eval_prompts = prepared.train_prompts, prepared.eval_prompts
     if not eval_prompts:
         raise ConfigError(
-            f"mode=eval: none of the held-out prompts in {eval_path} is kept (each longer than "
+            f"mode=eval: none of the held-out prompts in {config.data.eval_path} is kept (each longer than "
             f"data.max_prompt_length={config.data.max_prompt_length} tokens, or empty); fix: raise "
             "data.max_prompt_length or check data.prompt_key"
         )
-    plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
+    plan = prepared.plan
     if checkpoint is None:  # only the actor generates: no critic or reference to load (a checkpoint restores them)
         plan = dataclasses.replace(
             plan, models=dataclasses.replace(plan.models, critic_enabled=False, reference_enabled=False)

@@ -1,6 +1,6 @@
 """Pre-flight checks: what a user can get wrong, caught before any model loads, each in one line.
 
-`mode=plan` and every training run pass through them (`run/entry.py:preflight`, the one caller, which reads the
+`mode=plan` and every training run pass through them (`run/prepare.py:preflight`, the one caller, which reads the
 values out of the config). They read only what is cheap to read: the model's config.json and tokenizer files,
 the prompt files, a reward function's or environment's signature (bound, never called). Each function here
 takes plain values (paths, numbers, callables) and raises a `UserError` naming the key or file:line and the fix.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_ppo.config import close_match_hints
-from lit_ppo.errors import ConfigError, DataError
+from lit_ppo.errors import ConfigError
 
 if TYPE_CHECKING:
     from lit_ppo.plan import LoraTargets
@@ -213,21 +213,7 @@ def check_environment_turns(has_environment: bool, max_turns: int) -> None:
 # ------------------------------------------------------------------ files
 
 
-def check_utf8(path: Path, key: str) -> None:
-    """A text prompt file (JSONL) must be UTF-8: the first line that is not, named as file:line. A gzip-compressed
-    file (under any name) is named as such, with the command that decompresses it."""
-    from lit_ppo.rollout.prompts import check_not_gzip
-
-    check_not_gzip(path, key)
-    with open(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}:{line_no}: not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}; {key}); fix: "
-                    "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`"
-                ) from None
+# (A prompt file's encoding: `lit_ppo.rollout.prompts.check_utf8`, checked as the file is read.)
 
 
 @dataclass(frozen=True)

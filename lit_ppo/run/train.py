@@ -1,8 +1,9 @@
 """The training run: model and data preparation, the Lightning trainer, and the run's output files.
 
 Under data parallelism (strategy=ddp) every rank runs `train`: Lightning's launcher starts ranks > 0
-as copies of the command when rank 0 reaches `trainer.fit`, so by then rank 0 has written the data
-files and the model caches, which the other ranks only read. Rank 0 alone writes the run's files.
+as copies of the command when rank 0 reaches `trainer.fit`, so by then rank 0 has written the model
+caches, which the other ranks only read; each rank prepared its own run once (`lit_ppo.run.prepare`:
+its prompts and plan). Rank 0 alone writes the run's files.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError, RolloutWorkerError
-from lit_ppo.plan import LoraTargets, compute_plan
 from lit_ppo.preemption import Preemption
 from lit_ppo.rewards.scorer import RewardScorer
-from lit_ppo.rollout.prompts import load_data_prompts
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
+from lit_ppo.run.prepare import PreparedRun, data_paths, prepare_run
 from lit_ppo.run.report import write_curves, write_plan, write_summary
 from lit_ppo.run.threads import allowed_cores
 from lit_ppo.signals import Stopped, starting
@@ -119,16 +119,32 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
 
 
 def prepare_data(data: DataConfig, output_dir: Path, write: bool = True, folder: str = "data"):
-    """Train/eval prompt files: generated for the arithmetic task into `output_dir/folder` (written when `write`,
-    else only named: rank 0 wrote them), else the user's files."""
-    if data.source == "arithmetic":
-        train, evaluation = problems_of(data)
-        train_path, eval_path = output_dir / folder / "train.jsonl", output_dir / folder / "eval.jsonl"
-        if write:
-            write_jsonl(train, train_path)
-            write_jsonl(evaluation, eval_path)
-        return train_path, eval_path, train
-    return Path(data.path), (Path(data.eval_path) if data.eval_path else None), None
+    """Train/eval prompt files (`data_paths`): generated for the arithmetic task into `output_dir/folder` (written when
+    `write`), else the user's files; with the arithmetic training records. (The tests' and benchmarks' road to the
+    product's files; a run writes the records its pre-flight generated: `write_generated_data`.)"""
+    train_path, eval_path = data_paths(data, output_dir, folder)
+    if data.source != "arithmetic":
+        return train_path, eval_path, None
+    train, evaluation = problems_of(data)
+    if write:
+        write_jsonl(train, train_path)
+        write_jsonl(evaluation, eval_path)
+    return train_path, eval_path, train
+
+
+def write_generated_data(prepared: PreparedRun, output_dir: Path, folder: str) -> None:
+    """The arithmetic task's records the run trains and evaluates on, into `output_dir/folder` for the user to read
+    (the run reads them from its pre-flight); nothing for data=file."""
+    if prepared.records is not None:
+        for records, path in zip(prepared.records, data_paths(prepared.config.data, output_dir, folder)):
+            write_jsonl(records, path)
+
+
+def run_tokenizer(prepared: PreparedRun, model_dir: str):
+    """The tokenizer the run saves with its policy: the pre-flight's, loaded from model.path, or for the tiny model the
+    one saved beside the model built for it (the class AutoTokenizer picks from its config.json; the same ids as the
+    pre-flight's, `lit_ppo.demo.tiny.build_char_tokenizer`, which read the prompts)."""
+    return prepared.tokenizer if prepared.config.model.path else load_tokenizer(model_dir)
 
 
 def load_tokenizer(model_dir: str):
@@ -146,19 +162,6 @@ def check_shared_engine(engine, config: RunConfig) -> None:
         raise ConfigError(
             "a shared vLLM engine is for single-process runs; fix: pass engine=None (each rank starts its own)"
         )
-
-
-def load_prompt_sets(data: DataConfig, train_path: Path, eval_path: Path | None, tokenizer):
-    train = load_data_prompts(train_path, tokenizer, data, name=f"data.path={train_path}")
-    evaluation = (
-        load_data_prompts(eval_path, tokenizer, data, name=f"data.eval_path={eval_path}") if eval_path else None
-    )
-    for name, prompt_set in (("train", train), ("eval", evaluation)):
-        if prompt_set is not None and prompt_set.skipped:
-            log.warning(
-                "data: skipped %s %s prompts (%s)", sum(prompt_set.skipped.values()), name, dict(prompt_set.skipped)
-            )
-    return train, evaluation
 
 
 class RolloutProgressBar(L.Callback):
@@ -289,11 +292,14 @@ def save_lora_policy(actor, tokenizer, output_dir: Path, merged: bool, adapter: 
         tokenizer.save_pretrained(output_dir / "actor_merged")
 
 
-def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTargets | None = None) -> dict | None:
+def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRun | None = None) -> dict | None:
     """Run the experiment and return its summary (None on ranks > 0, which write no files).
 
     `engine` lets a caller share one vLLM engine between single-process runs of the same architecture.
-    `lora_targets`: the modules model.lora adapts, as the pre-flight matched them (`entry.preflight`), for the plan."""
+    `prepared`: this config's run as `lit_ppo.run.entry.run` prepared it (`prepare_run`: the pre-flight, the prompts,
+    the plan); without it, prepared here the same way."""
+    prepared = prepared or prepare_run(config, output_dir)
+    config, plan = prepared.config, prepared.plan
     quiet_known_warnings()
     check_shared_engine(engine, config)
     adopt_library_loggers()  # Lightning's own console handler, added when it was imported
@@ -311,20 +317,20 @@ def train(config: RunConfig, output_dir: Path, engine=None, lora_targets: LoraTa
     # Before any model loads (the warm start, the engine): a checkpoint that cannot be resumed from is named in one line
     # (resume=auto passes over it, with a warning, to the newest intact one).
     resume_from = resolve_resume(config.resume, output_dir / "checkpoints", announce=rank_zero)
-    train_path, eval_path, train_records = prepare_data(config.data, output_dir, write=rank_zero)
+    if rank_zero:
+        write_generated_data(prepared, output_dir, "data")
     started_model = time.perf_counter()
-    model_dir = prepare_model(config, train_records)
+    model_dir = prepare_model(config, prepared.records[0] if prepared.records else None)
     warm_start_seconds = time.perf_counter() - started_model
-    tokenizer = load_tokenizer(model_dir)
-    train_prompts, eval_prompts = load_prompt_sets(config.data, train_path, eval_path, tokenizer)
-    plan = compute_plan(config, len(train_prompts), train_prompts.stats(), lora_targets)
+    tokenizer = run_tokenizer(prepared, model_dir)
+    train_prompts, eval_prompts = prepared.train_prompts, prepared.eval_prompts
     finished = finished_note(config.resume, resume_from, plan.counts.total_rollout_steps, output_dir)
     if finished:  # before the plan.json of the finished run is rewritten and before any model loads
         if rank_zero:
             show(finished)
         return json.loads((output_dir / "summary.json").read_text()) if rank_zero else None
     if rank_zero:
-        write_plan(plan, output_dir, train_prompts.describe(), config)
+        write_plan(plan, output_dir, prepared.dataset, config)
 
     scorer = RewardScorer.from_config(config)
     trainer_cfg = config.trainer

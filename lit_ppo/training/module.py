@@ -34,7 +34,6 @@ from torch import Tensor
 
 from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.checkpoints import check_same_adapters, check_same_models, module_state, restore_module_state
 from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.contract import AdapterWeights, WeightUpdate
 from lit_ppo.distributed import full_tensor_metadata, full_tensors, global_max, global_sum, gradient_sync, shard_models
@@ -85,6 +84,7 @@ from lit_ppo.training.models import (
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
+from lit_ppo.training.state import check_same_adapters, check_same_models, module_state, restore_module_state
 
 
 class PPOModule(L.LightningModule):

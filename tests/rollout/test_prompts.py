@@ -256,7 +256,7 @@ def test_skip_counts_each_reason_exactly(fmt, tokenizer, tmp_path):
 
 
 def test_skip_counts_reach_the_log(tokenizer, tmp_path, caplog):
-    from lit_ppo.run.train import load_prompt_sets
+    from lit_ppo.run.prepare import read_prompts
     from tests.helpers import compose_run_config
 
     train = write_jsonl([GOOD, GOOD, {"prompt": ""}, {"prompt": "x" * 50, "answer": "1"}], tmp_path / "train.jsonl")
@@ -269,7 +269,8 @@ def test_skip_counts_reach_the_log(tokenizer, tmp_path, caplog):
         "data.max_prompt_length=32",
     )
     with caplog.at_level(logging.WARNING, logger="lit_ppo"):
-        train_set, eval_set = load_prompt_sets(cfg.data, train, evaluation, tokenizer)
+        read = read_prompts(cfg.data, tokenizer, [train, evaluation], keep=True)
+    train_set, eval_set = read.train, read.evaluation
     assert train_set.skipped == Counter(missing_key=1, too_long=1) and eval_set.skipped == Counter(missing_key=1)
     assert "skipped 2 train prompts ({'missing_key': 1, 'too_long': 1})" in caplog.text
     assert "skipped 1 eval prompts ({'missing_key': 1})" in caplog.text

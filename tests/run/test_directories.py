@@ -32,7 +32,7 @@ from lit_ppo.checkpoints import (
     save_atomic,
 )
 from lit_ppo.errors import ConfigError, DirectoryError
-from lit_ppo.run.entry import preflight
+from lit_ppo.run.prepare import preflight
 from tests.helpers import ROOT, build_run, compose_run_config
 from tests.helpers.resume import write_checkpoint
 
@@ -338,7 +338,7 @@ def test_a_finished_run_resumed_exits_0_in_one_line_without_loading_anything(tmp
     out = tmp_path / "run"
     overrides = ["trainer.total_rollout_steps=2", "model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
     out.mkdir()
-    config, _, _ = preflight(compose_run_config(*overrides))  # as the run wrote it: ppo.packing resolved
+    config = preflight(compose_run_config(*overrides)).config  # as the run wrote it: ppo.packing resolved
     (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
     write_checkpoints(out / "checkpoints", [1, 2])
     (out / "summary.json").write_text(json.dumps({"rollout_steps": 2}))

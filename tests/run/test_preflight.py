@@ -248,7 +248,7 @@ def test_the_plan_counts_the_prompts_the_run_trains_on(tmp_path, no_training):
     overrides = ["data=file", f"data.path={path}", "data.max_prompt_length=32", "data.bad_records=skip"]
     run_module.main(compose_config(f"output_dir={tmp_path / 'plan'}", "mode=plan", *overrides))
     planned = json.loads((tmp_path / "plan" / "plan.json").read_text())["counts"]["dataset_prompts"]
-    trained = load_data_prompts(path, build_char_tokenizer(), compose_run_config(*overrides).data)  # run/train.py's
+    trained = load_data_prompts(path, build_char_tokenizer(), compose_run_config(*overrides).data)  # a run's reading
     assert planned == len(trained) == 47 and trained.skipped == {"too_long": 1}
 
 
@@ -258,12 +258,13 @@ def test_the_pre_flight_streams_the_prompts_in_batches_and_shows_a_long_reads_pr
     (here at once)."""
     from lit_ppo.demo.tiny import build_char_tokenizer
     from lit_ppo.rollout import prompts
+    from lit_ppo.run.prepare import prompt_lengths
     from tests.helpers.prompts import CountingTokenizer
 
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(2100)])
     counting = CountingTokenizer(build_char_tokenizer())
     data = compose_run_config("data=file", f"data.path={path}").data
-    lengths, longest, notes = run_module.prompt_lengths(data, counting, [path])
+    lengths, longest, notes = prompt_lengths(data, counting, [path])
     assert counting.calls == [1024, 1024, 52] and len(lengths) == 2100 and notes == []
     assert longest[0] == max(lengths) == len("1000+1=")
     monkeypatch.setattr(prompts, "PROGRESS_AFTER_S", 0.0)

@@ -1,0 +1,127 @@
+"""PPOModule's own state in a checkpoint, beside Lightning's weights, optimizers and schedulers (`module_state`,
+`restore_module_state`: `PPOModule.on_save_checkpoint` / `on_load_checkpoint`), and the checks of a checkpoint's plan
+against the resumed run's (its models, its adapters, its rollout step's shape). The checkpoint files themselves, their
+rotation and what a run resumes from are `lit_ppo/checkpoints.py`'s.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from lit_ppo.checkpoints import restore_rng_state, rng_state
+from lit_ppo.console import show
+from lit_ppo.distributed import world_size
+from lit_ppo.errors import ConfigError, StepAccountingError
+from lit_ppo.plan import sections_of
+
+
+def check_same_models(saved_plan: dict, plan) -> None:
+    """The checkpoint's models (actor, critic, reference), as its plan states them, are the ones this run builds:
+    another algorithm (a PPO checkpoint, with a critic, resumed with ppo=grpo) is refused in one line, not with a
+    state-dict traceback. Read from the plan, not the weights: an FSDP checkpoint's weights are loaded apart."""
+
+    def models(critic: bool, reference: bool) -> list[str]:
+        return ["actor"] + ["critic"] * critic + ["reference"] * reference
+
+    saved_models = sections_of(saved_plan)["models"]
+    saved = models(saved_models["critic_enabled"], saved_models["reference_enabled"])
+    now = models(plan.models.critic_enabled, plan.models.reference_enabled)
+    if saved != now:
+        raise ConfigError(
+            f"the checkpoint holds the models {saved} but this run builds {now} (another algorithm: "
+            "a critic or a reference model present in one and not the other); fix: resume with the checkpoint's "
+            "ppo settings, or start a new run in another output_dir"
+        )
+
+
+def check_same_adapters(saved_plan: dict, plan) -> None:
+    """The checkpoint's LoRA adapters (rank, alpha, target modules, as its plan states them) are the ones this run
+    builds. Where the checkpoint's keys cannot be read (FSDP loads them apart, not strictly: the frozen base is not
+    in a LoRA checkpoint), a full-parameter checkpoint or other adapters would otherwise leave this run's adapters at
+    their initial values without a word."""
+
+    def adapters(lora: dict | None) -> dict:  # None: no adapter (also in a plan written before LoRA existed)
+        targets = (lora or {}).get("target_modules", "")
+        return {
+            "rank": (lora or {}).get("rank", 0),
+            "alpha": (lora or {}).get("alpha", 0.0),
+            "targets": targets if isinstance(targets, str) else sorted(targets),
+        }
+
+    saved, now = adapters(sections_of(saved_plan)["lora"]), adapters(plan.to_dict()["lora"])
+    if saved != now:
+        raise ConfigError(
+            f"the checkpoint was written with the adapters {saved} but this run trains {now}; fix: resume with the "
+            "model.lora settings it was written with, or start a new run in another output_dir"
+        )
+
+
+def check_same_rollout_step_shape(saved_plan: dict, plan) -> None:
+    """A resumed run may be longer or shorter, but each rollout step must keep its shape."""
+    saved_counts = sections_of(saved_plan)["counts"]
+    planned = {k: saved_counts[k] for k in ("optimizer_steps_per_rollout_step", "samples_per_rollout_step")}
+    now = {k: getattr(plan.counts, k) for k in planned}
+    if planned != now:
+        raise StepAccountingError(
+            f"the checkpoint was written under another plan {planned}, this run plans {now}; "
+            "fix: resume with the same ppo batch sizes and ppo_epochs"
+        )
+
+
+MODULE_STATE = (
+    "rollout_step",
+    "actor_optimizer_steps",
+    "critic_optimizer_steps",
+    "samples_seen",
+    "kl_coef",
+    "history",
+    "eval_history",
+)
+"""PPOModule's attributes that a checkpoint holds (`module_state`)."""
+
+
+def rank_states(module) -> list[dict]:
+    """Every rank's own random streams (the global ones and the mini-batch shuffle's), in rank order. A collective
+    (every rank saves the checkpoint together); rank 0 writes them all into the one file."""
+    own = {"rng": rng_state(), "shuffle_generator": module.shuffle_generator.get_state()}
+    if world_size() == 1:
+        return [own]
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, own)
+    return gathered
+
+
+def module_state(module) -> dict:
+    """PPOModule's own state, checkpointed beside Lightning's (weights, optimizers, schedulers): its counters and
+    histories (MODULE_STATE), the skipped updates, the mini-batch shuffle's and the global random streams (rank 0's,
+    and every rank's in `rank_states`), and the plan, against which a resumed run is checked."""
+    return {
+        **{k: getattr(module, k) for k in MODULE_STATE},
+        "skipped_updates": module.guarded_step.skipped,
+        "shuffle_generator": module.shuffle_generator.get_state(),
+        "rng": rng_state(),
+        "rank_states": rank_states(module),
+        "plan": module.plan.to_dict(),
+    }
+
+
+def restore_module_state(module, state: dict) -> None:
+    """The inverse of `module_state`, on a module built for the resumed run, on any number of ranks: on the number
+    that wrote the checkpoint each rank takes back its own random streams; on another, every rank takes rank 0's
+    (a rank's streams then cannot be the ones an uninterrupted run would have had: its share of the data differs)."""
+    for k in MODULE_STATE:
+        setattr(module, k, state[k])
+    module.guarded_step.skipped = state["skipped_updates"]
+    saved = state.get("rank_states") or []  # absent in checkpoints written before they were kept
+    rank, world = (dist.get_rank(), world_size()) if world_size() > 1 else (0, 1)
+    own = saved[rank] if len(saved) == world else {"rng": state["rng"], "shuffle_generator": state["shuffle_generator"]}
+    module.shuffle_generator.set_state(own["shuffle_generator"])
+    restore_rng_state(own["rng"])
+    check_same_rollout_step_shape(state["plan"], module.plan)
+    saved_world = sections_of(state["plan"])["counts"]["data_parallel_size"]
+    if saved_world != module.plan.counts.data_parallel_size and rank == 0:
+        show(
+            f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_world} "
+            f"rank(s) and continues on {module.plan.counts.data_parallel_size}; weights and optimizer states are whole, "
+            "the data position and the sampling seeds global; each rank takes rank 0's random streams"
+        )
