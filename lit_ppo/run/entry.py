@@ -176,9 +176,9 @@ def compose_run_config(*overrides: str) -> RunConfig:
 
 def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     """From typed settings to a run, the one road: the run directory's check and lock (held while the run lasts:
-    lit_ppo/run/lock.py), the run prepared once (`prepare_run`: the pre-flight, the prompts read, the plan); `mode=plan` writes the plan and returns None, `mode=eval`
-    evaluates the model (`lit_ppo.run.evaluate.evaluate`) and returns eval.json's record, a training run trains
-    (`lit_ppo.run.train.train`) and returns its summary.
+    lit_ppo/run/lock.py), the run prepared once (`prepare_run`: the pre-flight, the prompts read, the plan);
+    `mode=plan` writes the plan and returns None, `mode=eval` evaluates the model (`lit_ppo.run.evaluate.evaluate`)
+    and returns eval.json's record, a training run trains (`lit_ppo.run.train.train`) and returns its summary.
     `python train.py` comes here through `main`, and so do the tests' in-process runs of it, with `engine` a vLLM
     engine to share between single-process runs of one architecture."""
     # (train.py's Hydra callback checked them and took the lock before Hydra made the directory; callers without
