@@ -43,11 +43,6 @@ def starting() -> None:
     _phase = "start-up"
 
 
-# While train.py imports its libraries no code would print the line of a `Stopped` raised out of an import statement:
-# the handler writes it itself (on rank 0) until `handle_signals_outside_training` takes over.
-_write_line_on: bool | None = None  # None: not during the imports; True/False: during them, on rank 0 / another rank
-
-
 def training_started() -> None:
     """The run's rollout steps began (`preemption.Preemption` handles signals during them); after them, only the
     final writes are left."""

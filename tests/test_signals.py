@@ -14,8 +14,10 @@ from lit_ppo import signals
 
 @pytest.fixture
 def handlers():
-    """The process's handlers of the preemption signals, put back after the test."""
+    """The process's handlers of the preemption signals, put back after the test; the process at its start-up (an
+    in-process run of an earlier test leaves it at its final writes)."""
     previous = {signum: signal.getsignal(signum) for signum in signals.PREEMPTION_SIGNALS}
+    signals.starting()
     yield
     for signum, handler in previous.items():
         signal.signal(signum, handler)
