@@ -17,7 +17,10 @@ resumed run's are beside the module, in lit_ppo/training/state.py.
 
 from __future__ import annotations
 
+import collections
+import io
 import json
+import pickle
 import random
 import re
 import zipfile
@@ -147,25 +150,64 @@ def step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+class _Anything:
+    """Whatever a checkpoint's pickle names (tensors, torch classes, Lightning's objects), read without importing it."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):  # a dict subclass's items (pickle's SETITEMS)
+        pass
+
+    def append(self, item):  # a list subclass's items (APPENDS)
+        pass
+
+    def extend(self, items):
+        pass
+
+
+class _StateReader(pickle.Unpickler):
+    """A torch checkpoint's object record (`data.pkl`) read for its structure only: no class imported, no storage
+    read (a tensor is `_Anything`), so a checkpoint of any size is checked in the time of its small record."""
+
+    def find_class(self, module, name):
+        return collections.OrderedDict if (module, name) == ("collections", "OrderedDict") else _Anything
+
+    def persistent_load(self, pid):
+        return None
+
+
 def checkpoint_problem(path: Path) -> str | None:
-    """Why the file at `path` cannot be resumed from, in words (cut short, unreadable, or not a lit-ppo checkpoint),
-    or None. Read before any model loads, and cheaply: a checkpoint is a zip archive (torch.save's), whose directory
-    is at its end, so a file cut short (by a full disk, a killed copy) has none; then its objects, with the tensors'
-    storages mapped rather than read (mmap), for lit-ppo's own state."""
+    """Why the file at `path` cannot be resumed from, in words (cut short or damaged inside, or not a lit-ppo
+    checkpoint), or None. Read before any model loads, and cheaply: a checkpoint is a zip archive (torch.save's),
+    whose directory is at its end, so a file cut short (by a full disk, a killed copy) has none; then its object
+    record, for lit-ppo's own state. A file that cannot be read at all (permissions, a file system's error) is no
+    damaged checkpoint: that is refused in one line (DirectoryError), never passed over for an older one."""
     path = Path(path)
     try:
-        with zipfile.ZipFile(path):
-            pass
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except zipfile.BadZipFile:
+        with zipfile.ZipFile(path) as archive:
+            record = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if record is None:
+                return f"{path.name} is damaged: its zip archive holds no object record (data.pkl)"
+            state = _StateReader(io.BytesIO(archive.read(record))).load()
+    except zipfile.BadZipFile as e:
         size = path.stat().st_size
-        return (
-            f"{path.name} is damaged: its {size} bytes end without the zip directory a checkpoint ends with (cut "
-            "short, by a full disk or a killed copy?)"
-        )
+        if "directory" in str(e) or "not a zip file" in str(e).lower():
+            return (
+                f"{path.name} is damaged: its {size} bytes end without the zip directory a checkpoint ends with (cut "
+                "short, by a full disk or a killed copy?)"
+            )
+        return f"{path.name} is damaged ({e})"
     except OSError as e:
-        return f"{path.name} cannot be read ({e.strerror or e})"
-    except Exception as e:  # a record torch cannot read: damaged inside
+        raise DirectoryError(
+            f"{path}: cannot be read ({e.strerror or type(e).__name__}): not a damaged checkpoint as far as can be told, "
+            "so no older one is resumed in its place; fix: make it readable (its permissions, the file system) and start "
+            "again"
+        ) from None
+    except Exception as e:  # the object record cut short or garbled inside: damaged
         return f"{path.name} is damaged ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''})"
     if not isinstance(state, dict) or not {"state_dict", "lit_ppo"} <= state.keys():
         holds = f"the keys {sorted(map(str, state))[:6]}" if isinstance(state, dict) else f"a {type(state).__name__}"

@@ -384,6 +384,11 @@ BAD_OVERRIDES = [
     ("unknown_rollout_key", ["+rollout.temprature=0.7"], ["rollout.temprature", "rollout.temperature"]),
     ("unknown_root_key", ["+sed=1"], ["sed", "seed"]),
     ("unset_data_path", ["data=file"], ["data.path", "not set"]),
+    (  # data.expected_prompts plans a missing file in mode=plan only: a training run reached the trainer without data
+        "missing_data_path_with_expected_prompts",
+        ["data=file", "data.path=/nonexistent/train.jsonl", "data.expected_prompts=64"],
+        ["data.path=/nonexistent/train.jsonl does not exist", "mode=plan only"],
+    ),
 ]
 
 

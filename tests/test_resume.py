@@ -209,6 +209,35 @@ def test_resume_auto_passes_over_a_truncated_newest_checkpoint_with_one_warning(
     )
 
 
+def test_a_checkpoint_that_cannot_be_read_is_refused_not_passed_over_for_an_older_one(tmp_path, monkeypatch):
+    """A read error (a file system's EIO or ESTALE, permissions) is not damage: resume=auto passing over an intact
+    newest checkpoint for an older one would train steps again and let the rotation delete the good file. And the check
+    reads the object record alone (no torch.load, no mmap of a checkpoint of any size)."""
+    import errno
+    import zipfile
+
+    from lit_ppo import checkpoints
+    from lit_ppo.errors import DirectoryError
+
+    directory = tmp_path / "checkpoints"
+    older, newest = (write_checkpoint(checkpoint_path(directory, step)) for step in (2, 4))
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: pytest.fail("the check loads the checkpoint"))
+    assert resolve_resume("auto", directory) == newest
+
+    real_zip_file = zipfile.ZipFile
+
+    def unreadable(path, *args, **kwargs):
+        if Path(path) == newest:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_zip_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.zipfile, "ZipFile", unreadable)
+    with pytest.raises(DirectoryError) as info:
+        resolve_resume("auto", directory)
+    assert str(info.value).startswith(f"{newest}: cannot be read (Input/output error): not a damaged checkpoint")
+    assert "fix: make it readable" in str(info.value) and "\n" not in str(info.value)
+
+
 def test_an_explicit_resume_of_a_truncated_checkpoint_is_refused_naming_the_intact_one(tmp_path):
     """resume=<path> to a damaged file is refused, not passed over: the user named it. The line names the way on."""
     directory = tmp_path / "run" / "checkpoints"

@@ -65,6 +65,22 @@ def _process_start(pid: int) -> str | None:
     return "zombie" if fields[0] in "ZX" else fields[19]
 
 
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (a container has its own: its pids are not the host's, nor another container's
+    on the same host, whose host name and boot id may be the host's: `--network host`)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def same_pid_namespace(holder: dict, me: dict) -> bool:
+    """Whether the lock's process can be looked up by its pid from `me` (a lock of an earlier release records none)."""
+    return (
+        not (holder.get("pid_namespace") and me.get("pid_namespace")) or holder["pid_namespace"] == me["pid_namespace"]
+    )
+
+
 def this_process() -> dict:
     """What a lock records of the process that takes it."""
     return {
@@ -72,6 +88,7 @@ def this_process() -> dict:
         "pid": os.getpid(),
         "process_start": _process_start(os.getpid()),
         "boot_id": _read(Path("/proc/sys/kernel/random/boot_id")),
+        "pid_namespace": _pid_namespace(),
         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "").strip() or 0),
@@ -90,7 +107,7 @@ def gone(holder: dict, me: dict) -> str | None:
     if holder.get("boot_id") and me["boot_id"] and holder["boot_id"] != me["boot_id"]:
         return "the host restarted since"
     pid = holder.get("pid")
-    if not isinstance(pid, int):
+    if not isinstance(pid, int) or not same_pid_namespace(holder, me):  # another container's pid: not ours to look up
         return None
     if pid == me["pid"]:
         if holder.get("process_start") != me["process_start"]:  # a requeued container given the same pid
@@ -102,9 +119,7 @@ def gone(holder: dict, me: dict) -> str | None:
     if start is not None:
         recorded = holder.get("process_start")
         return None if recorded is None or recorded == start else "no such process (its pid is another's now)"
-    if Path("/proc/self/stat").exists():
-        return "no such process"
-    try:  # not Linux: is there a process with this pid at all
+    try:  # no /proc/<pid>/stat to read (not Linux, or /proc hides other users' processes): a process with this pid?
         os.kill(pid, 0)
     except ProcessLookupError:
         return "no such process"
@@ -229,8 +244,9 @@ def acquire(output_dir: Path, key: str = "output_dir") -> RunLock:
         if reason is None:
             where = (
                 "which runs"
-                if holder.get("host") == me["host"]
-                else "which cannot be checked from this host; if that run is gone (killed, its node lost), "
+                if holder.get("host") == me["host"] and same_pid_namespace(holder, me)
+                else "which cannot be checked from this host (or this container); if that run is gone (killed, its "
+                "node lost), "
                 f"remove {path} and start again"
             )
             raise DirectoryError(

@@ -174,6 +174,11 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         if training and tokenizer.pad_token is None:  # padding is masked out: any id fills it
             tokenizer.pad_token = tokenizer.eos_token
 
+    if training and data.source == "file" and not Path(data.path).exists():  # expected_prompts plans without it
+        raise ConfigError(
+            f"data.path={data.path} does not exist; fix: point data.path at your prompt file (data.expected_prompts "
+            f"stands for it in mode=plan only)"
+        )
     prompts = None
     if training and tokenizer is not None and (data.source == "arithmetic" or Path(data.path).exists()):
         prompts = read_run_prompts(data, tokenizer, output_dir or Path("."), DATA_FOLDERS[config.mode])

@@ -130,6 +130,10 @@ def test_eval_of_a_trained_run_reproduces_its_evaluations(engine, tmp_path):
             "does not exist; fix: point data.eval_path",
         ),
         (["resume=auto"], "mode=eval resume=auto: no checkpoint in"),
+        (  # data.expected_prompts stands for a training file in mode=plan only (a traceback here before)
+            ["data=file", "data.path={missing}", "data.eval_path={train}", "data.expected_prompts=64"],
+            "missing.jsonl does not exist; fix: point data.path at your prompt file",
+        ),
         (["model.path={empty}"], "is a directory without config.json"),
         (["model.path={run}"], "is a run's directory, not a model; fix: model.path="),
         (["model.path={adapter}"], "is a LoRA adapter (adapter_config.json), not a whole model; fix:"),

@@ -126,6 +126,13 @@ def test_gone_holders_taken_over_live_or_unknown_ones_refused(tmp_path, monkeypa
     elsewhere = outcome(host="node-elsewhere", pid=4242)
     assert elsewhere.startswith("refused:") and "pid 4242 on host node-elsewhere" in elsewhere
     assert "cannot be checked from this host" in elsewhere and f"remove {tmp_path}" in elsewhere, elsewhere
+    # another container on this host (`--network host`: the host's name and boot id, its own pids), even the same pid
+    # (python as PID 1 in both): its process cannot be looked up from here: refused, never taken over
+    for pid in (4242, os.getpid()):
+        container = outcome(pid=pid, process_start="1", pid_namespace="pid:[1]")
+        assert container.startswith("refused:") and "cannot be checked from this host (or this container)" in container
+    # a pid that no process of this host has (not readable in /proc, not signalable): gone
+    assert "no such process" in outcome(pid=2**22 + 12345, process_start="1")
     # an earlier start of this SLURM job, on another node, before a requeue: gone
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
