@@ -53,6 +53,7 @@ from lit_ppo.errors import (
 # written. Checkpoints of earlier versions, `rollout_step=000004.ckpt`, are still found and loaded (`resume=auto`, or
 # the path quoted for Hydra: `'resume="<run>/checkpoints/rollout_step=000004.ckpt"'`).
 _NAME = re.compile(r"^rollout_step[_=](\d+)\.ckpt$")
+DAMAGED_SUFFIX = ".damaged"  # a checkpoint resume=auto passed over, renamed aside (no longer a checkpoint's name)
 
 
 def checkpoint_path(directory: Path, rollout_step: int) -> Path:
@@ -201,6 +202,8 @@ def checkpoint_problem(path: Path) -> str | None:
                 "short, by a full disk or a killed copy?)"
             )
         return f"{path.name} is damaged ({e})"
+    except FileNotFoundError:  # set aside by rank 0 (`resolve_resume`) while another rank looked: passed over there too
+        return f"{path.name} is gone (set aside as damaged, or removed, while it was read)"
     except OSError as e:
         raise DirectoryError(
             f"{path}: cannot be read ({e.strerror or type(e).__name__}): not a damaged checkpoint as far as can be told, "
@@ -225,17 +228,22 @@ def resolve_resume(resume: str | None, directory: Path, announce: bool = False) 
     if resume in (None, "", "none"):
         return None
     if resume == "auto":
-        passed_over = []
+        passed_over, damaged = [], []
         for path in reversed(list_checkpoints(directory)):
             problem = checkpoint_problem(path)
             if problem is None:
-                if passed_over and announce:
+                if passed_over and announce:  # rank 0: set aside, so that the rotation keeps intact ones and a
+                    # requeued job does not pass over it again (renamed, never deleted: the user may want it)
+                    for other in damaged:
+                        other.rename(other.with_name(other.name + DAMAGED_SUFFIX))
                     show(
-                        f"warning: resume=auto: {'; '.join(passed_over)}; resuming from {path.name}, the newest intact "
-                        f"checkpoint (the rollout steps after {step_of(path)} are trained again)"
+                        f"warning: resume=auto: {'; '.join(passed_over)}; set aside as <name>{DAMAGED_SUFFIX}; "
+                        f"resuming from {path.name}, the newest intact checkpoint (the rollout steps after "
+                        f"{step_of(path)} are trained again)"
                     )
                 return path
             passed_over.append(problem)
+            damaged.append(path)
         if passed_over:
             shown = "; ".join(passed_over[:3]) + (f"; and {len(passed_over) - 3} more" if len(passed_over) > 3 else "")
             raise ConfigError(

@@ -186,24 +186,28 @@ def test_resume_auto_passes_over_a_truncated_newest_checkpoint_with_one_warning(
     older, newest = (write_checkpoint(checkpoint_path(directory, step)) for step in (2, 4))
     assert checkpoint_problem(older) is None and checkpoint_problem(newest) is None
     size = truncate(newest)
-    assert resolve_resume("auto", directory, announce=True) == older
-    assert capsys.readouterr().out.splitlines() == [
-        f"warning: resume=auto: {cut_short(newest.name, size)}; resuming from rollout_step_000002.ckpt, the newest "
-        "intact checkpoint (the rollout steps after 2 are trained again)"
-    ]
-    assert resolve_resume("auto", directory) == older and capsys.readouterr().out == ""  # said by rank 0 alone
+    assert resolve_resume("auto", directory) == older and capsys.readouterr().out == ""  # ranks > 0: no line
     # The run directory's check lets it through: the damaged newer one does not make the intact one "older than the
     # directory's latest", whether resume=auto chose it or the user named it.
     config = compose_run_config()
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
     check_run_directory(dataclasses.replace(config, resume="auto"), tmp_path)
     check_run_directory(dataclasses.replace(config, resume=str(older)), tmp_path)
+    # Rank 0 says so in one line and sets the damaged one aside: the rotation keeps intact checkpoints, a requeued
+    # job does not pass over it again, and nothing is deleted.
+    assert resolve_resume("auto", directory, announce=True) == older
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: resume=auto: {cut_short(newest.name, size)}; set aside as <name>.damaged; resuming from "
+        "rollout_step_000002.ckpt, the newest intact checkpoint (the rollout steps after 2 are trained again)"
+    ]
+    assert list_checkpoints(directory) == [older] and newest.with_name(newest.name + ".damaged").stat().st_size == size
     # None left to resume from: one line naming each.
-    older_size = truncate(older, keep=0.99)
+    again = write_checkpoint(checkpoint_path(directory, 4))
+    older_size, again_size = truncate(older, keep=0.99), truncate(again)
     with pytest.raises(ConfigError) as info:
         resolve_resume("auto", directory)
     assert str(info.value) == (
-        f"resume=auto: no checkpoint in {directory} can be resumed from: {cut_short(newest.name, size)}; "
+        f"resume=auto: no checkpoint in {directory} can be resumed from: {cut_short(again.name, again_size)}; "
         f"{cut_short(older.name, older_size)}; fix: put an intact checkpoint there, or start a new run in another "
         "output_dir"
     )
@@ -312,12 +316,14 @@ def test_train_py_resumes_from_the_intact_checkpoint_and_refuses_a_truncated_one
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = [line for line in resumed.stdout.splitlines() if "resume=auto" in line]
     assert lines == [
-        f"warning: resume=auto: {cut_short(newest.name, size)}; resuming from rollout_step_000001.ckpt, the newest "
-        "intact checkpoint (the rollout steps after 1 are trained again)",
+        f"warning: resume=auto: {cut_short(newest.name, size)}; set aside as <name>.damaged; resuming from "
+        "rollout_step_000001.ckpt, the newest intact checkpoint (the rollout steps after 1 are trained again)",
         "resume=auto: rollout_step_000001.ckpt is at the end of the run (rollout step 1 of 1), and its run finished "
         "there (summary.json); nothing to train, exiting; to train longer, raise trainer.total_rollout_steps (or "
         "trainer.data_epochs)",
     ], resumed.stdout[-3000:]
+    newest.with_name(newest.name + ".damaged").rename(newest)  # set aside by resume=auto: put back by hand
+    assert list_checkpoints(out / "checkpoints")[-1] == newest
     refused = train(str(newest))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert [line for line in refused.stderr.splitlines() if line.startswith("error:")] == [
