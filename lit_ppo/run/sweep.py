@@ -148,6 +148,27 @@ def referenced_keys(text: str) -> set[str]:
     return keys
 
 
+def keys_read(text: str, config: dict) -> set[str]:
+    """Every key an unresolved value reads, through the keys it names (`runs/${name}` with `name: ${ppo.name}_${seed}`
+    reads name, ppo.name and seed); `${hydra:runtime.choices.ppo}` reads the config group `ppo`. `config`: the
+    unresolved config as a container."""
+    found, todo = set(), list(referenced_keys(text))
+    while todo:
+        key = todo.pop()
+        if key in found:
+            continue
+        found.add(key)
+        if key.startswith("hydra.runtime.choices."):
+            todo.append(key.removeprefix("hydra.runtime.choices."))
+            continue
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, str):
+            todo.extend(referenced_keys(value))
+    return found
+
+
 def shared_job_directory(config: DictConfig) -> str | None:
     """Why every job of the sweep `config` (as Hydra composed it for on_multirun_start: the swept overrides are in
     hydra.overrides.task, not applied) would write into one directory, in one line with the fix; None where each
@@ -161,14 +182,15 @@ def shared_job_directory(config: DictConfig) -> str | None:
     swept = {o.key_or_group for o in sweeps if o.is_sweep_override()}
     if not swept or "output_dir" in swept:  # one job, or each its own output_dir
         return None
-    output_dir = OmegaConf.to_container(config, resolve=False).get("output_dir")
+    container = OmegaConf.to_container(config, resolve=False)
+    output_dir = container.get("output_dir")
     key, text = (
         ("output_dir", output_dir) if output_dir else ("hydra.sweep.subdir", hydra.get("sweep", {}).get("subdir"))
     )
     if text is None:  # no subdir: Hydra's own default, the job's number
         return None
     per_job = (*PER_JOB, *swept)
-    if any(k == p or k.startswith(p + ".") for k in referenced_keys(str(text)) for p in per_job):
+    if any(k == p or k.startswith(p + ".") for k in keys_read(str(text), container) for p in per_job):
         return None
     if key == "output_dir":
         fix = (

@@ -76,9 +76,9 @@ def test_sweep_summary_orders_jobs_numerically_and_lists_jobs_without_results(tm
 
 
 def test_a_sweep_is_refused_where_every_job_would_write_into_one_directory():
-    def problem(*overrides: str, output_dir=None, subdir="${hydra.job.num}", params=None):
+    def problem(*overrides: str, output_dir=None, subdir="${hydra.job.num}", params=None, **keys):
         hydra = {"overrides": {"task": list(overrides)}, "sweep": {"subdir": subdir}, "sweeper": {"params": params}}
-        return shared_job_directory(OmegaConf.create({"output_dir": output_dir, "seed": 0, "hydra": hydra}))
+        return shared_job_directory(OmegaConf.create({"output_dir": output_dir, "seed": 0, "hydra": hydra, **keys}))
 
     shared = problem("seed=0,1", output_dir="/tmp/shared")
     assert shared.startswith("output_dir=/tmp/shared would be shared by every job of this sweep") and "\n" not in shared
@@ -95,6 +95,9 @@ def test_a_sweep_is_refused_where_every_job_would_write_into_one_directory():
     assert problem("ppo=grpo,rloo", "seed=0", output_dir="runs/${ppo.name}") is None  # a swept group's key
     assert problem("output_dir=runs/a,runs/b", "seed=0") is None
     assert problem("seed=0", output_dir="runs/x") is None  # one job
+    assert problem("ppo=grpo,rloo", output_dir="runs/${hydra:runtime.choices.ppo}") is None  # a swept group's choice
+    assert problem("seed=0,1", output_dir="runs/${name}", name="${ppo.name}_${seed}") is None  # through another key
+    assert problem("seed=0,1", output_dir="runs/${name}", name="${ppo.name}")  # ... that no job changes
 
 
 def sweep_plans(tmp_path, output_dir: str) -> subprocess.CompletedProcess:
