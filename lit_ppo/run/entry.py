@@ -184,10 +184,11 @@ def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
     # (train.py's Hydra callback checked them and took the lock before Hydra made the directory; callers without
     # Hydra's run, here: one run per directory at any moment, mode=plan too, which writes plan.json there)
     check_run_directories(output_dir, "output_dir", training=config.mode == "train")
+    checkpoint = None  # mode=eval with resume: the checkpoint evaluated, chosen once
     if config.mode == "eval":
         from lit_ppo.run.evaluate import check_evaluation_settings
 
-        check_evaluation_settings(config, output_dir)
+        checkpoint = check_evaluation_settings(config, output_dir)
     with run_lock(output_dir):
         prepared = prepare_run(config, output_dir)  # the pre-flight, the prompts read and the plan, once
         if config.mode == "plan":
@@ -197,8 +198,8 @@ def run(config: RunConfig, output_dir: Path, engine=None) -> dict | None:
         if config.mode == "eval":  # the run's evaluation alone, through the same functions (heavy imports only now)
             from lit_ppo.run.evaluate import evaluate, evaluation_plan
 
-            show(evaluation_plan(prepared, output_dir))
-            return evaluate(prepared.config, output_dir, engine=engine, prepared=prepared)
+            show(evaluation_plan(prepared, checkpoint))
+            return evaluate(prepared.config, output_dir, engine=engine, prepared=prepared, checkpoint=checkpoint)
         from lit_ppo.run.train import train  # heavy imports only when training
 
         return train(prepared.config, output_dir, engine=engine, prepared=prepared)

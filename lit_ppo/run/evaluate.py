@@ -47,7 +47,8 @@ EVAL_FILE = "eval.json"
 
 
 def check_evaluation_settings(config: RunConfig, output_dir: Path) -> None:
-    """What `mode=eval` needs before anything loads: held-out prompts, and with `resume` a checkpoint to evaluate."""
+    """What `mode=eval` needs before anything loads: held-out prompts, and with `resume` a checkpoint to evaluate,
+    which it returns (None: the model itself), chosen once for the evaluation plan and the evaluation."""
     data = config.data
     if data.source == "arithmetic" and data.n_eval < 1:
         raise ConfigError(
@@ -70,6 +71,7 @@ def check_evaluation_settings(config: RunConfig, output_dir: Path) -> None:
             f"mode=eval resume=auto: no checkpoint in {Path(output_dir) / 'checkpoints'} to evaluate; fix: "
             "output_dir=<the run's directory>, resume=<path.ckpt>, or model.path=<run>/actor without resume"
         )
+    return checkpoint
 
 
 def model_label(config: RunConfig, checkpoint: Path | None) -> str:
@@ -96,11 +98,10 @@ def engine_description(plan: StepPlan, config: RunConfig) -> str:
     return f"vLLM in this process ({plan.models.rollout_dtype})"
 
 
-def evaluation_plan(prepared: PreparedRun, output_dir: Path) -> str:
+def evaluation_plan(prepared: PreparedRun, checkpoint: Path | None) -> str:
     """What `mode=eval` will do, printed before any model loads (in place of the training run's step plan)."""
     config, plan = prepared.config, prepared.plan
     rollout = config.rollout
-    checkpoint = resolve_resume(config.resume, Path(output_dir) / "checkpoints")
     source = "generated arithmetic problems (data.n_eval)"
     if config.data.source != "arithmetic":  # those the pre-flight kept (data.bad_records, data.max_prompt_length)
         source = f"data.eval_path={config.data.eval_path}, as the run reads them"
@@ -133,12 +134,21 @@ class EvaluationDataModule(RolloutDataModule):
         return DataLoader([0], batch_size=None)
 
 
-def evaluate(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRun | None = None) -> dict | None:
+def evaluate(
+    config: RunConfig,
+    output_dir: Path,
+    engine=None,
+    prepared: PreparedRun | None = None,
+    checkpoint: Path | None = None,
+) -> dict | None:
     """The evaluation of `mode=eval`: eval.json's record (None on ranks > 0, which write nothing). `engine`: a vLLM
     engine to share between single-process runs of one architecture (the tests'); the model's weights are pushed
     into it, as into any engine. `prepared`: this config's run as `lit_ppo.run.entry.run` prepared it (`prepare_run`:
-    the pre-flight, the prompts, the plan); without it, prepared here the same way."""
-    prepared = prepared or prepare_run(config, output_dir)
+    the pre-flight, the prompts, the plan); without it, prepared here the same way. `checkpoint`: the one
+    `check_evaluation_settings` chose, given with `prepared` (without it, chosen here the same way)."""
+    if prepared is None:
+        checkpoint = check_evaluation_settings(config, output_dir)
+        prepared = prepare_run(config, output_dir)
     config = prepared.config
     quiet_known_warnings()
     check_shared_engine(engine, config)
@@ -147,7 +157,6 @@ def evaluate(config: RunConfig, output_dir: Path, engine=None, prepared: Prepare
     started = time.perf_counter()
     L.seed_everything(config.seed, workers=True)
     rank_zero = rank_zero_only.rank == 0
-    checkpoint = resolve_resume(config.resume, output_dir / "checkpoints")
     if rank_zero:  # the arithmetic prompts beside eval.json, not in data/: output_dir may be a run's own (resume=auto)
         write_generated_data(prepared, output_dir, DATA_FOLDERS["eval"])
     model_dir = prepare_model(config, prepared.records[0] if prepared.records else None)
