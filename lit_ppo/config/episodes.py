@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_ppo.config.parse import positive
+from lit_ppo.config.parse import limit_seconds, positive
 from lit_ppo.errors import ConfigError
 
 
@@ -41,11 +41,7 @@ def validate_episodes(episodes: EpisodesConfig) -> None:
     positive("rollout.episodes", max_turns=episodes.max_turns)
     if episodes.max_tokens is not None:
         positive("rollout.episodes", max_tokens=episodes.max_tokens)
-    if episodes.environment_timeout_s is not None and episodes.environment_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.episodes.environment_timeout_s={episodes.environment_timeout_s}; fix: a positive number of "
-            "seconds, or null for no limit"
-        )
+    limit_seconds("rollout.episodes.environment_timeout_s", episodes.environment_timeout_s)
     if episodes.reward not in ("environment", "reward"):
         raise ConfigError(f"rollout.episodes.reward={episodes.reward!r}; fix: use environment or reward")
     if episodes.environment is None and episodes.max_turns > 1:

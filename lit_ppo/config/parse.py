@@ -23,6 +23,12 @@ def positive(section: str, **values: Any) -> None:
             )
 
 
+def limit_seconds(key: str, value: float | None) -> None:
+    """Refuse a time limit that is not positive, naming the key (None: no limit)."""
+    if value is not None and value <= 0:
+        raise ConfigError(f"{key}={value}; fix: a positive number of seconds, or null for no limit")
+
+
 def close_match_hints(wrong: list[str], names: list[str], prefix: str = "") -> list[str]:
     """`<prefix><wrong> (did you mean <prefix><name>?)` for each wrong name with a close match among `names`."""
     return [

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lit_ppo.config.episodes import EpisodesConfig
-from lit_ppo.config.parse import positive
+from lit_ppo.config.parse import limit_seconds, positive
 from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.strategy import StrategyConfig
 from lit_ppo.config.workers import WorkersConfig
@@ -110,11 +110,7 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
     if rollout.hf_max_batch_sequences is not None:
         positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
-    if rollout.engine_start_timeout_s is not None and rollout.engine_start_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.engine_start_timeout_s={rollout.engine_start_timeout_s}; fix: a positive number of seconds, "
-            "or null for no limit"
-        )
+    limit_seconds("rollout.engine_start_timeout_s", rollout.engine_start_timeout_s)
     if rollout.mode not in ROLLOUT_MODES:
         raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
     if rollout.max_staleness is not None and (
