@@ -974,21 +974,23 @@ def test_a_given_url_where_nothing_listens_is_said_and_refused_after_the_grace_n
     ]
 
 
+BY_HAND = dict(  # a server's settings as the client derives them (`kv_cache_gib` set by each test)
+    model_dir="/models/tiny",
+    dtype="float32",
+    max_model_len=128,
+    seed=0,
+    tensor_parallel_size=1,
+    enforce_eager=True,
+    gpu_memory_utilization=0.3,
+)
+
+
 def test_the_command_to_start_a_server_by_hand_carries_its_environment_and_quotes_its_json():
     """docs/async.md's command and a spawned server's log line: the variables a server needs (the CPU's KV cache size
     too: without it a CPU server fails with vLLM's memory error), and arguments a shell gives back unchanged."""
     import shlex
 
-    settings = dict(
-        model_dir="/models/tiny",
-        dtype="float32",
-        max_model_len=128,
-        seed=0,
-        tensor_parallel_size=1,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=2,
-    )
+    settings = {**BY_HAND, "kv_cache_gib": 2}
     line = server_command_line(settings, 8000, "0.0.0.0")
     assert line.startswith(
         "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 TOKENIZERS_PARALLELISM=false python -m "
@@ -1016,16 +1018,7 @@ def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp
     monkeypatch.setattr(servers.subprocess, "Popen", Started)
     workers = object.__new__(ServerWorkers)
     workers.host, workers.log_dir = "127.0.0.1", tmp_path
-    settings = dict(
-        model_dir="/models/tiny",
-        dtype="float32",
-        max_model_len=128,
-        seed=0,
-        tensor_parallel_size=1,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=3,
-    )
+    settings = {**BY_HAND, "kv_cache_gib": 3}
     workers._spawn(0, settings, 1, 1)
     (command, env), line = started[0], (tmp_path / "rollout_server0.log").read_text().splitlines()[0]
     words = shlex.split(line.removeprefix("$ "))
