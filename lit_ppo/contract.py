@@ -47,7 +47,7 @@ class WeightUpdate:
     `probe`, called only by engines that check what they applied (rollout workers), gives a sequence and the trainer's
     log-probs of it. `metadata`: with `tensors`, each one's (name, dtype, shape) in order, declared without reading
     them (`distributed.full_tensor_metadata`); a weight-transfer engine sizes and checks the push by it (rollout
-    workers: `rollout/workers/weight_transfer.py`)."""
+    workers: `rollout/weight_transfer/backend.py`)."""
 
     policy_version: int
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None

@@ -147,3 +147,20 @@ def test_no_import_runs_up_the_floors():
     assert upward_imports(graph) == []
     still_there = {(m, i) for m, i in KNOWN_UPWARD if i in graph.get(m, set())}
     assert still_there == KNOWN_UPWARD, f"gone, drop from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - still_there)}"
+
+
+def test_the_weight_transfer_is_a_floor_below_the_engines_and_the_workers():
+    """lit_ppo/rollout/weight_transfer/ imports nothing else of lit_ppo.rollout; the engines (a worker's end of the push)
+    import it and never the workers, which import both."""
+    graph = lit_ppo_import_graph()
+    transfer = {m for m in graph if m.startswith("lit_ppo.rollout.weight_transfer")}
+    assert {"lit_ppo.rollout.weight_transfer.backend", "lit_ppo.rollout.weight_transfer.transport"} <= transfer
+    above = sorted(
+        f"{m} -> {i}"
+        for m in transfer
+        for i in graph[m]
+        if i.startswith("lit_ppo.rollout") and not i.startswith("lit_ppo.rollout.weight_transfer")
+    )
+    assert above == []
+    engines = ("lit_ppo.rollout.engine", "lit_ppo.rollout.hf_engine")
+    assert sorted(f"{m} -> {i}" for m in engines for i in graph[m] if i.startswith("lit_ppo.rollout.workers")) == []

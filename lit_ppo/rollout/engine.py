@@ -93,8 +93,8 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         if weight_transfer:
             # A rollout worker's engine: pushes arrive through vLLM's weight-transfer interface, lit-ppo's gloo backend
-            # (rollout/workers/weight_transfer.py), registered with vLLM's factory in this process.
-            from lit_ppo.rollout.workers.weight_transfer import BACKEND
+            # (rollout/weight_transfer/backend.py), registered with vLLM's factory in this process.
+            from lit_ppo.rollout.weight_transfer.backend import BACKEND
 
             kwargs["weight_transfer_config"] = {"backend": BACKEND}
         self.lora_request = None  # the adapter version every generate call uses (LoRA runs)
@@ -396,7 +396,7 @@ def _free_memory_only() -> None:
 
 
 def _load_received_adapter(worker, version: int, update_infos: list[dict], peft_config: dict) -> None:
-    """Runs in each vLLM worker process: the adapter its weight-transfer engine received (weight_transfer.py), loaded
+    """Runs in each vLLM worker process: the adapter its weight-transfer engine received (weight_transfer/backend.py), loaded
     as `_load_adapter_from_tensors` loads."""
     tensors = dict(worker.weight_transfer_engine.receiver.take_all(update_infos))
     _load_adapter_from_tensors(worker, version, adapter_host_copies(tensors), peft_config)

@@ -277,8 +277,8 @@ class HFEngine:
     # ------------------------------------------------------------ a rollout worker's end of the weight transfer
 
     def open_weight_transfer(self, init_info: dict) -> None:
-        """Receive every push as it is sent, as vLLM's engine does (`weight_transfer.StagedReceiver`)."""
-        from lit_ppo.rollout.workers.weight_transfer import GlooInitInfo, StagedReceiver
+        """Receive every push as it is sent, as vLLM's engine does (`backend.StagedReceiver`)."""
+        from lit_ppo.rollout.weight_transfer.backend import GlooInitInfo, StagedReceiver
 
         self.receiver = StagedReceiver.joining(GlooInitInfo(**init_info))  # one process: the first rank
         self.receiver.start()

@@ -428,7 +428,7 @@ def test_weights_that_arrive_corrupted_stop_the_run_naming_the_worker(
 ):
     """A push whose bytes arrive wrong (here: in reverse order from the second push on) is caught where it is applied: the
     worker compares its engine's log-probs of a probe sequence with the trainer's of that version and stops."""
-    import lit_ppo.rollout.workers.weight_transfer as channel
+    import lit_ppo.rollout.weight_transfer.backend as channel
 
     pack, pushes = channel.weight_buckets, []
 
@@ -925,7 +925,7 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
 WORKER_THREADS_AT_EXIT = """
 import sys, threading, time, datetime
 import torch.distributed as dist
-from lit_ppo.rollout.workers.transport import StagedReceiver
+from lit_ppo.rollout.weight_transfer.transport import StagedReceiver
 from lit_ppo.rollout.workers.worker_main import send_heartbeats, stop_threads
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
@@ -1136,7 +1136,8 @@ def test_a_spawned_worker_killed_during_a_push_is_named_dead_not_stuck(tmp_path,
     worker; it used to say "a rollout worker is stuck" (bench/random_kills.py's worker kills at k = 1)."""
     from lit_ppo.contract import WeightUpdate
     from lit_ppo.errors import RolloutWorkerError
-    from lit_ppo.rollout.workers import client, weight_transfer
+    from lit_ppo.rollout.weight_transfer import backend as weight_transfer
+    from lit_ppo.rollout.workers import client
     from lit_ppo.rollout.workers.launch import SpawnedLaunch
 
     class Store:

@@ -1,4 +1,4 @@
-"""The weight push through vLLM's weight-transfer interface (rollout/workers/weight_transfer.py): lit-ppo's
+"""The weight push through vLLM's weight-transfer interface (rollout/weight_transfer/backend.py): lit-ppo's
 `lit_ppo_gloo` backend as vLLM's factories build it, a push received while the worker still serves the previous
 version and loaded later, and the checks that stop a push whose tensors differ from what it declared. The push into
 real vLLM workers is tested with the rollout workers' runs (tests/rollout/test_async.py)."""
@@ -16,9 +16,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from lit_ppo.errors import WeightSyncError
-from lit_ppo.rollout.workers.client import WorkerSyncClient
-from lit_ppo.rollout.workers.messages import InitWeightTransfer
-from lit_ppo.rollout.workers.weight_transfer import (
+from lit_ppo.rollout.weight_transfer.backend import (
     BACKEND,
     GlooTrainerInitInfo,
     GlooTrainerWeightTransferEngine,
@@ -26,6 +24,8 @@ from lit_ppo.rollout.workers.weight_transfer import (
     ParamMeta,
     TensorSource,
 )
+from lit_ppo.rollout.workers.client import WorkerSyncClient
+from lit_ppo.rollout.workers.messages import InitWeightTransfer
 
 
 def test_both_sides_of_lit_ppo_gloo_are_registered_with_vllms_factories():
@@ -147,7 +147,7 @@ def test_the_declared_metadata_of_a_model_is_what_its_full_tensors_yield(tiny_mo
 def test_a_received_bucket_other_than_the_apply_command_names_stops_the_worker_in_one_line():
     """The broadcast (announced in the store) and the worker's apply command come by different ways: a bucket of
     another version, or of other tensors, is not loaded."""
-    from lit_ppo.rollout.workers.weight_transfer import GlooUpdateInfo, StagedReceiver
+    from lit_ppo.rollout.weight_transfer.backend import GlooUpdateInfo, StagedReceiver
 
     receiver = StagedReceiver(store=None, group=None)
     entries = [("w", "float32", [2])]
@@ -165,7 +165,7 @@ def test_a_received_bucket_other_than_the_apply_command_names_stops_the_worker_i
 
 
 def test_a_stopped_receiver_raises_instead_of_waiting_forever():
-    from lit_ppo.rollout.workers.weight_transfer import GlooUpdateInfo, StagedReceiver
+    from lit_ppo.rollout.weight_transfer.backend import GlooUpdateInfo, StagedReceiver
 
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
@@ -228,8 +228,8 @@ def test_a_taken_store_port_stops_the_workers_client_in_one_line_naming_the_sett
     """The trainer's store on a port another process holds (rollout.workers.port with launch=external): one line with
     the setting to change, from `host_store` (the servers' client takes any free port)."""
     from lit_ppo.errors import RolloutWorkerError
+    from lit_ppo.rollout.weight_transfer.transport import host_store
     from lit_ppo.rollout.workers.client import RolloutWorkers
-    from lit_ppo.rollout.workers.transport import host_store
 
     taken = host_store("127.0.0.1", 0, 5.0)
     line = (
@@ -257,7 +257,7 @@ def test_a_store_host_that_is_not_this_nodes_is_named_with_its_setting_not_as_a_
     """TCPStore's master connects to itself at the host the workers are told: an address of no interface here (TEST-NET
     192.0.2.1) times out, and the line names the host setting, not a port."""
     from lit_ppo.errors import RolloutWorkerError
-    from lit_ppo.rollout.workers.transport import host_store
+    from lit_ppo.rollout.weight_transfer.transport import host_store
 
     line = (
         r"^trainer: cannot host the rollout workers' store on 192\.0\.2\.1:\(any free port\) \(.+\); fix: set "
@@ -270,7 +270,7 @@ def test_a_store_host_that_is_not_this_nodes_is_named_with_its_setting_not_as_a_
 def test_the_probe_check_bounds_the_mean_absolute_difference_per_token_for_workers_and_servers():
     """`probe_mismatch` (a worker's check after applying a version, and a server's after a push): the engine's
     log-probs [-1.1, -2.3] against the trainer's [-1.0, -2.0] differ by (0.1 + 0.3) / 2 = 0.2 nats per token."""
-    from lit_ppo.rollout.workers.transport import probe_mismatch
+    from lit_ppo.rollout.weight_transfer.transport import probe_mismatch
 
     probe = ([7, 8], [9, 10], [-1.0, -2.0])
     asked = []
@@ -309,7 +309,7 @@ def test_the_interface_written_for_machines_without_vllm_has_vllms_names_fields_
 
     from vllm.distributed.weight_transfer import base
 
-    from lit_ppo.rollout.workers import transfer_interface as ours
+    from lit_ppo.rollout.weight_transfer import interface as ours
 
     for name in ("ParamMeta", "TrainerInitInfo", "WeightTransferInitInfo", "WeightTransferUpdateInfo"):
         assert [f.name for f in dataclasses.fields(getattr(ours, name))] == [
@@ -339,13 +339,13 @@ def test_hf_engine_rollout_workers_train_on_a_machine_without_vllm(tmp_path):
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(NO_VLLM)
     which = subprocess.run(
-        [sys.executable, "-c", "import lit_ppo.rollout.workers.weight_transfer as w; print(w.ParamMeta.__module__)"],
+        [sys.executable, "-c", "import lit_ppo.rollout.weight_transfer.backend as w; print(w.ParamMeta.__module__)"],
         env={"PYTHONPATH": f"{blocker}:{ROOT}", "PATH": ""},
         capture_output=True,
         text=True,
         check=True,
     )
-    assert which.stdout.strip() == "lit_ppo.rollout.workers.transfer_interface"
+    assert which.stdout.strip() == "lit_ppo.rollout.weight_transfer.interface"
     out = train_cli(
         tmp_path / "run",
         tmp_path / "cache",
@@ -367,7 +367,7 @@ def test_the_push_announcer_refuses_a_push_out_of_order_or_of_no_tensors_and_num
     order, so a bucket of another push, or a push that ends with no bucket, is refused instead of waited on."""
     import pickle
 
-    from lit_ppo.rollout.workers.transport import PushAnnouncer, push_done_key, update_info_key
+    from lit_ppo.rollout.weight_transfer.transport import PushAnnouncer, push_done_key, update_info_key
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     announcer = PushAnnouncer(store)

@@ -5,10 +5,10 @@
   the other ranks receive each step and read each push with it (collectives).
 - `launch.py`: how the workers start and how the trainer watches them (spawned by the trainer, or external: started
   by the user's launcher on any node).
-- `transport.py`: the channel, a TCPStore for commands and answers and a gloo group for the weights.
 - `worker_main.py`: the worker process's loop (`python -m lit_ppo.rollout.workers`).
 - `engines.py`: the engine a worker runs, by rollout.engine (vLLM, or HF on a copy of the actor).
 - `messages.py`: what goes through the store, as frozen dataclasses.
 
-Which version generates which rollout step is not here but in lit_ppo/rollout/schedule.py; see docs/async.md.
+The channel (store and gloo group) and the weight push are a floor below, in lit_ppo/rollout/weight_transfer/,
+which the engines use too. Which version generates which rollout step is not here but in lit_ppo/rollout/schedule.py; see docs/async.md.
 """

@@ -22,9 +22,9 @@ import torch
 from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeSpec
+from lit_ppo.rollout.weight_transfer.transport import POLL_S, PushAnnouncer, host_store
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import POLL_S, PushAnnouncer, host_store
 
 PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
 """A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
@@ -134,7 +134,7 @@ class RolloutWorkers:
             self.launch.start(start_timeout_s)
             for i in range(workers):
                 self._wait(f"ready/{i}", start_timeout_s, "its engine's start", "rollout.workers.start_timeout_s", i)
-            from lit_ppo.rollout.workers.weight_transfer import start_trainer_transfer
+            from lit_ppo.rollout.weight_transfer.backend import start_trainer_transfer
 
             self.sync_client = WorkerSyncClient(self)
             self.transfer = start_trainer_transfer(
@@ -246,7 +246,7 @@ class RolloutWorkers:
         a worker whose engine then does not serve exactly that adapter (vLLM's list_loras) stops with the reason.
         Every generation records the policy version (and adapter version) that sampled it, as its engine committed it
         (vLLM's weight version). Returns the bytes pushed."""
-        from lit_ppo.rollout.workers.weight_transfer import BucketBroadcastError, ParamMeta, TensorSource
+        from lit_ppo.rollout.weight_transfer.backend import BucketBroadcastError, ParamMeta, TensorSource
 
         version, probe = update.policy_version, update.probe() if update.probe is not None else None
         if update.adapter is not None:

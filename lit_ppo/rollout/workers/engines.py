@@ -3,7 +3,7 @@ sends each worker (`settings`, plain values in the WorkerSpec) and how the worke
 (`start`). A new engine for the workers is a new row here; nothing else asks which engine a worker holds.
 
 Every engine here does, beside the contract's `generate`: the worker's end of the weight transfer
-(`weight_transfer.py`: `open_weight_transfer(init_info)`, `apply_weight_transfer(update_infos, version)`,
+(`lit_ppo/rollout/weight_transfer/`: `open_weight_transfer(init_info)`, `apply_weight_transfer(update_infos, version)`,
 `apply_adapter_transfer(update_infos, peft_config, version)` with model.lora, `close_weight_transfer()`,
 `weight_version`, `set_weight_version`), `sequence_logprobs` (the probe check after each applied version) and
 `adapter_version` (recorded on every sample).
@@ -34,7 +34,7 @@ def vllm_settings(datamodule, plan) -> dict:
         tensor_parallel_size=r.tensor_parallel_size,
         enforce_eager=r.enforce_eager,
         max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else None,  # model.lora: the base, then adapters pushed
-        weight_transfer=True,  # pushes through vLLM's weight-transfer interface (weight_transfer.py)
+        weight_transfer=True,  # pushes through vLLM's weight-transfer interface (rollout/weight_transfer/backend.py)
     )
 
 

@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.rollout.weight_transfer.transport import POLL_S
 from lit_ppo.rollout.workers.messages import Hello, Stop
-from lit_ppo.rollout.workers.transport import POLL_S
 
 HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
 DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")

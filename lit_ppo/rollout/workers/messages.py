@@ -48,7 +48,7 @@ class Generate:
 
 @dataclass(frozen=True)
 class InitWeightTransfer:
-    """Join the weight-transfer group (`weight_transfer.GlooInitInfo`'s fields, less this worker's rank and address):
+    """Join the weight-transfer group (`backend.GlooInitInfo`'s fields, less this worker's rank and address):
     the engine's `open_weight_transfer`, the first command every worker gets."""
 
     init_info: dict
@@ -56,7 +56,7 @@ class InitWeightTransfer:
 
 @dataclass(frozen=True)
 class ApplyWeights:
-    """Load a received weight push (`updates`: its buckets' `weight_transfer.GlooUpdateInfo`s, received meanwhile
+    """Load a received weight push (`updates`: its buckets' `backend.GlooUpdateInfo`s, received meanwhile
     by the engine's receiver) as policy version `policy_version`; with `peft_config` the push is an adapter, served as
     adapter `adapter_version`. `probe`: check the applied weights against the trainer's log-probs of a sequence."""
 

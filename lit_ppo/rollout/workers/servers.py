@@ -58,14 +58,14 @@ import torch
 
 from lit_ppo.contract import Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.rollout.weight_transfer.transport import PushAnnouncer, host_store, probe_mismatch
 from lit_ppo.rollout.workers.launch import DIST_ENV, worker_devices
-from lit_ppo.rollout.workers.transport import PushAnnouncer, host_store, probe_mismatch
 
 log = logging.getLogger("lit_ppo")
 
 SERVED_MODEL_NAME = "policy"
 """--served-model-name of a spawned server (a given server's name is read from its /v1/models)."""
-PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.workers.weight_transfer:register"
+PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.weight_transfer.backend:register"
 """The vLLM general plugin that registers lit-ppo's weight-transfer backend in a server (pyproject.toml too)."""
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 HEALTH_TIMEOUT_S = 5.0  # one /health call
@@ -89,7 +89,7 @@ def server_arguments(settings: dict, port: int, host: str = "127.0.0.1") -> list
     the trainer needs the same (docs/async.md)."""
     from vllm.platforms import current_platform
 
-    from lit_ppo.rollout.workers.weight_transfer import BACKEND
+    from lit_ppo.rollout.weight_transfer.backend import BACKEND
 
     args = ["--model", str(settings["model_dir"]), "--host", host, "--port", str(port)]
     args += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", str(settings["dtype"])]
@@ -370,7 +370,7 @@ class ServerWorkers:
             # The gloo group's rendezvous: a store of the trainer's, which the servers' receivers also poll for each
             # bucket's info.
             self.store = host_store(self.host, 0, start_timeout_s)
-            from lit_ppo.rollout.workers.weight_transfer import start_trainer_transfer
+            from lit_ppo.rollout.weight_transfer.backend import start_trainer_transfer
 
             self.sync_client = ServerSyncClient(self)
             self.transfer = start_trainer_transfer(
@@ -632,7 +632,7 @@ class ServerWorkers:
         (nothing of another client's is cut), the push through the trainer's weight-transfer engine, /resume, and the
         checks: each server reports the version (/weight_info) and its log-probs of the update's probe equal the
         trainer's. Returns the bytes pushed."""
-        from lit_ppo.rollout.workers.weight_transfer import BucketBroadcastError, ParamMeta, TensorSource
+        from lit_ppo.rollout.weight_transfer.backend import BucketBroadcastError, ParamMeta, TensorSource
 
         if update.adapter is None and update.metadata is None:
             raise ValueError("ServerWorkers.update_weights: full weights need their metadata (WeightUpdate.metadata)")

@@ -18,9 +18,9 @@ import threading
 import time
 import traceback
 
+from lit_ppo.rollout.weight_transfer.transport import probe_mismatch, seconds_delta, take_key
 from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.rollout.workers.transport import probe_mismatch, seconds_delta, take_key
 
 
 def _watch_parent(parent: int, stopping: threading.Event) -> None:

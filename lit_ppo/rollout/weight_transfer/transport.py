@@ -6,11 +6,11 @@
   the same when a worker runs on another node (it connects to `host:port`), and every wait on it can be bounded and
   interleaved with a liveness check.
 - A torch.distributed process group of its own (gloo; built from the store, never the default group, which vLLM
-  and Lightning use) carries the weights, through vLLM's weight-transfer interface (`weight_transfer`: the trainer
+  and Lightning use) carries the weights, through vLLM's weight-transfer interface (`backend`: the trainer
   broadcasts each version in flat byte buckets, a thread in each worker receives them while its engine generates,
   and the worker loads a version when its ordered commands reach it). The receiving end is here, free of vLLM
   (`StagedReceiver`, with the bucket announcements it reads, `BucketInfo`): the HF engine's workers use it without
-  vLLM, and vLLM's engine side (`weight_transfer.GlooWeightTransferEngine`) holds one.
+  vLLM, and vLLM's engine side (`backend.GlooWeightTransferEngine`) holds one.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def take_key(store, key: str) -> bytes:
 
 @dataclass
 class BucketInfo:
-    """One bucket of a weight push as the trainer announces it (`weight_transfer.GlooUpdateInfo` is this, as vLLM's
+    """One bucket of a weight push as the trainer announces it (`backend.GlooUpdateInfo` is this, as vLLM's
     update info): push number, bucket number, each tensor's name, dtype and shape, the bucket's size in bytes and the
     policy version the push carries."""
 
@@ -196,7 +196,7 @@ class StagedReceiver(threading.Thread):
     def joining(cls, info, rank_within_engine: int = 0) -> "StagedReceiver":
         """A receiver in the trainer's group: a client of its store, this process's end of the gloo group (the
         rendezvous completes when the trainer and every worker joined); `rank_within_engine`: the engine process's
-        rank among its engine's (tensor-parallel) processes; `info`: a `weight_transfer.GlooInitInfo`."""
+        rank among its engine's (tensor-parallel) processes; `info`: a `backend.GlooInitInfo`."""
         import torch.distributed as dist
 
         store = dist.TCPStore(info.host, info.port, is_master=False, timeout=seconds_delta(info.timeout_s))

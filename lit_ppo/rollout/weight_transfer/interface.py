@@ -1,6 +1,6 @@
 """The names of vLLM's weight-transfer interface (`vllm.distributed.weight_transfer.base` and `.factory`) that the
 `lit_ppo_gloo` push uses, for a machine without vLLM: `rollout.engine=hf` rollout workers need no vLLM (a GPU image
-without it, Apple, some AMD set-ups), but the push is written against vLLM's interface. weight_transfer.py imports
+without it, Apple, some AMD set-ups), but the push is written against vLLM's interface. backend.py imports
 vLLM's own classes where vLLM is installed and these otherwise, so the trainer's end of the push and an HF worker's run
 the same code either way. Same names, fields and calls as vLLM's, as far as the push uses them (compared with vLLM's
 by tests/rollout/test_weight_transfer.py where vLLM is installed); vLLM's worker-side engine (`WeightTransferEngine`)
