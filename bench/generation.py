@@ -26,6 +26,7 @@ from common import (
     stats,
 )
 
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.rollout.engine import sampling_seeds
 
 
@@ -91,12 +92,14 @@ def main() -> None:
     def run_vllm(seed: int) -> float:
         started = time.perf_counter()
         out = engine.generate(
-            prompt_ids,
-            n=n,
-            temperature=1.0,
-            top_p=1.0,
-            max_tokens=length,
-            seeds=sampling_seeds(seed, "bench", range(len(prompt_ids)), n),
+            GenerateRequest(
+                prompt_ids,
+                n=n,
+                temperature=1.0,
+                top_p=1.0,
+                max_tokens=length,
+                seeds=sampling_seeds(seed, "bench", range(len(prompt_ids)), n),
+            )
         )
         seconds = time.perf_counter() - started
         lengths = {len(g.token_ids) for g in out}

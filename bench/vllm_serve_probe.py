@@ -503,6 +503,7 @@ def main() -> None:
     args = parser.parse_args()
     import vllm
 
+    from lit_ppo.contract import GenerateRequest
     from lit_ppo.rollout.engine import VLLMEngine
 
     root = Path(tempfile.mkdtemp(prefix="vllm_serve_probe_"))
@@ -515,7 +516,7 @@ def main() -> None:
 
     started = time.perf_counter()
     engine = VLLMEngine(str(model_dir), max_model_len=128, seed=0, max_lora_rank=LORA_RANK)
-    reference = engine.generate(prompts, seeds=seeds, stop_token_ids=stop_ids, **SAMPLING)
+    reference = engine.generate(GenerateRequest(prompts, seeds=seeds, stop_token_ids=stop_ids, **SAMPLING))
     engine.close()
     print(f"in-process reference: {len(reference)} samples in {time.perf_counter() - started:.1f} s", flush=True)
 

@@ -50,7 +50,7 @@ def main() -> None:
     )
     from transformers import AutoModelForCausalLM
 
-    from lit_ppo.contract import AdapterWeights, WeightUpdate
+    from lit_ppo.contract import AdapterWeights, GenerateRequest, WeightUpdate
     from lit_ppo.distributed import full_tensor_metadata
     from lit_ppo.rollout.workers.client import RolloutWorkers
 
@@ -99,7 +99,9 @@ def main() -> None:
             started = time.perf_counter()
             moved = workers.update_weights(update(version))
             pushed.append(time.perf_counter() - started)
-            tickets = workers.submit([[1, 2, 3]], n=1, temperature=1.0, top_p=1.0, max_tokens=1, seeds=[version])
+            tickets = workers.submit(
+                GenerateRequest([[1, 2, 3]], n=1, temperature=1.0, top_p=1.0, max_tokens=1, seeds=[version])
+            )
             _, versions, _ = workers.collect(tickets)
             to_sample.append(time.perf_counter() - started)
             if versions != [version]:

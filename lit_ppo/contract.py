@@ -8,8 +8,8 @@ that every one conforms). A new engine or transport is a new class, not a new br
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -24,6 +24,49 @@ class Generation:
     text: str
     logprobs: list[float]  # per token: the engine's log-probability of the sampled token, after temperature and top-p
     adapter_version: int = 0  # the LoRA adapter version that sampled it (AdapterWeights); 0: no adapter
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What every engine's `generate` takes: `n` responses to each prompt (token ids), sampled at `temperature` and
+    `top_p`, each ending at its token limit, at any of `stop_token_ids` (kept as its last token, like EOS) or at a
+    `stop` string (cut from its text). The rollout's request is built in one place (the data module's
+    `sampling_request`); an episode's turns build theirs (rollout/episodes.py)."""
+
+    prompt_token_ids: list[list[int]]
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int | list[int]  # one limit for all, or one per prompt (episodes: what is left of each one's budget)
+    seeds: list[int] | None = None  # one per prompt (`rollout.engine.sampling_seeds`); None: unseeded (greedy)
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+
+    def __post_init__(self):
+        if self.seeds is not None and len(self.seeds) != len(self.prompt_token_ids):
+            raise ValueError(
+                f"generate: {len(self.seeds)} seeds for {len(self.prompt_token_ids)} prompts; give one seed per prompt"
+            )
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def limits(self) -> list[int]:
+        """Each prompt's token limit."""
+        if isinstance(self.max_tokens, list):
+            return self.max_tokens
+        return [self.max_tokens] * len(self.prompt_token_ids)
+
+    def share(self, start: int, stop: int) -> "GenerateRequest":
+        """The request of prompts start..stop - 1 (a rollout worker's contiguous share)."""
+        return replace(
+            self,
+            prompt_token_ids=self.prompt_token_ids[start:stop],
+            max_tokens=self.max_tokens[start:stop] if isinstance(self.max_tokens, list) else self.max_tokens,
+            seeds=None if self.seeds is None else self.seeds[start:stop],
+        )
 
 
 Probe = tuple[list[int], list[int], list[float]]
@@ -82,9 +125,10 @@ class RolloutEngine(Protocol):
         """The LoRA adapter version that serves generate calls now; 0: none (the base, or full weights)."""
         ...
 
-    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
-        """Sample responses of the prompts (token ids); `params`: n, temperature, top_p, max_tokens, seeds (one per
-        prompt: a sample's randomness does not depend on the batch), stop ids. Log-probs of the sampled distribution."""
+    def generate(self, request: GenerateRequest) -> list[Generation]:
+        """The request's samples, grouped by prompt (all n of prompt 0 first, then prompt 1, ...), with the log-probs of
+        the distribution sampled from (after temperature and top-p). Seeded, a sample's randomness does not depend on
+        the other prompts of the request."""
         ...
 
     def update_weights(self, update: WeightUpdate) -> int:

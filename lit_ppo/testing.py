@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
 from lit_ppo.rollout.datamodule import RolloutDataModule
 
 
@@ -19,7 +19,7 @@ class NullEngine:
 
     adapter_version = 0
 
-    def generate(self, prompt_token_ids: list[list[int]], **params) -> list[Generation]:
+    def generate(self, request: GenerateRequest) -> list[Generation]:
         raise RuntimeError("NullEngine generates nothing: a run with it trains on FixedBatchDataModule's fixed batch")
 
     def update_weights(self, update: WeightUpdate) -> int:

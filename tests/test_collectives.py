@@ -43,8 +43,10 @@ def strict_collectives(device: torch.device) -> list[str]:
 class ScriptedEngine:
     """Stands in for vLLM: response i of a prompt is `i` characters of the prompt's last one."""
 
-    def generate(self, prompt_token_ids, *, n, temperature, top_p, max_tokens, seeds, **_):
+    def generate(self, request):
         from lit_ppo.rollout.engine import Generation
+
+        prompt_token_ids, n = request.prompt_token_ids, request.n
 
         return [
             Generation(

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from lit_ppo import console
 from lit_ppo.console import capture_prints, printed_by, setup_logging, show, show_error
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.rewards import RewardScorer
 
 
@@ -72,7 +73,9 @@ def test_weight_sync_loads_every_actor_tensor_and_the_rotary_message_is_debug(en
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     # and the engine now generates with the actor's weights
     ids = [[3, 4, 5]]
-    greedy = engine.generate(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=3, seeds=None)[0].token_ids
+    greedy = engine.generate(GenerateRequest(ids, n=1, temperature=0.0, top_p=1.0, max_tokens=3, seeds=None))[
+        0
+    ].token_ids
     with torch.no_grad():
         expected = actor.generate(torch.tensor(ids), max_new_tokens=3, do_sample=False)[0, 3:].tolist()
     assert greedy == expected[: len(greedy)]

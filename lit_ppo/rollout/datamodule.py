@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.distributed import all_gather_objects, global_sum
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
@@ -38,7 +39,14 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer, Scores
 from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
-from lit_ppo.rollout.episodes import EpisodeRunner, EpisodeSettings, EpisodeSpec, ObservationEncoder, episode_stats
+from lit_ppo.rollout.episodes import (
+    EpisodeRequest,
+    EpisodeRunner,
+    EpisodeSettings,
+    EpisodeSpec,
+    ObservationEncoder,
+    episode_stats,
+)
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
 from lit_ppo.waits import start_within
@@ -415,34 +423,49 @@ class RolloutDataModule(L.LightningDataModule):
             **self.episode_fields([g for _, _, g in samples]),
         )
 
-    def rollout_request(self, rollout_step: int, round_in_step: int = 0) -> dict:
-        """The generate keywords of round `round_in_step` of `rollout_step`, every rank's prompts (a source that
-        requests steps ahead asks for them for the whole run): its prompts' ids (`generation_round_of`, which draws the
-        round if it is new) and seeds, as `generate_round` seeds them. With multi-turn episodes: the prompts, their
-        positions and the purpose that seeds each turn, as `generate_round` passes them to `run_episodes` (a rollout
-        worker runs them with the same `EpisodeRunner`)."""
+    def rollout_request(self, rollout_step: int, round_in_step: int = 0) -> GenerateRequest | EpisodeRequest:
+        """The request of round `round_in_step` of `rollout_step`, every rank's prompts (a source that requests steps
+        ahead asks for them for the whole run): its prompts (`generation_round_of`, which draws the round if it is
+        new), seeded as `generate_round` seeds them."""
         positions = range(self.plan.counts.prompts_per_generation_round)
         round_index = self.generation_round_of(rollout_step, round_in_step)
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(round_index, positions)]
-        n = self.plan.counts.n_samples_per_prompt
-        if self.make_environment is not None:
-            return dict(
-                prompts=prompts,
-                positions=list(positions),
-                n=n,
-                temperature=self.rollout.temperature,
-                top_p=self.rollout.top_p,
-                purpose=round_purpose(rollout_step, round_in_step),
-                where=f"rollout step {rollout_step + 1}",
-            )
-        return dict(
-            prompt_token_ids=[p.prompt_ids for p in prompts],
-            n=n,
+        return self.sampling_request(
+            prompts,
+            list(positions),
+            self.plan.counts.n_samples_per_prompt,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
+            purpose=round_purpose(rollout_step, round_in_step),
+            where=f"rollout step {rollout_step + 1}",
+        )
+
+    def sampling_request(
+        self,
+        prompts: list[Prompt],
+        positions: list[int],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        purpose: str | None,
+        where: str,
+    ) -> GenerateRequest | EpisodeRequest:
+        """The one place a request is built from the run's rollout settings: n samples of each prompt (`positions`:
+        the prompts' global positions), an episode each with an environment (run by `EpisodeRunner`, here or in a
+        rollout worker), else one response each; `purpose` seeds the samples (`sampling_seeds`; None: unseeded, for
+        greedy decoding)."""
+        if self.make_environment is not None:
+            return EpisodeRequest(prompts, list(positions), n, temperature, top_p, purpose, where)
+        return GenerateRequest(
+            [p.prompt_ids for p in prompts],
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
             max_tokens=self.rollout.max_response_tokens,
-            seeds=sampling_seeds(self.seed, round_purpose(rollout_step, round_in_step), list(positions), n),
-            **self.stop_kwargs(),
+            seeds=None if purpose is None else sampling_seeds(self.seed, purpose, positions, n),
+            stop_token_ids=self.stop_token_ids,
+            stop=list(self.rollout.stop),
         )
 
     def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
@@ -458,47 +481,19 @@ class RolloutDataModule(L.LightningDataModule):
         metrics.update({k: float(v) for k, v in counts.items()})
         return metrics
 
-    def run_episodes(
-        self,
-        prompts: list[Prompt],
-        positions: list[int],
-        n: int,
-        *,
-        temperature: float,
-        top_p: float,
-        purpose: str | None,
-        where: str,
-    ) -> list:
-        """n episodes per prompt (lit_ppo.rollout.episodes); `positions` are the prompts' global positions. Turn t of the
-        episode at global sample position q is seeded base(purpose, turn t) + q (`episode_seeds`), so the episodes do
-        not depend on the number of ranks; `purpose=None` samples unseeded (greedy evaluation). Rollout workers run
-        the same `EpisodeRunner`, built from `episode_spec`: with them (evaluation; rollouts go through the source's
-        requests) the whole episodes run there, one request for the prompts, not a generate per turn from here (with
-        several trainer ranks each generate is a collective, which ranks whose episodes end after different turns
-        would not meet)."""
+    def run_episodes(self, request: EpisodeRequest) -> list:
+        """n episodes per prompt (lit_ppo.rollout.episodes). Turn t of the episode at global sample position q is
+        seeded base(purpose, turn t) + q (`episode_seeds`), so the episodes do not depend on the number of ranks.
+        Rollout workers run the same `EpisodeRunner`, built from `episode_spec`: with them (evaluation; rollouts go
+        through the source's requests) the whole episodes run there, one request for the prompts, not a generate per
+        turn from here (with several trainer ranks each generate is a collective, which ranks whose episodes end after
+        different turns would not meet)."""
         if self.plan is not None and self.plan.workers:
-            return self.start_engine().generate(
-                prompts=prompts,
-                positions=list(positions),
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
-                purpose=purpose,
-                where=where,
-            )
+            return self.start_engine().generate(request)
         runner = EpisodeRunner(
             self.make_environment, self.tokenizer, self.episode_settings, self.observation_encoder, self.seed
         )
-        return runner.run(
-            self.start_engine(),
-            prompts,
-            positions,
-            n,
-            temperature=temperature,
-            top_p=top_p,
-            purpose=purpose,
-            where=where,
-        )
+        return runner.run(self.start_engine(), request)
 
     def episode_spec(self) -> EpisodeSpec | None:
         """The run's multi-turn settings as plain values, for rollout workers to build their episodes from (None:
@@ -551,19 +546,12 @@ class RolloutDataModule(L.LightningDataModule):
         seeds the samples (None: unseeded, for greedy decoding)."""
         engine = self.start_engine()
         engine.wake_up()
-        if self.make_environment is not None:
-            return self.run_episodes(
-                prompts, positions, n, temperature=temperature, top_p=top_p, purpose=purpose, where=where
-            )
-        return engine.generate(
-            [p.prompt_ids for p in prompts],
-            n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=self.rollout.max_response_tokens,
-            seeds=None if purpose is None else sampling_seeds(self.seed, purpose, positions, n),
-            **self.stop_kwargs(),
+        request = self.sampling_request(
+            prompts, positions, n, temperature=temperature, top_p=top_p, purpose=purpose, where=where
         )
+        if isinstance(request, EpisodeRequest):
+            return self.run_episodes(request)
+        return engine.generate(request)
 
     def solved(self, rewards: list[float], sample_metrics: dict[str, list[float]]) -> list[bool]:
         """Per sample: did it solve its prompt? The reward's own `correct` metric where it returns one (a well-formatted
@@ -582,9 +570,6 @@ class RolloutDataModule(L.LightningDataModule):
             "episode_ids": [g.episode_ids for g in samples] if self.rollout.episodes.check_token_ids else None,
             "episode_stats": episode_stats(samples),
         }
-
-    def stop_kwargs(self) -> dict:
-        return {"stop_token_ids": self.stop_token_ids, "stop": list(self.rollout.stop)}
 
     def score(self, prompts: list, generations: list) -> Scores:
         """Rewards of generations; `g.prompt_index` points into `prompts`."""
@@ -629,7 +614,7 @@ class RolloutDataModule(L.LightningDataModule):
             if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
                 if self.plan.workers and self.world_size > 1:  # rank 0 drives the workers: each rank's generate
                     for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
-                        self.start_engine().generate([])
+                        self.generate([], [], 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
                 return greedy, greedy_rewards, solved
             # Both passes generated before any reward is scored: with rollout workers and several ranks each generate
             # is a collective, which a rank whose scoring a signal cut would otherwise not meet.

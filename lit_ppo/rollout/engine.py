@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from lit_ppo.console import quiet_stderr
-from lit_ppo.contract import CountedTensors, Generation, WeightUpdate
+from lit_ppo.contract import CountedTensors, GenerateRequest, Generation, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -140,44 +140,27 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         log.info("vLLM warm-up (its log-prob kernel's compilation): %.1f s", time.perf_counter() - started)
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_tokens: int | list[int],
-        seeds: list[int] | None,
-        stop_token_ids: list[int] = (),
-        stop: list[str] = (),
-    ) -> list[Generation]:
+    def generate(self, request: GenerateRequest) -> list[Generation]:
         """n responses per prompt, grouped: all samples of prompt 0 first, then prompt 1, ...
 
-        `seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling. `max_tokens`: one limit for
-        all, or one per prompt (episodes: what is left of each one's token budget). A response also ends at
-        any of `stop_token_ids` (kept as its last token, like EOS) or `stop` strings (cut from its text)."""
+        `request.seeds`: one per prompt (see `sampling_seeds`), or None for unseeded sampling."""
         from vllm import SamplingParams
 
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt"
-            )
-        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
+        limits = request.limits
         params = [
             SamplingParams(
-                n=n,
-                temperature=temperature,
-                top_p=top_p,
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
                 max_tokens=limits[i],
                 logprobs=0,
-                seed=None if seeds is None else seeds[i],
-                stop_token_ids=list(stop_token_ids) or None,
-                stop=list(stop) or None,
+                seed=None if request.seeds is None else request.seeds[i],
+                stop_token_ids=list(request.stop_token_ids) or None,
+                stop=list(request.stop) or None,
             )
-            for i in range(len(prompt_token_ids))
+            for i in range(request.prompt_count)
         ]
-        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+        prompts = [{"prompt_token_ids": ids} for ids in request.prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         version = self.adapter_version
         generations = []

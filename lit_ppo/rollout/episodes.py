@@ -14,9 +14,10 @@ An episode ends when its environment says done, after `max_turns` policy turns, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.environments import (
     EnvironmentTimeout,
     TokenIds,
@@ -257,14 +258,16 @@ def run_episodes(
         ]
         turn_seeds = None if seeds is None else [seeds(turn)[r.position] for r in active]
         outputs = engine.generate(
-            contexts,
-            n=1,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=budgets,
-            seeds=turn_seeds,
-            stop_token_ids=settings.stop_token_ids,
-            stop=settings.stop,
+            GenerateRequest(
+                contexts,
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=budgets,
+                seeds=turn_seeds,
+                stop_token_ids=settings.stop_token_ids,
+                stop=settings.stop,
+            )
         )
         actions = []
         for r, context, out in zip(active, contexts, outputs):
@@ -377,6 +380,30 @@ class EpisodeSpec:
     seed: int
 
 
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """n episodes of each prompt, the request of multi-turn rollouts (`EpisodeRunner.run`; `GenerateRequest`'s
+    counterpart, which each turn's generate takes): `positions` are the prompts' global positions in the round,
+    `purpose` seeds the turns (`episode_seeds`; None: unseeded, greedy), `where` names the rollout step in
+    messages."""
+
+    prompts: list[Prompt]
+    positions: list[int]
+    n: int
+    temperature: float
+    top_p: float
+    purpose: str | None
+    where: str
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts)
+
+    def share(self, start: int, stop: int) -> "EpisodeRequest":
+        """The request of prompts start..stop - 1 (a rollout worker's contiguous share)."""
+        return replace(self, prompts=self.prompts[start:stop], positions=self.positions[start:stop])
+
+
 class EpisodeRunner:
     """Runs n episodes per prompt of a request (`run_episodes`) with the run's environment, tokenizer, settings and
     observation encoder, seeded per turn and global sample position (`episode_seeds`): the data module's, and a
@@ -399,32 +426,22 @@ class EpisodeRunner:
         encoder = ObservationEncoder(tokenizer, spec.chat_template, spec.observation_role)
         return cls(build_environment_factory(spec.environment), tokenizer, spec.settings, encoder, spec.seed)
 
-    def run(
-        self,
-        engine,
-        prompts: list[Prompt],
-        positions: list[int],
-        n: int,
-        *,
-        temperature: float,
-        top_p: float,
-        purpose: str | None,
-        where: str,
-    ) -> list[Episode]:
-        """n episodes of each prompt; `positions`: the prompts' global positions in the round."""
-        samples = [position * n + j for position in positions for j in range(n)]
+    def run(self, engine, request: EpisodeRequest) -> list[Episode]:
+        """n episodes of each of the request's prompts."""
+        n = request.n
+        samples = [position * n + j for position in request.positions for j in range(n)]
         return run_episodes(
             engine,
-            prompts,
+            request.prompts,
             n,
             self.make_environment,
             self.tokenizer,
             self.settings,
             self.encoder,
-            temperature=temperature,
-            top_p=top_p,
-            seeds=episode_seeds(self.seed, purpose, samples),
-            where=where,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seeds=episode_seeds(self.seed, request.purpose, samples),
+            where=request.where,
             sample_positions=samples,
         )
 

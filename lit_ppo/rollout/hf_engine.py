@@ -46,7 +46,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
 from lit_ppo.errors import WeightSyncError
 
 
@@ -179,25 +179,16 @@ class HFEngine:
 
     # ------------------------------------------------------------ the engine interface
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_tokens: int | list[int],
-        seeds: list[int] | None,
-        stop_token_ids: list[int] = (),
-        stop: list[str] = (),
-    ) -> list[Generation]:
+    def generate(self, request: GenerateRequest) -> list[Generation]:
         """`VLLMEngine.generate`: n responses per prompt, grouped (prompt 0's n first); sample j of prompt i is
         seeded `seeds[i] + j`, as vLLM seeds a request's n samples."""
-        if seeds is not None and len(seeds) != len(prompt_token_ids):
-            raise ValueError(
-                f"generate: {len(seeds)} seeds for {len(prompt_token_ids)} prompts; give one seed per prompt"
-            )
-        limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_token_ids)
+        prompt_token_ids, n, temperature, seeds = (
+            request.prompt_token_ids,
+            request.n,
+            request.temperature,
+            request.seeds,
+        )
+        limits = request.limits
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
         row_seeds = None
         if temperature > 0:
@@ -207,7 +198,7 @@ class HFEngine:
         # Longest prompts first, so a batch pads little; the samples do not depend on the batches (own generators).
         order = sorted(range(len(rows)), key=lambda r: -len(prompt_token_ids[rows[r][0]]))
         size = self.max_batch_sequences or len(rows) or 1
-        stops = self.eos_token_ids | {int(i) for i in stop_token_ids}
+        stops = self.eos_token_ids | {int(i) for i in request.stop_token_ids}
         results: list[Generation | None] = [None] * len(rows)
         for start in range(0, len(order), size):
             batch = order[start : start + size]
@@ -216,9 +207,9 @@ class HFEngine:
                 [limits[rows[r][0]] for r in batch],
                 None if row_seeds is None else [row_seeds[r] for r in batch],
                 temperature,
-                top_p,
+                request.top_p,
                 stops,
-                list(stop),
+                list(request.stop),
             )
             for r, (token_ids, logprobs, reason, text) in zip(batch, generated):
                 results[r] = Generation(

@@ -81,7 +81,8 @@ def peak_above(baseline: int) -> float:
 class StandInEngine(NullEngine):
     """vLLM's place in evaluation: response i of a prompt is i + 1 copies of the prompt's last token (text `i`)."""
 
-    def generate(self, prompt_token_ids, *, n, temperature, top_p, max_tokens, seeds, **_):
+    def generate(self, request):
+        prompt_token_ids, n = request.prompt_token_ids, request.n
         return [
             Generation(
                 prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)

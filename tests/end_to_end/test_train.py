@@ -121,10 +121,10 @@ def test_final_actor_loads_in_transformers_and_vllm(cli_run):
     assert actor.config.model_type == "qwen2"
     # vLLM in a fresh process: this test process already holds an engine.
     code = (
-        "from lit_ppo.rollout.engine import VLLMEngine; from transformers import AutoTokenizer; import sys; "
+        "from lit_ppo.contract import GenerateRequest; from lit_ppo.rollout.engine import VLLMEngine; from transformers import AutoTokenizer; import sys; "
         f"e = VLLMEngine({str(cli_run / 'actor')!r}, max_model_len=64); "
         f"t = AutoTokenizer.from_pretrained({str(cli_run / 'actor')!r}); "
-        "g = e.generate([t('3+4=').input_ids], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0]); "
+        "g = e.generate(GenerateRequest([t('3+4=').input_ids], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0])); "
         "print('GENERATED', len(g))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

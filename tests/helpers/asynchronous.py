@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from lit_ppo.config import RolloutConfig, WorkersConfig
-from lit_ppo.contract import Generation
+from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from tests.helpers import plan_of
 
@@ -77,15 +77,23 @@ class QueueingWorkers:
         self.submitted: list[int] = []  # rollout steps, in the order requested
         self.collected: list[int] = []  # rollout steps, in the order received
 
-    def submit(self, prompt_token_ids, *, step, n):
+    def submit(self, request: GenerateRequest):
+        step = request.seeds[0]  # `step_request`'s
         self.submitted.append(step)
-        return (step, self.version, len(prompt_token_ids), n)
+        return (step, self.version, request.prompt_count, request.n)
 
     def collect(self, ticket):
         step, version, prompts, n = ticket
         self.collected.append(step)
         generations = [Generation(i // n, [step, i], False, "", [-1.0, -1.0]) for i in range(prompts * n)]
         return generations, [version] * (prompts * n), 0.5
+
+
+def step_request(step: int, prompt_token_ids: list[list[int]], n: int) -> GenerateRequest:
+    """A request of rollout step `step` as `QueueingWorkers` reads it: every prompt seeded with the step."""
+    return GenerateRequest(
+        prompt_token_ids, n=n, temperature=1.0, top_p=1.0, max_tokens=2, seeds=[step] * len(prompt_token_ids)
+    )
 
 
 def not_here():

@@ -400,8 +400,10 @@ class ScriptedEngine:
     def wake_up(self) -> None:
         pass
 
-    def generate(self, prompt_token_ids, *, n, **_):
+    def generate(self, request):
         from lit_ppo.rollout.engine import Generation
+
+        prompt_token_ids, n = request.prompt_token_ids, request.n
 
         return [
             Generation(prompt_index=i, token_ids=[1], truncated=False, text=self.responses[i][j], logprobs=[0.0])

@@ -41,10 +41,10 @@ class StandInEngine:
     def wake_up(self):
         pass
 
-    def generate(self, prompt_token_ids, *, n, seeds, **_):
+    def generate(self, request):
         out = []
-        for i, (ids, seed) in enumerate(zip(prompt_token_ids, seeds)):
-            for j in range(n):
+        for i, (ids, seed) in enumerate(zip(request.prompt_token_ids, request.seeds)):
+            for j in range(request.n):
                 g = sample(ids, seed * 1000 + j)
                 out.append(Generation(i, g.token_ids, g.truncated, g.text, g.logprobs))
         return out
@@ -58,9 +58,9 @@ class StandInWorkers(StandInEngine):
         self.version = version
         self.requests: list[tuple[list[list[int]], int]] = []
 
-    def submit(self, prompt_token_ids, **params):
-        self.requests.append((prompt_token_ids, self.version))
-        return self.generate(prompt_token_ids, **params), self.version
+    def submit(self, request):
+        self.requests.append((request.prompt_token_ids, self.version))
+        return self.generate(request), self.version
 
     def collect(self, ticket):
         generations, version = ticket

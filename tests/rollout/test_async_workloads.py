@@ -29,6 +29,7 @@ from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.rollout.workers.engines import WORKER_ENGINES
 from tests.helpers import build_run, compose_run_config, plan_of
+from tests.helpers.asynchronous import step_request
 from tests.helpers.episodes import ENVIRONMENT, FLAKY_ENVIRONMENT, RAISING_ENVIRONMENT
 
 TIS = RolloutCorrectionConfig(mode="tis")
@@ -142,8 +143,8 @@ def test_a_checkpoint_keeps_episodes_generated_ahead_with_their_masks():
     class EpisodeWorkers:
         version = 0
 
-        def submit(self, **request):
-            return request["step"]
+        def submit(self, request):
+            return request.seeds[0]
 
         def collect(self, step):
             episode = Episode(
@@ -153,7 +154,7 @@ def test_a_checkpoint_keeps_episodes_generated_ahead_with_their_masks():
             return [episode], [self.version], 0.1
 
     source, workers = AheadOfTimeSource(plan), EpisodeWorkers()
-    source.take(0, workers, None, lambda step, round_in_step=0: {"step": step})
+    source.take(0, workers, None, lambda step, round_in_step=0: step_request(step, [[1]], n=1))
     source.collect(workers)
     state = source.state_dict()
     resumed = AheadOfTimeSource(plan)

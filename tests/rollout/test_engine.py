@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import gc
 
+from lit_ppo.contract import GenerateRequest
+
 
 def greedy_tokens(engine) -> list[int]:
     prompt = [5, 9, 12, 7, 3, 14, 6, 11]
-    return engine.generate([prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seeds=None)[0].token_ids
+    return engine.generate(GenerateRequest([prompt], n=1, temperature=0.0, top_p=1.0, max_tokens=6, seeds=None))[
+        0
+    ].token_ids
 
 
 def test_an_engine_that_is_closed_or_collected_leaves_the_other_engines_of_the_process_generating(

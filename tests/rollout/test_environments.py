@@ -125,8 +125,9 @@ class ScriptedEngine:
     def wake_up(self) -> None:
         pass
 
-    def generate(self, contexts, *, n, temperature, top_p, max_tokens, seeds, stop_token_ids=(), stop=()):
-        assert n == 1
+    def generate(self, request):
+        contexts, max_tokens, seeds = request.prompt_token_ids, request.max_tokens, request.seeds
+        assert request.n == 1
         turn = len(self.calls) % len(self.turns) if self.cycle else len(self.calls)
         self.calls.append({"contexts": [list(c) for c in contexts], "max_tokens": list(max_tokens), "seeds": seeds})
         outputs = []

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo.config import EpisodesConfig, RolloutConfig
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.engine import sampling_seeds
@@ -72,10 +73,10 @@ def test_greedy_outputs_equal_vllm(actor, tokenizer, vllm):
     # vLLM ignores it once sampling parameters are given.
     actor.generation_config.repetition_penalty = 5.0
     try:
-        ours = hf.generate(prompts, **kwargs)
+        ours = hf.generate(GenerateRequest(prompts, **kwargs))
     finally:
         actor.generation_config.repetition_penalty = None
-    theirs = vllm.generate(prompts, **kwargs)
+    theirs = vllm.generate(GenerateRequest(prompts, **kwargs))
     assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
     assert [g.text for g in ours] == [g.text for g in theirs] and [g.truncated for g in ours] == [
         g.truncated for g in theirs
@@ -86,7 +87,10 @@ def test_greedy_outputs_equal_vllm(actor, tokenizer, vllm):
     stop_id = ours[0].token_ids[len(ours[0].token_ids) // 2]
     stop_text = next(g.text[4:6] for g in ours[1:] if stop_id not in g.token_ids and g.text[4:6].strip())
     stops = dict(stop_token_ids=[stop_id], stop=[stop_text])
-    ours, theirs = hf.generate(prompts, **kwargs, **stops), vllm.generate(prompts, **kwargs, **stops)
+    ours, theirs = (
+        hf.generate(GenerateRequest(prompts, **kwargs, **stops)),
+        vllm.generate(GenerateRequest(prompts, **kwargs, **stops)),
+    )
     assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
     assert [g.text for g in ours] == [g.text for g in theirs]
     assert [g.truncated for g in ours] == [g.truncated for g in theirs]
@@ -102,7 +106,7 @@ def test_sampled_logprobs_are_the_processed_distributions_like_vllms(actor, toke
     seeds = sampling_seeds(0, "logprobs", range(len(prompts)), 2)
     kwargs = dict(n=2, temperature=0.7, top_p=top_p, max_tokens=10, seeds=seeds)
     for engine in (HFEngine(actor, tokenizer), vllm):
-        generations = engine.generate(prompts, **kwargs)
+        generations = engine.generate(GenerateRequest(prompts, **kwargs))
         expected = processed_logprobs(
             actor, [prompts[g.prompt_index] for g in generations], [g.token_ids for g in generations], 0.7, top_p
         )
@@ -124,18 +128,20 @@ def test_seeds_reproduce_samples_whatever_the_batch(actor, tokenizer):
     seeds = sampling_seeds(0, "rollout_step=0", range(len(prompts)), 2)
     kwargs = dict(n=2, temperature=0.7, top_p=1.0, max_tokens=10)
     rng = torch.get_rng_state()
-    everything = hf.generate(prompts, seeds=seeds, **kwargs)
+    everything = hf.generate(GenerateRequest(prompts, seeds=seeds, **kwargs))
     assert torch.equal(torch.get_rng_state(), rng)
     assert [g.prompt_index for g in everything] == [i for i in range(24) for _ in range(2)]
-    alone = hf.generate(prompts[16:], seeds=seeds[16:], **kwargs)
+    alone = hf.generate(GenerateRequest(prompts[16:], seeds=seeds[16:], **kwargs))
     assert [g.token_ids for g in alone] == [g.token_ids for g in everything[32:]]
-    small = HFEngine(actor, tokenizer, max_batch_sequences=5).generate(prompts[::-1], seeds=seeds[::-1], **kwargs)
+    small = HFEngine(actor, tokenizer, max_batch_sequences=5).generate(
+        GenerateRequest(prompts[::-1], seeds=seeds[::-1], **kwargs)
+    )
     assert [g.token_ids for g in small] == [
         g.token_ids for i in range(23, -1, -1) for g in everything[2 * i : 2 * i + 2]
     ]
     for a, b in zip(small[:2], everything[46:]):  # prompt 23 in a batch of 5 against one of 48 rows
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    other = hf.generate(prompts, seeds=sampling_seeds(1, "rollout_step=0", range(24), 2), **kwargs)
+    other = hf.generate(GenerateRequest(prompts, seeds=sampling_seeds(1, "rollout_step=0", range(24), 2), **kwargs))
     assert sum(a.token_ids != b.token_ids for a, b in zip(other, everything)) > 12
     assert actor.training  # the trainer's mode is restored
 
@@ -151,7 +157,7 @@ def test_stops_on_a_uniform_policy(tiny_model_dir, actor, tokenizer, vllm):
     kwargs = dict(n=8, temperature=0.8, top_p=1.0, max_tokens=24, seeds=sampling_seeds(0, "stops", range(16), 8))
     vllm.sync_weights(uniform.state_dict().items())
     for engine in (HFEngine(uniform, tokenizer), vllm):
-        out = engine.generate(prompts, **kwargs, stop_token_ids=[stop_id], stop=[stop_text])
+        out = engine.generate(GenerateRequest(prompts, **kwargs, stop_token_ids=[stop_id], stop=[stop_text]))
         ended = [g for g in out if g.token_ids[-1] == stop_id]
         assert len(ended) >= 5 and all(not g.truncated and "a" not in g.text for g in ended)
         assert all(stop_id not in g.token_ids[:-1] and stop_text not in g.text for g in out)

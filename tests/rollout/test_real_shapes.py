@@ -8,6 +8,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.rollout.engine import sampling_seeds
 from tests.helpers import ROOT, rollout_step_rows
 from tests.helpers.prompts import long_prompts
@@ -22,9 +23,11 @@ def test_seeded_generation_survives_prefills_larger_than_one_scheduler_step(tiny
     prompts = long_prompts(tokenizer, 48, 100, 115)
     assert sum(len(p) for p in prompts) * 2 > 2 * 4096
     seeds = sampling_seeds(0, "real_shapes", range(len(prompts)), 2)
-    everything = engine.generate(prompts, n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds)
+    everything = engine.generate(GenerateRequest(prompts, n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds))
     assert len(everything) == 96
-    alone = engine.generate(prompts[40:], n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds[40:])
+    alone = engine.generate(
+        GenerateRequest(prompts[40:], n=2, temperature=0.7, top_p=1.0, max_tokens=8, seeds=seeds[40:])
+    )
     assert [g.token_ids for g in alone] == [g.token_ids for g in everything[80:]]
 
 

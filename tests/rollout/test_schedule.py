@@ -8,14 +8,14 @@ import ast
 import pytest
 
 from lit_ppo.config import RolloutConfig
-from lit_ppo.contract import Generation
+from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.rollout.schedule import AheadOfTimeSource, SynchronousSource, source_for
 from tests.helpers import ROOT, plan_of
-from tests.helpers.asynchronous import STEPS, QueueingWorkers, not_here, plan
+from tests.helpers.asynchronous import STEPS, QueueingWorkers, not_here, plan, step_request
 
 
-def request(step: int, round_in_step: int = 0) -> dict:
-    return {"prompt_token_ids": [[1, 2], [3]], "step": step, "n": 2}
+def request(step: int, round_in_step: int = 0) -> GenerateRequest:
+    return step_request(step, [[1, 2], [3]], n=2)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -142,12 +142,12 @@ def test_a_snapshot_at_a_steps_start_receives_nothing_and_a_dropped_step_is_take
 
 
 class SlowWorkers(QueueingWorkers):
-    """Workers whose generation is slow, taking the data module's requests (the generate keywords of a step, requested
+    """Workers whose generation is slow, taking the data module's requests (a step's request, requested
     in order): a step is generated only when the trainer collects it (the test asserts on what was received, not on
     time)."""
 
-    def submit(self, prompt_token_ids, **params):
-        return super().submit(prompt_token_ids, step=len(self.submitted), n=params["n"])
+    def submit(self, request):
+        return super().submit(step_request(len(self.submitted), request.prompt_token_ids, request.n))
 
 
 def test_the_data_modules_snapshot_does_not_wait_for_the_step_after_next(tiny_model_dir, arithmetic_files):

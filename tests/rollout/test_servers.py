@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_ppo.config import DynamicSamplingConfig, RolloutCorrectionConfig
-from lit_ppo.contract import WeightUpdate
+from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.servers import (
@@ -507,13 +507,13 @@ def test_a_push_waits_for_the_requests_sent_before_it_which_keep_their_version(g
     try:
         workers.update_weights(update_of(policy_a, 0, probe, 10))
         to_b = update_of(policy_b, 1, probe, 10)  # built first: the push follows the submit at once
-        in_flight = workers.submit(prompts, **request)
+        in_flight = workers.submit(GenerateRequest(prompts, **request))
         workers.update_weights(to_b)
         waited_s = workers.last_push_wait_s
         before, versions_before, _ = workers.collect(in_flight)
-        under_b, versions_b, _ = workers.collect(workers.submit(prompts, **request))
+        under_b, versions_b, _ = workers.collect(workers.submit(GenerateRequest(prompts, **request)))
         workers.update_weights(update_of(policy_a, 2, probe, 10))
-        again, versions_again, _ = workers.collect(workers.submit(prompts, **request))
+        again, versions_again, _ = workers.collect(workers.submit(GenerateRequest(prompts, **request)))
         # weights that are not the trainer's of that version (A's, where the trainer's probe is B's): one line
         wrong = dataclasses.replace(update_of(policy_a, 3, probe, 10), probe=update_of(policy_b, 3, probe, 10).probe)
         with pytest.raises(RolloutWorkerError) as info:
@@ -566,7 +566,7 @@ def test_close_aborts_the_runs_requests_on_a_given_server_and_not_another_client
     request = dict(n=32, temperature=1.0, top_p=1.0, max_tokens=110, seeds=list(range(128)))
     other_client = ThreadPoolExecutor(1)
     try:
-        ticket = workers.submit(prompts, **request)
+        ticket = workers.submit(GenerateRequest(prompts, **request))
         deadline = time.monotonic() + 60.0
         while requests_on(url) < 1000 and time.monotonic() < deadline:  # the run's requests reached the engine
             time.sleep(0.05)

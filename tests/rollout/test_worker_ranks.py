@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_ppo.contract import WeightUpdate
+from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 from tests.helpers import compose_run_config
-from tests.helpers.asynchronous import QueueingWorkers, not_here, plan
+from tests.helpers.asynchronous import QueueingWorkers, not_here, plan, step_request
 
 
 class PushedWorkers(QueueingWorkers):
@@ -51,9 +51,9 @@ class FailingWorkers(QueueingWorkers):
         return 0
 
 
-def request(step: int, round_in_step: int = 0) -> dict:
+def request(step: int, round_in_step: int = 0) -> GenerateRequest:
     # 4 prompts, n = 2: rank 0's share is prompts 0-1, rank 1's prompts 2-3
-    return {"prompt_token_ids": [[1], [2], [3], [4]], "step": step, "n": 2}
+    return step_request(step, [[1], [2], [3], [4]], n=2)
 
 
 def on_two_ranks(rank: int, store_path: str, scenario: str, results: dict) -> None:
@@ -82,7 +82,7 @@ def schedule(rank: int):
 
 def collect_fails(rank: int):
     workers = DataParallelWorkers(FailingWorkers() if rank == 0 else None, rank, torch.device("cpu"))
-    workers.collect(workers.submit([[1]], step=0, n=1))
+    workers.collect(workers.submit(step_request(0, [[1]], n=1)))
 
 
 def push_fails(rank: int):
@@ -106,7 +106,7 @@ def evaluation(rank: int):
     """Each rank's own prompts generated (rank 1 has none), its results only."""
     workers = DataParallelWorkers(QueueingWorkers() if rank == 0 else None, rank, torch.device("cpu"))
     prompts = [[5], [6], [7]] if rank == 0 else []
-    return [g.prompt_index for g in workers.generate(prompts, step=9, n=1)]
+    return [g.prompt_index for g in workers.generate(step_request(9, prompts, n=1))]
 
 
 def run_on_two_ranks(tmp_path: Path, scenario: str) -> dict:

@@ -264,13 +264,14 @@ def test_the_first_rollout_batch_after_engine_start_compiles_nothing(tiny_model_
     code = f"""
 import random, time
 import torch._dynamo.utils as dynamo_utils
+from lit_ppo.contract import GenerateRequest
 from lit_ppo.rollout.engine import VLLMEngine
 engine = VLLMEngine({tiny_model_dir!r}, max_model_len=128, seed=0)
 compiled_at_start = dynamo_utils.counters["frames"]["total"]
 rng = random.Random(0)
 prompts = [[rng.randrange(3, 40) for _ in range(100)] for _ in range(48)]
 started = time.perf_counter()
-out = engine.generate(prompts, n=4, temperature=0.7, top_p=1.0, max_tokens=16, seeds=list(range(48)))
+out = engine.generate(GenerateRequest(prompts, n=4, temperature=0.7, top_p=1.0, max_tokens=16, seeds=list(range(48))))
 print("FIRST_GENERATE_S", time.perf_counter() - started)
 print("RESPONSES", len(out), "WITH_LOGPROBS", sum(len(g.logprobs) == len(g.token_ids) > 0 for g in out))
 print("FRAMES_COMPILED_AT_START", compiled_at_start)

@@ -19,15 +19,12 @@ from pathlib import Path
 
 import torch
 
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
-from lit_ppo.rollout.episodes import EpisodeSpec
+from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeSpec
 from lit_ppo.rollout.weight_transfer.transport import POLL_S, PushAnnouncer, host_store
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
-
-PER_PROMPT = ("prompt_token_ids", "seeds", "max_tokens", "prompts", "positions")
-"""A request's keywords that hold one entry per prompt (where they are lists): each worker gets its share of them."""
 
 
 @dataclass(frozen=True)
@@ -184,18 +181,16 @@ class RolloutWorkers:
 
     # ------------------------------------------------------------ generation
 
-    def submit(self, prompt_token_ids: list[list[int]] | None = None, **params) -> list[Ticket]:
-        """Queue generation of these prompts (contiguous shares over the workers, behind what each has queued);
-        returns the tickets to `collect`. `params`: those of `VLLMEngine.generate` (seeds: one per prompt), or
-        multi-turn episodes' (`prompts`, `positions`, ...: `EpisodeRunner.run`'s) without `prompt_token_ids`."""
-        request = params if prompt_token_ids is None else {"prompt_token_ids": prompt_token_ids, **params}
-        n_prompts = len(request["prompt_token_ids"] if prompt_token_ids is not None else request["prompts"])
+    def submit(self, request: GenerateRequest | EpisodeRequest) -> list[Ticket]:
+        """Queue the request (contiguous shares of its prompts over the workers, behind what each has queued): a
+        `GenerateRequest`, or multi-turn episodes (`EpisodeRequest`, run by each worker's `EpisodeRunner`); returns the
+        tickets to `collect`."""
+        n_prompts = request.prompt_count
         tickets = []
         for worker in range(self.workers):
             start, stop = worker * n_prompts // self.workers, (worker + 1) * n_prompts // self.workers
-            share = {k: v[start:stop] if k in PER_PROMPT and isinstance(v, list) else v for k, v in request.items()}
             self.tickets += 1
-            self._send(worker, Generate(self.tickets, share))
+            self._send(worker, Generate(self.tickets, request.share(start, stop)))
             tickets.append(Ticket(worker, self.tickets, start))
         return tickets
 
@@ -222,10 +217,9 @@ class RolloutWorkers:
             seconds = max(seconds, result.seconds)
         return generations, versions, seconds
 
-    def generate(self, prompt_token_ids: list[list[int]] | None = None, **params) -> list[Generation]:
-        """`VLLMEngine.generate` (or, with `prompts=`, whole multi-turn episodes) on the workers, behind what they
-        have queued (evaluation)."""
-        return self.collect(self.submit(prompt_token_ids, **params))[0]
+    def generate(self, request: GenerateRequest | EpisodeRequest) -> list[Generation]:
+        """The request generated on the workers, behind what they have queued (evaluation)."""
+        return self.collect(self.submit(request))[0]
 
     # ------------------------------------------------------------ weights
 

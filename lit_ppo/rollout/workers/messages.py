@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit_ppo.contract import Generation, Probe
-from lit_ppo.rollout.episodes import EpisodeSpec
+from lit_ppo.contract import GenerateRequest, Generation, Probe
+from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeSpec
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,11 @@ class Hello:
 
 @dataclass(frozen=True)
 class Generate:
-    """Generate `request` and store the result under `ticket`: `VLLMEngine.generate`'s keywords, or with `prompts`
-    multi-turn episodes (`EpisodeRunner.run`'s keywords: prompts, positions, n, temperature, top_p, purpose,
-    where)."""
+    """Generate `request` (the engine's `generate`, or multi-turn episodes: `EpisodeRunner.run`) and store the result
+    under `ticket`."""
 
     ticket: int
-    request: dict
+    request: GenerateRequest | EpisodeRequest
 
 
 @dataclass(frozen=True)

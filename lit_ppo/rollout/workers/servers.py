@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from lit_ppo.contract import Generation, WeightUpdate
+from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.weight_transfer.transport import PushAnnouncer, host_store, probe_mismatch
 from lit_ppo.rollout.workers.launch import DIST_ENV, worker_devices
@@ -536,27 +536,26 @@ class ServerWorkers:
 
     # ------------------------------------------------------------ generation
 
-    def submit(self, prompt_token_ids: list[list[int]] | None = None, **params) -> ServerTicket:
+    def submit(self, request: GenerateRequest) -> ServerTicket:
         """Send every prompt's request now (contiguous shares over the servers), each with its own seed; returns the
-        ticket to `collect`. `params`: those of `VLLMEngine.generate`."""
-        if prompt_token_ids is None:
+        ticket to `collect`."""
+        if not isinstance(request, GenerateRequest):
             raise RolloutWorkerError(
                 "trainer: multi-turn episodes cannot run on vLLM servers (rollout.workers.launch=server); fix: "
                 "rollout.workers.launch=spawn"
             )
-        seeds = params.get("seeds")
-        limits = params["max_tokens"]
-        stop_ids, stop = list(params.get("stop_token_ids") or ()), list(params.get("stop") or ())
+        prompt_token_ids, seeds, limits = request.prompt_token_ids, request.seeds, request.limits
+        stop_ids, stop = list(request.stop_token_ids), list(request.stop)
         prompts = []
         owner = share_owners(len(prompt_token_ids), len(self.servers))
         submit_number, self.submits = self.submits, self.submits + 1
         for i, ids in enumerate(prompt_token_ids):
             server = self.servers[owner[i]]
             sampling = dict(
-                n=params["n"],
-                temperature=params["temperature"],
-                top_p=params["top_p"],
-                max_tokens=limits[i] if isinstance(limits, list) else limits,
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=limits[i],
                 logprobs=0,
                 seed=None if seeds is None else seeds[i],
                 stop_token_ids=stop_ids or None,
@@ -615,9 +614,9 @@ class ServerWorkers:
                 versions.append(int(seen[0]))
         return generations, versions, last - ticket.sent
 
-    def generate(self, prompt_token_ids: list[list[int]] | None = None, **params) -> list[Generation]:
-        """`VLLMEngine.generate` on the servers (evaluation)."""
-        return self.collect(self.submit(prompt_token_ids, **params))[0]
+    def generate(self, request: GenerateRequest) -> list[Generation]:
+        """The request generated on the servers (evaluation)."""
+        return self.collect(self.submit(request))[0]
 
     # ------------------------------------------------------------ weights
 

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 
+from lit_ppo.rollout.episodes import EpisodeRequest
 from lit_ppo.rollout.weight_transfer.transport import probe_mismatch, seconds_delta, take_key
 from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
@@ -192,10 +193,10 @@ def worker_main(
             elif isinstance(command, Generate):
                 started = time.perf_counter()
                 with warnings:
-                    if "prompts" in command.request:  # multi-turn episodes (EpisodeRunner.run's keywords)
-                        generations = episodes.run(engine, **command.request)
+                    if isinstance(command.request, EpisodeRequest):  # multi-turn episodes
+                        generations = episodes.run(engine, command.request)
                     else:
-                        generations = engine.generate(**command.request)
+                        generations = engine.generate(command.request)
                 seconds = time.perf_counter() - started
                 result = Result(generations, engine.weight_version, seconds, warnings.take())
                 store.set(f"result/{worker}/{command.ticket}", pickle.dumps(result))
