@@ -194,11 +194,11 @@ class RolloutWorkers:
             tickets.append(Ticket(worker, self.tickets, start))
         return tickets
 
-    def collect(self, tickets: list[Ticket]) -> tuple[list[Generation], list[int], float]:
-        """The generations of `submit`'s tickets in prompt order, each one's policy version, and the workers' longest
-        generation time (s)."""
+    def collect(self, ticket: list[Ticket]) -> tuple[list[Generation], list[int], float]:
+        """The generations of `submit`'s ticket (one per worker) in prompt order, each one's policy version, and the
+        workers' longest generation time (s)."""
         generations, versions, seconds = [], [], 0.0
-        for t in tickets:
+        for t in ticket:
             result: Result = pickle.loads(
                 self._wait(
                     f"result/{t.worker}/{t.ticket}",
