@@ -46,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lit_ppo.engine_registry import ENGINES
+
 GIB = 1024**3
 
 # Bytes per value: stored weights, gradients, each of AdamW's two states, compute (activations, logits).
@@ -363,7 +365,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
                     f"{run.rollout_workers} x the worker's table less its host memory (rollout.workers.devices=0)",
                 )
             )
-    elif run.rollout_engine == "hf":
+    elif not ENGINES[run.rollout_engine].preallocates_kv_cache:  # rollout.engine=hf: the actor generates
         vllm = hf_generation_bytes(shape, run, c, rows)
         vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
     else:
@@ -397,7 +399,7 @@ def rollout_worker_bytes(
     and one generate call's cache) and, in host memory, the pushes it received ahead of applying them (at most max(k, 1) versions: the pushed
     tensors as the trainer holds them, float32, or the adapter's)."""
     share = replace(run, rollout_sequences=-(-run.rollout_sequences * run.data_parallel_size // run.rollout_workers))
-    if run.rollout_engine == "hf":
+    if not ENGINES[run.rollout_engine].preallocates_kv_cache:  # rollout.engine=hf: a copy of the actor
         own = params * compute_bytes
         rows.append(("HF model (the worker's own)", own, f"{params / 1e6:,.0f} M params x {compute_bytes} B"))
         engine = own + hf_generation_bytes(shape, share, compute_bytes, rows)

@@ -109,12 +109,11 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     from tests.helpers import plan_of
 
     started = {}
-    # The class start_engine starts (a stand-in that records its settings: no engine beside the session's shared one).
-    monkeypatch.setattr(
-        dm.RolloutDataModule,
-        "engine_class",
-        staticmethod(lambda model_dir, **kwargs: started.update(kwargs) or object()),
-    )
+    # The class the registry's colocated vLLM row starts (a stand-in that records its settings: no engine beside the
+    # session's shared one).
+    from lit_ppo.rollout import engine
+
+    monkeypatch.setattr(engine, "VLLMEngine", lambda model_dir, **kwargs: started.update(kwargs) or object())
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):

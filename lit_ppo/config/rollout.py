@@ -13,6 +13,7 @@ from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.strategy import StrategyConfig
 from lit_ppo.config.workers import WorkersConfig
 from lit_ppo.config_fields import above, at_least, within
+from lit_ppo.engine_registry import ENGINES
 from lit_ppo.errors import ConfigError
 
 SAMPLING_TEMPERATURES = (
@@ -21,7 +22,7 @@ SAMPLING_TEMPERATURES = (
 )
 
 
-ROLLOUT_ENGINES = ("vllm", "hf")  # rollout.engine
+ROLLOUT_ENGINES = tuple(ENGINES)  # rollout.engine: the engine registry's (lit_ppo/engine_registry.py)
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
 
 

@@ -31,14 +31,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
-from lit_ppo.contract import GenerateRequest
+from lit_ppo.contract import GenerateRequest, RolloutEngine
 from lit_ppo.distributed import all_gather_objects, global_sum
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer, Scores
-from lit_ppo.rollout.engine import Generation, VLLMEngine, sampling_seeds
+from lit_ppo.rollout.engine import Generation, sampling_seeds
 from lit_ppo.rollout.episodes import (
     EpisodeRequest,
     EpisodeRunner,
@@ -49,7 +49,6 @@ from lit_ppo.rollout.episodes import (
 )
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
-from lit_ppo.waits import start_within
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
 """The scorer's per-call counts (`Scores.metrics`), summed over a rollout step's generation rounds."""
@@ -109,9 +108,6 @@ class _RolloutStream(IterableDataset):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    engine_class = VLLMEngine
-    """What `start_engine` starts (with the engine's settings), within rollout.engine_start_timeout_s."""
-
     def __init__(
         self,
         *,
@@ -125,7 +121,7 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int,
         rank: int = 0,
         world_size: int = 1,
-        engine: VLLMEngine | None = None,
+        engine: RolloutEngine | None = None,
         chat_template: bool = False,
         source: RolloutSource | None = None,
     ):
@@ -191,37 +187,14 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.start_engine()
 
-    def start_engine(self) -> VLLMEngine:
-        """The engine (the source's: in process, or the rollout workers' client), started once."""
+    def start_engine(self) -> RolloutEngine:
+        """The engine (the source's: in process, or the rollout workers' client; chosen by the engine registry,
+        lit_ppo/engine_registry.py), started once."""
         if self.engine is None:
             started = time.perf_counter()
             self.engine = self.source.start_engine(self)
             self.engine_start_seconds = time.perf_counter() - started
         return self.engine
-
-    def start_in_process_engine(self) -> VLLMEngine:
-        """A vLLM engine in this process (`engine_class`), within rollout.engine_start_timeout_s."""
-        if self.world_size > 1 and "RANK" not in os.environ:
-            raise RuntimeError(
-                "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
-                "the process group; call trainer.fit instead of starting it by hand"
-            )
-        return start_within(
-            lambda: self.engine_class(
-                self.model_dir,
-                dtype=self.rollout.dtype or self.plan.models.rollout_dtype,
-                max_model_len=self.rollout.max_model_len,
-                gpu_memory_utilization=self.rollout.gpu_memory_utilization,
-                kv_cache_gib=self.rollout.kv_cache_gib,
-                seed=self.seed,
-                tensor_parallel_size=self.rollout.tensor_parallel_size,
-                enforce_eager=self.rollout.enforce_eager,
-                distributed=self.world_size > 1,
-                enable_sleep_mode=self.rollout.sleep_between_steps and torch.cuda.is_available(),
-                max_lora_rank=(self.plan.lora.vllm_max_lora_rank if self.plan.lora else None),
-            ),
-            self.rollout.engine_start_timeout_s,
-        )
 
     def train_dataloader(self) -> DataLoader:
         self.start_engine()

@@ -311,6 +311,61 @@ class VLLMEngine:
         gc.collect()
 
 
+# ------------------------------------------------------------ how the registry starts it (lit_ppo/engine_registry.py)
+
+
+def start_colocated(datamodule, actor=None) -> VLLMEngine:
+    """rollout.mode=colocated: a vLLM engine in this process, from the run's rollout settings, within
+    rollout.engine_start_timeout_s (with several ranks, each rank's: vLLM's external_launcher backend)."""
+    from lit_ppo.waits import start_within
+
+    rollout, plan = datamodule.rollout, datamodule.plan
+    if datamodule.world_size > 1 and "RANK" not in os.environ:
+        raise RuntimeError(
+            "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
+            "the process group; call trainer.fit instead of starting it by hand"
+        )
+    return start_within(
+        lambda: VLLMEngine(
+            datamodule.model_dir,
+            dtype=rollout.dtype or plan.models.rollout_dtype,
+            max_model_len=rollout.max_model_len,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            kv_cache_gib=rollout.kv_cache_gib,
+            seed=datamodule.seed,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            enforce_eager=rollout.enforce_eager,
+            distributed=datamodule.world_size > 1,
+            enable_sleep_mode=rollout.sleep_between_steps and torch.cuda.is_available(),
+            max_lora_rank=(plan.lora.vllm_max_lora_rank if plan.lora else None),
+        ),
+        rollout.engine_start_timeout_s,
+    )
+
+
+def worker_settings(datamodule, plan) -> dict:
+    """`VLLMEngine`'s keywords in a rollout worker (or a vLLM server: `servers.server_arguments`), from the run's
+    rollout settings."""
+    r = datamodule.rollout
+    return dict(
+        model_dir=datamodule.model_dir,
+        dtype=r.dtype or plan.models.rollout_dtype,
+        max_model_len=r.max_model_len,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_gib=r.kv_cache_gib,
+        seed=datamodule.seed,
+        tensor_parallel_size=r.tensor_parallel_size,
+        enforce_eager=r.enforce_eager,
+        max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else None,  # model.lora: the base, then adapters pushed
+        weight_transfer=True,  # pushes through vLLM's weight-transfer interface (rollout/weight_transfer/backend.py)
+    )
+
+
+def start_in_worker(settings: dict) -> VLLMEngine:
+    """A rollout worker's engine: pushes load through vLLM's own weight-transfer API."""
+    return VLLMEngine(**settings)
+
+
 _LIVE_ENGINE_CORES: set[int] = set()
 """ids of the in-process vLLM engine cores not yet shut down (every VLLMEngine of this process)."""
 _LIVE_LOCK = threading.RLock()

@@ -382,3 +382,38 @@ class HFEngine:
                 text = self.tokenizer.decode(shown, skip_special_tokens=True)
             out.append((ids, logprobs[row][:length], stops.reasons[row], text))
         return out
+
+
+# ------------------------------------------------------------ how the registry starts it (lit_ppo/engine_registry.py)
+
+
+def start_on_actor(datamodule, actor) -> HFEngine:
+    """rollout.mode=colocated: the trainer's actor generates (`run.build.build_run` starts it once the module holds
+    the actor)."""
+    return HFEngine(
+        actor,
+        datamodule.tokenizer,
+        precision=datamodule.plan.models.precision,
+        seed=datamodule.seed,
+        max_batch_sequences=datamodule.rollout.hf_max_batch_sequences,
+    )
+
+
+def worker_settings(datamodule, plan) -> dict:
+    """`HFEngine.from_model_dir`'s keywords in a rollout worker: the model as the trainer loads its actor (precision,
+    attention, a LoRA base's dtype), the run's seed and rollout.hf_max_batch_sequences."""
+    return dict(
+        model_dir=datamodule.model_dir,
+        precision=plan.models.precision,
+        seed=datamodule.seed,
+        max_batch_sequences=datamodule.rollout.hf_max_batch_sequences,
+        lora=plan.lora is not None,
+        attn_implementation=datamodule.attn_implementation,
+    )
+
+
+def start_in_worker(settings: dict) -> HFEngine:
+    """A rollout worker's engine: a copy of the actor loaded from `model_dir`, generating with Hugging Face `generate`
+    (seeded per sample as in colocated runs); pushed weights are received by the same receiver as vLLM's
+    (`StagedReceiver`) and copied into it, a pushed adapter wraps it in peft once and is loaded into it."""
+    return HFEngine.from_model_dir(**settings)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Protocol
 
 from lit_ppo.contract import Generation, RolloutEngine
+from lit_ppo.engine_registry import start_engine
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly
 
@@ -54,7 +54,7 @@ class RolloutSource(Protocol):
 
     def start_engine(self, datamodule) -> RolloutEngine:
         """The engine this source generates with, started from the settings of `datamodule` (a RolloutDataModule:
-        not imported here, which imports this module)."""
+        not imported here, which imports this module) by the engine registry's one factory."""
         ...
 
     def take(
@@ -103,7 +103,7 @@ class SynchronousSource:
         self.interruptible = interruptible
 
     def start_engine(self, datamodule) -> RolloutEngine:
-        return datamodule.start_in_process_engine()
+        return start_engine(datamodule)  # the engine of rollout.engine in this process (lit_ppo/engine_registry.py)
 
     def rounds_ahead_of(self, rollout_step: int) -> int | None:
         return None  # nothing is requested ahead
@@ -169,44 +169,7 @@ class AheadOfTimeSource:
         return ds.rounds_requested_ahead if ds is not None and ds.rounds_requested_ahead else 1
 
     def start_engine(self, datamodule) -> RolloutEngine:
-        from lit_ppo.rollout.workers.client import RolloutWorkers
-        from lit_ppo.rollout.workers.engines import worker_engine_settings
-
-        r, w, plan = datamodule.rollout, datamodule.rollout.workers, self.plan
-        # What every launch's client takes from the run's settings.
-        common = dict(
-            workers=w.count,
-            devices_per_worker=w.devices,
-            # The spawned workers' GPUs follow those of the trainer's ranks on rank 0's node.
-            trainer_devices=datamodule.trainer.num_devices if datamodule.trainer is not None else 1,
-            log_dir=datamodule.log_dir or Path("logs"),
-            start_timeout_s=w.start_timeout_s,
-            batch_timeout_s=w.batch_timeout_s,
-            push_timeout_s=w.weight_push_timeout_s,
-            bucket_mib=w.weight_push_bucket_mib,
-            max_logprob_abs_diff=r.max_logprob_abs_diff,
-            host=w.trainer_address_host(),
-        )
-        if w.launch == "server":  # vLLM servers driven over HTTP (one trainer rank: config.validate_launch_in_run)
-            from lit_ppo.rollout.workers.servers import ServerWorkers
-
-            engine_kwargs = worker_engine_settings("vllm", datamodule, plan)
-            return ServerWorkers(engine_kwargs=engine_kwargs, server_urls=list(w.server_urls), **common)
-        start = lambda: RolloutWorkers(  # noqa: E731
-            engine_kwargs=worker_engine_settings(r.engine, datamodule, plan),
-            engine_name=r.engine,
-            episodes=datamodule.episode_spec(),  # multi-turn episodes: the workers build their environments
-            launch=w.launch,
-            port=w.port if w.launch == "external" else 0,
-            heartbeat_timeout_s=w.heartbeat_timeout_s,
-            **common,
-        )
-        if datamodule.world_size == 1:
-            return start()
-        # Data-parallel trainers: rank 0 drives the workers, every rank receives each whole step (workers/ranks.py).
-        from lit_ppo.rollout.workers.ranks import DataParallelWorkers
-
-        return DataParallelWorkers.start(datamodule.rank, datamodule.device, start)
+        return start_engine(datamodule)  # the rollout workers' client of the run's launch (lit_ppo/engine_registry.py)
 
     def take(self, rollout_step, engine, generate, request, round_in_step=0, share=None) -> ScheduledRound:
         """Round 0 first requests every step up to rollout_step + max_staleness not yet requested (`rounds_ahead`

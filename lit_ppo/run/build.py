@@ -16,10 +16,10 @@ import lightning as L
 
 from lit_ppo.checkpoints import CheckpointFile
 from lit_ppo.config import RunConfig
+from lit_ppo.engine_registry import engine_row, start_engine
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
-from lit_ppo.rollout.hf_engine import HFEngine
 from lit_ppo.rollout.prompts import PromptSet, load_prompts
 from lit_ppo.rollout.schedule import source_for
 from lit_ppo.run.report import write_metrics_csv
@@ -124,18 +124,14 @@ def build_run(
         lora=config.model.lora,
         attn_implementation=config.model.attn_implementation,
     )
-    rollout = config.rollout
-    # The actor itself generates: the engine holds the module's model, not a copy (rollout workers load their own).
-    if rollout.engine == "hf" and not plan.workers:
+    # An engine that shares the actor generates with the module's model, not a copy (rollout workers load their own):
+    # started now, by the engine registry's factory, which starts every other engine in the data module's setup().
+    if engine_row(config.rollout.engine, plan).shares_actor:
         if engine is not None:
-            raise ValueError("build_run: rollout.engine=hf generates with this run's actor; pass engine=None")
-        datamodule.engine = HFEngine(
-            module.actor,
-            tokenizer,
-            precision=plan.models.precision,
-            seed=config.seed,
-            max_batch_sequences=rollout.hf_max_batch_sequences,
-        )
+            raise ValueError(
+                f"build_run: rollout.engine={config.rollout.engine} generates with this run's actor; pass engine=None"
+            )
+        datamodule.engine = start_engine(datamodule, actor=module.actor)
     trainer = L.Trainer(
         accelerator=config.strategy.accelerator,
         devices=config.strategy.devices,

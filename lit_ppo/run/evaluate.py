@@ -27,6 +27,7 @@ from lit_ppo.atomic import write_text_atomic
 from lit_ppo.checkpoints import resolve_resume
 from lit_ppo.config import RunConfig
 from lit_ppo.console import adopt_library_loggers, show
+from lit_ppo.engine_registry import engine_row
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan
 from lit_ppo.rewards.scorer import RewardScorer
@@ -83,19 +84,9 @@ def model_label(config: RunConfig, checkpoint: Path | None) -> str:
 
 
 def engine_description(plan: StepPlan, config: RunConfig) -> str:
-    rollout = config.rollout
-    if plan.workers and plan.workers.launch == "server":
-        where = (
-            f"the vLLM servers {', '.join(plan.workers.server_urls)}"
-            if plan.workers.server_urls
-            else f"{plan.workers.count} vLLM server(s) the run spawns"
-        )
-        return f"{where}, the model's weights pushed to them first"
-    if plan.workers:
-        return f"{plan.workers.count} rollout worker(s) ({rollout.engine}, launch={plan.workers.launch})"
-    if rollout.engine == "hf":
-        return f"Hugging Face generate on the loaded model ({plan.models.precision})"
-    return f"vLLM in this process ({plan.models.rollout_dtype})"
+    if plan.workers and plan.workers.server_urls:
+        return f"the vLLM servers {', '.join(plan.workers.server_urls)}, the model's weights pushed to them first"
+    return engine_row(config.rollout.engine, plan).describe(plan)
 
 
 def evaluation_plan(prepared: PreparedRun, checkpoint: Path | None) -> str:

@@ -37,6 +37,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.contract import AdapterWeights, WeightUpdate
 from lit_ppo.distributed import full_tensor_metadata, full_tensors, global_max, global_sum, gradient_sync, shard_models
+from lit_ppo.engine_registry import engine_row
 from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.plan import (
     StepPlan,
@@ -651,7 +652,8 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
     step (`StepPlan.generating_version`: k, or max(0, k - max_staleness) with rollout workers), adapter version
     v + 1 for the actor after v rollout steps. A sync that was skipped or lost stops the run here, within one rollout
     step."""
-    if batch.adapter_versions is None or (plan.models.rollout_engine == "hf" and not plan.workers):
+    engine = engine_row(plan.models.rollout_engine, plan)
+    if batch.adapter_versions is None or engine.shares_actor:
         return  # no LoRA; or the engine is the actor itself (rollout.engine=hf, colocated)
     rounds = batch.rounds_in_step or [0] * len(batch.adapter_versions)
     # dynamic sampling's refill rounds: version s
@@ -662,7 +664,7 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
         expected = adapter_version(policy_version)
         logs = "logs/rollout_worker<N>.log" if plan.workers else "logs/run.log"
         raise WeightSyncError(
-            f"rollout step {batch.rollout_step + 1}: {'vLLM' if plan.models.rollout_engine == 'vllm' else 'the HF engine'} sampled with LoRA adapter version(s) {stale}, but the trainer's "
+            f"rollout step {batch.rollout_step + 1}: {engine.engine.label} sampled with LoRA adapter version(s) {stale}, but the trainer's "
             f"adapter of policy version {policy_version} is version {expected}: the adapter sync did not reach the "
             f"engine; fix: report it with {logs} (the rollouts were not from the trained policy)"
         )

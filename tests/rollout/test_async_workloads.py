@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lit_ppo.config import (
-    ROLLOUT_ENGINES,
     EpisodesConfig,
     LoraConfig,
     RolloutConfig,
@@ -27,7 +26,6 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.episodes import Episode
 from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.client import RolloutWorkers
-from lit_ppo.rollout.workers.engines import WORKER_ENGINES
 from tests.helpers import build_run, compose_run_config, plan_of
 from tests.helpers.asynchronous import step_request
 from tests.helpers.episodes import ENVIRONMENT, FLAKY_ENVIRONMENT, RAISING_ENVIRONMENT
@@ -119,10 +117,6 @@ def assert_same_steps(ours, theirs, recorder_ours, recorder_theirs, episodes=Fal
 
 
 # ---------------------------------------------------------------- settings and the plan
-
-
-def test_every_engine_of_the_product_has_a_worker_engine():
-    assert set(WORKER_ENGINES) == set(ROLLOUT_ENGINES)
 
 
 def test_the_hf_engine_and_episodes_are_planned_in_the_workers():

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
+from lit_ppo.engine_registry import ENGINES
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeSpec
 from lit_ppo.rollout.weight_transfer.transport import POLL_S, PushAnnouncer, host_store
@@ -102,7 +103,7 @@ class RolloutWorkers:
         self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
         self.store = host_store(self.host, port, start_timeout_s)
         self.address = f"{self.host}:{self.store.port}"
-        processes = engine_kwargs.get("tensor_parallel_size", 1) if engine_name == "vllm" else 1
+        processes = ENGINES[engine_name].processes_per_worker(engine_kwargs)
         spec = WorkerSpec(
             engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers, engine_name, episodes, processes
         )

@@ -14,7 +14,7 @@ from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeSpec
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker reads first (`spec`): its engine's settings (`engines.WORKER_ENGINES[engine_name]`), how
+    """What every worker reads first (`spec`): its engine's settings (`lit_ppo.engine_registry.ENGINES[engine_name]`), how
     long a weight bucket may take, the bound on the probe's log-prob difference, how many workers the trainer expects,
     and with multi-turn episodes the settings the worker builds its environments from (plain values, never live
     objects)."""

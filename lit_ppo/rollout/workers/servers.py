@@ -83,7 +83,7 @@ abort routes take (vLLM 0.32, entrypoints/scale_out/token_in_token_out/serving.p
 
 
 def server_arguments(settings: dict, port: int, host: str = "127.0.0.1") -> list[str]:
-    """`vllm serve`'s arguments for a rollout worker from `VLLMEngine`'s settings (engines.vllm_settings): what
+    """`vllm serve`'s arguments for a rollout worker from `VLLMEngine`'s settings (`rollout.engine.worker_settings`): what
     `VLLMEngine` passes to `LLM(...)`, plus the server's own (its scale-out route for token ids, vLLM's sampling
     defaults rather than the model's generation_config.json, the weight-transfer backend). A server started outside
     the trainer needs the same (docs/async.md)."""

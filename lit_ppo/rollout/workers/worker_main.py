@@ -148,10 +148,10 @@ def worker_main(
             threads.append(threading.Thread(target=send_heartbeats, args=(store, worker, stopping), daemon=True))
             threads[-1].start()
             print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
-        from lit_ppo.rollout.workers.engines import start_worker_engine
+        from lit_ppo.engine_registry import ENGINES
 
         started = time.perf_counter()
-        engine = start_worker_engine(spec.engine_name, spec.engine)
+        engine = ENGINES[spec.engine_name].start_in_worker(spec.engine)
         print(
             f"rollout worker {worker}: {spec.engine_name} engine started in {time.perf_counter() - started:.1f} s",
             flush=True,
