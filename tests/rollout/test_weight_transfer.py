@@ -302,8 +302,8 @@ NO_VLLM = (
 
 
 def test_the_interface_written_for_machines_without_vllm_has_vllms_names_fields_and_calls():
-    """transfer_interface.py stands in for vLLM's interface where vLLM is not installed: the same dataclass fields, the
-    trainer engine's keywords and the factories' calls that weight_transfer.py uses."""
+    """weight_transfer/interface.py stands in for vLLM's interface where vLLM is not installed: the same dataclass
+    fields, the trainer engine's keywords and the factories' calls that weight_transfer/backend.py uses."""
     import dataclasses
     import inspect
 
@@ -327,8 +327,8 @@ def test_the_interface_written_for_machines_without_vllm_has_vllms_names_fields_
 
 def test_hf_engine_rollout_workers_train_on_a_machine_without_vllm(tmp_path):
     """rollout.engine=hf workers need no vLLM (a GPU image without it): with vLLM unimportable the push's interface is
-    transfer_interface.py's, and a disaggregated run pushes its weights to its worker and trains (devices=0: on a CPU
-    the worker is its own process, as with 1)."""
+    weight_transfer/interface.py's, and a disaggregated run pushes its weights to its worker and trains (devices=0: on a
+    CPU the worker is its own process, as with 1)."""
     import subprocess
     import sys
 
