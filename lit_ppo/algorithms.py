@@ -157,6 +157,31 @@ def rloo(rewards, mask, *, group_size, kl_penalty=None, **_):
     return advantages, advantages
 
 
+def on_policy_distill(
+    rewards,
+    mask,
+    *,
+    student_logp,
+    teacher_logp,
+    teacher_coef=1.0,
+    reward_coef=0.0,
+    reward_estimator="grpo",
+    kl_penalty=None,
+    **kwargs,
+):
+    """On-policy distillation (Agarwal et al. 2024; tinker-cookbook, prime-rl): each sampled token's advantage is the
+    negative per-token reverse-KL estimate, -(log p_student - log p_teacher) [B, T], weighted by `teacher_coef`, plus
+    `reward_coef` times the reward's advantage by `reward_estimator` (0: pure distillation). `student_logp` is the
+    policy that sampled (the old log-probs), a constant here as the teacher's is; the log-ratio is clamped to
+    +-LOG_RATIO_CLAMP like every other. No discount: a token's advantage is its own term (tinker's default)."""
+    log_ratio = (student_logp - teacher_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    advantages = -teacher_coef * log_ratio * mask
+    if reward_coef:
+        reward_advantages, _ = ADVANTAGE_ESTIMATORS[reward_estimator](rewards, mask, kl_penalty=kl_penalty, **kwargs)
+        advantages = advantages + reward_coef * reward_advantages * mask
+    return advantages, advantages
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "gae": gae,
     "reinforce_pp": reinforce_pp,
@@ -164,6 +189,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "rloo": rloo,
+    "on_policy_distill": on_policy_distill,
 }
 GROUP_ESTIMATORS = ("reinforce_pp_baseline", "grpo", "dr_grpo", "rloo")
 # Those that take a per-token KL penalty in the reward (kl_mode=reward); the others take KL in the loss only.

@@ -484,12 +484,17 @@ def test_estimators_ignore_padding(name, seed):
     fn = alg.ADVANTAGE_ESTIMATORS["gae" if name == "gae_unnormalized" else name]
     kw = dict(group_size=4, gamma=0.9, lam=0.8, normalize=name != "gae_unnormalized")
     takes_kl = fn.__name__ in alg.KL_IN_REWARD_ESTIMATORS
-    base = fn(rewards, mask, values=values, kl_penalty=kl if takes_kl else None, **kw)
+    # on-policy distillation: per-token log-probs of the student and the teacher, and a reward term
+    logps = {"student_logp": values, "teacher_logp": values.flip(0)} if name == "on_policy_distill" else {}
+    distill = {"reward_coef": 0.5, "reward_estimator": "reinforce_pp"} if logps else {}
+    base = fn(rewards, mask, values=values, kl_penalty=kl if takes_kl else None, **logps, **distill, **kw)
     wide = fn(
         rewards,
         wide_mask,
         values=pad_with_garbage(values, mask, extra, seed + 100),
         kl_penalty=pad_with_garbage(kl, mask, extra, seed + 200) if takes_kl else None,
+        **{k: pad_with_garbage(v, mask, extra, seed + 300 + i) for i, (k, v) in enumerate(logps.items())},
+        **distill,
         **kw,
     )
     for b, w in zip(base, wide):  # advantages, returns

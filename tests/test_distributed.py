@@ -78,6 +78,8 @@ def make_batch() -> dict[str, torch.Tensor]:
         logp = token_logprobs(make_policy(batch), batch["features"], batch["targets"])
     # The behaviour policy differs from the current one, so low, high and dual clip all occur.
     batch["old_logp"] = (logp + 0.6 * torch.randn(n, width, generator=g, dtype=F64)) * mask
+    teacher = torch.Generator().manual_seed(1)  # its own generator: the other tensors stay as they were drawn
+    batch["teacher_logp"] = (logp + 0.3 * torch.randn(n, width, generator=teacher, dtype=F64)) * mask
     # vLLM's log-probs of the same tokens, a little off the trainer's (rollout-mismatch correction).
     batch["rollout_logp"] = (batch["old_logp"] + 0.15 * torch.randn(n, width, generator=g, dtype=F64)) * mask
     return batch
@@ -109,8 +111,16 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def advantages(name: str, b, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
     kl_penalty = b["kl_penalty"] if name in alg.KL_IN_REWARD_ESTIMATORS else None  # the others take KL in the loss
+    # on-policy distillation: the teacher term and a whitened reward term (its statistics global)
+    distill = dict(student_logp=b["old_logp"], teacher_logp=b["teacher_logp"], reward_coef=0.5)
     return alg.ADVANTAGE_ESTIMATORS[name](
-        b["rewards"], b["mask"], values=b["values"], kl_penalty=kl_penalty, global_sum=global_sum, **ESTIMATOR_KWARGS
+        b["rewards"],
+        b["mask"],
+        values=b["values"],
+        kl_penalty=kl_penalty,
+        global_sum=global_sum,
+        **ESTIMATOR_KWARGS,
+        **(dict(distill, reward_estimator="reinforce_pp") if name == "on_policy_distill" else {}),
     )
 
 

@@ -12,7 +12,7 @@ dicts. The dataclasses' defaults equal the default YAML files in conf/ (tests/te
 
 The modules, each section's dataclass beside its checks: parse.py (reading a section, `positive`), ppo.py, rollout.py
 with its sub-sections episodes.py and workers.py (`rollout.workers.launch` is checked there alone), model.py, data.py,
-reward.py, strategy.py, trainer.py (and `logger`), root.py (`RunConfig`, the checks between sections, the keys of the
+reward.py, distill.py (`model.teacher`, `ppo.distill`), strategy.py, trainer.py (and `logger`), root.py (`RunConfig`, the checks between sections, the keys of the
 last release moved to their new places), prompt_files.py (a prompt file's records counted for `mode=plan`). Importers
 take every name from `lit_ppo.config`; the modules import each other, never this package.
 """
@@ -20,6 +20,15 @@ take every name from `lit_ppo.config`; the modules import each other, never this
 from __future__ import annotations
 
 from lit_ppo.config.data import DataConfig
+from lit_ppo.config.distill import (
+    DISTILL_REWARD_ESTIMATORS,
+    TEACHER_DTYPES,
+    DistillConfig,
+    TeacherConfig,
+    check_teacher_tokenizer,
+    tokenizer_mismatch,
+    validate_distill,
+)
 from lit_ppo.config.episodes import EpisodesConfig, validate_episodes
 from lit_ppo.config.model import (
     ATTN_IMPLEMENTATIONS,
@@ -70,7 +79,9 @@ from lit_ppo.config.workers import (
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
+    "DISTILL_REWARD_ESTIMATORS",
     "DataConfig",
+    "DistillConfig",
     "DynamicSamplingConfig",
     "EpisodesConfig",
     "LOOPBACK_HOSTS",
@@ -94,6 +105,8 @@ __all__ = [
     "RunConfig",
     "SAMPLING_TEMPERATURES",
     "StrategyConfig",
+    "TEACHER_DTYPES",
+    "TeacherConfig",
     "TinyModelConfig",
     "TrainerConfig",
     "VLLM_LORA_RANKS",
@@ -104,6 +117,7 @@ __all__ = [
     "_dataclass_of",
     "_first_missing",
     "announce_moved",
+    "check_teacher_tokenizer",
     "check_overlong_buffer",
     "check_worker_waits_fit_collectives",
     "close_match_hints",
@@ -114,6 +128,8 @@ __all__ = [
     "parse_section",
     "planned_dataset_size",
     "positive",
+    "tokenizer_mismatch",
+    "validate_distill",
     "validate_episodes",
     "validate_launch",
     "validate_launch_in_run",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lit_ppo.config.distill import TeacherConfig
 from lit_ppo.config_fields import above, at_least, within
 from lit_ppo.errors import ConfigError
 from lit_ppo.memory import ModelShape
@@ -138,6 +139,8 @@ class ModelConfig:
     tiny: TinyModelConfig | None = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    teacher: TeacherConfig | None = None
+    """On-policy distillation's teacher (ppo=distill sets it); null: none."""
     attn_implementation: str | None = None
     """The attention kernels of the trained models (transformers' `attn_implementation`): null leaves transformers'
     default (sdpa); flash_attention_2 / flash_attention_3 (the flash-attn package) train packed micro-batches in one

@@ -17,6 +17,7 @@ from lit_ppo.algorithms import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
 )
+from lit_ppo.config.distill import DistillConfig, check_ppo_for_distill
 from lit_ppo.config.parse import positive
 from lit_ppo.config_fields import above, at_least, within
 from lit_ppo.errors import ConfigError
@@ -113,7 +114,7 @@ class PPOConfig:
     gradient), else recompute; rollout: vLLM's sampling log-probs, never a forward (the ratio is then against the
     sampler, which the clip bounds; rollout_correction must be none)."""
     advantage_estimator: str = "gae"
-    """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo."""
+    """One of gae, reinforce_pp, reinforce_pp_baseline, grpo, dr_grpo, rloo, on_policy_distill (`ppo.distill`)."""
     gamma: float = field(default=1.0, metadata=within(0, 1))
     """Discount per token."""
     lam: float = field(default=0.95, metadata=within(0, 1))
@@ -162,8 +163,10 @@ class PPOConfig:
     """ppo (clipped surrogate), gspo (one clipped ratio per sequence) or cispo (clipped IS weight on REINFORCE)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
+        check_ppo_for_distill(self)  # first: its one-line reasons name the distillation, not a generic rule
         validate_ppo(self)
 
 

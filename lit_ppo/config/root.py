@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
 from lit_ppo.config.data import DataConfig
+from lit_ppo.config.distill import validate_distill
 from lit_ppo.config.episodes import EpisodesConfig
 from lit_ppo.config.model import ModelConfig
 from lit_ppo.config.parse import parse_section
@@ -52,6 +53,12 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train, mode=plan or mode=eval")
         validate_rollout_engine(self.rollout, self.strategy)
+        validate_distill(
+            self.ppo.distill,
+            estimator=self.ppo.advantage_estimator,
+            teacher=self.model.teacher,
+            n_samples_per_prompt=self.ppo.n_samples_per_prompt,
+        )
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
         if self.rollout.mode == "disaggregated":  # the rollout workers against the rest of the run

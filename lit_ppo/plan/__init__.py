@@ -11,7 +11,7 @@ loops, the LR schedulers, the logs and the runtime check all read the `StepPlan`
 A `StepPlan` (`step.py`) is the counts every run has (`counts.py`), the models and engine (`models.py`), the
 micro-batch layout (`layout.py`) and the source of the old log-probs (`old_logprobs.py`), plus one section per feature,
 None when the feature is off: dynamic sampling, episodes, LoRA, rollout workers (`dynamic_sampling.py`, `episodes.py`,
-`lora.py`, `workers.py`). Each section's module holds its dataclass, the function that computes it and the rows it
+`lora.py`, `workers.py`, the distillation's teacher `teacher.py`). Each section's module holds its dataclass, the function that computes it and the rows it
 writes into the table (`table.py`), from the counts it reads; plan.json is the same sections (`StepPlan.to_dict`). The
 notes and warnings are `notes.py`, the run-time checks (`check_*`) `checks.py`, and the plans older releases wrote
 `records.py`. A new section: its module, its field, rows and computation in `step.py`, and its name below.
@@ -34,6 +34,7 @@ from lit_ppo.plan.models import ModelsPlan
 from lit_ppo.plan.old_logprobs import OLD_LOGPROBS_SOURCES, OldLogprobsPlan, old_logprobs_plan
 from lit_ppo.plan.records import sections_of
 from lit_ppo.plan.step import StepPlan, compute_plan, minibatch_schedule
+from lit_ppo.plan.teacher import TeacherPlan
 from lit_ppo.plan.workers import WorkersPlan
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "OldLogprobsPlan",
     "PromptStats",
     "StepPlan",
+    "TeacherPlan",
     "WorkersPlan",
     "check_layout_tokens",
     "check_micro_batches",

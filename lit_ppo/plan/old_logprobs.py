@@ -30,20 +30,23 @@ def old_logprobs_plan(ppo: PPOConfig, mini_batches_per_ppo_epoch: int) -> tuple[
 
     The update is exactly on-policy when the rollout step takes one optimizer step (one PPO epoch, one mini-batch):
     every training forward then runs on the weights that generated the batch, so its detached log-probs are the old
-    ones and the experience forward would compute the same numbers again. Two other readers of the old log-probs need
-    them before the update and keep the forward: a KL penalty in the reward (advantages come from it) and the rollout
-    correction's weights."""
+    ones and the experience forward would compute the same numbers again. Three other readers of the old log-probs need
+    them before the update and keep the forward: a KL penalty in the reward (advantages come from it), the teacher term
+    of on-policy distillation (likewise) and the rollout correction's weights."""
     if ppo.old_logprobs == "rollout":
         return "vLLM", ""
     if ppo.old_logprobs == "recompute":
         return "experience forward", ""
     on_policy = ppo.ppo_epochs == 1 and mini_batches_per_ppo_epoch == 1
     kl_in_reward = ppo.kl_coef > 0 and ppo.kl_mode == "reward"
-    if on_policy and not kl_in_reward and not ppo.rollout_correction.active():
+    distill = ppo.advantage_estimator == "on_policy_distill"
+    if on_policy and not kl_in_reward and not distill and not ppo.rollout_correction.active():
         return "training forward", ""
     if not on_policy:  # the usual case (several updates per rollout step): nothing to say
         return "experience forward", ""
-    if kl_in_reward:
+    if distill:
+        why = "the teacher term of the advantage (on_policy_distill) needs the student's before the update"
+    elif kl_in_reward:
         why = "the KL penalty in the reward (ppo.kl_mode=reward) needs them before the update"
     else:
         why = f"ppo.rollout_correction.mode={ppo.rollout_correction.mode} needs them before the update"

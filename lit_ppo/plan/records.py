@@ -30,14 +30,16 @@ FLAT_FEATURE_FLAGS = {  # section -> whether a flat plan had it on
     "episodes": lambda flat: bool(flat.get("max_episode_tokens")),
     "lora": lambda flat: bool(flat.get("lora_rank")),
     "workers": lambda flat: flat.get("rollout_mode") == "disaggregated",
+    "teacher": lambda flat: False,  # on-policy distillation came after the sections
 }
 
 
 def sections_of(record: dict) -> dict[str, Any]:
     """A plan.json (or a checkpoint's plan) by section, as `StepPlan.to_dict` writes it; a flat one written before
     the plan had sections is mapped to them (RENAMED_FLAT_KEYS; a key it lacks is left out of its section)."""
-    if "counts" in record:
-        return record
+    if "counts" in record:  # a section added since (a feature that did not exist then) was off
+        added = {section: None for section in SECTIONS if section not in record}
+        return {**added, **record} if added else record
     owner = {}  # flat key -> (section, field)
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):

@@ -18,6 +18,7 @@ from lit_ppo.plan.models import ModelsPlan, models_plan
 from lit_ppo.plan.notes import plan_notes, plan_warnings
 from lit_ppo.plan.old_logprobs import OldLogprobsPlan, old_logprobs_plan
 from lit_ppo.plan.table import Row, format_table
+from lit_ppo.plan.teacher import TeacherPlan, teacher_plan
 from lit_ppo.plan.workers import WorkersPlan, workers_plan
 
 
@@ -33,6 +34,7 @@ class StepPlan:
     episodes: EpisodesPlan | None = None
     lora: LoraPlan | None = None
     workers: WorkersPlan | None = None
+    teacher: TeacherPlan | None = None
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -83,6 +85,8 @@ class StepPlan:
         if self.lora is not None:
             rows += self.lora.rows(critic, models.precision)
         rows += models.rows(workers=self.workers is not None, lora=self.lora)
+        if self.teacher is not None:
+            rows += self.teacher.rows()
         if self.workers is not None:
             rows += self.workers.rows(counts.data_parallel_size, self.schedule(), self.dynamic_sampling is not None)
         return rows
@@ -102,6 +106,7 @@ SECTIONS = {
     "episodes": EpisodesPlan,
     "lora": LoraPlan,
     "workers": WorkersPlan,
+    "teacher": TeacherPlan,
 }
 
 
@@ -136,6 +141,7 @@ def compute_plan(
         episodes=episodes_plan(config),
         lora=lora_plan(config, lora_targets),
         workers=workers_plan(config),
+        teacher=teacher_plan(config, counts),
         notes=plan_notes(config, counts, dynamic_sampling, old_logprobs_note),
         warnings=plan_warnings(config, models),
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
+from lit_ppo.config import DataConfig, RunConfig, check_teacher_tokenizer, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
@@ -173,6 +173,8 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
             show(note)
         if training and tokenizer.pad_token is None:  # padding is masked out: any id fills it
             tokenizer.pad_token = tokenizer.eos_token
+    if config.model.teacher is not None and tokenizer is not None:
+        check_teacher(config.model.teacher.path, tokenizer, config.model.path or "the tiny model", training)
 
     if training and data.source == "file" and not Path(data.path).exists():  # expected_prompts plans without it
         raise ConfigError(
@@ -227,6 +229,33 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         )
     ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
     return Checked(dataclasses.replace(config, ppo=ppo), tokenizer, prompts, lora_targets)
+
+
+def check_teacher(teacher_path: str, student_tokenizer, student_name: str, training: bool) -> None:
+    """On-policy distillation's teacher: its directory, and its tokenizer against the student's (the vocabularies and
+    the special tokens, `config.check_teacher_tokenizer`), read from the tokenizer files, before any model loads. A
+    run needs the teacher's files; `mode=plan` checks them where they are on this machine."""
+    path = Path(teacher_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        hint = (
+            f"model.teacher.path={path / 'actor'} (the run's final policy)"
+            if (path / "actor").is_dir()
+            else ("a saved Hugging Face model (save_pretrained)")
+        )
+        raise ConfigError(f"model.teacher.path={teacher_path} is a directory without config.json; fix: {hint}")
+    if not path.is_dir() and not training:
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model.teacher.path={teacher_path}: its tokenizer cannot be loaded ({type(e).__name__}: {first}); fix: "
+            "point model.teacher.path at a model directory with its tokenizer (or a hub name)"
+        ) from None
+    check_teacher_tokenizer(student_tokenizer, teacher_tokenizer, student_name, teacher_path)
 
 
 def prompt_lengths(

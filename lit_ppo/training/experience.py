@@ -48,6 +48,7 @@ class Experience:
     logprob_abs_diff_max: Tensor | None = None  # [] its global maximum
     rc_weights: Tensor | None = None  # [N, T] rollout-correction weight of each token's policy loss (the mask when off)
     loss_mask: Tensor | None = None  # [N, T] the tokens the policy loss keeps (the mask unless MIS drops some)
+    teacher_logp: Tensor | None = None  # [N, T] on-policy distillation's teacher's log-probs of the sampled tokens
 
     def rows(self, idx: list[int], width: int) -> Experience:
         """The samples `idx`, their [N, T] fields cut to the micro-batch's `width` response columns."""
@@ -66,6 +67,19 @@ def rollout_logp_tensor(rollout_logprobs: list[list[float]], mask: Tensor) -> Te
     for i, logprobs in enumerate(rollout_logprobs):
         rollout_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
     return rollout_logp
+
+
+def teacher_metrics(exp: Experience) -> dict[str, float]:
+    """On-policy distillation's per-step metrics over the global batch's response tokens: `teacher/reverse_kl`, the
+    mean of log p_student - log p_teacher (the estimate of KL(student || teacher) the advantage is made of; 0 when the
+    student samples as the teacher would), and `teacher/logprob_gap`, the mean |log p_student - log p_teacher| (0 only
+    where every token agrees, where the mean may cancel). Empty without a teacher or before the old log-probs exist."""
+    if exp.teacher_logp is None or exp.old_logp is None:
+        return {}
+    gap = (exp.old_logp - exp.teacher_logp) * exp.mask  # [N, T]
+    total = global_sum(torch.stack([gap.sum(), gap.abs().sum(), exp.mask.sum()]).double())
+    tokens = total[2].clamp(min=1)
+    return {"teacher/reverse_kl": float(total[0] / tokens), "teacher/logprob_gap": float(total[1] / tokens)}
 
 
 def rollout_correction(exp: Experience, rc) -> tuple[Tensor, Tensor, dict]:
@@ -194,11 +208,13 @@ def advantages_and_returns(
     *,
     kl_coef: float,
     group_size: int,
+    teacher_logp: Tensor | None = None,
 ):
     """(KL to the reference [N, T] or None, advantages, returns) by `ppo.advantage_estimator`, with the KL penalty in
     the reward when `ppo.kl_mode=reward`. Statistics are global (`distributed.global_sum`). Without old log-probs yet
     (taken from the training forwards), the KL is computed after the update (`old_logprobs_from_training`): auto
-    keeps the experience forward when the KL is in the reward."""
+    keeps the experience forward when the KL is in the reward. `teacher_logp` [N, T]: on-policy distillation's teacher
+    (`algo.on_policy_distill`, whose student log-probs are the old ones)."""
     kl = (
         algo.KL_ESTIMATORS[ppo.kl_estimator](old_logp - ref_logp) * mask
         if ref_logp is not None and old_logp is not None
@@ -215,6 +231,11 @@ def advantages_and_returns(
         group_size=group_size,
         global_sum=global_sum,
         normalize=ppo.normalize_advantages,
+        student_logp=old_logp,
+        teacher_logp=teacher_logp,
+        teacher_coef=ppo.distill.teacher_coef,
+        reward_coef=ppo.distill.reward_coef,
+        reward_estimator=ppo.distill.reward_estimator,
     )
     return kl, advantages, returns
 
@@ -230,6 +251,7 @@ def experience_from_forwards(
     *,
     kl_coef: float,
     max_logprob_abs_diff: float | None,
+    teacher_logp: Tensor | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """The rollout batch's experience from the experience forwards' outputs ([N, T] each; None where the run has no
     such forward): vLLM's log-probs become the old ones where the plan takes them there (`plan.old_logprobs.source`)
@@ -247,7 +269,15 @@ def experience_from_forwards(
             )
     rewards = batch.rewards.to(mask.device)
     kl, advantages, returns = advantages_and_returns(
-        rewards, mask, values, old_logp, ref_logp, ppo, kl_coef=kl_coef, group_size=plan.counts.n_samples_per_prompt
+        rewards,
+        mask,
+        values,
+        old_logp,
+        ref_logp,
+        ppo,
+        kl_coef=kl_coef,
+        group_size=plan.counts.n_samples_per_prompt,
+        teacher_logp=teacher_logp,
     )
     exp = Experience(
         mask=mask,
@@ -261,6 +291,7 @@ def experience_from_forwards(
         rollout_logp=rollout_logp,
         logprob_abs_diff_mean=diff_mean,
         logprob_abs_diff_max=diff_max,
+        teacher_logp=teacher_logp,
     )
     rc_weights, loss_mask, stats = rollout_correction(exp, ppo.rollout_correction)
     exp = dataclasses.replace(exp, rc_weights=rc_weights, loss_mask=loss_mask)

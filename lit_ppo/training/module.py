@@ -64,6 +64,7 @@ from lit_ppo.training.experience import (
     global_experience,
     loss_denominators,
     next_kl_coef,
+    teacher_metrics,
 )
 from lit_ppo.training.layout import MicroBatchLayout
 from lit_ppo.training.loss import LossInputs, actor_loss, critic_loss
@@ -86,6 +87,7 @@ from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_l
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 from lit_ppo.training.state import check_same_adapters, check_same_models, module_state, restore_module_state
+from lit_ppo.training.teacher import load_teacher, teacher_logprobs
 
 
 class PPOModule(L.LightningModule):
@@ -118,6 +120,7 @@ class PPOModule(L.LightningModule):
         self.actor, self.critic, self.reference = load_models(
             model_dir, plan, gradient_checkpointing, lora, attn_implementation
         )
+        self.teacher = load_teacher(plan, attn_implementation)  # on-policy distillation's; frozen, never checkpointed
         attention = self.actor.config._attn_implementation
         if plan.layout.packing and (reason := packing_unsupported(self.actor.config.model_type, attention)):
             raise ConfigError(f"ppo.packing: {reason}; fix: set ppo.packing=false (padded micro-batches)")
@@ -162,7 +165,7 @@ class PPOModule(L.LightningModule):
         if self.device_mesh is None or self.sharded:
             return
         shard_models(
-            (self.actor, self.critic, self.reference),
+            (self.actor, self.critic, self.reference, self.teacher),
             self.device_mesh["data_parallel"],
             bf16_mixed=self.trainer.precision == "bf16-mixed",
         )
@@ -240,6 +243,7 @@ class PPOModule(L.LightningModule):
         old_logp = zeros() if source == "experience forward" else None
         ref_logp = zeros() if self.plan.models.reference_enabled else None
         values = zeros() if self.critic is not None else None
+        teacher_logp = zeros() if self.teacher is not None else None
 
         # Before the interruptible region: with a token budget under data parallelism the split all-reduces the ranks'
         # micro-batch counts, and a collective that a signal interrupts on one rank leaves the others waiting in it.
@@ -256,6 +260,8 @@ class PPOModule(L.LightningModule):
                     ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
                     values[idx, :t] = critic_values(self.critic, mb) * mb.response_mask
+                if teacher_logp is not None:
+                    teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.temperature)
 
         # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
         # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.
@@ -274,6 +280,7 @@ class PPOModule(L.LightningModule):
             self.plan,
             kl_coef=self.kl_coef,
             max_logprob_abs_diff=self.mismatch_bound(batch),
+            teacher_logp=teacher_logp,
         )
         if os.environ.get(DUMP_ADVANTAGES_ENV):
             dump_experience(
@@ -544,6 +551,7 @@ class PPOModule(L.LightningModule):
         extra = {
             **self.rollout_correction_stats,
             **self.rank_balance_stats,
+            **teacher_metrics(exp),
             **({"rollout/kl_coef": self.kl_coef} if self.plan.models.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
         }
