@@ -3,7 +3,7 @@
 Pure arithmetic on the model's shape (config.json, or `model.architecture` in the experiment) and the run's
 settings; `estimate_memory` is the only place the formulas live. Per device, in bytes:
 
-- weights: actor, critic and reference; gradients and AdamW's two states for the trained ones, in the storage
+- weights: actor, critic and reference (and on-policy distillation's teacher, frozen, in its dtype); gradients and AdamW's two states for the trained ones, in the storage
   dtype of the resolved precision (32-true and bf16-mixed: float32; bf16-true: bf16). Under FSDP each is
   1/data-parallel size, plus what is gathered for compute (the root unit: embeddings, LM head, final norm;
   one decoder layer). DDP adds its gradient buckets (a second copy of the gradients). bf16-mixed adds autocast's
@@ -166,6 +166,9 @@ class MemoryInputs:
     rollout_workers: int = 0  # rollout.mode=disaggregated: rollout.workers.count; 0: the trainer's devices generate
     workers_share_device: bool = False  # rollout.workers.devices=0: the workers are on the trainer's first device
     max_staleness: int = 0  # rollout.max_staleness (k): versions a worker may hold received before it applies them
+    teacher_parameters: int = 0  # on-policy distillation's teacher (model.teacher), frozen; 0: none
+    teacher_dtype: str = "float32"  # model.teacher.dtype
+    teacher_shape_from: str = ""  # where its parameter count was read
 
     def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
         """One model's LoRA adapter parameters at `rank` (default: lora_rank); they grow with the rank."""
@@ -370,8 +373,9 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
     else:
         vllm, vllm_while_training = vllm_bytes(shape, run, params, rows)
-    training = weights + grads + optimizer + extra + activations + logits
-    rollout = weights + optimizer + vllm
+    teacher = teacher_bytes(run, shard, rows)
+    training = weights + grads + optimizer + extra + activations + logits + teacher
+    rollout = weights + optimizer + vllm + teacher
     peak = max(training + vllm_while_training, rollout)
     warning = None
     if run.device_memory_gib and peak > run.device_memory_gib * GIB:
@@ -389,6 +393,17 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         worker_rows=worker_rows,
         worker_bytes=worker_bytes,
     )
+
+
+def teacher_bytes(run: MemoryInputs, shard: int, rows: list) -> int:
+    """On-policy distillation's teacher in the training process: its weights in model.teacher.dtype (sharded like the
+    other models under FSDP), held in both phases; its no-grad forward keeps no activations. Its row added to `rows`."""
+    if not run.teacher_parameters:
+        return 0
+    held = run.teacher_parameters * DTYPE_BYTES[run.teacher_dtype] // shard
+    how = f"frozen, {run.teacher_parameters / 1e6:,.0f} M params x {DTYPE_BYTES[run.teacher_dtype]} B"
+    rows.append(("teacher weights", held, how + (f" / {shard} (FSDP)" if shard > 1 else "") + run.teacher_shape_from))
+    return held
 
 
 def rollout_worker_bytes(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -209,8 +210,24 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             rollout_workers=rollout.workers.count if rollout.mode == "disaggregated" else 0,
             workers_share_device=rollout.mode == "disaggregated" and rollout.workers.devices == 0 and on_gpu(strategy),
             max_staleness=rollout.staleness() if rollout.mode == "disaggregated" else 0,
+            **teacher_memory_inputs(config, plan, shape),
         ),
     )
+
+
+def teacher_memory_inputs(config: RunConfig, plan: StepPlan, student: ModelShape) -> dict:
+    """The teacher's parameters for the memory estimate: from its config.json where it is on this machine, else the
+    student's shape stands for it (said in its row)."""
+    if plan.teacher is None:
+        return {}
+    shape, source = model_shape(dataclasses.replace(config.model, path=plan.teacher.path, architecture=None))
+    if shape is None:
+        shape, source = student, "the student's shape (its config.json is not on this machine)"
+    return {
+        "teacher_parameters": shape.parameters(),
+        "teacher_dtype": plan.teacher.dtype,
+        "teacher_shape_from": f"; shape: {source}",
+    }
 
 
 def write_plan(plan: StepPlan, output_dir: Path, source: str, config: RunConfig | None = None) -> None:

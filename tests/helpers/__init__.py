@@ -12,7 +12,7 @@ import json
 import socket
 from pathlib import Path
 
-from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
+from lit_ppo.config import ModelConfig, PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.datamodule import RolloutDataModule
@@ -104,6 +104,7 @@ def build_run(
     precision: str = "32-true",
     datamodule_class=RolloutDataModule,
     lora=None,
+    teacher=None,
     on_error: str = "raise",
     **ppo_overrides,
 ):
@@ -122,13 +123,20 @@ def build_run(
     )
     rollout = rollout or RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2)
     config = run_config(
-        ppo=ppo, rollout=rollout, steps=total_rollout_steps, accelerator=accelerator, precision=precision
+        ppo=ppo,
+        rollout=rollout,
+        steps=total_rollout_steps,
+        accelerator=accelerator,
+        precision=precision,
+        **({"model": ModelConfig(teacher=teacher)} if teacher else {}),  # on-policy distillation's
     )
     config = dataclasses.replace(
         config,
         trainer=dataclasses.replace(config.trainer, eval_every=eval_every),
         model=dataclasses.replace(
-            config.model, gradient_checkpointing=gradient_checkpointing, **({"lora": lora} if lora else {})
+            config.model,
+            gradient_checkpointing=gradient_checkpointing,
+            **({"lora": lora} if lora else {}),
         ),
     )
     trainer, module, datamodule, plan = build_run_on_files(

@@ -1,0 +1,142 @@
+"""On-policy distillation's teacher in the trainer (issue 52): its log-probs in every layout against a plain
+`transformers` forward of the same sequences, and short `ppo=distill` runs (vLLM, a LoRA student) whose update is the
+teacher's: not tiny with another teacher, exactly none with the student as its own teacher."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lit_ppo.config import LoraConfig, ModelConfig, PPOConfig, RolloutConfig, TeacherConfig
+from lit_ppo.plan import compute_plan
+from lit_ppo.testing import synthetic_rollout_batch
+from lit_ppo.training.module import PPOModule
+from tests.helpers import build_run, run_config
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """Another model of the fixture model's shape and tokenizer (other random weights): the teacher."""
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        seed=1,
+    )
+    return str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("teacher") / "model"))
+
+
+@functools.cache
+def plain_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def plain_logprobs(model_dir: str, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log p(response token | what precedes it) by one plain `transformers` forward of prompt + response, at the
+    sampling temperature."""
+    model = plain_model(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].double() / TEMPERATURE
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return torch.log_softmax(logits[positions], -1)[torch.arange(len(response)), torch.tensor(response)]
+
+
+@pytest.mark.parametrize("packing, shared_prefix", [(False, False), (True, False), (True, True)])
+def test_teacher_logprobs_equal_a_plain_transformers_forward(tiny_model_dir, teacher_dir, packing, shared_prefix):
+    """The experience's teacher log-probs (padded rows, packed rows, the shared-prefix layout: the reference model's
+    forward path) are a plain forward's of each sequence, to float32 rounding; the advantage is the student's minus
+    them, negated."""
+    ppo = PPOConfig(
+        advantage_estimator="on_policy_distill",
+        kl_coef=0.0,
+        rollout_batch_size=3,
+        n_samples_per_prompt=4,
+        train_batch_size=12,
+        micro_train_batch_size=6,
+        packing=packing,
+        shared_prefix=shared_prefix,
+    )
+    config = run_config(ppo=ppo, model=ModelConfig(teacher=TeacherConfig(path=teacher_dir)))
+    plan = compute_plan(config, 3)
+    assert plan.layout.packing is packing and plan.layout.shared_prefix is shared_prefix
+    batch = synthetic_rollout_batch(3, 4, (5, 30), (1, 40), seed=0)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0, temperature=TEMPERATURE)
+    exp = module.make_experience(batch)
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        expected = plain_logprobs(teacher_dir, prompt, response).float()
+        torch.testing.assert_close(exp.teacher_logp[i, : len(response)], expected, rtol=0, atol=2e-5)
+        student = plain_logprobs(tiny_model_dir, prompt, response).float()
+        torch.testing.assert_close(exp.advantages[i, : len(response)], -(student - expected), rtol=0, atol=4e-5)
+    assert float(exp.mask.sum()) == sum(len(r) for r in batch.response_ids)
+
+
+def distill_run(model_dir, engine, files, tmp_path, teacher: str, steps: int = 2, **kwargs):
+    """`steps` rollout steps of on-policy distillation on the fixture model; the module and its actor's trained
+    tensors before the run."""
+    trainer, module, datamodule, plan = build_run(
+        model_dir,
+        engine,
+        files,
+        tmp_path,
+        total_rollout_steps=steps,
+        teacher=TeacherConfig(path=teacher),
+        advantage_estimator="on_policy_distill",
+        kl_coef=0.0,
+        loss_agg_mode="token-mean",
+        **kwargs,
+    )
+    before = {n: p.detach().clone() for n, p in module.actor.named_parameters() if p.requires_grad}
+    trainer.fit(module, datamodule=datamodule)
+    assert module.actor_optimizer_steps == plan.counts.total_optimizer_steps and module.teacher is not None
+    return module, before
+
+
+def relative_change(module, before) -> float:
+    after = dict(module.actor.named_parameters())
+    change = sum(float((after[n].detach() - p).abs().sum()) for n, p in before.items())
+    return change / sum(float(p.abs().sum()) for p in before.values())
+
+
+@pytest.mark.slow  # two runs with vLLM sampling (about 50 s on 2 busy cores)
+def test_a_distillation_run_moves_the_student_by_the_teacher(
+    tiny_model_dir, teacher_dir, engine, arithmetic_files, tmp_path
+):
+    """Two rollout steps with vLLM sampling: every step logs the teacher's metrics and the update is not tiny; the
+    control, the student as its own teacher, has advantages of exactly 0 and leaves the student where it was."""
+    module, before = distill_run(tiny_model_dir, engine, arithmetic_files, tmp_path / "teacher", teacher_dir)
+    rows = module.history
+    assert len(rows) == 2 and all(r["teacher/logprob_gap"] > 0.01 for r in rows)
+    assert all(abs(r["teacher/reverse_kl"]) <= r["teacher/logprob_gap"] for r in rows)
+    moved = relative_change(module, before)
+    print(f"relative change of the actor: {moved:.2e}")
+    assert moved > 1e-3, moved
+
+    same, before = distill_run(tiny_model_dir, engine, arithmetic_files, tmp_path / "self", tiny_model_dir, steps=1)
+    assert same.history[0]["teacher/reverse_kl"] == 0 and same.history[0]["teacher/logprob_gap"] == 0
+    assert relative_change(same, before) == 0
+
+
+@pytest.mark.slow  # about 50 s on 2 busy cores
+def test_a_lora_student_learns_from_its_teacher(tiny_model_dir, teacher_dir, arithmetic_files, tmp_path):
+    """A LoRA student (rollout.engine=hf: the actor generates, no vLLM engine to start): only its adapter trains, by
+    the teacher's advantages."""
+    rollout = RolloutConfig(engine="hf", max_response_tokens=6, eval_samples_per_prompt=2)
+    module, before = distill_run(
+        tiny_model_dir, None, arithmetic_files, tmp_path, teacher_dir, lora=LoraConfig(rank=8), rollout=rollout
+    )
+    assert before and all("lora_" in n for n in before)
+    assert relative_change(module, before) > 1e-3
+    assert all(r["teacher/logprob_gap"] > 0.01 for r in module.history)
