@@ -3,7 +3,7 @@
 One `training_step` is one rollout step:
   1. pull the rollout batch from the data module (vLLM generates it with the current weights),
   2. experience: old log-probs (unless the plan takes them elsewhere: `StepPlan.old_logprobs.source`), reference
-     log-probs and values, computed once, then advantages,
+     log-probs (on-policy distillation: the teacher's too) and values, computed once, then advantages,
   3. `ppo_epochs` passes over the batch in shuffled mini-batches of `train_batch_size` samples,
      each accumulated over micro-batches of `micro_train_batch_size` samples (or of at most
      `micro_train_max_tokens` padded tokens), one optimizer step each,
@@ -223,7 +223,7 @@ class PPOModule(L.LightningModule):
 
     @torch.no_grad()
     def make_experience(self, batch: RolloutBatch) -> Experience:
-        """Old log-probs, reference log-probs and values (once per rollout step), then advantages."""
+        """Old log-probs, reference (and teacher) log-probs and values (once per rollout step), then advantages."""
         N = len(batch.response_ids)
         T = max(1, max(len(r) for r in batch.response_ids))
 
