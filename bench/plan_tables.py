@@ -72,6 +72,14 @@ FEATURES = {
     "data_gsm8k_set": ["data=gsm8k", "data.expected_prompts=7473"],
     "reward_reward_model_set": ["reward=reward_model", "reward.fn.model_dir=/nonexistent/rm"],
     "strategy_fsdp_set": ["strategy=fsdp", "ppo.micro_train_batch_size=8"],
+    "ppo_distill_set": ["ppo=distill", "model.teacher.path=/nonexistent/teacher"],
+    "distill_reward_ddp": [
+        "ppo=distill",
+        "model.teacher.path=/nonexistent/teacher",
+        "ppo.distill.reward_coef=0.5",
+        "strategy=ddp",
+        "strategy.devices=2",
+    ],
 }
 
 

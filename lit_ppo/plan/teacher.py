@@ -31,7 +31,7 @@ class TeacherPlan:
             (
                 "teacher model",
                 self.path,
-                f"{self.dtype}, frozen, in this process: its forward in the reference model's place, the same layout "
+                f"{self.dtype}, frozen, in each training process: its forward in the reference model's place, the same layout "
                 "(model.teacher)",
             ),
             (
