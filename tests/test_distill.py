@@ -294,3 +294,13 @@ def test_the_teacher_weights_are_in_both_phases_of_the_memory_estimate():
     assert with_teacher.rollout_bytes - without.rollout_bytes == 2000
     sharded = dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2, teacher_parameters=1000)
     assert rows(estimate_memory(SHAPE, sharded))["teacher weights"] == 1000 * 4 // 2
+
+
+def test_a_run_directory_as_the_teacher_names_its_actor(tmp_path):
+    """`model.teacher.path=<run>` (the run, not its final policy): one line naming `<run>/actor`."""
+    from lit_ppo.demo.tiny import build_char_tokenizer
+    from lit_ppo.run.prepare import check_teacher
+
+    (tmp_path / "run" / "actor").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"without config\.json; fix: model\.teacher\.path=.*run/actor \(the run's"):
+        check_teacher(str(tmp_path / "run"), build_char_tokenizer(), "the tiny model", training=True)
