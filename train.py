@@ -3,7 +3,7 @@
 import os
 import sys
 
-from lit_ppo.run.lock import launcher_rank
+from lit_ppo.topology import launcher_rank
 
 if __name__ == "__main__":
     from lit_ppo.signals import handle_signals_during_imports

@@ -82,11 +82,11 @@ class CheckpointFile(TorchCheckpointIO):
             torch.save(checkpoint, f)
 
 
-def save_atomic(trainer: L.Trainer, path: Path) -> Path:
+def save_atomic(trainer: L.Trainer, path: Path, *, rank_zero: bool) -> Path:
     """The trainer's checkpoint at `path`, written under a temporary name beside it and renamed; a write that fails
     removes its partial file. A collective: every rank calls it, and where rank 0 cannot write the file (a directory
     it may not write, a full disk) every rank raises the same DirectoryError (a rank that went on would wait for rank
-    0 in its next collective until the process group's timeout)."""
+    0 in its next collective until the process group's timeout). `rank_zero`: whether this is rank 0, which writes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(path)
@@ -95,15 +95,15 @@ def save_atomic(trainer: L.Trainer, path: Path) -> Path:
         # Every rank takes part (sharded states); rank 0 writes the file; then all meet at Lightning's barrier.
         trainer.save_checkpoint(tmp)
     except Exception as error:  # across file systems, Lightning's atomic save calls a PermissionError an fsspec problem
-        if trainer.is_global_zero:
+        if rank_zero:
             tmp.unlink(missing_ok=True)  # a partial file, not left on a full disk
-        reason = trainer.is_global_zero and (directory_problem(path.parent) or space_problem(error, path.parent))
+        reason = rank_zero and (directory_problem(path.parent) or space_problem(error, path.parent))
         if not reason:
             raise
         trainer.strategy.barrier("Trainer.save_checkpoint")  # the others wait there: the write is its last step
         unwritten = _unwritten(path, reason)
         unwritten.__cause__ = error
-    if trainer.is_global_zero and unwritten is None:
+    if rank_zero and unwritten is None:
         if not tmp.is_file():  # Lightning's atomic save, on one file system, swallows a PermissionError
             unwritten = _unwritten(path, directory_problem(path.parent) or f"{tmp} was not written")
         else:
@@ -525,9 +525,11 @@ class RolloutCheckpoint(L.Callback):
         if module.rollout_step == self.last_saved:
             return None
         waits.entering(f"writing the checkpoint of rollout step {module.rollout_step}")
-        path = save_atomic(trainer, checkpoint_path(self.directory, module.rollout_step))
+        path = save_atomic(
+            trainer, checkpoint_path(self.directory, module.rollout_step), rank_zero=module.topology.is_rank_zero
+        )
         self.last_saved = module.rollout_step
-        if trainer.is_global_zero:
+        if module.topology.is_rank_zero:
             prune(self.directory, self.keep, newest=path)
         return path
 
@@ -556,7 +558,7 @@ class RolloutCheckpoint(L.Callback):
         if start is not None and start.rollout_step == module.rollout_step:
             applied = start.updates_applied(module)
             start.put_back(trainer, module)
-            if applied and trainer.is_global_zero:
+            if applied and module.topology.is_rank_zero:
                 show(
                     f"the checkpoint of rollout step {module.rollout_step} holds the models after {applied} of the "
                     f"failing step's optimizer steps (applied before it failed) and the data position, counters and "

@@ -49,8 +49,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_ppo import signals
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, restore_rng_state, rng_state
 from lit_ppo.console import show
-from lit_ppo.distributed import global_max, world_size
+from lit_ppo.distributed import global_max
 from lit_ppo.signals import PREEMPTION_SIGNALS, exit_status
+from lit_ppo.topology import RankTopology
 
 log = logging.getLogger("lit_ppo")
 
@@ -80,13 +81,14 @@ class Preemption(L.Callback):
         self._depth = 0  # > 0 inside an interruptible region
         self._handlers: dict[int, object] = {}
         self._trainer: L.Trainer | None = None
+        self._topology = RankTopology()  # the module's, from on_train_start
         self._step_start: tuple[int, dict, dict] | None = None  # rollout_step, random states, data position
 
     # ------------------------------------------------------------ signals
 
     def on_train_start(self, trainer, module) -> None:
         # After Lightning registered its own handlers (just before the fit loop runs), so these replace them.
-        self.requested, self._depth, self._trainer = None, 0, trainer
+        self.requested, self._depth, self._trainer, self._topology = None, 0, trainer, module.topology
         signals.training_started()  # once this handler is gone again: the final writes
         if threading.current_thread() is not threading.main_thread():
             return  # signals are delivered to the main thread only
@@ -139,7 +141,7 @@ class Preemption(L.Callback):
 
     def agreed(self, device: torch.device | None = None) -> int | None:
         """The signal any rank received (the largest number), or None; a collective under data parallelism."""
-        if world_size() == 1:
+        if not self._topology.distributed:
             return self.requested  # no tensor: no device synchronisation for a flag this process holds
         flag = torch.tensor([self.requested or 0], dtype=torch.int64, device=device)
         signum = int(global_max(flag).item())
@@ -197,7 +199,7 @@ class Preemption(L.Callback):
         if self.checkpoints.last_saved != module.rollout_step:
             self.checkpoints.save(trainer, module)
             written = True
-        if trainer.is_global_zero:
+        if module.topology.is_rank_zero:
             path = checkpoint_path(self.checkpoints.directory, module.rollout_step)
             name = signal.Signals(exception.signum).name
             cut = (

@@ -70,6 +70,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     from lit_ppo.rewards import RewardScorer
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
+    from lit_ppo.topology import RankTopology
     from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -91,8 +92,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
         tokenizer=tokenizer,
         model_dir=model_dir,
         seed=0,
-        rank=rank,
-        world_size=world,
+        topology=RankTopology(rank=rank, world_size=world),
         engine=ScriptedEngine(),
     )
     calls = strict_collectives(torch.device("cpu"))

@@ -15,6 +15,7 @@ from lit_ppo import console
 from lit_ppo.console import capture_prints, printed_by, setup_logging, show, show_error
 from lit_ppo.contract import GenerateRequest
 from lit_ppo.rewards import RewardScorer
+from lit_ppo.topology import RankTopology
 
 
 def _record_loads(worker):
@@ -115,7 +116,7 @@ def test_the_preemption_line_comes_after_the_ended_bar_which_is_not_drawn_again(
     from lit_ppo.run.train import RolloutProgressBar
 
     progress = RolloutProgressBar(total=4)
-    progress.on_train_start(SimpleNamespace(is_global_zero=True), SimpleNamespace(rollout_step=2))
+    progress.on_train_start(None, SimpleNamespace(rollout_step=2, topology=RankTopology()))
     progress.on_exception(None, None, SystemExit(143))
     assert "2/4" in capsys.readouterr().err
     show("preempted by SIGTERM: stopped after rollout step 2 of 4; ...")

@@ -19,7 +19,6 @@ now in this process (colocated), or requested ahead from rollout worker processe
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from lit_ppo.config import RolloutConfig
 from lit_ppo.contract import GenerateRequest, RolloutEngine
 from lit_ppo.distributed import all_gather_objects, global_sum
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
-from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
+from lit_ppo.errors import DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer, Scores
@@ -49,6 +48,7 @@ from lit_ppo.rollout.episodes import (
 )
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
+from lit_ppo.topology import RankTopology
 
 REWARD_COUNTS = ("errors", "timeouts", "none")
 """The scorer's per-call counts (`Scores.metrics`), summed over a rollout step's generation rounds."""
@@ -119,8 +119,7 @@ class RolloutDataModule(L.LightningDataModule):
         tokenizer,
         model_dir: str,
         seed: int,
-        rank: int = 0,
-        world_size: int = 1,
+        topology: RankTopology | None = None,
         engine: RolloutEngine | None = None,
         chat_template: bool = False,
         source: RolloutSource | None = None,
@@ -134,8 +133,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
+        self.topology = topology or RankTopology()  # build_run's, from the trainer's strategy; checked in setup()
         self.next_rollout_step = 0  # restored on resume, with:
         self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
         # Dynamic sampling (`generation_round_of`): rounds drawn but not used, drawn again first, and per rollout step
@@ -172,19 +170,10 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ engine
 
     def setup(self, stage: str) -> None:
-        """Learn this rank from the trainer (its process group is up by now), then start the engine."""
-        if self.trainer is not None:
-            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
-        if self.world_size != self.plan.counts.data_parallel_size:
-            raise ConfigError(
-                f"the trainer runs {self.world_size} data-parallel ranks but the step plan was made for "
-                f"{self.plan.counts.data_parallel_size}; fix: plan with strategy.devices x strategy.num_nodes = {self.world_size}"
-            )
-        if self.world_size > 1:
-            # vLLM's external_launcher backend reads these and joins the process group the trainer set up.
-            os.environ.update(
-                RANK=str(self.rank), LOCAL_RANK=str(self.trainer.local_rank), WORLD_SIZE=str(self.world_size)
-            )
+        """Check this rank's topology against the process group (up by now) and the plan, then start the engine."""
+        self.topology.check(self.plan.counts.data_parallel_size)
+        if self.topology.distributed:
+            self.topology.export_launcher_environment()  # vLLM's external_launcher joins the trainer's process group
         self.start_engine()
 
     def start_engine(self) -> RolloutEngine:
@@ -204,7 +193,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def rank_positions(self, size: int) -> range:
         """This rank's contiguous share of `size` global positions (shares differ by at most one)."""
-        return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
+        rank, ranks = self.topology.data_parallel_rank, self.topology.data_parallel_size  # CP ranks share samples
+        return range(rank * size // ranks, (rank + 1) * size // ranks)
 
     def round_prompt_indices(self, generation_round: int, positions: range | None = None) -> list[int]:
         """The dataset indices of this rank's prompts in generation round `generation_round` (counted over the run),
@@ -585,7 +575,7 @@ class RolloutDataModule(L.LightningDataModule):
         def local_pass() -> tuple[list, list, list] | None:
             greedy, greedy_rewards, solved = [], [], []
             if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
-                if self.plan.workers and self.world_size > 1:  # rank 0 drives the workers: each rank's generate
+                if self.plan.workers and self.topology.distributed:  # rank 0 drives the workers: each rank's generate
                     for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
                         self.generate([], [], 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
                 return greedy, greedy_rewards, solved

@@ -320,7 +320,7 @@ def start_colocated(datamodule, actor=None) -> VLLMEngine:
     from lit_ppo.waits import start_within
 
     rollout, plan = datamodule.rollout, datamodule.plan
-    if datamodule.world_size > 1 and "RANK" not in os.environ:
+    if datamodule.topology.distributed and not datamodule.topology.launcher_environment_exported():
         raise RuntimeError(
             "start_engine: a data-parallel engine starts in setup(), after the trainer set up "
             "the process group; call trainer.fit instead of starting it by hand"
@@ -335,7 +335,7 @@ def start_colocated(datamodule, actor=None) -> VLLMEngine:
             seed=datamodule.seed,
             tensor_parallel_size=rollout.tensor_parallel_size,
             enforce_eager=rollout.enforce_eager,
-            distributed=datamodule.world_size > 1,
+            distributed=datamodule.topology.distributed,
             enable_sleep_mode=rollout.sleep_between_steps and torch.cuda.is_available(),
             max_lora_rank=(plan.lora.vllm_max_lora_rank if plan.lora else None),
         ),

@@ -23,6 +23,7 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.prompts import PromptSet, load_prompts
 from lit_ppo.rollout.schedule import source_for
 from lit_ppo.run.report import write_metrics_csv
+from lit_ppo.topology import RankTopology
 from lit_ppo.training.module import PPOModule
 
 TRAINER_FLAGS: dict[str, Any] = dict(
@@ -61,11 +62,11 @@ class MetricsCSV(L.Callback):
         # After `PPOModule.on_train_start`: the evaluation before rollout step 1, or (resumed) the one a signal cut
         # short after the last completed step, now in that step's row.
         initial = module.initial_row()
-        if trainer.is_global_zero and (module.history or initial is not None):
+        if module.topology.is_rank_zero and (module.history or initial is not None):
             write_metrics_csv(self.path, module.history, initial=initial)
 
     def on_train_batch_end(self, trainer: L.Trainer, module, *args) -> None:
-        if trainer.is_global_zero:
+        if module.topology.is_rank_zero:
             write_metrics_csv(self.path, module.history, initial=module.initial_row())
 
 
@@ -144,6 +145,9 @@ def build_run(
         plugins=[CheckpointFile()],  # written beside its final name, not staged in $TMPDIR
         **TRAINER_FLAGS,
     )
+    # Once per run, from the strategy's ranks (numbered as the trainer was built): the module, the data module and the
+    # callbacks (through the module) read who this process is from it; the data module's setup checks it.
+    module.topology = datamodule.topology = RankTopology.of(trainer)
     return trainer, module, datamodule
 
 

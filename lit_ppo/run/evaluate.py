@@ -20,7 +20,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 from lit_ppo.atomic import write_text_atomic
@@ -43,6 +42,7 @@ from lit_ppo.run.train import (
     write_generated_data,
 )
 from lit_ppo.signals import starting
+from lit_ppo.topology import launcher_rank
 
 EVAL_FILE = "eval.json"
 
@@ -147,7 +147,7 @@ def evaluate(
     starting()  # a signal from here on stops the evaluation in one line
     started = time.perf_counter()
     L.seed_everything(config.seed, workers=True)
-    rank_zero = rank_zero_only.rank == 0
+    rank_zero = launcher_rank() == 0
     if rank_zero:  # the arithmetic prompts beside eval.json, not in data/: output_dir may be a run's own (resume=auto)
         write_generated_data(prepared, output_dir, DATA_FOLDERS["eval"])
     model_dir = prepare_model(config, prepared.records[0] if prepared.records else None)
@@ -189,7 +189,7 @@ def evaluate(
         if engine is None and datamodule.engine is not None:
             datamodule.engine.close()
         scorer.close()
-    if not trainer.is_global_zero:
+    if not module.topology.is_rank_zero:
         return None
     evaluation = module.eval_history[-1]
     metrics = {key: value for key, value in evaluation.items() if key.startswith("eval/")}

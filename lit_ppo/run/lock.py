@@ -34,18 +34,11 @@ from pathlib import Path
 from typing import Iterator
 
 from lit_ppo.errors import DirectoryError
+from lit_ppo.topology import launcher_rank
 
 log = logging.getLogger("lit_ppo")
 
 LOCK_NAME = ".lit_ppo.lock"
-
-
-def launcher_rank() -> int:
-    """This process's global rank as the launcher (Lightning, torchrun, SLURM) set it; 0 when alone."""
-    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
 
 
 def _read(path: Path) -> str | None:

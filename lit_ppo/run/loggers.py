@@ -210,7 +210,7 @@ class SampleTableLogger(L.Callback):
 
     def _log_new(self, trainer, module) -> None:
         evals = module.eval_history
-        if not trainer.is_global_zero or self.logged >= len(evals):
+        if not module.topology.is_rank_zero or self.logged >= len(evals):
             return
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         for entry in evals[self.logged :]:

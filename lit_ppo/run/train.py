@@ -20,7 +20,6 @@ import hydra
 import lightning as L
 import torch
 import yaml
-from lightning.pytorch.utilities import rank_zero_only
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -49,6 +48,7 @@ from lit_ppo.run.prepare import PreparedRun, data_paths, prepare_run
 from lit_ppo.run.report import write_curves, write_plan, write_summary
 from lit_ppo.run.threads import allowed_cores
 from lit_ppo.signals import Stopped, starting
+from lit_ppo.topology import launcher_rank
 
 log = logging.getLogger("lit_ppo")
 
@@ -172,7 +172,7 @@ class RolloutProgressBar(L.Callback):
         self.bar = None
 
     def on_train_start(self, trainer, module) -> None:
-        if trainer.is_global_zero:
+        if module.topology.is_rank_zero:
             self.bar = tqdm(
                 total=self.total, initial=module.rollout_step, desc="rollout steps", unit="step", dynamic_ncols=True
             )
@@ -306,7 +306,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
     starting()  # a signal from here to the first rollout step stops the run "during start-up"
     started = time.perf_counter()
     L.seed_everything(config.seed, workers=True)
-    rank_zero = rank_zero_only.rank == 0  # from the launcher's environment: the trainer does not exist yet
+    rank_zero = launcher_rank() == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
         check_run_directory(config, output_dir)  # before this run writes anything into it
         note = fresh_start_note(config.resume, output_dir)
@@ -372,7 +372,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
         actor_state = module.saved_actor_state() if module.sharded else None
     except (Exception, Stopped) as error:  # (Stopped: a signal during start-up inside fit, e.g. the engine's start)
         started_ranks.stop(trainer)
-        timed_out = waits.named_timeout(error, trainer.global_rank)
+        timed_out = waits.named_timeout(error, module.topology.rank)
         if timed_out is not None:
             raise timed_out from error
         if isinstance(error, RolloutWorkerError) and datamodule.engine is not None:  # the workers had started
@@ -389,7 +389,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
             datamodule.engine.close()
         scorer.close()  # the reward worker processes, if any
 
-    if not trainer.is_global_zero:
+    if not module.topology.is_rank_zero:
         return None
     if module.lora:
         save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged, adapter=actor_state)

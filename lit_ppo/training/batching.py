@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
-from lit_ppo.distributed import all_gather_objects, global_max, world_size
+from lit_ppo.distributed import all_gather_objects, global_max
 from lit_ppo.errors import RolloutMismatchError
 from lit_ppo.plan import StepPlan, check_rank_balance
 
@@ -496,11 +496,12 @@ def check_rollout_ids(batch: RolloutBatch) -> None:
     none)."""
     if batch.policy_masks is None and batch.episode_ids is None:
         return
-    found = [(rank, line) for rank, line in enumerate(all_gather_objects(rollout_ids_mismatch(batch))) if line]
+    gathered = all_gather_objects(rollout_ids_mismatch(batch))  # one line (or None) per rank
+    found = [(rank, line) for rank, line in enumerate(gathered) if line]
     if not found:
         return
     rank, line = found[0]
-    on_rank = f"rank {rank}: " if world_size() > 1 else ""
+    on_rank = f"rank {rank}: " if len(gathered) > 1 else ""
     raise RolloutMismatchError(
         f"{on_rank}{line}; the checkpoint of the step's start was saved; fix: keep each episode's ids and policy mask "
         "as vLLM and the environment gave them (a tokenization of the episode's text is not them), or set "

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from lit_ppo import algorithms as algo
 from lit_ppo.batch import RolloutBatch
-from lit_ppo.distributed import all_gather_padded, global_max, global_sum, world_size
+from lit_ppo.distributed import all_gather_padded, global_max, global_sum
 from lit_ppo.errors import RolloutMismatchError
+from lit_ppo.topology import RankTopology
 
 # Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
 # (with the samples' global positions), e.g. to check that they do not depend on the number of ranks.
@@ -298,12 +299,12 @@ def experience_from_forwards(
     return exp, {f"rollout_correction/{k}": float(v) for k, v in stats.items()}
 
 
-def global_experience(exp: Experience, picks: list[tuple[int, int]]) -> Experience:
+def global_experience(exp: Experience, picks: list[tuple[int, int]], topology: RankTopology) -> Experience:
     """Every rank's experience as one [N, T] experience of the global batch, its samples `picks` ((rank, sample index)
     each: `batching.global_batch`'s order), widths padded with zeros to the widest rank's: what every rank trains its
     share of each global mini-batch from. A field that is None stays None, a 0-dim statistic (already global) as it is.
     One all-gather per field; on one process `exp` itself."""
-    if world_size() == 1:
+    if not topology.distributed:
         return exp
 
     def gather(x: Tensor | None) -> Tensor | None:

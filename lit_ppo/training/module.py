@@ -46,6 +46,7 @@ from lit_ppo.plan import (
     check_step_accounting,
     minibatch_schedule,
 )
+from lit_ppo.topology import RankTopology
 from lit_ppo.training.batching import (
     MicroBatch,
     balanced_rank_batch,
@@ -117,6 +118,7 @@ class PPOModule(L.LightningModule):
         self.temperature = temperature
         self.max_logprob_abs_diff = max_logprob_abs_diff
         self.sharded = False  # FSDP2, set by configure_model
+        self.topology = RankTopology()  # this process's ranks: build_run's, from the trainer's strategy
         self.actor, self.critic, self.reference = load_models(
             model_dir, plan, gradient_checkpointing, lora, attn_implementation
         )
@@ -284,7 +286,11 @@ class PPOModule(L.LightningModule):
         )
         if os.environ.get(DUMP_ADVANTAGES_ENV):
             dump_experience(
-                Path(os.environ[DUMP_ADVANTAGES_ENV]), batch, exp, self.global_rank, self.plan.counts.data_parallel_size
+                Path(os.environ[DUMP_ADVANTAGES_ENV]),
+                batch,
+                exp,
+                self.topology.rank,
+                self.plan.counts.data_parallel_size,
             )
         return exp
 
@@ -315,8 +321,8 @@ class PPOModule(L.LightningModule):
         sets of samples on any number of ranks, so the update is one process's. Returns the updates' mean metrics and
         the experience, with the old log-probs of the training forwards where the plan takes them there."""
         # Every rank's samples and experience, in one process's order: the mini-batches are drawn from them.
-        full, picks, own = global_batch(batch, self.global_rank)
-        full_exp = global_experience(exp, picks)
+        full, picks, own = global_batch(batch, self.topology.data_parallel_rank)
+        full_exp = global_experience(exp, picks, self.topology)
         layout = self.micro_batch_layout(full)
         models = [m for m in (self.actor, self.critic) if m is not None]
         N = len(full.response_ids)
@@ -327,7 +333,7 @@ class PPOModule(L.LightningModule):
         capture = OldLogprobCapture(full_exp.mask) if self.plan.old_logprobs.source != "experience forward" else None
         for epoch, minibatches in enumerate(minibatch_schedule(self.plan, N, self.shuffle_generator)):
             for minibatch in minibatches:
-                indices = rank_share(full, minibatch, self.plan, self.global_rank)
+                indices = rank_share(full, minibatch, self.plan, self.topology.data_parallel_rank)
                 use_counts[epoch, indices] += 1
                 denominators = loss_denominators(full_exp, minibatch)  # the global mini-batch's
                 for idx, mb, last in layout.mini_batch(indices, self.rollout_step):
@@ -466,7 +472,7 @@ class PPOModule(L.LightningModule):
         # sleep: under NCCL the all-gather's buffers are on the device; timed with the experience).
         self.rank_balance_stats = {}
         if self.plan.layout.rank_balance:
-            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.global_rank)
+            batch, self.rank_balance_stats = balanced_rank_batch(batch, self.plan, self.topology.data_parallel_rank)
         # The episodes' ids and policy masks, as this rank will lay them out, before any forward: every rank stops
         # together on a mismatch, so that the exception checkpoint's collectives meet.
         check_rollout_ids(batch)

@@ -6,11 +6,9 @@ rotation and what a run resumes from are `lit_ppo/checkpoints.py`'s.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from lit_ppo.checkpoints import restore_rng_state, rng_state
 from lit_ppo.console import show
-from lit_ppo.distributed import world_size
+from lit_ppo.distributed import all_gather_objects
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import sections_of
 
@@ -84,11 +82,7 @@ def rank_states(module) -> list[dict]:
     """Every rank's own random streams (the global ones and the mini-batch shuffle's), in rank order. A collective
     (every rank saves the checkpoint together); rank 0 writes them all into the one file."""
     own = {"rng": rng_state(), "shuffle_generator": module.shuffle_generator.get_state()}
-    if world_size() == 1:
-        return [own]
-    gathered: list = [None] * world_size()
-    dist.all_gather_object(gathered, own)
-    return gathered
+    return all_gather_objects(own)
 
 
 def module_state(module) -> dict:
@@ -113,13 +107,13 @@ def restore_module_state(module, state: dict) -> None:
         setattr(module, k, state[k])
     module.guarded_step.skipped = state["skipped_updates"]
     saved = state.get("rank_states") or []  # absent in checkpoints written before they were kept
-    rank, world = (dist.get_rank(), world_size()) if world_size() > 1 else (0, 1)
+    rank, world = module.topology.rank, module.topology.world_size
     own = saved[rank] if len(saved) == world else {"rng": state["rng"], "shuffle_generator": state["shuffle_generator"]}
     module.shuffle_generator.set_state(own["shuffle_generator"])
     restore_rng_state(own["rng"])
     check_same_rollout_step_shape(state["plan"], module.plan)
     saved_world = sections_of(state["plan"])["counts"]["data_parallel_size"]
-    if saved_world != module.plan.counts.data_parallel_size and rank == 0:
+    if saved_world != module.plan.counts.data_parallel_size and module.topology.is_rank_zero:
         show(
             f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_world} "
             f"rank(s) and continues on {module.plan.counts.data_parallel_size}; weights and optimizer states are whole, "

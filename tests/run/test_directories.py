@@ -502,7 +502,7 @@ def test_a_checkpoint_that_cannot_be_written_mid_run_names_the_reason(save):
         strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
     )
     with pytest.raises(DirectoryError) as info:
-        save_atomic(trainer, checkpoint_path(UNWRITABLE, 3))
+        save_atomic(trainer, checkpoint_path(UNWRITABLE, 3), rank_zero=True)
     assert str(info.value).startswith(
         f"the checkpoint rollout_step_000003.ckpt could not be written: {UNWRITABLE} is not writable (Permission "
         f"denied); fix: make {UNWRITABLE} writable"
@@ -557,9 +557,9 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_in_one_line_with_the_earl
     trainer = run_trainer_on_rank_0(built)
     directory = tmp_path / "run" / "checkpoints"
     for step in (1, 2):
-        save_atomic(trainer, checkpoint_path(directory, step))
+        save_atomic(trainer, checkpoint_path(directory, step), rank_zero=True)
     with pytest.raises(DirectoryError) as info:
-        save_atomic(trainer, checkpoint_path(directory, 3))
+        save_atomic(trainer, checkpoint_path(directory, 3), rank_zero=True)
     assert str(info.value) == no_space(directory, "rollout_step_000001.ckpt, rollout_step_000002.ckpt")
     [partial] = full
     assert partial.written == 4096  # the disk took what fitted; that partial file is removed
@@ -586,7 +586,7 @@ def test_a_full_disk_at_the_checkpoints_flush_is_named_the_same_way(tmp_path, mo
         strategy=SimpleNamespace(barrier=lambda name: None, broadcast=lambda obj, src=0: obj),
     )
     with pytest.raises(DirectoryError) as info:
-        save_atomic(trainer, checkpoint_path(directory, 3))
+        save_atomic(trainer, checkpoint_path(directory, 3), rank_zero=True)
     assert str(info.value) == no_space(directory, "rollout_step_000001.ckpt, rollout_step_000002.ckpt")
     assert sorted(p.name for p in directory.iterdir()) == ["rollout_step_000001.ckpt", "rollout_step_000002.ckpt"]
 
@@ -645,7 +645,7 @@ from lit_ppo.checkpoints import checkpoint_path, save_atomic
 
 class SaveAfterTheFirstStep(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        save_atomic(trainer, checkpoint_path(Path(sys.argv[1]), 1))
+        save_atomic(trainer, checkpoint_path(Path(sys.argv[1]), 1), rank_zero=trainer.is_global_zero)
 
 trainer = L.Trainer(
     accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,

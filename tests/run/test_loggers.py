@@ -19,6 +19,7 @@ from lit_ppo.run.loggers import (
     make_wandb_logger,
     resolve_wandb_mode,
 )
+from lit_ppo.topology import RankTopology
 from tests.helpers import FIXTURE_MODEL, compose_run_config
 
 SAMPLES = [{"prompt": "3+4=", "response": "7", "reward": 1.0}, {"prompt": "10+5=", "response": "16", "reward": 0.0}]
@@ -220,13 +221,15 @@ def test_a_resumed_wandb_run_continues_the_same_run(engine, tmp_path, no_wandb_c
 
 
 def stub_trainer(loggers):
-    return SimpleNamespace(is_global_zero=True, loggers=loggers)
+    return SimpleNamespace(loggers=loggers)
 
 
 def test_sample_table_goes_to_wandb_as_a_table_per_evaluation(tmp_path, no_wandb_credentials):
     logger = make_wandb_logger(save_dir=str(tmp_path), mode="auto")
     callback = SampleTableLogger()
-    module = SimpleNamespace(eval_history=[{"rollout_step": 0, "eval/reward": 0.5, "samples": SAMPLES}])
+    module = SimpleNamespace(
+        eval_history=[{"rollout_step": 0, "eval/reward": 0.5, "samples": SAMPLES}], topology=RankTopology()
+    )
     callback.on_train_batch_end(stub_trainer([logger]), module, None, None, 0)
     module.eval_history.append({"rollout_step": 2, "eval/reward": 1.0, "samples": SAMPLES[:1]})
     callback.on_train_end(stub_trainer([logger]), module)
@@ -246,7 +249,9 @@ def test_sample_table_goes_to_wandb_as_a_table_per_evaluation(tmp_path, no_wandb
 
 def test_sample_table_goes_to_the_console_without_wandb(capsys):
     callback = SampleTableLogger()
-    module = SimpleNamespace(eval_history=[{"rollout_step": 5, "eval/reward": 0.5, "samples": SAMPLES}])
+    module = SimpleNamespace(
+        eval_history=[{"rollout_step": 5, "eval/reward": 0.5, "samples": SAMPLES}], topology=RankTopology()
+    )
     callback.on_train_start(stub_trainer([]), module)  # a resumed run: rollout step 5 was shown before
     module.eval_history.append({"rollout_step": 10, "eval/reward": 0.5, "samples": SAMPLES})
     callback.on_train_batch_end(stub_trainer([]), module, None, None, 0)
@@ -259,7 +264,7 @@ def test_sample_table_goes_to_the_console_without_wandb(capsys):
 def test_the_evaluation_before_any_update_is_shown_before_rollout_step_1(capsys):
     """Its table printed after rollout step 1 (at that step's end), under step 1's progress."""
     callback = SampleTableLogger()
-    module = SimpleNamespace(eval_history=[])
+    module = SimpleNamespace(eval_history=[], topology=RankTopology())
     callback.on_train_start(stub_trainer([]), module)  # Lightning: the callbacks' hook, then the module's ...
     module.eval_history.append({"rollout_step": 0, "eval/reward": 0.5, "samples": SAMPLES})  # ... which evaluates
     callback.on_train_batch_start(stub_trainer([]), module, None, 0)  # rollout step 1 starts

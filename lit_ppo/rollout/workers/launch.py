@@ -28,9 +28,10 @@ import torch
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.weight_transfer.transport import POLL_S
 from lit_ppo.rollout.workers.messages import Hello, Stop
+from lit_ppo.topology import LAUNCHER_VARIABLES
 
 HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+DIST_ENV = LAUNCHER_VARIABLES
 """The launcher's rendezvous variables: a worker must not join the trainer's process group with them (vLLM would)."""
 
 Send = Callable[[int, Stop], None]

@@ -53,8 +53,8 @@ def start_workers(datamodule, actor=None):
         heartbeat_timeout_s=w.heartbeat_timeout_s,
         **client_settings(datamodule),
     )
-    if datamodule.world_size == 1:
+    if not datamodule.topology.distributed:
         return start()
     from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 
-    return DataParallelWorkers.start(datamodule.rank, datamodule.device, start)
+    return DataParallelWorkers.start(datamodule.topology.rank, datamodule.device, start)

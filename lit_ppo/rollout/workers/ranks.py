@@ -29,9 +29,7 @@ from lit_ppo.contract import CountedTensors, GenerateRequest, Generation, Weight
 from lit_ppo.distributed import all_gather_objects, broadcast_object
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeRequest
-
-DRIVER_RANK = 0
-"""The trainer rank that drives the rollout workers (their store, requests and weight push)."""
+from lit_ppo.topology import DRIVER_RANK
 
 
 class DataParallelWorkers:

@@ -22,6 +22,7 @@ from lit_ppo.rollout.episodes import EpisodeRequest
 from lit_ppo.rollout.weight_transfer.transport import probe_mismatch, seconds_delta, take_key
 from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
+from lit_ppo.topology import launched_worker_index
 
 
 def _watch_parent(parent: int, stopping: threading.Event) -> None:
@@ -245,7 +246,7 @@ def main(argv: list[str], prog: str = "python -m lit_ppo.rollout.workers") -> No
         parser.error(f"--connect {args.connect}: expected HOST:PORT, e.g. --connect node0:29600")
     worker = args.worker
     if worker is None:
-        index = os.environ.get("SLURM_PROCID") or os.environ.get("RANK")
+        index = launched_worker_index()
         if index is None or not index.isdigit():
             parser.error("no worker number: give --worker N, or run it under srun (SLURM_PROCID) or torchrun (RANK)")
         worker = int(index)

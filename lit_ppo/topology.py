@@ -1,0 +1,167 @@
+"""Who this process is among the trainer's ranks: the one place that reads the launcher's rank variables and the
+process group's rank and size (beside the collectives' own module, `lit_ppo.distributed`), in the manner of
+prime-rl's `ParallelDims`.
+
+`RankTopology.of(trainer)` is built once per run (`lit_ppo.run.build.build_run`), from the Lightning strategy's ranks,
+and handed to the module, the data module and the callbacks; once the process group is up (the data module's setup)
+`check` holds it against the group and against the plan's data-parallel size. Before the trainer exists (the run
+directory's lock, the log file's name, rank 0's first writes), `launcher_rank` reads the launcher's environment.
+
+Ranks r*C .. r*C+C-1 form one context-parallel group of C (`context_parallel_size`) that shares data-parallel rank
+r's samples and splits their tokens (issue 51); with C = 1, as today, the data-parallel rank is the global rank and
+the data-parallel group is every rank (torch's default group, `None` to the collectives).
+
+Import-light on purpose (no torch at import): `train.py` reads `launcher_rank` before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lit_ppo.errors import ConfigError
+
+LAUNCHER_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+"""Where a launcher (torchrun, Lightning's own, SLURM's srun, LSF's jsrun) puts a process's global rank, in the order
+Lightning reads them (LOCAL_RANK before SLURM_PROCID: srun may set the latter for a process it did not start)."""
+
+WORKER_INDEX_VARIABLES = ("SLURM_PROCID", "RANK")
+"""Where srun or torchrun puts a rollout worker's number (`python -m lit_ppo.rollout.workers --worker` unset)."""
+
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"""The trainer's rendezvous variables, left out of a rollout worker's environment: its vLLM must not join the
+trainer's process group."""
+
+DRIVER_RANK = 0
+"""The trainer rank that drives the rollout workers (their store, requests and weight push) and writes the run's
+files."""
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as the launcher (Lightning, torchrun, SLURM, jsrun) set it; 0 when alone. For the
+    moments before the trainer exists; after, `RankTopology.rank`."""
+    environ = os.environ if environ is None else environ
+    for name in LAUNCHER_RANK_VARIABLES:
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return 0
+
+
+def launched_worker_index(environ: Mapping[str, str] | None = None) -> str | None:
+    """A rollout worker's number as srun (SLURM_PROCID) or torchrun (RANK) gave it, unparsed; None without either."""
+    environ = os.environ if environ is None else environ
+    return next((environ[name] for name in WORKER_INDEX_VARIABLES if environ.get(name)), None)
+
+
+@dataclass(frozen=True)
+class RankTopology:
+    """One trainer process's place among the ranks (module docstring). The default is a single process."""
+
+    rank: int = 0
+    """The global rank, 0 .. world_size - 1."""
+    world_size: int = 1
+    """Every trainer rank, data-parallel x context-parallel."""
+    local_rank: int = 0
+    """The rank on its node (its device's index there)."""
+    node_rank: int = 0
+    context_parallel_size: int = 1
+    """C: the ranks that share one data-parallel rank's samples (1 until issue 51)."""
+    data_parallel_group: Any = field(default=None, compare=False, repr=False)
+    """The group the data-parallel reductions run over; None: torch's default group (every rank, as with C = 1)."""
+    context_parallel_group: Any = field(default=None, compare=False, repr=False)
+    """The group of this rank's C context-parallel ranks; None while C = 1."""
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RankTopology: rank {self.rank} is not among the {self.world_size} ranks")
+        if self.context_parallel_size < 1 or self.world_size % self.context_parallel_size:
+            raise ValueError(
+                f"RankTopology: {self.world_size} ranks do not form groups of {self.context_parallel_size} "
+                "context-parallel ranks"
+            )
+
+    @classmethod
+    def of(cls, trainer) -> RankTopology:
+        """The topology of a Lightning trainer's strategy, which numbered its ranks when the trainer was built (from
+        the launcher's environment and strategy.devices x strategy.num_nodes), before its process group exists."""
+        return cls(
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            local_rank=trainer.local_rank,
+            node_rank=trainer.node_rank,
+        )
+
+    # ------------------------------------------------------------ ranks
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.context_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the samples this rank holds (its context-parallel group's)."""
+        return self.rank // self.context_parallel_size
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Which part of its samples' tokens this rank holds."""
+        return self.rank % self.context_parallel_size
+
+    @property
+    def distributed(self) -> bool:
+        """More than one trainer rank: the collectives have peers."""
+        return self.world_size > 1
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """The rank that writes the run's files (metrics, checkpoints, summary) and speaks for the others."""
+        return self.rank == DRIVER_RANK
+
+    @property
+    def drives_rollout_workers(self) -> bool:
+        """The rank that holds the rollout workers' client (under data parallelism the others receive from it)."""
+        return self.rank == DRIVER_RANK
+
+    def export_launcher_environment(self) -> None:
+        """RANK, LOCAL_RANK and WORLD_SIZE in this process's environment as torchrun would set them: what vLLM's
+        external_launcher backend reads to join the process group the trainer set up."""
+        os.environ.update(RANK=str(self.rank), LOCAL_RANK=str(self.local_rank), WORLD_SIZE=str(self.world_size))
+
+    @staticmethod
+    def launcher_environment_exported() -> bool:
+        """Whether a rank variable is in the environment (`export_launcher_environment`, or a launcher's), so that a
+        data-parallel vLLM engine can start."""
+        return "RANK" in os.environ
+
+    # ------------------------------------------------------------ the check at run time
+
+    def check(self, planned_data_parallel_size: int) -> None:
+        """Once the process group is up: the group numbers this process as this topology does, and the ranks are
+        the plan's (`plan.counts.data_parallel_size`, strategy.devices x strategy.num_nodes). One line otherwise."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group = (dist.get_rank(), dist.get_world_size())
+            if group != (self.rank, self.world_size):
+                raise ConfigError(
+                    f"the process group numbers this process rank {group[0]} of {group[1]} but the trainer's strategy "
+                    f"rank {self.rank} of {self.world_size}; fix: launch every rank with the same strategy.devices x "
+                    "strategy.num_nodes, and with torchrun's or srun's rank variables (RANK, or SLURM_PROCID) unaltered"
+                )
+        if self.data_parallel_size != planned_data_parallel_size:
+            ranks = f"{self.data_parallel_size} data-parallel ranks"
+            if self.context_parallel_size > 1:
+                ranks += f" ({self.world_size} ranks in groups of {self.context_parallel_size})"
+            raise ConfigError(
+                f"the trainer runs {ranks} but the step plan was made for {planned_data_parallel_size}; fix: plan with "
+                f"strategy.devices x strategy.num_nodes = {self.world_size}"
+            )

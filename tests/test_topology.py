@@ -1,0 +1,211 @@
+"""The rank topology (lit_ppo/topology.py): who a trainer process is, read in one place, and held at run time against
+the process group and the plan."""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lit_ppo.errors import ConfigError
+from lit_ppo.topology import RankTopology, launched_worker_index, launcher_rank
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------ one place reads the ranks
+
+ALLOWED = {"lit_ppo/topology.py", "lit_ppo/distributed.py"}  # the topology, and the collectives' own module
+LAUNCHER_NAMES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "JSM_NAMESPACE_RANK",
+}  # fmt: skip
+"""Environment variables in which a launcher (torchrun, Lightning, srun, jsrun) states a process's rank or size."""
+ANYWHERE = {"global_rank", "is_global_zero", "get_rank", "get_world_size", "get_node_local_rank", "rank_zero_only"}
+"""Lightning's and torch.distributed's rank reads, on whatever object."""
+ON_THE_TRAINER = {"world_size", "local_rank", "node_rank"}
+"""Read on a Lightning trainer, strategy or module (`self`) they are the process group's; on a topology, its."""
+
+
+def rank_reads(source: str) -> list[str]:
+    """Where `source` reads a rank or world size other than through a `RankTopology`: 'line: what'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        what = None
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            base_name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+            if node.attr in ANYWHERE or (
+                node.attr in ON_THE_TRAINER and base_name in {"self", "trainer", "strategy", "lightning_module"}
+            ):
+                what = f"{base_name}.{node.attr}"
+        elif isinstance(node, ast.Name) and node.id in ANYWHERE:
+            what = node.id
+        elif isinstance(node, ast.ImportFrom):
+            names = {a.name for a in node.names}
+            if node.module == "lit_ppo.distributed" and "world_size" in names or names & ANYWHERE:
+                what = f"import of {sorted(names & (ANYWHERE | {'world_size'}))}"
+        elif isinstance(node, ast.Constant) and node.value in LAUNCHER_NAMES:
+            what = f"the variable {node.value}"
+        elif isinstance(node, ast.keyword) and node.arg in LAUNCHER_NAMES:  # os.environ.update(RANK=...)
+            what = f"the variable {node.arg}"
+        if what:
+            found.append(f"{getattr(node, 'lineno', '?')}: {what}")
+    return found
+
+
+def test_only_the_topology_and_the_collectives_read_the_ranks():
+    readers = {}
+    for path in sorted((ROOT / "lit_ppo").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if name not in ALLOWED and (reads := rank_reads(path.read_text())):
+            readers[name] = reads
+    assert not readers, f"read the rank through lit_ppo.topology.RankTopology instead: {readers}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "rank = trainer.global_rank",
+        "if self.trainer.is_global_zero: pass",
+        "n = self.trainer.world_size",
+        "r = self.local_rank",
+        "import torch.distributed as dist\nr = dist.get_rank()",
+        "from lightning.pytorch.utilities import rank_zero_only",
+        "from lit_ppo.distributed import world_size",
+        'import os\nr = os.environ.get("SLURM_PROCID")',
+        "import os\nos.environ.update(LOCAL_RANK='0')",
+    ],
+)
+def test_the_scan_finds_each_kind_of_read(source):
+    assert rank_reads(source)
+
+
+def test_the_scan_passes_reads_through_a_topology():
+    assert not rank_reads("r, n = module.topology.rank, self.topology.world_size\nx = init_info.world_size")
+
+
+# ------------------------------------------------------------------ one process
+
+
+def test_one_process():
+    one = RankTopology()
+    assert (one.rank, one.world_size, one.data_parallel_rank, one.data_parallel_size) == (0, 1, 0, 1)
+    assert (one.context_parallel_rank, one.context_parallel_size) == (0, 1)
+    assert one.is_rank_zero and one.drives_rollout_workers and not one.distributed
+    assert one.data_parallel_group is None and one.context_parallel_group is None
+    one.check(1)  # no process group: nothing to disagree with
+
+
+def test_the_data_parallel_size_is_the_world_over_the_context_parallel_groups():
+    """Ranks 4..7 of 8 in groups of C = 2: data-parallel ranks 2, 2, 3, 3 of 4 (issue 51 sets C; the split is here)."""
+    tops = [RankTopology(rank=r, world_size=8, context_parallel_size=2) for r in range(4, 8)]
+    assert [(t.data_parallel_rank, t.context_parallel_rank) for t in tops] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert {t.data_parallel_size for t in tops} == {4}
+    assert not any(t.is_rank_zero for t in tops)
+    with pytest.raises(ValueError, match="do not form groups of 3"):
+        RankTopology(rank=0, world_size=8, context_parallel_size=3)
+    with pytest.raises(ValueError, match="rank 2 is not among the 2 ranks"):
+        RankTopology(rank=2, world_size=2)
+
+
+def test_built_from_the_trainers_strategy():
+    trainer = SimpleNamespace(global_rank=3, world_size=4, local_rank=1, node_rank=1)
+    top = RankTopology.of(trainer)
+    assert (top.rank, top.world_size, top.local_rank, top.node_rank, top.data_parallel_rank) == (3, 4, 1, 1, 3)
+    assert not top.is_rank_zero and not top.drives_rollout_workers and top.distributed
+
+
+def test_a_lightning_trainer_numbers_its_ranks_from_the_launchers_environment(monkeypatch):
+    """As Lightning's own launcher starts rank 1 of a 2-device run on node 1 of 2: LOCAL_RANK and NODE_RANK."""
+    import lightning as L
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "1")
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", logger=False)
+    top = RankTopology.of(trainer)
+    assert (top.rank, top.world_size, top.local_rank, top.node_rank) == (3, 4, 1, 1)
+    assert top.data_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    "environ, rank",
+    [
+        ({}, 0),
+        ({"RANK": "3", "LOCAL_RANK": "1", "SLURM_PROCID": "7"}, 3),  # torchrun
+        ({"LOCAL_RANK": "1", "SLURM_PROCID": "7"}, 1),  # Lightning's launcher, inside a SLURM allocation
+        ({"SLURM_PROCID": "5"}, 5),  # srun
+        ({"JSM_NAMESPACE_RANK": "2"}, 2),  # jsrun
+        ({"RANK": "", "SLURM_PROCID": "4"}, 4),  # an empty variable is not a rank
+    ],
+)
+def test_the_launchers_rank_before_the_trainer_exists(environ, rank):
+    assert launcher_rank(environ) == rank
+
+
+def test_a_rollout_workers_number_from_srun_or_torchrun():
+    assert launched_worker_index({"SLURM_PROCID": "2", "RANK": "5"}) == "2"
+    assert launched_worker_index({"SLURM_PROCID": "", "RANK": "5"}) == "5"
+    assert launched_worker_index({}) is None
+
+
+def test_the_plans_data_parallel_size_is_checked():
+    with pytest.raises(ConfigError) as info:
+        RankTopology(rank=1, world_size=2).check(4)
+    assert str(info.value) == (
+        "the trainer runs 2 data-parallel ranks but the step plan was made for 4; fix: plan with "
+        "strategy.devices x strategy.num_nodes = 2"
+    )
+    with pytest.raises(ConfigError, match=r"runs 2 data-parallel ranks \(4 ranks in groups of 2\) but .* made for 4"):
+        RankTopology(rank=1, world_size=4, context_parallel_size=2).check(4)
+
+
+# ------------------------------------------------------------------ two ranks (gloo)
+
+
+def on_two_ranks(rank: int, store_path: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        outcome = {}
+        for name, topology, planned in [
+            ("agrees", RankTopology(rank=rank, world_size=2), 2),
+            ("one process", RankTopology(), 1),  # a module built without build_run's topology
+            ("plan of 1", RankTopology(rank=rank, world_size=2), 1),
+        ]:
+            try:
+                topology.check(planned)
+                outcome[name] = None
+            except ConfigError as error:
+                outcome[name] = str(error)
+        results[rank] = outcome
+    except Exception:  # noqa: BLE001 - reported to the test
+        results[rank] = traceback.format_exc().strip().splitlines()[-1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_check_their_topology_against_the_process_group(tmp_path: Path):
+    results = mp.Manager().dict()
+    # A fork server, not a fork of pytest's process (which may hold the session's vLLM engine): see
+    # tests/rollout/test_worker_ranks.py.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(
+        on_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2, join=True, start_method="forkserver"
+    )
+    for rank in (0, 1):
+        outcome = results[rank]
+        assert isinstance(outcome, dict), outcome
+        assert outcome["agrees"] is None
+        assert outcome["one process"] == (
+            f"the process group numbers this process rank {rank} of 2 but the trainer's strategy rank 0 of 1; fix: "
+            "launch every rank with the same strategy.devices x strategy.num_nodes, and with torchrun's or srun's "
+            "rank variables (RANK, or SLURM_PROCID) unaltered"
+        )
+        assert outcome["plan of 1"].startswith(
+            "the trainer runs 2 data-parallel ranks but the step plan was made for 1"
+        )
