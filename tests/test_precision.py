@@ -11,7 +11,7 @@ import pytest
 from lit_ppo import precision as prec
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
-from tests.helpers import ROOT, compose_config, compose_run_config, rollout_step_rows
+from tests.helpers import ROOT, compose_config, compose_run_config, datamodule_on, rollout_step_rows
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
@@ -103,7 +103,6 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     """rollout.dtype=null follows the precision: the engine is asked for bfloat16 under bf16-mixed."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.rewards import RewardScorer, integer_match
     from lit_ppo.rollout import datamodule as dm
     from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
@@ -117,17 +116,9 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):
-        plan = plan_of(len(prompts), rollout=dm.RolloutConfig(dtype=configured), precision="bf16-mixed")
-        datamodule = dm.RolloutDataModule(
-            plan=plan,
-            train_prompts=prompts,
-            eval_prompts=None,
-            rollout=dm.RolloutConfig(dtype=configured),
-            scorer=RewardScorer(fn=integer_match),
-            tokenizer=tokenizer,
-            model_dir=tiny_model_dir,
-            seed=0,
-        )
+        rollout = dm.RolloutConfig(dtype=configured)
+        plan = plan_of(len(prompts), rollout=rollout, precision="bf16-mixed")
+        datamodule = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, plan=plan)
         datamodule.start_engine()
         assert started["dtype"] == expected
 

@@ -1,17 +1,25 @@
 """A run's state compared with another's: its counters, its weights (bitwise: CPU, fixed seeds, one process and the
 same thread count), and a crash after a given rollout step. Used by the resume tests (tests/test_resume.py,
-test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py)."""
+test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py). `random_kills`: the one harness that
+kills a `train.py` run and resumes it (bench/random_kills.py, loaded by its path)."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import io
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+
+_spec = importlib.util.spec_from_file_location("random_kills", Path(__file__).parents[2] / "bench" / "random_kills.py")
+random_kills = importlib.util.module_from_spec(_spec)
+sys.modules["random_kills"] = random_kills  # its dataclasses look their module up there
+_spec.loader.exec_module(random_kills)
 
 
 def counters(module) -> dict:

@@ -793,20 +793,6 @@ def test_a_worker_whose_engine_reports_another_version_than_it_applied_stops_the
     assert "policy version 1 applied" not in log
 
 
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path, lora):
@@ -814,65 +800,31 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
     the same final weights as an uninterrupted run (the checkpoint keeps the step generated ahead by a version the
     resumed run no longer has), and the killed trainer's rollout worker ends by itself. With model.lora the workers
     start from the base again and the resumed run pushes them its adapter: the same final adapter."""
-    import subprocess
-    import sys
-    import time
-
     from safetensors.torch import load_file
 
-    from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
-    from tests.helpers import ROOT, read_csv
-    from tests.helpers.resume import assert_same_weights
+    from tests.helpers import read_csv
+    from tests.helpers.resume import random_kills
 
-    common = [
+    overrides = (
         "trainer.total_rollout_steps=5",
-        "trainer.checkpoint_every=1",
-        "trainer.eval_every=0",
-        "model.warm_start.steps=20",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"cache_dir={tmp_path / 'cache'}",
         "ppo.ppo_epochs=2",
-        "strategy.precision=32-true",
-        "rollout.mode=disaggregated",
+        *random_kills.DISAGGREGATED,
         "rollout.max_staleness=1",
-        "ppo.rollout_correction.mode=tis",
         # rewards that differ within groups from the start: the adapter trains (tests/training/test_lora.py's LORA_TRAIN)
         *(
             ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.rollout.test_async.digit_share"]
             if lora
             else []
         ),
-    ]
-    weights = "adapter_model.safetensors" if lora else "model.safetensors"
-
-    def command(out, *extra: str) -> list[str]:
-        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
-
-    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=500)
-    assert full.returncode == 0, full.stderr[-3000:]
-
-    crashed = tmp_path / "crashed"
-    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 400
-    while not checkpoint_path(crashed / "checkpoints", 2).exists():
-        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.02)
-    workers = children_of(process.pid)
-    assert workers, "no rollout worker found"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    deadline = time.time() + 30
-    while any(os.path.exists(f"/proc/{w}") and "zombie" not in open(f"/proc/{w}/status").read() for w in workers):
-        assert time.time() < deadline, f"rollout worker(s) {workers} outlived their trainer"
-        time.sleep(0.1)
-    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step_000005.ckpt", "killed too late to test anything"
-
-    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final = load_file(tmp_path / "full" / "actor" / weights)
-    assert_same_weights(final, load_file(crashed / "actor" / weights))
+    )
+    case = random_kills.Case(overrides, steps=5)
+    result = random_kills.run_case("disaggregated k=1", 0, 0, tmp_path, case=case, at=("checkpoint 2",))
+    (kill,) = result.kills
+    assert kill.done and kill.workers, f"no rollout worker found:\n{result.report()}"
+    assert kill.checkpoint_left != "rollout_step_000005.ckpt", f"killed too late:\n{result.report()}"
+    assert not result.findings, result.report()  # the weights bitwise, each step's prompts, no worker left running
+    crashed = tmp_path / "killed"
+    final = load_file(crashed / "actor" / ("adapter_model.safetensors" if lora else "model.safetensors"))
     if lora:  # the adapter trained (B starts at zero), and only it was pushed
         assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in final.items())
         pushed = {

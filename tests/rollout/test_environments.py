@@ -34,7 +34,7 @@ from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.testing import rollout_batch_from_ids
 from lit_ppo.training.batching import check_rollout_ids, pack
 from lit_ppo.training.metrics import episode_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, datamodule_on
 
 # ------------------------------------------------------------------ the calculator
 
@@ -659,10 +659,7 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     from transformers import AutoTokenizer
 
     from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     seen = []
@@ -687,19 +684,8 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
                 },
             ),
         )
-        plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
         engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
-        dm = RolloutDataModule(
-            plan=plan,
-            train_prompts=prompts,
-            eval_prompts=None,
-            rollout=rollout,
-            scorer=RewardScorer(fn=transcript_length),
-            tokenizer=tok,
-            model_dir=tiny_model_dir,
-            seed=0,
-            engine=engine,
-        )
+        dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, engine, ppo=ppo, reward_fn=transcript_length)
         batch = dm.produce_rollout(0)
         assert batch.responses == ["[2+3]=5\n5"] * 4
         if source == "reward":
@@ -715,10 +701,7 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     from transformers import AutoTokenizer
 
     from lit_ppo.config import DynamicSamplingConfig, EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
@@ -743,19 +726,8 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
             },
         ),
     )
-    plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
     engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
-    dm = RolloutDataModule(
-        plan=plan,
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tok,
-        model_dir=tiny_model_dir,
-        seed=0,
-        engine=engine,
-    )
+    dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, engine, ppo=ppo)
     batch = dm.produce_rollout(0)
     assert batch.generation_rounds == 2 and batch.filled_groups == 2 - batch.rewards.view(2, 2).std(-1).gt(0).sum()
     assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)
@@ -776,10 +748,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
     from transformers import AutoTokenizer
 
     from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
@@ -796,17 +765,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
             },
         ),
     )
-    dm = RolloutDataModule(
-        plan=plan_of(len(prompts), ppo=ppo, rollout=rollout),
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tok,
-        model_dir=tiny_model_dir,
-        seed=0,
-        engine=ScriptedEngine([chars(tok, "[1+1]")]),
-    )
+    dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, ScriptedEngine([chars(tok, "[1+1]")]), ppo=ppo)
     with caplog.at_level("WARNING", logger="lit_ppo"):
         batch = dm.produce_rollout(0)  # the first rollout step (none taken before it)
     assert batch.episode_stats["observations_cut"] == 4
