@@ -316,14 +316,17 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
     assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
-def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
+# The LoRA worker's run (`one_step_off_lora`) is make test-slow's: make test keeps a vLLM-LoRA worker in
+# test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log.
+@pytest.mark.parametrize("run", ["one_step_off", pytest.param("one_step_off_lora", marks=pytest.mark.slow)])
+def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(request, run):
     """After the trainer's stop command a rollout worker (full weights or LoRA) joins its threads (weight receiver,
     parent watch) and its gloo group before it ends: code 0, not `terminate called without an active exception` and
     SIGABRT (-6) from a thread left in C++ while the interpreter tears down."""
-    for _, _, recorder, _, out in (one_step_off, one_step_off_lora):
-        log = (out / "logs" / "rollout_worker0.log").read_text()
-        assert recorder.worker_exit_codes == [0], log[-3000:]
-        assert "terminate called" not in log
+    _, _, recorder, _, out = request.getfixturevalue(run)
+    log = (out / "logs" / "rollout_worker0.log").read_text()
+    assert recorder.worker_exit_codes == [0], log[-3000:]
+    assert "terminate called" not in log
 
 
 def test_pushes_load_through_vllms_weight_transfer_engine_and_versions_are_vllms(one_step_off):
@@ -477,6 +480,10 @@ def external(port: int, **kwargs) -> RolloutConfig:
     return disaggregated(1, launch="external", port=port, trainer_host="127.0.0.1", **kwargs)
 
 
+# make test: test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbeat_timeout starts an external
+# worker as torchrun would (its number from RANK) that connects and generates; the samples follow the prompts' seeds
+# whoever generates them (the k = 0 equality tests, tests/rollout/test_async_dynamic_sampling.py).
+@pytest.mark.slow
 def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
     one_step_off,
     tiny_model_dir,
@@ -619,9 +626,10 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
 ):
     """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
     rollout.workers.heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
-    its log is there."""
+    its log is there. The worker is started as torchrun would start it: its number from RANK."""
     port = free_port()
-    worker = launch_worker(tmp_path / "worker.log", port, 0)
+    rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = launch_worker(tmp_path / "worker.log", port, None, **rendezvous)
     kill = KillProcess(worker)
     try:
         with pytest.raises(RolloutWorkerError) as info:
@@ -645,6 +653,9 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
     assert "\n" not in message
     assert seconds < 5 + 20, seconds
+    assert (
+        f"rollout worker 0 of 1: connected to the trainer at 127.0.0.1:{port}" in (tmp_path / "worker.log").read_text()
+    )
 
 
 # ---------------------------------------------------------------- LoRA: only the adapter goes to the workers
@@ -662,6 +673,11 @@ def one_step_off_lora(tiny_model_dir, long_prompt_files, tmp_path_factory):  # n
     return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **LORA, **TIS, **small), out)
 
 
+# make test: test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log (a vLLM-LoRA
+# worker applies adapter version 1 for policy version 0), tests/rollout/test_async_workloads.py::
+# test_hf_workers_at_k1_with_lora_sample_the_planned_versions_and_adapters (the worker-side adapter push and versions)
+# and tests/training/test_lora.py::test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_policy.
+@pytest.mark.slow
 def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_planned_version(one_step_off_lora):
     from lit_ppo.training.models import adapter_tensors
 
@@ -680,6 +696,7 @@ def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_plan
     assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
+@pytest.mark.slow  # make test: as the test above, and test_lora.py's log-probs of vLLM's adapter = the trainer's
 def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_version(one_step_off_lora):
     """vLLM's log-probs of the sampled tokens equal the trainer's under the adapter of the version each sample records
     (float32), and for the step generated by a trained adapter (version 1) they are not the base's: the workers
