@@ -23,33 +23,32 @@ from lit_ppo.checkpoints import (
 )
 from lit_ppo.errors import ConfigError, NonFiniteUpdatesError
 from tests.helpers import ROOT, build_run, compose_run_config
-from tests.helpers.resume import Crash, CrashAfter, assert_same_weights, counters, random_kills, write_checkpoint
+from tests.helpers.resume import (
+    assert_same_weights,
+    checkpointed_run,
+    counters,
+    random_kills,
+    write_checkpoint,
+)
 
 
 def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, crash_after=None):
     # 64 prompts, rollout batch 16 -> 4 rollout steps per data epoch; ppo_epochs 2 exercises the shuffle state.
-    callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=every, keep=2)]
-    callbacks += [CrashAfter(crash_after)] if crash_after else []
-    trainer, module, datamodule, plan = build_run(
-        paths[0],
+    _, module, datamodule = checkpointed_run(
+        paths,
         engine,
-        paths[1],
         tmp_path,
+        every=every,
+        keep=2,
+        crash_after=crash_after,
+        resume_from=resume_from,
         total_rollout_steps=steps,
         ppo_epochs=2,
         kl_coef=0.05,
-        callbacks=callbacks,
         rollout_batch_size=16,
         train_batch_size=16,
         micro_train_batch_size=8,
     )
-    torch.manual_seed(0)
-    ckpt = str(resume_from) if resume_from else None
-    if crash_after:
-        with pytest.raises(Crash):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
-    else:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
     return module, datamodule
 
 

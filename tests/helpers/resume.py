@@ -53,6 +53,32 @@ class CrashAfter(L.Callback):
             raise Crash()
 
 
+def checkpointed_run(
+    paths, engine, out: Path, *, every: int, keep: int, callbacks=(), crash_after=None, resume_from=None, **build
+):
+    """A small in-process run (tests.helpers.build_run on `paths` = (model dir, prompt files)) that writes its
+    checkpoints into out/checkpoints (`every`, `keep`), fitted from `resume_from` (a checkpoint, or None) after the
+    seed a fresh process sets; with `crash_after`, it crashes after that rollout step (CrashAfter: Crash expected).
+    `callbacks`: more callbacks, or a function of the checkpoint callback giving them. (trainer, module, datamodule)."""
+    import pytest
+
+    from lit_ppo.checkpoints import RolloutCheckpoint
+    from tests.helpers import build_run
+
+    checkpoints = RolloutCheckpoint(out / "checkpoints", every=every, keep=keep)
+    more = list(callbacks(checkpoints) if callable(callbacks) else callbacks)
+    more += [CrashAfter(crash_after)] if crash_after else []
+    trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], out, callbacks=[checkpoints, *more], **build)
+    torch.manual_seed(0)
+    ckpt = str(resume_from) if resume_from else None
+    if crash_after:
+        with pytest.raises(Crash):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    else:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    return trainer, module, datamodule
+
+
 class NonFiniteLossesFrom(L.Callback):
     """Makes every loss non-finite from the run's optimizer step `optimizer_step` on (counted over the run, from 0),
     as a learning rate that diverges would: `lit_ppo.algorithms.aggregate_loss` (through `monkeypatch`) multiplied by
