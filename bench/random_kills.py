@@ -18,7 +18,9 @@ moments differ between machines, so the report names each kill by its point and 
     python bench/random_kills.py --case colocated --kills 3 --seed 0
     python bench/random_kills.py --case disaggregated_k1_worker --kills 2 --seed 1
 
-The tests (tests/end_to_end/test_random_kills.py) import this file by its path and call `run_case`.
+The tests import this file by its path and call `run_case`: tests/end_to_end/test_random_kills.py with seeded kills,
+tests/test_resume.py and tests/rollout/test_async.py with a kill at a fixed point (`Kill.at`) on settings of their own.
+It is the one kill-and-resume harness of the project.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ class Kill:
     done: bool = False  # False: the run ended (or failed) before the event
     checkpoint_left: str = ""  # the latest checkpoint in the directory after the kill
     exit_code: int | None = None
+    workers: list[int] = dataclasses.field(default_factory=list)  # the trainer's rollout workers when it was killed
+    workers_outlived: list[int] = dataclasses.field(default_factory=list)  # those still running 30 s after the kill
+
+    @classmethod
+    def at(cls, event: str) -> "Kill":
+        """A kill at once when `event` happens ("checkpoint s-1" or "experience s"), not drawn."""
+        return cls(int(event.split()[1]) + (event.startswith("checkpoint")), event, 0.0)
 
 
 @dataclasses.dataclass
@@ -182,6 +191,20 @@ def worker_pids(trainer_pid: int) -> list[int]:
     return found
 
 
+def still_running(pid: int, grace_s: float) -> bool:
+    """Whether process `pid` is still running (not a zombie) after waiting up to `grace_s` for it to end."""
+    deadline = time.time() + grace_s
+    while True:
+        try:
+            if "zombie" in Path(f"/proc/{pid}/status").read_text():
+                return False
+        except OSError:
+            return False
+        if time.time() > deadline:
+            return True
+        time.sleep(0.1)
+
+
 def event_happened(out: Path, event: str) -> bool:
     kind, step = event.split()
     s = int(step)
@@ -212,6 +235,7 @@ def kill_run(case: Case, out: Path, cache: Path, log: Path, kill: Kill, timeout_
             time.sleep(kill.delay_s)
             if process.poll() is None:
                 if case.target == "trainer":
+                    kill.workers = worker_pids(process.pid)
                     process.send_signal(signal.SIGKILL)
                     kill.done = True
                 else:
@@ -221,6 +245,8 @@ def kill_run(case: Case, out: Path, cache: Path, log: Path, kill: Kill, timeout_
                         kill.done = True
         # A killed worker stops the trainer (RolloutWorkerError); a trainer not killed runs to its end.
         kill.exit_code = process.wait(timeout=max(1.0, deadline - time.time()))
+        # A killed trainer's workers end by themselves (they watch their parent).
+        kill.workers_outlived = [w for w in kill.workers if still_running(w, grace_s=30.0)]
     finally:
         if process.poll() is None:
             process.kill()
@@ -308,9 +334,13 @@ def run_case(
     max_delay_s: float = 2.0,
     timeout_s: float = 600.0,
     cache: Path | None = None,
+    case: Case | None = None,
+    at: tuple[str, ...] = (),
 ) -> Result:
-    """The uninterrupted run and the killed one of case `name` in `workdir`; the findings say what differs."""
-    case = CASES[name]
+    """The uninterrupted run and the killed one of case `name` in `workdir`; the findings say what differs. `case`:
+    settings of the caller's own instead of CASES[name] (`name` then only names it); `at`: kill at these events
+    (`Kill.at`) instead of `kills` drawn ones."""
+    case = case or CASES[name]
     workdir.mkdir(parents=True, exist_ok=True)
     cache = cache or workdir / "cache"
     reference, killed = workdir / "uninterrupted", workdir / "killed"
@@ -320,8 +350,8 @@ def run_case(
         return Result(name, seed, [], 0, [f"the uninterrupted run failed with exit code {code}; see {log}"])
     rng = random.Random(seed)
     done: list[Kill] = []
-    for i in range(kills):
-        kill = draw_kill(rng, killed, case, max_delay_s)
+    for i in range(len(at) or kills):
+        kill = Kill.at(at[i]) if at else draw_kill(rng, killed, case, max_delay_s)
         kill_run(case, killed, cache, log, kill, timeout_s, resume=i > 0)
         done.append(kill)
         if kill.checkpoint_left == checkpoint_path(killed / "checkpoints", case.steps).name:
@@ -331,7 +361,9 @@ def run_case(
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-3:]).strip()
         return Result(name, seed, done, runs, [f"the final resume=auto failed with exit code {code}: {tail}"])
-    return Result(name, seed, done, runs, compare(reference, killed, case))
+    outlived = [w for k in done for w in k.workers_outlived]
+    findings = [f"rollout worker(s) {outlived} outlived their killed trainer by 30 s"] if outlived else []
+    return Result(name, seed, done, runs, findings + compare(reference, killed, case))
 
 
 def main() -> None:

@@ -533,24 +533,11 @@ def test_real_experiments_plan_without_weights_or_gpu(experiment, prompts, updat
 @pytest.mark.parametrize(
     "experiment,prompts,turns,budget", [("gsm8k_tools", 7473, 4, 2048), ("tool_arithmetic", 4000, 3, 40)]
 )
-def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, turns, budget, tmp_path):
+def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, turns, budget, tmp_path, capsys):
     """The plan of a multi-turn experiment counts episodes as samples and shows max_turns and the token budget,
-    which is the response width planned for (`mode=plan`: no weights, no data, no GPU)."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            f"+experiment={experiment}",
-            "mode=plan",
-            f"output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path / 'hydra'}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    which is the response width planned for (`mode=plan`: no weights, no data, no GPU; in this process: the plan
+    mode's process is test_real_experiments_plan_without_weights_or_gpu's)."""
+    run_module.main(compose_config(f"+experiment={experiment}", "mode=plan", f"output_dir={tmp_path}"))
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["counts"]["dataset_prompts"] == prompts
     assert (
@@ -559,7 +546,7 @@ def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, tu
     )
     assert plan["counts"]["max_tokens_generated"] == plan["counts"]["total_samples_generated"] * budget
     # The one rendering the plan table has: name, right-aligned value, unit (lit_ppo.plan.StepPlan.table).
-    lines = {line.split("  ")[0]: line for line in result.stdout.splitlines()}
+    lines = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     turns_row = rf"episode: policy turns +{turns}  turns / episode at most \(one vLLM call each\)"
     budget_row = rf"episode: token budget +{budget}  response tokens / episode at most \(turns \+ observations\)"
     assert re.fullmatch(turns_row, lines["episode: policy turns"])
@@ -567,22 +554,8 @@ def test_episode_experiments_plan_turns_and_token_budget(experiment, prompts, tu
 
 
 def test_max_turns_needs_an_environment(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "rollout.episodes.max_turns=3",
-            "mode=plan",
-            f"output_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path / 'hydra'}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode != 0
-    assert "rollout.episodes.max_turns=3 without rollout.episodes.environment" in result.stderr
+    with pytest.raises(ConfigError, match="rollout.episodes.max_turns=3 without rollout.episodes.environment"):
+        run_module.main(compose_config("rollout.episodes.max_turns=3", "mode=plan", f"output_dir={tmp_path}"))
 
 
 # ---------------------------------------------------------------- the plan in sections; plans written before them

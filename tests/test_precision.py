@@ -11,7 +11,7 @@ import pytest
 from lit_ppo import precision as prec
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
-from tests.helpers import ROOT, compose_config, compose_run_config, rollout_step_rows
+from tests.helpers import ROOT, compose_config, compose_run_config, datamodule_on, rollout_step_rows
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
@@ -103,7 +103,6 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     """rollout.dtype=null follows the precision: the engine is asked for bfloat16 under bf16-mixed."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.rewards import RewardScorer, integer_match
     from lit_ppo.rollout import datamodule as dm
     from lit_ppo.rollout.prompts import load_prompts
     from tests.helpers import plan_of
@@ -117,17 +116,9 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tokenizer)
     for configured, expected in ((None, "bfloat16"), ("float32", "float32")):
-        plan = plan_of(len(prompts), rollout=dm.RolloutConfig(dtype=configured), precision="bf16-mixed")
-        datamodule = dm.RolloutDataModule(
-            plan=plan,
-            train_prompts=prompts,
-            eval_prompts=None,
-            rollout=dm.RolloutConfig(dtype=configured),
-            scorer=RewardScorer(fn=integer_match),
-            tokenizer=tokenizer,
-            model_dir=tiny_model_dir,
-            seed=0,
-        )
+        rollout = dm.RolloutConfig(dtype=configured)
+        plan = plan_of(len(prompts), rollout=rollout, precision="bf16-mixed")
+        datamodule = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, plan=plan)
         datamodule.start_engine()
         assert started["dtype"] == expected
 
@@ -256,6 +247,10 @@ def check_fsdp_run(run: Path, precision: str) -> None:
     assert all(float(r["rollout/logprob_abs_diff"]) < 0.05 for r in rows)  # the engines follow the actor
 
 
+# make test: test_fsdp2_bf16_mixed_on_a_one_rank_cpu_mesh_keeps_float32_master_weights_that_lr_1e6_moves (the same
+# sharding through PPOModule.configure_model, in this process), and an FSDP train.py run in
+# tests/end_to_end/test_ddp.py::test_two_processes_train_with_an_engine_per_rank[fsdp].
+@pytest.mark.slow
 def test_fsdp_bf16_mixed_keeps_float32_master_weights_that_lr_1e6_moves(tmp_path, fsdp_cache):
     """bf16 compute with float32 master weights under FSDP2: 3 AdamW updates at lr 1e-6 change >= 99 % of the
     actor's float32 weight elements (each moves by ~1e-6, far below bf16's resolution at |w| ~ 0.02)."""
@@ -274,3 +269,66 @@ def test_fsdp_runs_two_rollout_steps_in_every_precision(tmp_path, fsdp_cache, pr
         assert fraction < 0.5, fraction
     else:
         assert fraction >= 0.99, fraction
+
+
+def test_fsdp2_bf16_mixed_on_a_one_rank_cpu_mesh_keeps_float32_master_weights_that_lr_1e6_moves(
+    tiny_model_dir, tmp_path
+):
+    """The FSDP run's sharding at precision=bf16-mixed, in this process on a 1-rank gloo mesh: PPOModule's
+    configure_model (as Lightning's ModelParallelStrategy calls it, with the trainer's precision and the data-parallel
+    mesh) shards the actor into float32 DTensors whose layers compute in bf16, its AdamW states (the module's own
+    optimizers) are float32, and 3 updates at lr 1e-6 change >= 99 % of the actor's weight elements: each moves by
+    ~1e-6, far below bf16's resolution at |w| ~ 0.02. (tests/end_to_end/test_gpu.py checks the same on a GPU.)"""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from lit_ppo.config import PPOConfig
+    from lit_ppo.training.module import PPOModule
+    from tests.helpers import plan_of
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = PPOModule(
+            model_dir=tiny_model_dir,
+            ppo=PPOConfig(actor_lr=1e-6, kl_coef=0.0),
+            plan=plan_of(64, precision="bf16-mixed"),
+            pad_token_id=0,
+        )
+        module._device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        module.trainer = SimpleNamespace(precision="bf16-mixed")  # what configure_model reads of the trainer
+        module.configure_model()
+        actor = module.actor
+        assert module.sharded and all(isinstance(p, DTensor) for p in actor.parameters())
+        assert {p.dtype for p in actor.parameters()} == {torch.float32}
+        compute = set()
+        actor.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, out: compute.add(out.dtype))
+        before = {n: p.full_tensor().detach().clone() for n, p in actor.named_parameters()}
+        optimizer = module.configure_optimizers()[0][0]  # the actor's
+        ids = torch.randint(4, 40, (4, 32), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            actor(input_ids=ids, labels=ids).loss.backward()  # next-token loss: a gradient for every parameter
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert compute == {torch.bfloat16}
+        assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+        changed = sum(int((p.full_tensor() != before[n]).sum()) for n, p in actor.named_parameters())
+        assert changed / sum(t.numel() for t in before.values()) >= 0.99
+    finally:
+        dist.destroy_process_group()
+    # The control: the same updates on weights stored in bf16 (precision=bf16-true) are mostly lost.
+    control = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in control.named_parameters()}
+    optimizer = torch.optim.AdamW(control.parameters(), lr=1e-6, weight_decay=0.0)
+    for _ in range(3):
+        control(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    changed = sum(int((p != before[n]).sum()) for n, p in control.named_parameters())
+    assert changed / sum(t.numel() for t in before.values()) < 0.5

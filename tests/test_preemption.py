@@ -23,8 +23,8 @@ from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpo
 from lit_ppo.preemption import Preempted, Preemption, active
 from lit_ppo.rewards import integer_match
 from lit_ppo.run.lock import LOCK_NAME
-from tests.helpers import ROOT, build_run
-from tests.helpers.resume import assert_same_weights, counters
+from tests.helpers import ROOT
+from tests.helpers.resume import assert_same_weights, checkpointed_run, counters
 
 ROLLOUT_SAMPLES = 16 * 4  # rollout_batch_size x n_samples_per_prompt: tells a rollout batch from an evaluation
 
@@ -59,23 +59,22 @@ class SignalAtOptimizerStep(L.Callback):
 
 
 def run(paths, engine, out: Path, *, steps=4, every=0, resume_from=None, reward_fn=integer_match, extra=()):
-    checkpoints = RolloutCheckpoint(out / "checkpoints", every=every, keep=2)
-    trainer, module, datamodule, _ = build_run(
-        paths[0],
+    _, module, _ = checkpointed_run(
+        paths,
         engine,
-        paths[1],
         out,
+        every=every,
+        keep=2,
+        callbacks=lambda checkpoints: [Preemption(checkpoints), *extra],
+        resume_from=resume_from,
         total_rollout_steps=steps,
         ppo_epochs=2,
         kl_coef=0.05,
-        callbacks=[checkpoints, Preemption(checkpoints), *extra],
         reward_fn=reward_fn,
         rollout_batch_size=16,
         train_batch_size=16,
         micro_train_batch_size=8,
     )
-    torch.manual_seed(0)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False)
     return module
 
 

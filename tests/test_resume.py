@@ -7,13 +7,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from lit_ppo.checkpoints import (
     RolloutCheckpoint,
@@ -25,33 +23,32 @@ from lit_ppo.checkpoints import (
 )
 from lit_ppo.errors import ConfigError, NonFiniteUpdatesError
 from tests.helpers import ROOT, build_run, compose_run_config
-from tests.helpers.resume import Crash, CrashAfter, assert_same_weights, counters, write_checkpoint
+from tests.helpers.resume import (
+    assert_same_weights,
+    checkpointed_run,
+    counters,
+    random_kills,
+    write_checkpoint,
+)
 
 
 def run_in_process(paths, engine, tmp_path, steps, resume_from=None, every=1, crash_after=None):
     # 64 prompts, rollout batch 16 -> 4 rollout steps per data epoch; ppo_epochs 2 exercises the shuffle state.
-    callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=every, keep=2)]
-    callbacks += [CrashAfter(crash_after)] if crash_after else []
-    trainer, module, datamodule, plan = build_run(
-        paths[0],
+    _, module, datamodule = checkpointed_run(
+        paths,
         engine,
-        paths[1],
         tmp_path,
+        every=every,
+        keep=2,
+        crash_after=crash_after,
+        resume_from=resume_from,
         total_rollout_steps=steps,
         ppo_epochs=2,
         kl_coef=0.05,
-        callbacks=callbacks,
         rollout_batch_size=16,
         train_batch_size=16,
         micro_train_batch_size=8,
     )
-    torch.manual_seed(0)
-    ckpt = str(resume_from) if resume_from else None
-    if crash_after:
-        with pytest.raises(Crash):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
-    else:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
     return module, datamodule
 
 
@@ -84,44 +81,19 @@ def test_resume_at_a_data_epoch_boundary_matches_an_uninterrupted_run(paths, eng
 @pytest.mark.slow  # make test: test_sigkill_during_checkpoint_write_leaves_the_previous_one_resumable, the exact in-process
 # resumes here and test_ddp.py's train.py resume=auto; make test-slow: test_random_kills.py's 13 cases
 def test_sigkill_then_resume_auto_matches_an_uninterrupted_run(tmp_path):
-    common = [
-        "trainer.total_rollout_steps=4",
-        "trainer.checkpoint_every=1",
-        "trainer.eval_every=0",
-        "model.warm_start.steps=20",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"cache_dir={tmp_path / 'cache'}",
-        "ppo.ppo_epochs=2",
-        "strategy.precision=32-true",
-    ]  # exact comparison: the same precision on every machine
-
-    def command(out: Path, *extra: str) -> list[str]:
-        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
-
-    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert full.returncode == 0, full.stderr[-3000:]
-
-    crashed = tmp_path / "crashed"
-    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not checkpoint_path(crashed / "checkpoints", 2).exists():
-        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step_000004.ckpt", "killed too late to test anything"
-
-    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = torch.load(checkpoint_path(tmp_path / "full" / "checkpoints", 4), weights_only=False)["lit_ppo"]
+    """`train.py` SIGKILLed as its checkpoint of rollout step 2 appears, then `resume=auto`: bench/random_kills.py's
+    proof at that fixed point (weights bitwise, each rollout step's prompts), the same counters, and metrics.csv with
+    no gap or repeat."""
+    case = random_kills.Case(("trainer.total_rollout_steps=4", "ppo.ppo_epochs=2"), steps=4)
+    result = random_kills.run_case("colocated, 4 steps", 0, 0, tmp_path, case=case, at=("checkpoint 2",))
+    (kill,) = result.kills
+    assert kill.done and kill.checkpoint_left != "rollout_step_000004.ckpt", f"killed too late:\n{result.report()}"
+    assert not result.findings, result.report()
+    full, crashed = tmp_path / "uninterrupted", tmp_path / "killed"
+    a = torch.load(checkpoint_path(full / "checkpoints", 4), weights_only=False)["lit_ppo"]
     b = torch.load(checkpoint_path(crashed / "checkpoints", 4), weights_only=False)["lit_ppo"]
     for key in ("rollout_step", "actor_optimizer_steps", "critic_optimizer_steps", "samples_seen"):
         assert a[key] == b[key], key
-    assert_same_weights(
-        load_file(tmp_path / "full" / "actor" / "model.safetensors"), load_file(crashed / "actor" / "model.safetensors")
-    )
     rows = (crashed / "metrics.csv").read_text().splitlines()
     assert (
         len(rows) == 1 + 1 + 4

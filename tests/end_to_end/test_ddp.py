@@ -277,12 +277,14 @@ def fail_on_rank_0(prompts, responses, references, extras):
 
 
 def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
-    """Rank 0 stops with the one-line error; rank 1, which it started, does not wait on in a collective."""
+    """Rank 0 stops with the one-line error; rank 1, which it started, does not wait on in a collective. The ranks
+    generate with the HF engine: what is tested is the ranks' stop, not an engine's, and no vLLM start is paid."""
     (tmp_path / "rank_reward.py").write_text(FAILING_REWARD)
     out = train_cli(
         tmp_path / "run",
         cache,
         *DDP,
+        "rollout.engine=hf",
         "reward.fn._target_=rank_reward.fail_on_rank_0",
         returncode=2,
         pythonpath=(str(tmp_path),),

@@ -5,19 +5,11 @@ prompt of the plan exactly once, each in the same rollout step. The harness is b
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import ROOT
-
-spec = importlib.util.spec_from_file_location("random_kills", ROOT / "bench" / "random_kills.py")
-random_kills = importlib.util.module_from_spec(spec)
-sys.modules["random_kills"] = random_kills  # its dataclasses look their module up there
-spec.loader.exec_module(random_kills)
+from tests.helpers.resume import random_kills
 
 
 def prove(case: str, kills: int, seed: int, tmp_path) -> None:

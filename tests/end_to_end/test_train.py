@@ -115,20 +115,22 @@ def test_cli_run_writes_every_output_file(cli_run):
 
 
 def test_final_actor_loads_in_transformers_and_vllm(cli_run):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_ppo.contract import GenerateRequest
+    from lit_ppo.rollout.engine import VLLMEngine
 
     actor = AutoModelForCausalLM.from_pretrained(cli_run / "actor")
     assert actor.config.model_type == "qwen2"
-    # vLLM in a fresh process: this test process already holds an engine.
-    code = (
-        "from lit_ppo.contract import GenerateRequest; from lit_ppo.rollout.engine import VLLMEngine; from transformers import AutoTokenizer; import sys; "
-        f"e = VLLMEngine({str(cli_run / 'actor')!r}, max_model_len=64); "
-        f"t = AutoTokenizer.from_pretrained({str(cli_run / 'actor')!r}); "
-        "g = e.generate(GenerateRequest([t('3+4=').input_ids], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0])); "
-        "print('GENERATED', len(g))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert "GENERATED 2" in result.stdout, result.stderr[-3000:]
+    # vLLM in this process, beside any engine it holds (tests/rollout/test_engine.py: several engines per process).
+    engine = VLLMEngine(str(cli_run / "actor"), max_model_len=64)
+    try:
+        prompt = AutoTokenizer.from_pretrained(cli_run / "actor")("3+4=").input_ids
+        request = GenerateRequest([prompt], n=2, temperature=1.0, top_p=1.0, max_tokens=4, seeds=[0])
+        generated = engine.generate(request)
+    finally:
+        engine.close()
+    assert len(generated) == 2
 
 
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "ppo").glob("*.yaml"))
@@ -140,9 +142,11 @@ def test_the_preset_list_is_complete():
     )
 
 
-# grpo, gspo and cispo train through PPOModule in tests/training/test_packing.py (packed = padded update), dr_grpo in
-# tests/training/test_sampling.py; their estimators and losses in tests/test_algorithms.py: their two-step runs are slow.
-COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo"}
+# grpo, gspo, cispo, rloo, reinforce_pp and reinforce_pp_baseline train a rollout step through PPOModule in
+# tests/training/test_packing.py::test_packed_and_padded_updates_are_the_same_update[<preset>] (packed = padded
+# update), dr_grpo in tests/training/test_sampling.py; their estimators and losses in tests/test_algorithms.py: their
+# two-step runs are slow. make test keeps ppo's (the critic) and dapo's (dynamic sampling) through entry.run.
+COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig, RolloutConfig
 from lit_ppo.plan import StepPlan
-from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.testing import FixedBatchDataModule, NullEngine
 from lit_ppo.training.module import PPOModule
+from tests.helpers import datamodule_on
 
 
 def train_on_fixed_batch(
@@ -39,16 +39,8 @@ def train_on_fixed_batch(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     plan = plan_for(len(train_prompts))
-    datamodule = FixedBatchDataModule(
-        plan=plan,
-        train_prompts=train_prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=NullEngine(),
+    datamodule = datamodule_on(
+        train_prompts, rollout, tokenizer, model_dir, NullEngine(), plan=plan, datamodule_class=FixedBatchDataModule
     )
     datamodule.fixed_batch = batch
     torch.manual_seed(0)

@@ -18,6 +18,21 @@ from tests.helpers.fixed_batch import train_on_fixed_batch
 TEMPERATURE = 0.7
 
 
+def small_ppo(preset: str = "ppo", prompts: int = 2, **changes):
+    """The preset's settings at the packing tests' scale: `prompts` prompts x 4 samples per rollout step, mini-batches
+    of 4 samples in micro-batches of 2, learning rates 1e-3; `changes` on top."""
+    return dataclasses.replace(
+        compose_run_config(f"ppo={preset}").ppo,
+        rollout_batch_size=prompts,
+        n_samples_per_prompt=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        actor_lr=1e-3,
+        critic_lr=1e-3,
+        **changes,
+    )
+
+
 def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
     """Prompts of 100-300 random ids, `n` responses each of 1-256 ids; episodes: responses that alternate the
     policy's turns with observations of 5-30 tokens (policy mask 0)."""

@@ -1,17 +1,25 @@
 """A run's state compared with another's: its counters, its weights (bitwise: CPU, fixed seeds, one process and the
 same thread count), and a crash after a given rollout step. Used by the resume tests (tests/test_resume.py,
-test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py)."""
+test_preemption.py, tests/rollout/test_dynamic_sampling.py, test_async.py). `random_kills`: the one harness that
+kills a `train.py` run and resumes it (bench/random_kills.py, loaded by its path)."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import io
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+
+_spec = importlib.util.spec_from_file_location("random_kills", Path(__file__).parents[2] / "bench" / "random_kills.py")
+random_kills = importlib.util.module_from_spec(_spec)
+sys.modules["random_kills"] = random_kills  # its dataclasses look their module up there
+_spec.loader.exec_module(random_kills)
 
 
 def counters(module) -> dict:
@@ -43,6 +51,32 @@ class CrashAfter(L.Callback):
     def on_train_batch_end(self, trainer, module, *args) -> None:
         if module.rollout_step == self.rollout_step:
             raise Crash()
+
+
+def checkpointed_run(
+    paths, engine, out: Path, *, every: int, keep: int, callbacks=(), crash_after=None, resume_from=None, **build
+):
+    """A small in-process run (tests.helpers.build_run on `paths` = (model dir, prompt files)) that writes its
+    checkpoints into out/checkpoints (`every`, `keep`), fitted from `resume_from` (a checkpoint, or None) after the
+    seed a fresh process sets; with `crash_after`, it crashes after that rollout step (CrashAfter: Crash expected).
+    `callbacks`: more callbacks, or a function of the checkpoint callback giving them. (trainer, module, datamodule)."""
+    import pytest
+
+    from lit_ppo.checkpoints import RolloutCheckpoint
+    from tests.helpers import build_run
+
+    checkpoints = RolloutCheckpoint(out / "checkpoints", every=every, keep=keep)
+    more = list(callbacks(checkpoints) if callable(callbacks) else callbacks)
+    more += [CrashAfter(crash_after)] if crash_after else []
+    trainer, module, datamodule, _ = build_run(paths[0], engine, paths[1], out, callbacks=[checkpoints, *more], **build)
+    torch.manual_seed(0)
+    ckpt = str(resume_from) if resume_from else None
+    if crash_after:
+        with pytest.raises(Crash):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    else:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt, weights_only=False)
+    return trainer, module, datamodule
 
 
 class NonFiniteLossesFrom(L.Callback):

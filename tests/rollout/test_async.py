@@ -316,14 +316,17 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
     assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
-def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(one_step_off, one_step_off_lora):
+# The LoRA worker's run (`one_step_off_lora`) is make test-slow's: make test keeps a vLLM-LoRA worker in
+# test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log.
+@pytest.mark.parametrize("run", ["one_step_off", pytest.param("one_step_off_lora", marks=pytest.mark.slow)])
+def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(request, run):
     """After the trainer's stop command a rollout worker (full weights or LoRA) joins its threads (weight receiver,
     parent watch) and its gloo group before it ends: code 0, not `terminate called without an active exception` and
     SIGABRT (-6) from a thread left in C++ while the interpreter tears down."""
-    for _, _, recorder, _, out in (one_step_off, one_step_off_lora):
-        log = (out / "logs" / "rollout_worker0.log").read_text()
-        assert recorder.worker_exit_codes == [0], log[-3000:]
-        assert "terminate called" not in log
+    _, _, recorder, _, out = request.getfixturevalue(run)
+    log = (out / "logs" / "rollout_worker0.log").read_text()
+    assert recorder.worker_exit_codes == [0], log[-3000:]
+    assert "terminate called" not in log
 
 
 def test_pushes_load_through_vllms_weight_transfer_engine_and_versions_are_vllms(one_step_off):
@@ -477,6 +480,10 @@ def external(port: int, **kwargs) -> RolloutConfig:
     return disaggregated(1, launch="external", port=port, trainer_host="127.0.0.1", **kwargs)
 
 
+# make test: test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbeat_timeout starts an external
+# worker as torchrun would (its number from RANK) that connects and generates; the samples follow the prompts' seeds
+# whoever generates them (the k = 0 equality tests, tests/rollout/test_async_dynamic_sampling.py).
+@pytest.mark.slow
 def test_workers_started_by_a_launcher_generate_the_spawned_runs_samples(
     one_step_off,
     tiny_model_dir,
@@ -619,9 +626,10 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
 ):
     """Not the trainer's child, the killed worker is found dead by its heartbeat: the run stops within
     rollout.workers.heartbeat_timeout_s (plus the rest of the step's updates) naming the worker, its node and that
-    its log is there."""
+    its log is there. The worker is started as torchrun would start it: its number from RANK."""
     port = free_port()
-    worker = launch_worker(tmp_path / "worker.log", port, 0)
+    rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = launch_worker(tmp_path / "worker.log", port, None, **rendezvous)
     kill = KillProcess(worker)
     try:
         with pytest.raises(RolloutWorkerError) as info:
@@ -645,6 +653,9 @@ def test_an_external_worker_killed_mid_run_stops_the_trainer_within_its_heartbea
     assert message.endswith(f"it died or its node is unreachable; its log is on {node} (its launcher's output)")
     assert "\n" not in message
     assert seconds < 5 + 20, seconds
+    assert (
+        f"rollout worker 0 of 1: connected to the trainer at 127.0.0.1:{port}" in (tmp_path / "worker.log").read_text()
+    )
 
 
 # ---------------------------------------------------------------- LoRA: only the adapter goes to the workers
@@ -662,6 +673,11 @@ def one_step_off_lora(tiny_model_dir, long_prompt_files, tmp_path_factory):  # n
     return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **LORA, **TIS, **small), out)
 
 
+# make test: test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log (a vLLM-LoRA
+# worker applies adapter version 1 for policy version 0), tests/rollout/test_async_workloads.py::
+# test_hf_workers_at_k1_with_lora_sample_the_planned_versions_and_adapters (the worker-side adapter push and versions)
+# and tests/training/test_lora.py::test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_policy.
+@pytest.mark.slow
 def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_planned_version(one_step_off_lora):
     from lit_ppo.training.models import adapter_tensors
 
@@ -680,6 +696,7 @@ def test_with_lora_the_workers_receive_only_the_adapter_and_sample_with_the_plan
     assert module.actor_optimizer_steps == 3 * plan.counts.optimizer_steps_per_rollout_step
 
 
+@pytest.mark.slow  # make test: as the test above, and test_lora.py's log-probs of vLLM's adapter = the trainer's
 def test_with_lora_the_workers_log_probs_are_the_trainers_adapter_of_that_version(one_step_off_lora):
     """vLLM's log-probs of the sampled tokens equal the trainer's under the adapter of the version each sample records
     (float32), and for the step generated by a trained adapter (version 1) they are not the base's: the workers
@@ -793,20 +810,6 @@ def test_a_worker_whose_engine_reports_another_version_than_it_applied_stops_the
     assert "policy version 1 applied" not in log
 
 
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path, lora):
@@ -814,65 +817,31 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
     the same final weights as an uninterrupted run (the checkpoint keeps the step generated ahead by a version the
     resumed run no longer has), and the killed trainer's rollout worker ends by itself. With model.lora the workers
     start from the base again and the resumed run pushes them its adapter: the same final adapter."""
-    import subprocess
-    import sys
-    import time
-
     from safetensors.torch import load_file
 
-    from lit_ppo.checkpoints import checkpoint_path, list_checkpoints
-    from tests.helpers import ROOT, read_csv
-    from tests.helpers.resume import assert_same_weights
+    from tests.helpers import read_csv
+    from tests.helpers.resume import random_kills
 
-    common = [
+    overrides = (
         "trainer.total_rollout_steps=5",
-        "trainer.checkpoint_every=1",
-        "trainer.eval_every=0",
-        "model.warm_start.steps=20",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"cache_dir={tmp_path / 'cache'}",
         "ppo.ppo_epochs=2",
-        "strategy.precision=32-true",
-        "rollout.mode=disaggregated",
+        *random_kills.DISAGGREGATED,
         "rollout.max_staleness=1",
-        "ppo.rollout_correction.mode=tis",
         # rewards that differ within groups from the start: the adapter trains (tests/training/test_lora.py's LORA_TRAIN)
         *(
             ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.rollout.test_async.digit_share"]
             if lora
             else []
         ),
-    ]
-    weights = "adapter_model.safetensors" if lora else "model.safetensors"
-
-    def command(out, *extra: str) -> list[str]:
-        return [sys.executable, "train.py", *common, f"output_dir={out}", f"hydra.run.dir={out / 'hydra'}", *extra]
-
-    full = subprocess.run(command(tmp_path / "full"), cwd=ROOT, capture_output=True, text=True, timeout=500)
-    assert full.returncode == 0, full.stderr[-3000:]
-
-    crashed = tmp_path / "crashed"
-    process = subprocess.Popen(command(crashed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 400
-    while not checkpoint_path(crashed / "checkpoints", 2).exists():
-        assert process.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.02)
-    workers = children_of(process.pid)
-    assert workers, "no rollout worker found"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    deadline = time.time() + 30
-    while any(os.path.exists(f"/proc/{w}") and "zombie" not in open(f"/proc/{w}/status").read() for w in workers):
-        assert time.time() < deadline, f"rollout worker(s) {workers} outlived their trainer"
-        time.sleep(0.1)
-    killed_at = list_checkpoints(crashed / "checkpoints")[-1]
-    assert killed_at.name != "rollout_step_000005.ckpt", "killed too late to test anything"
-
-    resumed = subprocess.run(command(crashed, "resume=auto"), cwd=ROOT, capture_output=True, text=True, timeout=500)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    final = load_file(tmp_path / "full" / "actor" / weights)
-    assert_same_weights(final, load_file(crashed / "actor" / weights))
+    )
+    case = random_kills.Case(overrides, steps=5)
+    result = random_kills.run_case("disaggregated k=1", 0, 0, tmp_path, case=case, at=("checkpoint 2",))
+    (kill,) = result.kills
+    assert kill.done and kill.workers, f"no rollout worker found:\n{result.report()}"
+    assert kill.checkpoint_left != "rollout_step_000005.ckpt", f"killed too late:\n{result.report()}"
+    assert not result.findings, result.report()  # the weights bitwise, each step's prompts, no worker left running
+    crashed = tmp_path / "killed"
+    final = load_file(crashed / "actor" / ("adapter_model.safetensors" if lora else "model.safetensors"))
     if lora:  # the adapter trained (B starts at zero), and only it was pushed
         assert any("lora_B" in k and float(v.abs().max()) > 0 for k, v in final.items())
         pushed = {

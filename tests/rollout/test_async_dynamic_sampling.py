@@ -19,7 +19,7 @@ from lit_ppo.contract import Generation
 from lit_ppo.errors import DynamicSamplingShortfallError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.schedule import AheadOfTimeSource
-from tests.helpers import compose_run_config, plan_of
+from tests.helpers import compose_run_config, datamodule_on, plan_of
 from tests.helpers.asynchronous import even_answers_are_uniform
 
 ROLLOUT_BATCH = 8  # prompts per rollout step and per generation round
@@ -94,8 +94,6 @@ def ppo(**ds) -> PPOConfig:
 
 def datamodule(parts, k: int | None, engine, steps: int = STEPS, **ds):
     """A data module of dynamic sampling, colocated (k None) or with rollout workers at staleness k."""
-    from lit_ppo.rewards import RewardScorer
-    from lit_ppo.rollout.datamodule import RolloutDataModule
 
     model_dir, tokenizer, prompts = parts
     rollout = (
@@ -103,17 +101,8 @@ def datamodule(parts, k: int | None, engine, steps: int = STEPS, **ds):
         if k is None
         else RolloutConfig(max_response_tokens=6, mode="disaggregated", max_staleness=k)
     )
-    plan = plan_of(len(prompts), ppo=ppo(**ds), rollout=rollout, steps=steps)
-    return RolloutDataModule(
-        plan=plan,
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=even_answers_are_uniform),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=engine,
+    return datamodule_on(
+        prompts, rollout, tokenizer, model_dir, engine, ppo=ppo(**ds), steps=steps, reward_fn=even_answers_are_uniform
     )
 
 

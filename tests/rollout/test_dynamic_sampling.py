@@ -3,15 +3,16 @@ per rollout step stay as planned, the data position advances by what was drawn, 
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
-from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path
+from lit_ppo.checkpoints import checkpoint_path
 from lit_ppo.config import DynamicSamplingConfig, PPOConfig
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
-from tests.helpers import build_run, plan_of
+from tests.helpers import plan_of
 from tests.helpers.asynchronous import even_answers_are_uniform
-from tests.helpers.resume import Crash, CrashAfter, assert_same_weights
+from tests.helpers.resume import assert_same_weights, checkpointed_run
 
 ROLLOUT_BATCH = 8  # prompts per rollout step (and per generation round)
 
@@ -36,32 +37,31 @@ def run(
     crash_after=None,
     reward_fn=even_answers_are_uniform,
 ):
-    callbacks = [RolloutCheckpoint(tmp_path / "checkpoints", every=1, keep=10), *callbacks]
-    callbacks += [CrashAfter(crash_after)] if crash_after else []
-    trainer, module, datamodule, plan = build_run(
-        paths[0],
+    batches = []
+
+    class RecordBatches(L.Callback):  # each rollout batch the data module produces, in order
+        def setup(self, trainer, module, stage):
+            produce = trainer.datamodule.produce_rollout
+            trainer.datamodule.produce_rollout = lambda step: batches.append(produce(step)) or batches[-1]
+
+    _, module, datamodule = checkpointed_run(
+        paths,
         engine,
-        paths[1],
         tmp_path,
+        every=1,
+        keep=10,
+        callbacks=[*callbacks, RecordBatches()],
+        crash_after=crash_after,
+        resume_from=resume_from,
         total_rollout_steps=steps,
         reward_fn=reward_fn,
-        callbacks=callbacks,
         advantage_estimator="grpo",
         kl_coef=0.0,
         kl_mode="loss",
         rollout_batch_size=ROLLOUT_BATCH,
         dynamic_sampling=DynamicSamplingConfig(enabled=True, max_generation_rounds=rounds, on_shortfall=on_shortfall),
     )
-    batches = []
-    produce = datamodule.produce_rollout
-    datamodule.produce_rollout = lambda step: batches.append(produce(step)) or batches[-1]
-    torch.manual_seed(0)
-    if crash_after:
-        with pytest.raises(Crash):
-            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from, weights_only=False)
-    else:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from, weights_only=False)
-    return module, datamodule, plan, batches
+    return module, datamodule, module.plan, batches
 
 
 @pytest.fixture(scope="module")

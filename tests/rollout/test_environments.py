@@ -34,7 +34,7 @@ from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.testing import rollout_batch_from_ids
 from lit_ppo.training.batching import check_rollout_ids, pack
 from lit_ppo.training.metrics import episode_metrics
-from tests.helpers import ROOT
+from tests.helpers import ROOT, datamodule_on
 
 # ------------------------------------------------------------------ the calculator
 
@@ -163,6 +163,23 @@ def settings(**overrides) -> EpisodeSettings:
     return EpisodeSettings(**{**values, **overrides})
 
 
+def run_plain(engine, prompts, n, environment, tok, episode_settings, *, seeds=None, where="test"):
+    """`run_episodes` at temperature 1 and top-p 1 with plain observations, as most tests here run it."""
+    return run_episodes(
+        engine,
+        prompts,
+        n,
+        environment,
+        tok,
+        episode_settings,
+        ObservationEncoder(tok, False),
+        temperature=1.0,
+        top_p=1.0,
+        seeds=seeds,
+        where=where,
+    )
+
+
 def calculator():
     return CalculatorEnvironment(call_start="[", call_end="]", result_format="={}\n")
 
@@ -173,19 +190,7 @@ def test_three_turn_episode_ids_equal_what_the_trainer_packs():
     prompt = Prompt(prompt_ids=prompt_ids, text="12*45+1=", reference="541", extras={})
     turns = [chars(tok, "[12*45]"), chars(tok, "[540+1]"), chars(tok, "541") + [tok.eos_token_id]]
     engine = ScriptedEngine(turns)
-    [episode] = run_episodes(
-        engine,
-        [prompt],
-        1,
-        calculator,
-        tok,
-        settings(),
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=lambda turn: [1000 * turn],
-        where="test",
-    )
+    [episode] = run_plain(engine, [prompt], 1, calculator, tok, settings(), seeds=lambda turn: [1000 * turn])
 
     first_obs, second_obs = (
         tok("=540\n", add_special_tokens=False).input_ids,
@@ -242,19 +247,7 @@ def test_max_turns_truncates():
     tok = merging_tokenizer()
     prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
     engine = ScriptedEngine([chars(tok, "[1+1]")])  # the policy calls the tool forever
-    episodes = run_episodes(
-        engine,
-        [prompt],
-        2,
-        calculator,
-        tok,
-        settings(max_turns=2),
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=None,
-        where="test",
-    )
+    episodes = run_plain(engine, [prompt], 2, calculator, tok, settings(max_turns=2))
     for ep in episodes:
         assert ep.turns == 2 and ep.truncated and ep.reward == 0.0
         assert ep.policy_mask[-1] == 1  # an episode ends on a policy turn: no observation nobody answers
@@ -269,18 +262,8 @@ def test_token_budget_truncates():
     prompt = Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})
     call = chars(tok, "[1+1]")  # 5 tokens; the observation "=2\n" is 3
     engine = ScriptedEngine([call])
-    [ep] = run_episodes(
-        engine,
-        [prompt],
-        1,
-        calculator,
-        tok,
-        settings(max_turns=10, max_episode_tokens=15, max_turn_tokens=6),
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=None,
-        where="test",
+    [ep] = run_plain(
+        engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=15, max_turn_tokens=6)
     )
     # Turns of 5 + observations of 3: 5, 8, 13; the second turn may take min(6, 15 - 8) = 6 tokens; the next
     # observation (13 + 3 = 16) would not fit with a token to spare: the episode is cut after the second turn.
@@ -288,18 +271,8 @@ def test_token_budget_truncates():
     assert ep.truncated and ep.turns == 2 and len(ep.token_ids) == 13  # <= 15
     # A budget that cuts a turn short: the turn gets what is left.
     engine = ScriptedEngine([call])
-    [ep] = run_episodes(
-        engine,
-        [prompt],
-        1,
-        calculator,
-        tok,
-        settings(max_turns=10, max_episode_tokens=10, max_turn_tokens=6),
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=None,
-        where="test",
+    [ep] = run_plain(
+        engine, [prompt], 1, calculator, tok, settings(max_turns=10, max_episode_tokens=10, max_turn_tokens=6)
     )
     assert [c["max_tokens"][0] for c in engine.calls] == [6, 2]
     assert ep.truncated and len(ep.token_ids) == 10
@@ -358,17 +331,13 @@ def test_a_keyboard_interrupt_from_an_environment_stops_the_run_in_one_line_nami
     tok = merging_tokenizer()
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
     with pytest.raises(EnvironmentFailure) as info:
-        run_episodes(
+        run_plain(
             ScriptedEngine([chars(tok, "[1+1]")]),
             prompts,
             2,
             InterruptingEnvironment,
             tok,
             settings(timeout_s=timeout_s, on_error="zero"),
-            ObservationEncoder(tok, False),
-            temperature=1.0,
-            top_p=1.0,
-            seeds=None,
             where="rollout step 3",
         )
     message = str(info.value)
@@ -433,19 +402,7 @@ def test_marked_token_ids_and_text_observations_are_appended():
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
     call = chars(tok, "[1+1]")
     for observation, ids in [(TokenIds(chars(tok, "=2")), chars(tok, "=2")), ("=2", tok("=2").input_ids)]:
-        [ep] = run_episodes(
-            ScriptedEngine([call]),
-            prompts,
-            1,
-            observing(observation),
-            tok,
-            settings(max_turns=2),
-            ObservationEncoder(tok, False),
-            temperature=1.0,
-            top_p=1.0,
-            seeds=None,
-            where="test",
-        )
+        [ep] = run_plain(ScriptedEngine([call]), prompts, 1, observing(observation), tok, settings(max_turns=2))
         assert ep.failure is None and ep.token_ids == call + ids + call
 
 
@@ -453,17 +410,13 @@ def test_environment_failures_under_on_error_zero_are_counted_and_said(caplog):
     tok = merging_tokenizer()
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
     with caplog.at_level("WARNING", logger="lit_ppo"):
-        episodes = run_episodes(
+        episodes = run_plain(
             ScriptedEngine([chars(tok, "[1+1]")]),
             prompts,
             3,
             RaisingEnvironment,
             tok,
             settings(on_error="zero"),
-            ObservationEncoder(tok, False),
-            temperature=1.0,
-            top_p=1.0,
-            seeds=None,
             where="rollout step 2",
         )
     assert episode_stats(episodes)["environment_errors"] == 3
@@ -481,17 +434,13 @@ def test_observations_that_do_not_fit_the_episode_budget_are_counted_and_said(ca
     observation = "=" + "9" * 80 + "\n"
     observation_tokens = len(tok(observation, add_special_tokens=False).input_ids)
     with caplog.at_level("WARNING", logger="lit_ppo"):
-        episodes = run_episodes(
+        episodes = run_plain(
             ScriptedEngine([chars(tok, "[1+1]")]),
             prompts,
             3,
             observing(observation),
             tok,
             settings(max_episode_tokens=64),
-            ObservationEncoder(tok, False),
-            temperature=1.0,
-            top_p=1.0,
-            seeds=None,
             where="rollout step 1",
         )
     assert all(ep.truncated and ep.turns == 1 for ep in episodes)
@@ -507,17 +456,13 @@ def test_observations_that_do_not_fit_the_episode_budget_are_counted_and_said(ca
     # Out of turns is not that: cut silently, as a response out of tokens is (rollout/truncated counts it).
     caplog.clear()
     with caplog.at_level("WARNING", logger="lit_ppo"):
-        episodes = run_episodes(
+        episodes = run_plain(
             ScriptedEngine([chars(tok, "[1+1]")]),
             prompts,
             1,
             observing("=2\n"),
             tok,
             settings(max_turns=2, max_episode_tokens=64),
-            ObservationEncoder(tok, False),
-            temperature=1.0,
-            top_p=1.0,
-            seeds=None,
             where="rollout step 1",
         )
     assert episodes[0].truncated and episode_stats(episodes)["observations_cut"] == 0 and not caplog.records
@@ -659,10 +604,7 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
     from transformers import AutoTokenizer
 
     from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     seen = []
@@ -687,19 +629,8 @@ def test_episode_reward_from_the_reward_function(tiny_model_dir, arithmetic_file
                 },
             ),
         )
-        plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
         engine = ScriptedEngine([chars(tok, "[2+3]"), chars(tok, "5") + [tok.eos_token_id]])
-        dm = RolloutDataModule(
-            plan=plan,
-            train_prompts=prompts,
-            eval_prompts=None,
-            rollout=rollout,
-            scorer=RewardScorer(fn=transcript_length),
-            tokenizer=tok,
-            model_dir=tiny_model_dir,
-            seed=0,
-            engine=engine,
-        )
+        dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, engine, ppo=ppo, reward_fn=transcript_length)
         batch = dm.produce_rollout(0)
         assert batch.responses == ["[2+3]=5\n5"] * 4
         if source == "reward":
@@ -715,10 +646,7 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
     from transformers import AutoTokenizer
 
     from lit_ppo.config import DynamicSamplingConfig, EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
@@ -743,19 +671,8 @@ def test_dynamic_sampling_runs_on_episodes(tiny_model_dir, arithmetic_files):
             },
         ),
     )
-    plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
     engine = ScriptedEngine([chars(tok, "[1+1]"), chars(tok, "2") + [tok.eos_token_id]], cycle=True)
-    dm = RolloutDataModule(
-        plan=plan,
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tok,
-        model_dir=tiny_model_dir,
-        seed=0,
-        engine=engine,
-    )
+    dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, engine, ppo=ppo)
     batch = dm.produce_rollout(0)
     assert batch.generation_rounds == 2 and batch.filled_groups == 2 - batch.rewards.view(2, 2).std(-1).gt(0).sum()
     assert len(batch.policy_masks) == 4 and all(0 in m for m in batch.policy_masks)
@@ -776,10 +693,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
     from transformers import AutoTokenizer
 
     from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(arithmetic_files[0], tok)
@@ -796,17 +710,7 @@ def test_a_rollout_steps_environment_warnings_number_it_from_1(tiny_model_dir, a
             },
         ),
     )
-    dm = RolloutDataModule(
-        plan=plan_of(len(prompts), ppo=ppo, rollout=rollout),
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tok,
-        model_dir=tiny_model_dir,
-        seed=0,
-        engine=ScriptedEngine([chars(tok, "[1+1]")]),
-    )
+    dm = datamodule_on(prompts, rollout, tok, tiny_model_dir, ScriptedEngine([chars(tok, "[1+1]")]), ppo=ppo)
     with caplog.at_level("WARNING", logger="lit_ppo"):
         batch = dm.produce_rollout(0)  # the first rollout step (none taken before it)
     assert batch.episode_stats["observations_cut"] == 4
@@ -833,17 +737,13 @@ def test_a_hanging_tool_costs_one_timeout_per_turn_not_one_per_episode():
     ]
     RecordedHangingEnvironment.started = []
     timeout_s = 1.0
-    episodes = run_episodes(
+    episodes = run_plain(
         ScriptedEngine([chars(tok, "[1+1]")]),
         prompts,
         4,
         RecordedHangingEnvironment,
         tok,
         settings(timeout_s=timeout_s, on_error="zero"),
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=None,
         where="rollout step 0",
     )
     starts = RecordedHangingEnvironment.started

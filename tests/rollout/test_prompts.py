@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.rollout.prompts import DataError, load_prompts
-from tests.helpers import write_jsonl
+from tests.helpers import datamodule_on, write_jsonl
 from tests.helpers.prompts import CountingTokenizer
 
 RECORDS = [
@@ -121,9 +121,6 @@ def test_custom_keys_and_no_reference(tokenizer, tmp_path):
 def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokenizer, tmp_path, monkeypatch):
     """A chat-formatted JSONL prompt set through a real rollout: vLLM is asked with exactly the expected ids."""
     from lit_ppo.config import PPOConfig, RolloutConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
-    from tests.helpers import plan_of
 
     prompts = load_prompts(
         write_jsonl(RECORDS, tmp_path / "train.jsonl"),
@@ -134,18 +131,7 @@ def test_the_engine_receives_the_prompt_token_ids(tiny_model_dir, engine, tokeni
     )
     ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
     rollout = RolloutConfig(max_response_tokens=4)
-    plan = plan_of(len(prompts), ppo=ppo, rollout=rollout)
-    datamodule = RolloutDataModule(
-        plan=plan,
-        train_prompts=prompts,
-        eval_prompts=None,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=tiny_model_dir,
-        seed=0,
-        engine=engine,
-    )
+    datamodule = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, engine, ppo=ppo)
     sent, received = [], []
     original = engine.llm.generate
 

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from lit_ppo.contract import GenerateRequest
 from lit_ppo.rollout.engine import sampling_seeds
-from tests.helpers import ROOT, rollout_step_rows
+from tests.helpers import ROOT, datamodule_on, rollout_step_rows
 from tests.helpers.prompts import long_prompts
 
 
@@ -106,10 +106,7 @@ def make_datamodule(
     n_samples_per_prompt: int = 4,
 ):
     from lit_ppo.config import PPOConfig
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
-    from tests.helpers import plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, evaluation = (load_prompts(f, tokenizer, chat_template=chat_template) for f in files)
@@ -119,18 +116,8 @@ def make_datamodule(
         train_batch_size=rollout_batch_size * n_samples_per_prompt,
         micro_train_batch_size=16,
     )
-    plan = plan_of(len(train), ppo=ppo, rollout=rollout)
-    return RolloutDataModule(
-        plan=plan,
-        train_prompts=train,
-        eval_prompts=evaluation,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=engine,
-        chat_template=chat_template,
+    return datamodule_on(
+        train, rollout, tokenizer, model_dir, engine, ppo=ppo, eval_prompts=evaluation, chat_template=chat_template
     )
 
 

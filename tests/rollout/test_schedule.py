@@ -10,7 +10,7 @@ import pytest
 from lit_ppo.config import RolloutConfig
 from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.rollout.schedule import AheadOfTimeSource, SynchronousSource, source_for
-from tests.helpers import ROOT, plan_of
+from tests.helpers import ROOT, datamodule_on, plan_of
 from tests.helpers.asynchronous import STEPS, QueueingWorkers, not_here, plan, step_request
 
 
@@ -156,8 +156,6 @@ def test_the_data_modules_snapshot_does_not_wait_for_the_step_after_next(tiny_mo
     and a restored snapshot followed by a checkpoint gives a resumed data module the same batch of step 1."""
     from transformers import AutoTokenizer
 
-    from lit_ppo.rewards import RewardScorer, integer_match
-    from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -166,17 +164,7 @@ def test_the_data_modules_snapshot_does_not_wait_for_the_step_after_next(tiny_mo
     p = plan_of(len(prompts), rollout=rollout, steps=4)
 
     def datamodule(workers):
-        return RolloutDataModule(
-            plan=p,
-            train_prompts=prompts,
-            eval_prompts=None,
-            rollout=rollout,
-            scorer=RewardScorer(fn=integer_match),
-            tokenizer=tokenizer,
-            model_dir=tiny_model_dir,
-            seed=0,
-            engine=workers,
-        )
+        return datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, workers, plan=p)
 
     workers = SlowWorkers()
     dm = datamodule(workers)

@@ -46,37 +46,40 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 def test_a_second_run_in_a_used_directory_is_refused_and_resume_auto_refuses_another_seed(tmp_path):
     """The issue's scenario: a run with checkpoints, then another run with another learning rate in the same
     directory (which used to delete its own checkpoint and leave resume=auto to continue the first run); resumed with
-    another seed, refused (a learning rate may change on resume: the fix NonFiniteUpdatesError names)."""
+    another seed, refused (a learning rate may change on resume: the fix NonFiniteUpdatesError names). The first run's
+    directory as it leaves it (its config.yaml, its last two checkpoints), written here: no model is trained or loaded."""
     out = tmp_path / "run"
-    common = [
-        "trainer.checkpoint_every=1",  # with keep_checkpoints=2: rollout steps 2 and 3 stay
-        "trainer.eval_every=0",
-        "model.warm_start.steps=20",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"output_dir={out}",
-    ]
-
-    def train(*overrides: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "train.py", *common, *overrides]
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-    first = train("trainer.total_rollout_steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
+    common = ["model.warm_start.steps=20", "data.n_train=64", "data.n_eval=8"]
+    out.mkdir()
+    config = preflight(compose_run_config(*common, "trainer.total_rollout_steps=3")).config  # as the run wrote it
+    (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    write_checkpoints(out / "checkpoints", [2, 3])
     before = list_checkpoints(out / "checkpoints")
-    assert [p.name for p in before] == ["rollout_step_000002.ckpt", "rollout_step_000003.ckpt"]
-    config = (out / "config.yaml").read_text()
 
-    second = train("trainer.total_rollout_steps=2", "ppo.actor_lr=1e-3")
+    second = subprocess.run(  # the process: exit 2, one line, nothing written into the directory
+        [
+            sys.executable,
+            "train.py",
+            *common,
+            "trainer.total_rollout_steps=2",
+            "ppo.actor_lr=1e-3",
+            f"output_dir={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert second.returncode == 2
     line = error_line(second)
     assert f"output_dir={out}" in line and "resume=auto" in line and "another output_dir" in line, line
-    assert list_checkpoints(out / "checkpoints") == before and (out / "config.yaml").read_text() == config
+    assert list_checkpoints(out / "checkpoints") == before
+    assert (out / "config.yaml").read_text() == yaml.safe_dump(config.to_dict())
 
-    resumed = train("trainer.total_rollout_steps=5", "seed=1", "resume=auto")
-    assert resumed.returncode == 2
-    line = error_line(resumed)
-    assert "seed: 0 -> 1" in line and "another output_dir" in line, line
+    resumed = compose_run_config(*common, "trainer.total_rollout_steps=5", "seed=1", "resume=auto")
+    with pytest.raises(ConfigError, match="seed: 0 -> 1") as refused:
+        check_run_directory(resumed, out)
+    assert "another output_dir" in str(refused.value) and "\n" not in str(refused.value)
     assert list_checkpoints(out / "checkpoints") == before
 
 

@@ -3,6 +3,8 @@ disabled, and adapter-only sync into the in-process vLLM engine, checked at ever
 
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 
@@ -739,7 +741,9 @@ def test_fsdp_shards_the_lora_actor_and_syncs_only_the_gathered_adapter(tiny_mod
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    mp.start_processes(_sharded_lora_rank, args=(2, tiny_model_dir, str(tmp_path)), nprocs=2, start_method="spawn")
+    # A preloaded forkserver, as tests/rollout/test_worker_ranks.py: the ranks start without importing lit_ppo again.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(_sharded_lora_rank, args=(2, tiny_model_dir, str(tmp_path)), nprocs=2, start_method="forkserver")
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for report in reports:
         assert report["error"] is None, report["error"]

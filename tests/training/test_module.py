@@ -119,3 +119,32 @@ def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
     assert warm_dir("data.max_operand=60") != first
     assert warm_dir("model.warm_start.teacher_accuracy=0.5") != first
     assert len(list((tmp_path / "cache").glob("warm-*"))) == 4
+
+
+@pytest.mark.parametrize("preset", ["rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_a_preset_trains_a_rollout_step_through_the_module(preset, tiny_model_dir, engine, arithmetic_files, tmp_path):
+    """The presets with no other test that trains them through PPOModule (their estimators are tests/test_algorithms'):
+    the preset's settings (what conf/ppo/<preset>.yaml changes from ppo's) on the small run's batch sizes, one rollout
+    step on the shared engine: the planned optimizer steps, no critic, a reference model for their KL, a finite loss
+    and a gradient."""
+    import dataclasses
+
+    from tests.helpers import compose_run_config
+
+    ppo, chosen = (dataclasses.asdict(compose_run_config(f"ppo={p}").ppo) for p in ("ppo", preset))
+    settings = {k: v for k, v in chosen.items() if v != ppo[k]}
+    assert settings["advantage_estimator"] == preset and chosen["kl_coef"] > 0
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        engine,
+        arithmetic_files,
+        tmp_path,
+        reward_fn=lambda p, responses, r, e: [float(len(x) % 3) for x in responses],  # rewards that vary in a group
+        **settings,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    assert module.rollout_step == 1 and module.critic is None and module.reference is not None
+    assert module.actor_optimizer_steps == plan.counts.total_optimizer_steps == 4  # 32 samples / 8 per update
+    assert module.critic_optimizer_steps == 0
+    row = module.history[-1]
+    assert torch.isfinite(torch.tensor(row["actor/policy_loss"])) and row["actor/grad_norm"] > 0

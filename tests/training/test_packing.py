@@ -36,6 +36,7 @@ from tests.helpers.packing import (
     head_by_hand,
     realistic_batch,
     realistic_samples,
+    small_ppo,
     train,
 )
 
@@ -530,16 +531,7 @@ def test_packed_and_padded_updates_are_the_same_update(preset, tiny_model_dir, a
     """Gradients of every optimizer step (actor, and critic with ppo) of a packed and a padded run on the same
     rollout batch of episodes, float32, within 1e-5 of each tensor's largest: 2 mini-batches of 2 micro-batches
     (packed: balanced by real tokens, so other samples share a micro-batch), loss denominators global."""
-    base = compose_run_config(f"ppo={preset}").ppo
-    ppo = dataclasses.replace(
-        base,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        actor_lr=1e-3,
-        critic_lr=1e-3,
-    )
+    ppo = small_ppo(preset)
     batch = realistic_batch(n_prompts=2, episodes=True)
     padded, padded_grads = train(
         tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False)
@@ -595,15 +587,7 @@ def test_actor_statistics_do_not_depend_on_the_micro_batch_size(preset, tiny_mod
 @pytest.mark.slow  # 2 runs of 3 rollout steps: about 20 s on 2 busy cores
 def test_packed_and_padded_runs_end_with_the_same_weights(tiny_model_dir, arithmetic_files, tmp_path):
     """3 rollout steps of ppo (critic, GAE, KL in the reward) on episodes: the final actors agree."""
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        actor_lr=1e-3,
-        critic_lr=1e-3,
-    )
+    ppo = small_ppo()
     batch = realistic_batch(n_prompts=2, seed=3, episodes=True)
     padded, _ = train(
         tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False), 3
@@ -786,15 +770,7 @@ def test_a_packed_and_a_padded_rollout_step_end_with_the_same_weights(
         module_file, "check_packing", lambda *a, check=module_file.check_packing: checks.append(check(*a))
     )
     model_dir = family_model_dirs[family]
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=1,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        actor_lr=1e-3,
-        critic_lr=1e-3,
-    )
+    ppo = small_ppo(prompts=1)
     batch = realistic_batch(n_prompts=1, seed=3, episodes=True)
     padded, padded_grads = train(
         model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, packing=False)

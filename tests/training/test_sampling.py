@@ -10,11 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ppo.config import PPOConfig, RolloutConfig
-from lit_ppo.rewards import RewardScorer, integer_match
-from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.training.batching import pack
-from tests.helpers import build_run, plan_of
+from tests.helpers import build_run, datamodule_on
 
 
 def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_overrides):
@@ -29,18 +27,7 @@ def make_datamodule(model_dir, engine, files, rollout: RolloutConfig, **ppo_over
             **ppo_overrides,
         }
     )
-    plan = plan_of(len(train_prompts), ppo=ppo, rollout=rollout)
-    return RolloutDataModule(
-        plan=plan,
-        train_prompts=train_prompts,
-        eval_prompts=eval_prompts,
-        rollout=rollout,
-        scorer=RewardScorer(fn=integer_match),
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        seed=0,
-        engine=engine,
-    )
+    return datamodule_on(train_prompts, rollout, tokenizer, model_dir, engine, ppo=ppo, eval_prompts=eval_prompts)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])

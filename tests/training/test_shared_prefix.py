@@ -24,7 +24,14 @@ from lit_ppo.training.shared_prefix import (
     shared_prefix_micro_batch_groups,
 )
 from tests.helpers import compose_run_config, plan_of, run_config
-from tests.helpers.packing import TEMPERATURE, assert_close_tensors, realistic_batch, realistic_samples, train
+from tests.helpers.packing import (
+    TEMPERATURE,
+    assert_close_tensors,
+    realistic_batch,
+    realistic_samples,
+    small_ppo,
+    train,
+)
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
@@ -167,17 +174,7 @@ def test_shared_prefix_and_flat_packed_updates_are_the_same_update(preset, tiny_
     """Gradients of every optimizer step (actor, and critic with ppo) on the same rollout batch of episodes, n = 4
     (2 prompts of 100-300 tokens), float32, within 1e-5 relative; 2 mini-batches of 2 micro-batches. The shared run
     logs the prompt tokens it did not compute, and the same real tokens."""
-    base = compose_run_config(f"ppo={preset}").ppo
-    ppo = dataclasses.replace(
-        base,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        packing=True,
-        actor_lr=1e-3,
-        critic_lr=1e-3,
-    )
+    ppo = small_ppo(preset, packing=True)
     batch = realistic_batch(n_prompts=2, n=4, episodes=True)
     flat, flat_grads = train(
         tiny_model_dir, arithmetic_files, tmp_path / "a", batch, dataclasses.replace(ppo, shared_prefix=False)
