@@ -281,21 +281,6 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_any_model_loads(tmp_pa
     preflight(dataclasses.replace(config, model=dataclasses.replace(config.model, teacher=TeacherConfig(str(same)))))
 
 
-def test_the_teacher_weights_are_in_both_phases_of_the_memory_estimate():
-    """A 1,000-parameter bf16 teacher: 2,000 bytes more in the training and the rollout phase, halved under 2-rank
-    FSDP, which shards it like the other models."""
-    from lit_ppo.memory import estimate_memory
-    from tests.test_memory import RUN, SHAPE, rows
-
-    without = estimate_memory(SHAPE, RUN)
-    with_teacher = estimate_memory(SHAPE, dataclasses.replace(RUN, teacher_parameters=1000, teacher_dtype="bfloat16"))
-    assert rows(with_teacher)["teacher weights"] == 2000 and "teacher weights" not in rows(without)
-    assert with_teacher.training_bytes - without.training_bytes == 2000
-    assert with_teacher.rollout_bytes - without.rollout_bytes == 2000
-    sharded = dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2, teacher_parameters=1000)
-    assert rows(estimate_memory(SHAPE, sharded))["teacher weights"] == 1000 * 4 // 2
-
-
 def test_a_run_directory_as_the_teacher_names_its_actor(tmp_path):
     """`model.teacher.path=<run>` (the run, not its final policy): one line naming `<run>/actor`."""
     from lit_ppo.demo.tiny import build_char_tokenizer

@@ -232,3 +232,15 @@ def test_rollout_workers_sharing_the_trainers_device_count_their_engines_there_a
     assert shared.training_bytes == own.training_bytes
     assert shared.peak_bytes == max(own.training_bytes + engines, own.rollout_bytes + engines)
     assert shared.worker_bytes == own.worker_bytes
+
+
+def test_the_teacher_weights_are_in_both_phases_of_the_memory_estimate():
+    """A 1,000-parameter bf16 teacher: 2,000 bytes more in the training and the rollout phase, halved under 2-rank
+    FSDP, which shards it like the other models."""
+    without = estimate_memory(SHAPE, RUN)
+    with_teacher = estimate_memory(SHAPE, dataclasses.replace(RUN, teacher_parameters=1000, teacher_dtype="bfloat16"))
+    assert rows(with_teacher)["teacher weights"] == 2000 and "teacher weights" not in rows(without)
+    assert with_teacher.training_bytes - without.training_bytes == 2000
+    assert with_teacher.rollout_bytes - without.rollout_bytes == 2000
+    sharded = dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2, teacher_parameters=1000)
+    assert rows(estimate_memory(SHAPE, sharded))["teacher weights"] == 1000 * 4 // 2
