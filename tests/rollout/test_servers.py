@@ -23,17 +23,11 @@ from lit_ppo.config import DynamicSamplingConfig, RolloutCorrectionConfig
 from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
-from lit_ppo.rollout.workers.servers import (
-    PLUGIN_ENTRY_POINT,
-    HTTPFailure,
-    Server,
-    ServerWorkers,
-    plugin_path,
-    server_arguments,
-    server_command_line,
-    server_environment,
-    server_mismatch,
-)
+from lit_ppo.rollout.workers.server_http import HTTPFailure, Server
+from lit_ppo.rollout.workers.server_push import ServerPush, ServerSyncClient
+from lit_ppo.rollout.workers.server_settings import server_arguments, server_command_line, server_mismatch
+from lit_ppo.rollout.workers.server_spawn import PLUGIN_ENTRY_POINT, plugin_path, server_environment, spawn_server
+from lit_ppo.rollout.workers.servers import ServerWorkers
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
 from tests.helpers.asynchronous import (
     RecordingDataModule,
@@ -179,7 +173,7 @@ def test_a_spawned_server_ends_with_its_trainer_even_when_the_trainer_is_killed(
     runs no `close`, leaves no server behind (here a stand-in child that would sleep two minutes)."""
     spawn = (
         "import functools, os, subprocess, sys, time\n"
-        "from lit_ppo.rollout.workers.servers import end_with_parent\n"
+        "from lit_ppo.rollout.workers.server_spawn import end_with_parent\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
         " preexec_fn=functools.partial(end_with_parent, os.getpid()), start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
@@ -599,8 +593,6 @@ def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog)
     import socket
     from concurrent.futures import Future
 
-    from lit_ppo.rollout.workers.servers import Server
-
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()
@@ -636,8 +628,6 @@ def test_aborting_the_runs_requests_at_close_is_bounded_and_never_raises(caplog)
 def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_naming_the_flag():
     """Its log-probs would silently be of the raw logits, or the push would reach no engine: the trainer reads the
     given server's /server_info and names the flag it lacks."""
-    from lit_ppo.rollout.workers.servers import Server, ServerWorkers
-
     right = {
         "vllm_config": {
             "model_config": {"logprobs_mode": "processed_logprobs", "max_model_len": 256, "generation_config": "vllm"},
@@ -771,13 +761,11 @@ def test_while_a_failed_push_settles_a_failed_bucket_call_is_named_as_that_call_
 
     import torch.distributed as dist
 
-    from lit_ppo.rollout.workers.servers import Server, ServerSyncClient
-
     def settle(server: Server) -> str:
         workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
         workers.servers, workers.failed, workers.push_timeout_s = [server], False, 5.0
         workers.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        client = ServerSyncClient(workers)
+        client = ServerSyncClient(workers, workers.store)
         try:
             client.update_weights({"push": 0, "bucket": 3, "entries": [], "nbytes": 0, "weight_version": "1"})
             client.pending[0][1].exception(timeout=10.0)  # refused at once
@@ -1005,7 +993,7 @@ def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp
     shell runs it: pasted, it starts the same server."""
     import shlex
 
-    from lit_ppo.rollout.workers import servers
+    from lit_ppo.rollout.workers import server_spawn
 
     started = []
 
@@ -1015,11 +1003,9 @@ def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp
         def __init__(self, command, env, **_):
             started.append((command, env))
 
-    monkeypatch.setattr(servers.subprocess, "Popen", Started)
-    workers = object.__new__(ServerWorkers)
-    workers.host, workers.log_dir = "127.0.0.1", tmp_path
+    monkeypatch.setattr(server_spawn.subprocess, "Popen", Started)
     settings = {**BY_HAND, "kv_cache_gib": 3}
-    workers._spawn(0, settings, 1, 1)
+    spawn_server(0, settings, 1, 1, "127.0.0.1", tmp_path)
     (command, env), line = started[0], (tmp_path / "rollout_server0.log").read_text().splitlines()[0]
     words = shlex.split(line.removeprefix("$ "))
     variables = dict(word.split("=", 1) for word in words[: words.index(command[0])])
@@ -1048,13 +1034,8 @@ def closed_with_its_leader_killed(process: subprocess.Popen) -> ServerWorkers:
     process.wait(timeout=30)  # the leader gone and reaped: only its group's other processes are left
     workers = object.__new__(ServerWorkers)  # the trainer's side alone
     workers.servers = [Server(0, "http://127.0.0.1:1", process=process, log_file=Path("server.log"))]
-    workers.requests, workers.in_flight, workers.sync_client, workers.transfer, workers.failed = (
-        {},
-        set(),
-        None,
-        None,
-        False,
-    )
+    workers.requests, workers.in_flight, workers.failed = {}, set(), False
+    workers.push = ServerPush(workers, None)  # never started
     started = time.monotonic()
     workers.close(timeout_s=5.0)
     assert time.monotonic() - started < 15.0

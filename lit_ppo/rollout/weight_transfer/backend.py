@@ -21,7 +21,7 @@ the worker's client calls (`update_weights` with the bucket's info) come later, 
 (`LLM.start_weight_update` / `update_weights` / `finish_weight_update`), and load what was received. The same
 receiver serves `rollout.engine=hf` workers, which have no vLLM (`HFEngine.open_weight_transfer`). A vLLM server
 (rollout.workers.launch=server) builds the same engine side, registered by lit-ppo's vLLM general plugin (`register`,
-pyproject.toml's entry point); its client (`servers.ServerSyncClient`) sends each bucket's /update_weights while the
+pyproject.toml's entry point); its client (`server_push.ServerSyncClient`) sends each bucket's /update_weights while the
 bucket is broadcast, and the server loads it as soon as its receiver has it (a server has no ordered queue).
 
 With model.lora the pushed tensors are the adapter: they travel the same way, and the worker loads them as an adapter

@@ -5,6 +5,9 @@
   the other ranks receive each step and read each push with it (collectives).
 - `launch.py`: how the workers start and how the trainer watches them (spawned by the trainer, or external: started
   by the user's launcher on any node).
+- `servers.py`: rollout.workers.launch=server, vLLM servers as workers: `ServerWorkers`, the client; beside it
+  `server_http.py` (the calls), `server_settings.py` (what a server runs with), `server_spawn.py` (the spawned
+  servers' processes) and `server_push.py` (the weight push).
 - `worker_main.py`: the worker process's loop (`python -m lit_ppo.rollout.workers`).
 - `engines.py`: the engine a worker runs, by rollout.engine (vLLM, or HF on a copy of the actor).
 - `messages.py`: what goes through the store, as frozen dataclasses.
