@@ -20,7 +20,6 @@ now in this process (colocated), or requested ahead from rollout worker processe
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -31,13 +30,12 @@ from torch.utils.data import DataLoader, IterableDataset
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
 from lit_ppo.contract import GenerateRequest, RolloutEngine
-from lit_ppo.distributed import all_gather_objects, global_sum
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
-from lit_ppo.rewards.scorer import RewardScorer, Scores
-from lit_ppo.rollout.engine import Generation, sampling_seeds
+from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.episodes import (
     EpisodeRequest,
     EpisodeRunner,
@@ -46,12 +44,22 @@ from lit_ppo.rollout.episodes import (
     ObservationEncoder,
     episode_stats,
 )
+from lit_ppo.rollout.evaluation import evaluate
+from lit_ppo.rollout.groups import (
+    REWARD_COUNTS,
+    PromptGroup,
+    StepDraw,
+    all_groups,
+    batch_reward_metrics,
+    environment_rewards,
+    rollout_batch,
+    score_generations,
+    select_informative_groups,
+)
+from lit_ppo.rollout.prompt_stream import PromptStream, round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
 from lit_ppo.topology import RankTopology
-
-REWARD_COUNTS = ("errors", "timeouts", "none")
-"""The scorer's per-call counts (`Scores.metrics`), summed over a rollout step's generation rounds."""
 
 
 def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
@@ -60,41 +68,6 @@ def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: boo
     if chat_template and rollout.stop_at_end_of_turn:
         ids += [i for i in end_of_turn_token_ids(tokenizer) if i not in ids]
     return ids
-
-
-@dataclass
-class PromptGroup:
-    """One prompt's n samples and their rewards, as dynamic sampling moves them between rounds and ranks."""
-
-    dataset_index: int
-    prompt: Prompt
-    generations: list[Generation]
-    rewards: list[float]
-    sample_metrics: dict[str, list[float]]
-    policy_versions: list[int]  # per generation: the policy version that generated it
-    round_in_step: int = 0  # the generation round of its rollout step that drew it (0: the first)
-
-    @property
-    def informative(self) -> bool:
-        """Rewards that differ: a group-relative advantage that is not zero everywhere."""
-        return max(self.rewards) != min(self.rewards)
-
-
-def select_informative_groups(drawn: list[PromptGroup], rollout_batch_size: int) -> tuple[list[PromptGroup], int, int]:
-    """Dynamic sampling's choice from the groups drawn in a rollout step (all ranks', in global order): the first
-    `rollout_batch_size` groups whose rewards differ, completed with the uniform groups drawn first when there are too
-    few (on_shortfall=fill), so the choice depends on nothing but the data order. Returns (the batch's groups, uniform
-    groups dropped, uniform groups filled back in)."""
-    informative = [g for g in drawn if g.informative]
-    uniform = [g for g in drawn if not g.informative]
-    filled = max(0, rollout_batch_size - len(informative))
-    return (informative + uniform[:filled])[:rollout_batch_size], len(uniform), filled
-
-
-def round_purpose(rollout_step: int, round_in_step: int) -> str:
-    """What seeds round `round_in_step` of `rollout_step` (`sampling_seeds`); the first round keeps the seeds a run
-    without dynamic sampling has."""
-    return f"rollout_step={rollout_step}" + (f"/round={round_in_step}" if round_in_step else "")
 
 
 class _RolloutStream(IterableDataset):
@@ -134,13 +107,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.model_dir = model_dir
         self.seed = seed
         self.topology = topology or RankTopology()  # build_run's, from the trainer's strategy; checked in setup()
-        self.next_rollout_step = 0  # restored on resume, with:
-        self.next_generation_round = 0  # position in the prompt stream (= next_rollout_step without dynamic sampling)
-        # Dynamic sampling (`generation_round_of`): rounds drawn but not used, drawn again first, and per rollout step
-        # not yet trained the (run-wide) rounds drawn for it; the stream's state where a dropped step restarts.
-        self.returned_generation_rounds: list[int] = []
-        self.step_generation_rounds: dict[int, list[int]] = {}
-        self.stream_restart: tuple[int, dict] | None = None
+        self.next_rollout_step = 0  # restored on resume, with the position in the prompt stream:
+        self.stream = PromptStream(plan, len(train_prompts), seed)
+        self.stream_restart: tuple[int, dict] | None = None  # the stream's state where a dropped step restarts
         self.engine = engine  # built in setup() unless one is given (tests share one per process)
         self.engine_start_seconds = 0.0
         self.log_dir: Path | None = None  # where rollout worker processes log, if the source starts any (build_run)
@@ -198,65 +167,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def round_prompt_indices(self, generation_round: int, positions: range | None = None) -> list[int]:
         """The dataset indices of this rank's prompts in generation round `generation_round` (counted over the run),
-        in global order.
-
-        Data epoch e visits a permutation seeded by (seed, e) in rounds of `prompts_per_generation_round` prompts;
-        the last partial round of each data epoch is dropped (the plan reports how many prompts that is). Without
-        dynamic sampling a round is a rollout step's rollout batch. `positions`: the round's positions to give (None:
+        in global order (`PromptStream.round_prompt_indices`). `positions`: the round's positions to give (None:
         this rank's)."""
-        data_epoch, offset = divmod(generation_round, self.plan.counts.generation_rounds_per_data_epoch)
-        order = torch.randperm(
-            len(self.train_prompts), generator=torch.Generator().manual_seed(self.seed * 100003 + data_epoch)
-        )
         size = self.plan.counts.prompts_per_generation_round
-        batch = order[offset * size : (offset + 1) * size]
         positions = self.rank_positions(size) if positions is None else positions
-        return batch[positions.start : positions.stop].tolist()
-
-    def generation_round_of(self, rollout_step: int, round_in_step: int) -> int:
-        """The run-wide generation round (`round_prompt_indices`) whose prompts round `round_in_step` of `rollout_step`
-        generates. Without dynamic sampling: the step. With it, rounds are drawn in the order they are asked for
-        (requested ahead for later steps, or generated now): first the rounds drawn before and given back unused (the
-        oldest first), then the next fresh one; a round once drawn for a step stays its. So when every round is drawn
-        in the step that generates it (colocated, and rollout workers with k = 0), a step's rounds follow the last one
-        the step before used, as colocated dynamic sampling draws them; and no round is used twice or skipped."""
-        if self.plan.dynamic_sampling is None:
-            return rollout_step
-        rounds = self.step_generation_rounds.setdefault(rollout_step, [])
-        if round_in_step < len(rounds):
-            return rounds[round_in_step]
-        if round_in_step != len(rounds):
-            raise RuntimeError(
-                f"rollout step {rollout_step}: round {round_in_step} asked for before round {len(rounds)}"
-            )
-        if self.returned_generation_rounds:
-            rounds.append(self.returned_generation_rounds.pop(0))
-        else:
-            rounds.append(self.next_generation_round)
-            self.next_generation_round += 1
-        return rounds[-1]
-
-    def finish_rounds(self, rollout_step: int, used: int) -> list[int]:
-        """The run-wide rounds `rollout_step` used (its first `used`); the rest drawn for it (requested ahead, not
-        needed) are given back to the stream, to be drawn again first."""
-        rounds = self.step_generation_rounds.pop(rollout_step, [])
-        self.returned_generation_rounds = sorted(self.returned_generation_rounds + rounds[used:])
-        return rounds[:used]
-
-    def stream_state(self) -> dict:
-        """The prompt stream's position (a copy)."""
-        return {
-            "next_generation_round": self.next_generation_round,
-            "returned_generation_rounds": list(self.returned_generation_rounds),
-            "step_generation_rounds": {step: list(r) for step, r in self.step_generation_rounds.items()},
-        }
-
-    def set_stream_state(self, state: dict) -> None:
-        self.next_generation_round = state["next_generation_round"]
-        self.returned_generation_rounds = list(state.get("returned_generation_rounds", []))
-        self.step_generation_rounds = {
-            int(step): list(r) for step, r in state.get("step_generation_rounds", {}).items()
-        }
+        return self.stream.round_prompt_indices(generation_round, positions)
 
     # ------------------------------------------------------------ rollouts
 
@@ -266,7 +181,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate (through the source) and score this rank's share of round `round_in_step` of `rollout_step`:
         (groups, the round's reward metrics, generate s, reward s, the trainer's wait for the generations in s or
         None)."""
-        indices = self.round_prompt_indices(self.generation_round_of(rollout_step, round_in_step))
+        indices = self.round_prompt_indices(self.stream.generation_round_of(rollout_step, round_in_step))
         positions = list(self.rank_positions(self.plan.counts.prompts_per_generation_round))
         prompts = [self.train_prompts.prompts[i] for i in indices]
         n = self.plan.counts.n_samples_per_prompt
@@ -293,7 +208,7 @@ class RolloutDataModule(L.LightningDataModule):
         if round_in_step == 0 and self.source.requests_ahead:
             # What the source requested is kept (in flight or received, through a dropped step and a checkpoint): the
             # rounds drawn for it stay drawn, and a step taken again restarts the stream from here.
-            self.stream_restart = (rollout_step, self.stream_state())
+            self.stream_restart = (rollout_step, self.stream.state())
         stop_point(self.device)  # a preemption during generation stops here (`scheduled` is then None)
         generations, versions = scheduled.generations, scheduled.policy_versions
         started = time.perf_counter()
@@ -302,7 +217,7 @@ class RolloutDataModule(L.LightningDataModule):
         rewards, metrics, counts = scored
         reward_seconds = time.perf_counter() - started
         if self.plan.dynamic_sampling is None:
-            self.next_generation_round += 1
+            self.stream.next_generation_round += 1
         groups = [
             PromptGroup(
                 dataset_index=indices[i],
@@ -324,74 +239,59 @@ class RolloutDataModule(L.LightningDataModule):
         plan = self.plan
         # Where a step that stops short (on_shortfall=stop) restarts: the stream and the source as they were, except
         # what the source requested ahead meanwhile (kept: `stream_restart`).
-        source_start, self.stream_restart = self.source.snapshot(), (rollout_step, self.stream_state())
+        source_start, self.stream_restart = self.source.snapshot(), (rollout_step, self.stream.state())
         groups, round_metrics, generate_seconds, reward_seconds, wait_seconds = self.generate_round(rollout_step, 0)
-        counts = {k: round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
-        rounds, dropped, filled = 1, 0, 0
+        draw = StepDraw(groups, round_metrics, generate_seconds, reward_seconds, wait_seconds)
         positions = self.rank_positions(plan.counts.rollout_batch_size)
         if plan.dynamic_sampling:
-            drawn = self.all_groups(groups)  # every rank sees the same groups in the same order
-            while (
-                sum(g.informative for g in drawn) < plan.counts.rollout_batch_size
-                and rounds < plan.dynamic_sampling.max_generation_rounds
-            ):
-                groups, round_metrics, g_s, r_s, w_s = self.generate_round(rollout_step, rounds)
-                drawn += self.all_groups(groups)
-                counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
-                generate_seconds, reward_seconds, rounds = generate_seconds + g_s, reward_seconds + r_s, rounds + 1
-                wait_seconds = None if wait_seconds is None else wait_seconds + w_s
+            drawn, counts = self.draw_informative_rounds(rollout_step, draw)
             informative = sum(g.informative for g in drawn)
             if informative < plan.counts.rollout_batch_size and plan.dynamic_sampling.on_shortfall == "stop":
                 # A resume retries this rollout step from its first round.
-                self.set_stream_state(self.stream_restart[1])
+                self.stream.set_state(self.stream_restart[1])
                 self.source.restore(source_start)
                 raise DynamicSamplingShortfallError(
                     f"rollout step {rollout_step + 1}: {informative} of {plan.counts.rollout_batch_size} prompt groups had differing "
-                    f"rewards after {rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; the "
+                    f"rewards after {draw.rounds} generation rounds of {plan.counts.prompts_per_generation_round} prompts; the "
                     "checkpoint of the step's start was saved; fix: raise ppo.dynamic_sampling.max_generation_rounds, or set "
                     "ppo.dynamic_sampling.on_shortfall=fill, then resume=auto"
                 )
-            groups, dropped, filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)
-            groups = groups[positions.start : positions.stop]
-            last_round = max(self.finish_rounds(rollout_step, rounds))
+            groups, draw.dropped, draw.filled = select_informative_groups(drawn, plan.counts.rollout_batch_size)
+            draw.groups = groups[positions.start : positions.stop]
+            draw.last_round = max(self.stream.finish_rounds(rollout_step, draw.rounds))
+            draw.reward_metrics = batch_reward_metrics(draw.groups, counts)
         else:
-            last_round = self.next_generation_round - 1
+            draw.last_round = self.stream.next_generation_round - 1
         self.next_rollout_step = rollout_step + 1
-        samples = [(position, group, g) for position, group in zip(positions, groups) for g in group.generations]
-        return RolloutBatch(
-            rollout_step=rollout_step,
-            data_epoch=last_round // plan.counts.generation_rounds_per_data_epoch,
-            prompt_positions=[position for position, _, _ in samples],
-            dataset_indices=[group.dataset_index for _, group, _ in samples],
-            prompt_ids=[group.prompt.prompt_ids for _, group, _ in samples],
-            response_ids=[g.token_ids for _, _, g in samples],
-            rollout_logprobs=[g.logprobs for _, _, g in samples],
-            rewards=torch.tensor([r for group in groups for r in group.rewards], dtype=torch.float32),
-            truncated=torch.tensor([g.truncated for _, _, g in samples]),
-            prompts=[group.prompt.text for _, group, _ in samples],
-            responses=[g.text for _, _, g in samples],
-            references=[group.prompt.reference for _, group, _ in samples],
-            generate_seconds=generate_seconds,
-            reward_seconds=reward_seconds,
-            reward_metrics=self.batch_reward_metrics(groups, counts) if plan.dynamic_sampling else round_metrics,
-            generation_rounds=rounds,
-            dropped_groups=dropped,
-            filled_groups=filled,
-            prompts_consumed=rounds * plan.counts.prompts_per_generation_round,
-            policy_versions=[v for group in groups for v in group.policy_versions],
-            rounds_in_step=[g.round_in_step for g in groups for _ in g.generations] if plan.dynamic_sampling else None,
-            rounds_ahead=self.source.rounds_ahead_of(rollout_step) if plan.dynamic_sampling else None,
-            wait_seconds=wait_seconds,
-            adapter_versions=[g.adapter_version for _, _, g in samples] if plan.lora else None,
-            **self.episode_fields([g for _, _, g in samples]),
-        )
+        rounds_ahead = self.source.rounds_ahead_of(rollout_step) if plan.dynamic_sampling else None
+        return rollout_batch(rollout_step, plan, positions, draw, rounds_ahead, self.episode_fields)
+
+    def draw_informative_rounds(self, rollout_step: int, draw: StepDraw) -> tuple[list[PromptGroup], dict[str, float]]:
+        """Dynamic sampling: more rounds of `rollout_step` after the first (`draw`, which adds up their seconds and
+        counts them) until `rollout_batch_size` groups with differing rewards are drawn over all ranks, or
+        `max_generation_rounds`. Returns every rank's groups drawn, in the same order on every rank, and this rank's
+        reward counts (REWARD_COUNTS) summed over the rounds."""
+        plan = self.plan
+        drawn = all_groups(draw.groups)  # every rank sees the same groups in the same order
+        counts = {k: draw.reward_metrics.get(k, 0.0) for k in REWARD_COUNTS}
+        while (
+            sum(g.informative for g in drawn) < plan.counts.rollout_batch_size
+            and draw.rounds < plan.dynamic_sampling.max_generation_rounds
+        ):
+            groups, round_metrics, g_s, r_s, w_s = self.generate_round(rollout_step, draw.rounds)
+            drawn += all_groups(groups)
+            counts = {k: counts[k] + round_metrics.get(k, 0.0) for k in REWARD_COUNTS}
+            draw.generate_seconds, draw.reward_seconds = draw.generate_seconds + g_s, draw.reward_seconds + r_s
+            draw.rounds += 1
+            draw.wait_seconds = None if draw.wait_seconds is None else draw.wait_seconds + w_s
+        return drawn, counts
 
     def rollout_request(self, rollout_step: int, round_in_step: int = 0) -> GenerateRequest | EpisodeRequest:
         """The request of round `round_in_step` of `rollout_step`, every rank's prompts (a source that requests steps
         ahead asks for them for the whole run): its prompts (`generation_round_of`, which draws the round if it is
         new), seeded as `generate_round` seeds them."""
         positions = range(self.plan.counts.prompts_per_generation_round)
-        round_index = self.generation_round_of(rollout_step, round_in_step)
+        round_index = self.stream.generation_round_of(rollout_step, round_in_step)
         prompts = [self.train_prompts.prompts[i] for i in self.round_prompt_indices(round_index, positions)]
         return self.sampling_request(
             prompts,
@@ -430,19 +330,6 @@ class RolloutDataModule(L.LightningDataModule):
             stop_token_ids=self.stop_token_ids,
             stop=list(self.rollout.stop),
         )
-
-    def all_groups(self, groups: list[PromptGroup]) -> list[PromptGroup]:
-        """Every rank's groups of one round, in global prompt order (rank 0's share first)."""
-        return [group for share in all_gather_objects(groups) for group in share]
-
-    def batch_reward_metrics(self, groups: list[PromptGroup], counts: dict[str, float]) -> dict[str, float]:
-        """Means of the reward function's per-sample metrics over this rank's kept samples, and this rank's counts of
-        reward errors, timeouts and None scores (REWARD_COUNTS) in all of the step's rounds."""
-        keys = set.intersection(*(set(g.sample_metrics) for g in groups)) if groups else set()
-        values = {k: [x for g in groups for x in g.sample_metrics[k]] for k in sorted(keys)}
-        metrics = {k: float(sum(v) / max(len(v), 1)) for k, v in values.items()}
-        metrics.update({k: float(v) for k, v in counts.items()})
-        return metrics
 
     def run_episodes(self, request: EpisodeRequest) -> list:
         """n episodes per prompt (lit_ppo.rollout.episodes). Turn t of the episode at global sample position q is
@@ -484,14 +371,9 @@ class RolloutDataModule(L.LightningDataModule):
         Episodes are scored by their environment (the sum of its step rewards), or with rollout.episodes.reward=reward
         by the reward function on the whole response, like single-turn responses."""
         if self.make_environment is None or self.rollout.episodes.reward == "reward":
-            scores = self.score(prompts, samples)
+            scores = score_generations(self.scorer, prompts, samples)
             return list(scores), scores.sample_metrics, scores.metrics
-        rewards = [g.reward for g in samples]
-        keys = set.intersection(*(set(g.info) for g in samples)) if samples else set()
-        per_sample = {k: [g.info[k] for g in samples] for k in sorted(keys)}
-        metrics = {k: sum(v) / max(len(v), 1) for k, v in per_sample.items()}
-        metrics["errors"] = 0.0  # the environment's failures are counted as rollout/environment_errors
-        return rewards, per_sample, metrics
+        return environment_rewards(samples)
 
     def generate(
         self,
@@ -516,14 +398,6 @@ class RolloutDataModule(L.LightningDataModule):
             return self.run_episodes(request)
         return engine.generate(request)
 
-    def solved(self, rewards: list[float], sample_metrics: dict[str, list[float]]) -> list[bool]:
-        """Per sample: did it solve its prompt? The reward's own `correct` metric where it returns one (a well-formatted
-        wrong answer can earn reward), else a reward of at least `reward.solved_threshold`."""
-        correct = sample_metrics.get("correct")
-        if correct is not None and len(correct) == len(rewards):
-            return [c > 0 for c in correct]
-        return [r >= self.scorer.solved_threshold for r in rewards]
-
     def episode_fields(self, samples: list) -> dict:
         """The RolloutBatch fields of multi-turn episodes (none for single-turn responses)."""
         if self.make_environment is None:
@@ -534,18 +408,6 @@ class RolloutDataModule(L.LightningDataModule):
             "episode_stats": episode_stats(samples),
         }
 
-    def score(self, prompts: list, generations: list) -> Scores:
-        """Rewards of generations; `g.prompt_index` points into `prompts`."""
-        of = [prompts[g.prompt_index] for g in generations]
-        return self.scorer(
-            [p.text for p in of],
-            [g.text for g in generations],
-            [p.reference for p in of],
-            [p.extras for p in of],
-            [g.truncated for g in generations],
-            lengths=[len(g.token_ids) for g in generations],
-        )
-
     # ------------------------------------------------------------ evaluation
 
     @property
@@ -555,69 +417,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
 
     def evaluate(self, k: int | None = None) -> dict:
-        """Greedy accuracy (mean reward at temperature 0) and pass@k on the held-out prompts: the share of
-        prompts with a solved sample among k (`RewardScorer.solved`: the reward's `correct` metric, else a
-        reward of at least `reward.solved_threshold`).
-
-        Each rank evaluates its contiguous share of the prompts and the sums are all-reduced, so every
-        rank returns the same numbers; `eval/samples` are the first greedy samples of rank 0's share."""
-        if not self.eval_prompts:
-            return {}
-        positions = list(self.rank_positions(len(self.eval_prompts)))
-        prompts = self.eval_prompts.prompts[positions[0] : positions[-1] + 1] if positions else []
-        k = k or self.rollout.eval_samples_per_prompt
-        episodic = self.make_environment is not None
-        # A preemption signal drops the pass (lit_ppo.preemption): the whole of it where generation can be cut (as in
-        # `generate_round`), else its reward calls; the stop point, before the all-reduce, stops every rank together.
-        whole = self.source.interruptible
-        cut = (lambda fn: fn()) if whole else interruptibly
-
-        def local_pass() -> tuple[list, list, list] | None:
-            greedy, greedy_rewards, solved = [], [], []
-            if not prompts:  # a rank can have none when there are fewer eval prompts than ranks
-                if self.plan.workers and self.topology.distributed:  # rank 0 drives the workers: each rank's generate
-                    for _ in range(2 if k > 1 else 1):  # is a collective (rollout/workers/ranks.py), so it asks too
-                        self.generate([], [], 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
-                return greedy, greedy_rewards, solved
-            # Both passes generated before any reward is scored: with rollout workers and several ranks each generate
-            # is a collective, which a rank whose scoring a signal cut would otherwise not meet.
-            greedy = self.generate(prompts, positions, 1, temperature=0.0, top_p=1.0, purpose=None, where="evaluation")
-            if k > 1:
-                temperature = self.rollout.eval_temperature
-                sampled = self.generate(
-                    prompts, positions, k, temperature=temperature, top_p=1.0, purpose="eval", where="evaluation"
-                )
-            scored = cut(lambda: self.rewards_of(prompts, greedy))
-            if scored is None:
-                return None
-            greedy_rewards = scored[0]
-            if k > 1:
-                scored = cut(lambda: self.rewards_of(prompts, sampled))
-                if scored is None:
-                    return None
-                sample_solved = self.solved(*scored[:2])
-                solved = [any(sample_solved[i * k : (i + 1) * k]) for i in range(len(prompts))]
-            return greedy, greedy_rewards, solved
-
-        evaluated = interruptibly(local_pass) if whole else local_pass()
-        stop_point(self.device)  # a signal during the evaluation stops here (`evaluated` is then None)
-        greedy, greedy_rewards, solved = evaluated
-        sums = [sum(greedy_rewards), sum(len(g.token_ids) for g in greedy), sum(solved), len(prompts)]
-        if episodic:
-            sums += [sum(g.tool_calls > 0 for g in greedy), sum(g.turns for g in greedy)]
-        totals = global_sum(torch.tensor(sums, dtype=torch.float64, device=self.device)).tolist()
-        reward_sum, length_sum, solved_sum, count = totals[:4]
-        result = {"eval/reward": reward_sum / count, "eval/response_length": length_sum / count}
-        if k > 1:
-            result[f"eval/pass@{k}"] = solved_sum / count
-        if episodic:  # of the greedy episodes
-            result["eval/tool_call_rate"] = totals[4] / count
-            result["eval/turns_mean"] = totals[5] / count
-        result["eval/samples"] = [
-            {"prompt": p.text, "response": g.text, "reward": r}
-            for p, g, r in list(zip(prompts, greedy, greedy_rewards))[:8]
-        ]
-        return result
+        """Greedy accuracy and pass@k on the held-out prompts, the same on every rank (lit_ppo/rollout/evaluation.py)."""
+        return evaluate(self, k)
 
     # ------------------------------------------------------------ checkpoint state
 
@@ -625,23 +426,23 @@ class RolloutDataModule(L.LightningDataModule):
         """The position in the prompt stream and the source's state, after receiving what is in flight."""
         self.source.collect(self.engine)
         # Dynamic sampling's rounds drawn ahead and given back: kept where there are any (colocated runs have none).
-        stream = {k: v for k, v in self.stream_state().items() if v or k == "next_generation_round"}
+        stream = {k: v for k, v in self.stream.state().items() if v or k == "next_generation_round"}
         return {"next_rollout_step": self.next_rollout_step, **stream, **self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
-        self.set_stream_state(state)
+        self.stream.set_state(state)
         self.source.load_state_dict(state)
 
     def snapshot(self) -> dict:
         """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):
         `state_dict` without waiting for what is in flight (only a real checkpoint collects it)."""
-        return {"next_rollout_step": self.next_rollout_step, **self.stream_state(), "source": self.source.snapshot()}
+        return {"next_rollout_step": self.next_rollout_step, **self.stream.state(), "source": self.source.snapshot()}
 
     def restore(self, snapshot: dict) -> None:
         """The snapshot's state; the prompt stream as the dropped step left it after what its source requested ahead
         (kept in flight: the rounds drawn for it stay drawn), where it got that far."""
         self.next_rollout_step = snapshot["next_rollout_step"]
         restart = self.stream_restart
-        self.set_stream_state(restart[1] if restart and restart[0] == self.next_rollout_step else snapshot)
+        self.stream.set_state(restart[1] if restart and restart[0] == self.next_rollout_step else snapshot)
         self.source.restore(snapshot["source"])

@@ -182,14 +182,14 @@ def test_k0_trains_exactly_the_colocated_samples(parts, ds, happens):
     assert [set(b.policy_versions) for b in workers] == [{s} for s in range(STEPS)]
     rounds, ahead = [b.generation_rounds for b in workers], dm.plan.dynamic_sampling.rounds_requested_ahead
     assert (max(rounds) > ahead) if happens == "refill" else (min(rounds) < ahead), (rounds, ahead)
-    assert dm.next_generation_round - len(dm.returned_generation_rounds) == sum(rounds)
+    assert dm.stream.next_generation_round - len(dm.stream.returned_generation_rounds) == sum(rounds)
 
 
 def test_k1_batches_have_the_plans_size_and_versions_and_no_round_is_used_twice_or_skipped(parts):
     dm = datamodule(parts, 1, StandInWorkers())
     used: list[int] = []
-    original = dm.finish_rounds
-    dm.finish_rounds = lambda step, n: used.extend(original(step, n)) or used[-n:]
+    original = dm.stream.finish_rounds
+    dm.stream.finish_rounds = lambda step, n: used.extend(original(step, n)) or used[-n:]
     batches = drive(dm)
     plan = dm.plan
     for step, batch in enumerate(batches):
@@ -200,9 +200,9 @@ def test_k1_batches_have_the_plans_size_and_versions_and_no_round_is_used_twice_
     refilled = [b for b in batches if max(b.rounds_in_step) >= 2]
     assert refilled and all(set(b.policy_versions) == {b.rollout_step - 1, b.rollout_step} for b in refilled)
     # Every round drawn is used once, or given back, or drawn for the step requested ahead: none twice, none skipped.
-    ahead = [r for rounds in dm.step_generation_rounds.values() for r in rounds]
+    ahead = [r for rounds in dm.stream.step_generation_rounds.values() for r in rounds]
     assert len(used) == len(set(used))
-    assert sorted(used + dm.returned_generation_rounds + ahead) == list(range(dm.next_generation_round))
+    assert sorted(used + dm.stream.returned_generation_rounds + ahead) == list(range(dm.stream.next_generation_round))
     # Each step's prompts are those of the rounds it used, and the trained prompts are among them.
     assert sum(b.prompts_consumed for b in batches) == len(used) * ROLLOUT_BATCH
     # A refill sample recorded with the version requested ahead stops the run, naming the plan's version.

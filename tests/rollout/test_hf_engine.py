@@ -205,7 +205,7 @@ def test_an_episode_with_a_tool_environment_runs_on_the_hf_engine(tiny_model_dir
         tiny_model_dir, None, arithmetic_files, tmp_path, total_rollout_steps=2, rollout=rollout
     )
     batch = datamodule.produce_rollout(0)
-    datamodule.next_rollout_step = datamodule.next_generation_round = 0
+    datamodule.next_rollout_step = datamodule.stream.next_generation_round = 0
     assert any(0 in m for m in batch.policy_masks), "no episode with an observation"
     assert all(e == p + r for e, p, r in zip(batch.episode_ids, batch.prompt_ids, batch.response_ids))
     mb = pack(batch.prompt_ids, batch.response_ids, module.pad_token_id, "cpu", policy_masks=batch.policy_masks)

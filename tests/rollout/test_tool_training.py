@@ -38,7 +38,7 @@ def test_episodes_train_with_exact_ids_and_policy_mask(tiny_model_dir, engine, a
     module.sync_weights(datamodule.start_engine())
     batch = datamodule.produce_rollout(0)
     datamodule.next_rollout_step = 0
-    datamodule.next_generation_round = 0
+    datamodule.stream.next_generation_round = 0
     assert len(batch.response_ids) == 32 and batch.policy_masks is not None and batch.episode_ids is not None
     three_turns = [i for i, m in enumerate(batch.policy_masks) if 0 in m]
     assert three_turns, "no episode with an observation"
