@@ -53,16 +53,21 @@ def test_no_test_module_or_benchmark_imports_a_test_module():
 
 
 def test_the_test_folders_are_the_package_sides_and_packages():
-    """Every folder of tests/ holding tests names a subpackage of lit_ppo (or is end_to_end/), and is a package
-    (`__init__.py`): pytest then imports `tests/<side>/test_x.py` as `tests.<side>.test_x`, so two sides may each
+    """Every folder of tests/ holding tests names a subpackage of lit_ppo (or is end_to_end/), a side or a package
+    inside one (tests/rollout/workers/ for lit_ppo/rollout/workers/), and is a package (`__init__.py`, as are the
+    folders above it): pytest then imports `tests/<side>/test_x.py` as `tests.<side>.test_x`, so two sides may each
     have a test_x.py."""
-    sides = {p.name for p in (ROOT / "lit_ppo").iterdir() if (p / "__init__.py").exists()}
+    package = ROOT / "lit_ppo"
+    subpackages = {p.relative_to(package) for p in package.rglob("*") if (p / "__init__.py").exists()}
     folders = {p for p in (ROOT / "tests").rglob("*") if p.is_dir() and any(p.glob("test_*.py"))}
-    assert {f.name for f in folders} >= {"rollout", "training", "run", "rewards", "end_to_end"}
+    relatives = {f.relative_to(ROOT / "tests").as_posix() for f in folders}
+    assert relatives >= {"rollout", "training", "run", "rewards", "end_to_end", "rollout/workers"}
     for folder in folders:
         relative = folder.relative_to(ROOT / "tests")
-        assert len(relative.parts) == 1 and (relative.name in sides or relative.name == "end_to_end"), (
-            f"tests/{relative}/ holds tests but is no side of lit_ppo/ ({sorted(sides)}) nor end_to_end/"
+        assert relative in subpackages or relative.as_posix() == "end_to_end", (
+            f"tests/{relative}/ holds tests but is no package of lit_ppo/ ({sorted(map(str, subpackages))}) nor "
+            "end_to_end/"
         )
-        assert (folder / "__init__.py").exists(), f"tests/{relative}/ has no __init__.py"
+        for above in [relative, *relative.parents][:-1]:
+            assert (ROOT / "tests" / above / "__init__.py").exists(), f"tests/{above}/ has no __init__.py"
     assert (ROOT / "tests" / "__init__.py").exists()

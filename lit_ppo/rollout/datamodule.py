@@ -36,14 +36,7 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.engine import sampling_seeds
-from lit_ppo.rollout.episodes import (
-    EpisodeRequest,
-    EpisodeRunner,
-    EpisodeSettings,
-    EpisodeSpec,
-    ObservationEncoder,
-    episode_stats,
-)
+from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeRunner, EpisodeSettings, EpisodeSpec, episode_stats
 from lit_ppo.rollout.evaluation import evaluate
 from lit_ppo.rollout.groups import (
     REWARD_COUNTS,
@@ -56,18 +49,11 @@ from lit_ppo.rollout.groups import (
     score_generations,
     select_informative_groups,
 )
+from lit_ppo.rollout.observations import ObservationEncoder
 from lit_ppo.rollout.prompt_stream import PromptStream, round_purpose
-from lit_ppo.rollout.prompts import Prompt, PromptSet, end_of_turn_token_ids
+from lit_ppo.rollout.prompts import Prompt, PromptSet, resolve_stop_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
 from lit_ppo.topology import RankTopology
-
-
-def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
-    """rollout.stop_token_ids, plus the chat template's end-of-turn token when prompts use the template."""
-    ids = [int(i) for i in rollout.stop_token_ids]
-    if chat_template and rollout.stop_at_end_of_turn:
-        ids += [i for i in end_of_turn_token_ids(tokenizer) if i not in ids]
-    return ids
 
 
 class _RolloutStream(IterableDataset):

@@ -26,9 +26,10 @@ from lit_ppo.environments import (
     check_observation,
     check_step_result,
 )
-from lit_ppo.errors import ConfigError, EnvironmentFailure
+from lit_ppo.errors import EnvironmentFailure
 from lit_ppo.rollout.engine import Generation, sampling_seeds
-from lit_ppo.rollout.prompts import Prompt, end_of_turn_token_ids
+from lit_ppo.rollout.observations import ObservationEncoder
+from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.signals import raised_by_code
 
 log = logging.getLogger("lit_ppo")
@@ -74,57 +75,6 @@ class EpisodeSettings:
     stop: list[str]
 
 
-class ObservationEncoder:
-    """Observation -> token ids, tokenized once. Without a chat template the text is tokenized as it is. With one,
-    it is wrapped in the template's separators for a message of `role` after an assistant turn (found by rendering
-    a probe conversation, as the template itself would write it), ending with the next assistant turn's header;
-    when the policy's turn did not end with the end-of-turn token (it ran out of tokens, or stopped at a tool
-    call's closing token) that token is prepended, so the context reads like a well-formed conversation."""
-
-    PROBE_ASSISTANT, PROBE_OBSERVATION = "LITPPOASSISTANTPROBE", "LITPPOOBSERVATIONPROBE"
-
-    def __init__(self, tokenizer, chat_template: bool, role: str = "tool"):
-        self.tokenizer = tokenizer
-        self.before = self.after = ""
-        self.end_of_turn: list[int] = []
-        if not chat_template:
-            return
-        messages = [
-            {"role": "user", "content": "1+1="},
-            {"role": "assistant", "content": self.PROBE_ASSISTANT},
-            {"role": role, "content": self.PROBE_OBSERVATION},
-        ]
-        try:
-            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:
-            raise ConfigError(
-                f"rollout.episodes.observation_role={role!r}: the chat template cannot render it ({e}); fix: use a "
-                "role the template knows (tool, user)"
-            ) from e
-        if self.PROBE_OBSERVATION not in rendered or self.PROBE_ASSISTANT not in rendered:
-            raise ConfigError(
-                f"rollout.episodes.observation_role={role!r}: the chat template drops such messages; fix: use a role "
-                "the template renders (tool, user)"
-            )
-        after_turn = rendered.split(self.PROBE_ASSISTANT, 1)[1]
-        self.end_of_turn = end_of_turn_token_ids(tokenizer)
-        if self.end_of_turn:
-            text = tokenizer.decode(self.end_of_turn)
-            if after_turn.startswith(text):  # the policy writes (and stops at) the end-of-turn token itself
-                after_turn = after_turn[len(text) :]
-        self.before, self.after = after_turn.split(self.PROBE_OBSERVATION, 1)
-
-    def __call__(self, observation: str | TokenIds, turn_ids: list[int]) -> list[int]:
-        if isinstance(observation, TokenIds):
-            return [int(i) for i in observation]
-        if not (self.before or self.after):
-            return list(self.tokenizer(observation, add_special_tokens=False).input_ids)
-        ids = list(self.tokenizer(self.before + observation + self.after, add_special_tokens=False).input_ids)
-        if self.end_of_turn and (not turn_ids or turn_ids[-1] not in self.end_of_turn):
-            ids = list(self.end_of_turn) + ids
-        return ids
-
-
 @dataclass
 class _Running:
     """An episode in progress."""
@@ -143,6 +93,245 @@ class _Running:
         ep.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
 
+class EpisodeLoop:
+    """n episodes per prompt advancing together, in named steps: `start` (an environment per episode), `reset` (each
+    environment's first observation), then per turn `generate` (one batched call for the active episodes), `step`
+    (each environment reads its episode's turn) and `observe` (the observations appended, or the episode ended), and
+    `finish` (the warnings on failed and cut episodes, the episodes' texts). `run_episodes` runs them in order."""
+
+    def __init__(
+        self,
+        engine,
+        make_environment: Callable[[], object],
+        tokenizer,
+        settings: EpisodeSettings,
+        encoder: ObservationEncoder,
+        *,
+        temperature: float,
+        top_p: float,
+        seeds: Callable[[int], list[int]] | None,
+        where: str,
+    ):
+        self.engine, self.make_environment, self.tokenizer = engine, make_environment, tokenizer
+        self.settings, self.encoder, self.where = settings, encoder, where
+        self.temperature, self.top_p, self.seeds = temperature, top_p, seeds
+        self.running: list[_Running] = []
+        self.positions: list[int] = []
+        self.takes_ids: list[bool] = []
+
+    def run(self, prompts: list[Prompt], n: int, sample_positions: list[int] | None = None) -> list[Episode]:
+        self.start(prompts, n, sample_positions)
+        self.reset()
+        for turn in range(self.settings.max_turns):
+            active = [r for r in self.running if r.active]
+            if not active:
+                break
+            outputs = self.generate(turn, active)
+            self.observe(turn, active, outputs, self.step(active, outputs))
+        return self.finish()
+
+    def start(self, prompts: list[Prompt], n: int, sample_positions: list[int] | None) -> None:
+        """An episode and its environment for each of n samples per prompt (prompt 0's n first)."""
+        for i, prompt in enumerate(prompts):
+            for _ in range(n):
+                episode = Episode(
+                    prompt_index=i,
+                    token_ids=[],
+                    truncated=False,
+                    text="",
+                    logprobs=[],
+                    adapter_version=self.engine.adapter_version,  # every turn of the episode uses this one
+                )
+                try:
+                    environment = self.make_environment()
+                except KeyboardInterrupt as e:
+                    if not raised_by_code(e):
+                        raise
+                    name = getattr(self.make_environment, "__name__", self.make_environment)
+                    raise EnvironmentFailure(
+                        f"{self.where}: building the environment ({name}) raised KeyboardInterrupt, which no Ctrl-C "
+                        "sent (lit-ppo handles Ctrl-C itself): the run stops here; fix: raise an Exception there, or "
+                        "stop the run with a signal"
+                    ) from e
+                self.running.append(_Running(len(self.running), prompt, environment, episode))
+        self.positions = sample_positions or list(range(len(self.running)))
+        self.takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in self.running]
+        self.vocab_size = len(self.tokenizer)
+
+    def failed(self, r: _Running, what: str, e: BaseException) -> None:
+        """An environment call failed: stop the run (on_error=raise) or end the episode with reward 0."""
+        where, position = self.where, self.positions[r.position]
+        if raised_by_code(e):  # the environment's code asked to stop: not a failure to score 0
+            raise EnvironmentFailure(
+                f"{where}: the environment {type(r.environment).__name__}.{what} raised KeyboardInterrupt in episode "
+                f"{position} (turn {r.episode.turns}), which no Ctrl-C sent (lit-ppo handles Ctrl-C "
+                "itself, stopping at a safe point with a checkpoint): the run stops here whatever reward.on_error "
+                "says; fix: raise an Exception for a call that fails (reward.on_error decides then), or stop the run "
+                "with a signal"
+            ) from e
+        if not isinstance(e, Exception):  # a Ctrl-C under Python's default handler, a preemption: not its failure
+            raise e
+        timed_out = isinstance(e, EnvironmentTimeout)
+        if self.settings.on_error == "raise":
+            raise EnvironmentFailure(
+                f"{where}: the environment {type(r.environment).__name__}.{what} "
+                f"{'timed out' if timed_out else 'failed'} in episode {position} (turn {r.episode.turns}, "
+                f"prompt {r.prompt.text[:200]!r}): {type(e).__name__}: {e}; fix: correct the environment, or set "
+                "reward.on_error=zero to score such episodes 0"
+            ) from e
+        r.episode.failure = "timeout" if timed_out else "error"
+        r.failure_message = f"{type(r.environment).__name__}.{what}: {type(e).__name__}: {e}"
+        r.episode.reward = 0.0
+        r.active = False
+        log.info(
+            "environment: episode %d %s and scores 0: %s", position, r.episode.failure, e, extra={"console": False}
+        )
+
+    def reset(self) -> None:
+        """Every episode's reset, run concurrently under one timeout (call_all_with_timeout), and its first
+        observation appended (an episode it fills is cut)."""
+        records = [{"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras} for r in self.running]
+        resets = call_all_with_timeout(
+            [
+                (lambda rec, env=r.environment: check_observation(env.reset(rec), "reset", self.vocab_size), (record,))
+                for r, record in zip(self.running, records)
+            ],
+            self.settings.timeout_s,
+        )
+        for r, (ok, first) in zip(self.running, resets):
+            if not ok:
+                self.failed(r, "reset", first)
+                continue
+            if first:
+                ids = (
+                    self.encoder(first, [])
+                    if isinstance(first, TokenIds)
+                    else list(self.tokenizer(first, add_special_tokens=False).input_ids)
+                )
+                if len(ids) >= self.settings.max_episode_tokens:
+                    r.active, r.episode.truncated = False, True
+                    r.episode.cut_observation_tokens = len(ids)
+                else:
+                    r.append(ids, policy=False)
+                    r.episode.observation_tokens += len(ids)
+
+    def generate(self, turn: int, active: list[_Running]) -> list[Generation]:
+        """Turn `turn` of the active episodes, one batched generate: each continues `prompt ids + response so far`
+        within its turn's and its episode's token budget; the policy's tokens appended to each episode."""
+        settings = self.settings
+        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in active]
+        budgets = [
+            min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active
+        ]
+        turn_seeds = None if self.seeds is None else [self.seeds(turn)[r.position] for r in active]
+        outputs = self.engine.generate(
+            GenerateRequest(
+                contexts,
+                n=1,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=budgets,
+                seeds=turn_seeds,
+                stop_token_ids=settings.stop_token_ids,
+                stop=settings.stop,
+            )
+        )
+        for r, context, out in zip(active, contexts, outputs):
+            ep = r.episode
+            r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))
+            ep.turns += 1
+            ep.episode_ids = context + list(out.token_ids)  # what vLLM was given and gave back
+            ep.truncated = out.truncated
+        return outputs
+
+    def step(self, active: list[_Running], outputs: list[Generation]) -> list[tuple[bool, object]]:
+        """Each active episode's environment steps on its turn (the decoded text, or the token ids where it takes
+        them), concurrently under one timeout: (ok, its result or exception) per episode."""
+        actions = [
+            list(out.token_ids)
+            if self.takes_ids[r.position]
+            else self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            for r, out in zip(active, outputs)
+        ]
+        return call_all_with_timeout(
+            [
+                (lambda a, env=r.environment: check_step_result(env.step(a), self.vocab_size), (a,))
+                for r, a in zip(active, actions)
+            ],
+            self.settings.timeout_s,
+        )
+
+    def observe(self, turn: int, active: list[_Running], outputs: list[Generation], steps: list) -> None:
+        """Each step's reward and info taken, and its observation appended, or the episode ended: done, out of
+        turns, or no room for the observation and one more token (cut)."""
+        settings = self.settings
+        for r, out, (ok, result) in zip(active, outputs, steps):
+            ep = r.episode
+            if not ok:
+                self.failed(r, "step", result)
+                continue
+            observation, reward, done, info = result
+            ep.reward += reward
+            if info.get("tool_call"):
+                ep.tool_calls += 1
+            ep.info.update({k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and k != "tool_call"})
+            if done:
+                r.active = False
+                continue
+            ids = self.encoder(observation, list(out.token_ids)) if observation else []
+            # Out of turns, or no room for the observation and one more token: the episode is cut here.
+            if turn + 1 == settings.max_turns:
+                r.active, ep.truncated = False, True
+                continue
+            if len(ep.token_ids) + len(ids) >= settings.max_episode_tokens:
+                r.active, ep.truncated = False, True
+                ep.cut_observation_tokens = len(ids)
+                continue
+            r.append(ids, policy=False)
+            ep.observation_tokens += len(ids)
+
+    def finish(self) -> list[Episode]:
+        """The episodes, their texts decoded; the episodes that failed (on_error=zero) or were cut at an observation
+        said in one warning each."""
+        running, where, budget = self.running, self.where, self.settings.max_episode_tokens
+        failed_kinds = [r.episode.failure for r in running if r.episode.failure]
+        if (
+            failed_kinds
+        ):  # on_error=zero: counted in rollout/environment_errors and _timeouts, and said, as reward failures are
+            log.warning(
+                "%s: %d of %d episodes scored 0 after environment errors and %d after timeouts (reward.on_error=zero); "
+                "the first: %s",
+                where,
+                failed_kinds.count("error"),
+                len(running),
+                failed_kinds.count("timeout"),
+                next(r.failure_message for r in running if r.episode.failure),
+            )
+        cut = [r.episode for r in running if r.episode.cut_observation_tokens]
+        if cut:  # every such episode ends truncated, without the tool's answer: said, or a run learns nothing unseen
+            longest = max(cut, key=lambda ep: ep.cut_observation_tokens)
+            log.warning(
+                "%s: %d of %d episodes were cut at an observation that did not fit the episode's budget "
+                "(rollout.episodes.max_tokens=%d: prompt excluded, turns and observations; the longest cut observation "
+                "had %d tokens, with %d left); fix: raise rollout.episodes.max_tokens or shorten the environment's "
+                "observations",
+                where,
+                len(cut),
+                len(running),
+                budget,
+                longest.cut_observation_tokens,
+                budget - len(longest.token_ids),
+            )
+        episodes = []
+        for r in running:
+            ep = r.episode
+            if not ep.episode_ids:  # no turn was generated (reset failed or filled the budget)
+                ep.episode_ids = list(r.prompt.prompt_ids) + ep.token_ids
+            ep.text = self.tokenizer.decode(ep.token_ids, skip_special_tokens=True)
+            episodes.append(ep)
+        return episodes
+
+
 def run_episodes(
     engine,
     prompts: list[Prompt],
@@ -158,196 +347,22 @@ def run_episodes(
     where: str,
     sample_positions: list[int] | None = None,
 ) -> list[Episode]:
-    """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first).
+    """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first), by `EpisodeLoop`.
 
     `seeds(turn)` gives one vLLM seed per episode for that turn (None: unseeded, e.g. greedy); `where` names the
     rollout step in messages; `sample_positions` are the episodes' global positions (for messages)."""
-    running: list[_Running] = []
-    for i, prompt in enumerate(prompts):
-        for _ in range(n):
-            episode = Episode(
-                prompt_index=i,
-                token_ids=[],
-                truncated=False,
-                text="",
-                logprobs=[],
-                adapter_version=engine.adapter_version,  # every turn of the episode uses this one
-            )
-            try:
-                environment = make_environment()
-            except KeyboardInterrupt as e:
-                if not raised_by_code(e):
-                    raise
-                raise EnvironmentFailure(
-                    f"{where}: building the environment ({getattr(make_environment, '__name__', make_environment)}) "
-                    "raised KeyboardInterrupt, which no Ctrl-C sent (lit-ppo handles Ctrl-C itself): the run stops "
-                    "here; fix: raise an Exception there, or stop the run with a signal"
-                ) from e
-            running.append(_Running(len(running), prompt, environment, episode))
-    positions = sample_positions or list(range(len(running)))
-    takes_ids = [bool(getattr(r.environment, "takes_token_ids", False)) for r in running]
-    vocab_size = len(tokenizer)
-
-    def failed(r: _Running, what: str, e: BaseException) -> None:
-        """An environment call failed: stop the run (on_error=raise) or end the episode with reward 0."""
-        if raised_by_code(e):  # the environment's code asked to stop: not a failure to score 0
-            raise EnvironmentFailure(
-                f"{where}: the environment {type(r.environment).__name__}.{what} raised KeyboardInterrupt in episode "
-                f"{positions[r.position]} (turn {r.episode.turns}), which no Ctrl-C sent (lit-ppo handles Ctrl-C "
-                "itself, stopping at a safe point with a checkpoint): the run stops here whatever reward.on_error "
-                "says; fix: raise an Exception for a call that fails (reward.on_error decides then), or stop the run "
-                "with a signal"
-            ) from e
-        if not isinstance(e, Exception):  # a Ctrl-C under Python's default handler, a preemption: not its failure
-            raise e
-        timed_out = isinstance(e, EnvironmentTimeout)
-        if settings.on_error == "raise":
-            raise EnvironmentFailure(
-                f"{where}: the environment {type(r.environment).__name__}.{what} "
-                f"{'timed out' if timed_out else 'failed'} in episode {positions[r.position]} (turn {r.episode.turns}, "
-                f"prompt {r.prompt.text[:200]!r}): {type(e).__name__}: {e}; fix: correct the environment, or set "
-                "reward.on_error=zero to score such episodes 0"
-            ) from e
-        r.episode.failure = "timeout" if timed_out else "error"
-        r.failure_message = f"{type(r.environment).__name__}.{what}: {type(e).__name__}: {e}"
-        r.episode.reward = 0.0
-        r.active = False
-        log.info(
-            "environment: episode %d %s and scores 0: %s",
-            positions[r.position],
-            r.episode.failure,
-            e,
-            extra={"console": False},
-        )
-
-    def records(r: _Running) -> dict:
-        return {"prompt": r.prompt.text, "reference": r.prompt.reference, **r.prompt.extras}
-
-    # Every episode's reset, then each turn's steps, run concurrently under one timeout (call_all_with_timeout).
-    resets = call_all_with_timeout(
-        [
-            (lambda rec, env=r.environment: check_observation(env.reset(rec), "reset", vocab_size), (records(r),))
-            for r in running
-        ],
-        settings.timeout_s,
+    loop = EpisodeLoop(
+        engine,
+        make_environment,
+        tokenizer,
+        settings,
+        encoder,
+        temperature=temperature,
+        top_p=top_p,
+        seeds=seeds,
+        where=where,
     )
-    for r, (ok, first) in zip(running, resets):
-        if not ok:
-            failed(r, "reset", first)
-            continue
-        if first:
-            ids = (
-                encoder(first, [])
-                if isinstance(first, TokenIds)
-                else list(tokenizer(first, add_special_tokens=False).input_ids)
-            )
-            if len(ids) >= settings.max_episode_tokens:
-                r.active, r.episode.truncated = False, True
-                r.episode.cut_observation_tokens = len(ids)
-            else:
-                r.append(ids, policy=False)
-                r.episode.observation_tokens += len(ids)
-
-    for turn in range(settings.max_turns):
-        active = [r for r in running if r.active]
-        if not active:
-            break
-        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in active]
-        budgets = [
-            min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active
-        ]
-        turn_seeds = None if seeds is None else [seeds(turn)[r.position] for r in active]
-        outputs = engine.generate(
-            GenerateRequest(
-                contexts,
-                n=1,
-                temperature=temperature,
-                top_p=top_p,
-                max_tokens=budgets,
-                seeds=turn_seeds,
-                stop_token_ids=settings.stop_token_ids,
-                stop=settings.stop,
-            )
-        )
-        actions = []
-        for r, context, out in zip(active, contexts, outputs):
-            ep = r.episode
-            r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))
-            ep.turns += 1
-            ep.episode_ids = context + list(out.token_ids)  # what vLLM was given and gave back
-            ep.truncated = out.truncated
-            actions.append(
-                list(out.token_ids)
-                if takes_ids[r.position]
-                else tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            )
-        steps = call_all_with_timeout(
-            [
-                (lambda a, env=r.environment: check_step_result(env.step(a), vocab_size), (a,))
-                for r, a in zip(active, actions)
-            ],
-            settings.timeout_s,
-        )
-        for r, out, (ok, result) in zip(active, outputs, steps):
-            ep = r.episode
-            if not ok:
-                failed(r, "step", result)
-                continue
-            observation, reward, done, info = result
-            ep.reward += reward
-            if info.get("tool_call"):
-                ep.tool_calls += 1
-            ep.info.update({k: float(v) for k, v in info.items() if isinstance(v, (int, float)) and k != "tool_call"})
-            if done:
-                r.active = False
-                continue
-            ids = encoder(observation, list(out.token_ids)) if observation else []
-            # Out of turns, or no room for the observation and one more token: the episode is cut here.
-            if turn + 1 == settings.max_turns:
-                r.active, ep.truncated = False, True
-                continue
-            if len(ep.token_ids) + len(ids) >= settings.max_episode_tokens:
-                r.active, ep.truncated = False, True
-                ep.cut_observation_tokens = len(ids)
-                continue
-            r.append(ids, policy=False)
-            ep.observation_tokens += len(ids)
-    failed_kinds = [r.episode.failure for r in running if r.episode.failure]
-    if (
-        failed_kinds
-    ):  # on_error=zero: counted in rollout/environment_errors and _timeouts, and said, as reward failures are
-        log.warning(
-            "%s: %d of %d episodes scored 0 after environment errors and %d after timeouts (reward.on_error=zero); "
-            "the first: %s",
-            where,
-            failed_kinds.count("error"),
-            len(running),
-            failed_kinds.count("timeout"),
-            next(r.failure_message for r in running if r.episode.failure),
-        )
-    cut = [r.episode for r in running if r.episode.cut_observation_tokens]
-    if cut:  # every such episode ends truncated, without the tool's answer: said, or a run learns nothing unseen
-        longest = max(cut, key=lambda ep: ep.cut_observation_tokens)
-        log.warning(
-            "%s: %d of %d episodes were cut at an observation that did not fit the episode's budget "
-            "(rollout.episodes.max_tokens=%d: prompt excluded, turns and observations; the longest cut observation "
-            "had %d tokens, with %d left); fix: raise rollout.episodes.max_tokens or shorten the environment's "
-            "observations",
-            where,
-            len(cut),
-            len(running),
-            settings.max_episode_tokens,
-            longest.cut_observation_tokens,
-            settings.max_episode_tokens - len(longest.token_ids),
-        )
-    episodes = []
-    for r in running:
-        ep = r.episode
-        if not ep.episode_ids:  # no turn was generated (reset failed or filled the budget)
-            ep.episode_ids = list(r.prompt.prompt_ids) + ep.token_ids
-        ep.text = tokenizer.decode(ep.token_ids, skip_special_tokens=True)
-        episodes.append(ep)
-    return episodes
+    return loop.run(prompts, n, sample_positions)
 
 
 def episode_seeds(seed: int, purpose: str | None, samples: list[int]) -> Callable[[int], list[int]] | None:

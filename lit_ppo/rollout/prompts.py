@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from lit_ppo.config import DataConfig
+from lit_ppo.config import DataConfig, RolloutConfig
 from lit_ppo.console import SHOWN
 from lit_ppo.errors import (
     ConfigError,
@@ -257,6 +257,82 @@ def end_of_turn_token_ids(tokenizer) -> list[int]:
 TOKENIZE_BATCH = 1024  # prompts tokenized in one call: a fast tokenizer encodes a batch on every core
 
 
+def resolve_stop_token_ids(rollout: RolloutConfig, tokenizer, chat_template: bool) -> list[int]:
+    """rollout.stop_token_ids, plus the chat template's end-of-turn token when prompts use the template."""
+    ids = [int(i) for i in rollout.stop_token_ids]
+    if chat_template and rollout.stop_at_end_of_turn:
+        ids += [i for i in end_of_turn_token_ids(tokenizer) if i not in ids]
+    return ids
+
+
+class _PromptBatches:
+    """`iter_prompts`' records tokenized a batch at a time, the bad ones following `bad_records` (`error` stops at the
+    first in file order, `skip` counts each reason in `skipped`); `usable` counts the prompts given."""
+
+    def __init__(self, tokenizer, *, answer_key, extra_keys, chat_template, max_prompt_length, bad_records, skipped):
+        self.tokenizer, self.answer_key, self.extra_keys = tokenizer, answer_key, extra_keys
+        self.chat_template, self.max_prompt_length = chat_template, max_prompt_length
+        self.bad_records, self.skipped = bad_records, skipped
+        self.usable = 0
+
+    def reject(self, location: str, reason: str, detail: str) -> None:
+        if self.bad_records == "error":
+            raise DataError(f"{location}: {detail}; fix: repair the record or set data.bad_records=skip")
+        self.skipped[reason] += 1
+
+    def tokenized(self, batch: list[tuple[str, str | None, Any]]) -> Iterator[Prompt]:
+        """`batch`: per record in file order, (location, its text, the record), or (location, None, (reason,
+        detail)) for a record rejected before tokenizing."""
+        texts = [text for _, text, _ in batch if text is not None]
+        # A chat template writes its own special tokens (BOS included); plain text gets the tokenizer's.
+        encoded = (
+            self.tokenizer(texts, add_special_tokens=not self.chat_template, return_attention_mask=False)
+            if texts
+            else None
+        )
+        ids_of = iter(encoded.input_ids if encoded is not None else [])
+        answer_key, limit = self.answer_key, self.max_prompt_length
+        for location, text, record in batch:
+            if text is None:
+                self.reject(location, *record)
+                continue
+            ids = next(ids_of)
+            if len(ids) > limit:
+                self.reject(location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={limit}")
+                continue
+            reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
+            extras = {k: record[k] for k in self.extra_keys}
+            self.usable += 1
+            yield Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location)
+
+
+def _missing_keys(location: str, record: dict, first: bool, prompt_key, answer_key, extra_keys) -> list[str]:
+    """The keys `record` lacks; missing from the `first` record, a key names a setting that names no field:
+    ConfigError."""
+    missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
+    if missing and first:
+        settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
+        named = ", ".join(f"{settings.get(k, 'data.extra_keys')}={k!r}" for k in missing)
+        raise ConfigError(
+            f"{location}: {named} is not a field of the records (the first has {sorted(record)}); fix: set "
+            f"{settings.get(missing[0], 'data.extra_keys')} to the field that holds it"
+        )
+    return missing
+
+
+def _pending_record(
+    location: str, record: dict, missing: list[str], tokenizer, prompt_key: str, **formatting
+) -> tuple[str, str | None, Any]:
+    """One record read, as `_PromptBatches.tokenized` takes it: its formatted prompt (`formatting`: chat_template,
+    system_prompt), or why it is rejected."""
+    raw = record.get(prompt_key)
+    if missing:
+        return location, None, ("missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
+    if not isinstance(raw, str) or not raw.strip():
+        return location, None, ("empty_prompt", f"prompt {prompt_key!r} is empty or not text")
+    return location, format_prompt(raw, tokenizer, **formatting), record
+
+
 def iter_prompts(
     path: str | Path,
     tokenizer,
@@ -285,37 +361,16 @@ def iter_prompts(
             f"data: file {path} does not exist; fix: set data.path (or data.eval_path) to an existing file"
         )
     skipped = Counter() if skipped is None else skipped
-
-    def reject(location: str, reason: str, detail: str) -> None:
-        if bad_records == "error":
-            raise DataError(f"{location}: {detail}; fix: repair the record or set data.bad_records=skip")
-        skipped[reason] += 1
-
-    usable = 0
-
-    def tokenized(batch: list[tuple[str, str | None, Any]]) -> Iterator[Prompt]:
-        """`batch`: per record in file order, (location, its text, the record), or (location, None, (reason,
-        detail)) for a record rejected before tokenizing."""
-        nonlocal usable
-        texts = [text for _, text, _ in batch if text is not None]
-        # A chat template writes its own special tokens (BOS included); plain text gets the tokenizer's.
-        encoded = tokenizer(texts, add_special_tokens=not chat_template, return_attention_mask=False) if texts else None
-        ids_of = iter(encoded.input_ids if encoded is not None else [])
-        for location, text, record in batch:
-            if text is None:
-                reject(location, *record)
-                continue
-            ids = next(ids_of)
-            if len(ids) > max_prompt_length:
-                reject(
-                    location, "too_long", f"prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
-                )
-                continue
-            reference = None if not answer_key else (None if record[answer_key] is None else str(record[answer_key]))
-            extras = {k: record[k] for k in extra_keys}
-            usable += 1
-            yield Prompt(prompt_ids=ids, text=text, reference=reference, extras=extras, location=location)
-
+    batches = _PromptBatches(
+        tokenizer,
+        answer_key=answer_key,
+        extra_keys=extra_keys,
+        chat_template=chat_template,
+        max_prompt_length=max_prompt_length,
+        bad_records=bad_records,
+        skipped=skipped,
+    )
+    formatting = dict(chat_template=chat_template, system_prompt=system_prompt)
     if generated is None:
         key = name.partition("=")[0] if name else None  # data.path=...: the setting, for a refusal of the file
         read, estimate = _read_records(path, key), lambda: records_estimate(path)
@@ -325,37 +380,22 @@ def iter_prompts(
     pending, records = [], 0  # records read and not yet tokenized; records read
     try:
         for location, record in read:
-            missing = [k for k in [prompt_key, answer_key, *extra_keys] if k and k not in record]
-            if missing and not records:  # missing from the very first record: a key setting that names no field
-                settings = {prompt_key: "data.prompt_key", answer_key: "data.answer_key"}
-                named = ", ".join(f"{settings.get(k, 'data.extra_keys')}={k!r}" for k in missing)
-                raise ConfigError(
-                    f"{location}: {named} is not a field of the records (the first has {sorted(record)}); fix: set "
-                    f"{settings.get(missing[0], 'data.extra_keys')} to the field that holds it"
-                )
+            missing = _missing_keys(location, record, not records, prompt_key, answer_key, extra_keys)
             records += 1
-            raw = record.get(prompt_key)
-            if missing:
-                why = ("missing_key", f"record has no key(s) {missing} (keys: {sorted(record)})")
-                pending.append((location, None, why))
-            elif not isinstance(raw, str) or not raw.strip():
-                pending.append((location, None, ("empty_prompt", f"prompt {prompt_key!r} is empty or not text")))
-            else:
-                text = format_prompt(raw, tokenizer, chat_template=chat_template, system_prompt=system_prompt)
-                pending.append((location, text, record))
+            pending.append(_pending_record(location, record, missing, tokenizer, prompt_key, **formatting))
             if len(pending) == TOKENIZE_BATCH:
                 batch, pending = pending, []
-                yield from tokenized(batch)
+                yield from batches.tokenized(batch)
                 progress.update(records)
     except DataError:
         # A line that cannot be read (malformed JSON): the bad records before it, not yet tokenized, are named first.
         batch, pending = pending, []
-        yield from tokenized(batch)
+        yield from batches.tokenized(batch)
         raise
     finally:
         progress.close(records)
-    yield from tokenized(pending)
-    if not usable:
+    yield from batches.tokenized(pending)
+    if not batches.usable:
         described = PromptSet([], str(path), skipped).describe()
         raise DataError(f"{path}: no usable prompts ({described}); fix: check data.prompt_key and the file's contents")
 

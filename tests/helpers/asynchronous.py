@@ -1,5 +1,5 @@
 """Rollout-worker runs' shared test code (tests/rollout/test_async.py, test_async_dynamic_sampling.py,
-test_schedule.py, test_worker_ranks.py): the tests' rollout settings with workers, a stand-in for the workers' client
+test_schedule.py, workers/test_ranks.py): the tests' rollout settings with workers, a stand-in for the workers' client
 (`QueueingWorkers`), a data module that records every batch it produced, and a reward whose uniform groups
 dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too)."""
 

@@ -24,12 +24,8 @@ from lit_ppo.environments import (
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
 from lit_ppo.rollout.engine import Generation
-from lit_ppo.rollout.episodes import (
-    EpisodeSettings,
-    ObservationEncoder,
-    episode_stats,
-    run_episodes,
-)
+from lit_ppo.rollout.episodes import EpisodeSettings, episode_stats, run_episodes
+from lit_ppo.rollout.observations import ObservationEncoder
 from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.testing import rollout_batch_from_ids
 from lit_ppo.training.batching import check_rollout_ids, pack

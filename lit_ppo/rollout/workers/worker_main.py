@@ -97,28 +97,12 @@ def check_probe(engine, probe, max_logprob_abs_diff: float | None, worker: int, 
         raise RuntimeError(mismatch)
 
 
-def worker_main(
-    host: str, port: int, worker: int, workers: int | None, *, external: bool = False, connect_timeout_s: float = 60.0
-) -> None:
-    """One rollout worker: connect to the trainer's store at host:port, start the engine of its spec, then follow the
-    worker's ordered commands. `external`: started by the user's launcher (not the trainer), on any node: it sends a
-    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (DIST_ENV) out of vLLM's
-    way. `workers`: None takes the trainer's rollout.workers."""
+def _connect(host: str, port: int, worker: int, connect_timeout_s: float):
+    """The trainer's store at host:port; a worker that cannot reach it within `connect_timeout_s` says so and exits."""
     import torch.distributed as dist
 
-    # Every thread this worker starts watches `stopping` and is joined before the worker ends: a thread still inside
-    # the store's or gloo's C++ code while the interpreter tears down aborts the process (`terminate called without an
-    # active exception`, code -6), which its launcher takes for a crash.
-    stopping = threading.Event()
-    threads: list[threading.Thread] = []
-    if external:
-        for key in DIST_ENV:
-            os.environ.pop(key, None)
-    else:
-        threads.append(threading.Thread(target=_watch_parent, args=(os.getppid(), stopping), daemon=True))
-        threads[-1].start()
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=seconds_delta(connect_timeout_s))
+        return dist.TCPStore(host, port, is_master=False, timeout=seconds_delta(connect_timeout_s))
     except RuntimeError as e:
         print(
             f"rollout worker {worker}: could not connect to the trainer at {host}:{port} within {connect_timeout_s:g} s "
@@ -128,27 +112,111 @@ def worker_main(
             flush=True,
         )
         os._exit(2)
+
+
+def _join(store, spec: WorkerSpec, worker: int, workers: int | None, where: str, external: bool, heartbeat) -> None:
+    """This worker's number checked against the trainer's rollout.workers.count (a wrong one says so and exits); an
+    external worker claims its number, says hello and starts its heartbeat (`heartbeat`: the thread's start)."""
+    if not 0 <= worker < spec.workers or workers not in (None, spec.workers):
+        print(
+            f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {where} "
+            f"expects rollout.workers.count={spec.workers} (numbers 0..{spec.workers - 1}); fix: start that many "
+            "workers, numbered from 0",
+            flush=True,
+        )
+        os._exit(2)
+    if external:
+        if store.add(f"claim/{worker}", 1) != 1:
+            raise RuntimeError(
+                f"rollout worker {worker}: another worker connected as number {worker} already; fix: give each "
+                "worker its own --worker (or SLURM_PROCID / RANK)"
+            )
+        store.set(f"hello/{worker}", pickle.dumps(Hello(socket.gethostname(), os.getpid())))
+        heartbeat()
+        print(f"rollout worker {worker} of {spec.workers}: connected to the trainer at {where}", flush=True)
+
+
+def _apply_weights(engine, command: ApplyWeights, spec: WorkerSpec, worker: int) -> None:
+    """A received policy version applied by the engine, its version and its probe's log-probs checked."""
+    version = command.policy_version
+    if command.peft_config is None:  # through vLLM's weight-transfer interface (or HF's copy of it)
+        engine.apply_weight_transfer(list(command.updates), version)
+    else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
+        # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
+        engine.apply_adapter_transfer(list(command.updates), command.peft_config, command.adapter_version)
+        engine.set_weight_version(version)
+    if engine.weight_version != version:
+        raise RuntimeError(
+            f"rollout worker {worker}: its engine reports weight version {engine.weight_version} after "
+            f"applying policy version {version} (vLLM did not commit it); fix: install the vLLM version "
+            "lit-ppo pins (pyproject.toml's extras) and report it with this worker's log if it persists"
+        )
+    print(f"rollout worker {worker}: policy version {version} applied", flush=True)
+    check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
+
+
+def _follow_commands(store, spec: WorkerSpec, worker: int, engine, episodes, own_host: str) -> None:
+    """The worker's ordered commands until Stop: join the weight-transfer group, apply a version, generate (responses,
+    or multi-turn episodes with `episodes`, an EpisodeRunner) and set the result with the warnings logged meanwhile."""
+    warnings = WarningLines()
+    n = 0
+    while True:
+        command = pickle.loads(take_key(store, f"cmd/{worker}/{n}"))
+        n += 1
+        if isinstance(command, Stop):
+            return
+        if isinstance(command, InitWeightTransfer):  # the first: join the trainer's weight-transfer group
+            first = 1 + worker * spec.processes_per_engine  # the trainer is rank 0 of the group
+            engine.open_weight_transfer({**command.init_info, "rank_offset": first, "own_host": own_host})
+            print(f"rollout worker {worker}: receives weights through {engine.weight_transfer_name}", flush=True)
+        elif isinstance(command, ApplyWeights):
+            _apply_weights(engine, command, spec, worker)
+        elif isinstance(command, Generate):
+            started = time.perf_counter()
+            with warnings:
+                if isinstance(command.request, EpisodeRequest):  # multi-turn episodes
+                    generations = episodes.run(engine, command.request)
+                else:
+                    generations = engine.generate(command.request)
+            seconds = time.perf_counter() - started
+            result = Result(generations, engine.weight_version, seconds, warnings.take())
+            store.set(f"result/{worker}/{command.ticket}", pickle.dumps(result))
+
+
+def worker_main(
+    host: str, port: int, worker: int, workers: int | None, *, external: bool = False, connect_timeout_s: float = 60.0
+) -> None:
+    """One rollout worker: connect to the trainer's store at host:port, start the engine of its spec, then follow the
+    worker's ordered commands. `external`: started by the user's launcher (not the trainer), on any node: it sends a
+    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (DIST_ENV) out of vLLM's
+    way. `workers`: None takes the trainer's rollout.workers."""
+    # Every thread this worker starts watches `stopping` and is joined before the worker ends: a thread still inside
+    # the store's or gloo's C++ code while the interpreter tears down aborts the process (`terminate called without an
+    # active exception`, code -6), which its launcher takes for a crash.
+    stopping = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start_thread(target, *args) -> None:
+        threads.append(threading.Thread(target=target, args=args, daemon=True))
+        threads[-1].start()
+
+    if external:
+        for key in DIST_ENV:
+            os.environ.pop(key, None)
+    else:
+        start_thread(_watch_parent, os.getppid(), stopping)
+    store = _connect(host, port, worker, connect_timeout_s)
     try:
         spec: WorkerSpec = pickle.loads(store.get("spec"))
-        if not 0 <= worker < spec.workers or workers not in (None, spec.workers):
-            print(
-                f"rollout worker {worker}{f' of --workers {workers}' if workers else ''}: the trainer at {host}:{port} "
-                f"expects rollout.workers.count={spec.workers} (numbers 0..{spec.workers - 1}); fix: start that many "
-                "workers, numbered from 0",
-                flush=True,
-            )
-            os._exit(2)
-        workers = spec.workers
-        if external:
-            if store.add(f"claim/{worker}", 1) != 1:
-                raise RuntimeError(
-                    f"rollout worker {worker}: another worker connected as number {worker} already; fix: give each "
-                    "worker its own --worker (or SLURM_PROCID / RANK)"
-                )
-            store.set(f"hello/{worker}", pickle.dumps(Hello(socket.gethostname(), os.getpid())))
-            threads.append(threading.Thread(target=send_heartbeats, args=(store, worker, stopping), daemon=True))
-            threads[-1].start()
-            print(f"rollout worker {worker} of {workers}: connected to the trainer at {host}:{port}", flush=True)
+        _join(
+            store,
+            spec,
+            worker,
+            workers,
+            f"{host}:{port}",
+            external,
+            lambda: start_thread(send_heartbeats, store, worker, stopping),
+        )
         from lit_ppo.engine_registry import ENGINES
 
         started = time.perf_counter()
@@ -162,45 +230,8 @@ def worker_main(
             from lit_ppo.rollout.episodes import EpisodeRunner
 
             episodes = EpisodeRunner.from_spec(spec.episodes)
-        warnings = WarningLines()
         store.set(f"ready/{worker}", b"1")
-        own_host = _address_towards(host, port) if external else host
-        n = 0
-        while True:
-            command = pickle.loads(take_key(store, f"cmd/{worker}/{n}"))
-            n += 1
-            if isinstance(command, Stop):
-                break
-            if isinstance(command, InitWeightTransfer):  # the first: join the trainer's weight-transfer group
-                first = 1 + worker * spec.processes_per_engine  # the trainer is rank 0 of the group
-                engine.open_weight_transfer({**command.init_info, "rank_offset": first, "own_host": own_host})
-                print(f"rollout worker {worker}: receives weights through {engine.weight_transfer_name}", flush=True)
-            elif isinstance(command, ApplyWeights):
-                version = command.policy_version
-                if command.peft_config is None:  # through vLLM's weight-transfer interface (or HF's copy of it)
-                    engine.apply_weight_transfer(list(command.updates), version)
-                else:  # model.lora: the adapter alone, loaded from memory as a new adapter version
-                    # It stops the worker unless its engine then serves exactly this adapter (vLLM's list_loras).
-                    engine.apply_adapter_transfer(list(command.updates), command.peft_config, command.adapter_version)
-                    engine.set_weight_version(version)
-                if engine.weight_version != version:
-                    raise RuntimeError(
-                        f"rollout worker {worker}: its engine reports weight version {engine.weight_version} after "
-                        f"applying policy version {version} (vLLM did not commit it); fix: install the vLLM version "
-                        "lit-ppo pins (pyproject.toml's extras) and report it with this worker's log if it persists"
-                    )
-                print(f"rollout worker {worker}: policy version {version} applied", flush=True)
-                check_probe(engine, command.probe, spec.max_logprob_abs_diff, worker, version)
-            elif isinstance(command, Generate):
-                started = time.perf_counter()
-                with warnings:
-                    if isinstance(command.request, EpisodeRequest):  # multi-turn episodes
-                        generations = episodes.run(engine, command.request)
-                    else:
-                        generations = engine.generate(command.request)
-                seconds = time.perf_counter() - started
-                result = Result(generations, engine.weight_version, seconds, warnings.take())
-                store.set(f"result/{worker}/{command.ticket}", pickle.dumps(result))
+        _follow_commands(store, spec, worker, engine, episodes, _address_towards(host, port) if external else host)
         # The weight receiver is joined and its gloo group's pairs closed here, while the trainer (which waits for
         # "stopped") still holds its end.
         engine.close_weight_transfer()

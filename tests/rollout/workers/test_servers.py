@@ -24,9 +24,9 @@ from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.server_http import HTTPFailure, Server
-from lit_ppo.rollout.workers.server_push import ServerPush, ServerSyncClient
-from lit_ppo.rollout.workers.server_settings import server_arguments, server_command_line, server_mismatch
-from lit_ppo.rollout.workers.server_spawn import PLUGIN_ENTRY_POINT, plugin_path, server_environment, spawn_server
+from lit_ppo.rollout.workers.server_push import ServerPush
+from lit_ppo.rollout.workers.server_settings import server_arguments
+from lit_ppo.rollout.workers.server_spawn import plugin_path, server_environment
 from lit_ppo.rollout.workers.servers import ServerWorkers
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
 from tests.helpers.asynchronous import (
@@ -36,6 +36,7 @@ from tests.helpers.asynchronous import (
     fit_then_close,
     patch_child_processes,
 )
+from tests.helpers.servers import model_folder
 
 TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
@@ -133,16 +134,6 @@ def test_the_plan_names_the_servers_and_the_push_that_waits_for_the_steps_in_fli
     ]
 
 
-def test_the_editable_install_declares_the_vllm_plugin(tmp_path):
-    """`make install` (pip install -e) writes the dist-info that setuptools prepares for an editable build: its
-    entry points name lit_ppo_gloo in vLLM's plugin group, so a server in that environment registers the backend."""
-    from setuptools import build_meta
-
-    name = build_meta.prepare_metadata_for_build_editable(str(tmp_path))
-    entry_points = (tmp_path / name / "entry_points.txt").read_text()
-    assert f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}" in entry_points
-
-
 def given_server_workers(url: str, log_dir: Path, **settings) -> ServerWorkers:
     """The trainer's client of one server given by `url` (started outside the run), with the tests' timeouts;
     `settings`: ServerWorkers' keywords over them."""
@@ -166,37 +157,6 @@ def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_i
     assert "\n" not in message
     assert message.startswith(f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls")
     assert "did not answer /health within rollout.workers.start_timeout_s=2 s" in message
-
-
-def test_a_spawned_server_ends_with_its_trainer_even_when_the_trainer_is_killed(tmp_path):
-    """A spawned server is started with `end_with_parent` (PR_SET_PDEATHSIG): a trainer killed with SIGKILL, which
-    runs no `close`, leaves no server behind (here a stand-in child that would sleep two minutes)."""
-    spawn = (
-        "import functools, os, subprocess, sys, time\n"
-        "from lit_ppo.rollout.workers.server_spawn import end_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],"
-        " preexec_fn=functools.partial(end_with_parent, os.getpid()), start_new_session=True)\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(120)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    trainer = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True, env=env)
-    child = int(trainer.stdout.readline())
-    trainer.kill()
-    trainer.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and running(child):
-        time.sleep(0.1)
-    assert not running(child)
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 # ---------------------------------------------------------------- real servers
@@ -752,49 +712,6 @@ def test_a_push_that_fails_part_way_stops_at_once_in_one_line_naming_the_server_
     assert seconds < 30.0, (seconds, message)  # the settle (servers.SETTLE_S), not the push's timeout
 
 
-def test_while_a_failed_push_settles_a_failed_bucket_call_is_named_as_that_call_and_an_exit_comes_first(tmp_path):
-    """The push's settle names a server's call that already failed by what it was (here a bucket's /update_weights
-    to a URL where nothing answers), not as the rendezvous' join; where the server has also exited (a process killed
-    with SIGKILL), its exit is the line (the cause, where the failed call is its effect)."""
-    import subprocess
-    import sys
-
-    import torch.distributed as dist
-
-    def settle(server: Server) -> str:
-        workers = object.__new__(ServerWorkers)  # the trainer's side alone: no server started
-        workers.servers, workers.failed, workers.push_timeout_s = [server], False, 5.0
-        workers.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        client = ServerSyncClient(workers, workers.store)
-        try:
-            client.update_weights({"push": 0, "bucket": 3, "entries": [], "nbytes": 0, "weight_version": "1"})
-            client.pending[0][1].exception(timeout=10.0)  # refused at once
-            with pytest.raises(RolloutWorkerError) as info:
-                client.check_alive("the weight push")
-        finally:
-            client.close()
-            del workers.store
-        assert "\n" not in str(info.value) and workers.failed
-        return str(info.value)
-
-    url = f"http://127.0.0.1:{free_port()}"
-    message = settle(Server(0, url))
-    assert message.startswith(
-        f"trainer: vLLM server 0 at {url} (given by rollout.workers.server_urls; its log is its own) failed the weight "
-        "push's bucket 3 (/update_weights): POST /update_weights failed after at most 5 s: "
-    ), message
-    assert message.endswith("; it does not answer /health either")
-
-    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
-    killed.wait(timeout=30)
-    log_file = tmp_path / "rollout_server0.log"
-    message = settle(Server(0, url, process=killed, log_file=log_file))
-    assert message == (
-        f"trainer: vLLM server 0 at {url} (pid {killed.pid}; see {log_file}) exited with code -9 while the trainer "
-        "waited for the weight push"
-    )
-
-
 SERVER_COMMITS_ONLY_ITS_FIRST_VERSION = """
 import sys
 
@@ -841,76 +758,6 @@ def test_a_server_that_reports_another_version_than_pushed_stops_in_one_line(tin
 
 
 # ---------------------------------------------------------------- given servers checked against the run (issue 55)
-
-RECORDED_SERVER_INFO = ROOT / "tests" / "fixtures" / "server_info" / "cpu_auto_dtype.json"
-
-
-def recorded_server_info(model_dir: str, **changes) -> dict:
-    """The recorded /server_info of a CPU server started without --dtype (vLLM's auto: bfloat16), serving `model_dir`;
-    `changes`: "section.key" -> value over it."""
-    info = json.loads(RECORDED_SERVER_INFO.read_text())
-    info["vllm_config"]["model_config"]["model"] = model_dir
-    for where, value in changes.items():
-        section, key = where.split(".")
-        info["vllm_config"][section][key] = value
-    return info
-
-
-def model_folder(root: Path, **shape) -> str:
-    """A model folder with only a config.json (what `server_mismatch` reads of a model): the tests' tiny Qwen2's shape,
-    `shape` over it."""
-    config = dict(
-        architectures=["Qwen2ForCausalLM"],
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps({**config, **shape}))
-    return str(root)
-
-
-def test_a_given_server_of_another_dtype_or_setting_is_named_with_both_values_and_the_flag(tmp_path, caplog):
-    """What a given server runs with (its /server_info, recorded from a real CPU server started without --dtype) is
-    compared with what the run's workers need: the plan's vLLM dtype (vLLM's auto picked bfloat16 where the run
-    samples in float32), the model (architecture, shapes, vocabulary, from both config.json), chunked prefill on CPU,
-    the generation config. One line naming the setting, both values and the `vllm serve` flag; nothing where all agree
-    (the same server is right for a bfloat16 run)."""
-    ours = model_folder(tmp_path / "ours")
-    settings = {"model_dir": ours, "dtype": "float32", "max_model_len": 128}
-    assert server_mismatch(recorded_server_info(ours), settings) == (
-        "runs with dtype 'bfloat16' where this run's rollout workers need 'float32'; fix: start it with --dtype "
-        "float32 (docs/async.md gives the whole command)"
-    )
-    assert server_mismatch(recorded_server_info(ours), {**settings, "dtype": "bfloat16"}) is None
-    chunked = recorded_server_info(ours, **{"scheduler_config.enable_chunked_prefill": True})
-    assert server_mismatch(chunked, {**settings, "dtype": "bfloat16"}).startswith(
-        "runs with enable_chunked_prefill True where this run's rollout workers need False; fix: start it with "
-        "--no-enable-chunked-prefill"
-    )
-    generation = recorded_server_info(ours, **{"model_config.generation_config": "auto"})
-    assert "fix: start it with --generation-config vllm" in server_mismatch(generation, {**settings, "dtype": "bf16"})
-    # Another model: named before any setting, by the keys that differ.
-    other = model_folder(tmp_path / "other", hidden_size=128, vocab_size=151936)
-    assert server_mismatch(recorded_server_info(other), settings) == (
-        f"serves another model than the run's: {other} (vocab_size 151936, hidden_size 128) where the run's {ours} "
-        f"has vocab_size 128, hidden_size 64; fix: start it with --model {ours} (docs/async.md gives the whole command)"
-    )
-    same_shape = model_folder(tmp_path / "copy")  # another folder of the same model: its settings are compared
-    assert server_mismatch(recorded_server_info(same_shape), {**settings, "dtype": "bfloat16"}) is None
-    # A path this machine cannot read: one warning naming the server, then the settings are still compared.
-    caplog.clear()
-    unreadable = recorded_server_info(str(tmp_path / "on-another-node"))
-    assert server_mismatch(unreadable, {**settings, "dtype": "bfloat16"}, "vLLM server 0 at http://n1:8000") is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        f"trainer: vLLM server 0 at http://n1:8000 serves {tmp_path / 'on-another-node'}, which this machine cannot "
-        f"read: its model is not compared with the run's ({ours}); a server of another model fails at the first "
-        "weight push"
-    ]
 
 
 def test_a_given_server_without_dev_mode_is_named_with_the_variable_that_fixes_it():
@@ -960,58 +807,6 @@ def test_a_given_url_where_nothing_listens_is_said_and_refused_after_the_grace_n
         f"trainer: waiting for {server} to answer /health (up to rollout.workers.start_timeout_s=600 s; 2 s while it "
         "refuses connections)"
     ]
-
-
-BY_HAND = dict(  # a server's settings as the client derives them (`kv_cache_gib` set by each test)
-    model_dir="/models/tiny",
-    dtype="float32",
-    max_model_len=128,
-    seed=0,
-    tensor_parallel_size=1,
-    enforce_eager=True,
-    gpu_memory_utilization=0.3,
-)
-
-
-def test_the_command_to_start_a_server_by_hand_carries_its_environment_and_quotes_its_json():
-    """docs/async.md's command and a spawned server's log line: the variables a server needs (the CPU's KV cache size
-    too: without it a CPU server fails with vLLM's memory error), and arguments a shell gives back unchanged."""
-    import shlex
-
-    settings = {**BY_HAND, "kv_cache_gib": 2}
-    line = server_command_line(settings, 8000, "0.0.0.0")
-    assert line.startswith(
-        "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=2 TOKENIZERS_PARALLELISM=false python -m "
-        "vllm.entrypoints.openai.api_server --model /models/tiny "
-    ), line
-    assert shlex.split(line)[6:] == server_arguments(settings, 8000, "0.0.0.0")
-
-
-def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp_path, monkeypatch):
-    """The first line of `<run>/logs/rollout_server<N>.log` is the command a spawned server runs with the variables it
-    gets beside the trainer's (VLLM_CPU_KVCACHE_SPACE, which a CPU server cannot start without, and PYTHONPATH), as a
-    shell runs it: pasted, it starts the same server."""
-    import shlex
-
-    from lit_ppo.rollout.workers import server_spawn
-
-    started = []
-
-    class Started:  # the process, not started
-        pid = 4242
-
-        def __init__(self, command, env, **_):
-            started.append((command, env))
-
-    monkeypatch.setattr(server_spawn.subprocess, "Popen", Started)
-    settings = {**BY_HAND, "kv_cache_gib": 3}
-    spawn_server(0, settings, 1, 1, "127.0.0.1", tmp_path)
-    (command, env), line = started[0], (tmp_path / "rollout_server0.log").read_text().splitlines()[0]
-    words = shlex.split(line.removeprefix("$ "))
-    variables = dict(word.split("=", 1) for word in words[: words.index(command[0])])
-    assert words[len(variables) :] == command
-    assert variables["VLLM_SERVER_DEV_MODE"] == "1" and variables["VLLM_CPU_KVCACHE_SPACE"] == "3"
-    assert all(env[k] == v for k, v in variables.items()) and "PYTHONPATH" in variables
 
 
 def process_group(pgid: int) -> list[int]:
