@@ -670,7 +670,7 @@ def test_a_push_that_fails_part_way_stops_at_once_in_one_line_naming_the_server_
     workers = spawned_server_workers(tiny_model_dir, tmp_path, push_timeout_s=120.0)
     try:
         workers.update_weights(update_of(policy, 0, probe, 10))
-        pid, client = workers.procs[0].pid, workers.sync_client
+        pid, client = workers.procs[0].pid, workers.push.sync_client
         announce, send = client.update_weights, client._send
 
         killed = []
@@ -709,7 +709,7 @@ def test_a_push_that_fails_part_way_stops_at_once_in_one_line_naming_the_server_
             f"{server} failed the weight push's bucket 0 (/update_weights): POST /update_weights answered HTTP 500: "
         ), message
         assert "weight push 1 bucket 0: the received bucket's weight_version differs" in message
-    assert seconds < 30.0, (seconds, message)  # the settle (servers.SETTLE_S), not the push's timeout
+    assert seconds < 30.0, (seconds, message)  # the settle (server_push.SETTLE_S), not the push's timeout
 
 
 SERVER_COMMITS_ONLY_ITS_FIRST_VERSION = """
