@@ -344,7 +344,7 @@ def start_colocated(datamodule, actor=None) -> VLLMEngine:
 
 
 def worker_settings(datamodule, plan) -> dict:
-    """`VLLMEngine`'s keywords in a rollout worker (or a vLLM server: `servers.server_arguments`), from the run's
+    """`VLLMEngine`'s keywords in a rollout worker (or a vLLM server: `server_settings.server_arguments`), from the run's
     rollout settings."""
     r = datamodule.rollout
     return dict(

@@ -97,7 +97,9 @@ def test_refill_keeps_the_planned_optimizer_steps_and_counts_what_it_drew(full_r
         assert row["rollout/filled_groups"] == max(0, ROLLOUT_BATCH - len(informative))
     # The data position moved by the rounds drawn; rounds > 1 happened (the refill), and so did a data epoch.
     assert (
-        datamodule.stream.next_generation_round == first_round == sum(r["rollout/generation_rounds"] for r in module.history)
+        datamodule.stream.next_generation_round
+        == first_round
+        == sum(r["rollout/generation_rounds"] for r in module.history)
     )
     assert max(r["rollout/generation_rounds"] for r in module.history) > 1
     assert first_round > plan.counts.generation_rounds_per_data_epoch == 8
@@ -129,7 +131,9 @@ def test_resume_mid_run_matches_an_uninterrupted_run(paths, engine, full_run, tm
         resume_from=str(checkpoint_path(tmp_path / "split" / "checkpoints", 3)),
     )
     assert (
-        resumed_dm.stream.next_generation_round == full_dm.stream.next_generation_round > plan.counts.generation_rounds_per_data_epoch
+        resumed_dm.stream.next_generation_round
+        == full_dm.stream.next_generation_round
+        > plan.counts.generation_rounds_per_data_epoch
     )
     assert resumed.actor_optimizer_steps == full.actor_optimizer_steps == 20
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
