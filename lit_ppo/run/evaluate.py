@@ -23,12 +23,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ppo.atomic import write_text_atomic
-from lit_ppo.checkpoints import resolve_resume
 from lit_ppo.config import RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.engine_registry import engine_row
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan
+from lit_ppo.resume import resolve_resume
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.build import build_run, quiet_known_warnings

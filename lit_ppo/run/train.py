@@ -27,20 +27,14 @@ from lit_ppo import waits
 from lit_ppo.atomic import (
     atomic_path,
 )
-from lit_ppo.checkpoints import (
-    RolloutCheckpoint,
-    check_run_directory,
-    finished_note,
-    fresh_start_note,
-    list_checkpoints,
-    resolve_resume,
-)
+from lit_ppo.checkpoints import RolloutCheckpoint, list_checkpoints
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.preemption import Preemption
+from lit_ppo.resume import check_run_directory, finished_note, fresh_start_note, resolve_resume
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger

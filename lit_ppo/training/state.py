@@ -1,7 +1,7 @@
 """PPOModule's own state in a checkpoint, beside Lightning's weights, optimizers and schedulers (`module_state`,
 `restore_module_state`: `PPOModule.on_save_checkpoint` / `on_load_checkpoint`), and the checks of a checkpoint's plan
-against the resumed run's (its models, its adapters, its rollout step's shape). The checkpoint files themselves, their
-rotation and what a run resumes from are `lit_ppo/checkpoints.py`'s.
+against the resumed run's (its models, its adapters, its rollout step's shape). The checkpoint files themselves and their
+rotation are `lit_ppo/checkpoints.py`'s, what a run resumes from `lit_ppo/resume.py`'s.
 """
 
 from __future__ import annotations
