@@ -12,10 +12,10 @@ One `training_step` is one rollout step:
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank computes the experience
 of its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
-`batching.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples and
-experience, and the mini-batches are drawn from those global samples, each rank training its share of each
-(`batching.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators and the
-logged metrics are those of the global batch.
+`rank_samples.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples
+and experience, and the mini-batches are drawn from those global samples, each rank training its share of each
+(`rank_samples.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators
+and the logged metrics are those of the global batch.
 """
 
 from __future__ import annotations
@@ -47,15 +47,7 @@ from lit_ppo.plan import (
     minibatch_schedule,
 )
 from lit_ppo.topology import RankTopology
-from lit_ppo.training.batching import (
-    MicroBatch,
-    balanced_rank_batch,
-    check_rollout_ids,
-    global_batch,
-    pack,
-    packed_micro_batches,
-    rank_share,
-)
+from lit_ppo.training.batching import MicroBatch, check_rollout_ids, pack, packed_micro_batches
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -87,6 +79,7 @@ from lit_ppo.training.models import (
 from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
+from lit_ppo.training.rank_samples import balanced_rank_batch, global_batch, rank_share
 from lit_ppo.training.state import check_same_adapters, check_same_models, module_state, restore_module_state
 from lit_ppo.training.teacher import load_teacher, teacher_logprobs
 
