@@ -24,6 +24,7 @@ from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
 from lit_ppo.rollout.prompts import PromptSet, check_utf8
 from lit_ppo.run import preflight as checks
+from lit_ppo.run import user_code
 
 log = logging.getLogger("lit_ppo")
 
@@ -115,18 +116,18 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
     if training:
         checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
     environment = rollout.episodes.environment
-    checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
+    user_code.check_environment_turns(environment is not None, rollout.episodes.max_turns)
     if environment is not None and environment.get("_target_"):
-        environment_class = checks.resolve_target(environment["_target_"], "rollout.episodes.environment")
+        environment_class = user_code.resolve_target(environment["_target_"], "rollout.episodes.environment")
         arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
-        checks.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
+        user_code.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
     spec = config.reward.fn
-    target = checks.resolve_target(spec.get("_target_"), "reward.fn")
+    target = user_code.resolve_target(spec.get("_target_"), "reward.fn")
     bound = {k: v for k, v in spec.items() if not k.startswith("_")}
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}"
-    checks.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
-    checks.check_reward_convention(
-        checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
+    user_code.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
+    user_code.check_reward_convention(
+        user_code.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
         name,
         config.reward.signature,
         data.answer_key,
