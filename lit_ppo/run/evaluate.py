@@ -191,6 +191,21 @@ def evaluate(
         scorer.close()
     if not module.topology.is_rank_zero:
         return None
+    return write_evaluation(config, plan, module, model_dir, checkpoint, eval_prompts, output_dir, started)
+
+
+def write_evaluation(
+    config: RunConfig,
+    plan: StepPlan,
+    module,
+    model_dir,
+    checkpoint: Path | None,
+    eval_prompts,
+    output_dir: Path,
+    started,
+) -> dict:
+    """Rank 0's eval.json of the evaluation `module` made (its last `eval_history` entry), the greedy samples' table
+    and the one line of its numbers; eval.json's record."""
     evaluation = module.eval_history[-1]
     metrics = {key: value for key, value in evaluation.items() if key.startswith("eval/")}
     label = model_label(config, checkpoint)

@@ -79,8 +79,8 @@ from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, sh
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 from lit_ppo.training.rank_samples import balanced_rank_batch, global_batch, rank_share
 from lit_ppo.training.state import CheckpointedModule
-from lit_ppo.training.weight_sync import WeightSync, check_adapter_versions
 from lit_ppo.training.teacher import load_teacher, teacher_logprobs
+from lit_ppo.training.weight_sync import WeightSync, check_adapter_versions
 
 
 class PPOModule(WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
