@@ -15,8 +15,9 @@ of its share of the rollout batch (packed: whole prompt groups split again over 
 `rank_samples.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples
 and experience, and the mini-batches are drawn from those global samples, each rank training its share of each
 (`rank_samples.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators
-and the logged metrics are those of the global batch. Mixed in: the weight sync (training/weight_sync.py), the
-evaluations (training/evaluation.py) and what a checkpoint holds of the module (training/state.py).
+and the logged metrics are those of the global batch. Mixed in: the optimizers (training/optim.py), the weight sync
+(training/weight_sync.py), the evaluations (training/evaluation.py) and what a checkpoint holds of the module
+(training/state.py).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from lit_ppo.training.models import (
     response_logprobs_and_entropy,
     trained_state,
 )
-from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_learning_rates
+from lit_ppo.training.optim import GuardedStep, ModuleOptimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 from lit_ppo.training.rank_samples import balanced_rank_batch, global_batch, rank_share
@@ -83,7 +84,7 @@ from lit_ppo.training.teacher import load_teacher, teacher_logprobs
 from lit_ppo.training.weight_sync import WeightSync, check_adapter_versions
 
 
-class PPOModule(WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
+class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
     def __init__(
         self,
         *,
@@ -173,11 +174,6 @@ class PPOModule(WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
         """What the final `actor/` of a sharded actor is written from, gathered (a collective: every rank calls it):
         with LoRA the adapter alone (`save_pretrained(state_dict=...)` keys), else every tensor by Hugging Face name."""
         return trained_state(self.actor) if self.lora else dict(self.full_actor_tensors())
-
-    # ------------------------------------------------------------ optimizers
-
-    def configure_optimizers(self):
-        return actor_critic_optimizers(self.actor, self.critic, self.ppo, self.plan)
 
     # ------------------------------------------------------------ forwards
 
@@ -367,23 +363,6 @@ class PPOModule(WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
         loss = critic_loss(critic_values(self.critic, mb), inputs, self.ppo) * world
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
-
-    def optimizers_and_schedulers(self) -> tuple[list, list]:
-        """The actor's optimizer and learning-rate scheduler, then the critic's when the run has one."""
-        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
-        listed = [x if isinstance(x, list) else [x] for x in (optimizers, schedulers)]
-        return listed[0], listed[1]
-
-    def optimizer_steps(self) -> dict[str, float]:
-        """One optimizer step of the actor and one of the critic (if any), each skipped on a non-finite loss or gradient
-        (`GuardedStep`) and counted; their gradient norms."""
-        optimizers, schedulers = self.optimizers_and_schedulers()
-        norms = {"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)}
-        self.actor_optimizer_steps += 1
-        if self.critic is not None:
-            norms["critic/grad_norm"] = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
-            self.critic_optimizer_steps += 1
-        return norms
 
     # ------------------------------------------------------------ the rollout step
 
