@@ -42,7 +42,7 @@ from mfu import matmul_peak, prime_rl_flops_per_token, training_flops
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import LoraConfig
-from lit_ppo.memory import ModelShape
+from lit_ppo.model_shape import ModelShape
 from lit_ppo.precision import resolve_precision
 from lit_ppo.run.preflight import flex_backward_on_cpu
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, rollout_batch_from_ids

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from lit_ppo.config import PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig  # noqa: E402
 from lit_ppo.demo.arithmetic import make_problems, write_jsonl  # noqa: E402
-from lit_ppo.memory import ModelShape  # noqa: E402
+from lit_ppo.model_shape import ModelShape  # noqa: E402
 from lit_ppo.rewards import RewardScorer, integer_match  # noqa: E402
 from lit_ppo.rollout.datamodule import RolloutDataModule  # noqa: E402
 from lit_ppo.rollout.engine import VLLMEngine  # noqa: E402

@@ -31,7 +31,7 @@ from common import (
 )
 from train_phase import run_litppo, run_plain
 
-from lit_ppo.memory import ModelShape
+from lit_ppo.model_shape import ModelShape
 from lit_ppo.precision import resolve_precision
 from lit_ppo.testing import random_rollout_batch
 

@@ -58,8 +58,8 @@ class RolloutBatch:
 
     def with_samples(self, shares: list[RolloutBatch], picks: list[tuple[int, int]]) -> RolloutBatch:
         """This batch's per-rank fields (RANK_FIELDS) with the samples `picks`, (share, sample index) each, of `shares`
-        (every rank's batch of this rollout step): how ranks trade samples (`training/batching.py:balanced_rank_batch`).
-        A per-sample field that a batch has not (None) stays None."""
+        (every rank's batch of this rollout step): how ranks trade samples
+        (`training/rank_samples.py:balanced_rank_batch`). A per-sample field that a batch has not (None) stays None."""
         values = {}
         for name in SAMPLE_FIELDS:
             columns = [getattr(share, name) for share in shares]

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lit_ppo.engine_registry import ENGINES
+from lit_ppo.model_shape import ModelShape
 
 GIB = 1024**3
 
@@ -64,72 +65,6 @@ LOGPROB_CHUNK_TOKENS = (
 )
 LOGPROB_CHUNKS_ALIVE = 4  # float32 chunk temporaries alive at once in its backward
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (LLM class, GPU and CPU)  # tokens per float32 chunk of the log-prob / entropy computation
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What memory depends on in a decoder-only transformer (Qwen2/Llama layout)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    tie_word_embeddings: bool = True
-    attention_bias: bool = True  # Qwen2: biases on q, k, v
-    head_dim: int | None = None
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
-
-    def layer_parameters(self) -> int:
-        h, kv, q = self.hidden_size, self.kv_dim, self.q_dim
-        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
-        return attention + 3 * h * self.intermediate_size + 2 * h  # + gate/up/down, two RMSNorms
-
-    def embedding_parameters(self) -> int:
-        """Input embeddings, LM head (unless tied) and the final norm: FSDP's root unit."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
-
-    def parameters(self) -> int:
-        return self.num_layers * self.layer_parameters() + self.embedding_parameters()
-
-    def lora_parameters(self, rank: int, target_modules) -> int:
-        """A LoRA adapter's parameters, rank x (in + out) per adapted linear layer of every decoder layer;
-        `all-linear` adapts all seven (the LM head is never adapted)."""
-        h, kv, q, i = self.hidden_size, self.kv_dim, self.q_dim, self.intermediate_size
-        shapes = {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
-        names = list(shapes) if target_modules == "all-linear" else [t for t in target_modules if t in shapes]
-        return self.num_layers * sum(rank * sum(shapes[n]) for n in names)
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
-        """From a Hugging Face config.json (Qwen2, Llama and alike)."""
-        return cls(
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=int(config["num_hidden_layers"]),
-            num_heads=int(config["num_attention_heads"]),
-            num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-            head_dim=config.get("head_dim"),
-        )
 
 
 @dataclass(frozen=True)
@@ -244,14 +179,48 @@ def activation_bytes(shape: ModelShape, batch: int, sequence: int, compute_bytes
 
 
 def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
+    """Per device: the models' state, what the strategy adds, a micro-batch's activations and logits, and what
+    generation holds, each a row; the training and rollout phases' sums and their peak."""
     if run.precision not in PRECISION_BYTES:
         raise ValueError(f"estimate_memory: precision {run.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
     size = PRECISION_BYTES[run.precision]
     params = shape.parameters()
     lora = run.lora_rank > 0
     shard = run.data_parallel_size if run.strategy == "fsdp" else 1
-    how_shard = f" / {shard} (FSDP)" if shard > 1 else ""
     rows: list[tuple[str, int, str]] = []
+    size, (weights, grads, optimizer, trained) = model_state_bytes(shape, run, size, params, lora, shard, rows)
+    extra = strategy_bytes(shape, run, size, params, trained, lora, shard, rows)
+    c = size["compute"]
+    activations, logits = activation_and_logit_bytes(shape, run, c, rows)
+    vllm, vllm_while_training, worker_rows, worker_bytes = rollout_engine_bytes(shape, run, params, c, rows)
+    teacher = teacher_bytes(run, shard, rows)
+    training = weights + grads + optimizer + extra + activations + logits + teacher
+    rollout = weights + optimizer + vllm + teacher
+    peak = max(training + vllm_while_training, rollout)
+    warning = None
+    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
+        warning = (
+            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
+            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
+        )
+    return MemoryEstimate(
+        rows=rows,
+        training_bytes=training,
+        rollout_bytes=rollout,
+        peak_bytes=peak,
+        device_memory_gib=run.device_memory_gib,
+        warning=warning,
+        worker_rows=worker_rows,
+        worker_bytes=worker_bytes,
+    )
+
+
+def model_state_bytes(
+    shape: ModelShape, run: MemoryInputs, size: dict, params: int, lora: bool, shard: int, rows: list
+) -> tuple[dict, tuple[int, int, int, int]]:
+    """The models' weights, gradients and optimizer states, their rows added to `rows`: (the bytes per value, with
+    LoRA's float32 adapters; (weights, gradients, optimizer states, trained parameters))."""
+    how_shard = f" / {shard} (FSDP)" if shard > 1 else ""
     if lora:
         size = {**size, "grad": 4, "adam_state": 4}  # the adapters train in float32 whatever the base's dtype
         bodies = 2 if run.critic else 1
@@ -288,6 +257,14 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     rows.append(("gradients", grads, f"trained models x {size['grad']} B{how_shard}"))
     optimizer = trained * 2 * size["adam_state"] // shard
     rows.append(("optimizer states", optimizer, f"AdamW: 2 x {size['adam_state']} B per trained param{how_shard}"))
+    return size, (weights, grads, optimizer, trained)
+
+
+def strategy_bytes(
+    shape: ModelShape, run: MemoryInputs, size: dict, params: int, trained: int, lora: bool, shard: int, rows: list
+) -> int:
+    """What the strategy adds while training (DDP's gradient buckets, FSDP's gathered units and unsharded gradients,
+    autocast's weight copies), its rows added to `rows`."""
     extra = 0
     if run.strategy == "ddp" and run.data_parallel_size > 1:
         # one model's backward at a time; buckets are per wrapped model (with LoRA: its trained parameters only)
@@ -323,8 +300,13 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         autocast = params * 2
         rows.append(("autocast weight copies", autocast, "bf16 copies of the weights of the model in training"))
         extra += autocast
+    return extra
+
+
+def activation_and_logit_bytes(shape: ModelShape, run: MemoryInputs, c: int, rows: list) -> tuple[int, int]:
+    """A micro-batch's activations (with or without gradient checkpointing, both rows shown) and its logits, their
+    rows added to `rows`."""
     sequence = run.prompt_tokens + run.response_tokens
-    c = size["compute"]
     without = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=False)
     with_ = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=True)
     rows.append(
@@ -354,6 +336,14 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
             f"gradient overwrites them), + {LOGPROB_CHUNKS_ALIVE} float32 chunks of {chunk} tokens",
         )
     )
+    return activations, logits
+
+
+def rollout_engine_bytes(
+    shape: ModelShape, run: MemoryInputs, params: int, c: int, rows: list
+) -> tuple[int, int, list[tuple[str, int, str]], int]:
+    """What generation holds on the trainer's device (in all; while training), its rows added to `rows`, and the
+    rollout workers' own rows and bytes (rollout.mode=disaggregated; else none)."""
     worker_rows: list[tuple[str, int, str]] = []
     worker_bytes = 0
     if run.rollout_workers:  # the workers generate, on their own devices: nothing of it on the trainer's
@@ -373,26 +363,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
         vllm_while_training = 0  # the KV cache and logits of generate() are freed before training starts
     else:
         vllm, vllm_while_training = vllm_bytes(shape, run, params, rows)
-    teacher = teacher_bytes(run, shard, rows)
-    training = weights + grads + optimizer + extra + activations + logits + teacher
-    rollout = weights + optimizer + vllm + teacher
-    peak = max(training + vllm_while_training, rollout)
-    warning = None
-    if run.device_memory_gib and peak > run.device_memory_gib * GIB:
-        warning = (
-            f"the estimated peak of {peak / GIB:.1f} GiB per device exceeds the device's {run.device_memory_gib:g} GiB; "
-            "fix: lower ppo.micro_train_batch_size, set model.gradient_checkpointing=true, use strategy=fsdp or more devices"
-        )
-    return MemoryEstimate(
-        rows=rows,
-        training_bytes=training,
-        rollout_bytes=rollout,
-        peak_bytes=peak,
-        device_memory_gib=run.device_memory_gib,
-        warning=warning,
-        worker_rows=worker_rows,
-        worker_bytes=worker_bytes,
-    )
+    return vllm, vllm_while_training, worker_rows, worker_bytes
 
 
 def teacher_bytes(run: MemoryInputs, shard: int, rows: list) -> int:

@@ -92,6 +92,24 @@ def test_each_plan_section_is_a_short_module_that_never_reaches_back_for_the_who
     assert sorted(m for m in sections if graph[m] & PLAN_ABOVE_SECTIONS) == []
     lines = {path.name: len(path.read_text().splitlines()) for path in (ROOT / "lit_ppo" / "plan").glob("*.py")}
     assert {name: n for name, n in lines.items() if n > 500} == {}
+    assert rows_taking_the_whole_plan(sections) == []
+
+
+def rows_taking_the_whole_plan(modules: set[str]) -> list[str]:
+    """The `rows` (and `*_rows`) functions of `modules` that take the whole plan (a parameter named plan, or annotated
+    StepPlan) instead of the counts they read."""
+    import ast
+
+    found = []
+    for module in sorted(modules):
+        path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and (node.name == "rows" or node.name.endswith("_rows")):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                    if arg.arg == "plan" or "StepPlan" in annotation:
+                        found.append(f"{module}.{node.name}({arg.arg})")
+    return found
 
 
 def test_rollout_and_training_never_import_each_other():

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+from lit_ppo.memory import GIB, MemoryInputs, estimate_memory
+from lit_ppo.model_shape import ModelShape
 from lit_ppo.run import entry as run_module
 from tests.helpers import compose_config
 

@@ -631,8 +631,8 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
 
     import yaml
 
-    from lit_ppo.checkpoints import check_run_directory
     from lit_ppo.config import MOVED_KEYS
+    from lit_ppo.resume import check_run_directory
     from tests.helpers.resume import write_checkpoint
 
     def written_by_the_last_release(config) -> dict:

@@ -13,15 +13,9 @@ import pytest
 import torch
 import yaml
 
-from lit_ppo.checkpoints import (
-    RolloutCheckpoint,
-    check_run_directory,
-    checkpoint_path,
-    checkpoint_problem,
-    list_checkpoints,
-    resolve_resume,
-)
+from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints
 from lit_ppo.errors import ConfigError, NonFiniteUpdatesError
+from lit_ppo.resume import check_run_directory, checkpoint_problem, resolve_resume
 from tests.helpers import ROOT, build_run, compose_run_config
 from tests.helpers.resume import (
     assert_same_weights,
@@ -192,7 +186,7 @@ def test_a_checkpoint_that_cannot_be_read_is_refused_not_passed_over_for_an_olde
     import errno
     import zipfile
 
-    from lit_ppo import checkpoints
+    from lit_ppo import resume
     from lit_ppo.errors import DirectoryError
 
     directory = tmp_path / "checkpoints"
@@ -207,7 +201,7 @@ def test_a_checkpoint_that_cannot_be_read_is_refused_not_passed_over_for_an_olde
             raise OSError(errno.EIO, "Input/output error")
         return real_zip_file(path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoints.zipfile, "ZipFile", unreadable)
+    monkeypatch.setattr(resume.zipfile, "ZipFile", unreadable)
     with pytest.raises(DirectoryError) as info:
         resolve_resume("auto", directory)
     assert str(info.value).startswith(f"{newest}: cannot be read (Input/output error): not a damaged checkpoint")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from lit_ppo.config.distill import TeacherConfig
 from lit_ppo.config_fields import above, at_least, within
 from lit_ppo.errors import ConfigError
-from lit_ppo.memory import ModelShape
+from lit_ppo.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The `ppo` section: the batch shape, the estimators, the loss and the optimizer (`PPOConfig`, with its nested
-`ppo.rollout_correction` and `ppo.dynamic_sampling`), and their checks (`validate_ppo`)."""
+`ppo.rollout_correction` and `ppo.dynamic_sampling`), and their checks (`validate_ppo`; a nested section's own beside its dataclass)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,22 @@ class RolloutCorrectionConfig:
     """MIS: tokens (sequences) with rho above this are dropped from the loss."""
 
 
+def validate_rollout_correction(rc: RolloutCorrectionConfig) -> None:
+    """`ppo.rollout_correction`'s own settings (its mode against ppo.old_logprobs: `check_old_logprobs`)."""
+    if (rc.mode is not None and rc.mode not in ROLLOUT_CORRECTION_MODES) or rc.level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ConfigError(
+            f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
+            f"{', '.join(ROLLOUT_CORRECTION_MODES)} (or null: by rollout.mode), level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+        )
+    if rc.mode == "tis" and rc.tis_cap <= 0:
+        raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
+    if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
+        raise ConfigError(
+            f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
+            "fix: e.g. mis_low=0.5 mis_high=2.0"
+        )
+
+
 @dataclass(frozen=True)
 class DynamicSamplingConfig:
     """`ppo.dynamic_sampling` (DAPO): train only on prompt groups whose rewards differ, generating more rounds of
@@ -73,6 +89,15 @@ class DynamicSamplingConfig:
     and under rollout.mode=disaggregated each rollout step is requested ahead with the rounds it then needs
     (ceil(rollout_batch_size / (prompts_per_round x this)), at most max_generation_rounds); more are generated after
     the step's rewards (refill), fewer are given back to the prompt stream."""
+
+
+def validate_dynamic_sampling(ds: DynamicSamplingConfig) -> None:
+    """`ppo.dynamic_sampling`'s own settings, where it is on (its samples per prompt: `validate_ppo`)."""
+    positive("ppo.dynamic_sampling", max_generation_rounds=ds.max_generation_rounds)
+    if ds.prompts_per_round is not None:
+        positive("ppo.dynamic_sampling", prompts_per_round=ds.prompts_per_round)
+    if ds.on_shortfall not in ("fill", "stop"):
+        raise ConfigError(f"ppo.dynamic_sampling.on_shortfall={ds.on_shortfall!r}; fix: use 'fill' or 'stop'")
 
 
 @dataclass(frozen=True)
@@ -180,6 +205,25 @@ def validate_ppo(ppo: PPOConfig) -> None:
         train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size,
     )
+    check_estimators(ppo)
+    check_policy_loss(ppo)
+    validate_rollout_correction(ppo.rollout_correction)
+    check_old_logprobs(ppo)
+    if ppo.micro_train_max_tokens is not None:
+        positive("ppo", micro_train_max_tokens=ppo.micro_train_max_tokens)
+    ds = ppo.dynamic_sampling
+    if ds.enabled:
+        if ppo.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
+                f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more"
+            )
+        validate_dynamic_sampling(ds)
+    check_optimizer(ppo)
+
+
+def check_estimators(ppo: PPOConfig) -> None:
+    """The advantage estimator and the KL: known, and the pairs that do not go together refused."""
     if ppo.advantage_estimator not in ADVANTAGE_ESTIMATORS:
         raise ConfigError(
             f"ppo.advantage_estimator={ppo.advantage_estimator!r} is unknown; fix: use one of {', '.join(ADVANTAGE_ESTIMATORS)}"
@@ -203,6 +247,10 @@ def validate_ppo(ppo: PPOConfig) -> None:
             "give groups of equal rewards non-zero advantages; fix: set ppo.kl_mode=loss (with ppo.kl_estimator=k3, as "
             "GRPO does) or ppo.kl_coef=0"
         )
+
+
+def check_policy_loss(ppo: PPOConfig) -> None:
+    """The loss aggregation, the policy loss and its clip ranges."""
     if ppo.loss_agg_mode not in LOSS_AGG_MODES:
         raise ConfigError(
             f"ppo.loss_agg_mode={ppo.loss_agg_mode!r} is unknown; fix: use one of {', '.join(LOSS_AGG_MODES)}"
@@ -223,19 +271,11 @@ def validate_ppo(ppo: PPOConfig) -> None:
             f"ppo.dual_clip={ppo.dual_clip} bounds the clipped surrogate of policy_loss=ppo, not "
             f"ppo.policy_loss={ppo.policy_loss}; fix: set ppo.dual_clip=null"
         )
+
+
+def check_old_logprobs(ppo: PPOConfig) -> None:
+    """Where the old log-probs come from, and that a rollout correction is left something to weight."""
     rc = ppo.rollout_correction
-    if (rc.mode is not None and rc.mode not in ROLLOUT_CORRECTION_MODES) or rc.level not in ROLLOUT_CORRECTION_LEVELS:
-        raise ConfigError(
-            f"ppo.rollout_correction.mode={rc.mode!r}, level={rc.level!r}; fix: mode one of "
-            f"{', '.join(ROLLOUT_CORRECTION_MODES)} (or null: by rollout.mode), level one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
-        )
-    if rc.mode == "tis" and rc.tis_cap <= 0:
-        raise ConfigError(f"ppo.rollout_correction.tis_cap={rc.tis_cap} must be positive; fix: e.g. 2.0")
-    if rc.mode == "mis" and not 0 <= rc.mis_low < 1 < rc.mis_high:
-        raise ConfigError(
-            f"ppo.rollout_correction.mis_low={rc.mis_low}, mis_high={rc.mis_high}: need 0 <= low < 1 < high; "
-            "fix: e.g. mis_low=0.5 mis_high=2.0"
-        )
     if ppo.old_logprobs not in OLD_LOGPROBS:
         raise ConfigError(
             f"ppo.old_logprobs={ppo.old_logprobs!r} is unknown; fix: use one of {', '.join(OLD_LOGPROBS)}"
@@ -246,20 +286,10 @@ def validate_ppo(ppo: PPOConfig) -> None:
             f"ppo.rollout_correction.mode={rc.mode} has no mismatch left to weight (its ratio is 1); fix: set "
             "ppo.rollout_correction.mode=none, or ppo.old_logprobs=recompute to keep the correction"
         )
-    if ppo.micro_train_max_tokens is not None:
-        positive("ppo", micro_train_max_tokens=ppo.micro_train_max_tokens)
-    ds = ppo.dynamic_sampling
-    if ds.enabled:
-        if ppo.n_samples_per_prompt < 2:
-            raise ConfigError(
-                f"ppo.dynamic_sampling.enabled=true drops groups whose rewards are all equal, but "
-                f"ppo.n_samples_per_prompt={ppo.n_samples_per_prompt}; fix: set it to 2 or more"
-            )
-        positive("ppo.dynamic_sampling", max_generation_rounds=ds.max_generation_rounds)
-        if ds.prompts_per_round is not None:
-            positive("ppo.dynamic_sampling", prompts_per_round=ds.prompts_per_round)
-        if ds.on_shortfall not in ("fill", "stop"):
-            raise ConfigError(f"ppo.dynamic_sampling.on_shortfall={ds.on_shortfall!r}; fix: use 'fill' or 'stop'")
+
+
+def check_optimizer(ppo: PPOConfig) -> None:
+    """The learning rates and their schedule."""
     if ppo.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"ppo.lr_schedule={ppo.lr_schedule!r} is unknown; fix: use 'constant' or 'cosine'")
     if not 0 <= ppo.lr_warmup_ratio < 1:

@@ -48,7 +48,7 @@ class LayoutPlan:
     shared_prefix: bool = False
     expected_prefix_tokens_saved_per_micro_batch: float | None = None
     # Packed under data parallelism: after generation the ranks' whole prompt groups are split again by real tokens,
-    # as many on every rank (training/batching.py:balanced_rank_batch); else each rank trains what it generated.
+    # as many on every rank (training/rank_samples.py:balanced_rank_batch); else each rank trains what it generated.
     rank_balance: bool = False
     max_micro_batch_tokens: int = 0  # tokens one forward-backward lays out at most (real tokens when packed)
     # Packed with flex attention: each micro-batch one row padded to this many positions (max_micro_batch_tokens), the

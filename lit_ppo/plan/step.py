@@ -151,7 +151,7 @@ def minibatch_schedule(plan: StepPlan, num_samples: int, generator) -> list[list
     """Per PPO epoch, the global mini-batches of train_batch_size indices of the rollout step's `num_samples` samples
     (all ranks', in one process's order), reshuffled every epoch by `generator` (seeded by ppo.shuffle_seed, the same
     on every rank, checkpointed): the same on any number of ranks, each of which trains its share of every
-    mini-batch (`training/batching.py:rank_share`)."""
+    mini-batch (`training/rank_samples.py:rank_share`)."""
     import torch  # the plan itself needs no torch (mode=plan)
 
     size = plan.counts.train_batch_size

@@ -40,7 +40,7 @@ def detect_signature(fn) -> str:
 
 def convention_of(parameters: dict[str, inspect.Parameter], name: str) -> str:
     """`detect_signature` on a function's parameters (`name` for the message): also for a class's `__call__`
-    that is not built yet (the pre-flight checks, lit_ppo/run/preflight.py)."""
+    that is not built yet (the pre-flight checks, lit_ppo/run/user_code.py)."""
     found = [convention for convention, marker in SIGNATURE_MARKERS.items() if marker in parameters]
     if len(found) == 1:
         return found[0]

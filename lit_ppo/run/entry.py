@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_ppo.config import RunConfig
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
-from lit_ppo.run import preflight as checks
+from lit_ppo.run import user_code
 from lit_ppo.run.directories import check_run_directories
 from lit_ppo.run.lock import run_lock
 from lit_ppo.run.prepare import prepare_run
@@ -209,7 +209,7 @@ def main(cfg: DictConfig) -> dict | None:
     """Entry point behind `python train.py`; returns the summary (None in plan mode; eval.json's record in eval
     mode). The composed Hydra config becomes the typed `RunConfig` here, and nothing below this function reads the
     Hydra config."""
-    checks.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
+    user_code.make_importable(Path.cwd())  # before the reward's and environment's dotted paths are resolved
     config = RunConfig.from_hydra(cfg, command_line=command_line_keys())
     output_dir = output_dir_of(cfg)
     check_resume_directory(config.resume, timestamped_run_directory(cfg), output_dir)

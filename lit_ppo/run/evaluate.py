@@ -23,12 +23,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ppo.atomic import write_text_atomic
-from lit_ppo.checkpoints import resolve_resume
 from lit_ppo.config import RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.engine_registry import engine_row
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan
+from lit_ppo.resume import resolve_resume
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.run.build import build_run, quiet_known_warnings
@@ -191,6 +191,21 @@ def evaluate(
         scorer.close()
     if not module.topology.is_rank_zero:
         return None
+    return write_evaluation(config, plan, module, model_dir, checkpoint, eval_prompts, output_dir, started)
+
+
+def write_evaluation(
+    config: RunConfig,
+    plan: StepPlan,
+    module,
+    model_dir,
+    checkpoint: Path | None,
+    eval_prompts,
+    output_dir: Path,
+    started,
+) -> dict:
+    """Rank 0's eval.json of the evaluation `module` made (its last `eval_history` entry), the greedy samples' table
+    and the one line of its numbers; eval.json's record."""
     evaluation = module.eval_history[-1]
     metrics = {key: value for key, value in evaluation.items() if key.startswith("eval/")}
     label = model_label(config, checkpoint)

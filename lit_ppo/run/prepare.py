@@ -24,6 +24,7 @@ from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
 from lit_ppo.rollout.prompts import PromptSet, check_utf8
 from lit_ppo.run import preflight as checks
+from lit_ppo.run import user_code
 
 log = logging.getLogger("lit_ppo")
 
@@ -115,29 +116,51 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
     if training:
         checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
     environment = rollout.episodes.environment
-    checks.check_environment_turns(environment is not None, rollout.episodes.max_turns)
-    if environment is not None and environment.get("_target_"):
-        environment_class = checks.resolve_target(environment["_target_"], "rollout.episodes.environment")
-        arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
-        checks.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
-    spec = config.reward.fn
-    target = checks.resolve_target(spec.get("_target_"), "reward.fn")
-    bound = {k: v for k, v in spec.items() if not k.startswith("_")}
-    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}"
-    checks.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
-    checks.check_reward_convention(
-        checks.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
-        name,
-        config.reward.signature,
-        data.answer_key,
-        list(data.extra_keys),
-    )
+    check_reward_and_environment(config)
     files = []
     if data.source == "file":
         files = [
             (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
         ]
+    tokenizer, max_positions, positions_source, model_type, architecture, model_name = read_model(config, training)
+    if config.model.teacher is not None and tokenizer is not None:
+        check_teacher(config.model.teacher.path, tokenizer, config.model.path or "the tiny model", training)
+    prompts = read_prompts_once(config, training, tokenizer, files, output_dir)
+    check_prompt_lengths(config, prompts, max_positions, positions_source, has_environment=environment is not None)
+    packing, shared_prefix = resolve_layout(config, training, model_type, architecture)
+    lora_targets = match_lora_targets(config, architecture, model_name)
+    ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
+    return Checked(dataclasses.replace(config, ppo=ppo), tokenizer, prompts, lora_targets)
 
+
+def check_reward_and_environment(config: RunConfig) -> None:
+    """The user's code the run names, bound, never called (lit_ppo/run/user_code.py): the environment's class and
+    turns, the reward function's keywords and calling convention."""
+    rollout, data = config.rollout, config.data
+    environment = rollout.episodes.environment
+    user_code.check_environment_turns(environment is not None, rollout.episodes.max_turns)
+    if environment is not None and environment.get("_target_"):
+        environment_class = user_code.resolve_target(environment["_target_"], "rollout.episodes.environment")
+        arguments = {k: v for k, v in environment.items() if not k.startswith("_")}
+        user_code.check_environment_convention(environment_class, arguments, str(environment["_target_"]))
+    spec = config.reward.fn
+    target = user_code.resolve_target(spec.get("_target_"), "reward.fn")
+    bound = {k: v for k, v in spec.items() if not k.startswith("_")}
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', spec['_target_'])}"
+    user_code.check_bound_keywords(target, bound, partial=bool(spec.get("_partial_")), name=name)
+    user_code.check_reward_convention(
+        user_code.call_parameters(target, bound, partial=bool(spec.get("_partial_"))),
+        name,
+        config.reward.signature,
+        data.answer_key,
+        list(data.extra_keys),
+    )
+
+
+def read_model(config: RunConfig, training: bool) -> tuple:
+    """What the pre-flight reads of the model without loading it: (its tokenizer, its positions and where that limit
+    is from, its model_type, its architecture (a transformers config, or the directory of config.json) and its name
+    in messages); None (or "") for what is not on this machine."""
     tokenizer, max_positions, positions_source, model_type = None, None, "", None
     architecture, model_name = None, ""  # a transformers config, or the directory of config.json
     if config.model.path:
@@ -173,9 +196,13 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
             show(note)
         if training and tokenizer.pad_token is None:  # padding is masked out: any id fills it
             tokenizer.pad_token = tokenizer.eos_token
-    if config.model.teacher is not None and tokenizer is not None:
-        check_teacher(config.model.teacher.path, tokenizer, config.model.path or "the tiny model", training)
+    return tokenizer, max_positions, positions_source, model_type, architecture, model_name
 
+
+def read_prompts_once(config: RunConfig, training: bool, tokenizer, files: list, output_dir: Path | None):
+    """The one read of the prompts (`PromptsRead`: a run's kept, `mode=plan`'s lengths only), their notes shown; None
+    where the tokenizer or the prompt files are not on this machine (their encoding checked at least)."""
+    data = config.data
     if training and data.source == "file" and not Path(data.path).exists():  # expected_prompts plans without it
         raise ConfigError(
             f"data.path={data.path} does not exist; fix: point data.path at your prompt file (data.expected_prompts "
@@ -191,7 +218,13 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
     for path, key in files if prompts is None else []:  # not read here (no tokenizer): their encoding at least
         if path.is_file() and path.suffix in (".jsonl", ".json", ".gz"):
             check_utf8(path, key)
-    if environment is not None:
+    return prompts
+
+
+def check_prompt_lengths(config: RunConfig, prompts, max_positions, positions_source, has_environment: bool) -> None:
+    """The longest prompt and the response budget within rollout.max_model_len and the model's positions."""
+    rollout = config.rollout
+    if has_environment:
         response_key = (
             "rollout.episodes.max_tokens"
             if rollout.episodes.max_tokens
@@ -207,6 +240,11 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         response_key=response_key,
         longest_prompt=prompts.longest if prompts else None,
     )
+
+
+def resolve_layout(config: RunConfig, training: bool, model_type, architecture) -> tuple[bool | None, bool | None]:
+    """The attention implementation checked for a run; ppo.packing and ppo.shared_prefix resolved where the model is
+    known (null: on where exact for it)."""
     if training:
         checks.check_attention(config.model.attn_implementation, config.strategy.accelerator)
     packing = checks.resolve_packing(config.ppo.packing, model_type)
@@ -217,6 +255,12 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         if not hasattr(architecture, "model_type"):
             model_config = SimpleNamespace(**json.loads((Path(architecture) / "config.json").read_text()))
         shared_prefix = checks.resolve_shared_prefix(shared_prefix, model_config, config.model.attn_implementation)
+    return packing, shared_prefix
+
+
+def match_lora_targets(config: RunConfig, architecture, model_name: str) -> LoraTargets | None:
+    """With model.lora, the modules it adapts, matched on the model built from its config.json on the meta device;
+    None without LoRA, or where config.json is not on this machine (said in one line)."""
     lora, lora_targets = config.model.lora, None
     if lora.enabled and architecture is None:
         show(
@@ -227,8 +271,7 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
         lora_targets = checks.lora_targets(
             checks.meta_model(architecture, model_name), lora.target_modules, lora.rank, model_name
         )
-    ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
-    return Checked(dataclasses.replace(config, ppo=ppo), tokenizer, prompts, lora_targets)
+    return lora_targets
 
 
 def check_teacher(teacher_path: str, student_tokenizer, student_name: str, training: bool) -> None:

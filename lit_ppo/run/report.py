@@ -14,13 +14,8 @@ from lit_ppo.atomic import (
 )
 from lit_ppo.config import ModelConfig, RunConfig, StrategyConfig
 from lit_ppo.console import show
-from lit_ppo.memory import (
-    GIB,
-    MemoryEstimate,
-    MemoryInputs,
-    ModelShape,
-    estimate_memory,
-)
+from lit_ppo.memory import GIB, MemoryEstimate, MemoryInputs, estimate_memory
+from lit_ppo.model_shape import ModelShape
 from lit_ppo.plan import StepPlan
 
 log = logging.getLogger("lit_ppo")

@@ -27,20 +27,14 @@ from lit_ppo import waits
 from lit_ppo.atomic import (
     atomic_path,
 )
-from lit_ppo.checkpoints import (
-    RolloutCheckpoint,
-    check_run_directory,
-    finished_note,
-    fresh_start_note,
-    list_checkpoints,
-    resolve_resume,
-)
+from lit_ppo.checkpoints import RolloutCheckpoint, list_checkpoints
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
 from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.preemption import Preemption
+from lit_ppo.resume import check_run_directory, finished_note, fresh_start_note, resolve_resume
 from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.run.build import build_run, quiet_known_warnings
 from lit_ppo.run.loggers import SampleTableLogger
@@ -308,12 +302,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
     L.seed_everything(config.seed, workers=True)
     rank_zero = launcher_rank() == 0  # from the launcher's environment: the trainer does not exist yet
     if rank_zero:
-        check_run_directory(config, output_dir)  # before this run writes anything into it
-        note = fresh_start_note(config.resume, output_dir)
-        if note:
-            show(note)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        open_run_directory(config, output_dir)
     # Before any model loads (the warm start, the engine): a checkpoint that cannot be resumed from is named in one line
     # (resume=auto passes over it, with a warning, to the newest intact one).
     resume_from = resolve_resume(config.resume, output_dir / "checkpoints", announce=rank_zero)
@@ -361,6 +350,22 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
         loggers=extra_loggers(config, output_dir, resume_from),
         strategy=lightning_strategy(config),
     )
+    actor_state = fit_run(
+        trainer, module, datamodule, config, plan, resume_from, started_ranks, checkpoints, engine, scorer
+    )
+    if not module.topology.is_rank_zero:
+        return None
+    return write_outputs(
+        config, plan, module, datamodule, tokenizer, train_prompts, output_dir, actor_state, started, warm_start_seconds
+    )
+
+
+def fit_run(
+    trainer, module, datamodule, config: RunConfig, plan, resume_from, started_ranks, checkpoints, engine, scorer
+):
+    """Lightning's `fit` of the built run, from `resume_from` where given; a failure named (a wait that ran out, the
+    rollout workers lost) and the engine and the reward workers closed whatever happened. Returns the actor's state
+    gathered for rank 0 to save (sharded: every rank takes part), else None."""
     # The vLLM engine starts in datamodule.setup(), inside fit: a rank learns who it is only there.
     try:
         # weights_only=False: checkpoints written before the NumPy RNG state was stored as lists hold arrays.
@@ -368,7 +373,7 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
             module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None, weights_only=False
         )
         # Under FSDP every rank takes part in gathering the actor's shards (with LoRA the adapter's only), before the
-        # engine's shutdown can touch the process group; rank 0 saves them below.
+        # engine's shutdown can touch the process group; rank 0 saves them (`write_outputs`).
         actor_state = module.saved_actor_state() if module.sharded else None
     except (Exception, Stopped) as error:  # (Stopped: a signal during start-up inside fit, e.g. the engine's start)
         started_ranks.stop(trainer)
@@ -388,9 +393,23 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
         if engine is None and datamodule.engine is not None:  # free it for the next run in this process (a sweep)
             datamodule.engine.close()
         scorer.close()  # the reward worker processes, if any
+    return actor_state
 
-    if not module.topology.is_rank_zero:
-        return None
+
+def write_outputs(
+    config: RunConfig,
+    plan,
+    module,
+    datamodule,
+    tokenizer,
+    train_prompts,
+    output_dir: Path,
+    actor_state,
+    started: float,
+    warm_start_seconds: float,
+) -> dict:
+    """Rank 0's files of a finished run: the trained actor (with LoRA its adapter, merged where asked), summary.json
+    and the curves; its summary."""
     if module.lora:
         save_lora_policy(module.actor, tokenizer, output_dir, merged=config.model.lora.save_merged, adapter=actor_state)
     else:
@@ -414,3 +433,14 @@ def train(config: RunConfig, output_dir: Path, engine=None, prepared: PreparedRu
     )
     show(f"run finished: {evaluated} in {summary['wall_seconds']:.0f}s; outputs in {output_dir}")
     return summary
+
+
+def open_run_directory(config: RunConfig, output_dir: Path) -> None:
+    """Rank 0, before this run writes anything into `output_dir`: one run per directory (`check_run_directory`), the
+    fresh start's note, and the run's config.yaml."""
+    check_run_directory(config, output_dir)  # before this run writes anything into it
+    note = fresh_start_note(config.resume, output_dir)
+    if note:
+        show(note)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

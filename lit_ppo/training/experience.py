@@ -301,9 +301,9 @@ def experience_from_forwards(
 
 def global_experience(exp: Experience, picks: list[tuple[int, int]], topology: RankTopology) -> Experience:
     """Every rank's experience as one [N, T] experience of the global batch, its samples `picks` ((rank, sample index)
-    each: `batching.global_batch`'s order), widths padded with zeros to the widest rank's: what every rank trains its
-    share of each global mini-batch from. A field that is None stays None, a 0-dim statistic (already global) as it is.
-    One all-gather per field; on one process `exp` itself."""
+    each: `rank_samples.global_batch`'s order), widths padded with zeros to the widest rank's: what every rank trains
+    its share of each global mini-batch from. A field that is None stays None, a 0-dim statistic (already global) as it
+    is. One all-gather per field; on one process `exp` itself."""
     if not topology.distributed:
         return exp
 

@@ -12,16 +12,17 @@ One `training_step` is one rollout step:
 
 Under data parallelism (DDP, or FSDP2 through Lightning's ModelParallelStrategy) each rank computes the experience
 of its share of the rollout batch (packed: whole prompt groups split again over the ranks by real tokens,
-`batching.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples and
-experience, and the mini-batches are drawn from those global samples, each rank training its share of each
-(`batching.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators and the
-logged metrics are those of the global batch.
+`rank_samples.balanced_rank_batch`), with global advantage statistics; then every rank gathers every rank's samples
+and experience, and the mini-batches are drawn from those global samples, each rank training its share of each
+(`rank_samples.global_batch`, `rank_share`): the update is one process's on any number of ranks. Loss denominators
+and the logged metrics are those of the global batch. Mixed in: the optimizers (training/optim.py), the weight sync
+(training/weight_sync.py), the evaluations (training/evaluation.py) and what a checkpoint holds of the module
+(training/state.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -35,10 +36,8 @@ from torch import Tensor
 from lit_ppo import preemption, waits
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import LoraConfig, PPOConfig
-from lit_ppo.contract import AdapterWeights, WeightUpdate
-from lit_ppo.distributed import full_tensor_metadata, full_tensors, global_max, global_sum, gradient_sync, shard_models
-from lit_ppo.engine_registry import engine_row
-from lit_ppo.errors import ConfigError, WeightSyncError
+from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
+from lit_ppo.errors import ConfigError
 from lit_ppo.plan import (
     StepPlan,
     check_policy_versions,
@@ -47,15 +46,8 @@ from lit_ppo.plan import (
     minibatch_schedule,
 )
 from lit_ppo.topology import RankTopology
-from lit_ppo.training.batching import (
-    MicroBatch,
-    balanced_rank_batch,
-    check_rollout_ids,
-    global_batch,
-    pack,
-    packed_micro_batches,
-    rank_share,
-)
+from lit_ppo.training.batching import MicroBatch, check_rollout_ids, packed_micro_batches
+from lit_ppo.training.evaluation import Evaluations
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
     Experience,
@@ -77,21 +69,22 @@ from lit_ppo.training.metrics import (
 )
 from lit_ppo.training.models import (
     adapter_disabled,
-    adapter_tensors,
     critic_values,
     is_lora,
     load_models,
     response_logprobs_and_entropy,
     trained_state,
 )
-from lit_ppo.training.optim import GuardedStep, actor_critic_optimizers, apply_learning_rates
+from lit_ppo.training.optim import GuardedStep, ModuleOptimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
-from lit_ppo.training.state import check_same_adapters, check_same_models, module_state, restore_module_state
+from lit_ppo.training.rank_samples import balanced_rank_batch, global_batch, rank_share
+from lit_ppo.training.state import CheckpointedModule
 from lit_ppo.training.teacher import load_teacher, teacher_logprobs
+from lit_ppo.training.weight_sync import WeightSync, check_adapter_versions
 
 
-class PPOModule(L.LightningModule):
+class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L.LightningModule):
     def __init__(
         self,
         *,
@@ -181,11 +174,6 @@ class PPOModule(L.LightningModule):
         """What the final `actor/` of a sharded actor is written from, gathered (a collective: every rank calls it):
         with LoRA the adapter alone (`save_pretrained(state_dict=...)` keys), else every tensor by Hugging Face name."""
         return trained_state(self.actor) if self.lora else dict(self.full_actor_tensors())
-
-    # ------------------------------------------------------------ optimizers
-
-    def configure_optimizers(self):
-        return actor_critic_optimizers(self.actor, self.critic, self.ppo, self.plan)
 
     # ------------------------------------------------------------ forwards
 
@@ -302,17 +290,6 @@ class PPOModule(L.LightningModule):
         stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
         return None if stale else self.max_logprob_abs_diff
 
-    @torch.no_grad()
-    def weight_probe(self, batch: RolloutBatch | None) -> tuple[list[int], list[int], list[float]] | None:
-        """A sequence and the actor's log-probs of its response tokens (temperature 1, as vLLM's prompt log-probs),
-        for rollout workers to check the weights they apply against: (prompt ids, response ids, log-probs)."""
-        if batch is None or not batch.response_ids or not batch.response_ids[0]:
-            return None
-        prompt, response = batch.prompt_ids[0], batch.response_ids[0]
-        mb = pack([prompt], [response], self.pad_token_id, self.device)
-        logp = response_logprobs_and_entropy(self.actor, mb, temperature=1.0)[0][0]
-        return list(prompt), list(response), logp[: len(response)].tolist()
-
     # ------------------------------------------------------------ PPO updates
 
     def train_on_experience(self, batch: RolloutBatch, exp: Experience) -> tuple[dict[str, float], Experience]:
@@ -387,23 +364,6 @@ class PPOModule(L.LightningModule):
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
 
-    def optimizers_and_schedulers(self) -> tuple[list, list]:
-        """The actor's optimizer and learning-rate scheduler, then the critic's when the run has one."""
-        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
-        listed = [x if isinstance(x, list) else [x] for x in (optimizers, schedulers)]
-        return listed[0], listed[1]
-
-    def optimizer_steps(self) -> dict[str, float]:
-        """One optimizer step of the actor and one of the critic (if any), each skipped on a non-finite loss or gradient
-        (`GuardedStep`) and counted; their gradient norms."""
-        optimizers, schedulers = self.optimizers_and_schedulers()
-        norms = {"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)}
-        self.actor_optimizer_steps += 1
-        if self.critic is not None:
-            norms["critic/grad_norm"] = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
-            self.critic_optimizer_steps += 1
-        return norms
-
     # ------------------------------------------------------------ the rollout step
 
     def on_train_start(self) -> None:
@@ -424,36 +384,6 @@ class PPOModule(L.LightningModule):
         elif self.evaluation_missing():  # a run stopped during it: its step's row was kept unlogged until now
             self._evaluate_after_step()
             self._log_row(self.history[-1])
-
-    def evaluation_due(self) -> bool:
-        """Whether the held-out evaluation runs after rollout step `rollout_step`: every trainer.eval_every steps and
-        after the last (before rollout step 1 too: `on_train_start`)."""
-        last = self.rollout_step == self.plan.counts.total_rollout_steps
-        return last or bool(self.eval_every and self.rollout_step % self.eval_every == 0)
-
-    def evaluation_missing(self) -> bool:
-        """Whether the evaluation due after the last completed rollout step has not run: a signal cut it short
-        (lit_ppo.preemption); the checkpoint then holds the step's row without its evaluation."""
-        if self.rollout_step == 0 or not self.trainer.datamodule.eval_prompts or not self.evaluation_due():
-            return False
-        return all(e["rollout_step"] != self.rollout_step for e in self.eval_history)
-
-    def initial_row(self) -> dict[str, Any] | None:
-        """The evaluation before any update, as the rollout_step 0 row of metrics.csv and the loggers; None when the
-        run has none (no held-out prompts). Built from `eval_history`, which checkpoints keep, so a resumed run
-        writes it again."""
-        if not self.eval_history or self.eval_history[0]["rollout_step"] != 0:
-            return None
-        evaluation = {k: v for k, v in self.eval_history[0].items() if k.startswith("eval/")}
-        return {"rollout_step": 0, "optimizer_step": 0, "data_epoch": 0, "samples_seen": 0, **evaluation}
-
-    def _log_initial_evaluation(self, result: dict[str, Any]) -> None:
-        row = self.initial_row()
-        if not result or row is None:
-            return
-        numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
-        for logger in self.loggers:
-            logger.log_metrics(numeric, step=0)
 
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
@@ -522,29 +452,6 @@ class PPOModule(L.LightningModule):
             self._evaluate_after_step()
         self._log_row(row)
 
-    @torch.no_grad()
-    def sync_weights(self, engine, version: int | None = None, probe_batch: RolloutBatch | None = None) -> None:
-        """The actor's weights into the engine as policy `version` (the rollout steps it has taken; None:
-        `self.rollout_step`): with LoRA into vLLM only the adapter, as adapter `adapter_version(version)` (the engine
-        checks it serves it); otherwise every tensor. Rollout workers (rollout.mode=disaggregated) record `version`
-        on every sample they generate with either and check what they applied against a probe of `probe_batch`.
-        Records the bytes pushed (`perf/weight_sync_bytes`)."""
-        engine.wake_up()
-        version = self.rollout_step if version is None else version
-        probe = functools.partial(self.weight_probe, probe_batch)  # called by the engines that check (rollout workers)
-        if self.lora:
-            adapter = AdapterWeights(adapter_tensors(self.actor), self.adapter_config(), adapter_version(version))
-            update = WeightUpdate(version, adapter=adapter, probe=probe)
-        else:
-            tensors, metadata = self.full_actor_tensors(), full_tensor_metadata(self.actor)
-            update = WeightUpdate(version, tensors=tensors, probe=probe, metadata=metadata)
-        self.last_sync_bytes = engine.update_weights(update)
-
-    def adapter_config(self) -> dict:
-        """The actor's peft adapter config as plain values (what vLLM reads from adapter_config.json)."""
-        config = self.actor.peft_config["default"].to_dict()
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
-
     def _rollout_step_row(
         self, batch, exp: Experience, train_metrics: dict[str, float], timings: dict[str, float]
     ) -> dict[str, Any]:
@@ -580,105 +487,3 @@ class PPOModule(L.LightningModule):
             global_max=global_max,
         )
         return row
-
-    def validation_step(self, batch, batch_idx) -> None:
-        """`mode=eval` (lit_ppo/run/evaluate.py, through `Trainer.validate`): the evaluation `on_train_start` makes
-        before rollout step 1, of the weights this module holds (a model's, or a checkpoint's), into `eval_history`.
-        A training run has no validation loop (its data module has no val_dataloader): it evaluates in its steps."""
-        engine = self.trainer.datamodule.start_engine()
-        waits.entering("the weight sync before the evaluation")
-        self.sync_weights(engine, self.rollout_step)
-        waits.entering("the evaluation")
-        self._evaluate()
-
-    def _evaluate_after_step(self) -> None:
-        """The evaluation after rollout step `rollout_step`, into that step's row (the last of `history`)."""
-        waits.entering(f"the evaluation after rollout step {self.rollout_step}")
-        self.history[-1].update(self._evaluate())
-
-    def _evaluate(self) -> dict[str, Any]:
-        result = self.trainer.datamodule.evaluate()
-        if not result:
-            return {}
-        samples = result.pop("eval/samples")
-        self.eval_history.append({"rollout_step": self.rollout_step, **result, "samples": samples})
-        return result
-
-    def _log_row(self, row: dict[str, Any]) -> None:
-        """A rollout step's row (already in `history`; metrics.csv: lit_ppo.run.build.MetricsCSV) into the loggers."""
-        numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
-        for logger in self.loggers:
-            logger.log_metrics(numeric, step=self.rollout_step)
-
-    # ------------------------------------------------------------ checkpoint extras
-
-    @property
-    def skipped_updates(self) -> int:
-        """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
-        return self.guarded_step.skipped
-
-    def frozen_parameter_names(self) -> set[str]:
-        """The names of parameters that never train (the reference model; LoRA's base weights): loaded from model_dir,
-        never checkpointed (`state_dict` leaves them out)."""
-        return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        """The trained tensors only, what a checkpoint holds: not the reference model, nor with LoRA the frozen base
-        (model_dir has both, and the run loads them from it). On the H200 the reference was a quarter of a full
-        Qwen2.5-1.5B run's checkpoint (6 of 25 GB: weights, AdamW states, reference). Under FSDP, Lightning's
-        ModelParallelStrategy gathers on rank 0 what this lists (`get_model_state_dict`), so a checkpoint never
-        gathers the frozen weights either."""
-        state = super().state_dict(*args, **kwargs)
-        prefix = kwargs.get("prefix", "")  # within a wrapper's state_dict (DDP's)
-        for name in self.frozen_parameter_names():
-            state.pop(prefix + name, None)
-        return state
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)
-        if self.lora and "state_dict" not in checkpoint:
-            # FSDP: ModelParallelStrategy has loaded the checkpoint's tensors before this hook (not strictly: the frozen
-            # base is not there) and taken them out of `checkpoint`; its plan says which adapters they were.
-            check_same_adapters(checkpoint["lit_ppo"]["plan"], self.plan)
-        elif "state_dict" in checkpoint:
-            # Lightning loads the weights after this hook, the checkpoint's keys only: each trained one must be there.
-            missing = sorted(set(self.state_dict()) - set(checkpoint["state_dict"]))
-            if missing:
-                raise ConfigError(
-                    f"the checkpoint lacks {len(missing)} trained tensors of this run (e.g. {missing[0]}); fix: "
-                    "resume with the model settings (model.lora included) it was written with"
-                )
-        restore_module_state(self, checkpoint["lit_ppo"])
-
-
-def adapter_version(rollout_steps_trained: int) -> int:
-    """The LoRA adapter version of the actor after `rollout_steps_trained` rollout steps of updates: vLLM's adapter
-    id (from 1), increasing with every sync, and the same in a resumed run as in an uninterrupted one."""
-    return rollout_steps_trained + 1
-
-
-def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
-    """The runtime proof of the adapter-only sync: every sample of rollout step k (counted from 0; the message counts
-    from 1, as the stale-weight gate's does) was generated by the adapter of the policy version the plan gives the
-    step (`StepPlan.generating_version`: k, or max(0, k - max_staleness) with rollout workers), adapter version
-    v + 1 for the actor after v rollout steps. A sync that was skipped or lost stops the run here, within one rollout
-    step."""
-    engine = engine_row(plan.models.rollout_engine, plan)
-    if batch.adapter_versions is None or engine.shares_actor:
-        return  # no LoRA; or the engine is the actor itself (rollout.engine=hf, colocated)
-    rounds = batch.rounds_in_step or [0] * len(batch.adapter_versions)
-    # dynamic sampling's refill rounds: version s
-    planned = [plan.generating_version(batch.rollout_step, r, batch.rounds_ahead) for r in rounds]
-    wrong = [(v, p) for v, p in zip(batch.adapter_versions, planned) if v != adapter_version(p)]
-    if wrong:
-        stale, policy_version = sorted({v for v, _ in wrong}), wrong[0][1]
-        expected = adapter_version(policy_version)
-        logs = "logs/rollout_worker<N>.log" if plan.workers else "logs/run.log"
-        raise WeightSyncError(
-            f"rollout step {batch.rollout_step + 1}: {engine.engine.label} sampled with LoRA adapter version(s) {stale}, but the trainer's "
-            f"adapter of policy version {policy_version} is version {expected}: the adapter sync did not reach the "
-            f"engine; fix: report it with {logs} (the rollouts were not from the trained policy)"
-        )

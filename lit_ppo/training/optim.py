@@ -74,3 +74,28 @@ class GuardedStep:
                 "ppo.actor_lr (ppo.critic_lr for the critic's), then resume=auto; or check the rewards"
             )
         return grad_norm if math.isfinite(grad_norm) else float("nan")
+
+
+class ModuleOptimizers:
+    """PPOModule's optimizers (a mixin: reads the module's actor, critic, settings, plan and guarded step): one AdamW
+    and schedule per trained model, and one guarded, counted optimizer step of each."""
+
+    def configure_optimizers(self):
+        return actor_critic_optimizers(self.actor, self.critic, self.ppo, self.plan)
+
+    def optimizers_and_schedulers(self) -> tuple[list, list]:
+        """The actor's optimizer and learning-rate scheduler, then the critic's when the run has one."""
+        optimizers, schedulers = self.optimizers(), self.lr_schedulers()
+        listed = [x if isinstance(x, list) else [x] for x in (optimizers, schedulers)]
+        return listed[0], listed[1]
+
+    def optimizer_steps(self) -> dict[str, float]:
+        """One optimizer step of the actor and one of the critic (if any), each skipped on a non-finite loss or gradient
+        (`GuardedStep`) and counted; their gradient norms."""
+        optimizers, schedulers = self.optimizers_and_schedulers()
+        norms = {"actor/grad_norm": self.guarded_step(self.actor, optimizers[0], schedulers[0], self.rollout_step)}
+        self.actor_optimizer_steps += 1
+        if self.critic is not None:
+            norms["critic/grad_norm"] = self.guarded_step(self.critic, optimizers[1], schedulers[1], self.rollout_step)
+            self.critic_optimizer_steps += 1
+        return norms

@@ -117,14 +117,7 @@ def pack_shared_prefix(
     T = max(1, max(len(r) for r in response_ids))
     groups = prompt_groups(prompt_ids)
     lengths = [len(prompt_ids[g[0]]) + sum(len(response_ids[b]) for b in g) for g in groups]
-    if row_tokens is not None:
-        rows = [list(range(len(groups)))]
-    else:
-        longest_sample = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
-        rows = first_fit(lengths, max(max(lengths), 2 * longest_sample))
-        balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
-        if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
-            rows = balanced
+    rows = group_rows(prompt_ids, response_ids, lengths, row_tokens)
     L = max(sum(lengths[g] for g in row) for row in rows)
     if row_tokens is not None:
         L = fixed_row_length(L, row_tokens)
@@ -180,6 +173,23 @@ def pack_shared_prefix(
         layout_tokens=sum(lengths),
         segments=torch.stack([segment, owner]).to(device),
     )
+
+
+def group_rows(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], lengths: list[int], row_tokens: int | None
+) -> list[list[int]]:
+    """The prompt groups (of `lengths` tokens each, laid out) in rows: all in one (flex attention's `row_tokens`), else
+    first-fit decreasing in rows of at most the longest group or twice the longest sample, spread by tokens where that
+    narrows the widest row."""
+    if row_tokens is not None:
+        rows = [list(range(len(lengths)))]
+    else:
+        longest_sample = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids))
+        rows = first_fit(lengths, max(max(lengths), 2 * longest_sample))
+        balanced = [row for row in balanced_partition(lengths, list(range(len(lengths))), len(rows)) if row]
+        if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
+            rows = balanced
+    return rows
 
 
 def attention_mask_for(model: torch.nn.Module, mb: MicroBatch):

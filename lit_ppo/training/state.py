@@ -1,7 +1,8 @@
 """PPOModule's own state in a checkpoint, beside Lightning's weights, optimizers and schedulers (`module_state`,
 `restore_module_state`: `PPOModule.on_save_checkpoint` / `on_load_checkpoint`), and the checks of a checkpoint's plan
-against the resumed run's (its models, its adapters, its rollout step's shape). The checkpoint files themselves, their
-rotation and what a run resumes from are `lit_ppo/checkpoints.py`'s.
+against the resumed run's (its models, its adapters, its rollout step's shape); the module's checkpoint hooks
+(`CheckpointedModule`, mixed into PPOModule). The checkpoint files themselves and their
+rotation are `lit_ppo/checkpoints.py`'s, what a run resumes from `lit_ppo/resume.py`'s.
 """
 
 from __future__ import annotations
@@ -119,3 +120,49 @@ def restore_module_state(module, state: dict) -> None:
             f"rank(s) and continues on {module.plan.counts.data_parallel_size}; weights and optimizer states are whole, "
             "the data position and the sampling seeds global; each rank takes rank 0's random streams"
         )
+
+
+class CheckpointedModule:
+    """What PPOModule writes into a checkpoint and checks on loading one (a mixin: a checkpoint holds the trained
+    tensors only, and the module's own state beside them, `module_state`)."""
+
+    @property
+    def skipped_updates(self) -> int:
+        """Optimizer steps skipped for a non-finite loss or gradient, in all (checkpointed)."""
+        return self.guarded_step.skipped
+
+    def frozen_parameter_names(self) -> set[str]:
+        """The names of parameters that never train (the reference model; LoRA's base weights): loaded from model_dir,
+        never checkpointed (`state_dict` leaves them out)."""
+        return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The trained tensors only, what a checkpoint holds: not the reference model, nor with LoRA the frozen base
+        (model_dir has both, and the run loads them from it). On the H200 the reference was a quarter of a full
+        Qwen2.5-1.5B run's checkpoint (6 of 25 GB: weights, AdamW states, reference). Under FSDP, Lightning's
+        ModelParallelStrategy gathers on rank 0 what this lists (`get_model_state_dict`), so a checkpoint never
+        gathers the frozen weights either."""
+        state = super().state_dict(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")  # within a wrapper's state_dict (DDP's)
+        for name in self.frozen_parameter_names():
+            state.pop(prefix + name, None)
+        return state
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_ppo"] = module_state(self)  # beside Lightning's weights, optimizers and schedulers
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_same_models(checkpoint["lit_ppo"]["plan"], self.plan)
+        if self.lora and "state_dict" not in checkpoint:
+            # FSDP: ModelParallelStrategy has loaded the checkpoint's tensors before this hook (not strictly: the frozen
+            # base is not there) and taken them out of `checkpoint`; its plan says which adapters they were.
+            check_same_adapters(checkpoint["lit_ppo"]["plan"], self.plan)
+        elif "state_dict" in checkpoint:
+            # Lightning loads the weights after this hook, the checkpoint's keys only: each trained one must be there.
+            missing = sorted(set(self.state_dict()) - set(checkpoint["state_dict"]))
+            if missing:
+                raise ConfigError(
+                    f"the checkpoint lacks {len(missing)} trained tensors of this run (e.g. {missing[0]}); fix: "
+                    "resume with the model settings (model.lora included) it was written with"
+                )
+        restore_module_state(self, checkpoint["lit_ppo"])

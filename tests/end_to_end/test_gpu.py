@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig
-from lit_ppo.memory import GIB, MemoryInputs, ModelShape, estimate_memory
+from lit_ppo.memory import GIB, MemoryInputs, estimate_memory
+from lit_ppo.model_shape import ModelShape
 from lit_ppo.rollout.engine import Generation
 from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
 from tests.helpers import build_run, compose_run_config

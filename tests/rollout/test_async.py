@@ -257,7 +257,7 @@ def test_a_sample_of_another_adapter_than_its_planned_version_stops_the_run_in_o
     from types import SimpleNamespace
 
     from lit_ppo.errors import WeightSyncError
-    from lit_ppo.training.module import check_adapter_versions
+    from lit_ppo.training.weight_sync import check_adapter_versions
 
     plan = compute_plan(compose_run_config("rollout.mode=disaggregated", "model.lora.rank=8"), 2000)
     check_adapter_versions(

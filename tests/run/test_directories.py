@@ -18,20 +18,16 @@ import torch
 import yaml
 
 from lit_ppo.atomic import directory_problem
-from lit_ppo.checkpoints import (
+from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, list_checkpoints, prune, save_atomic
+from lit_ppo.errors import ConfigError, DirectoryError
+from lit_ppo.resume import (
     REMEDY_KEYS,
-    RolloutCheckpoint,
     check_run_directory,
-    checkpoint_path,
     checkpoint_problem,
     config_differences,
     finished_note,
     fresh_start_note,
-    list_checkpoints,
-    prune,
-    save_atomic,
 )
-from lit_ppo.errors import ConfigError, DirectoryError
 from lit_ppo.run.prepare import preflight
 from tests.helpers import ROOT, build_run, compose_run_config
 from tests.helpers.resume import write_checkpoint
@@ -142,7 +138,7 @@ def test_every_error_that_says_then_resume_auto_names_only_settings_a_resume_may
     import ast
     import re
 
-    from lit_ppo.checkpoints import CHANGEABLE_KEYS
+    from lit_ppo.resume import CHANGEABLE_KEYS
 
     sections = {"ppo", "rollout", "trainer", "model", "reward", "strategy", "data", "eval"}
     advised: dict[str, list[str]] = {}
@@ -704,7 +700,8 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_in_one_line(tmp_path)
 def test_a_checkpoint_under_a_name_of_ones_own_resumes(tmp_path):
     """`resume=<dir>/start.ckpt` (a copy under another name, as a user or a requeue script makes): its rollout step is
     not in its name, and nothing that reads the name may fail on it."""
-    from lit_ppo.checkpoints import finished_note, step_of
+    from lit_ppo.checkpoints import step_of
+    from lit_ppo.resume import finished_note
 
     copy = write_checkpoint(tmp_path / "start.ckpt")
     assert step_of(copy) is None and step_of(tmp_path / "rollout_step_000004.ckpt") == 4

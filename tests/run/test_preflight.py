@@ -590,7 +590,7 @@ def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_a
     checking (or refusing in one line), because it changed the bound parameter's kind alone."""
     import inspect
 
-    from lit_ppo.run import preflight as checks
+    from lit_ppo.run import user_code as checks
 
     def reward(prompts, completions, answer, **kwargs):
         return [0.0] * len(completions)

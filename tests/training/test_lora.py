@@ -334,20 +334,20 @@ def test_the_stale_weight_gate_stops_a_lora_run_whose_engine_serves_a_stale_adap
     """The engine is handed the initial adapter (B = 0) under each new version: versions agree, the weights do not.
     The existing gate on |trainer - vLLM| log-probs (rollout.max_logprob_abs_diff) stops the run at the second rollout
     step, the first sampled by the stale adapter."""
-    import lit_ppo.training.module as module_code
+    import lit_ppo.training.weight_sync as weight_sync_code
     from lit_ppo.errors import RolloutMismatchError
 
     trainer, module, datamodule, versions = lora_run(
         tiny_model_dir, lora_engine, long_prompt_files, tmp_path, max_logprob_abs_diff=0.01
     )
-    real, first = module_code.adapter_tensors, {}
+    real, first = weight_sync_code.adapter_tensors, {}
 
     def stale(model):
         if not first:
             first.update({k: v.detach().clone() for k, v in real(model).items()})
         return first
 
-    monkeypatch.setattr(module_code, "adapter_tensors", stale)
+    monkeypatch.setattr(weight_sync_code, "adapter_tensors", stale)
     with pytest.raises(RolloutMismatchError, match="rollout step 2: the trainer's log-probs"):
         trainer.fit(module, datamodule=datamodule)
     assert [set(v) for v in versions] == [{1}, {2}]

@@ -20,7 +20,6 @@ from lit_ppo.run.preflight import resolve_packing
 from lit_ppo.testing import random_rollout_batch
 from lit_ppo.training.batching import (
     balanced_partition,
-    equal_count_partition,
     first_fit,
     pack,
     pack_samples,
@@ -29,6 +28,7 @@ from lit_ppo.training.batching import (
 )
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.packing import packing_unsupported
+from lit_ppo.training.rank_samples import equal_count_partition
 from tests.helpers import compose_config, compose_run_config, plan_of, run_config
 from tests.helpers.packing import (
     TEMPERATURE,
@@ -229,7 +229,7 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
     masks, ids, positions), its own rollout-step fields (its generation's seconds and reward means); together
     exactly the samples generated; real tokens within the bound; the imbalance before and after reported."""
     from lit_ppo.batch import RANK_FIELDS, SAMPLE_FIELDS
-    from lit_ppo.training import batching
+    from lit_ppo.training import rank_samples
 
     assert set(SAMPLE_FIELDS) | set(RANK_FIELDS) == {f.name for f in dataclasses.fields(RolloutBatch)}
     assert not set(SAMPLE_FIELDS) & set(RANK_FIELDS)
@@ -243,12 +243,12 @@ def test_two_ranks_trade_samples_into_balanced_whole_groups(monkeypatch):
         rows = list(range(4 * rank, 4 * rank + 4))
         share = whole.with_samples([whole], [(0, i) for i in rows])
         shares.append(dataclasses.replace(share, generate_seconds=float(rank + 1), reward_metrics={"x": rank}))
-    monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
+    monkeypatch.setattr(rank_samples, "all_gather_objects", lambda batch: shares)
     ppo = four_prompts_of_two_samples()
     plan = plan_of(4, ppo=ppo, dp=2, rollout=dataclasses.replace(compose_run_config().rollout, max_model_len=2048))
     assert plan.layout.rank_balance and plan.counts.samples_per_rank_per_rollout_step == 4
     assert any(line.startswith("rank split") and "by tokens" in line for line in plan.table().splitlines())
-    balanced = [batching.balanced_rank_batch(shares[rank], plan, rank) for rank in range(2)]
+    balanced = [rank_samples.balanced_rank_batch(shares[rank], plan, rank) for rank in range(2)]
     tokens = [len(p) + len(r) for p, r in zip(whole.prompt_ids, whole.response_ids)]
     group_tokens = [tokens[i] + tokens[i + 1] for i in range(0, 8, 2)]
     loads = []
@@ -295,14 +295,14 @@ def test_the_global_batch_is_one_process_s_batch_whatever_the_ranks_hold(monkeyp
     """`global_batch` on 2 ranks' samples after the split by real tokens (each rank 2 whole prompt groups, not the
     ones it generated; the all-gather stood in for): every rank holds one process's batch, samples in prompt order,
     and knows where its own samples are in it."""
-    from lit_ppo.training import batching
+    from lit_ppo.training import rank_samples
 
     whole = realistic_batch(n_prompts=4, n=2, seed=7, episodes=True)
     held = [[2, 3, 6, 7], [0, 1, 4, 5]]  # rank 0 trains prompts 1 and 3, rank 1 prompts 0 and 2
     shares = [whole.with_samples([whole], [(0, i) for i in rows]) for rows in held]
-    monkeypatch.setattr(batching, "all_gather_objects", lambda batch: shares)
+    monkeypatch.setattr(rank_samples, "all_gather_objects", lambda batch: shares)
     for rank in range(2):
-        full, picks, own = batching.global_batch(shares[rank], rank)
+        full, picks, own = rank_samples.global_batch(shares[rank], rank)
         assert full.prompt_positions == whole.prompt_positions == [0, 0, 1, 1, 2, 2, 3, 3]
         assert full.response_ids == whole.response_ids and full.policy_masks == whole.policy_masks
         assert torch.equal(full.rewards, whole.rewards)
@@ -317,7 +317,7 @@ def test_ranks_train_shares_of_the_same_global_mini_batches(packing):
     runs of the shuffled order. One process trains the whole mini-batch. The mini-batches themselves do not depend
     on the number of ranks (`minibatch_schedule`: the global shuffle from ppo.shuffle_seed)."""
     from lit_ppo.plan import minibatch_schedule
-    from lit_ppo.training.batching import rank_share
+    from lit_ppo.training.rank_samples import rank_share
 
     # the flat packed layout's split (the shared prefix keeps groups together: test_shared_prefix.py)
     ppo = dataclasses.replace(

@@ -327,7 +327,7 @@ def test_a_config_json_read_as_it_is_shows_its_sliding_window():
 def test_group_rank_partition_hand_cases():
     """Groups largest first, each whole to the part with room that computes the fewest tokens; a group no part has
     room for in pieces, largest first; as many samples per part; positions ascending."""
-    from lit_ppo.training.batching import group_rank_partition
+    from lit_ppo.training.rank_samples import group_rank_partition
 
     a, b, c = [1] * 10, [2] * 20, [3] * 30
     # groups: a x3 (positions 0, 3, 5), b x3 (1, 4, 7), c x2 (2, 6): parts of 4
@@ -353,7 +353,7 @@ def test_two_ranks_keep_each_prompt_group_on_one_rank_and_save_its_prompt_once()
     from collections import Counter
 
     from lit_ppo.plan import minibatch_schedule
-    from lit_ppo.training.batching import equal_count_partition, rank_share
+    from lit_ppo.training.rank_samples import equal_count_partition, rank_share
 
     ppo = dataclasses.replace(
         compose_run_config().ppo,
