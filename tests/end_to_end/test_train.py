@@ -152,11 +152,14 @@ COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo", "rloo", "reinforce_pp", "
 @pytest.mark.parametrize(
     "preset", [pytest.param(p, marks=pytest.mark.slow) if p in COVERED_PRESETS else p for p in PRESETS]
 )
-def test_every_preset_completes_two_rollout_steps(preset, engine, tmp_path):
+def test_every_preset_completes_two_rollout_steps(preset, engine, tiny_model_dir, tmp_path):
     from lit_ppo.run import entry
 
+    # distill needs a teacher: the session's tiny model (the fixture model's shape and tokenizer, other weights)
+    teacher = [f"model.teacher.path={tiny_model_dir}"] if preset == "distill" else []
     cfg = compose_run_config(
         f"ppo={preset}",
+        *teacher,
         "trainer.total_rollout_steps=2",
         "trainer.eval_every=0",
         "model.warm_start.enabled=false",

@@ -9,7 +9,8 @@
   `server_http.py` (the calls), `server_settings.py` (what a server runs with), `server_spawn.py` (the spawned
   servers' processes) and `server_push.py` (the weight push).
 - `worker_main.py`: the worker process's loop (`python -m lit_ppo.rollout.workers`).
-- `engines.py`: the engine a worker runs, by rollout.engine (vLLM, or HF on a copy of the actor).
+- `pools.py`: the worker and server clients the engine registry starts (`lit_ppo/engine_registry.py`); the engine a
+  worker runs is the registry's row for rollout.engine (vLLM, or HF on a copy of the actor).
 - `messages.py`: what goes through the store, as frozen dataclasses.
 
 The channel (store and gloo group) and the weight push are a floor below, in lit_ppo/rollout/weight_transfer/,

@@ -1,5 +1,5 @@
-"""A rollout worker process: connects to the trainer's store, starts the engine of its spec (`engines.py`, by
-rollout.engine) and, with multi-turn episodes, builds their environments from the run's settings, then follows its
+"""A rollout worker process: connects to the trainer's store, starts the engine of its spec (the engine registry's
+row for rollout.engine) and, with multi-turn episodes, builds their environments from the run's settings, then follows its
 ordered commands (generate responses or episodes, apply a received weight version, stop) until told to stop or the
 trainer is gone.
 
