@@ -291,8 +291,11 @@ def test_fsdp2_bf16_mixed_on_a_one_rank_cpu_mesh_keeps_float32_master_weights_th
     from lit_ppo.training.module import PPOModule
     from tests.helpers import plan_of
 
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    # An in-process vLLM engine of an earlier test (the session's `engine`) leaves its 1-rank gloo group up: use it.
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         torch.manual_seed(0)
         module = PPOModule(
@@ -321,7 +324,8 @@ def test_fsdp2_bf16_mixed_on_a_one_rank_cpu_mesh_keeps_float32_master_weights_th
         changed = sum(int((p.full_tensor() != before[n]).sum()) for n, p in actor.named_parameters())
         assert changed / sum(t.numel() for t in before.values()) >= 0.99
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
     # The control: the same updates on weights stored in bf16 (precision=bf16-true) are mostly lost.
     control = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     before = {n: p.detach().clone() for n, p in control.named_parameters()}

@@ -974,7 +974,6 @@ def test_an_episode_mismatch_on_one_rank_is_raised_by_every_rank_naming_it(monke
         batching.check_rollout_ids(batch(last_id=9))
 
     ranks = [batch(), batch(last_id=9)]  # what each rank holds
-    monkeypatch.setattr(batching, "world_size", lambda: 2)
     monkeypatch.setattr(batching, "all_gather_objects", lambda line: [batching.rollout_ids_mismatch(b) for b in ranks])
     for rank in range(2):
         with pytest.raises(RolloutMismatchError) as raised:
