@@ -31,20 +31,9 @@ def no_training(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from tests.helpers import save_fixture_model
 
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        seed=0,
-    )
-    return str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny") / "model"))
+    return save_fixture_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="session")

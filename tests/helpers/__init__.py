@@ -34,6 +34,25 @@ FIXTURE_MODEL = [
 ]
 
 
+def save_fixture_model(directory: Path, seed: int) -> str:
+    """The fixture model (FIXTURE_MODEL's shape, the character tokenizer) with the random weights of `seed`, saved as
+    a model directory: conftest's `tiny_model_dir` (seed 0) and any second model of its shape (a teacher)."""
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        seed=seed,
+    )
+    return str(save_model_dir(model, tokenizer, directory))
+
+
 def dataclass_defaults(cls: type) -> dict:
     """Each field's default, nested config sections as dicts."""
     defaults = {}

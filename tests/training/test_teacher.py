@@ -21,20 +21,9 @@ TEMPERATURE = 0.7
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, tiny_model_dir) -> str:
     """Another model of the fixture model's shape and tokenizer (other random weights): the teacher."""
-    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from tests.helpers import save_fixture_model
 
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        seed=1,
-    )
-    return str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("teacher") / "model"))
+    return save_fixture_model(tmp_path_factory.mktemp("teacher") / "model", seed=1)
 
 
 @functools.cache
