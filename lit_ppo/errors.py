@@ -53,6 +53,11 @@ class RolloutWorkerError(UserError, RuntimeError):
     """A rollout worker died, failed or did not answer in time; the message names the side, the worker and its log."""
 
 
+class TeacherServerError(UserError, RuntimeError):
+    """On-policy distillation's teacher server (model.teacher.where=<url>) failed or did not answer in time; the
+    message names the server, the call and the reason."""
+
+
 class WaitTimeoutError(UserError, RuntimeError):
     """A wait ran past its limit (a collective, the engine's start); the message names what was waited for and the
     setting to raise (lit_ppo/waits.py)."""

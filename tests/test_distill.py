@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_ppo import algorithms as alg
-from lit_ppo.config import DistillConfig, ModelConfig, PPOConfig, TeacherConfig, tokenizer_mismatch
+from lit_ppo.config import DistillConfig, ModelConfig, PPOConfig, RolloutConfig, TeacherConfig, tokenizer_mismatch
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
 from lit_ppo.run.entry import compose_run_config
@@ -157,7 +157,11 @@ def distill_ppo(**changes) -> PPOConfig:
 @pytest.mark.parametrize(
     "build, words",
     [
-        (lambda: run_config(ppo=distill_ppo()), "needs a teacher; fix: model.teacher.path="),
+        (lambda: run_config(ppo=distill_ppo()), "needs a teacher; fix: ppo=distill model.teacher.path=<a model"),
+        (
+            lambda: run_config(ppo=distill_ppo(), model=ModelConfig(teacher=TeacherConfig())),
+            "fix: model.teacher.path=<a model directory>, or model.teacher.where=http://",
+        ),
         (
             lambda: run_config(ppo=PPOConfig(), model=ModelConfig(teacher=TeacherConfig(path="t"))),
             "never reads a teacher",
@@ -170,7 +174,29 @@ def distill_ppo(**changes) -> PPOConfig:
         (lambda: DistillConfig(reward_estimator="gae"), "without a critic"),
         (lambda: DistillConfig(teacher_coef=0.0, reward_coef=0.0), "every advantage would be 0"),
         (lambda: TeacherConfig(path="t", dtype="int8"), "model.teacher.dtype='int8' is unknown"),
-        (lambda: TeacherConfig(path="t", where="http://host:8000"), "fix: model.teacher.where=trainer"),
+        (lambda: TeacherConfig(where="host:8000"), "neither the trainer nor a server's URL; fix: model.teacher.where="),
+        (lambda: TeacherConfig(path="t", where="http://host:8000"), "fix: model.teacher.path=null"),
+        (
+            lambda: run_config(
+                ppo=distill_ppo(), model=ModelConfig(teacher=TeacherConfig(path="t")), rollout=RolloutConfig(top_p=0.9)
+            ),
+            "rollout.top_p=0.9 with ppo.advantage_estimator=on_policy_distill: the samples come from the nucleus",
+        ),
+        (
+            lambda: run_config(
+                ppo=distill_ppo(),
+                model=ModelConfig(teacher=TeacherConfig(where="http://host:8000")),
+                rollout=RolloutConfig(temperature=0.7),
+            ),
+            "at temperature 0.7 (rollout.temperature), but a vLLM server's prompt log-probs are untempered; fix: "
+            "model.teacher.temperature=1.0",
+        ),
+        (
+            lambda: run_config(
+                ppo=distill_ppo(), model=ModelConfig(teacher=TeacherConfig(where="http://h:1", temperature=0.5))
+            ),
+            "at temperature 0.5 (model.teacher.temperature)",
+        ),
         (
             lambda: run_config(
                 ppo=distill_ppo(n_samples_per_prompt=1, rollout_batch_size=64, distill=DistillConfig(reward_coef=1.0)),
@@ -181,13 +207,18 @@ def distill_ppo(**changes) -> PPOConfig:
     ],
     ids=[
         "no-teacher",
+        "preset-without-path",
         "teacher-without-distill",
         "kl-in-reward",
         "dynamic-sampling",
         "gae-reward",
         "all-zero",
         "dtype",
-        "server",
+        "where-not-a-url",
+        "server-and-path",
+        "top-p",
+        "server-at-sampling-temperature",
+        "server-at-teacher-temperature",
         "group-of-one",
     ],
 )
@@ -221,9 +252,20 @@ def test_the_preset_composes_with_a_teacher_and_plans_it(tmp_path):
     assert sections_of(older) == plain.to_dict()
 
 
-def test_the_preset_needs_the_teacher_path():
-    with pytest.raises(ConfigError, match=r"model\.teacher\.path is not set"):
-        compose_run_config("ppo=distill")
+@pytest.mark.parametrize("overrides", [["ppo=distill"], ["ppo.advantage_estimator=on_policy_distill"]])
+def test_the_fix_for_a_missing_teacher_composes_as_written(overrides):
+    """With the preset (model.teacher declared, its path null) and without it (model.teacher absent): the line's fix,
+    given as it is written, composes a run with the teacher (no Hydra struct error)."""
+    with pytest.raises(ConfigError) as error:
+        compose_run_config(*overrides, "ppo.kl_coef=0")
+    message = str(error.value)
+    fix = message.split("fix: ")[1].replace("<a model directory>", "/t")
+    written = fix.split(" (or ")[0].split(", or ")[0].split()
+    config = compose_run_config(*overrides, "ppo.kl_coef=0", *[w for w in written if w not in overrides])
+    assert config.model.teacher.path == "/t" and config.ppo.advantage_estimator == "on_policy_distill"
+    if "(or +model.teacher.path" in fix:  # the preset-free form it names
+        config = compose_run_config(*overrides, "ppo.kl_coef=0", "+model.teacher.path=/t")
+        assert config.model.teacher.path == "/t"
 
 
 # ------------------------------------------------------------------ the teacher's tokenizer
@@ -284,8 +326,8 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_any_model_loads(tmp_pa
 def test_a_run_directory_as_the_teacher_names_its_actor(tmp_path):
     """`model.teacher.path=<run>` (the run, not its final policy): one line naming `<run>/actor`."""
     from lit_ppo.demo.tiny import build_char_tokenizer
-    from lit_ppo.run.prepare import check_teacher
+    from lit_ppo.run.teacher_preflight import check_teacher_files
 
     (tmp_path / "run" / "actor").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"without config\.json; fix: model\.teacher\.path=.*run/actor \(the run's"):
-        check_teacher(str(tmp_path / "run"), build_char_tokenizer(), "the tiny model", training=True)
+        check_teacher_files(str(tmp_path / "run"), build_char_tokenizer(), "the tiny model", training=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lit_ppo.config_fields import at_least
+from lit_ppo.config_fields import above, at_least
 from lit_ppo.errors import ConfigError
 
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")
-TEACHER_PLACES = ("trainer",)  # where the teacher runs; a vLLM server (a URL) is not supported yet
+TEACHER_IN_TRAINER = "trainer"  # model.teacher.where: the training process; else a vLLM server's URL
+SERVER_SCHEMES = ("http://", "https://")
 # The estimators whose advantage can be the reward term: those without a critic (the teacher term has no value).
 DISTILL_REWARD_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
@@ -24,20 +25,42 @@ class TeacherConfig:
     checkpointed (the run reads it from `path` again on resume)."""
 
     path: str | None = None
-    """A local directory (or hub name) of a causal LM with the student's tokenizer; must be set with ppo=distill."""
+    """A local directory (or hub name) of a causal LM with the student's tokenizer (where=trainer); null with a server."""
     dtype: str = "float32"
-    """The teacher's weights and forward: float32, bfloat16 or float16."""
-    where: str = "trainer"
-    """trainer: the teacher's forward runs in each training process, in the reference model's place."""
+    """The in-process teacher's weights and forward: float32, bfloat16 or float16 (a server's are its own)."""
+    where: str = TEACHER_IN_TRAINER
+    """trainer: the teacher's forward runs in each training process, in the reference model's place; or the URL of a
+    vLLM server (http://host:port) that serves the teacher: its prompt log-probs of the sampled sequences."""
+    temperature: float | None = field(default=None, metadata=above(0))
+    """The temperature the teacher scores at (logits / temperature); null: the rollout's sampling temperature."""
 
     def __post_init__(self) -> None:
         if self.dtype not in TEACHER_DTYPES:
             raise ConfigError(f"model.teacher.dtype={self.dtype!r} is unknown; fix: one of {', '.join(TEACHER_DTYPES)}")
-        if self.where not in TEACHER_PLACES:
+        if self.where != TEACHER_IN_TRAINER and not self.where.startswith(SERVER_SCHEMES):
             raise ConfigError(
-                f"model.teacher.where={self.where!r}: only the trainer process hosts the teacher (a vLLM server's "
-                "prompt log-probs are not supported yet); fix: model.teacher.where=trainer"
+                f"model.teacher.where={self.where!r} is neither the trainer nor a server's URL; fix: "
+                "model.teacher.where=trainer, or model.teacher.where=http://<host>:<port> (a vLLM server of the teacher)"
             )
+        if self.on_server and self.path:
+            raise ConfigError(
+                f"model.teacher.path={self.path} with model.teacher.where={self.where}: the server's model is the "
+                "teacher, the path would name another; fix: model.teacher.path=null (or model.teacher.where=trainer)"
+            )
+
+    @property
+    def on_server(self) -> bool:
+        """The teacher is a vLLM server's (model.teacher.where is its URL)."""
+        return self.where != TEACHER_IN_TRAINER
+
+    @property
+    def url(self) -> str:
+        """The server's URL without a trailing slash."""
+        return self.where.rstrip("/")
+
+    def scoring_temperature(self, sampling_temperature: float) -> float:
+        """The temperature the teacher's log-probs are taken at: model.teacher.temperature, else the sampling one."""
+        return sampling_temperature if self.temperature is None else self.temperature
 
 
 @dataclass(frozen=True)
@@ -83,17 +106,31 @@ def check_ppo_for_distill(ppo) -> None:
 
 
 def validate_distill(
-    distill: DistillConfig, *, estimator: str, teacher: TeacherConfig | None, n_samples_per_prompt: int
+    distill: DistillConfig,
+    *,
+    estimator: str,
+    teacher: TeacherConfig | None,
+    n_samples_per_prompt: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> None:
     """The run's distillation settings against each other: the estimator and the teacher go together, a group
-    estimator of the reward term needs groups."""
+    estimator of the reward term needs groups, the sampling (rollout.temperature, rollout.top_p) is one the teacher's
+    log-probs can be compared with."""
     distilling = estimator == "on_policy_distill"
-    if distilling and (teacher is None or not teacher.path):
+    if distilling and teacher is None:  # model.teacher absent: the preset, which declares it, was not used
         raise ConfigError(
-            "ppo.advantage_estimator=on_policy_distill needs a teacher; fix: model.teacher.path=<a model directory> "
-            "(with ppo=distill)"
+            "ppo.advantage_estimator=on_policy_distill needs a teacher; fix: ppo=distill model.teacher.path=<a model "
+            "directory> (or +model.teacher.path=<a model directory> without the preset)"
         )
-    if not distilling and teacher is not None and teacher.path:
+    if distilling and not teacher.path and not teacher.on_server:
+        raise ConfigError(
+            "ppo.advantage_estimator=on_policy_distill needs a teacher; fix: model.teacher.path=<a model directory>, "
+            "or model.teacher.where=http://<host>:<port> (a vLLM server of the teacher)"
+        )
+    if distilling:
+        check_teacher_sampling(teacher, temperature, top_p)
+    if not distilling and teacher is not None and (teacher.path or teacher.on_server):
         raise ConfigError(
             f"model.teacher.path={teacher.path} is set but ppo.advantage_estimator={estimator} never reads a teacher; "
             "fix: ppo=distill (ppo.advantage_estimator=on_policy_distill), or remove model.teacher"
@@ -108,6 +145,24 @@ def validate_distill(
             f"ppo.distill.reward_estimator={distill.reward_estimator} compares samples of one prompt but "
             f"ppo.n_samples_per_prompt={n_samples_per_prompt}; fix: ppo.n_samples_per_prompt=2 or more, or "
             "ppo.distill.reward_coef=0"
+        )
+
+
+def check_teacher_sampling(teacher: TeacherConfig, temperature: float, top_p: float) -> None:
+    """The teacher's log-probs are of the whole distribution at its scoring temperature: the student's samples must be
+    drawn from the whole distribution (no nucleus), and a server's prompt log-probs are untempered (temperature 1)."""
+    if top_p < 1:
+        raise ConfigError(
+            f"rollout.top_p={top_p} with ppo.advantage_estimator=on_policy_distill: the samples come from the nucleus "
+            "while the teacher scores the whole distribution, so the teacher term is biased and its optimum is not the "
+            "teacher; fix: rollout.top_p=1.0"
+        )
+    scoring = teacher.scoring_temperature(temperature)
+    if teacher.on_server and scoring != 1:
+        source = "model.teacher.temperature" if teacher.temperature is not None else "rollout.temperature"
+        raise ConfigError(
+            f"model.teacher.where={teacher.where} scores the teacher at temperature {scoring:g} ({source}), but a vLLM "
+            "server's prompt log-probs are untempered; fix: model.teacher.temperature=1.0"
         )
 
 

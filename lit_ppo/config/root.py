@@ -58,6 +58,8 @@ class RunConfig:
             estimator=self.ppo.advantage_estimator,
             teacher=self.model.teacher,
             n_samples_per_prompt=self.ppo.n_samples_per_prompt,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
         )
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors

@@ -159,7 +159,7 @@ def evaluate(
             f"data.max_prompt_length={config.data.max_prompt_length} tokens, or empty); fix: raise "
             "data.max_prompt_length or check data.prompt_key"
         )
-    plan = prepared.plan
+    plan = dataclasses.replace(prepared.plan, teacher=None)  # the student alone is evaluated: no teacher to load
     if checkpoint is None:  # only the actor generates: no critic or reference to load (a checkpoint restores them)
         plan = dataclasses.replace(
             plan, models=dataclasses.replace(plan.models, critic_enabled=False, reference_enabled=False)

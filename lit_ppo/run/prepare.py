@@ -18,13 +18,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lit_ppo.config import DataConfig, RunConfig, check_teacher_tokenizer, planned_dataset_size
+from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
 from lit_ppo.rollout.prompts import PromptSet, check_utf8
 from lit_ppo.run import preflight as checks
 from lit_ppo.run import user_code
+from lit_ppo.run.teacher_preflight import check_teacher, teacher_layout
 
 log = logging.getLogger("lit_ppo")
 
@@ -123,11 +124,11 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
             (Path(path), f"data.{key}") for key, path in (("path", data.path), ("eval_path", data.eval_path)) if path
         ]
     tokenizer, max_positions, positions_source, model_type, architecture, model_name = read_model(config, training)
-    if config.model.teacher is not None and tokenizer is not None:
-        check_teacher(config.model.teacher.path, tokenizer, config.model.path or "the tiny model", training)
     prompts = read_prompts_once(config, training, tokenizer, files, output_dir)
     check_prompt_lengths(config, prompts, max_positions, positions_source, has_environment=environment is not None)
-    packing, shared_prefix = resolve_layout(config, training, model_type, architecture)
+    longest = prompts.longest[0] + rollout.response_budget_tokens() if prompts and prompts.longest else None
+    check_teacher(config, tokenizer, architecture, training, longest)  # before any model loads
+    packing, shared_prefix = teacher_layout(config, *resolve_layout(config, training, model_type, architecture))
     lora_targets = match_lora_targets(config, architecture, model_name)
     ppo = dataclasses.replace(config.ppo, packing=packing, shared_prefix=shared_prefix)
     return Checked(dataclasses.replace(config, ppo=ppo), tokenizer, prompts, lora_targets)
@@ -272,33 +273,6 @@ def match_lora_targets(config: RunConfig, architecture, model_name: str) -> Lora
             checks.meta_model(architecture, model_name), lora.target_modules, lora.rank, model_name
         )
     return lora_targets
-
-
-def check_teacher(teacher_path: str, student_tokenizer, student_name: str, training: bool) -> None:
-    """On-policy distillation's teacher: its directory, and its tokenizer against the student's (the vocabularies and
-    the special tokens, `config.check_teacher_tokenizer`), read from the tokenizer files, before any model loads. A
-    run needs the teacher's files; `mode=plan` checks them where they are on this machine."""
-    path = Path(teacher_path).expanduser()
-    if path.is_dir() and not (path / "config.json").is_file():
-        hint = (
-            f"model.teacher.path={path / 'actor'} (the run's final policy)"
-            if (path / "actor").is_dir()
-            else ("a saved Hugging Face model (save_pretrained)")
-        )
-        raise ConfigError(f"model.teacher.path={teacher_path} is a directory without config.json; fix: {hint}")
-    if not path.is_dir() and not training:
-        return
-    from transformers import AutoTokenizer
-
-    try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"model.teacher.path={teacher_path}: its tokenizer cannot be loaded ({type(e).__name__}: {first}); fix: "
-            "point model.teacher.path at a model directory with its tokenizer (or a hub name)"
-        ) from None
-    check_teacher_tokenizer(student_tokenizer, teacher_tokenizer, student_name, teacher_path)
 
 
 def prompt_lengths(

@@ -212,8 +212,8 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
 
 def teacher_memory_inputs(config: RunConfig, plan: StepPlan, student: ModelShape) -> dict:
     """The teacher's parameters for the memory estimate: from its config.json where it is on this machine, else the
-    student's shape stands for it (said in its row)."""
-    if plan.teacher is None:
+    student's shape stands for it (said in its row). A server's teacher holds no memory of the trainer's."""
+    if plan.teacher is None or plan.teacher.on_server:
         return {}
     shape, source = model_shape(dataclasses.replace(config.model, path=plan.teacher.path, architecture=None))
     if shape is None:

@@ -80,7 +80,7 @@ from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, sh
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
 from lit_ppo.training.rank_samples import balanced_rank_batch, global_batch, rank_share
 from lit_ppo.training.state import CheckpointedModule
-from lit_ppo.training.teacher import load_teacher, teacher_logprobs
+from lit_ppo.training.teacher import load_teacher, server_teacher_logprobs, teacher_logprobs
 from lit_ppo.training.weight_sync import WeightSync, check_adapter_versions
 
 
@@ -160,7 +160,12 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         if self.device_mesh is None or self.sharded:
             return
         shard_models(
-            (self.actor, self.critic, self.reference, self.teacher),
+            (
+                self.actor,
+                self.critic,
+                self.reference,
+                self.teacher if isinstance(self.teacher, torch.nn.Module) else None,
+            ),
             self.device_mesh["data_parallel"],
             bf16_mixed=self.trainer.precision == "bf16-mixed",
         )
@@ -233,7 +238,9 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         old_logp = zeros() if source == "experience forward" else None
         ref_logp = zeros() if self.plan.models.reference_enabled else None
         values = zeros() if self.critic is not None else None
-        teacher_logp = zeros() if self.teacher is not None else None
+        teacher_logp = server_teacher_logprobs(self.teacher, batch, T, self.device)  # asked once; None in process
+        in_process_teacher = self.teacher is not None and teacher_logp is None
+        teacher_logp = zeros() if in_process_teacher else teacher_logp
 
         # Before the interruptible region: with a token budget under data parallelism the split all-reduces the ranks'
         # micro-batch counts, and a collective that a signal interrupts on one rank leaves the others waiting in it.
@@ -250,8 +257,8 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
                     ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
                     values[idx, :t] = critic_values(self.critic, mb) * mb.response_mask
-                if teacher_logp is not None:
-                    teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.temperature)
+                if in_process_teacher:
+                    teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.plan.teacher.temperature)
 
         # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
         # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.

@@ -1,6 +1,7 @@
 """On-policy distillation's teacher in the training process (`model.teacher.where=trainer`): loaded once, frozen and
 LoRA-free, and its log-probs of the sampled response tokens, taken by the same forward as the reference model's (the
-micro-batch's layout: padded, packed or shared-prefix; `models.response_logprobs_and_entropy`)."""
+micro-batch's layout: padded, packed or shared-prefix; `models.response_logprobs_and_entropy`). A teacher on a vLLM
+server (`model.teacher.where=<url>`) is its client instead (lit_ppo/training/teacher_server.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.models import response_logprobs_and_entropy
 from lit_ppo.training.packing import packing_unsupported, shared_prefix_unsupported
+from lit_ppo.training.teacher_server import TeacherServer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_teacher(plan: StepPlan, attn_implementation: str | None = None) -> torch.nn.Module | None:
+def load_teacher(plan: StepPlan, attn_implementation: str | None = None) -> torch.nn.Module | TeacherServer | None:
     """The teacher of `plan.teacher` in eval mode without gradients, with the student's attention kernels (the layout
-    is the student's); None without a teacher. A teacher whose model cannot take the run's layout (packed rows, the
-    shared prefix) is refused in one line."""
+    is the student's), or the client of its server; None without a teacher. A teacher whose model cannot take the
+    run's layout (packed rows, the shared prefix) is refused in one line."""
     if plan.teacher is None:
         return None
+    if plan.teacher.on_server:
+        return TeacherServer(plan.teacher.where)
     from transformers import AutoModelForCausalLM
 
     attention = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -40,5 +44,14 @@ def load_teacher(plan: StepPlan, attn_implementation: str | None = None) -> torc
 @torch.no_grad()
 def teacher_logprobs(teacher: torch.nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """The teacher's log-probs of the micro-batch's response tokens, [B, T] in float32 (zero off the response mask when
-    packed), at the sampling temperature as every log-prob of the run (the student's it is compared with)."""
+    packed), at the teacher's scoring temperature (`TeacherPlan.temperature`: by default the sampling one, as every
+    log-prob of the run)."""
     return response_logprobs_and_entropy(teacher, mb, temperature)[0]
+
+
+def server_teacher_logprobs(teacher, batch, width: int, device) -> Tensor | None:
+    """A server teacher's log-probs of the whole rollout batch's response tokens, [N, width] float32, asked before the
+    experience forwards; None for an in-process teacher (its forward runs per micro-batch) or none."""
+    if not isinstance(teacher, TeacherServer):
+        return None
+    return teacher.batch_logprobs(batch.prompt_ids, batch.response_ids, width, device)

@@ -5,33 +5,23 @@ one line naming the server on failure (`ServerCalls`: an HTTP error or timeout, 
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import subprocess
-import urllib.error
-import urllib.request
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
 from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.http_json import HTTPFailure, call_json
+
+__all__ = ["HTTPFailure", "Server", "ServerCalls", "SERVED_MODEL_NAME", "HEALTH_TIMEOUT_S"]
 
 log = logging.getLogger("lit_ppo")
 
 SERVED_MODEL_NAME = "policy"
 """--served-model-name of a spawned server (a given server's name is read from its /v1/models)."""
 HEALTH_TIMEOUT_S = 5.0  # one /health call
-
-
-class HTTPFailure(RuntimeError):
-    """An HTTP call that failed: its route and the reason, for the one line that names the server; `status`: the HTTP
-    status it was answered with, if any; `refused`: nothing listens at the address (connection refused)."""
-
-    def __init__(self, message: str, status: int | None = None, refused: bool = False):
-        super().__init__(message)
-        self.status, self.refused = status, refused
 
 
 @dataclass
@@ -50,26 +40,7 @@ class Server:
         return f"vLLM server {self.number} at {self.url} (pid {self.process.pid}; see {self.log_file})"
 
     def call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace").replace("\n", " ")[:300]
-            raise HTTPFailure(f"{method} {path} answered HTTP {e.code}: {detail}", status=e.code) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # refused, reset, cut, timed out
-            reason = getattr(e, "reason", e)
-            refused = isinstance(reason, ConnectionRefusedError)
-            raise HTTPFailure(
-                f"{method} {path} failed after at most {timeout_s:g} s: {reason!r}", refused=refused
-            ) from None
-        try:
-            return json.loads(text) if text else {}
-        except ValueError:
-            raise HTTPFailure(f"{method} {path} answered what is not JSON: {text[:200]!r}") from None
+        return call_json(self.url, method, path, body, timeout_s)
 
     def post(self, path: str, body: dict | None = None, timeout_s: float = 60.0) -> dict:
         return self.call("POST", path, body if body is not None else {}, timeout_s)
