@@ -163,3 +163,33 @@ def test_eval_refusals_are_one_line_before_any_model_loads(overrides, message, a
         entry.run(config, out)
     assert message in str(error.value) and "\n" not in str(error.value)
     assert not (out / "eval.json").exists() and evaluated == []
+
+
+def test_eval_of_a_distillation_config_never_reads_or_loads_the_teacher(tiny_model_dir, tmp_path, monkeypatch):
+    """`mode=eval` with ppo=distill evaluates the student alone: the teacher (here a directory that is no model, which
+    a training run's pre-flight refuses) is neither checked nor in the plan the module is built from (no teacher to
+    load: `load_teacher` returns None for it)."""
+    from lit_ppo.run import evaluate
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text("{}")  # no tokenizer: the teacher's pre-flight would refuse it
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build_run(config, plan, **kwargs):
+        built.append(plan)
+        raise Built  # the evaluation itself is not this test's
+
+    monkeypatch.setattr(evaluate, "build_run", build_run)
+    out = tmp_path / "eval"
+    overrides = ("ppo=distill", f"model.teacher.path={teacher}", f"model.path={tiny_model_dir}", "rollout.engine=hf")
+    config = eval_config(tmp_path, out, *overrides)
+    with pytest.raises(Built):
+        entry.run(config, out)
+    assert len(built) == 1 and built[0].teacher is None
+    training = compose_run_config(*SETTINGS, *ARITHMETIC, *overrides)
+    with pytest.raises(ConfigError, match="its tokenizer cannot be loaded"):
+        entry.run(training, tmp_path / "train")
