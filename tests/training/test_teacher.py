@@ -58,7 +58,8 @@ def test_teacher_logprobs_equal_a_plain_transformers_forward(tiny_model_dir, tea
         packing=packing,
         shared_prefix=shared_prefix,
     )
-    config = run_config(ppo=ppo, model=ModelConfig(teacher=TeacherConfig(path=teacher_dir)))
+    rollout = RolloutConfig(temperature=TEMPERATURE)  # the teacher scores at the sampling temperature
+    config = run_config(ppo=ppo, rollout=rollout, model=ModelConfig(teacher=TeacherConfig(path=teacher_dir)))
     plan = compute_plan(config, 3)
     assert plan.layout.packing is packing and plan.layout.shared_prefix is shared_prefix
     batch = synthetic_rollout_batch(3, 4, (5, 30), (1, 40), seed=0)
