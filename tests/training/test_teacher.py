@@ -130,3 +130,77 @@ def test_a_lora_student_learns_from_its_teacher(tiny_model_dir, teacher_dir, ari
     assert before and all("lora_" in n for n in before)
     assert relative_change(module, before) > 1e-3
     assert all(r["teacher/logprob_gap"] > 0.01 for r in module.history)
+
+
+def distill_module(model_dir: str, teacher: str, **ppo_changes) -> PPOModule:
+    """A module distilling `teacher` into `model_dir` (3 prompts x 4 samples, micro-batches of 6), sampling at
+    TEMPERATURE."""
+    ppo = PPOConfig(
+        advantage_estimator="on_policy_distill",
+        kl_coef=0.0,
+        rollout_batch_size=3,
+        n_samples_per_prompt=4,
+        train_batch_size=12,
+        micro_train_batch_size=6,
+        **ppo_changes,
+    )
+    rollout = RolloutConfig(temperature=TEMPERATURE)
+    config = run_config(ppo=ppo, rollout=rollout, model=ModelConfig(teacher=TeacherConfig(path=teacher)))
+    return PPOModule(
+        model_dir=model_dir, ppo=ppo, plan=compute_plan(config, 3), pad_token_id=0, temperature=TEMPERATURE
+    )
+
+
+def test_with_tool_episodes_only_the_policys_tokens_carry_the_teacher_term(tiny_model_dir, teacher_dir):
+    """Episodes of 61-100 response tokens, each with an observation (policy mask 0) inside: the observation tokens
+    have no teacher term (advantage 0) and are out of the metrics; every policy token's advantage is
+    -(student - teacher) of plain forwards of the whole episode (packed rows)."""
+    from lit_ppo.training.experience import teacher_metrics
+
+    batch = synthetic_rollout_batch(3, 4, (5, 20), (61, 100), seed=2, observations=True)
+    module = distill_module(tiny_model_dir, teacher_dir, packing=True, shared_prefix=False)
+    exp = module.make_experience(batch)
+    student_minus_teacher, policy_tokens = [], 0
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        policy = torch.tensor(batch.policy_masks[i], dtype=torch.float32)
+        assert 0 < float(policy.sum()) < len(response)  # an observation inside every episode
+        torch.testing.assert_close(exp.mask[i, : len(response)], policy)
+        teacher = plain_logprobs(teacher_dir, prompt, response).float()
+        student = plain_logprobs(tiny_model_dir, prompt, response).float()
+        expected = -(student - teacher) * policy
+        torch.testing.assert_close(exp.advantages[i, : len(response)], expected, rtol=0, atol=4e-5)
+        assert (exp.advantages[i, : len(response)][policy == 0] == 0).all()
+        student_minus_teacher.append(((student - teacher) * policy).sum())
+        policy_tokens += int(policy.sum())
+    metrics = teacher_metrics(exp)
+    assert metrics["teacher/reverse_kl"] == pytest.approx(float(sum(student_minus_teacher)) / policy_tokens, abs=1e-5)
+
+
+def test_under_fsdp_the_teacher_is_sharded_and_scores_as_unsharded(tiny_model_dir, teacher_dir, tmp_path):
+    """FSDP2 on a 1-rank gloo mesh in this process (PPOModule.configure_model, as ModelParallelStrategy calls it): the
+    teacher's parameters are DTensors beside the actor's, and the experience's teacher log-probs and advantages are
+    the unsharded module's."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    batch = synthetic_rollout_batch(3, 4, (5, 30), (1, 40), seed=0)
+    plain = distill_module(tiny_model_dir, teacher_dir, packing=False).make_experience(batch)
+    own_group = not dist.is_initialized()  # an in-process vLLM engine of an earlier test leaves a 1-rank group up
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        module = distill_module(tiny_model_dir, teacher_dir, packing=False)
+        module._device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        module.trainer = SimpleNamespace(precision="32-true")  # what configure_model reads of the trainer
+        module.configure_model()
+        assert module.sharded and all(isinstance(p, DTensor) for p in module.teacher.parameters())
+        sharded = module.make_experience(batch)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    torch.testing.assert_close(sharded.teacher_logp, plain.teacher_logp, rtol=0, atol=2e-6)
+    torch.testing.assert_close(sharded.advantages, plain.advantages, rtol=0, atol=4e-6)
+    assert float(plain.teacher_logp.abs().sum()) > 1
