@@ -204,3 +204,41 @@ def test_under_fsdp_the_teacher_is_sharded_and_scores_as_unsharded(tiny_model_di
     torch.testing.assert_close(sharded.teacher_logp, plain.teacher_logp, rtol=0, atol=2e-6)
     torch.testing.assert_close(sharded.advantages, plain.advantages, rtol=0, atol=4e-6)
     assert float(plain.teacher_logp.abs().sum()) > 1
+
+
+@pytest.mark.slow  # three short runs with vLLM sampling (80 s on 2 busy cores); make test: the preset's 2-step run
+def test_a_resumed_distillation_run_matches_an_uninterrupted_one(
+    tiny_model_dir, teacher_dir, engine, arithmetic_files, tmp_path
+):
+    """A distillation run that crashes after rollout step 1 and resumes from its checkpoint: the checkpoint holds no
+    teacher tensor (the teacher loads from model.teacher.path again), and the resumed run's step 2 (its teacher
+    metrics, the actor's weights) is the uninterrupted run's, bitwise (CPU, fixed seeds, one process)."""
+    from lit_ppo.checkpoints import checkpoint_path
+    from tests.helpers.resume import assert_same_weights, checkpointed_run
+
+    def run(out, **kwargs):
+        return checkpointed_run(
+            (tiny_model_dir, arithmetic_files),
+            engine,
+            out,
+            every=1,
+            keep=2,
+            total_rollout_steps=2,
+            teacher=TeacherConfig(path=teacher_dir),
+            advantage_estimator="on_policy_distill",
+            kl_coef=0.0,
+            loss_agg_mode="token-mean",
+            **kwargs,
+        )[1]
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "split", crash_after=1)
+    checkpoint = checkpoint_path(tmp_path / "split" / "checkpoints", 1)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert any(k.startswith("actor.") for k in saved) and not [k for k in saved if k.startswith("teacher.")]
+    resumed = run(tmp_path / "split", resume_from=checkpoint)
+    assert resumed.rollout_step == full.rollout_step == 2 and resumed.teacher is not None
+    keys = ("teacher/reverse_kl", "teacher/logprob_gap")
+    assert [resumed.history[-1][k] for k in keys] == [full.history[-1][k] for k in keys]
+    assert full.history[-1]["teacher/logprob_gap"] > 0.01
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
