@@ -1,8 +1,9 @@
 """On-policy distillation's settings: `model.teacher` (the teacher model: where its weights are, its dtype, where it
 runs) and `ppo.distill` (the weights of the teacher term and of the reward term in the advantage of
 `ppo.advantage_estimator=on_policy_distill`), with their checks: each section's own (`__post_init__`), the run's
-(`validate_distill`, called by `RunConfig`; `check_ppo_for_distill`, by `PPOConfig`), and the teacher's tokenizer against the student's (`tokenizer_mismatch`,
-called by the pre-flight before any model loads)."""
+(`validate_distill`, called by `RunConfig`, with the sampling the teacher can score, `check_teacher_sampling`;
+`check_ppo_for_distill`, by `PPOConfig`), and the teacher's tokenizer against the student's (`tokenizer_mismatch`,
+called by the pre-flight before any model loads: lit_ppo/run/teacher_preflight.py)."""
 
 from __future__ import annotations
 
