@@ -77,13 +77,22 @@ class TeacherServer:
         def score(chunk: list[int]) -> list[list[float]]:
             sequences = [list(prompts[i]) + list(responses[i]) for i in chunk]
             body = dict(model=self.model, prompt=sequences, max_tokens=1, temperature=0.0, prompt_logprobs=0)
-            what = f"the prompt log-probs of {len(chunk)} sequences (POST /v1/completions)"
-            choices = sorted(self.call("POST", "/v1/completions", what, self.timeout_s, body)["choices"],
-                             key=lambda c: c["index"])  # fmt: skip
-            return [
-                [choice["prompt_logprobs"][j][str(ids[j])]["logprob"] for j in range(len(prompts[i]), len(ids))]
-                for i, ids, choice in zip(chunk, sequences, choices)
-            ]
+            what = (
+                f"the prompt log-probs of {len(chunk)} sequence{'s' if len(chunk) > 1 else ''} (POST /v1/completions)"
+            )
+            answer = self.call("POST", "/v1/completions", what, self.timeout_s, body)
+            try:
+                choices = sorted(answer["choices"], key=lambda c: c["index"])
+                assert len(choices) == len(chunk)
+                return [
+                    [choice["prompt_logprobs"][j][str(ids[j])]["logprob"] for j in range(len(prompts[i]), len(ids))]
+                    for i, ids, choice in zip(chunk, sequences, choices)
+                ]
+            except (KeyError, IndexError, TypeError, AssertionError) as e:  # not vLLM's answer to this request
+                raise TeacherServerError(
+                    f"{self.describe()} answered {what} without each sent token's log-prob ({type(e).__name__}: "
+                    f"{e}); fix: serve the teacher with vLLM's OpenAI-compatible server (vllm serve)"
+                ) from None
 
         with ThreadPoolExecutor(max_workers=REQUESTS_IN_FLIGHT) as pool:
             return [row for rows in pool.map(score, chunks) for row in rows]

@@ -99,7 +99,11 @@ class StandIn(http.server.BaseHTTPRequestHandler):
                 return self.answer(400, {"error": {"message": "Token id out of vocabulary"}})
             return self.answer(200, {"prompt": "x"})
         if self.server.failures:
-            return self.answer(self.server.failures.pop(0), {"error": {"message": "stand-in failure"}})
+            failure = self.server.failures.pop(0)
+            if failure == "short":  # prompt log-probs of all but the last token
+                prompt = [None] + [{str(t): {"logprob": -1.0}} for t in body["prompt"][0][1:-1]]
+                return self.answer(200, {"choices": [{"index": 0, "prompt_logprobs": prompt}]})
+            return self.answer(failure, {"error": {"message": "stand-in failure"}})
         assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 and body["model"] == "teacher"
         choices = []
         for index, ids in enumerate(body["prompt"]):
@@ -195,7 +199,9 @@ def test_the_requests_hold_16_sequences_each_and_a_server_error_is_tried_again(s
     [
         ([400], "(tried once): POST /v1/completions answered HTTP 400"),
         ([500, 502, 503], "(tried 3 times): POST /v1/completions answered HTTP 503"),
+        (["short"], "answered the prompt log-probs of 1 sequence (POST /v1/completions) without each sent token's"),
     ],
+    ids=["bad-request", "server-errors", "short-answer"],
 )
 def test_a_failing_server_stops_the_run_in_one_line(stand_in, failures, words):
     server, url = stand_in
@@ -203,8 +209,8 @@ def test_a_failing_server_stops_the_run_in_one_line(stand_in, failures, words):
     with pytest.raises(TeacherServerError) as error:
         TeacherServer(url, retry_wait_s=0.0).logprobs([[5, 6, 7]], [[8, 9]])
     message = str(error.value)
-    assert message.startswith(f"model.teacher.where={url}: the teacher's vLLM server failed the prompt log-probs")
-    assert words in message and "fix: check that the server runs" in message and "\n" not in message
+    assert message.startswith(f"model.teacher.where={url}: the teacher's vLLM server ")
+    assert words in message and "; fix: " in message and "\n" not in message
 
 
 def test_nothing_listening_is_tried_three_times_then_said_in_one_line():
