@@ -13,15 +13,16 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def world_size(group=None) -> int:
+    """The ranks of `group` (None: torch's default group, every rank); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def global_sum(x: Tensor) -> Tensor:
-    """Sum over data-parallel ranks (identity on one process)."""
-    if world_size() > 1:
+def global_sum(x: Tensor, group=None) -> Tensor:
+    """Sum over data-parallel ranks, or over `group`'s (`RankTopology`'s groups); identity on one process."""
+    if world_size(group) > 1:
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
     return x
 
 

@@ -17,7 +17,7 @@ Import-light on purpose (no torch at import): `train.py` reads `launcher_rank` b
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lit_ppo.errors import ConfigError
@@ -90,7 +90,7 @@ class RankTopology:
             )
 
     @classmethod
-    def of(cls, trainer) -> RankTopology:
+    def of(cls, trainer, context_parallel_size: int = 1) -> RankTopology:
         """The topology of a Lightning trainer's strategy, which numbered its ranks when the trainer was built (from
         the launcher's environment and strategy.devices x strategy.num_nodes), before its process group exists."""
         return cls(
@@ -98,7 +98,27 @@ class RankTopology:
             world_size=trainer.world_size,
             local_rank=trainer.local_rank,
             node_rank=trainer.node_rank,
+            context_parallel_size=context_parallel_size,
         )
+
+    def with_groups(self) -> RankTopology:
+        """This topology with its process groups, once the default group is up: the context-parallel groups (ranks
+        r*C .. r*C+C-1) and the data-parallel groups (the ranks of one context-parallel rank, c, c+C, ...). A
+        collective: `torch.distributed.new_group` is called by every rank for every group, in the same order. With
+        C = 1 there is nothing to build (the data-parallel group is torch's default one)."""
+        C = self.context_parallel_size
+        if C == 1:
+            return self
+        import torch.distributed as dist
+
+        context = data = None
+        for first in range(0, self.world_size, C):
+            group = dist.new_group(list(range(first, first + C)))
+            context = group if first == self.data_parallel_rank * C else context
+        for offset in range(C):
+            group = dist.new_group(list(range(offset, self.world_size, C)))
+            data = group if offset == self.context_parallel_rank else data
+        return replace(self, data_parallel_group=data, context_parallel_group=context)
 
     # ------------------------------------------------------------ ranks
 

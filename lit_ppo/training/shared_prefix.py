@@ -194,10 +194,11 @@ def group_rows(
 
 def attention_mask_for(model: torch.nn.Module, mb: MicroBatch):
     """The mask a packed forward of `model` passes: None for the flat layout (transformers builds it from the position
-    ids); the shared-prefix layout's mask: a BlockMask for flex attention (`block_mask`), the 4-D mask, boolean for
-    sdpa, additive (0 or the float minimum) for eager."""
+    ids), or a context-parallel rank's whole-row 4-D mask as it is (training/context_parallel.py); the shared-prefix
+    layout's mask: a BlockMask for flex attention (`block_mask`), the 4-D mask, boolean for sdpa, additive (0 or the
+    float minimum) for eager."""
     if mb.segments is None:
-        return None
+        return mb.attention_mask  # None in the flat packed layout
     implementation = model.config._attn_implementation
     if implementation == "flex_attention":
         return block_mask(mb.segments)

@@ -1,0 +1,270 @@
+"""Context parallelism, Ulysses style (issue 51): the C ranks of a context-parallel group share one micro-batch and
+each runs the model on 1/C of every row's positions; around attention an all-to-all swaps that sequence split for a
+split of the heads (each rank then attends over whole rows with H/C heads), and back after. Every other layer works
+per position, so the rest of the forward is the one-rank forward on fewer positions.
+
+Exact by construction: the whole row's attention mask is built before the split by transformers' own
+`create_causal_mask` (padding, causality, packed rows' block-diagonal rule: the mask the one-rank forward uses) and
+handed to the model as a 4-D mask, which transformers passes to the attention function as it is; the wrapped
+attention function (sdpa or eager, `ulysses`) sees the whole rows after the exchange. Each rank computes the LM head
+and the value head only at its own positions' response tokens (`context_parallel_logprobs`, `context_parallel_values`);
+the per-token results are gathered over the group (a few floats per token), so every rank of the group holds the
+micro-batch's whole [B, T] outputs, and computes the same loss from them.
+
+Gradients: the exchange is an autograd function whose backward is the reverse exchange; the gather's backward keeps
+this rank's part of the (same on every rank) gradient. A rank's parameter gradients are then its positions' share;
+their sum over the group is the one-rank gradient (so a data-parallel average over world_size ranks must be scaled by
+world_size, not by the data-parallel size: C ranks hold parts of the same samples).
+
+Not built yet (refused in one line, `check_model` and `config.strategy.validate_context_parallel`): ring attention
+(heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, the shared-prefix layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import create_causal_mask
+
+from lit_ppo.errors import ConfigError
+from lit_ppo.training.batching import MicroBatch
+from lit_ppo.training.models import critic_values, response_logprobs_and_entropy, scatter_responses
+
+ULYSSES = "lit_ppo_ulysses"
+"""The attention implementation's name in transformers' AttentionInterface while a context-parallel forward runs."""
+
+INNER_IMPLEMENTATIONS = ("sdpa", "eager")
+"""The kernels the exchange wraps: they take the whole row's 4-D mask as given."""
+
+_ACTIVE: list[tuple[Any, str]] = []  # (process group, wrapped implementation) of the forward running now
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's context-parallel group: its process group, its C ranks and this rank's place among them."""
+
+    group: Any
+    size: int
+    rank: int
+
+
+# ---------------------------------------------------------------- the exchange
+
+
+def all_to_all(x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
+    """`x` cut into C equal chunks along `split_dim`, chunk j sent to the group's rank j; the chunks received
+    (one from each rank, in rank order) joined along `gather_dim`. gloo (CPU) and NCCL both have all_to_all."""
+    size = dist.get_world_size(group)
+    parts = [part.contiguous() for part in x.chunk(size, dim=split_dim)]
+    received = [torch.empty_like(part) for part in parts]
+    dist.all_to_all(received, parts, group=group)
+    return torch.cat(received, dim=gather_dim)
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
+        ctx.group, ctx.split_dim, ctx.gather_dim = group, split_dim, gather_dim
+        return all_to_all(x, group, split_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # the gradient of chunk j of x (sent to rank j) is the chunk of rank j's gradient that came from here
+        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.split_dim), None, None, None
+
+
+def exchange(x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
+    """`all_to_all`, differentiable: its backward is the reverse exchange (a collective in both passes)."""
+    return _Exchange.apply(x, group, split_dim, gather_dim)
+
+
+def ulysses_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    """transformers' attention function contract: query [B, H, S, D], key and value [B, Hkv, S, D] of this rank's S
+    positions; returns [B, S, H, D]. Exchanged to [B, H/C, C*S, D] (the whole rows, H/C heads: query head group j
+    meets key head group j, as grouped-query attention pairs them), attended by the wrapped kernel under the whole
+    row's mask, exchanged back."""
+    group, inner = _ACTIVE[-1]
+    if kwargs.get("sliding_window") is not None or getattr(module, "sinks", None) is not None:
+        raise ConfigError(
+            "strategy.context_parallel_size > 1: this model's attention has a sliding window or sinks, which the "
+            "Ulysses exchange does not handle yet; fix: strategy.context_parallel_size=1"
+        )
+    if inner == "eager":  # each modeling file has its own eager function (transformers registers none)
+        attend = sys.modules[type(module).__module__].eager_attention_forward
+    else:
+        attend = AttentionInterface._global_mapping[inner]
+    query, key, value = (exchange(t, group, 1, 2) for t in (query, key, value))
+    output, _ = attend(module, query, key, value, attention_mask, **kwargs)  # [B, C*S, H/C, D]
+    return exchange(output, group, 1, 2), None
+
+
+AttentionInterface.register(ULYSSES, ulysses_attention)
+
+
+def check_model(config, size: int) -> None:
+    """What the exchange needs of a model, one line otherwise: heads and KV heads divisible by C (ring attention,
+    which would not need it, is not built), no sliding window, sdpa or eager kernels."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: the model's {heads} attention heads and {kv_heads} KV heads must "
+            f"both divide by it (Ulysses; ring attention is not built); fix: a context_parallel_size dividing both"
+        )
+    windows = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    if windows or (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: the {config.model_type} model has sliding-window attention, "
+            "which context parallelism does not handle yet; fix: strategy.context_parallel_size=1"
+        )
+    implementation = config._attn_implementation
+    if implementation not in INNER_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: model.attn_implementation={implementation} is not built for "
+            "context parallelism; fix: model.attn_implementation=sdpa (or eager)"
+        )
+
+
+@contextmanager
+def ulysses(model: torch.nn.Module, cp: ContextGroup) -> Iterator[None]:
+    """`model`'s forwards inside run the exchange around its attention kernel (the one it was loaded with)."""
+    config = model.config
+    check_model(config, cp.size)
+    inner = config._attn_implementation
+    _ACTIVE.append((cp.group, inner))
+    config._attn_implementation = ULYSSES
+    try:
+        yield
+    finally:
+        config._attn_implementation = inner
+        _ACTIVE.pop()
+
+
+# ---------------------------------------------------------------- the split of a micro-batch
+
+
+def _padded_columns(x: Tensor | None, columns: int, value: int) -> Tensor | None:
+    if x is None or columns == 0:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], columns), value)], dim=1)
+
+
+def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) -> MicroBatch:
+    """This rank's part of `mb` as a packed-style micro-batch: its S = L'/C positions of every row (rows padded on the
+    right to L', a multiple of C: positions nothing real attends to), the whole rows' 4-D mask, and `head_index` /
+    `response_ids` [1, n_r] / `response_mask` of the response tokens whose predicting position is here, in the order
+    of `mb`'s response tokens (`_head_positions`)."""
+    if mb.segments is not None or (mb.attention_mask is not None and mb.attention_mask.dim() == 4):
+        raise ConfigError(
+            "strategy.context_parallel_size > 1 with the shared-prefix layout is not built yet; "
+            "fix: ppo.shared_prefix=false"
+        )
+    rows, length = mb.input_ids.shape
+    width = -(-length // cp.size) * cp.size  # L'
+    extra = width - length
+    input_ids = _padded_columns(mb.input_ids, extra, 0)
+    attention = _padded_columns(mb.attention_mask, extra, 0)
+    position_ids = mb.position_ids
+    if extra:  # packed: a sequence of its own; padded: masked out as keys
+        tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
+        position_ids = torch.cat([position_ids, tail], dim=1)
+    embeds = torch.empty((rows, width, 1), dtype=model.dtype, device=input_ids.device)  # shape and dtype only
+    mask = create_causal_mask(
+        config=model.config,
+        inputs_embeds=embeds,
+        attention_mask=attention,
+        past_key_values=None,
+        position_ids=position_ids,
+        allow_is_causal_skip=False,  # always a 4-D mask: transformers passes it on as it is
+    )
+    S = width // cp.size
+    columns = slice(cp.rank * S, (cp.rank + 1) * S)
+    flat, targets = _head_positions(mb, width)
+    row, column = flat // width, flat % width
+    here = column // S == cp.rank
+    local = row[here] * S + column[here] - cp.rank * S
+    return MicroBatch(
+        input_ids=input_ids[:, columns],
+        attention_mask=mask,
+        position_ids=position_ids[:, columns],
+        response_ids=targets[here][None],
+        response_mask=torch.ones((1, int(here.sum())), dtype=torch.float32, device=input_ids.device),
+        prompt_width=0,
+        head_index=local,
+    )
+
+
+def _head_positions(mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:
+    """([n] flat positions in rows of `width` whose hidden states predict a response token, [n] those tokens), in the
+    order of `mb`'s [B, T] response entries: all of them padded (prompts end at column P), the masked ones packed."""
+    length = mb.input_ids.shape[1]
+    if mb.packed:
+        flat = mb.head_index
+        return flat // length * width + flat % length, mb.response_ids[mb.response_mask > 0]
+    B, T = mb.response_ids.shape
+    columns = mb.prompt_width - 1 + torch.arange(T, device=mb.input_ids.device)
+    flat = torch.arange(B, device=columns.device)[:, None] * width + columns[None]
+    return flat.reshape(-1), mb.response_ids.reshape(-1)
+
+
+# ---------------------------------------------------------------- gathering the per-token outputs
+
+
+class _GatherParts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, part: Tensor, sizes: list[int], cp: ContextGroup) -> Tensor:
+        padded = part.new_zeros(max(sizes))
+        padded[: part.numel()] = part
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=cp.group)
+        ctx.start, ctx.size = sum(sizes[: cp.rank]), sizes[cp.rank]
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # every rank of the group computes the same loss from the gathered tensor: its gradient is the same
+        # everywhere, and this rank's part is what flows back into its own positions
+        return grad[ctx.start : ctx.start + ctx.size], None, None
+
+
+def gathered_responses(part: Tensor, mb: MicroBatch, cp: ContextGroup, width: int) -> Tensor:
+    """The group's [n_r] per-token outputs (each rank's `local_micro_batch` response tokens) as `mb`'s [B, T]."""
+    flat, _ = _head_positions(mb, width)
+    owner = flat % width // (width // cp.size)
+    sizes = [int((owner == r).sum()) for r in range(cp.size)]
+    order = torch.argsort(owner, stable=True)  # gathered entry k is response entry order[k]
+    values = _GatherParts.apply(part.reshape(-1), sizes, cp)[torch.argsort(order)]
+    if mb.packed:
+        return scatter_responses(values, mb.response_mask)
+    return values.view(mb.response_ids.shape)
+
+
+def _width(mb: MicroBatch, cp: ContextGroup) -> int:
+    return -(-mb.input_ids.shape[1] // cp.size) * cp.size
+
+
+def context_parallel_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`models.response_logprobs_and_entropy` of `mb`, computed by the C ranks of `cp` together (a collective): [B, T]
+    log-probs and entropies, the same on every rank of the group."""
+    local = local_micro_batch(model, mb, cp)
+    with ulysses(model, cp):
+        logp, entropy = response_logprobs_and_entropy(model, local, temperature)  # [1, n_r] each
+    width = _width(mb, cp)
+    return gathered_responses(logp, mb, cp, width), gathered_responses(entropy, mb, cp, width)
+
+
+def context_parallel_values(critic: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) -> Tensor:
+    """`models.critic_values` of `mb`, computed by the C ranks of `cp` together (a collective): [B, T] values."""
+    local = local_micro_batch(critic, mb, cp)
+    with ulysses(critic, cp):
+        values = critic_values(critic, local)  # [1, n_r]
+    return gathered_responses(values, mb, cp, _width(mb, cp))

@@ -1,0 +1,188 @@
+"""Context parallelism (lit_ppo/training/context_parallel.py) is exact: two gloo CPU ranks in one context-parallel group
+of C = 2, each running the models on half of every row's positions, compute the one-rank forward's log-probs,
+entropies and values, the one-rank PPO loss (actor and critic), and, summed over the group, the one-rank gradients
+(float32, < 1e-5 relative), in the padded and the packed layouts, under sdpa and eager attention."""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.helpers import ROOT
+
+TEMPERATURE = 0.7
+TOLERANCE = 1e-5
+
+
+def _models():
+    """A tiny Qwen2 actor (4 heads, 2 KV heads: both divide by C = 2) and a critic of its shape with a random value
+    head, the same on every rank (seeded)."""
+    from transformers import AutoModelForTokenClassification
+
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model
+    from lit_ppo.training.models import prepare_for_training
+
+    tokenizer = build_char_tokenizer()
+    shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    actor = build_tiny_model(tokenizer, **shape, max_position_embeddings=512, seed=0).float()
+    config = copy.deepcopy(actor.config)
+    config.num_labels = 1
+    torch.manual_seed(1)
+    critic = AutoModelForTokenClassification.from_config(config).float()
+    return prepare_for_training(actor, False), prepare_for_training(critic, False), tokenizer.pad_token_id
+
+
+def _samples(vocab: int):
+    """Four samples with prompts of 100+ tokens and responses of different lengths (odd row lengths: padded to C)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, vocab - 3, (n,), generator=g).tolist() for n in (101, 130, 117, 124)]
+    responses = [torch.randint(3, vocab - 3, (n,), generator=g).tolist() for n in (40, 9, 27, 33)]
+    return prompts, responses
+
+
+def _loss(logp, entropy, values, mb):
+    """The PPO loss with a critic on one micro-batch (lit_ppo.training.loss), from fixed old log-probs, advantages,
+    returns and old values."""
+    from lit_ppo.config import PPOConfig
+    from lit_ppo.training.loss import LossInputs, actor_loss, critic_loss
+
+    g = torch.Generator().manual_seed(3)
+    mask = mb.response_mask
+    noise = lambda: torch.randn(mask.shape, generator=g)  # noqa: E731
+    inputs = LossInputs(
+        response_mask=mask,
+        loss_mask=mask,
+        advantages=noise(),
+        returns=noise(),
+        old_logp=logp.detach() + 0.1 * noise(),  # ratios off 1, some clipped
+        rc_weights=None,
+        ref_logp=None,
+        old_values=values.detach() + 0.1 * noise(),
+        num_tokens=mask.sum(),
+        num_seqs=torch.tensor(float(mask.shape[0])),
+        num_policy_tokens=mask.sum(),
+    )
+    ppo = PPOConfig(entropy_coef=0.01)
+    policy, _ = actor_loss(logp, entropy, inputs, ppo, kl_coef=0.0, max_len=mask.shape[1])
+    return policy + critic_loss(values, inputs, ppo)
+
+
+def _run(actor, critic, mb, cp):
+    """Outputs, loss and gradients of one forward and backward; under `cp` the gradients summed over its group."""
+    from lit_ppo.distributed import global_sum
+    from lit_ppo.training.context_parallel import context_parallel_logprobs, context_parallel_values
+    from lit_ppo.training.models import critic_values, response_logprobs_and_entropy
+
+    actor.zero_grad(set_to_none=True)
+    critic.zero_grad(set_to_none=True)
+    if cp is None:
+        logp, entropy = response_logprobs_and_entropy(actor, mb, TEMPERATURE)
+        values = critic_values(critic, mb)
+    else:
+        logp, entropy = context_parallel_logprobs(actor, mb, cp, TEMPERATURE)
+        values = context_parallel_values(critic, mb, cp)
+    loss = _loss(logp, entropy, values, mb)
+    loss.backward()
+    grads = {}
+    for prefix, model in (("actor", actor), ("critic", critic)):
+        for name, p in model.named_parameters():
+            grad = p.grad if cp is None else global_sum(p.grad, cp.group)
+            grads[f"{prefix}.{name}"] = grad
+    outputs = dict(logp=logp, entropy=entropy, values=values)
+    outputs = {name: (x * mb.response_mask).detach() for name, x in outputs.items()}
+    return outputs, loss.detach(), grads
+
+
+def _relative(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _errors(one, many) -> dict[str, float]:
+    """The largest relative differences of (outputs, loss, gradients), C ranks against one. The gradients also as one
+    vector: a one-element gradient (the value head's bias: a sum over every token with cancellation) summed over the
+    ranks in two halves differs by float32 rounding at ~1e-5 of itself."""
+    (outputs, loss, grads), (outputs_cp, loss_cp, grads_cp) = one, many
+    errors = {name: _relative(outputs_cp[name], outputs[name]) for name in outputs}
+    errors["loss"] = _relative(loss_cp, loss)
+    errors["gradients"] = float(
+        sum((grads_cp[k] - grads[k]).norm() ** 2 for k in grads) ** 0.5
+        / sum(g.norm() ** 2 for g in grads.values()) ** 0.5
+    )
+    errors["worst_gradient_tensor"] = max(_relative(grads_cp[k], grads[k]) for k in grads)
+    errors["gradient_norm"] = float(sum(g.norm() ** 2 for g in grads.values()) ** 0.5)
+    return errors
+
+
+def _rank(rank: int, world: int, implementation: str, out: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    report = {"error": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+        from lit_ppo.topology import RankTopology
+        from lit_ppo.training.batching import pack, pack_samples
+        from lit_ppo.training.context_parallel import ContextGroup
+
+        topology = RankTopology(rank=rank, world_size=world, context_parallel_size=world).with_groups()
+        report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
+        report["groups"].append(dist.get_process_group_ranks(topology.data_parallel_group))
+        cp = ContextGroup(topology.context_parallel_group, world, topology.context_parallel_rank)
+        actor, critic, pad = _models()
+        actor.config._attn_implementation = critic.config._attn_implementation = implementation
+        prompts, responses = _samples(actor.config.vocab_size)
+        layouts = {
+            "padded": pack(prompts, responses, pad, "cpu"),
+            "packed": pack_samples(prompts, responses, pad, "cpu"),
+        }
+        for layout, mb in layouts.items():
+            many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
+            if rank == 0:  # the one-rank run, on one of them
+                report[layout] = _errors(_run(actor, critic, mb, None), many)
+    except Exception:
+        report["error"] = traceback.format_exc()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        f.write(json.dumps(report))
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
+def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients(implementation, tmp_path):
+    # A preloaded forkserver, as tests/test_collectives.py: the ranks start without importing lit_ppo again.
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(_rank, args=(2, implementation, str(tmp_path)), nprocs=2, start_method="forkserver")
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, report in enumerate(reports):
+        assert report["error"] is None, report["error"]
+        assert report["groups"] == [[0, 1], [rank]]
+    for layout in ("padded", "packed"):
+        errors = reports[0][layout]
+        assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
+        assert errors.pop("worst_gradient_tensor") < 1e-4, (layout, errors)
+        assert max(errors.values()) < TOLERANCE, (layout, errors)
+
+
+def test_heads_not_divisible_by_c_are_refused_in_one_line():
+    from transformers import Qwen2Config
+
+    from lit_ppo.errors import ConfigError
+    from lit_ppo.training.context_parallel import check_model
+
+    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=1, hidden_size=64)
+    config._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size=2: the model's 4 attention heads and 1 KV"):
+        check_model(config, 2)
+    check_model(config, 1)
+    windowed = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16)
+    windowed._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        check_model(windowed, 2)
+    flash = Qwen2Config(num_attention_heads=4, num_key_value_heads=2)
+    flash._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 is not built"):
+        check_model(flash, 2)
