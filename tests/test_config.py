@@ -383,3 +383,44 @@ def test_the_workers_launch_is_read_in_one_module_of_the_config():
         if isinstance(node, ast.Attribute) and node.attr in ("launch", "spawned")
     }
     assert readers == {"workers.py"}
+
+
+def _context_parallel_run(section: str | None = None, **settings):
+    """A RunConfig with strategy=ddp on 2 ranks, C = 2, and `settings` in `section` (the strategy when None)."""
+    from lit_ppo.config import LoraConfig, ModelConfig, PPOConfig, RolloutConfig, RunConfig, StrategyConfig
+
+    strategy = dict(name="ddp", devices=2, context_parallel_size=2)
+    sections = {
+        "model": lambda: ModelConfig(lora=LoraConfig(**settings)),
+        "rollout": lambda: RolloutConfig(**settings),
+        "ppo": lambda: PPOConfig(**settings),
+    }
+    other = {section: sections[section]()} if section else {}
+    return RunConfig(strategy=StrategyConfig(**{**strategy, **(settings if section is None else {})}), **other)
+
+
+@pytest.mark.parametrize(
+    "section, settings, message",
+    [
+        (None, dict(devices=3), r"^strategy.context_parallel_size=2 does not divide the 3 ranks"),
+        (None, dict(name="fsdp"), r"^strategy.context_parallel_size=2 with strategy=fsdp is not built yet; fix"),
+        ("model", dict(rank=8), r"^strategy.context_parallel_size=2 with model.lora is not built yet; fix"),
+        ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
+        ("ppo", dict(shared_prefix=True), r"^strategy.context_parallel_size=2 with ppo.shared_prefix=true is not"),
+        (None, {}, r"^strategy.context_parallel_size=2: context parallelism does not train yet"),
+    ],
+    ids=["ranks", "fsdp", "lora", "disaggregated", "shared-prefix", "not-built"],
+)
+def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
+    from lit_ppo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as refused:
+        _context_parallel_run(section, **settings)
+    assert "\n" not in str(refused.value)
+
+
+def test_context_parallel_size_divides_the_data_parallel_size():
+    from lit_ppo.config import StrategyConfig
+
+    assert StrategyConfig(devices=4, num_nodes=2, context_parallel_size=4).data_parallel_size == 2
+    assert StrategyConfig(devices=4, num_nodes=2).data_parallel_size == 8

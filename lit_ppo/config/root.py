@@ -17,7 +17,7 @@ from lit_ppo.config.parse import parse_section
 from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.reward import RewardConfig, check_overlong_buffer
 from lit_ppo.config.rollout import RolloutConfig, validate_rollout_engine, validate_rollout_mode
-from lit_ppo.config.strategy import StrategyConfig
+from lit_ppo.config.strategy import StrategyConfig, validate_context_parallel
 from lit_ppo.config.trainer import LoggerConfig, TrainerConfig
 from lit_ppo.config.workers import WorkersConfig, check_worker_waits_fit_collectives, validate_launch_in_run
 from lit_ppo.errors import ConfigError
@@ -53,6 +53,12 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train, mode=plan or mode=eval")
         validate_rollout_engine(self.rollout, self.strategy)
+        validate_context_parallel(
+            self.strategy,
+            lora=self.model.lora.enabled,
+            disaggregated=self.rollout.mode == "disaggregated",
+            shared_prefix=self.ppo.shared_prefix,
+        )
         validate_distill(
             self.ppo.distill,
             estimator=self.ppo.advantage_estimator,

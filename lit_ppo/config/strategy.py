@@ -1,10 +1,12 @@
-"""The `strategy` section: devices, nodes, precision and the Lightning strategy."""
+"""The `strategy` section: devices, nodes, precision, the Lightning strategy and context parallelism
+(`validate_context_parallel`: what is not built yet, refused before any model loads)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from lit_ppo.config_fields import above, at_least
+from lit_ppo.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,51 @@ class StrategyConfig:
     """Memory of one device for the plan's warning; null: detected where a GPU is present."""
     lightning: dict | None = None
     """The Lightning strategy (`_target_` and its arguments), built by Hydra; null: Lightning's choice."""
+    context_parallel_size: int = field(default=1, metadata=at_least(1))
+    """C: ranks that share their samples and split each row's tokens (Ulysses: lit_ppo/training/context_parallel.py);
+    the data-parallel size is then devices x num_nodes / C. Only 1 trains yet (`validate_context_parallel`)."""
+
+    def __post_init__(self) -> None:
+        ranks = self.devices * self.num_nodes
+        if ranks % self.context_parallel_size:
+            raise ConfigError(
+                f"strategy.context_parallel_size={self.context_parallel_size} does not divide the {ranks} ranks "
+                f"(strategy.devices x strategy.num_nodes); fix: a context_parallel_size that divides {ranks}"
+            )
 
     @property
     def data_parallel_size(self) -> int:
-        return self.devices * self.num_nodes
+        return self.devices * self.num_nodes // self.context_parallel_size
+
+
+def validate_context_parallel(strategy: StrategyConfig, *, lora: bool, disaggregated: bool, shared_prefix) -> None:
+    """strategy.context_parallel_size > 1, one line for each combination not built yet, then for training itself: the
+    exchange, a rank's share of a micro-batch and their exactness are built and tested
+    (tests/training/test_context_parallel.py), the run's step (per-group rollouts, reductions over the groups, the
+    gradient scale) is not."""
+    C = strategy.context_parallel_size
+    if C == 1:
+        return
+    setting = f"strategy.context_parallel_size={C}"
+    if strategy.name == "fsdp":
+        raise ConfigError(
+            f"{setting} with strategy=fsdp is not built yet; fix: strategy=ddp, or context_parallel_size=1"
+        )
+    if lora:
+        raise ConfigError(
+            f"{setting} with model.lora is not built yet; fix: model.lora.rank=0, or context_parallel_size=1"
+        )
+    if disaggregated:
+        raise ConfigError(
+            f"{setting} with rollout.mode=disaggregated is not built yet; fix: rollout.mode=colocated, or "
+            "context_parallel_size=1"
+        )
+    if shared_prefix:
+        raise ConfigError(
+            f"{setting} with ppo.shared_prefix=true is not built yet; fix: ppo.shared_prefix=false, or "
+            "context_parallel_size=1"
+        )
+    raise ConfigError(
+        f"{setting}: context parallelism does not train yet (its attention exchange is built, the run's step over the "
+        "groups is not: issue 51); fix: strategy.context_parallel_size=1"
+    )
