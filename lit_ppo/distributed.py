@@ -1,5 +1,6 @@
-"""Data parallelism: reductions over ranks (on one process they return their input), FSDP2 sharding
-and gathering a sharded model's full tensors (or only some of them: a LoRA adapter)."""
+"""Data and context parallelism: reductions over ranks or a group of them (on one process they return their input),
+the all-to-all exchange of a context-parallel group, FSDP2 sharding and gathering a sharded model's full tensors (or
+only some of them: a LoRA adapter)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def global_max(x: Tensor) -> Tensor:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
+
+
+def all_to_all(x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
+    """`x` cut into equal chunks along `split_dim`, one per rank of `group`, chunk j sent to the group's rank j; the
+    chunks received (one from each rank, in rank order) joined along `gather_dim` (a collective over `group`). gloo
+    (CPU) and NCCL both have all_to_all."""
+    parts = [part.contiguous() for part in x.chunk(world_size(group), dim=split_dim)]
+    received = [torch.empty_like(part) for part in parts]
+    dist.all_to_all(received, parts, group=group)
+    return torch.cat(received, dim=gather_dim)
 
 
 def all_gather_objects(obj) -> list:

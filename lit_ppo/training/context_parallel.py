@@ -33,6 +33,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import create_causal_mask
 
+from lit_ppo.distributed import all_to_all
 from lit_ppo.errors import ConfigError
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.models import critic_values, response_logprobs_and_entropy, scatter_responses
@@ -56,16 +57,6 @@ class ContextGroup:
 
 
 # ---------------------------------------------------------------- the exchange
-
-
-def all_to_all(x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
-    """`x` cut into C equal chunks along `split_dim`, chunk j sent to the group's rank j; the chunks received
-    (one from each rank, in rank order) joined along `gather_dim`. gloo (CPU) and NCCL both have all_to_all."""
-    size = dist.get_world_size(group)
-    parts = [part.contiguous() for part in x.chunk(size, dim=split_dim)]
-    received = [torch.empty_like(part) for part in parts]
-    dist.all_to_all(received, parts, group=group)
-    return torch.cat(received, dim=gather_dim)
 
 
 class _Exchange(torch.autograd.Function):
