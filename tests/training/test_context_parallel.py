@@ -162,6 +162,7 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
         assert report["groups"] == [[0, 1], [rank]]
     for layout in ("padded", "packed"):
         errors = reports[0][layout]
+        print(implementation, layout, errors)  # the figures, with pytest -s
         assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
         assert errors.pop("worst_gradient_tensor") < 1e-4, (layout, errors)
         assert max(errors.values()) < TOLERANCE, (layout, errors)
