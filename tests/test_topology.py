@@ -212,3 +212,52 @@ def test_two_gloo_ranks_check_their_topology_against_the_process_group(tmp_path:
         assert outcome["plan of 1"].startswith(
             "the trainer runs 2 data-parallel ranks but the step plan was made for 1"
         )
+
+
+# ------------------------------------------------------------------ four ranks: context x data parallel groups
+
+
+def on_four_ranks(rank: int, store_path: str, results: dict) -> None:
+    """C = 2 on 4 ranks: the groups' members, and a sum over each group (the reductions they are for)."""
+    import torch
+
+    from lit_ppo.distributed import global_sum
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=4)
+    try:
+        topology = RankTopology(rank=rank, world_size=4, context_parallel_size=2).with_groups()
+        one_hot = torch.zeros(4)
+        one_hot[rank] = 1.0
+        results[rank] = {
+            "context": dist.get_process_group_ranks(topology.context_parallel_group),
+            "data": dist.get_process_group_ranks(topology.data_parallel_group),
+            "context_sum": global_sum(one_hot, topology.context_parallel_group).tolist(),
+            "data_sum": global_sum(one_hot, topology.data_parallel_group).tolist(),
+            "ranks": (topology.data_parallel_rank, topology.context_parallel_rank),
+        }
+    except Exception:  # noqa: BLE001 - reported to the test
+        results[rank] = traceback.format_exc().strip().splitlines()[-1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_four_ranks_form_two_context_parallel_groups_of_two_and_two_data_parallel_groups(tmp_path: Path):
+    results = mp.Manager().dict()
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(
+        on_four_ranks, args=(str(tmp_path / "store"), results), nprocs=4, join=True, start_method="forkserver"
+    )
+    for rank in range(4):
+        outcome = results[rank]
+        assert isinstance(outcome, dict), outcome
+        context, data = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
+        assert outcome["context"] == context  # ranks 2r, 2r+1 share data-parallel rank r's samples
+        assert outcome["data"] == data  # one context-parallel rank of each group
+        assert outcome["context_sum"] == [1.0 if r in context else 0.0 for r in range(4)]
+        assert outcome["data_sum"] == [1.0 if r in data else 0.0 for r in range(4)]
+        assert outcome["ranks"] == (rank // 2, rank % 2)
+
+
+def test_one_context_parallel_rank_needs_no_groups():
+    topology = RankTopology(rank=1, world_size=2)
+    assert topology.with_groups() is topology  # torch's default group: no new_group call, no process group needed
