@@ -8,8 +8,9 @@ and handed to the module, the data module and the callbacks; once the process gr
 directory's lock, the log file's name, rank 0's first writes), `launcher_rank` reads the launcher's environment.
 
 Ranks r*C .. r*C+C-1 form one context-parallel group of C (`context_parallel_size`) that shares data-parallel rank
-r's samples and splits their tokens (issue 51); with C = 1, as today, the data-parallel rank is the global rank and
-the data-parallel group is every rank (torch's default group, `None` to the collectives).
+r's samples and splits their tokens (issue 51: lit_ppo/training/context_parallel.py); `with_groups` builds their process
+groups once the default group is up. With C = 1, as today, the data-parallel rank is the global rank and the
+data-parallel group is every rank (torch's default group, `None` to the collectives).
 
 Import-light on purpose (no torch at import): `train.py` reads `launcher_rank` before torch loads.
 """

@@ -55,6 +55,11 @@ class ContextGroup:
     size: int
     rank: int
 
+    @classmethod
+    def of(cls, topology) -> ContextGroup:
+        """The group of a `RankTopology` whose groups are built (`RankTopology.with_groups`)."""
+        return cls(topology.context_parallel_group, topology.context_parallel_size, topology.context_parallel_rank)
+
 
 # ---------------------------------------------------------------- the exchange
 

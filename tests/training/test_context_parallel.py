@@ -133,7 +133,7 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
         topology = RankTopology(rank=rank, world_size=world, context_parallel_size=world).with_groups()
         report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
         report["groups"].append(dist.get_process_group_ranks(topology.data_parallel_group))
-        cp = ContextGroup(topology.context_parallel_group, world, topology.context_parallel_rank)
+        cp = ContextGroup.of(topology)
         actor, critic, pad = _models()
         actor.config._attn_implementation = critic.config._attn_implementation = implementation
         prompts, responses = _samples(actor.config.vocab_size)
