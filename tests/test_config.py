@@ -391,7 +391,7 @@ def _context_parallel_run(section: str | None = None, **settings):
 
     strategy = dict(name="ddp", devices=2, context_parallel_size=2)
     sections = {
-        "model": lambda: ModelConfig(lora=LoraConfig(**settings)),
+        "model": lambda: ModelConfig(lora=LoraConfig(**settings.pop("lora", {})), **settings),
         "rollout": lambda: RolloutConfig(**settings),
         "ppo": lambda: PPOConfig(**settings),
     }
@@ -404,12 +404,17 @@ def _context_parallel_run(section: str | None = None, **settings):
     [
         (None, dict(devices=3), r"^strategy.context_parallel_size=2 does not divide the 3 ranks"),
         (None, dict(name="fsdp"), r"^strategy.context_parallel_size=2 with strategy=fsdp is not built yet; fix"),
-        ("model", dict(rank=8), r"^strategy.context_parallel_size=2 with model.lora is not built yet; fix"),
+        ("model", dict(lora=dict(rank=8)), r"^strategy.context_parallel_size=2 with model.lora is not built yet; fix"),
+        (
+            "model",
+            dict(gradient_checkpointing=True),
+            r"^strategy.context_parallel_size=2 with model.gradient_checkpoint",
+        ),
         ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
         ("ppo", dict(shared_prefix=True), r"^strategy.context_parallel_size=2 with ppo.shared_prefix=true is not"),
         (None, {}, r"^strategy.context_parallel_size=2: context parallelism does not train yet"),
     ],
-    ids=["ranks", "fsdp", "lora", "disaggregated", "shared-prefix", "not-built"],
+    ids=["ranks", "fsdp", "lora", "gradient-checkpointing", "disaggregated", "shared-prefix", "not-built"],
 )
 def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
     from lit_ppo.errors import ConfigError

@@ -58,6 +58,7 @@ class RunConfig:
             lora=self.model.lora.enabled,
             disaggregated=self.rollout.mode == "disaggregated",
             shared_prefix=self.ppo.shared_prefix,
+            gradient_checkpointing=self.model.gradient_checkpointing,
         )
         validate_distill(
             self.ppo.distill,

@@ -40,7 +40,9 @@ class StrategyConfig:
         return self.devices * self.num_nodes // self.context_parallel_size
 
 
-def validate_context_parallel(strategy: StrategyConfig, *, lora: bool, disaggregated: bool, shared_prefix) -> None:
+def validate_context_parallel(
+    strategy: StrategyConfig, *, lora: bool, disaggregated: bool, shared_prefix, gradient_checkpointing: bool
+) -> None:
     """strategy.context_parallel_size > 1, one line for each combination not built yet, then for training itself: the
     exchange, a rank's share of a micro-batch and their exactness are built and tested
     (tests/training/test_context_parallel.py), the run's step (per-group rollouts, reductions over the groups, the
@@ -61,6 +63,11 @@ def validate_context_parallel(strategy: StrategyConfig, *, lora: bool, disaggreg
         raise ConfigError(
             f"{setting} with rollout.mode=disaggregated is not built yet; fix: rollout.mode=colocated, or "
             "context_parallel_size=1"
+        )
+    if gradient_checkpointing:  # the recomputing backward would run outside the forward's exchange (`ulysses`)
+        raise ConfigError(
+            f"{setting} with model.gradient_checkpointing=true is not built yet; fix: "
+            "model.gradient_checkpointing=false, or context_parallel_size=1"
         )
     if shared_prefix:
         raise ConfigError(
