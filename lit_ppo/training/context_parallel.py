@@ -44,7 +44,7 @@ ULYSSES = "lit_ppo_ulysses"
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """The kernels the exchange wraps: they take the whole row's 4-D mask as given."""
 
-_ACTIVE: list[tuple[Any, str]] = []  # (process group, wrapped implementation) of the forward running now
+_ACTIVE: list[tuple[Any, str, bool]] = []  # (process group, wrapped implementation, whole rows causal) running now
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def ulysses_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
     positions; returns [B, S, H, D]. Exchanged to [B, H/C, C*S, D] (the whole rows, H/C heads: query head group j
     meets key head group j, as grouped-query attention pairs them), attended by the wrapped kernel under the whole
     row's mask, exchanged back."""
-    group, inner = _ACTIVE[-1]
+    group, inner, causal = _ACTIVE[-1]
     if kwargs.get("sliding_window") is not None or getattr(module, "sinks", None) is not None:
         raise ConfigError(
             "strategy.context_parallel_size > 1: this model's attention has a sliding window or sinks, which the "
@@ -96,6 +96,8 @@ def ulysses_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
         attend = sys.modules[type(module).__module__].eager_attention_forward
     else:
         attend = AttentionInterface._global_mapping[inner]
+    if causal:  # the whole rows' mask is causality alone (transformers' own skip, sdpa): the kernel's is_causal
+        attention_mask, kwargs = None, {**kwargs, "is_causal": True}  # (the mask given is the local rows')
     query, key, value = (exchange(t, group, 1, 2) for t in (query, key, value))
     output, _ = attend(module, query, key, value, attention_mask, **kwargs)  # [B, C*S, H/C, D]
     return exchange(output, group, 1, 2), None
@@ -129,12 +131,13 @@ def check_model(config, size: int) -> None:
 
 
 @contextmanager
-def ulysses(model: torch.nn.Module, cp: ContextGroup) -> Iterator[None]:
-    """`model`'s forwards inside run the exchange around its attention kernel (the one it was loaded with)."""
+def ulysses(model: torch.nn.Module, cp: ContextGroup, causal: bool = False) -> Iterator[None]:
+    """`model`'s forwards inside run the exchange around its attention kernel (the one it was loaded with); `causal`:
+    the whole rows' mask is causality alone, left to the kernel (`local_micro_batch` gave no mask)."""
     config = model.config
     check_model(config, cp.size)
     inner = config._attn_implementation
-    _ACTIVE.append((cp.group, inner))
+    _ACTIVE.append((cp.group, inner, causal))
     config._attn_implementation = ULYSSES
     try:
         yield
@@ -154,9 +157,11 @@ def _padded_columns(x: Tensor | None, columns: int, value: int) -> Tensor | None
 
 def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) -> MicroBatch:
     """This rank's part of `mb` as a packed-style micro-batch: its S = L'/C positions of every row (rows padded on the
-    right to L', a multiple of C: positions nothing real attends to), the whole rows' 4-D mask, and `head_index` /
-    `response_ids` [1, n_r] / `response_mask` of the response tokens whose predicting position is here, in the order
-    of `mb`'s response tokens (`_head_positions`)."""
+        right to L', a multiple of C: positions nothing real attends to), the whole rows' 4-D mask (None where it is
+    causality alone: the kernel's is_causal, as in the one-rank forward, whose sdpa then needs no [L, L] mask), and
+    `head_index` /
+        `response_ids` [1, n_r] / `response_mask` of the response tokens whose predicting position is here, in the order
+        of `mb`'s response tokens (`_head_positions`)."""
     if mb.segments is not None or (mb.attention_mask is not None and mb.attention_mask.dim() == 4):
         raise ConfigError(
             "strategy.context_parallel_size > 1 with the shared-prefix layout is not built yet; "
@@ -178,8 +183,7 @@ def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) 
         attention_mask=attention,
         past_key_values=None,
         position_ids=position_ids,
-        allow_is_causal_skip=False,  # always a 4-D mask: transformers passes it on as it is
-    )
+    )  # a 4-D mask, which transformers passes on as it is; or None, as for the one-rank forward: causality alone
     S = width // cp.size
     columns = slice(cp.rank * S, (cp.rank + 1) * S)
     flat, targets = _head_positions(mb, width)
@@ -252,7 +256,7 @@ def context_parallel_logprobs(
     """`models.response_logprobs_and_entropy` of `mb`, computed by the C ranks of `cp` together (a collective): [B, T]
     log-probs and entropies, the same on every rank of the group."""
     local = local_micro_batch(model, mb, cp)
-    with ulysses(model, cp):
+    with ulysses(model, cp, causal=local.attention_mask is None):
         logp, entropy = response_logprobs_and_entropy(model, local, temperature)  # [1, n_r] each
     width = _width(mb, cp)
     return gathered_responses(logp, mb, cp, width), gathered_responses(entropy, mb, cp, width)
@@ -261,6 +265,6 @@ def context_parallel_logprobs(
 def context_parallel_values(critic: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) -> Tensor:
     """`models.critic_values` of `mb`, computed by the C ranks of `cp` together (a collective): [B, T] values."""
     local = local_micro_batch(critic, mb, cp)
-    with ulysses(critic, cp):
+    with ulysses(critic, cp, causal=local.attention_mask is None):
         values = critic_values(critic, local)  # [1, n_r]
     return gathered_responses(values, mb, cp, _width(mb, cp))

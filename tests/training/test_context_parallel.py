@@ -1,7 +1,8 @@
 """Context parallelism (lit_ppo/training/context_parallel.py) is exact: two gloo CPU ranks in one context-parallel group
 of C = 2, each running the models on half of every row's positions, compute the one-rank forward's log-probs,
 entropies and values, the one-rank PPO loss (actor and critic), and, summed over the group, the one-rank gradients
-(float32, < 1e-5 relative), in the padded and the packed layouts, under sdpa and eager attention."""
+(float32, < 1e-5 relative), in the padded and the packed layouts and a row of causality alone, under sdpa and eager
+attention."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
         from lit_ppo.topology import RankTopology
         from lit_ppo.training.batching import pack, pack_samples
-        from lit_ppo.training.context_parallel import ContextGroup
+        from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
 
         topology = RankTopology(rank=rank, world_size=world, context_parallel_size=world).with_groups()
         report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
@@ -140,7 +141,10 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
         layouts = {
             "padded": pack(prompts, responses, pad, "cpu"),
             "packed": pack_samples(prompts, responses, pad, "cpu"),
+            # one row of 144 tokens, no padding: the whole row's mask is causality alone (sdpa's is_causal, no mask)
+            "causal": pack(prompts[2:3], responses[2:3], pad, "cpu"),
         }
+        report["causal_without_mask"] = local_micro_batch(actor, layouts["causal"], cp).attention_mask is None
         for layout, mb in layouts.items():
             many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
             if rank == 0:  # the one-rank run, on one of them
@@ -160,7 +164,8 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
     for rank, report in enumerate(reports):
         assert report["error"] is None, report["error"]
         assert report["groups"] == [[0, 1], [rank]]
-    for layout in ("padded", "packed"):
+        assert report["causal_without_mask"] == (implementation == "sdpa")  # eager always has its additive mask
+    for layout in ("padded", "packed", "causal"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
         assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
