@@ -5,8 +5,9 @@ per position, so the rest of the forward is the one-rank forward on fewer positi
 
 Exact by construction: the whole row's attention mask is built before the split by transformers' own
 `create_causal_mask` (padding, causality, packed rows' block-diagonal rule: the mask the one-rank forward uses) and
-handed to the model as a 4-D mask, which transformers passes to the attention function as it is; the wrapped
-attention function (sdpa or eager, `ulysses`) sees the whole rows after the exchange. Each rank computes the LM head
+handed to the model as a 4-D mask, which transformers passes to the attention function as it is (or, where it is
+causality alone, no mask: sdpa's is_causal, as in the one-rank forward); the wrapped attention function (sdpa or
+eager, `ulysses`) sees the whole rows after the exchange. Each rank computes the LM head
 and the value head only at its own positions' response tokens (`context_parallel_logprobs`, `context_parallel_values`);
 the per-token results are gathered over the group (a few floats per token), so every rank of the group holds the
 micro-batch's whole [B, T] outputs, and computes the same loss from them.
@@ -17,7 +18,8 @@ their sum over the group is the one-rank gradient (so a data-parallel average ov
 world_size, not by the data-parallel size: C ranks hold parts of the same samples).
 
 Not built yet (refused in one line, `check_model` and `config.strategy.validate_context_parallel`): ring attention
-(heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, the shared-prefix layout.
+(heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, the shared-prefix layout, gradient
+checkpointing (its recomputing backward runs after `ulysses` has exited), and the run's step over the groups.
 """
 
 from __future__ import annotations
