@@ -192,3 +192,15 @@ def test_heads_not_divisible_by_c_are_refused_in_one_line():
     flash._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 is not built"):
         check_model(flash, 2)
+
+
+def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
+    from lit_ppo.errors import ConfigError
+    from lit_ppo.training.batching import MicroBatch
+    from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
+
+    ids = torch.zeros((1, 8), dtype=torch.long)
+    mask = torch.ones((1, 1, 8, 8), dtype=torch.bool)  # the shared-prefix layout's own 4-D mask
+    mb = MicroBatch(ids, mask, ids, ids[:, :2], torch.ones(1, 2), 0, torch.tensor([5, 6]))
+    with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size > 1 with the shared-prefix layout is not"):
+        local_micro_batch(None, mb, ContextGroup(group=None, size=2, rank=0))
