@@ -53,6 +53,11 @@ class RolloutBatch:
     # ... and with rollout workers the rounds the step was requested ahead with (the plan's, or fewer where a checkpoint
     # kept the step under other ppo.dynamic_sampling settings: its further rounds are refill rounds, version s).
     rounds_ahead: int | None = None
+    # Partial rollouts (rollout.partial): per sample, which policy version generated which of its response tokens,
+    # (first token index, version) spans in token order; None without.
+    version_spans: list[list[list[int]]] | None = None
+    # ... and their statistics of this rollout step (rollout/carried_samples, rollout/token_age_*, ...); empty without.
+    partial_stats: dict[str, float] = field(default_factory=dict)
     # Seconds the trainer waited for this batch (mode=disaggregated: what generation cost the critical path).
     wait_seconds: float | None = None
 
@@ -91,6 +96,7 @@ SAMPLE_FIELDS = (
     "episode_ids",
     "policy_versions",
     "rounds_in_step",
+    "version_spans",
 )
 RANK_FIELDS = (
     "rollout_step",
@@ -105,4 +111,5 @@ RANK_FIELDS = (
     "episode_stats",
     "wait_seconds",
     "rounds_ahead",
+    "partial_stats",
 )

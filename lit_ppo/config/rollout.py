@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from lit_ppo.config.episodes import EpisodesConfig
 from lit_ppo.config.parse import limit_seconds, positive
+from lit_ppo.config.partial import PartialConfig
 from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.strategy import StrategyConfig
 from lit_ppo.config.workers import WorkersConfig
@@ -81,6 +82,8 @@ class RolloutConfig:
     """Multi-turn episodes (`rollout.episodes.*`): the environment and its budgets."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     """With mode=disaggregated, the rollout workers (`rollout.workers.*`): how many, where, their timeouts."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """Partial rollouts (`rollout.partial.*`, docs/async.md): responses cut every step_tokens, carried across steps."""
 
     def __post_init__(self) -> None:
         validate_rollout(self)
@@ -90,6 +93,11 @@ class RolloutConfig:
         if self.max_staleness is not None:
             return self.max_staleness
         return 1 if self.mode == "disaggregated" else 0
+
+    def oldest_token_steps(self) -> int:
+        """The most rollout steps a trained token can be older than its step: k, or with partial rollouts their
+        max_age_steps (what `ppo.rollout_correction.mode=null` resolves by)."""
+        return max(self.staleness(), self.partial.max_age_steps if self.partial.enabled else 0)
 
     def response_budget_tokens(self) -> int:
         """The most tokens one sample's response can have: `max_response_tokens` for a single-turn response, which is

@@ -14,6 +14,7 @@ from lit_ppo.config.distill import validate_distill
 from lit_ppo.config.episodes import EpisodesConfig
 from lit_ppo.config.model import ModelConfig
 from lit_ppo.config.parse import parse_section
+from lit_ppo.config.partial import validate_partial_in_run
 from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.reward import RewardConfig, check_overlong_buffer
 from lit_ppo.config.rollout import RolloutConfig, validate_rollout_engine, validate_rollout_mode
@@ -70,6 +71,7 @@ class RunConfig:
         )
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors
+        validate_partial_in_run(self)  # (likewise)
         if self.rollout.mode == "disaggregated":  # the rollout workers against the rest of the run
             workers, data_parallel_size = self.rollout.workers, self.strategy.data_parallel_size
             validate_launch_in_run(
@@ -84,7 +86,9 @@ class RunConfig:
         # then name what the user set (e.g. k > 0 with ppo.old_logprobs=rollout), not a tis they never wrote
         correction = self.ppo.rollout_correction
         if correction.mode is None:  # by the rollout mode: on for samples of an older policy (docs/async.md)
-            resolved = dataclasses.replace(self.ppo, rollout_correction=correction.resolved(self.rollout.staleness()))
+            resolved = dataclasses.replace(
+                self.ppo, rollout_correction=correction.resolved(self.rollout.oldest_token_steps())
+            )
             object.__setattr__(self, "ppo", resolved)  # replace() validated it again
 
     @classmethod

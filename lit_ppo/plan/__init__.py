@@ -11,13 +11,14 @@ loops, the LR schedulers, the logs and the runtime check all read the `StepPlan`
 A `StepPlan` (`step.py`) is the counts every run has (`counts.py`), the models and engine (`models.py`), the
 micro-batch layout (`layout.py`) and the source of the old log-probs (`old_logprobs.py`), plus one section per feature,
 None when the feature is off: dynamic sampling, episodes, LoRA, rollout workers (`dynamic_sampling.py`, `episodes.py`,
-`lora.py`, `workers.py`, the distillation's teacher `teacher.py`). Each section's module holds its dataclass, the function that computes it and the rows it
+`lora.py`, `workers.py`, the distillation's teacher `teacher.py`, partial rollouts `partial.py`). Each section's module holds its dataclass, the function that computes it and the rows it
 writes into the table (`table.py`), from the counts it reads; plan.json is the same sections (`StepPlan.to_dict`). The
 notes and warnings are `notes.py`, the run-time checks (`check_*`) `checks.py`, and the plans older releases wrote
 `records.py`. A new section: its module, its field, rows and computation in `step.py`, and its name below.
 """
 
 from lit_ppo.plan.checks import (
+    check_carried_tokens,
     check_layout_tokens,
     check_micro_batches,
     check_policy_versions,
@@ -32,6 +33,7 @@ from lit_ppo.plan.layout import LayoutPlan, PromptStats, expected_micro_batch_to
 from lit_ppo.plan.lora import LoraPlan, LoraTargets
 from lit_ppo.plan.models import ModelsPlan
 from lit_ppo.plan.old_logprobs import OLD_LOGPROBS_SOURCES, OldLogprobsPlan, old_logprobs_plan
+from lit_ppo.plan.partial import PartialPlan
 from lit_ppo.plan.records import sections_of
 from lit_ppo.plan.step import StepPlan, compute_plan, minibatch_schedule
 from lit_ppo.plan.teacher import TeacherPlan
@@ -50,7 +52,9 @@ __all__ = [
     "PromptStats",
     "StepPlan",
     "TeacherPlan",
+    "PartialPlan",
     "WorkersPlan",
+    "check_carried_tokens",
     "check_layout_tokens",
     "check_micro_batches",
     "check_policy_versions",

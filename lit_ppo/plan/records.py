@@ -31,6 +31,7 @@ FLAT_FEATURE_FLAGS = {  # section -> whether a flat plan had it on
     "lora": lambda flat: bool(flat.get("lora_rank")),
     "workers": lambda flat: flat.get("rollout_mode") == "disaggregated",
     "teacher": lambda flat: False,  # on-policy distillation came after the sections
+    "partial": lambda flat: False,  # partial rollouts likewise
 }
 
 

@@ -17,6 +17,7 @@ from lit_ppo.plan.lora import LoraPlan, LoraTargets, lora_plan
 from lit_ppo.plan.models import ModelsPlan, models_plan
 from lit_ppo.plan.notes import plan_notes, plan_warnings
 from lit_ppo.plan.old_logprobs import OldLogprobsPlan, old_logprobs_plan
+from lit_ppo.plan.partial import PartialPlan, partial_plan
 from lit_ppo.plan.table import Row, format_table
 from lit_ppo.plan.teacher import TeacherPlan, teacher_plan
 from lit_ppo.plan.workers import WorkersPlan, workers_plan
@@ -35,6 +36,7 @@ class StepPlan:
     lora: LoraPlan | None = None
     workers: WorkersPlan | None = None
     teacher: TeacherPlan | None = None
+    partial: PartialPlan | None = None
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # settings that run but train off what was sampled
 
@@ -87,6 +89,8 @@ class StepPlan:
         rows += models.rows(workers=self.workers is not None, lora=self.lora)
         if self.teacher is not None:
             rows += self.teacher.rows()
+        if self.partial is not None:
+            rows += self.partial.rows()
         if self.workers is not None:
             rows += self.workers.rows(counts.data_parallel_size, self.schedule(), self.dynamic_sampling is not None)
         return rows
@@ -107,6 +111,7 @@ SECTIONS = {
     "lora": LoraPlan,
     "workers": WorkersPlan,
     "teacher": TeacherPlan,
+    "partial": PartialPlan,
 }
 
 
@@ -142,6 +147,7 @@ def compute_plan(
         lora=lora_plan(config, lora_targets),
         workers=workers_plan(config),
         teacher=teacher_plan(config, counts),
+        partial=partial_plan(config, counts),
         notes=plan_notes(config, counts, dynamic_sampling, old_logprobs_note),
         warnings=plan_warnings(config, models),
     )

@@ -31,7 +31,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
 from lit_ppo.contract import GenerateRequest, RolloutEngine
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
-from lit_ppo.errors import DynamicSamplingShortfallError
+from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer
@@ -50,6 +50,7 @@ from lit_ppo.rollout.groups import (
     select_informative_groups,
 )
 from lit_ppo.rollout.observations import ObservationEncoder
+from lit_ppo.rollout.partial import PartialRollouts
 from lit_ppo.rollout.prompt_stream import PromptStream, round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet, resolve_stop_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
@@ -105,6 +106,10 @@ class RolloutDataModule(L.LightningDataModule):
         # Which version generates which step, what is in flight, what was received (its state joins this one's).
         self.source = source if source is not None else source_for(plan, rollout.tensor_parallel_size)
         self.stop_token_ids = resolve_stop_token_ids(rollout, tokenizer, chat_template)
+        # Partial rollouts: the prompt groups in flight across rollout steps (None: each response whole in its step).
+        self.partial = (
+            PartialRollouts(rollout.partial, rollout.max_response_tokens) if rollout.partial.enabled else None
+        )
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.episodes.environment)
         if self.make_environment is not None:
@@ -223,6 +228,10 @@ class RolloutDataModule(L.LightningDataModule):
         `rollout_batch_size` groups with differing rewards are collected over all ranks (at most
         `max_generation_rounds`); each rank then takes its contiguous share of them."""
         plan = self.plan
+        if self.partial is not None:
+            batch = self.partial.produce(self, rollout_step)
+            self.next_rollout_step = rollout_step + 1
+            return batch
         # Where a step that stops short (on_shortfall=stop) restarts: the stream and the source as they were, except
         # what the source requested ahead meanwhile (kept: `stream_restart`).
         source_start, self.stream_restart = self.source.snapshot(), (rollout_step, self.stream.state())
@@ -413,17 +422,32 @@ class RolloutDataModule(L.LightningDataModule):
         self.source.collect(self.engine)
         # Dynamic sampling's rounds drawn ahead and given back: kept where there are any (colocated runs have none).
         stream = {k: v for k, v in self.stream.state().items() if v or k == "next_generation_round"}
-        return {"next_rollout_step": self.next_rollout_step, **stream, **self.source.state_dict()}
+        partial = {"partial_groups": self.partial.state()} if self.partial is not None else {}
+        return {"next_rollout_step": self.next_rollout_step, **stream, **self.source.state_dict(), **partial}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_rollout_step = state["next_rollout_step"]
         self.stream.set_state(state)
         self.source.load_state_dict(state)
+        carried = state.get("partial_groups", [])
+        if self.partial is None and carried:
+            raise ConfigError(
+                f"the checkpoint holds {len(carried)} prompt group(s) of partial rollouts in flight, but "
+                "rollout.partial.step_tokens=null would lose them; fix: resume with the checkpoint's rollout.partial"
+            )
+        if self.partial is not None:
+            self.partial.set_state(carried)
 
     def snapshot(self) -> dict:
         """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):
         `state_dict` without waiting for what is in flight (only a real checkpoint collects it)."""
-        return {"next_rollout_step": self.next_rollout_step, **self.stream.state(), "source": self.source.snapshot()}
+        partial = {"partial_groups": list(self.partial.groups)} if self.partial is not None else {}
+        return {
+            "next_rollout_step": self.next_rollout_step,
+            **self.stream.state(),
+            "source": self.source.snapshot(),
+            **partial,
+        }
 
     def restore(self, snapshot: dict) -> None:
         """The snapshot's state; the prompt stream as the dropped step left it after what its source requested ahead
@@ -432,3 +456,5 @@ class RolloutDataModule(L.LightningDataModule):
         restart = self.stream_restart
         self.stream.set_state(restart[1] if restart and restart[0] == self.next_rollout_step else snapshot)
         self.source.restore(snapshot["source"])
+        if self.partial is not None:  # the groups are immutable: the list of them is the state
+            self.partial.groups = list(snapshot["partial_groups"])

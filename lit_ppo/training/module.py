@@ -40,6 +40,7 @@ from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_s
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import (
     StepPlan,
+    check_carried_tokens,
     check_policy_versions,
     check_sample_use,
     check_step_accounting,
@@ -397,10 +398,15 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
         batch, _, _ = next(dataloader_iter)
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
-        # The proof of the generation schedule: every sample is of the policy version the plan states.
-        check_policy_versions(
-            self.plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step, batch.rounds_ahead
-        )
+        # The proof of the generation schedule: every sample is of the policy version the plan states (partial
+        # rollouts: every token of a version within the plan's carry bound).
+        if self.plan.partial is not None:
+            lengths = [len(ids) for ids in batch.response_ids]
+            check_carried_tokens(self.plan, batch.rollout_step, batch.version_spans, lengths)
+        else:
+            check_policy_versions(
+                self.plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step, batch.rounds_ahead
+            )
         engine = self.trainer.datamodule.engine
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates
@@ -474,6 +480,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
             **teacher_metrics(exp),
             **({"rollout/kl_coef": self.kl_coef} if self.plan.models.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
+            **batch.partial_stats,  # partial rollouts (one rank: the step's own)
         }
         if batch.policy_versions:  # rollout steps between the generating policy and the one this step starts from
             extra["rollout/policy_version_lag"] = batch.rollout_step - sum(batch.policy_versions) / len(

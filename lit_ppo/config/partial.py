@@ -1,0 +1,81 @@
+"""The `rollout.partial` section: partial rollouts (docs/async.md), a response generated over several rollout steps,
+each step at most `step_tokens` new tokens of it, continued by the policy of the step; its checks, alone
+(`validate_partial`) and against the rest of the run (`validate_partial_in_run`: what partial rollouts do not compose
+with yet, refused in one line before any model loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lit_ppo.config.parse import positive
+from lit_ppo.errors import ConfigError
+
+AT_MAX_AGE = ("finish", "drop")  # rollout.partial.at_max_age
+
+
+@dataclass(frozen=True)
+class PartialConfig:
+    """`rollout.partial`: partial rollouts (docs/async.md); step_tokens null: off, every response whole in its step."""
+
+    step_tokens: int | None = None
+    """New tokens per sample and rollout step at most; a sample that has not ended is carried to the next step and
+    continued there by that step's policy. null: off."""
+    max_age_steps: int = 1
+    """Rollout steps a prompt group may be carried after the step that started it; at that age `at_max_age`. The
+    oldest token a batch holds is then at most this many rollout steps old (the plan states it, the run checks it)."""
+    at_max_age: str = "finish"
+    """finish: its samples that have not ended are cut there and trained as truncated; drop: the group is dropped
+    (counted: rollout/partial_dropped_groups)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.step_tokens is not None
+
+    def __post_init__(self) -> None:
+        validate_partial(self)
+
+
+def validate_partial(partial: PartialConfig) -> None:
+    """The section's own settings."""
+    if partial.step_tokens is not None:
+        positive("rollout.partial", step_tokens=partial.step_tokens)
+    positive("rollout.partial", max_age_steps=partial.max_age_steps)
+    if partial.at_max_age not in AT_MAX_AGE:
+        raise ConfigError(f"rollout.partial.at_max_age={partial.at_max_age!r}; fix: use one of {', '.join(AT_MAX_AGE)}")
+
+
+def partial_refusals(config) -> list[str]:
+    """What `config` (a RunConfig, not imported here) sets that partial rollouts do not compose with yet: each
+    `setting (why)`, in the order docs/async.md lists them."""
+    rollout, ppo = config.rollout, config.ppo
+    refused = [
+        (rollout.mode != "colocated", "rollout.mode=disaggregated (carried samples live in the trainer's data module)"),
+        (rollout.engine != "vllm", f"rollout.engine={rollout.engine} (only the vLLM engine continues a sample)"),
+        (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
+        (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
+        (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
+        (config.model.lora.enabled, "model.lora (each carried token's adapter version)"),
+        (config.strategy.data_parallel_size > 1, "data-parallel ranks > 1 (each rank's carried groups)"),
+        (ppo.old_logprobs == "rollout", "ppo.old_logprobs=rollout (carried tokens are of older policies)"),
+        (ppo.rollout_correction.mode == "none", "ppo.rollout_correction.mode=none (carried tokens need tis or mis)"),
+    ]
+    return [why for on, why in refused if on]
+
+
+def validate_partial_in_run(config) -> None:
+    """rollout.partial against the rest of the run (a RunConfig): a cut shorter than the response budget, and nothing
+    it does not compose with yet (`partial_refusals`)."""
+    partial, rollout = config.rollout.partial, config.rollout
+    if not partial.enabled:
+        return
+    if partial.step_tokens >= rollout.max_response_tokens:
+        raise ConfigError(
+            f"rollout.partial.step_tokens={partial.step_tokens} >= rollout.max_response_tokens="
+            f"{rollout.max_response_tokens}: no response is ever cut; fix: a smaller step_tokens, or null (off)"
+        )
+    refused = partial_refusals(config)
+    if refused:
+        raise ConfigError(
+            f"rollout.partial.step_tokens={partial.step_tokens} does not compose yet with {'; '.join(refused)}; fix: "
+            "remove those settings, or rollout.partial.step_tokens=null (docs/async.md, partial rollouts)"
+        )

@@ -1,0 +1,253 @@
+"""Partial rollouts (rollout.partial, lit_ppo/rollout/partial.py): what is refused, the plan's section, a carried
+sample equal to generating it in two calls by hand (the real vLLM engine), groups trained only once all their samples
+ended, the carry bound checked at run time, and the carried groups in the data module's checkpoint state."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lit_ppo.config import (
+    DynamicSamplingConfig,
+    LoraConfig,
+    ModelConfig,
+    PPOConfig,
+    RolloutConfig,
+    RolloutCorrectionConfig,
+)
+from lit_ppo.config.partial import PartialConfig
+from lit_ppo.contract import GenerateRequest, Generation
+from lit_ppo.errors import ConfigError, StalenessError
+from lit_ppo.plan import check_carried_tokens
+from lit_ppo.rollout.engine import sampling_seeds
+from lit_ppo.rollout.partial import continuation_seed
+from lit_ppo.rollout.prompts import Prompt, PromptSet
+from tests.helpers import datamodule_on, plan_of, run_config
+from tests.helpers.prompts import PROMPT_TOKENS, long_prompts
+
+PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
+
+
+def partial_rollout(step_tokens=4, max_age_steps=1, at_max_age="finish", **rollout) -> RolloutConfig:
+    return RolloutConfig(
+        **{"max_response_tokens": 12, "temperature": 0.7, **rollout},
+        partial=PartialConfig(step_tokens=step_tokens, max_age_steps=max_age_steps, at_max_age=at_max_age),
+    )
+
+
+# ------------------------------------------------------------ settings and plan
+
+
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        ({"rollout": {"engine": "hf"}}, "rollout.engine=hf"),
+        ({"rollout": {"mode": "disaggregated"}}, "rollout.mode=disaggregated"),
+        ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
+        ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
+        ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
+        ({"model": {"lora": LoraConfig(rank=8)}}, "model.lora"),
+        ({"dp": 2}, "data-parallel ranks > 1"),
+    ],
+)
+def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(changes, named):
+    rollout = partial_rollout(**changes.get("rollout", {}))
+    ppo = dataclasses.replace(PPO, **changes.get("ppo", {}))
+    sections = {"model": ModelConfig(**changes["model"])} if "model" in changes else {}
+    with pytest.raises(ConfigError) as error:
+        run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1), **sections)
+    message = str(error.value)
+    assert named in message and "rollout.partial.step_tokens=4" in message and "\n" not in message.strip("\n")
+
+
+def test_partial_settings_are_checked_and_turn_the_rollout_correction_on():
+    with pytest.raises(ConfigError, match="step_tokens=12 >= rollout.max_response_tokens=12"):
+        run_config(ppo=PPO, rollout=partial_rollout(step_tokens=12))
+    with pytest.raises(ConfigError, match="at_max_age='keep'"):
+        PartialConfig(step_tokens=4, at_max_age="keep")
+    with pytest.raises(ConfigError, match="ppo.rollout_correction.mode=none"):
+        run_config(ppo=dataclasses.replace(PPO, rollout_correction=RolloutCorrectionConfig(mode="none")), rollout=partial_rollout())
+    assert run_config(ppo=PPO, rollout=partial_rollout()).ppo.rollout_correction.mode == "tis"  # null resolved
+    assert run_config(ppo=PPO).ppo.rollout_correction.mode == "none"  # off: as before
+
+
+def test_the_plan_states_the_cut_the_groups_in_flight_and_the_carry_bound():
+    plan = plan_of(16, ppo=PPO, rollout=partial_rollout(step_tokens=4, max_age_steps=2))
+    assert (plan.partial.step_tokens, plan.partial.groups_in_flight, plan.partial.oldest_token_age) == (4, 12, 2)
+    assert plan.partial.longest_response_tokens == 12  # min(12, 3 chunks of 4)
+    table = plan.table()
+    assert "partial: carry bound" in table and "older than version s - 2" in table
+    assert plan.to_dict()["partial"]["max_age_steps"] == 2
+    assert plan_of(16, ppo=PPO).partial is None
+
+
+# ------------------------------------------------------------ a fake engine whose samples end where their seed says
+
+
+class CountdownEngine:
+    """Samples whose tokens count down to 0, their end: a fresh sample seeded s is (s % 5) * 3 + 1 tokens long, a
+    continuation goes on from its prompt's last token. Each call is recorded."""
+
+    adapter_version = 0
+
+    def __init__(self):
+        self.requests: list[GenerateRequest] = []
+
+    def generate(self, request: GenerateRequest) -> list[Generation]:
+        self.requests.append(request)
+        out = []
+        for i, (ids, limit) in enumerate(zip(request.prompt_token_ids, request.limits)):
+            for j in range(request.n):
+                continued = ids[-1] < 40  # the sample's last token: where its countdown stands
+                start = ids[-1] if continued else (request.seeds[i] + j) % 5 * 3 + 1
+                tokens = list(range(start - 1, -1, -1))[:limit]
+                ended = tokens[-1] == 0
+                out.append(Generation(i, tokens, not ended, "x" * len(tokens), [-0.5] * len(tokens)))
+        return out
+
+    def wake_up(self):
+        pass
+
+
+def countdown_prompts(count: int) -> PromptSet:
+    # Prompt tokens >= 40: a continuation's last prompt token (< 40) tells the fake engine where its sample stands.
+    return PromptSet([Prompt([40 + i % 20] * 6, f"p{i}", "0", {}) for i in range(count)], "test")
+
+
+def countdown_datamodule(tokenizer, model_dir, rollout=None, steps=6):
+    rollout = rollout or partial_rollout(step_tokens=4, max_age_steps=2, max_response_tokens=13)
+    return datamodule_on(countdown_prompts(16), rollout, tokenizer, model_dir, CountdownEngine(), ppo=PPO, steps=steps)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_a_group_trains_only_once_all_its_samples_ended(tokenizer, tiny_model_dir):
+    dm = countdown_datamodule(
+        tokenizer, tiny_model_dir, rollout=partial_rollout(4, max_age_steps=3, max_response_tokens=13)
+    )
+    batches = [dm.produce_rollout(step) for step in range(6)]
+    carried = 0
+    for step, batch in enumerate(batches):
+        assert len(batch.response_ids) == PPO.rollout_batch_size * PPO.n_samples_per_prompt  # the plan's shape
+        check_carried_tokens(dm.plan, step, batch.version_spans, [len(r) for r in batch.response_ids])
+        cut = batch.partial_stats["rollout/partial_cut_groups"]
+        for g in range(PPO.rollout_batch_size):
+            group = range(g * 2, g * 2 + 2)
+            ended = [batch.response_ids[i][-1] == 0 for i in group]
+            # Every sample of a trained group ended (its countdown reached 0), unless the group was cut (counted).
+            assert all(ended) or (cut > 0 and all(ended[k] or batch.truncated[i] for k, i in enumerate(group)))
+        carried += sum(len(spans) > 1 for spans in batch.version_spans)
+        assert batch.partial_stats["rollout/token_age_max"] <= 3
+    assert carried > 0  # samples continued in a later step than they started were trained
+
+
+def test_continuations_are_seeded_per_sample_and_limited_by_the_budget(tokenizer, tiny_model_dir):
+    dm = countdown_datamodule(tokenizer, tiny_model_dir, rollout=partial_rollout(5, 2, max_response_tokens=13))
+    dm.produce_rollout(0)
+    first = dm.engine.requests[0]  # step 0: its fresh rounds alone
+    assert first.n == 2 and first.limits == [5] * len(first.prompt_token_ids) == [5] * 12  # 3 rounds of 4 prompts
+    assert first.seeds[:4] == sampling_seeds(0, "rollout_step=0", range(4), 2)  # round 0: a run without partial's
+    unfinished = [(g, s) for g in dm.partial.groups for s in g.samples if not s.finished]
+    dm.produce_rollout(1)
+    continuation = dm.engine.requests[1]  # step 1: the carried samples, then its fresh round
+    assert continuation.n == 1
+    assert continuation.prompt_token_ids == [list(g.prompt.prompt_ids) + list(s.token_ids) for g, s in unfinished]
+    assert continuation.limits == [min(5, 13 - len(s.token_ids)) for _, s in unfinished]
+    assert continuation.seeds == [continuation_seed(s.seed, 1) for _, s in unfinished]
+    assert {s.seed for _, s in unfinished} <= {seed + j for seed in first.seeds for j in range(2)}
+
+
+def test_the_carry_bound_check_stops_a_batch_with_an_older_token(tokenizer, tiny_model_dir):
+    # Generated with a carry of up to 3 steps, checked against a plan that allows 1: the check fires.
+    dm = countdown_datamodule(
+        tokenizer, tiny_model_dir, rollout=partial_rollout(2, max_age_steps=3, max_response_tokens=13)
+    )
+    tight = plan_of(16, ppo=PPO, rollout=partial_rollout(2, max_age_steps=1, max_response_tokens=13), steps=6)
+    batches = [dm.produce_rollout(step) for step in range(4)]
+    lengths = lambda b: [len(r) for r in b.response_ids]  # noqa: E731
+    assert max(b.partial_stats["rollout/token_age_max"] for b in batches) >= 2
+    with pytest.raises(StalenessError, match=r"rollout.partial.max_age_steps=1\); the carried samples"):
+        for step, batch in enumerate(batches):
+            check_carried_tokens(dm.plan, step, batch.version_spans, lengths(batch))  # its own plan: holds
+            check_carried_tokens(tight, step, batch.version_spans, lengths(batch))
+    with pytest.raises(StalenessError, match="holds no policy version spans"):
+        check_carried_tokens(dm.plan, 0, None, [3])
+
+
+def test_groups_at_max_age_are_dropped_and_counted(tokenizer, tiny_model_dir):
+    dm = countdown_datamodule(tokenizer, tiny_model_dir, rollout=partial_rollout(2, 1, "drop", max_response_tokens=13))
+    batches = [dm.produce_rollout(step) for step in range(4)]
+    assert sum(b.partial_stats["rollout/partial_dropped_groups"] for b in batches) > 0
+    for step, batch in enumerate(batches):
+        check_carried_tokens(dm.plan, step, batch.version_spans, [len(r) for r in batch.response_ids])
+
+
+def test_the_carried_groups_are_in_the_checkpoint_state(tokenizer, tiny_model_dir):
+    dm = countdown_datamodule(tokenizer, tiny_model_dir)
+    dm.produce_rollout(0)
+    assert dm.partial.groups  # carried
+    buffer = io.BytesIO()
+    torch.save(dm.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    resumed = countdown_datamodule(tokenizer, tiny_model_dir)
+    resumed.load_state_dict(state)
+    assert resumed.partial.groups == dm.partial.groups
+    a, b = dm.produce_rollout(1), resumed.produce_rollout(1)
+    assert (a.response_ids, a.rollout_logprobs, a.version_spans) == (
+        b.response_ids,
+        b.rollout_logprobs,
+        b.version_spans,
+    )
+    off = datamodule_on(
+        countdown_prompts(16), RolloutConfig(max_response_tokens=13), tokenizer, tiny_model_dir, ppo=PPO
+    )
+    with pytest.raises(ConfigError, match="partial rollouts in flight, but rollout.partial.step_tokens=null"):
+        off.load_state_dict(state)
+
+
+# ------------------------------------------------------------ the real engine
+
+
+def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, tokenizer, tiny_model_dir):
+    ids = long_prompts(tokenizer, 8, PROMPT_TOKENS - 10, PROMPT_TOKENS - 2, seed=3)
+    prompts = PromptSet([Prompt(p, f"p{i}", "0", {}) for i, p in enumerate(ids)], "test")
+    rollout = partial_rollout(step_tokens=4, max_age_steps=1, max_response_tokens=10)
+    dm = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, engine, ppo=PPO, steps=2)
+    dm.produce_rollout(0)
+    carried = {g.dataset_index: g for g in dm.partial.groups}
+    batch = dm.produce_rollout(1)
+    checked = 0
+    for i, spans in enumerate(batch.version_spans):
+        index = batch.dataset_indices[i]
+        if len(spans) < 2 or index not in carried:
+            continue
+        j = i % PPO.n_samples_per_prompt
+        group = carried[index]
+        seed = group.samples[j].seed
+        prompt = prompts.prompts[index].prompt_ids
+        first_call = GenerateRequest([prompt], n=2, temperature=0.7, top_p=1.0, max_tokens=4, seeds=[seed - j])
+        first = engine.generate(first_call)[j]
+        second_call = GenerateRequest(
+            [prompt + first.token_ids],
+            n=1,
+            temperature=0.7,
+            top_p=1.0,
+            max_tokens=min(4, 10 - len(first.token_ids)),
+            seeds=[continuation_seed(seed, 1)],
+        )
+        second = engine.generate(second_call)[0]
+        assert batch.response_ids[i] == first.token_ids + second.token_ids
+        torch.testing.assert_close(
+            torch.tensor(batch.rollout_logprobs[i]), torch.tensor(first.logprobs + second.logprobs), atol=1e-5, rtol=0
+        )
+        assert spans == [[0, 0], [4, 1]]
+        checked += 1
+    assert checked > 0
+    assert seed - j in sampling_seeds(0, "rollout_step=0", range(PPO.rollout_batch_size), PPO.n_samples_per_prompt)
