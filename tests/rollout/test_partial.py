@@ -25,6 +25,7 @@ from lit_ppo.errors import ConfigError, StalenessError
 from lit_ppo.plan import check_carried_tokens
 from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.partial import continuation_seed
+from lit_ppo.rollout.prompt_stream import round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet
 from tests.helpers import datamodule_on, plan_of, run_config
 from tests.helpers.prompts import PROMPT_TOKENS, long_prompts
@@ -70,7 +71,10 @@ def test_partial_settings_are_checked_and_turn_the_rollout_correction_on():
     with pytest.raises(ConfigError, match="at_max_age='keep'"):
         PartialConfig(step_tokens=4, at_max_age="keep")
     with pytest.raises(ConfigError, match="ppo.rollout_correction.mode=none"):
-        run_config(ppo=dataclasses.replace(PPO, rollout_correction=RolloutCorrectionConfig(mode="none")), rollout=partial_rollout())
+        run_config(
+            ppo=dataclasses.replace(PPO, rollout_correction=RolloutCorrectionConfig(mode="none")),
+            rollout=partial_rollout(),
+        )
     assert run_config(ppo=PPO, rollout=partial_rollout()).ppo.rollout_correction.mode == "tis"  # null resolved
     assert run_config(ppo=PPO).ppo.rollout_correction.mode == "none"  # off: as before
 
@@ -248,6 +252,44 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
             torch.tensor(batch.rollout_logprobs[i]), torch.tensor(first.logprobs + second.logprobs), atol=1e-5, rtol=0
         )
         assert spans == [[0, 0], [4, 1]]
+        # Its first chunk seeded as its prompt's position in round 0 or 1 of step 0 (max_age_steps + 1 rounds).
+        rounds = [round_purpose(0, r) for r in range(2)]
+        assert seed - j in [s for p in rounds for s in sampling_seeds(0, p, range(4), PPO.n_samples_per_prompt)]
         checked += 1
-    assert checked > 0
-    assert seed - j in sampling_seeds(0, "rollout_step=0", range(PPO.rollout_batch_size), PPO.n_samples_per_prompt)
+        if checked == 2:  # enough: each by-hand pair of calls costs a generate
+            break
+    assert checked == 2
+
+
+def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
+    engine, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path
+):
+    """Two rollout steps of a run (the real engine, weights synced each step): every batch passes the trainer's
+    carry-bound check, carried samples are trained with the sampler's log-probs as the behaviour policy (TIS), and the
+    step's partial metrics are logged."""
+    from lit_ppo.training import module as training_module
+    from tests.helpers import build_run
+
+    checked = []
+    real_check = training_module.check_carried_tokens
+    monkeypatch.setattr(training_module, "check_carried_tokens", lambda *a: checked.append(a[1]) or real_check(*a))
+    rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=9)
+    trainer, module, datamodule, plan = build_run(
+        tiny_model_dir,
+        engine,
+        long_prompt_files,
+        tmp_path,
+        total_rollout_steps=2,
+        rollout=rollout,
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    assert checked == [0, 1]
+    rows = module.history
+    assert all(k in rows[-1] for k in ("rollout/carried_samples", "rollout/token_age_mean", "rollout/token_age_max"))
+    assert max(r["rollout/token_age_max"] for r in rows) == 1  # carried tokens of the step before were trained
+    assert module.ppo.rollout_correction.mode == "tis"
