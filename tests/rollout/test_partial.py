@@ -293,3 +293,20 @@ def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
     assert all(k in rows[-1] for k in ("rollout/carried_samples", "rollout/token_age_mean", "rollout/token_age_max"))
     assert max(r["rollout/token_age_max"] for r in rows) == 1  # carried tokens of the step before were trained
     assert module.ppo.rollout_correction.mode == "tis"
+
+
+def test_a_dropped_step_restores_the_groups_in_flight(tokenizer, tiny_model_dir):
+    """The snapshot a preemption restores (lit_ppo.preemption) holds the groups in flight: the step taken again is the
+    step taken the first time."""
+    dm = countdown_datamodule(tokenizer, tiny_model_dir)
+    dm.produce_rollout(0)
+    snapshot = dm.snapshot()
+    first = dm.produce_rollout(1)
+    dm.restore(snapshot)
+    again = dm.produce_rollout(1)
+    assert (first.response_ids, first.version_spans, first.dataset_indices) == (
+        again.response_ids,
+        again.version_spans,
+        again.dataset_indices,
+    )
+    assert first.partial_stats == again.partial_stats
