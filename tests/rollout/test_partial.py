@@ -310,3 +310,36 @@ def test_a_dropped_step_restores_the_groups_in_flight(tokenizer, tiny_model_dir)
         again.dataset_indices,
     )
     assert first.partial_stats == again.partial_stats
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_groups_in_flight_matches_the_uninterrupted_run(
+    engine, tiny_model_dir, long_prompt_files, tmp_path
+):
+    """Three rollout steps uninterrupted, and the same run crashed after step 2 and resumed from the checkpoint of step
+    1, which holds groups in flight: the same weights bitwise, the same samples trained."""
+    from lit_ppo.checkpoints import checkpoint_path
+    from tests.helpers.resume import assert_same_weights, checkpointed_run
+
+    paths = (tiny_model_dir, long_prompt_files)
+    settings = dict(
+        total_rollout_steps=3,
+        rollout=partial_rollout(step_tokens=3, max_age_steps=2, max_response_tokens=9),
+        advantage_estimator="grpo",
+        kl_coef=0.0,
+        kl_mode="loss",
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+    )
+    _, full, _ = checkpointed_run(paths, engine, tmp_path / "full", every=1, keep=10, **settings)
+    checkpointed_run(paths, engine, tmp_path / "split", every=1, keep=10, crash_after=2, **settings)
+    saved = checkpoint_path(tmp_path / "split" / "checkpoints", 1)
+    state = next(v for k, v in torch.load(saved, weights_only=False).items() if "RolloutDataModule" in k)
+    assert state["partial_groups"]  # the resumed run continues carried groups
+    _, resumed, _ = checkpointed_run(
+        paths, engine, tmp_path / "split", every=1, keep=10, resume_from=str(saved), **settings
+    )
+    assert resumed.actor_optimizer_steps == full.actor_optimizer_steps
+    assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
+    keys = ("rollout/reward_mean", "rollout/carried_samples", "rollout/token_age_mean", "rollout/response_length_mean")
+    assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in full.history]
