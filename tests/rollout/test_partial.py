@@ -5,6 +5,7 @@ ended, the carry bound checked at run time, and the carried groups in the data m
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 
 import pytest
@@ -29,6 +30,12 @@ from lit_ppo.rollout.prompt_stream import round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet
 from tests.helpers import datamodule_on, plan_of, run_config
 from tests.helpers.prompts import PROMPT_TOKENS, long_prompts
+
+
+def hashed_responses(prompts, responses, references, extras):
+    """A reward in [0, 1) by the response's hash: a group's samples differ, so GRPO moves the weights every step."""
+    return [int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32 for r in responses]
+
 
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
 
@@ -286,6 +293,7 @@ def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
         kl_mode="loss",
         rollout_batch_size=4,
         n_samples_per_prompt=2,
+        reward_fn=hashed_responses,
     )
     trainer.fit(module, datamodule=datamodule)
     assert checked == [0, 1]
@@ -330,6 +338,7 @@ def test_a_run_resumed_with_groups_in_flight_matches_the_uninterrupted_run(
         kl_mode="loss",
         rollout_batch_size=4,
         n_samples_per_prompt=2,
+        reward_fn=hashed_responses,
     )
     _, full, _ = checkpointed_run(paths, engine, tmp_path / "full", every=1, keep=10, **settings)
     checkpointed_run(paths, engine, tmp_path / "split", every=1, keep=10, crash_after=2, **settings)
