@@ -36,7 +36,8 @@ class PartialPlan:
             (
                 "partial: groups in flight",
                 self.groups_in_flight,
-                "prompt groups generated each step at most (carried + fresh rounds); a group trains once all its samples ended",
+                "prompt groups generated each step at most: the carried, then fresh rounds of rollout_batch_size "
+                "prompts (the first step: max_age_steps + 1 rounds); a group trains once all its samples ended",
             ),
             (
                 "partial: carry bound",
