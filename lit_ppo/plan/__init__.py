@@ -18,6 +18,7 @@ notes and warnings are `notes.py`, the run-time checks (`check_*`) `checks.py`, 
 """
 
 from lit_ppo.plan.checks import (
+    check_batch_versions,
     check_carried_tokens,
     check_layout_tokens,
     check_micro_batches,
@@ -54,6 +55,7 @@ __all__ = [
     "TeacherPlan",
     "PartialPlan",
     "WorkersPlan",
+    "check_batch_versions",
     "check_carried_tokens",
     "check_layout_tokens",
     "check_micro_batches",

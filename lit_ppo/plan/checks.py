@@ -143,3 +143,13 @@ def check_carried_tokens(
                 f"(spans {spans}, {length} tokens), but the plan says versions {max(0, rollout_step - bound)} to "
                 f"{rollout_step} (rollout.partial.max_age_steps={bound}); the carried samples are not what the plan states"
             )
+
+
+def check_batch_versions(plan: StepPlan, batch) -> None:
+    """The runtime proof of which policy generated a rollout batch (a RolloutBatch, not imported here): each sample of
+    the version the schedule states (`check_policy_versions`), or with partial rollouts each token of a version within
+    the carry bound (`check_carried_tokens`)."""
+    if plan.partial is not None:
+        check_carried_tokens(plan, batch.rollout_step, batch.version_spans, [len(r) for r in batch.response_ids])
+    else:
+        check_policy_versions(plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step, batch.rounds_ahead)

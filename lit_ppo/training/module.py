@@ -40,8 +40,7 @@ from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_s
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import (
     StepPlan,
-    check_carried_tokens,
-    check_policy_versions,
+    check_batch_versions,
     check_sample_use,
     check_step_accounting,
     minibatch_schedule,
@@ -398,15 +397,8 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
         batch, _, _ = next(dataloader_iter)
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
-        # The proof of the generation schedule: every sample is of the policy version the plan states (partial
-        # rollouts: every token of a version within the plan's carry bound).
-        if self.plan.partial is not None:
-            lengths = [len(ids) for ids in batch.response_ids]
-            check_carried_tokens(self.plan, batch.rollout_step, batch.version_spans, lengths)
-        else:
-            check_policy_versions(
-                self.plan, batch.rollout_step, batch.policy_versions, batch.rounds_in_step, batch.rounds_ahead
-            )
+        # The proof of the generation schedule: every sample (partial rollouts: token) of the version the plan states.
+        check_batch_versions(self.plan, batch)
         engine = self.trainer.datamodule.engine
         check_adapter_versions(batch, self.plan)
         engine.sleep()  # frees vLLM's memory for the updates

@@ -274,12 +274,12 @@ def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
     """Two rollout steps of a run (the real engine, weights synced each step): every batch passes the trainer's
     carry-bound check, carried samples are trained with the sampler's log-probs as the behaviour policy (TIS), and the
     step's partial metrics are logged."""
-    from lit_ppo.training import module as training_module
+    from lit_ppo.plan import checks
     from tests.helpers import build_run
 
     checked = []
-    real_check = training_module.check_carried_tokens
-    monkeypatch.setattr(training_module, "check_carried_tokens", lambda *a: checked.append(a[1]) or real_check(*a))
+    real_check = checks.check_carried_tokens  # the trainer's (`check_batch_versions`), watched
+    monkeypatch.setattr(checks, "check_carried_tokens", lambda *a: checked.append(a[1]) or real_check(*a))
     rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=9)
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
