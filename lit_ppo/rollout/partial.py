@@ -178,8 +178,12 @@ def token_ages(groups: list[CarriedGroup], rollout_step: int) -> list[int]:
     return ages
 
 
-def generation_of(sample: CarriedSample, prompt_index: int) -> Generation:
-    return Generation(prompt_index, list(sample.token_ids), sample.truncated, sample.text, list(sample.logprobs))
+def generation_of(sample: CarriedSample, prompt_index: int, tokenizer) -> Generation:
+    """The sample as the rewards and the trainer take it. Its text: vLLM's where one call generated it, else its
+    tokens decoded whole (each call's text is detokenized apart, and a character whose bytes a cut splits would be
+    lost between them)."""
+    text = sample.text if sample.chunks == 1 else tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
+    return Generation(prompt_index, list(sample.token_ids), sample.truncated, text, list(sample.logprobs))
 
 
 class PartialRollouts:
@@ -249,7 +253,7 @@ class PartialRollouts:
         groups, dropped = aged(groups, rollout_step, settings.max_age_steps, settings.at_max_age)
         trained, left = take_batch(groups, plan.counts.rollout_batch_size, rollout_step, settings.max_age_steps)
         prompts = [g.prompt for g in trained]
-        gens = [generation_of(s, i) for i, g in enumerate(trained) for s in g.samples]
+        gens = [generation_of(s, i, dm.tokenizer) for i, g in enumerate(trained) for s in g.samples]
         started_at = time.perf_counter()
         scored = interruptibly(lambda: dm.rewards_of(prompts, gens))
         stop_point(dm.device)

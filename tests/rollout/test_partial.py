@@ -259,6 +259,8 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
             torch.tensor(batch.rollout_logprobs[i]), torch.tensor(first.logprobs + second.logprobs), atol=1e-5, rtol=0
         )
         assert spans == [[0, 0], [4, 1]]
+        assert batch.responses[i] == tokenizer.decode(first.token_ids + second.token_ids, skip_special_tokens=True)
+        assert first.text + second.text == batch.responses[i]  # one character per token: the calls' texts join
         # Its first chunk seeded as its prompt's position in round 0 or 1 of step 0 (max_age_steps + 1 rounds).
         rounds = [round_purpose(0, r) for r in range(2)]
         assert seed - j in [s for p in rounds for s in sampling_seeds(0, p, range(4), PPO.n_samples_per_prompt)]
