@@ -55,7 +55,10 @@ def partial_refusals(config) -> list[str]:
         (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
         (config.model.lora.enabled, "model.lora (each carried token's adapter version)"),
-        (config.strategy.data_parallel_size > 1, "data-parallel ranks > 1 (each rank's carried groups)"),
+        (
+            config.strategy.devices * config.strategy.num_nodes > 1,
+            "more than one trainer rank (strategy.devices x strategy.num_nodes: each rank's carried groups)",
+        ),
         (ppo.old_logprobs == "rollout", "ppo.old_logprobs=rollout (carried tokens are of older policies)"),
         (ppo.rollout_correction.mode == "none", "ppo.rollout_correction.mode=none (carried tokens need tis or mis)"),
     ]

@@ -59,7 +59,7 @@ def partial_rollout(step_tokens=4, max_age_steps=1, at_max_age="finish", **rollo
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
         ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
         ({"model": {"lora": LoraConfig(rank=8)}}, "model.lora"),
-        ({"dp": 2}, "data-parallel ranks > 1"),
+        ({"dp": 2}, "more than one trainer rank"),
     ],
 )
 def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(changes, named):
