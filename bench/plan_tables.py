@@ -60,7 +60,7 @@ FEATURES = {
     "token_budget": ["ppo.micro_train_max_tokens=256"],
     "token_budget_padded": ["ppo.micro_train_max_tokens=256", "ppo.packing=false"],
     "hf_engine": ["rollout.engine=hf"],
-    "hf_engine_vllm_settings": ["rollout.engine=hf", "rollout.kv_cache_gib=2"],
+    "hf_engine_vllm_settings": ["rollout.engine=hf", "rollout.vllm.kv_cache_gib=2"],
     "old_logprobs_rollout": ["ppo.old_logprobs=rollout"],
     "on_policy": ["ppo=grpo", "ppo.train_batch_size=64", "ppo.micro_train_batch_size=8"],
     "data_epochs": ["trainer.total_rollout_steps=null", "trainer.data_epochs=1.5"],

@@ -10,7 +10,8 @@ its own) or `server` (vLLM servers over HTTP).
 The functions a row names ("module:function") are imported when the engine starts, so this table sits on the bottom
 floor (plain values: the memory estimate and the trainer read it) and starts nothing itself. Adding an engine (e.g.
 SGLang): its module (a class of the contract, lit_ppo/contract.py, with the functions below), an `Engine` and its
-launches' rows here, and its settings' section in config/rollout.py.
+launches' rows here, and its settings' section (a dataclass in lit_ppo/config/, a field of `RolloutConfig` named as
+`Engine.section`, its keys in conf/rollout/vllm.yaml).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Engine:
 
     name: str
     label: str  # how messages name it
+    section: str
+    """Its own settings' section: `rollout.<section>` (a field of config/rollout.py's `RolloutConfig`), read outside
+    config and plan only by its own modules (`RolloutConfig.engine_settings`)."""
     preallocates_kv_cache: bool
     """Holds its own copy of the weights and reserves its KV cache up front (vLLM's gpu_memory_utilization), where the
     memory estimate counts it; else the KV cache of each generate call, freed after it (Hugging Face generate)."""
@@ -71,6 +75,7 @@ class EngineRow:
 VLLM = Engine(
     name="vllm",
     label="vLLM",
+    section="vllm",
     preallocates_kv_cache=True,
     worker_settings="lit_ppo.rollout.engine:worker_settings",
     worker_start="lit_ppo.rollout.engine:start_in_worker",
@@ -79,6 +84,7 @@ VLLM = Engine(
 HF = Engine(
     name="hf",
     label="the HF engine",
+    section="hf",
     preallocates_kv_cache=False,
     worker_settings="lit_ppo.rollout.hf_engine:worker_settings",
     worker_start="lit_ppo.rollout.hf_engine:start_in_worker",

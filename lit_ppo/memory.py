@@ -21,9 +21,9 @@ settings; `estimate_memory` is the only place the formulas live. Per device, in 
   a few float32 chunks of the chunked log-prob/entropy computation (lit_ppo.training.logits).
 - vLLM (colocated): its weights in the rollout dtype and the KV cache the rollout batch needs
   (this rank's sequences x max_model_len); on a GPU vLLM reserves gpu_memory_utilization of the device, and
-  sleeps (frees it) while training when rollout.sleep_between_steps is on.
+  sleeps (frees it) while training when rollout.vllm.sleep_between_steps is on.
 - rollout.engine=hf instead: no second copy of the weights (the actor generates), the KV cache of one
-  `generate` call (hf_max_batch_sequences sequences, or all of this rank's, x prompt + response tokens, in the compute
+  `generate` call (rollout.hf.max_batch_sequences sequences, or all of this rank's, x prompt + response tokens, in the compute
   dtype) and the last position's float32 logits per sequence; freed when generation ends, so only the rollout
   phase holds them.
 - rollout.mode=disaggregated instead: nothing of generation on the trainer's devices; a second table per rollout
@@ -86,12 +86,12 @@ class MemoryInputs:
     on_gpu: bool
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
-    vllm_sleeps: bool = True  # rollout.sleep_between_steps (takes effect on GPUs only)
-    cpu_kv_cache_gib: float = 1  # rollout.kv_cache_gib: vLLM's KV cache on CPU
+    vllm_sleeps: bool = True  # rollout.vllm.sleep_between_steps (takes effect on GPUs only)
+    cpu_kv_cache_gib: float = 1  # rollout.vllm.kv_cache_gib: vLLM's KV cache on CPU
     device_memory_gib: float | None = None
     grad_accumulation_steps: int = 1  # micro-batches per optimizer step per rank
     rollout_engine: str = "vllm"  # rollout.engine: vllm (a second copy of the weights) or hf (the actor generates)
-    hf_batch_sequences: int | None = None  # rollout.hf_max_batch_sequences: sequences per HF generate call
+    hf_batch_sequences: int | None = None  # rollout.hf.max_batch_sequences: sequences per HF generate call
     lora_rank: int = 0  # model.lora.rank; 0: full-parameter training
     lora_target_modules: str | tuple[str, ...] = "all-linear"
     # The actor's adapter as the pre-flight counted it on the model (StepPlan.lora.adapter_parameters); None: from the
@@ -445,7 +445,7 @@ def vllm_bytes(shape: ModelShape, run: MemoryInputs, params: int, rows: list) ->
         vllm = vllm_weights + kv_needed
     else:
         vllm = vllm_weights + int(run.cpu_kv_cache_gib * GIB)  # VLLM_CPU_KVCACHE_SPACE
-        rows.append(("vLLM KV cache (CPU)", int(run.cpu_kv_cache_gib * GIB), "rollout.kv_cache_gib"))
+        rows.append(("vLLM KV cache (CPU)", int(run.cpu_kv_cache_gib * GIB), "rollout.vllm.kv_cache_gib"))
     return vllm, 0 if (run.on_gpu and run.vllm_sleeps) else vllm
 
 

@@ -258,6 +258,65 @@ def test_old_flat_rollout_keys_in_yaml_work_and_are_announced_once(fresh_announc
     assert capsys.readouterr().err == ""
 
 
+def test_each_engines_old_flat_keys_move_to_its_section_announced_once_and_refused_twice(
+    fresh_announcements, capsys, tmp_path
+):
+    """rollout.kv_cache_gib and the other vLLM-only keys now live in rollout.vllm, rollout.hf_max_batch_sequences in
+    rollout.hf: the old keys still work, on the command line and in YAML, each announced once with its new name; given
+    both ways with two values, refused in one line."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from lit_ppo.config import RunConfig, moved_overrides
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import CONF
+
+    assert moved_overrides(["rollout.kv_cache_gib=2", "rollout.hf_max_batch_sequences=4", "seed=1"]) == [
+        "rollout.vllm.kv_cache_gib=2",
+        "rollout.hf.max_batch_sequences=4",
+        "seed=1",
+    ]
+    with pytest.raises(ConfigError) as refused:
+        moved_overrides(["rollout.enforce_eager=false", "rollout.vllm.enforce_eager=true"])
+    assert str(refused.value) == (
+        "rollout.enforce_eager=false and rollout.vllm.enforce_eager=true give rollout.vllm.enforce_eager two values "
+        "(rollout.enforce_eager is its old key); fix: give it once, as rollout.vllm.enforce_eager=<value>"
+    )
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "old_engine_keys.yaml").write_text(
+        "# @package _global_\nrollout:\n  gpu_memory_utilization: 0.6\n  sleep_between_steps: false\n"
+        "  hf_max_batch_sequences: 16\n"
+    )
+    (conf / "experiment" / "both_engine_keys.yaml").write_text(
+        "# @package _global_\nrollout:\n  kv_cache_gib: 3\n  vllm:\n    kv_cache_gib: 2\n"
+    )
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=old_engine_keys"])
+        both = compose(config_name="config", overrides=["+experiment=both_engine_keys"])
+    rollout = RunConfig.from_hydra(cfg).rollout
+    assert (rollout.vllm.gpu_memory_utilization, rollout.vllm.sleep_between_steps) == (0.6, False)
+    assert rollout.vllm.kv_cache_gib == 1 and rollout.hf.max_batch_sequences == 16
+    RunConfig.from_hydra(cfg)  # parsed again: not announced again
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: rollout.{old} moved to rollout.{new}; the old key works for this release only (fix: write "
+        f"rollout.{new})"
+        for old, new in (
+            ("kv_cache_gib", "vllm.kv_cache_gib"),
+            ("hf_max_batch_sequences", "hf.max_batch_sequences"),
+            ("enforce_eager", "vllm.enforce_eager"),
+            ("gpu_memory_utilization", "vllm.gpu_memory_utilization"),
+            ("sleep_between_steps", "vllm.sleep_between_steps"),
+        )
+    ]
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_hydra(both)
+    assert str(refused.value) == (
+        "rollout.kv_cache_gib=3 and rollout.vllm.kv_cache_gib=2 are both set; fix: keep only rollout.vllm.kv_cache_gib"
+    )
+
+
 def test_the_new_nested_rollout_keys_work(fresh_announcements, capsys):
     from tests.helpers import compose_run_config
 

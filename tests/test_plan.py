@@ -429,7 +429,12 @@ def test_cli_old_flat_rollout_keys_still_plan_and_are_announced_once(tmp_path):
     """`rollout.worker_launch=...` of the last release: train.py writes it as rollout.workers.launch and says so in
     one line; the plan is the one of the new keys."""
     out = tmp_path / "run"
-    old = ("rollout.mode=disaggregated", "rollout.worker_launch=external", "rollout.trainer_host=node7")
+    old = (
+        "rollout.mode=disaggregated",
+        "rollout.worker_launch=external",
+        "rollout.trainer_host=node7",
+        "rollout.kv_cache_gib=2",  # an engine's own setting, now in its section (rollout.vllm)
+    )
     proc = train_py(tmp_path, "mode=plan", *old, f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     moved = [line for line in proc.stderr.splitlines() if " moved to " in line]
@@ -438,9 +443,13 @@ def test_cli_old_flat_rollout_keys_still_plan_and_are_announced_once(tmp_path):
         "(fix: write rollout.workers.launch)",
         "warning: rollout.trainer_host moved to rollout.workers.trainer_host; the old key works for this release only "
         "(fix: write rollout.workers.trainer_host)",
+        "warning: rollout.kv_cache_gib moved to rollout.vllm.kv_cache_gib; the old key works for this release only "
+        "(fix: write rollout.vllm.kv_cache_gib)",
     ]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["workers"]["launch"] == "external" and plan["workers"]["address"] == "node7:29600"
+    (kv,) = [row for row in plan["memory"]["worker_rows"] if row["what"] == "vLLM KV cache (CPU)"]
+    assert kv["bytes"] == 2 * 2**30 and kv["how"] == "rollout.vllm.kv_cache_gib"
 
 
 def test_cli_an_old_rollout_key_and_its_new_key_with_two_values_stop_in_one_line(tmp_path):
@@ -631,13 +640,13 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
 
     import yaml
 
-    from lit_ppo.config import MOVED_KEYS
+    from lit_ppo.config import MOVED_KEYS, MOVED_SECTIONS
     from lit_ppo.resume import check_run_directory
     from tests.helpers.resume import write_checkpoint
 
     def written_by_the_last_release(config) -> dict:
         values = config.to_dict()
-        rollout = {k: v for k, v in values["rollout"].items() if k not in ("episodes", "workers")}
+        rollout = {k: v for k, v in values["rollout"].items() if k not in MOVED_SECTIONS}
         for old, new in MOVED_KEYS.items():
             section, name = new.split(".")[1:]
             rollout[old.split(".")[1]] = values["rollout"][section][name]
@@ -647,6 +656,7 @@ def test_a_run_directory_of_the_last_release_resumes_under_the_nested_rollout_ke
     write_checkpoint(tmp_path / "checkpoints" / "rollout_step_000002.ckpt")
     saved = written_by_the_last_release(config)
     assert "worker_launch" in saved["rollout"] and "episodes" not in saved["rollout"]
+    assert "kv_cache_gib" in saved["rollout"] and "vllm" not in saved["rollout"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     check_run_directory(config, tmp_path)
     assert " moved to " not in capsys.readouterr().err
@@ -680,7 +690,7 @@ GOLDEN_CASES = {
     "dapo_ddp": ["ppo=dapo", "strategy=ddp", "strategy.devices=2"],
     "dapo_disaggregated": ["ppo=dapo", "rollout.mode=disaggregated"],
     "packing_off_token_budget": ["ppo.packing=false", "ppo.micro_train_max_tokens=256"],
-    "hf_engine_top_p": ["rollout.engine=hf", "rollout.kv_cache_gib=2", "rollout.top_p=0.9"],
+    "hf_engine_top_p": ["rollout.engine=hf", "rollout.vllm.kv_cache_gib=2", "rollout.top_p=0.9"],
 }
 
 

@@ -11,7 +11,8 @@ dicts. The dataclasses' defaults equal the default YAML files in conf/ (tests/te
 (lit_ppo/plan/) turns a `RunConfig` into the step plan; this package imports nothing of the plan.
 
 The modules, each section's dataclass beside its checks: parse.py (reading a section, `positive`), ppo.py, rollout.py
-with its sub-sections episodes.py and workers.py (`rollout.workers.launch` is checked there alone), model.py, data.py,
+with its sub-sections episodes.py, workers.py (`rollout.workers.launch` is checked there alone) and each engine's own
+settings (vllm.py, hf.py: `rollout.vllm`, `rollout.hf`, the sections the engine registry's rows name), model.py, data.py,
 reward.py, distill.py (`model.teacher`, `ppo.distill`), strategy.py, trainer.py (and `logger`), root.py (`RunConfig`, the checks between sections, the keys of the
 last release moved to their new places), prompt_files.py (a prompt file's records counted for `mode=plan`). Importers
 take every name from `lit_ppo.config`; the modules import each other, never this package.
@@ -30,6 +31,7 @@ from lit_ppo.config.distill import (
     validate_distill,
 )
 from lit_ppo.config.episodes import EpisodesConfig, validate_episodes
+from lit_ppo.config.hf import HFConfig
 from lit_ppo.config.model import (
     ATTN_IMPLEMENTATIONS,
     LORA_INITS,
@@ -48,12 +50,11 @@ from lit_ppo.config.rollout import (
     ROLLOUT_ENGINES,
     ROLLOUT_MODES,
     SAMPLING_TEMPERATURES,
-    VLLM_ONLY_SETTINGS,
     RolloutConfig,
+    other_engines_settings_set,
     validate_rollout,
     validate_rollout_engine,
     validate_rollout_mode,
-    vllm_only_settings_set,
 )
 from lit_ppo.config.root import (
     MODES,
@@ -67,6 +68,7 @@ from lit_ppo.config.root import (
 )
 from lit_ppo.config.strategy import StrategyConfig
 from lit_ppo.config.trainer import LoggerConfig, TrainerConfig
+from lit_ppo.config.vllm import VLLMConfig
 from lit_ppo.config.workers import (
     LOOPBACK_HOSTS,
     WORKER_LAUNCHES,
@@ -84,6 +86,7 @@ __all__ = [
     "DistillConfig",
     "DynamicSamplingConfig",
     "EpisodesConfig",
+    "HFConfig",
     "LOOPBACK_HOSTS",
     "LORA_INITS",
     "LoggerConfig",
@@ -110,7 +113,7 @@ __all__ = [
     "TinyModelConfig",
     "TrainerConfig",
     "VLLM_LORA_RANKS",
-    "VLLM_ONLY_SETTINGS",
+    "VLLMConfig",
     "WORKER_LAUNCHES",
     "WarmStartConfig",
     "WorkersConfig",
@@ -125,6 +128,7 @@ __all__ = [
     "move_keys",
     "moved_override",
     "moved_overrides",
+    "other_engines_settings_set",
     "parse_section",
     "planned_dataset_size",
     "positive",
@@ -139,5 +143,4 @@ __all__ = [
     "validate_rollout_engine",
     "validate_rollout_mode",
     "validate_workers",
-    "vllm_only_settings_set",
 ]

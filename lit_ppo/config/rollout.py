@@ -1,6 +1,7 @@
 """The `rollout` section: the engine, sampling and lengths, the mode (`RolloutConfig`, with its sub-sections
-`rollout.episodes`, lit_ppo/config/episodes.py, and `rollout.workers`, lit_ppo/config/workers.py), its checks
-(`validate_rollout`), and the rollout's checks against the strategy and the PPO settings."""
+`rollout.episodes`, lit_ppo/config/episodes.py, `rollout.workers`, lit_ppo/config/workers.py, and each engine's own
+settings, `rollout.vllm` and `rollout.hf`, lit_ppo/config/vllm.py and hf.py), its checks (`validate_rollout`), and the
+rollout's checks against the strategy and the PPO settings."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from lit_ppo.config.episodes import EpisodesConfig
-from lit_ppo.config.parse import limit_seconds, positive
+from lit_ppo.config.hf import HFConfig
+from lit_ppo.config.parse import limit_seconds
 from lit_ppo.config.partial import PartialConfig
 from lit_ppo.config.ppo import PPOConfig
 from lit_ppo.config.strategy import StrategyConfig
+from lit_ppo.config.vllm import VLLMConfig
 from lit_ppo.config.workers import WorkersConfig
 from lit_ppo.config_fields import above, at_least, within
 from lit_ppo.engine_registry import ENGINES
@@ -27,18 +30,11 @@ ROLLOUT_ENGINES = tuple(ENGINES)  # rollout.engine: the engine registry's (lit_p
 ROLLOUT_MODES = ("colocated", "disaggregated")  # rollout.mode
 
 
-VLLM_ONLY_SETTINGS = ("gpu_memory_utilization", "kv_cache_gib", "enforce_eager", "sleep_between_steps")
-"""rollout.* settings of the vLLM engine alone: rollout.engine=hf runs without them, and the plan names any that a run
-set (`vllm_only_settings_set`)."""
-
-
 @dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "vllm"
     """vllm: a vLLM engine in this process, the actor's weights synced into it after each rollout step; hf: the actor
     itself generates through Hugging Face generate (lit_ppo/rollout/hf_engine.py: no vLLM, no copy, no sync; not with FSDP)."""
-    hf_max_batch_sequences: int | None = None
-    """With engine=hf: sequences per generate call at most (a batch's KV cache and logits); null: a call's all."""
     max_response_tokens: int = field(default=8, metadata=at_least(1, "vLLM generates at least one token"))
     """Tokens generated per response at most."""
     temperature: float = field(default=1.0, metadata=within(0.01, 2, why=SAMPLING_TEMPERATURES))
@@ -51,13 +47,8 @@ class RolloutConfig:
     on the tiny model: ~1e-7 in float32, ~1e-3 in bf16; null disables."""
     dtype: str | None = None
     """vLLM's dtype; None: bfloat16 when strategy.precision computes in bf16, else float32 (`StepPlan.models.rollout_dtype`)."""
-    gpu_memory_utilization: float = field(default=0.3, metadata=within(0, 1, low_open=True))
-    kv_cache_gib: float = field(default=1, metadata=above(0))
     max_model_len: int = field(default=128, metadata=at_least(2))
     tensor_parallel_size: int = field(default=1, metadata=at_least(1))
-    enforce_eager: bool = True
-    sleep_between_steps: bool = True
-    """Free vLLM's memory while training (GPU only)."""
     eval_samples_per_prompt: int = field(default=4, metadata=at_least(1))
     """k of pass@k in evaluation."""
     eval_temperature: float = field(default=1.0, metadata=within(0.01, 2, why=SAMPLING_TEMPERATURES))
@@ -84,9 +75,19 @@ class RolloutConfig:
     """With mode=disaggregated, the rollout workers (`rollout.workers.*`): how many, where, their timeouts."""
     partial: PartialConfig = field(default_factory=PartialConfig)
     """Partial rollouts (`rollout.partial.*`, docs/async.md): responses cut every step_tokens, carried across steps."""
+    # Each engine's own settings, in the section its registry row names (`Engine.section`, lit_ppo/engine_registry.py).
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """rollout.engine=vllm's own settings (`rollout.vllm.*`): its GPU share, CPU KV cache, eager mode, sleep."""
+    hf: HFConfig = field(default_factory=HFConfig)
+    """rollout.engine=hf's own settings (`rollout.hf.*`): sequences per generate call."""
 
     def __post_init__(self) -> None:
         validate_rollout(self)
+
+    def engine_settings(self):
+        """The section of this run's engine (`rollout.<Engine.section>`): the only engine section code outside config
+        and plan reads (tests/test_engine_registry.py)."""
+        return getattr(self, ENGINES[self.engine].section)
 
     def staleness(self) -> int:
         """k resolved: `max_staleness`, or its default for the mode (1 disaggregated, 0 colocated)."""
@@ -117,8 +118,6 @@ def validate_rollout(rollout: RolloutConfig) -> None:
     their own dataclasses; the others where they are used)."""
     if rollout.engine not in ROLLOUT_ENGINES:
         raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; fix: use one of {', '.join(ROLLOUT_ENGINES)}")
-    if rollout.hf_max_batch_sequences is not None:
-        positive("rollout", hf_max_batch_sequences=rollout.hf_max_batch_sequences)
     limit_seconds("rollout.engine_start_timeout_s", rollout.engine_start_timeout_s)
     if rollout.mode not in ROLLOUT_MODES:
         raise ConfigError(f"rollout.mode={rollout.mode!r} is unknown; fix: use one of {', '.join(ROLLOUT_MODES)}")
@@ -137,14 +136,21 @@ def validate_rollout(rollout: RolloutConfig) -> None:
         )
 
 
-def vllm_only_settings_set(rollout: RolloutConfig) -> list[str]:
-    """`key=value` of each vLLM-only setting (VLLM_ONLY_SETTINGS) that differs from its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
-    return [
-        f"rollout.{name}={getattr(rollout, name)}"
-        for name in VLLM_ONLY_SETTINGS
-        if getattr(rollout, name) != defaults[name]
-    ]
+def other_engines_settings_set(rollout: RolloutConfig) -> dict[str, list[str]]:
+    """The settings of each engine but the run's (rollout.engine) set away from their defaults: that engine's label ->
+    `rollout.<section>.<name>=value` of each (e.g. an experiment written for vLLM, run with rollout.engine=hf)."""
+    found = {}
+    for name, engine in ENGINES.items():
+        section = getattr(rollout, engine.section)
+        defaults = type(section)()
+        given = [
+            f"rollout.{engine.section}.{f.name}={getattr(section, f.name)}"
+            for f in dataclasses.fields(section)
+            if getattr(section, f.name) != getattr(defaults, f.name)
+        ]
+        if name != rollout.engine and given:
+            found[engine.label] = given
+    return found
 
 
 def validate_rollout_engine(rollout: RolloutConfig, strategy: StrategyConfig) -> None:

@@ -12,6 +12,7 @@ from typing import Collection, Mapping
 from lit_ppo.config.data import DataConfig
 from lit_ppo.config.distill import validate_distill
 from lit_ppo.config.episodes import EpisodesConfig
+from lit_ppo.config.hf import HFConfig
 from lit_ppo.config.model import ModelConfig
 from lit_ppo.config.parse import parse_section
 from lit_ppo.config.partial import validate_partial_in_run
@@ -20,6 +21,7 @@ from lit_ppo.config.reward import RewardConfig, check_overlong_buffer
 from lit_ppo.config.rollout import RolloutConfig, validate_rollout_engine, validate_rollout_mode
 from lit_ppo.config.strategy import StrategyConfig, validate_context_parallel
 from lit_ppo.config.trainer import LoggerConfig, TrainerConfig
+from lit_ppo.config.vllm import VLLMConfig
 from lit_ppo.config.workers import WorkersConfig, check_worker_waits_fit_collectives, validate_launch_in_run
 from lit_ppo.errors import ConfigError
 
@@ -106,7 +108,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# The rollout keys that moved into rollout.episodes and rollout.workers: old key -> new key. For one release the old
+# The rollout keys that moved into rollout.episodes, rollout.workers and each engine's own section (rollout.vllm,
+# rollout.hf): old key -> new key. For one release the old
 # keys still work, on the command line (train.py: `moved_override`) and in YAML (`RunConfig.from_hydra`:
 # `move_keys`), each announced in one line.
 MOVED_KEYS = {
@@ -127,8 +130,13 @@ MOVED_KEYS = {
     "rollout.batch_timeout_s": "rollout.workers.batch_timeout_s",
     "rollout.weight_push_timeout_s": "rollout.workers.weight_push_timeout_s",
     "rollout.weight_push_bucket_mib": "rollout.workers.weight_push_bucket_mib",
+    "rollout.gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+    "rollout.kv_cache_gib": "rollout.vllm.kv_cache_gib",
+    "rollout.enforce_eager": "rollout.vllm.enforce_eager",
+    "rollout.sleep_between_steps": "rollout.vllm.sleep_between_steps",
+    "rollout.hf_max_batch_sequences": "rollout.hf.max_batch_sequences",
 }
-MOVED_SECTIONS = {"episodes": EpisodesConfig, "workers": WorkersConfig}
+MOVED_SECTIONS = {"episodes": EpisodesConfig, "workers": WorkersConfig, "vllm": VLLMConfig, "hf": HFConfig}
 _announced: set[str] = set()  # the moved keys already announced in this process
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lit_ppo.config import RunConfig, vllm_only_settings_set
+from lit_ppo.config import RunConfig, other_engines_settings_set
 from lit_ppo.plan.counts import Counts
 from lit_ppo.plan.dynamic_sampling import DynamicSamplingPlan
 from lit_ppo.plan.models import ModelsPlan
@@ -46,9 +46,11 @@ def plan_notes(
             "recomputed with the weights each step starts from and ppo.rollout_correction="
             f"{ppo.rollout_correction.mode} weights the tokens by old / behaviour (vLLM's) probability (docs/async.md)"
         )
-    unused = vllm_only_settings_set(rollout) if rollout.engine == "hf" else []
-    if unused:  # e.g. an experiment written for vLLM, run with rollout.engine=hf: said, not silently dropped
-        notes.append(f"rollout.engine=hf does not use the vLLM setting(s) {', '.join(unused)}")
+    # e.g. an experiment written for vLLM, run with rollout.engine=hf: said, not silently dropped
+    for label, unused in other_engines_settings_set(rollout).items():
+        notes.append(
+            f"rollout.engine={rollout.engine} does not use the {label.removeprefix('the ')} setting(s) {', '.join(unused)}"
+        )
     return notes
 
 

@@ -327,38 +327,35 @@ def start_colocated(datamodule, actor=None) -> VLLMEngine:
         )
     return start_within(
         lambda: VLLMEngine(
-            datamodule.model_dir,
-            dtype=rollout.dtype or plan.models.rollout_dtype,
-            max_model_len=rollout.max_model_len,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            kv_cache_gib=rollout.kv_cache_gib,
-            seed=datamodule.seed,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            enforce_eager=rollout.enforce_eager,
+            **engine_keywords(datamodule, plan),
             distributed=datamodule.topology.distributed,
-            enable_sleep_mode=rollout.sleep_between_steps and torch.cuda.is_available(),
-            max_lora_rank=(plan.lora.vllm_max_lora_rank if plan.lora else None),
+            enable_sleep_mode=rollout.vllm.sleep_between_steps and torch.cuda.is_available(),
         ),
         rollout.engine_start_timeout_s,
     )
 
 
-def worker_settings(datamodule, plan) -> dict:
-    """`VLLMEngine`'s keywords in a rollout worker (or a vLLM server: `server_settings.server_arguments`), from the run's
-    rollout settings."""
-    r = datamodule.rollout
+def engine_keywords(datamodule, plan) -> dict:
+    """`VLLMEngine`'s keywords from the run's rollout settings (the shared ones and the `rollout.vllm` section), as the
+    trainer's own engine, a rollout worker's and a vLLM server (`server_settings.server_arguments`) all take them."""
+    rollout = datamodule.rollout
     return dict(
         model_dir=datamodule.model_dir,
-        dtype=r.dtype or plan.models.rollout_dtype,
-        max_model_len=r.max_model_len,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        kv_cache_gib=r.kv_cache_gib,
+        dtype=rollout.dtype or plan.models.rollout_dtype,
+        max_model_len=rollout.max_model_len,
+        gpu_memory_utilization=rollout.vllm.gpu_memory_utilization,
+        kv_cache_gib=rollout.vllm.kv_cache_gib,
         seed=datamodule.seed,
-        tensor_parallel_size=r.tensor_parallel_size,
-        enforce_eager=r.enforce_eager,
+        tensor_parallel_size=rollout.tensor_parallel_size,
+        enforce_eager=rollout.vllm.enforce_eager,
         max_lora_rank=plan.lora.vllm_max_lora_rank if plan.lora else None,  # model.lora: the base, then adapters pushed
-        weight_transfer=True,  # pushes through vLLM's weight-transfer interface (rollout/weight_transfer/backend.py)
     )
+
+
+def worker_settings(datamodule, plan) -> dict:
+    """`VLLMEngine`'s keywords in a rollout worker (or a vLLM server): `engine_keywords`, pushes received through
+    vLLM's weight-transfer interface."""
+    return {**engine_keywords(datamodule, plan), "weight_transfer": True}  # (rollout/weight_transfer/backend.py)
 
 
 def start_in_worker(settings: dict) -> VLLMEngine:

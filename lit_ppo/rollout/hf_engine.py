@@ -395,18 +395,18 @@ def start_on_actor(datamodule, actor) -> HFEngine:
         datamodule.tokenizer,
         precision=datamodule.plan.models.precision,
         seed=datamodule.seed,
-        max_batch_sequences=datamodule.rollout.hf_max_batch_sequences,
+        max_batch_sequences=datamodule.rollout.hf.max_batch_sequences,
     )
 
 
 def worker_settings(datamodule, plan) -> dict:
     """`HFEngine.from_model_dir`'s keywords in a rollout worker: the model as the trainer loads its actor (precision,
-    attention, a LoRA base's dtype), the run's seed and rollout.hf_max_batch_sequences."""
+    attention, a LoRA base's dtype), the run's seed and rollout.hf.max_batch_sequences."""
     return dict(
         model_dir=datamodule.model_dir,
         precision=plan.models.precision,
         seed=datamodule.seed,
-        max_batch_sequences=datamodule.rollout.hf_max_batch_sequences,
+        max_batch_sequences=datamodule.rollout.hf.max_batch_sequences,
         lora=plan.lora is not None,
         attn_implementation=datamodule.attn_implementation,
     )

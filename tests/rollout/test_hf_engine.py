@@ -303,11 +303,16 @@ def test_the_plan_names_the_engine():
 
 
 def test_the_plan_names_vllm_settings_the_hf_engine_does_not_use():
-    """An experiment written for vLLM run with rollout.engine=hf: its vLLM-only settings are named, not dropped silently."""
+    """An experiment written for vLLM run with rollout.engine=hf: its rollout.vllm settings are named, not dropped
+    silently; and the other way round, a rollout.hf setting of a vLLM run."""
     plan = compute_plan(compose_run_config("+experiment=qwen1.5b", "rollout.engine=hf"), 1000)
     (note,) = [n for n in plan.notes if "does not use" in n]
-    assert "rollout.gpu_memory_utilization=" in note
+    assert note == "rollout.engine=hf does not use the vLLM setting(s) rollout.vllm.gpu_memory_utilization=0.6"
     assert not any("does not use" in n for n in compute_plan(compose_run_config("rollout.engine=hf"), 1000).notes)
+    plan = compute_plan(compose_run_config("rollout.hf.max_batch_sequences=4", "rollout.vllm.kv_cache_gib=2"), 1000)
+    assert [n for n in plan.notes if "does not use" in n] == [
+        "rollout.engine=vllm does not use the HF engine setting(s) rollout.hf.max_batch_sequences=4"
+    ]
 
 
 @pytest.mark.slow  # two full runs (one of two ranks); DDP is in make test with vLLM (tests/end_to_end/test_ddp.py)

@@ -47,7 +47,7 @@ def server_variables(kv_cache_gib: float) -> dict[str, str]:
     """The variables a rollout worker's server needs in its environment beside the trainer's."""
     return dict(
         VLLM_SERVER_DEV_MODE="1",  # the RL routes: pause, resume, the weight transfer, the weight version, /server_info
-        VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),  # CPU: the KV cache's GiB (rollout.kv_cache_gib)
+        VLLM_CPU_KVCACHE_SPACE=str(max(1, int(kv_cache_gib))),  # CPU: the KV cache's GiB (rollout.vllm.kv_cache_gib)
         TOKENIZERS_PARALLELISM="false",
     )
 
