@@ -93,7 +93,9 @@ class RankTopology:
     @classmethod
     def of(cls, trainer, context_parallel_size: int = 1) -> RankTopology:
         """The topology of a Lightning trainer's strategy, which numbered its ranks when the trainer was built (from
-        the launcher's environment and strategy.devices x strategy.num_nodes), before its process group exists."""
+        the launcher's environment and strategy.devices x strategy.num_nodes), before its process group exists. (A
+        strategy that starts its ranks as this process's children numbers them only after: refused before, by
+        lit_ppo/run/preflight.py:check_launcher and build_run.)"""
         return cls(
             rank=trainer.global_rank,
             world_size=trainer.world_size,

@@ -22,6 +22,7 @@ from lit_ppo.rewards.scorer import RewardScorer
 from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.prompts import PromptSet, load_prompts
 from lit_ppo.rollout.schedule import source_for
+from lit_ppo.run.preflight import CHILD_START_METHODS, refuse_child_launcher
 from lit_ppo.run.report import write_metrics_csv
 from lit_ppo.topology import RankTopology
 from lit_ppo.training.module import PPOModule
@@ -145,6 +146,11 @@ def build_run(
         plugins=[CheckpointFile()],  # written beside its final name, not staged in $TMPDIR
         **TRAINER_FLAGS,
     )
+    # Lightning's own choice (strategy.lightning null: "auto", ddp_notebook in a notebook) may start the ranks as this
+    # process's children too, which the pre-flight could not see (`preflight.check_launcher`).
+    method = getattr(trainer.strategy.launcher, "_start_method", None)
+    if method in CHILD_START_METHODS:
+        refuse_child_launcher(method)
     # Once per run, from the strategy's ranks (numbered as the trainer was built): the module, the data module and the
     # callbacks (through the module) read who this process is from it; the data module's setup checks it.
     module.topology = datamodule.topology = RankTopology.of(trainer)

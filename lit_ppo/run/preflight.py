@@ -357,3 +357,36 @@ def check_strategy(name: str, devices: int, num_nodes: int) -> None:
             f"{devices * num_nodes} ranks; fix: strategy=ddp strategy.devices={devices}{nodes} (or strategy=fsdp), "
             "or strategy.devices=1"
         )
+
+
+CHILD_START_METHODS = ("spawn", "fork", "forkserver")
+"""Lightning start methods that run the ranks as child processes of this one (ddp_spawn, ddp_fork, ddp_notebook)."""
+
+
+def check_launcher(lightning: dict | None) -> None:
+    """A Lightning strategy whose ranks are child processes of this one (`start_method` spawn, fork or forkserver,
+    given in strategy.lightning or its class's default): rank 0's training, evaluations and history stay in its child,
+    while this process, which did not train, writes the run's summary and outputs (measured: a fork run of 2 CPU ranks
+    trained and wrote `rollout_steps: 0`); spawn's pickling of the run fails before any rank starts. Lightning's
+    default (popen: every rank a copy of the command, as torchrun and srun start them) runs `train` on every rank."""
+    if not lightning or not lightning.get("_target_"):
+        return
+    method = lightning.get("start_method")
+    if method is None:
+        import inspect
+
+        import hydra
+
+        parameter = inspect.signature(hydra.utils.get_class(lightning["_target_"])).parameters.get("start_method")
+        method = parameter.default if parameter is not None else None
+    if method in CHILD_START_METHODS:
+        refuse_child_launcher(method)
+
+
+def refuse_child_launcher(method: str) -> None:
+    raise ConfigError(
+        f"strategy.lightning.start_method={method} runs the ranks as child processes of this one, which would write "
+        "the run's outputs without their training (rank 0's history and evaluations stay in its child); fix: "
+        "strategy.lightning.start_method=popen (Lightning's default: each rank a copy of the command), or start the "
+        "ranks with torchrun or srun"
+    )

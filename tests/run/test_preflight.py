@@ -584,6 +584,64 @@ def test_several_devices_under_strategy_single_are_refused_before_any_model_load
         assert run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ok)) is None
 
 
+class SpawningDDP:
+    """A strategy class whose own default starts the ranks as child processes (as Lightning's ddp_spawn does)."""
+
+    def __init__(self, start_method: str = "spawn", find_unused_parameters: bool = False):
+        pass
+
+
+@pytest.mark.parametrize(
+    "given, method",
+    [
+        (["+strategy.lightning.start_method=spawn"], "spawn"),
+        (["+strategy.lightning.start_method=fork"], "fork"),
+        (["+strategy.lightning.start_method=forkserver"], "forkserver"),
+        ([f"strategy.lightning._target_={__name__}.SpawningDDP"], "spawn"),  # the class's default
+    ],
+)
+def test_a_strategy_that_starts_the_ranks_as_child_processes_is_refused_before_any_model_loads(tmp_path, given, method):
+    """`strategy.lightning.start_method=spawn` (or fork, forkserver: Lightning's ddp_spawn, ddp_fork, ddp_notebook):
+    every child used to keep the topology's rank 0 (built before the launch) and the setup check stopped ranks > 0
+    blaming torchrun's variables; with the topology rebuilt, a fork run of 2 CPU ranks trained and this process wrote
+    `rollout_steps: 0` (rank 0's history stayed in its child), and spawn failed to start the ranks at all. Refused in
+    one line, in mode=plan too; Lightning's default start method (popen) plans."""
+    ddp = ["strategy=ddp", "strategy.accelerator=cpu", "strategy.devices=2", "ppo.micro_train_batch_size=16"]
+    with pytest.raises(ConfigError) as refused:
+        run_module.main(compose_config("mode=plan", f"output_dir={tmp_path / 'plan'}", *ddp, *given))
+    assert str(refused.value) == (
+        f"strategy.lightning.start_method={method} runs the ranks as child processes of this one, which would write "
+        "the run's outputs without their training (rank 0's history and evaluations stay in its child); fix: "
+        "strategy.lightning.start_method=popen (Lightning's default: each rank a copy of the command), or start the "
+        "ranks with torchrun or srun"
+    )
+    assert not (tmp_path / "plan" / "plan.json").exists()
+    ok = compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ddp, "+strategy.lightning.start_method=popen")
+    assert run_module.main(ok) is None
+
+
+def test_lightnings_own_choice_of_child_processes_is_refused_when_the_trainer_is_built(tiny_model_dir, tmp_path):
+    """strategy.lightning null leaves the strategy to Lightning ("auto": ddp_notebook, forked ranks, in a notebook):
+    build_run refuses a launcher that starts the ranks as child processes before fit, as the pre-flight does."""
+    from unittest import mock
+
+    import lightning as L
+
+    from lit_ppo.run.build import build_run_on_files
+
+    built = L.Trainer.__init__
+
+    def in_a_notebook(self, *args, **kwargs):
+        built(self, *args, **{**kwargs, "strategy": "ddp_fork", "devices": 2})
+
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(64)))
+    config = compose_run_config("strategy.accelerator=cpu", f"output_dir={tmp_path}")
+    with mock.patch.object(L.Trainer, "__init__", in_a_notebook), pytest.raises(ConfigError) as refused:
+        build_run_on_files(config, tiny_model_dir, (prompts, None), scorer=None, output_dir=tmp_path)
+    assert str(refused.value).startswith("strategy.lightning.start_method=fork runs the ranks as child processes")
+
+
 def test_a_reward_bound_by_keyword_before_its_positional_parameters_is_checked_as_functools_partial_calls_it():
     """`reward.fn.prompts=...` with `_partial_: true` on `f(prompts, completions, answer)`: partial makes prompts and
     every parameter after it keyword-only. The check raised a raw `ValueError: wrong parameter order` instead of
