@@ -149,11 +149,6 @@ class RankTopology:
         """The rank that writes the run's files (metrics, checkpoints, summary) and speaks for the others."""
         return self.rank == DRIVER_RANK
 
-    @property
-    def drives_rollout_workers(self) -> bool:
-        """The rank that holds the rollout workers' client (under data parallelism the others receive from it)."""
-        return self.rank == DRIVER_RANK
-
     def export_launcher_environment(self) -> None:
         """RANK, LOCAL_RANK and WORLD_SIZE in this process's environment as torchrun would set them: what vLLM's
         external_launcher backend reads to join the process group the trainer set up."""

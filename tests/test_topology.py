@@ -97,7 +97,7 @@ def test_one_process():
     one = RankTopology()
     assert (one.rank, one.world_size, one.data_parallel_rank, one.data_parallel_size) == (0, 1, 0, 1)
     assert (one.context_parallel_rank, one.context_parallel_size) == (0, 1)
-    assert one.is_rank_zero and one.drives_rollout_workers and not one.distributed
+    assert one.is_rank_zero and not one.distributed
     assert one.data_parallel_group is None and one.context_parallel_group is None
     one.check(1)  # no process group: nothing to disagree with
 
@@ -118,7 +118,7 @@ def test_built_from_the_trainers_strategy():
     trainer = SimpleNamespace(global_rank=3, world_size=4, local_rank=1, node_rank=1)
     top = RankTopology.of(trainer)
     assert (top.rank, top.world_size, top.local_rank, top.node_rank, top.data_parallel_rank) == (3, 4, 1, 1, 3)
-    assert not top.is_rank_zero and not top.drives_rollout_workers and top.distributed
+    assert not top.is_rank_zero and top.distributed
 
 
 def test_a_lightning_trainer_numbers_its_ranks_from_the_launchers_environment(monkeypatch):

@@ -31,8 +31,6 @@ from lit_ppo.rollout.workers.messages import Hello, Stop
 from lit_ppo.topology import LAUNCHER_VARIABLES
 
 HEARTBEAT_S = 1.0  # how often an external worker adds to its heartbeat counter
-DIST_ENV = LAUNCHER_VARIABLES
-"""The launcher's rendezvous variables: a worker must not join the trainer's process group with them (vLLM would)."""
 
 Send = Callable[[int, Stop], None]
 
@@ -92,7 +90,7 @@ class SpawnedLaunch:
         return self.log_dir / f"rollout_worker{worker}.log"
 
     def _spawn(self, worker: int) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
         # The worker imports this checkout of lit_ppo, whatever is installed.
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
         devices = worker_devices(env, worker, self.devices_per_worker, self.trainer_devices)

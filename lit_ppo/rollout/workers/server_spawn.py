@@ -19,13 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-from lit_ppo.rollout.workers.launch import DIST_ENV, worker_devices
+from lit_ppo.rollout.workers.launch import worker_devices
 from lit_ppo.rollout.workers.server_http import Server
 from lit_ppo.rollout.workers.server_settings import server_arguments, server_variables, shell_line
+from lit_ppo.topology import LAUNCHER_VARIABLES
 
 log = logging.getLogger("lit_ppo")
 
-PLUGIN_ENTRY_POINT = "lit_ppo_gloo = lit_ppo.rollout.weight_transfer.backend:register"
+PLUGIN_NAME, PLUGIN_VALUE = "lit_ppo_gloo", "lit_ppo.rollout.weight_transfer.backend:register"
+PLUGIN_ENTRY_POINT = f"{PLUGIN_NAME} = {PLUGIN_VALUE}"
 """The vLLM general plugin that registers lit-ppo's weight-transfer backend in a server (pyproject.toml too)."""
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 
@@ -33,22 +35,24 @@ STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 def server_environment(kv_cache_gib: float) -> dict[str, str]:
     """What a server needs in its environment beside the trainer's (without the launcher's rendezvous variables,
     which vLLM would join)."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update(server_variables(kv_cache_gib))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the trainer's in-process setting; a server runs its own core
     return env
 
 
 def plugin_installed() -> bool:
-    """Whether the installed lit-ppo declares its vLLM plugin (pyproject.toml's entry point), so a server in this
-    environment registers `lit_ppo_gloo` with nothing more."""
-    return any(ep.name == "lit_ppo_gloo" for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
+    """Whether the installed lit-ppo declares its vLLM plugin as this checkout does (pyproject.toml's entry point, the
+    same value), so a server in this environment registers `lit_ppo_gloo` with nothing more. An install older than
+    the entry point, or than its module's move (its value names a module that is gone), is treated alike: the
+    server gets the entry point on its PYTHONPATH (`plugin_path`)."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(ep.name == PLUGIN_NAME and ep.value == PLUGIN_VALUE for ep in plugins)
 
 
 def plugin_path(root: Path) -> Path:
     """A folder to put on a spawned server's PYTHONPATH that declares the plugin (a `*.dist-info` with the entry
-    point: vLLM finds it with importlib.metadata), for where the installed lit-ppo does not (an install older than
-    the entry point)."""
+    point: vLLM finds it with importlib.metadata), for where the installed lit-ppo does not (`plugin_installed`)."""
     dist_info = root / "lit_ppo_vllm_plugin-0.0.0.dist-info"
     dist_info.mkdir(parents=True, exist_ok=True)
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: lit-ppo-vllm-plugin\nVersion: 0.0.0\n")

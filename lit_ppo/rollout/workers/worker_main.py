@@ -20,9 +20,9 @@ import traceback
 
 from lit_ppo.rollout.episodes import EpisodeRequest
 from lit_ppo.rollout.weight_transfer.transport import probe_mismatch, seconds_delta, take_key
-from lit_ppo.rollout.workers.launch import DIST_ENV, HEARTBEAT_S
+from lit_ppo.rollout.workers.launch import HEARTBEAT_S
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, Hello, InitWeightTransfer, Result, Stop, WorkerSpec
-from lit_ppo.topology import launched_worker_index
+from lit_ppo.topology import LAUNCHER_VARIABLES, launched_worker_index
 
 
 def _watch_parent(parent: int, stopping: threading.Event) -> None:
@@ -188,8 +188,8 @@ def worker_main(
 ) -> None:
     """One rollout worker: connect to the trainer's store at host:port, start the engine of its spec, then follow the
     worker's ordered commands. `external`: started by the user's launcher (not the trainer), on any node: it sends a
-    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (DIST_ENV) out of vLLM's
-    way. `workers`: None takes the trainer's rollout.workers."""
+    heartbeat instead of watching its parent, and leaves the launcher's rendezvous variables (LAUNCHER_VARIABLES) out
+    of vLLM's way. `workers`: None takes the trainer's rollout.workers."""
     # Every thread this worker starts watches `stopping` and is joined before the worker ends: a thread still inside
     # the store's or gloo's C++ code while the interpreter tears down aborts the process (`terminate called without an
     # active exception`, code -6), which its launcher takes for a crash.
@@ -201,7 +201,7 @@ def worker_main(
         threads[-1].start()
 
     if external:
-        for key in DIST_ENV:
+        for key in LAUNCHER_VARIABLES:
             os.environ.pop(key, None)
     else:
         start_thread(_watch_parent, os.getppid(), stopping)

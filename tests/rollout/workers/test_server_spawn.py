@@ -80,3 +80,43 @@ def test_a_spawned_servers_log_starts_with_its_whole_command_and_environment(tmp
     assert words[len(variables) :] == command
     assert variables["VLLM_SERVER_DEV_MODE"] == "1" and variables["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert all(env[k] == v for k, v in variables.items()) and "PYTHONPATH" in variables
+
+
+def test_a_stale_or_missing_plugin_entry_point_puts_the_current_one_on_a_spawned_servers_path(tmp_path, monkeypatch):
+    """An install made before the weight transfer moved declares `lit_ppo_gloo` with the old module's path (this
+    project's shared environment did, 2026-11-28): that entry point loads nothing, so it counts as missing and the
+    server gets the current one on its PYTHONPATH (`plugin_path`), as an install without the entry point does. Only
+    the current value (pyproject.toml's) is taken as installed."""
+    import importlib.metadata
+
+    from lit_ppo.rollout.workers import server_spawn
+
+    def declaring(*values):
+        points = [importlib.metadata.EntryPoint("lora_hf_hub_resolver", "vllm.plugins:x", "vllm.general_plugins")]
+        points += [importlib.metadata.EntryPoint("lit_ppo_gloo", v, "vllm.general_plugins") for v in values]
+        return lambda group: importlib.metadata.EntryPoints(points) if group == "vllm.general_plugins" else []
+
+    started = []
+
+    class Started:  # the process, not started
+        pid = 4242
+
+        def __init__(self, command, env, **_):
+            started.append(env)
+
+    monkeypatch.setattr(server_spawn.subprocess, "Popen", Started)
+    for values, installed in (
+        (["lit_ppo.rollout.workers.weight_transfer:register"], False),  # the old module, gone
+        ([], False),
+        ([server_spawn.PLUGIN_VALUE], True),
+    ):
+        monkeypatch.setattr(importlib.metadata, "entry_points", declaring(*values))
+        assert server_spawn.plugin_installed() is installed, values
+        log_dir = tmp_path / str(len(started))
+        log_dir.mkdir()
+        spawn_server(0, {**BY_HAND, "kv_cache_gib": 1}, 1, 1, "127.0.0.1", log_dir)
+        first = started[-1]["PYTHONPATH"].split(os.pathsep)[0]
+        assert (first == str(tmp_path / str(len(started) - 1) / "vllm_plugin")) is not installed
+    entry_points = tmp_path / "0" / "vllm_plugin" / "lit_ppo_vllm_plugin-0.0.0.dist-info" / "entry_points.txt"
+    assert entry_points.read_text() == f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}\n"
+    assert PLUGIN_ENTRY_POINT == "lit_ppo_gloo = lit_ppo.rollout.weight_transfer.backend:register"
