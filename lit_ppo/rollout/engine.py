@@ -16,6 +16,7 @@ import torch
 
 from lit_ppo.console import quiet_stderr
 from lit_ppo.contract import CountedTensors, GenerateRequest, Generation, WeightUpdate
+from lit_ppo.rollout.weight_transfer.plugin import warn_if_stale
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class VLLMEngine:
         weight_transfer: bool = False,
     ):
         configure_vllm_environment(kv_cache_gib)
+        warn_if_stale()  # an install whose plugin entry point names a module that moved: vLLM will log a traceback
         from vllm.platforms import current_platform
 
         kwargs = {}

@@ -7,4 +7,6 @@ nothing else of lit_ppo.rollout (tests/test_imports.py).
 - `backend.py`: lit-ppo's `lit_ppo_gloo` backend of vLLM's weight-transfer interface (`GlooTrainerWeightTransferEngine`,
   `GlooWeightTransferEngine`, `TensorSource`), registered with vLLM's factories (`register`).
 - `interface.py`: the interface's classes for a machine without vLLM (`rollout.engine=hf` workers).
+- `plugin.py`: the vLLM general plugin that registers the backend in every vLLM process (pyproject.toml's entry
+  point), and whether this environment's install declares it as this checkout does (`plugin_installed`).
 """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.metadata
 import logging
 import os
 import signal
@@ -19,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from lit_ppo.rollout.weight_transfer.plugin import PLUGIN_ENTRY_POINT, plugin_installed
 from lit_ppo.rollout.workers.launch import worker_devices
 from lit_ppo.rollout.workers.server_http import Server
 from lit_ppo.rollout.workers.server_settings import server_arguments, server_variables, shell_line
@@ -26,9 +26,6 @@ from lit_ppo.topology import LAUNCHER_VARIABLES
 
 log = logging.getLogger("lit_ppo")
 
-PLUGIN_NAME, PLUGIN_VALUE = "lit_ppo_gloo", "lit_ppo.rollout.weight_transfer.backend:register"
-PLUGIN_ENTRY_POINT = f"{PLUGIN_NAME} = {PLUGIN_VALUE}"
-"""The vLLM general plugin that registers lit-ppo's weight-transfer backend in a server (pyproject.toml too)."""
 STOP_TIMEOUT_S = 30.0  # a spawned server's SIGTERM, then SIGKILL
 
 
@@ -39,15 +36,6 @@ def server_environment(kv_cache_gib: float) -> dict[str, str]:
     env.update(server_variables(kv_cache_gib))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the trainer's in-process setting; a server runs its own core
     return env
-
-
-def plugin_installed() -> bool:
-    """Whether the installed lit-ppo declares its vLLM plugin as this checkout does (pyproject.toml's entry point, the
-    same value), so a server in this environment registers `lit_ppo_gloo` with nothing more. An install older than
-    the entry point, or than its module's move (its value names a module that is gone), is treated alike: the
-    server gets the entry point on its PYTHONPATH (`plugin_path`)."""
-    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
-    return any(ep.name == PLUGIN_NAME and ep.value == PLUGIN_VALUE for ep in plugins)
 
 
 def plugin_path(root: Path) -> Path:

@@ -89,6 +89,7 @@ def test_a_stale_or_missing_plugin_entry_point_puts_the_current_one_on_a_spawned
     the current value (pyproject.toml's) is taken as installed."""
     import importlib.metadata
 
+    from lit_ppo.rollout.weight_transfer import plugin
     from lit_ppo.rollout.workers import server_spawn
 
     def declaring(*values):
@@ -108,7 +109,7 @@ def test_a_stale_or_missing_plugin_entry_point_puts_the_current_one_on_a_spawned
     for values, installed in (
         (["lit_ppo.rollout.workers.weight_transfer:register"], False),  # the old module, gone
         ([], False),
-        ([server_spawn.PLUGIN_VALUE], True),
+        ([plugin.PLUGIN_VALUE], True),
     ):
         monkeypatch.setattr(importlib.metadata, "entry_points", declaring(*values))
         assert server_spawn.plugin_installed() is installed, values
@@ -120,3 +121,25 @@ def test_a_stale_or_missing_plugin_entry_point_puts_the_current_one_on_a_spawned
     entry_points = tmp_path / "0" / "vllm_plugin" / "lit_ppo_vllm_plugin-0.0.0.dist-info" / "entry_points.txt"
     assert entry_points.read_text() == f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}\n"
     assert PLUGIN_ENTRY_POINT == "lit_ppo_gloo = lit_ppo.rollout.weight_transfer.backend:register"
+
+
+def test_a_stale_plugin_entry_point_is_named_once_with_its_fix(monkeypatch, caplog):
+    """vLLM logs a traceback for an entry point it cannot load (every vLLM process of a stale install, the trainer's
+    own engine too): lit-ppo says once per process what it is and how to fix it; nothing for the current value."""
+    import importlib.metadata
+
+    from lit_ppo.rollout.weight_transfer import plugin
+
+    monkeypatch.setattr(plugin, "_warned", set())  # (this process's engines may have named the real one)
+    old = "lit_ppo.rollout.workers.weight_transfer:register"
+    for values in ([plugin.PLUGIN_VALUE], [old], [old]):
+        points = [importlib.metadata.EntryPoint("lit_ppo_gloo", v, "vllm.general_plugins") for v in values]
+        monkeypatch.setattr(
+            importlib.metadata, "entry_points", lambda group, p=points: importlib.metadata.EntryPoints(p)
+        )
+        plugin.warn_if_stale()
+    assert [r.getMessage() for r in caplog.records if r.name == "lit_ppo"] == [
+        f"this environment's lit-ppo declares its vLLM plugin as lit_ppo_gloo = {old}, a module that is gone (an "
+        "install older than lit_ppo/rollout/weight_transfer/); vLLM logs that it failed to load it; fix: reinstall "
+        "lit-ppo (pip install -e ., or make install)"
+    ]
