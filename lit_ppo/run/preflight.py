@@ -363,16 +363,18 @@ CHILD_START_METHODS = ("spawn", "fork", "forkserver")
 """Lightning start methods that run the ranks as child processes of this one (ddp_spawn, ddp_fork, ddp_notebook)."""
 
 
-def check_launcher(lightning: dict | None) -> None:
+def check_launcher(lightning: dict | None, class_default: bool = True) -> None:
     """A Lightning strategy whose ranks are child processes of this one (`start_method` spawn, fork or forkserver,
-    given in strategy.lightning or its class's default): rank 0's training, evaluations and history stay in its child,
-    while this process, which did not train, writes the run's summary and outputs (measured: a fork run of 2 CPU ranks
-    trained and wrote `rollout_steps: 0`); spawn's pickling of the run fails before any rank starts. Lightning's
-    default (popen: every rank a copy of the command, as torchrun and srun start them) runs `train` on every rank."""
+    given in strategy.lightning or, with `class_default`, its class's default): rank 0's training, evaluations and
+    history stay in its child, while this process, which did not train, writes the run's summary and outputs
+    (measured: a fork run of 2 CPU ranks trained and wrote `rollout_steps: 0`); spawn's pickling of the run fails
+    before any rank starts. Lightning's default (popen: every rank a copy of the command, as torchrun and srun start
+    them) runs `train` on every rank. (`class_default` imports the class, hence Lightning and transformers: not for
+    `mode=plan`, which imports neither.)"""
     if not lightning or not lightning.get("_target_"):
         return
     method = lightning.get("start_method")
-    if method is None:
+    if method is None and class_default:
         import inspect
 
         import hydra

@@ -114,7 +114,7 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
     training = config.mode != "plan"  # a run that loads the model: mode=train or mode=eval
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
-    checks.check_launcher(config.strategy.lightning)
+    checks.check_launcher(config.strategy.lightning, class_default=training)
     if training:
         checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
     environment = rollout.episodes.environment

@@ -597,7 +597,6 @@ class SpawningDDP:
         (["+strategy.lightning.start_method=spawn"], "spawn"),
         (["+strategy.lightning.start_method=fork"], "fork"),
         (["+strategy.lightning.start_method=forkserver"], "forkserver"),
-        ([f"strategy.lightning._target_={__name__}.SpawningDDP"], "spawn"),  # the class's default
     ],
 )
 def test_a_strategy_that_starts_the_ranks_as_child_processes_is_refused_before_any_model_loads(tmp_path, given, method):
@@ -618,6 +617,19 @@ def test_a_strategy_that_starts_the_ranks_as_child_processes_is_refused_before_a
     assert not (tmp_path / "plan" / "plan.json").exists()
     ok = compose_config("mode=plan", f"output_dir={tmp_path / 'ok'}", *ddp, "+strategy.lightning.start_method=popen")
     assert run_module.main(ok) is None
+
+
+def test_a_strategy_class_whose_default_starts_child_processes_is_refused_in_a_training_runs_pre_flight():
+    """Without start_method, the class's own default (a subclass of DDPStrategy written with spawn) decides; read in a
+    training run's pre-flight, which imports the class (`mode=plan` imports no Lightning)."""
+    from lit_ppo.run.preflight import check_launcher
+
+    spawning = {"_target_": f"{__name__}.SpawningDDP", "find_unused_parameters": True}
+    with pytest.raises(ConfigError, match=r"^strategy.lightning.start_method=spawn runs the ranks as child processes"):
+        check_launcher(spawning)
+    check_launcher(spawning, class_default=False)  # mode=plan: not imported
+    check_launcher({"_target_": "lightning.pytorch.strategies.DDPStrategy"})  # popen, Lightning's default
+    check_launcher({"_target_": f"{__name__}.SpawningDDP", "start_method": "popen"})
 
 
 def test_lightnings_own_choice_of_child_processes_is_refused_when_the_trainer_is_built(tiny_model_dir, tmp_path):
