@@ -32,7 +32,7 @@ from torch import Tensor  # noqa: E402
 
 from lit_ppo.config import DynamicSamplingConfig, LoraConfig, RolloutConfig  # noqa: E402
 from lit_ppo.training import module as module_file  # noqa: E402
-from tests.helpers import build_run  # noqa: E402
+from tests.helpers import build_run, save_fixture_model  # noqa: E402
 
 BASE = dict(rollout_batch_size=4, n_samples_per_prompt=4, train_batch_size=16, micro_train_batch_size=4)
 RUNS: dict[str, dict] = {
@@ -58,20 +58,8 @@ SKIPPED_COLUMNS = ("timing/", "perf/tokens_per_second", "perf/generated_tokens_p
 
 
 def tiny_model_dir(root: Path) -> str:
-    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
-
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        seed=0,
-    )
-    return str(save_model_dir(model, tokenizer, root / "model"))
+    """The tests' fixture model (seed 0), the one conftest's `tiny_model_dir` builds."""
+    return save_fixture_model(root / "model", 0)
 
 
 def data_files(root: Path):

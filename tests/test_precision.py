@@ -11,7 +11,15 @@ import pytest
 from lit_ppo import precision as prec
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import compute_plan
-from tests.helpers import ROOT, compose_config, compose_run_config, datamodule_on, rollout_step_rows
+from tests.helpers import (
+    FIXTURE_MODEL,
+    ROOT,
+    compose_config,
+    compose_run_config,
+    datamodule_on,
+    fixture_run,
+    rollout_step_rows,
+)
 
 AVX512_BF16_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_tile\n"
 AVX2_CPU = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2\n"
@@ -125,14 +133,6 @@ def test_the_engine_starts_in_the_plans_rollout_dtype(tiny_model_dir, arithmetic
 
 # ---------------------------------------------------------------- every precision trains
 
-FIXTURE_MODEL = [
-    "model.tiny.hidden_size=64",
-    "model.tiny.num_layers=2",
-    "model.tiny.num_heads=2",
-    "model.tiny.num_kv_heads=1",
-    "model.tiny.intermediate_size=128",
-]
-
 
 # 32-true: every build_run test of make test trains in it; auto resolves to one of the others (test_auto_picks_...).
 @pytest.mark.parametrize(
@@ -145,21 +145,10 @@ FIXTURE_MODEL = [
     ],
 )
 def test_every_precision_runs_two_rollout_steps_single(precision, engine, tmp_path):
-    from lit_ppo.run import entry
 
-    cfg = compose_run_config(
-        f"strategy.precision={precision}",
-        "trainer.total_rollout_steps=2",
-        "trainer.eval_every=0",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
-        "ppo.actor_lr=1e-3",
-        f"output_dir={tmp_path}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
+    summary = fixture_run(
+        engine, tmp_path, f"strategy.precision={precision}", "trainer.eval_every=0", "ppo.actor_lr=1e-3"
     )
-    summary = entry.run(cfg, tmp_path, engine=engine)
     assert (
         summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     )

@@ -254,7 +254,6 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
     """Under data parallelism with ppo.micro_train_max_tokens the experience pass's micro-batch split all-reduces the
     ranks' micro-batch counts (`batching.global_max`). A signal interrupts an interruptible region on one rank only, so
     a collective inside it would leave the other ranks waiting in it: the split runs before the region."""
-    import dataclasses
 
     from transformers import AutoTokenizer
 
@@ -263,17 +262,11 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
     from lit_ppo.testing import synthetic_rollout_batch
     from lit_ppo.training import batching
     from lit_ppo.training.module import PPOModule
-    from tests.helpers import compose_run_config, run_config
+    from tests.helpers import ppo_at, run_config
+    from tests.helpers.packing import realistic_rollout
 
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        train_batch_size=8,
-        micro_train_batch_size=2,
-        micro_train_max_tokens=600,
-    )
-    rollout = dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
+    ppo = ppo_at(2, 4, 8, 2, micro_train_max_tokens=600)
+    rollout = realistic_rollout()
     plan = compute_plan(run_config(ppo=ppo, rollout=rollout, dp=2), 64)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id)

@@ -99,28 +99,9 @@ def tiny_config(
     )
 
 
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast,
-    *,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    seed: int,
-    tie_word_embeddings: bool = True,
-):
-    config = tiny_config(
-        tokenizer,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-    )
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, *, seed: int, **shape):
+    """The tiny model of `tiny_config(tokenizer, **shape)` with the random weights of `seed`."""
+    config = tiny_config(tokenizer, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -370,25 +370,14 @@ class RolloutDataModule(L.LightningDataModule):
             return list(scores), scores.sample_metrics, scores.metrics
         return environment_rewards(samples)
 
-    def generate(
-        self,
-        prompts: list[Prompt],
-        positions: list[int],
-        n: int,
-        *,
-        temperature: float,
-        top_p: float,
-        purpose: str | None,
-        where: str,
-    ) -> list:
+    def generate(self, prompts: list[Prompt], positions: list[int], n: int, **sampling) -> list:
         """n samples of each prompt (`positions`: the prompts' global positions), prompt by prompt: an episode each
-        with an environment, else one response each. The one generation path of rollouts and evaluation; `purpose`
-        seeds the samples (None: unseeded, for greedy decoding)."""
+        with an environment, else one response each. The one generation path of rollouts and evaluation; `sampling`:
+        `sampling_request`'s keywords (temperature, top_p, `purpose`, which seeds the samples (None: unseeded, for
+        greedy decoding), and `where`)."""
         engine = self.start_engine()
         engine.wake_up()
-        request = self.sampling_request(
-            prompts, positions, n, temperature=temperature, top_p=top_p, purpose=purpose, where=where
-        )
+        request = self.sampling_request(prompts, positions, n, **sampling)
         if isinstance(request, EpisodeRequest):
             return self.run_episodes(request)
         return engine.generate(request)

@@ -97,7 +97,7 @@ class EpisodeLoop:
     """n episodes per prompt advancing together, in named steps: `start` (an environment per episode), `reset` (each
     environment's first observation), then per turn `generate` (one batched call for the active episodes), `step`
     (each environment reads its episode's turn) and `observe` (the observations appended, or the episode ended), and
-    `finish` (the warnings on failed and cut episodes, the episodes' texts). `run_episodes` runs them in order."""
+    `finish` (the warnings on failed and cut episodes, the episodes' texts). `run` runs them in order."""
 
     def __init__(
         self,
@@ -120,6 +120,9 @@ class EpisodeLoop:
         self.takes_ids: list[bool] = []
 
     def run(self, prompts: list[Prompt], n: int, sample_positions: list[int] | None = None) -> list[Episode]:
+        """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first). `seeds(turn)`
+        gives one vLLM seed per episode for that turn (None: unseeded, e.g. greedy); `where` names the rollout step in
+        messages; `sample_positions` are the episodes' global positions (for messages)."""
         self.start(prompts, n, sample_positions)
         self.reset()
         for turn in range(self.settings.max_turns):
@@ -332,39 +335,6 @@ class EpisodeLoop:
         return episodes
 
 
-def run_episodes(
-    engine,
-    prompts: list[Prompt],
-    n: int,
-    make_environment: Callable[[], object],
-    tokenizer,
-    settings: EpisodeSettings,
-    encoder: ObservationEncoder,
-    *,
-    temperature: float,
-    top_p: float,
-    seeds: Callable[[int], list[int]] | None,
-    where: str,
-    sample_positions: list[int] | None = None,
-) -> list[Episode]:
-    """n episodes per prompt, grouped like `VLLMEngine.generate`'s samples (prompt 0's n first), by `EpisodeLoop`.
-
-    `seeds(turn)` gives one vLLM seed per episode for that turn (None: unseeded, e.g. greedy); `where` names the
-    rollout step in messages; `sample_positions` are the episodes' global positions (for messages)."""
-    loop = EpisodeLoop(
-        engine,
-        make_environment,
-        tokenizer,
-        settings,
-        encoder,
-        temperature=temperature,
-        top_p=top_p,
-        seeds=seeds,
-        where=where,
-    )
-    return loop.run(prompts, n, sample_positions)
-
-
 def episode_seeds(seed: int, purpose: str | None, samples: list[int]) -> Callable[[int], list[int]] | None:
     """Per turn, one seed per episode: turn t of the episode at global sample position q is seeded
     base(purpose, turn t) + q, so episodes do not depend on the number of ranks or rollout workers; `purpose=None`:
@@ -420,7 +390,7 @@ class EpisodeRequest:
 
 
 class EpisodeRunner:
-    """Runs n episodes per prompt of a request (`run_episodes`) with the run's environment, tokenizer, settings and
+    """Runs n episodes per prompt of a request (an `EpisodeLoop`) with the run's environment, tokenizer, settings and
     observation encoder, seeded per turn and global sample position (`episode_seeds`): the data module's, and a
     rollout worker's built from the run's `EpisodeSpec` (`from_spec`), so both generate the same episodes."""
 
@@ -445,10 +415,8 @@ class EpisodeRunner:
         """n episodes of each of the request's prompts."""
         n = request.n
         samples = [position * n + j for position in request.positions for j in range(n)]
-        return run_episodes(
+        loop = EpisodeLoop(
             engine,
-            request.prompts,
-            n,
             self.make_environment,
             self.tokenizer,
             self.settings,
@@ -457,8 +425,8 @@ class EpisodeRunner:
             top_p=request.top_p,
             seeds=episode_seeds(self.seed, request.purpose, samples),
             where=request.where,
-            sample_positions=samples,
         )
+        return loop.run(request.prompts, n, samples)
 
 
 def episode_stats(episodes: list) -> dict[str, float]:

@@ -136,7 +136,7 @@ def episode_metrics(stats: dict[str, float], *, global_sum: Reduce = _identity, 
         "rollout/episode_tokens": total["episode_tokens"] / episodes,
         "rollout/environment_errors": total["environment_errors"],
         "rollout/environment_timeouts": total["environment_timeouts"],
-        # episodes cut at an observation that did not fit rollout.episodes.max_tokens (count; episodes.run_episodes)
+        # episodes cut at an observation that did not fit rollout.episodes.max_tokens (count; episodes.EpisodeLoop)
         "rollout/observations_cut": total["observations_cut"],
     }
 

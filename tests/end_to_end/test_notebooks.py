@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from tests.helpers import ROOT, compose_run_config
+from tests.helpers import ROOT, fixture_run
 
 REPO = ROOT
 
@@ -73,21 +73,8 @@ def test_analyze_run_notebook_plots_a_run_and_a_sweep(engine, tmp_path, monkeypa
 
     import yaml
 
-    from lit_ppo.run import entry
-    from tests.helpers import FIXTURE_MODEL
-
     run = tmp_path / "run"
-    cfg = compose_run_config(
-        "trainer.total_rollout_steps=2",
-        "trainer.eval_every=1",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"output_dir={run}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
-    )
-    entry.run(cfg, run, engine=engine)
+    fixture_run(engine, tmp_path, "trainer.eval_every=1", out=run)
     sweep = tmp_path / "sweep"  # laid out as `train.py -m ppo=ppo seed=0,1` would, from the one run's files
     for job in ("0", "1"):
         (sweep / job / ".hydra").mkdir(parents=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import FIXTURE_MODEL, ROOT, compose_run_config, read_csv
+from tests.helpers import ROOT, fixture_run, read_csv
 
 # The tiny architecture of the shared `engine` fixture, so in-process runs can reuse that engine.
 SUMMARY_KEYS = [
@@ -153,23 +153,10 @@ COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo", "rloo", "reinforce_pp", "
     "preset", [pytest.param(p, marks=pytest.mark.slow) if p in COVERED_PRESETS else p for p in PRESETS]
 )
 def test_every_preset_completes_two_rollout_steps(preset, engine, tiny_model_dir, tmp_path):
-    from lit_ppo.run import entry
 
     # distill needs a teacher: the session's tiny model (the fixture model's shape and tokenizer, other weights)
     teacher = [f"model.teacher.path={tiny_model_dir}"] if preset == "distill" else []
-    cfg = compose_run_config(
-        f"ppo={preset}",
-        *teacher,
-        "trainer.total_rollout_steps=2",
-        "trainer.eval_every=0",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"output_dir={tmp_path}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
-    )
-    summary = entry.run(cfg, tmp_path, engine=engine)
+    summary = fixture_run(engine, tmp_path, f"ppo={preset}", *teacher, "trainer.eval_every=0")
     assert summary["rollout_steps"] == 2
     assert summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"] == 4
     assert summary["optimizer_steps_critic"] == (4 if preset == "ppo" else 0)

@@ -24,14 +24,10 @@ from lit_ppo.run.entry import compose as compose_config  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = CONF_DIR
-# The tiny architecture of the shared `engine` fixture (tests/conftest.py), so in-process runs can reuse that engine.
-FIXTURE_MODEL = [
-    "model.tiny.hidden_size=64",
-    "model.tiny.num_layers=2",
-    "model.tiny.num_heads=2",
-    "model.tiny.num_kv_heads=1",
-    "model.tiny.intermediate_size=128",
-]
+# The tiny architecture of the shared `engine` fixture (tests/conftest.py), so in-process runs can reuse that engine:
+# `model.tiny`'s settings, and as the overrides of a run's config.
+FIXTURE_SHAPE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+FIXTURE_MODEL = [f"model.tiny.{name}={value}" for name, value in FIXTURE_SHAPE.items()]
 
 
 def save_fixture_model(directory: Path, seed: int) -> str:
@@ -40,17 +36,20 @@ def save_fixture_model(directory: Path, seed: int) -> str:
     from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        seed=seed,
-    )
+    model = build_tiny_model(tokenizer, max_position_embeddings=128, seed=seed, **FIXTURE_SHAPE)
     return str(save_model_dir(model, tokenizer, directory))
+
+
+def fixture_run(engine, tmp_path: Path, *overrides: str, out: Path | None = None) -> dict:
+    """The summary of `python train.py`'s run in this process (`entry.run`) for two rollout steps on the fixture model
+    (FIXTURE_MODEL, generating with the `engine` fixture; no warm start) over 64 train and 8 eval arithmetic prompts,
+    `overrides` on top; its files in `out` (default `tmp_path`), the model cache in tmp_path/cache."""
+    from lit_ppo.run import entry
+
+    out = out or tmp_path
+    common = ["trainer.total_rollout_steps=2", "model.warm_start.enabled=false", "data.n_train=64", "data.n_eval=8"]
+    paths = [f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}"]
+    return entry.run(compose_run_config(*overrides, *common, *paths, *FIXTURE_MODEL), out, engine=engine)
 
 
 def dataclass_defaults(cls: type) -> dict:
@@ -83,6 +82,15 @@ def run_config(
         strategy=StrategyConfig(accelerator=accelerator, devices=dp, precision=precision),
         **sections,
     )
+
+
+def ppo_at(prompts: int, n: int, train: int, micro: int, preset: str = "ppo", **changes) -> PPOConfig:
+    """conf/ppo/<preset>.yaml's settings at a test's batch sizes: `prompts` prompts x `n` samples per rollout step,
+    mini-batches of `train` samples in micro-batches of `micro`; `changes` on top."""
+    batches = dict(
+        rollout_batch_size=prompts, n_samples_per_prompt=n, train_batch_size=train, micro_train_batch_size=micro
+    )
+    return dataclasses.replace(compose_run_config(f"ppo={preset}").ppo, **batches, **changes)
 
 
 def plan_of(dataset_prompts: int, **kwargs) -> StepPlan:

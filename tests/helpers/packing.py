@@ -10,9 +10,10 @@ import dataclasses
 import torch
 
 from lit_ppo.batch import RolloutBatch
+from lit_ppo.config import RolloutConfig
 from lit_ppo.plan import compute_plan
 from lit_ppo.testing import synthetic_rollout_batch
-from tests.helpers import compose_run_config, run_config
+from tests.helpers import compose_run_config, ppo_at, run_config
 from tests.helpers.fixed_batch import train_on_fixed_batch
 
 TEMPERATURE = 0.7
@@ -21,16 +22,13 @@ TEMPERATURE = 0.7
 def small_ppo(preset: str = "ppo", prompts: int = 2, **changes):
     """The preset's settings at the packing tests' scale: `prompts` prompts x 4 samples per rollout step, mini-batches
     of 4 samples in micro-batches of 2, learning rates 1e-3; `changes` on top."""
-    return dataclasses.replace(
-        compose_run_config(f"ppo={preset}").ppo,
-        rollout_batch_size=prompts,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        actor_lr=1e-3,
-        critic_lr=1e-3,
-        **changes,
-    )
+    return ppo_at(prompts, 4, 4, 2, preset, actor_lr=1e-3, critic_lr=1e-3, **changes)
+
+
+def realistic_rollout() -> RolloutConfig:
+    """The default rollout settings for `realistic_batch`'s lengths: responses of up to 256 tokens, prompt and response
+    within 600."""
+    return dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
 
 
 def realistic_batch(n_prompts: int = 4, n: int = 4, seed: int = 0, episodes: bool = True) -> RolloutBatch:
@@ -52,8 +50,7 @@ def realistic_samples(n_prompts: int, n: int, seed: int, episodes: bool):
 def train(model_dir, files, tmp_path, batch: RolloutBatch, ppo, steps: int = 1, prompt_stats=None):
     """`steps` rollout steps on `batch`; the module and the actor's and critic's gradients (before clipping) at each
     optimizer step. `prompt_stats`: the prompt lengths the plan is made with."""
-    config = dataclasses.replace(compose_run_config(), ppo=ppo)
-    rollout = dataclasses.replace(config.rollout, max_response_tokens=256, max_model_len=600)
+    rollout = realistic_rollout()
     return train_on_fixed_batch(
         model_dir,
         files[0],

@@ -10,7 +10,7 @@ import pytest
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.rewards import RewardError, RewardScorer, detect_signature
-from tests.helpers import compose_run_config
+from tests.helpers import compose_run_config, fixture_run
 
 PEER = "tests.fixtures.peer_rewards"
 
@@ -180,28 +180,18 @@ def test_math_verify_timeout_is_a_named_reward_timeout(workers):
 def test_training_continues_past_a_crashing_and_a_hanging_verifier(engine, tmp_path, caplog):
     """Two rollout steps with reward.workers=2 and on_error=zero: one sample kills its worker, one hangs
     past reward.timeout_s; both score 0, are named in the log, and the run finishes."""
-    from lit_ppo.run import entry
-    from tests.helpers import FIXTURE_MODEL
-
-    cfg = compose_run_config(
+    overrides = (
         "reward=custom_example",
         "reward.fn._target_=tests.fixtures.peer_rewards.flaky_verifier",
         f"+reward.fn.state_dir={tmp_path}",
         "reward.workers=2",
         "reward.timeout_s=3",
         "reward.on_error=zero",
-        "trainer.total_rollout_steps=2",
         "trainer.eval_every=0",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
         "ppo=grpo",
-        f"output_dir={tmp_path}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
     )
     with caplog.at_level(logging.INFO, logger="lit_ppo"):
-        summary = entry.run(cfg, tmp_path, engine=engine)
+        summary = fixture_run(engine, tmp_path, *overrides)
     assert summary["rollout_steps"] == 2 and summary["optimizer_steps_actor"] == summary["expected_optimizer_steps"]
     assert (tmp_path / "crashed").exists() and (tmp_path / "hung").exists()
     failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reward: sample ")]

@@ -24,7 +24,7 @@ from lit_ppo.environments import (
 )
 from lit_ppo.errors import ConfigError, EnvironmentFailure, RolloutMismatchError
 from lit_ppo.rollout.engine import Generation
-from lit_ppo.rollout.episodes import EpisodeSettings, episode_stats, run_episodes
+from lit_ppo.rollout.episodes import EpisodeLoop, EpisodeSettings, episode_stats
 from lit_ppo.rollout.observations import ObservationEncoder
 from lit_ppo.rollout.prompts import Prompt
 from lit_ppo.testing import rollout_batch_from_ids
@@ -159,21 +159,15 @@ def settings(**overrides) -> EpisodeSettings:
     return EpisodeSettings(**{**values, **overrides})
 
 
-def run_plain(engine, prompts, n, environment, tok, episode_settings, *, seeds=None, where="test"):
-    """`run_episodes` at temperature 1 and top-p 1 with plain observations, as most tests here run it."""
-    return run_episodes(
-        engine,
-        prompts,
-        n,
-        environment,
-        tok,
-        episode_settings,
-        ObservationEncoder(tok, False),
-        temperature=1.0,
-        top_p=1.0,
-        seeds=seeds,
-        where=where,
+def run_plain(
+    engine, prompts, n, environment, tok, episode_settings, *, seeds=None, where="test", sample_positions=None
+):
+    """An `EpisodeLoop`'s episodes at temperature 1 and top-p 1 with plain observations, as the tests here run it."""
+    encoder = ObservationEncoder(tok, False)
+    loop = EpisodeLoop(
+        engine, environment, tok, episode_settings, encoder, temperature=1.0, top_p=1.0, seeds=seeds, where=where
     )
+    return loop.run(prompts, n, sample_positions)
 
 
 def calculator():
@@ -289,26 +283,16 @@ def test_environment_failures_follow_on_error(environment, failure):
     tok = merging_tokenizer()
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
     engine = ScriptedEngine([chars(tok, "[1+1]")])
-    kwargs = dict(temperature=1.0, top_p=1.0, seeds=None, where="rollout step 3", sample_positions=[12, 13])
+    kwargs = dict(where="rollout step 3", sample_positions=[12, 13])
     started = time.monotonic()
     with pytest.raises(
         EnvironmentFailure,
         match=f"rollout step 3: the environment {environment.__name__}.step "
         f"{'timed out' if failure == 'timeout' else 'failed'} in episode 12",
     ):
-        run_episodes(
-            engine, prompts, 2, environment, tok, settings(timeout_s=0.3), ObservationEncoder(tok, False), **kwargs
-        )
-    episodes = run_episodes(
-        ScriptedEngine([chars(tok, "[1+1]")]),
-        prompts,
-        2,
-        environment,
-        tok,
-        settings(timeout_s=0.3, on_error="zero"),
-        ObservationEncoder(tok, False),
-        **kwargs,
-    )
+        run_plain(engine, prompts, 2, environment, tok, settings(timeout_s=0.3), **kwargs)
+    zeroed = settings(timeout_s=0.3, on_error="zero")
+    episodes = run_plain(ScriptedEngine([chars(tok, "[1+1]")]), prompts, 2, environment, tok, zeroed, **kwargs)
     assert time.monotonic() - started < 5  # the hung steps were abandoned at the timeout
     assert [ep.failure for ep in episodes] == [failure, failure] and [ep.reward for ep in episodes] == [0.0, 0.0]
     stats = episode_stats(episodes)
@@ -365,30 +349,17 @@ def test_an_observation_is_text_marked_token_ids_or_none(observation):
     refused in one line naming the environment and what to return, under reward.on_error like any failure."""
     tok = merging_tokenizer()
     prompts = [Prompt(prompt_ids=chars(tok, "1+1="), text="1+1=", reference="2", extras={})]
-    kwargs = dict(temperature=1.0, top_p=1.0, seeds=None, where="rollout step 1")
+    where = "rollout step 1"
     with pytest.raises(EnvironmentFailure) as info:
-        run_episodes(
-            ScriptedEngine([chars(tok, "[1+1]")]),
-            prompts,
-            1,
-            observing(observation),
-            tok,
-            settings(),
-            ObservationEncoder(tok, False),
-            **kwargs,
+        run_plain(
+            ScriptedEngine([chars(tok, "[1+1]")]), prompts, 1, observing(observation), tok, settings(), where=where
         )
     message = str(info.value)
     assert "\n" not in message and "NumbersTool.step" in message
     assert "TokenIds" in message or "str" in message
-    episodes = run_episodes(
-        ScriptedEngine([chars(tok, "[1+1]")]),
-        prompts,
-        2,
-        observing(observation),
-        tok,
-        settings(on_error="zero"),
-        ObservationEncoder(tok, False),
-        **kwargs,
+    zeroed = settings(on_error="zero")
+    episodes = run_plain(
+        ScriptedEngine([chars(tok, "[1+1]")]), prompts, 2, observing(observation), tok, zeroed, where=where
     )
     assert [ep.failure for ep in episodes] == ["error", "error"]
 

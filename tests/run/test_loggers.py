@@ -20,7 +20,7 @@ from lit_ppo.run.loggers import (
     resolve_wandb_mode,
 )
 from lit_ppo.topology import RankTopology
-from tests.helpers import FIXTURE_MODEL, compose_run_config
+from tests.helpers import FIXTURE_MODEL, compose_run_config, fixture_run
 
 SAMPLES = [{"prompt": "3+4=", "response": "7", "reward": 1.0}, {"prompt": "10+5=", "response": "16", "reward": 0.0}]
 
@@ -132,21 +132,9 @@ def test_auto_mode_falls_back_to_offline_when_the_server_cannot_be_reached(tmp_p
 
 
 def test_wandb_offline_run_records_metrics_against_rollout_step(engine, tmp_path, no_wandb_credentials):
-    from lit_ppo.run import entry
 
     out = tmp_path / "run"
-    cfg = compose_run_config(
-        "logger=wandb",
-        "trainer.total_rollout_steps=2",
-        "trainer.eval_every=1",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"output_dir={out}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
-    )
-    summary = entry.run(cfg, out, engine=engine)
+    summary = fixture_run(engine, tmp_path, "logger=wandb", "trainer.eval_every=1", out=out)
     assert summary["rollout_steps"] == 2
 
     (run_dir,) = (out / "wandb").glob("offline-run-*")
@@ -277,21 +265,8 @@ def test_the_evaluation_before_any_update_is_shown_before_rollout_step_1(capsys)
 def test_tensorboard_gets_every_evaluation_from_rollout_step_0(engine, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lit_ppo.run import entry
-
     out = tmp_path / "run"
-    cfg = compose_run_config(
-        "logger=tensorboard",
-        "trainer.total_rollout_steps=2",
-        "trainer.eval_every=1",
-        "model.warm_start.enabled=false",
-        "data.n_train=64",
-        "data.n_eval=8",
-        f"output_dir={out}",
-        f"cache_dir={tmp_path / 'cache'}",
-        *FIXTURE_MODEL,
-    )
-    summary = entry.run(cfg, out, engine=engine)
+    summary = fixture_run(engine, tmp_path, "logger=tensorboard", "trainer.eval_every=1", out=out)
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     evals = events.Scalars("eval/reward")

@@ -24,7 +24,7 @@ from lit_ppo.plan import PromptStats, compute_plan
 from lit_ppo.training.batching import fixed_row_length, pack, pack_samples
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.shared_prefix import pack_shared_prefix
-from tests.helpers import compose_run_config, run_config
+from tests.helpers import compose_run_config, ppo_at, run_config
 from tests.helpers.packing import TEMPERATURE, realistic_samples
 
 ROW_TOKENS = 4096  # one budget for every forward here: one compiled shape
@@ -217,16 +217,7 @@ def test_a_flex_attention_module_s_experience_forwards_are_the_sdpa_module_s(tin
     monkeypatch.setattr(
         module_file, "check_packing", lambda *a, check=module_file.check_packing: checks.append(check(*a))
     )
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=2,
-        n_samples_per_prompt=4,
-        train_batch_size=8,
-        micro_train_batch_size=4,
-        micro_train_max_tokens=ROW_TOKENS,
-        kl_coef=0.1,
-        old_logprobs="recompute",
-    )
+    ppo = ppo_at(2, 4, 8, 4, micro_train_max_tokens=ROW_TOKENS, kl_coef=0.1, old_logprobs="recompute")
     batch = realistic_batch(n_prompts=2, n=4, seed=6, episodes=True)
     experiences = {}
     for attention in ("sdpa", "flex_attention"):

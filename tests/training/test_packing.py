@@ -29,12 +29,13 @@ from lit_ppo.training.batching import (
 from lit_ppo.training.models import critic_values, prepare_for_training, response_logprobs_and_entropy
 from lit_ppo.training.packing import packing_unsupported
 from lit_ppo.training.rank_samples import equal_count_partition
-from tests.helpers import compose_config, compose_run_config, plan_of, run_config
+from tests.helpers import compose_config, compose_run_config, plan_of, ppo_at, run_config
 from tests.helpers.packing import (
     TEMPERATURE,
     assert_close_tensors,
     head_by_hand,
     realistic_batch,
+    realistic_rollout,
     realistic_samples,
     small_ppo,
     train,
@@ -183,13 +184,7 @@ def test_equal_count_partition_hand_cases():
 def four_prompts_of_two_samples():
     """The ppo settings of the rank-split tests: 4 prompts x 2 samples per rollout step, optimizer steps of 4 samples
     in micro-batches of 2."""
-    return dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=4,
-        n_samples_per_prompt=2,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-    )
+    return ppo_at(4, 2, 4, 2)
 
 
 @pytest.mark.parametrize("parts", [2, 3, 4, 8])
@@ -383,17 +378,8 @@ PROMPT_LENGTHS = [100, 120, 150, 180, 200, 230, 260, 300]
 def expected_tokens_plan(packing: bool, stats: PromptStats | None, dp: int = 1, budget: int | None = None):
     """The product's plan (`compute_plan`) of 8 prompts x 4 samples, mini-batches of 16 samples, micro-batches of 4
     (or a token budget), responses of at most 256 tokens, over prompts of the lengths `stats`."""
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        rollout_batch_size=8,
-        n_samples_per_prompt=4,
-        train_batch_size=16,
-        micro_train_batch_size=4,
-        micro_train_max_tokens=budget,
-        packing=packing,
-    )
-    rollout = dataclasses.replace(compose_run_config().rollout, max_response_tokens=256, max_model_len=600)
-    return compute_plan(run_config(ppo=ppo, rollout=rollout, dp=dp), 8, stats)
+    ppo = ppo_at(8, 4, 16, 4, micro_train_max_tokens=budget, packing=packing)
+    return compute_plan(run_config(ppo=ppo, rollout=realistic_rollout(), dp=dp), 8, stats)
 
 
 def test_the_plan_states_expected_tokens_per_micro_batch():
@@ -648,14 +634,7 @@ def test_a_run_with_responses_at_the_limit_trains_the_planned_tokens_per_micro_b
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(4, 40, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     batch = random_rollout_batch(prompts, 4, 256, range(4, 40), seed=5)
-    ppo = dataclasses.replace(
-        compose_run_config("ppo=grpo").ppo,
-        rollout_batch_size=8,
-        n_samples_per_prompt=4,
-        train_batch_size=16,
-        micro_train_batch_size=4,
-        packing=packing,
-    )
+    ppo = ppo_at(8, 4, 16, 4, "grpo", packing=packing)
     stats = PromptStats.of(PROMPT_LENGTHS)
     module, _ = train(tiny_model_dir, arithmetic_files, tmp_path, batch, ppo, prompt_stats=stats)
     plan, row = module.plan, module.history[-1]
@@ -810,14 +789,7 @@ def test_the_start_up_check_stops_a_run_whose_packed_logits_skip_the_model_s_pos
     from lit_ppo.training import models
 
     monkeypatch.setattr(models, "packed_response_logits", head_by_hand)
-    ppo = dataclasses.replace(
-        compose_run_config("ppo=grpo").ppo,
-        rollout_batch_size=1,
-        n_samples_per_prompt=4,
-        train_batch_size=4,
-        micro_train_batch_size=2,
-        packing=True,
-    )
+    ppo = ppo_at(1, 4, 4, 2, "grpo", packing=True)
     batch = realistic_batch(n_prompts=1, seed=3, episodes=True)
     with pytest.raises(PackingError) as error:
         train(family_model_dirs["granite"], arithmetic_files, tmp_path, batch, ppo)

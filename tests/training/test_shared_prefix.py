@@ -23,7 +23,7 @@ from lit_ppo.training.shared_prefix import (
     prefix_tokens_saved,
     shared_prefix_micro_batch_groups,
 )
-from tests.helpers import compose_run_config, plan_of, run_config
+from tests.helpers import compose_run_config, plan_of, ppo_at, run_config
 from tests.helpers.packing import (
     TEMPERATURE,
     assert_close_tensors,
@@ -355,13 +355,7 @@ def test_two_ranks_keep_each_prompt_group_on_one_rank_and_save_its_prompt_once()
     from lit_ppo.plan import minibatch_schedule
     from lit_ppo.training.rank_samples import equal_count_partition, rank_share
 
-    ppo = dataclasses.replace(
-        compose_run_config().ppo,
-        n_samples_per_prompt=8,
-        rollout_batch_size=4,
-        train_batch_size=16,
-        micro_train_batch_size=4,
-    )
+    ppo = ppo_at(4, 8, 16, 4)
     batch = realistic_batch(n_prompts=4, n=8, seed=5, episodes=False)
     one, two = compute_plan(run_config(ppo=ppo), 64), compute_plan(run_config(ppo=ppo, dp=2), 64)
     assert two.layout.shared_prefix and two.layout.rank_balance

@@ -66,7 +66,7 @@ def _address_towards(host: str, port: int) -> str:
 
 class WarningLines(logging.Handler):
     """The warnings lit_ppo logs in this worker while it generates (`with` it), which go back to the trainer with the
-    result (`take`): e.g. run_episodes' count of episodes scored 0 after environment errors or timeouts."""
+    result (`take`): e.g. the episode loop's count of episodes scored 0 after environment errors or timeouts."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
