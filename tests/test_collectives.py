@@ -41,26 +41,6 @@ def strict_collectives(device: torch.device) -> list[str]:
     return calls
 
 
-class ScriptedEngine:
-    """Stands in for vLLM: response i of a prompt is `i` characters of the prompt's last one."""
-
-    def generate(self, request):
-        from lit_ppo.rollout.engine import Generation
-
-        prompt_token_ids, n = request.prompt_token_ids, request.n
-
-        return [
-            Generation(
-                prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)
-            )
-            for p, ids in enumerate(prompt_token_ids)
-            for i in range(n)
-        ]
-
-    def wake_up(self):
-        pass
-
-
 def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     # A file rendezvous: no port to race other tests for.
@@ -72,7 +52,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from lit_ppo.rollout.prompts import load_prompts
     from lit_ppo.topology import RankTopology
-    from tests.helpers import plan_of
+    from tests.helpers import LastTokenEngine, plan_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = load_prompts(eval_path, tokenizer)
@@ -94,7 +74,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
         model_dir=model_dir,
         seed=0,
         topology=RankTopology(rank=rank, world_size=world),
-        engine=ScriptedEngine(),
+        engine=LastTokenEngine(),
     )
     calls = strict_collectives(torch.device("cpu"))
     torch.set_default_device("meta")

@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +20,7 @@ from lit_ppo.plan import compute_plan, sections_of
 from lit_ppo.run import entry as run_module
 from lit_ppo.training.state import check_same_adapters, check_same_models, check_same_rollout_step_shape
 from tests.helpers import ROOT, compose_config, compose_run_config, plan_of
+from tests.helpers.cli_runs import train_py
 
 REPO = ROOT
 CONF = REPO / "conf"
@@ -403,16 +403,6 @@ def test_hydra_bad_override_fails_before_training(tmp_path, no_training, overrid
 
 
 # ---------------------------------------------------------------- the command line
-
-
-def train_py(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_cli_plan_mode(tmp_path):

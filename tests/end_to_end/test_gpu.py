@@ -21,9 +21,8 @@ import torch.distributed as dist
 from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig
 from lit_ppo.memory import GIB, MemoryInputs, estimate_memory
 from lit_ppo.model_shape import ModelShape
-from lit_ppo.rollout.engine import Generation
-from lit_ppo.testing import FixedBatchDataModule, NullEngine, random_rollout_batch
-from tests.helpers import build_run, compose_run_config
+from lit_ppo.testing import FixedBatchDataModule, random_rollout_batch
+from tests.helpers import LastTokenEngine, build_run, compose_run_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,20 +78,6 @@ def peak_above(baseline: int) -> float:
     return (torch.cuda.max_memory_allocated(DEVICE) - baseline) / GIB
 
 
-class StandInEngine(NullEngine):
-    """vLLM's place in evaluation: response i of a prompt is i + 1 copies of the prompt's last token (text `i`)."""
-
-    def generate(self, request):
-        prompt_token_ids, n = request.prompt_token_ids, request.n
-        return [
-            Generation(
-                prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)
-            )
-            for p, ids in enumerate(prompt_token_ids)
-            for i in range(n)
-        ]
-
-
 def test_ppo_rollout_steps_and_evaluation_reduce_on_the_gpu_under_nccl(
     model_24m, arithmetic_files, tmp_path, process_group, monkeypatch
 ):
@@ -118,7 +103,7 @@ def test_ppo_rollout_steps_and_evaluation_reduce_on_the_gpu_under_nccl(
     T = 64
     trainer, module, datamodule, _ = build_run(
         model_24m,
-        StandInEngine(),
+        LastTokenEngine(),
         arithmetic_files,
         tmp_path,
         total_rollout_steps=2,
@@ -225,7 +210,7 @@ def test_memory_estimate_is_within_30_percent_of_the_measured_peak(
     before = torch.cuda.memory_allocated(DEVICE)
     trainer, module, datamodule, plan = build_run(
         model_dir,
-        StandInEngine(),
+        LastTokenEngine(),
         arithmetic_files,
         tmp_path,
         total_rollout_steps=2,
@@ -324,7 +309,7 @@ def test_trainer_bf16_mixed_keeps_float32_weights_that_lr_1e6_moves(model_24m, a
     for precision in ("bf16-mixed", "bf16-true"):
         trainer, module, datamodule, _ = build_run(
             model_24m,
-            StandInEngine(),
+            LastTokenEngine(),
             arithmetic_files,
             tmp_path / precision,
             total_rollout_steps=2,

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from lit_ppo.config import ModelConfig, PPOConfig, RolloutConfig, RunConfig, StrategyConfig, TrainerConfig
+from lit_ppo.contract import Generation
 from lit_ppo.plan import StepPlan, compute_plan
 from lit_ppo.rewards import RewardScorer, integer_match
 from lit_ppo.rollout.datamodule import RolloutDataModule
@@ -21,6 +22,7 @@ from lit_ppo.run.build import build_run_on_files
 # The Hydra config `python train.py <overrides>` would run, composed in this process, and its typed settings.
 from lit_ppo.run.entry import CONF_DIR, compose_run_config  # noqa: F401
 from lit_ppo.run.entry import compose as compose_config  # noqa: F401
+from lit_ppo.testing import NullEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = CONF_DIR
@@ -208,6 +210,20 @@ def build_run(
         datamodule_class=datamodule_class,
     )
     return trainer, module, datamodule, plan
+
+
+class LastTokenEngine(NullEngine):
+    """Stands in for vLLM (in evaluation): response i of a prompt is i + 1 copies of the prompt's last token (text `i`,
+    log-prob 0 each)."""
+
+    def generate(self, request):
+        return [
+            Generation(
+                prompt_index=p, token_ids=[ids[-1]] * (i + 1), truncated=False, text=str(i), logprobs=[0.0] * (i + 1)
+            )
+            for p, ids in enumerate(request.prompt_token_ids)
+            for i in range(request.n)
+        ]
 
 
 def free_port() -> int:

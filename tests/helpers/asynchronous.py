@@ -1,7 +1,7 @@
 """Rollout-worker runs' shared test code (tests/rollout/test_async.py, test_async_dynamic_sampling.py,
-test_schedule.py, workers/test_ranks.py): the tests' rollout settings with workers, a stand-in for the workers' client
-(`QueueingWorkers`), a data module that records every batch it produced, and a reward whose uniform groups
-dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too)."""
+test_schedule.py, workers/test_ranks.py, workers/test_servers.py): the tests' rollout settings with workers, a stand-in
+for the workers' client (`QueueingWorkers`), a data module that records every batch it produced, a reward whose uniform
+groups dynamic sampling drops (tests/rollout/test_dynamic_sampling.py too), and a signal to a worker mid-run."""
 
 from __future__ import annotations
 
@@ -9,12 +9,28 @@ import hashlib
 import os
 from pathlib import Path
 
-from lit_ppo.config import RolloutConfig, WorkersConfig
+import lightning as L
+
+from lit_ppo.config import RolloutConfig, RolloutCorrectionConfig, WorkersConfig
 from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.rollout.datamodule import RolloutDataModule
-from tests.helpers import plan_of
+from tests.helpers import build_run, plan_of
 
 STEPS = 6  # the schedule tests' run length (tests/rollout/test_schedule.py)
+TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}  # build_run's keywords of TIS rollout correction
+
+
+class SignalWorker(L.Callback):
+    """Sends `sig` to rollout worker 0 during rollout step 1's updates: SIGKILL, or SIGSTOP (stuck); `group`: to its
+    process group (a spawned server: the API server and its engine's processes). `pid`: the process signalled."""
+
+    def __init__(self, sig, group: bool = False):
+        self.sig, self.group, self.pid = sig, group, None
+
+    def on_before_backward(self, trainer, module, loss):
+        if module.rollout_step == 1 and self.pid is None:
+            self.pid = trainer.datamodule.engine.procs[0].pid
+            (os.killpg if self.group else os.kill)(self.pid, self.sig)
 
 
 def disaggregated(k: int, **workers) -> RolloutConfig:
@@ -42,6 +58,37 @@ class RecordingDataModule(RolloutDataModule):
         batch = super().produce_rollout(rollout_step)
         type(self).batches.append(batch)
         return batch
+
+
+def digit_share(prompts, responses, references, extras, **_) -> list[float]:
+    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def workers_run(
+    model_dir, files, out: Path, rollout, steps: int, *, engine=None, callbacks=(), datamodule_class=None, **overrides
+):
+    """build_run's (trainer, module, data module, plan) of `steps` rollout steps with `rollout`'s settings, its batches
+    recorded (`datamodule_class`: a RecordingDataModule, a fresh one by default): rewarded by `digit_share`, 8 prompts
+    per rollout step in 2 optimizer steps of 16 samples (the policy moves between versions); `overrides`: build_run's
+    keywords over these."""
+    return build_run(
+        model_dir,
+        engine,
+        files,
+        out,
+        total_rollout_steps=steps,
+        rollout=rollout,
+        callbacks=callbacks,
+        datamodule_class=datamodule_class or RecordingDataModule.fresh(),
+        **{
+            "reward_fn": digit_share,
+            "rollout_batch_size": 8,
+            "train_batch_size": 16,
+            "micro_train_batch_size": 8,
+            **overrides,
+        },
+    )
 
 
 def fit_then_close(trainer, module, datamodule, *, resume_from=None, close: bool = True, seed: int | None = 0) -> None:

@@ -2,7 +2,8 @@
 run leaves for a test to read: its dumped experience, its metrics, its final actor and any of its processes still
 running (`live_processes_in_group`). Used by the 2-process runs
 (tests/end_to_end/test_ddp.py, test_ddp_tools.py), LoRA's (tests/training/test_lora.py), the HF engine's
-(tests/rollout/test_hf_engine.py) and the gradient synchronisation counts (tests/training/test_grad_sync.py)."""
+(tests/rollout/test_hf_engine.py) and the gradient synchronisation counts (tests/training/test_grad_sync.py); `train_py`, a
+short one whose output a test reads (the plan, the pre-flight's and the entry's one-line errors)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ SETTINGS = [
     "ppo.ppo_epochs=2",
     "strategy.precision=32-true",
 ]  # exact comparisons: float32 whatever `auto` picks on this machine
+
+
+def train_py(cwd: Path, *overrides: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python train.py <overrides>` started in `cwd` (Hydra's run directory under it), its output captured."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={cwd / 'hydra'}"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:

@@ -17,21 +17,22 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import LoraConfig, RolloutConfig, RolloutCorrectionConfig
+from lit_ppo.config import LoraConfig, RolloutConfig
 from lit_ppo.errors import ConfigError, RolloutWorkerError, StalenessError
 from lit_ppo.plan import check_policy_versions, compute_plan
 from lit_ppo.rollout.workers.client import RolloutWorkers
 from lit_ppo.training.logits import logprobs_and_entropy
 from lit_ppo.training.models import response_logits
 from tests.helpers import ROOT, build_run, compose_run_config, free_port
-from tests.helpers.asynchronous import RecordingDataModule, disaggregated, fit_then_close, patch_child_processes
-
-TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
-
-
-def digit_share(prompts, responses, references, extras, **_) -> list[float]:
-    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
-    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+from tests.helpers.asynchronous import (
+    TIS,
+    RecordingDataModule,
+    SignalWorker,
+    disaggregated,
+    fit_then_close,
+    patch_child_processes,
+    workers_run,
+)
 
 
 class Recorder(L.Callback):
@@ -52,18 +53,16 @@ class Recorder(L.Callback):
 def run(tiny_model_dir, files, tmp_path, rollout, steps=3, callbacks=(), engine=None, datamodule_class=None, **ppo):
     recorder = Recorder()
     datamodule_class = datamodule_class or RecordingDataModule.fresh()
-    trainer, module, datamodule, plan = build_run(
+    trainer, module, datamodule, plan = workers_run(
         tiny_model_dir,
-        engine,
         files,
         tmp_path,
-        total_rollout_steps=steps,
-        rollout=rollout,
+        rollout,
+        steps,
+        engine=engine,
         callbacks=[recorder, *callbacks],
         datamodule_class=datamodule_class,
-        reward_fn=digit_share,
-        # 2 optimizer steps per rollout step: the policy moves between versions
-        **{"rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8, **ppo},
+        **ppo,
     )
     try:
         trainer.fit(module, datamodule=datamodule)
@@ -381,21 +380,9 @@ def test_max_staleness_zero_reproduces_the_colocated_samples(tiny_model_dir, lon
     assert all(row["rollout/logprob_abs_diff"] < 1e-4 for row in module.history)
 
 
-class KillWorker(L.Callback):
-    """SIGKILL (or SIGSTOP: stuck) the rollout worker during rollout step 1's updates."""
-
-    def __init__(self, sig):
-        self.sig, self.pid = sig, None
-
-    def on_before_backward(self, trainer, module, loss):
-        if module.rollout_step == 1 and self.pid is None:
-            self.pid = trainer.datamodule.engine.procs[0].pid
-            os.kill(self.pid, self.sig)
-
-
 @pytest.mark.slow
 def test_a_killed_worker_stops_the_run_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
-    kill = KillWorker(signal.SIGKILL)
+    kill = SignalWorker(signal.SIGKILL)
     with pytest.raises(RolloutWorkerError) as info:
         run(
             tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, batch_timeout_s=60.0), callbacks=[kill], **TIS
@@ -408,7 +395,7 @@ def test_a_killed_worker_stops_the_run_naming_it_and_its_log(tiny_model_dir, lon
 
 @pytest.mark.slow
 def test_a_stuck_push_ends_within_its_timeout(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
-    stop = KillWorker(signal.SIGSTOP)
+    stop = SignalWorker(signal.SIGSTOP)
     with pytest.raises(RolloutWorkerError, match=r"^trainer: the weight push of version 2 .*weight_push_timeout_s=3 s"):
         run(
             tiny_model_dir,
@@ -767,7 +754,7 @@ def test_sigkill_then_resume_auto_is_bitwise_exact_and_leaves_no_worker(tmp_path
         "rollout.max_staleness=1",
         # rewards that differ within groups from the start: the adapter trains (tests/training/test_lora.py's LORA_TRAIN)
         *(
-            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.rollout.test_async.digit_share"]
+            ["model.lora.rank=8", "ppo.actor_lr=5e-3", "reward.fn._target_=tests.helpers.asynchronous.digit_share"]
             if lora
             else []
         ),
@@ -904,20 +891,11 @@ def checkpointed_run(
     from lit_ppo.checkpoints import RolloutCheckpoint
 
     datamodule_class = datamodule_class or RecordingDataModule.fresh()
-    trainer, module, datamodule, plan = build_run(
-        tiny_model_dir,
-        None,
-        files,
-        out,
-        total_rollout_steps=steps,
-        rollout=dataclasses.replace(disaggregated(1), **rollout),
-        callbacks=[RolloutCheckpoint(out / "checkpoints", every=0, keep=2), *callbacks],
-        datamodule_class=datamodule_class,
-        reward_fn=digit_share,
-        rollout_batch_size=8,
-        train_batch_size=16,
-        micro_train_batch_size=8,
-        **TIS,
+    checkpoints = RolloutCheckpoint(out / "checkpoints", every=0, keep=2)
+    rollout = dataclasses.replace(disaggregated(1), **rollout)
+    callbacks = [checkpoints, *callbacks]
+    trainer, module, datamodule, plan = workers_run(
+        tiny_model_dir, files, out, rollout, steps, callbacks=callbacks, datamodule_class=datamodule_class, **TIS
     )
     fit_then_close(trainer, module, datamodule, resume_from=resume_from)
     return module, datamodule_class.batches, plan

@@ -27,7 +27,7 @@ from lit_ppo.rollout.episodes import Episode
 from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.client import RolloutWorkers
 from tests.helpers import build_run, compose_run_config, plan_of
-from tests.helpers.asynchronous import step_request
+from tests.helpers.asynchronous import digit_share, step_request
 from tests.helpers.episodes import ENVIRONMENT, FLAKY_ENVIRONMENT, RAISING_ENVIRONMENT
 
 TIS = RolloutCorrectionConfig(mode="tis")
@@ -58,11 +58,6 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.versions.append(copy.deepcopy(module.actor.state_dict()))
-
-
-def digit_share(prompts, responses, references, extras, **_) -> list[float]:
-    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
-    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
 SMALL = {"rollout_batch_size": 4, "train_batch_size": 8, "micro_train_batch_size": 8}

@@ -4,14 +4,11 @@ unknown-key error, and for `data.path` with data=arithmetic, which the `+` would
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.run.entry import check_override_keys
-from tests.helpers import ROOT
+from tests.helpers.cli_runs import train_py
 
 
 @pytest.mark.parametrize(
@@ -66,13 +63,7 @@ def test_overrides_the_config_has_and_hydras_other_errors_pass_to_hydra():
 
 
 def test_train_py_says_it_in_one_line_and_exits_2(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "mode=plan", "rollout.tempreature=0.5", f"output_dir={tmp_path}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = train_py(tmp_path, "mode=plan", "rollout.tempreature=0.5", f"output_dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "error: rollout.tempreature is not a setting (did you mean rollout.temperature?); fix: rollout.temperature=0.5"

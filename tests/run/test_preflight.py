@@ -17,6 +17,7 @@ import pytest
 from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.run import entry as run_module
 from tests.helpers import ROOT, compose_config, compose_run_config
+from tests.helpers.cli_runs import train_py
 
 REPO = ROOT
 
@@ -35,17 +36,6 @@ def refused(tmp_path, *overrides, error=UserError) -> str:
     assert "\n" not in message, message
     assert not (tmp_path / "out" / "plan.json").exists()  # refused before the plan
     return message
-
-
-def train_py(cwd: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={cwd / 'hydra'}"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:

@@ -19,24 +19,21 @@ def varied_reward(prompts, responses, references, extras):
     return [int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32 for r in responses]
 
 
+def grpo_run(paths, engine, tmp_path, **settings):
+    """build_run's one rollout step of GRPO without KL (in the loss, coefficient 0) on the fixture model and the
+    arithmetic prompts (`paths`); `settings`: build_run's keywords on top."""
+    return build_run(
+        paths[0], engine, paths[1], tmp_path, advantage_estimator="grpo", kl_coef=0.0, kl_mode="loss", **settings
+    )
+
+
 def one_step(paths, engine, tmp_path, *, shift: float, **ppo):
     """One rollout step of GRPO without KL whose vLLM log-probs are moved by `shift` nats on every token, as a
     sampler that disagrees with the trainer would report them: rho = pi_old / pi_rollout = exp(-shift)."""
     # A sampler 1 nat off on every token would stop the run at rollout.max_logprob_abs_diff (the gate against
     # stale weights); this test simulates one on purpose, so the gate is off.
     rollout = RolloutConfig(max_response_tokens=6, eval_samples_per_prompt=2, max_logprob_abs_diff=None)
-    trainer, module, datamodule, _ = build_run(
-        paths[0],
-        engine,
-        paths[1],
-        tmp_path,
-        advantage_estimator="grpo",
-        kl_coef=0.0,
-        kl_mode="loss",
-        reward_fn=varied_reward,
-        rollout=rollout,
-        **ppo,
-    )
+    trainer, module, datamodule, _ = grpo_run(paths, engine, tmp_path, reward_fn=varied_reward, rollout=rollout, **ppo)
     produce = datamodule.produce_rollout
 
     def shifted(step):
@@ -95,16 +92,6 @@ def test_the_configured_policy_loss_is_the_one_trained_with(paths, engine, tmp_p
         "gspo": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
         "cispo": {"clip_ratio_low": 1.0, "clip_ratio_high": 4.0},
     }[policy_loss]
-    trainer, module, datamodule, _ = build_run(
-        paths[0],
-        engine,
-        paths[1],
-        tmp_path,
-        advantage_estimator="grpo",
-        kl_coef=0.0,
-        kl_mode="loss",
-        policy_loss=policy_loss,
-        **clip,
-    )
+    trainer, module, datamodule, _ = grpo_run(paths, engine, tmp_path, policy_loss=policy_loss, **clip)
     trainer.fit(module, datamodule=datamodule)
     assert len(calls) == 8  # 32 samples in micro-batches of 4: every micro-batch's loss

@@ -15,11 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
-from lit_ppo.config import DynamicSamplingConfig, RolloutCorrectionConfig
+from lit_ppo.config import DynamicSamplingConfig
 from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
@@ -28,17 +27,18 @@ from lit_ppo.rollout.workers.server_push import ServerPush
 from lit_ppo.rollout.workers.server_settings import server_arguments
 from lit_ppo.rollout.workers.server_spawn import plugin_path, server_environment
 from lit_ppo.rollout.workers.servers import ServerWorkers
-from tests.helpers import ROOT, build_run, compose_run_config, free_port
+from tests.helpers import ROOT, compose_run_config, free_port
 from tests.helpers.asynchronous import (
-    RecordingDataModule,
+    TIS,
+    SignalWorker,
     disaggregated,
     even_answers_are_uniform,
     fit_then_close,
     patch_child_processes,
+    workers_run,
 )
-from tests.helpers.servers import model_folder
+from tests.helpers.servers import BY_HAND, model_folder
 
-TIS = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 SERVER = ("rollout.mode=disaggregated", "rollout.workers.launch=server")
 
 
@@ -137,9 +137,15 @@ def test_the_plan_names_the_servers_and_the_push_that_waits_for_the_steps_in_fli
 def given_server_workers(url: str, log_dir: Path, **settings) -> ServerWorkers:
     """The trainer's client of one server given by `url` (started outside the run), with the tests' timeouts;
     `settings`: ServerWorkers' keywords over them."""
+    return one_server_workers([url], log_dir, **settings)
+
+
+def one_server_workers(server_urls: list[str], log_dir: Path, **settings) -> ServerWorkers:
+    """The trainer's client of one server (spawned by it where `server_urls` is empty), with the tests' timeouts;
+    `settings`: ServerWorkers' keywords over them."""
     return ServerWorkers(
         engine_kwargs=settings.pop("engine_kwargs", {}),
-        server_urls=[url],
+        server_urls=server_urls,
         workers=1,
         devices_per_worker=1,
         trainer_devices=1,
@@ -162,39 +168,17 @@ def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_i
 # ---------------------------------------------------------------- real servers
 
 
-def digit_share(prompts, responses, references, extras, **_) -> list[float]:
-    """The share of digits in a response: a reward the random tiny model earns in varying amounts, so it learns."""
-    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
-
-
 def run(
     tiny_model_dir, files, out: Path, rollout, steps: int, callbacks=(), resume_from: Path | None = None, **overrides
 ):
     """A run with rollout workers of `rollout`'s launch (resumed from the checkpoint `resume_from`, if any); returns the
     batches it trained, the workers' client, the plan and the module. `overrides`: build_run's keywords (the PPO
     settings, the reward) over the tests' own."""
-    datamodule_class = RecordingDataModule.fresh()
-    trainer, module, datamodule, plan = build_run(
-        tiny_model_dir,
-        None,
-        files,
-        out,
-        total_rollout_steps=steps,
-        rollout=rollout,
-        datamodule_class=datamodule_class,
-        callbacks=callbacks,
-        # 2 optimizer steps per rollout step: the policy moves between versions
-        **{
-            "reward_fn": digit_share,
-            "rollout_batch_size": 8,
-            "train_batch_size": 16,
-            "micro_train_batch_size": 8,
-            **TIS,
-            **overrides,
-        },
+    trainer, module, datamodule, plan = workers_run(
+        tiny_model_dir, files, out, rollout, steps, callbacks=callbacks, **{**TIS, **overrides}
     )
     fit_then_close(trainer, module, datamodule, resume_from=resume_from)
-    return datamodule_class.batches, datamodule.engine, plan, module
+    return type(datamodule).batches, datamodule.engine, plan, module
 
 
 def assert_same_samples(ours, theirs) -> None:
@@ -333,22 +317,9 @@ def test_dynamic_sampling_on_a_server_at_k1_resumes_from_a_checkpoint_exactly(
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
 
 
-class KillServer(L.Callback):
-    """SIGKILL a spawned server (its process group: the API server and its engine's processes) during rollout step 1's
-    updates."""
-
-    def __init__(self):
-        self.pid = None
-
-    def on_before_backward(self, trainer, module, loss):
-        if module.rollout_step == 1 and self.pid is None:
-            self.pid = trainer.datamodule.engine.procs[0].pid
-            os.killpg(self.pid, signal.SIGKILL)
-
-
 @pytest.mark.slow
 def test_a_killed_server_stops_the_run_in_one_line_naming_it_and_its_log(tiny_model_dir, long_prompt_files, tmp_path):  # noqa: F811
-    kill = KillServer()
+    kill = SignalWorker(signal.SIGKILL, group=True)  # a spawned server's process group
     with pytest.raises(RolloutWorkerError) as info:
         run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1, launch="server"), steps=3, callbacks=[kill])
     message = str(info.value)
@@ -363,15 +334,7 @@ def start_server(model_dir: str, log_file: Path, dtype: str | None = "float32") 
     its PYTHONPATH, as an environment with lit-ppo installed gets it from its entry point); `dtype` None: started
     without --dtype (vLLM's auto)."""
     port = free_port()
-    settings = dict(
-        model_dir=model_dir,
-        dtype=dtype,
-        max_model_len=128,
-        seed=0,
-        tensor_parallel_size=1,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-    )
+    settings = {**BY_HAND, "model_dir": model_dir, "dtype": dtype}
     env = server_environment(kv_cache_gib=1)
     env["PYTHONPATH"] = os.pathsep.join([str(plugin_path(log_file.parent / "plugin")), str(ROOT)])
     arguments = server_arguments(settings, port)
@@ -627,29 +590,9 @@ def test_a_server_started_by_hand_without_a_rollout_workers_settings_is_refused_
 def spawned_server_workers(tiny_model_dir: str, log_dir: Path, push_timeout_s: float) -> ServerWorkers:
     """One vLLM server spawned by `ServerWorkers` (the trainer's client, without a run), as a run with
     rollout.workers.launch=server starts it."""
-    settings = dict(
-        model_dir=tiny_model_dir,
-        dtype="float32",
-        max_model_len=128,
-        seed=0,
-        tensor_parallel_size=1,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=1,
-    )
-    return ServerWorkers(
-        engine_kwargs=settings,
-        server_urls=[],
-        workers=1,
-        devices_per_worker=1,
-        trainer_devices=1,
-        log_dir=log_dir,
-        start_timeout_s=300.0,
-        batch_timeout_s=120.0,
-        push_timeout_s=push_timeout_s,
-        bucket_mib=1,
-        max_logprob_abs_diff=1e-4,
-    )
+    settings = {**BY_HAND, "model_dir": tiny_model_dir, "kv_cache_gib": 1}
+    timeouts = dict(start_timeout_s=300.0, batch_timeout_s=120.0, push_timeout_s=push_timeout_s)
+    return one_server_workers([], log_dir, engine_kwargs=settings, max_logprob_abs_diff=1e-4, **timeouts)
 
 
 @pytest.mark.slow  # a spawned server's start
