@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +35,10 @@ import torch
 from tests.helpers.cli_runs import (
     DDP,
     STRATEGIES,
+    assert_no_rank_left,
     assert_same_weights,
     experience,
     final_actor,
-    live_processes_in_group,
     metrics,
     train_cli,
 )
@@ -266,6 +265,13 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(single_run, parallel_run, res
     assert_same_weights(final_actor(resumed_on_one_rank), final_actor(single_run))
 
 
+def stopped_ddp_run(tmp_path: Path, cache: Path, reward_source: str, *overrides: str) -> Path:
+    """A 2-rank DDP `python train.py` with the reward module rank_reward.py of `reward_source` (on its path), stopped
+    with exit code 2; `overrides` on top."""
+    (tmp_path / "rank_reward.py").write_text(reward_source)
+    return train_cli(tmp_path / "run", cache, *DDP, *overrides, returncode=2, pythonpath=(str(tmp_path),))
+
+
 FAILING_REWARD = """
 import os
 
@@ -279,24 +285,13 @@ def fail_on_rank_0(prompts, responses, references, extras):
 def test_an_error_on_rank_0_stops_every_rank(tmp_path, cache, single_run):
     """Rank 0 stops with the one-line error; rank 1, which it started, does not wait on in a collective. The ranks
     generate with the HF engine: what is tested is the ranks' stop, not an engine's, and no vLLM start is paid."""
-    (tmp_path / "rank_reward.py").write_text(FAILING_REWARD)
-    out = train_cli(
-        tmp_path / "run",
-        cache,
-        *DDP,
-        "rollout.engine=hf",
-        "reward.fn._target_=rank_reward.fail_on_rank_0",
-        returncode=2,
-        pythonpath=(str(tmp_path),),
+    out = stopped_ddp_run(
+        tmp_path, cache, FAILING_REWARD, "rollout.engine=hf", "reward.fn._target_=rank_reward.fail_on_rank_0"
     )
     log = (out / "train.log").read_text()
     assert "error: reward function rank_reward.fail_on_rank_0" in log and "this reward fails on rank 0" in log
     assert "Connection closed by peer" not in log  # rank 1 was stopped, not left to fail in its next all-reduce
-    pgid = int((out / "pgid").read_text())
-    deadline = time.monotonic() + 10
-    while live_processes_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not live_processes_in_group(pgid), "a rank outlived the failed run"
+    assert_no_rank_left(out)
 
 
 HANGING_REWARD = """
@@ -314,17 +309,14 @@ def hang_on_rank_1(prompts, responses, references, extras):
 def test_a_rank_that_hangs_stops_the_run_naming_the_phase(tmp_path, cache, single_run):
     """Rank 1's reward hangs in the first evaluation (no reward limit): rank 0 waits in that evaluation's all-reduce
     for trainer.collective_timeout_s, then stops the run in one line naming the evaluation, and stops rank 1."""
-    (tmp_path / "rank_reward.py").write_text(HANGING_REWARD)
-    out = train_cli(
-        tmp_path / "run",
+    out = stopped_ddp_run(
+        tmp_path,
         cache,
-        *DDP,
+        HANGING_REWARD,
         "data.n_eval=8",
         "reward.fn._target_=rank_reward.hang_on_rank_1",
         "reward.timeout_s=null",
         "trainer.collective_timeout_s=30",
-        returncode=2,
-        pythonpath=(str(tmp_path),),
     )
     log = (out / "train.log").read_text()  # the error line follows the progress bar's last state
     errors = [line[line.index("error: ") :] for line in log.splitlines() if "error: " in line]
@@ -333,11 +325,7 @@ def test_a_rank_that_hangs_stops_the_run_naming_the_phase(tmp_path, cache, singl
         "rollout step 1; a rank hung or stopped there (its log: <run>/logs/run.rank<N>.log); fix: find what held it "
         "up, or raise trainer.collective_timeout_s if the evaluation before rollout step 1 is only slow on some ranks"
     ]
-    pgid = int((out / "pgid").read_text())
-    deadline = time.monotonic() + 10
-    while live_processes_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not live_processes_in_group(pgid), "a rank outlived the stopped run"
+    assert_no_rank_left(out)
 
 
 @pytest.mark.slow

@@ -13,7 +13,14 @@ import time
 import pytest
 import torch
 
-from tests.helpers.cli_runs import DDP, STRATEGIES, experience, live_processes_in_group, metrics, train_cli
+from tests.helpers.cli_runs import (
+    DDP,
+    STRATEGIES,
+    assert_no_rank_left,
+    experience,
+    metrics,
+    train_cli,
+)
 
 TOOLS = [
     "+experiment=tool_arithmetic",
@@ -154,11 +161,7 @@ def test_an_id_mismatch_on_rank_1_stops_every_rank_with_the_checkpoint_of_the_st
     ), error
     assert "the checkpoint of the step's start was saved" in error and error.endswith("then resume=auto")
     assert elapsed_s < 200, f"{elapsed_s:.0f}s: the ranks waited on each other (collective timeout 300s)"
-    pgid = int((out / "pgid").read_text())
-    deadline = time.monotonic() + 10
-    while live_processes_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not live_processes_in_group(pgid), "a rank outlived the stopped run"
+    assert_no_rank_left(out)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["rollout_step_000001.ckpt"]
     first = experience(out, 0, world=2)
 

@@ -77,6 +77,15 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
     return out
 
 
+def assert_no_rank_left(run: Path, within_s: float = 10.0) -> None:
+    """Every process of `train_cli`'s stopped run `run` (its process group: the ranks) ends within `within_s`."""
+    pgid = int((run / "pgid").read_text())
+    deadline = time.monotonic() + within_s
+    while live_processes_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not live_processes_in_group(pgid), "a rank outlived the stopped run"
+
+
 def live_processes_in_group(pgid: int) -> list[int]:
     """Processes of a process group that are still running (zombies waiting to be reaped do not count)."""
     live = []

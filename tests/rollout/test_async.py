@@ -672,26 +672,6 @@ if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its v
 """
 
 
-def test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log(
-    tiny_model_dir,
-    long_prompt_files,  # noqa: F811
-    tmp_path,
-    monkeypatch,
-):
-    """The worker's vLLM skips every adapter load after the first (patched in the worker's own process, by a
-    sitecustomize on its PYTHONPATH): after the push of policy version 1 its engine serves no adapter where it must
-    serve version 2, and the worker stops; the trainer reports it in one line naming the worker and its log."""
-    patch_child_processes(tmp_path / "patch", monkeypatch, SKIP_ADAPTER_LOADS)
-    with pytest.raises(RolloutWorkerError) as info:
-        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **LORA, **TIS)
-    message = str(info.value)
-    assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
-    assert "WeightSyncError: LoRA sync: vLLM serves adapter versions [] after loading version 2" in message
-    assert str(tmp_path / "logs" / "rollout_worker0.log") in message
-    log = (tmp_path / "logs" / "rollout_worker0.log").read_text()
-    assert "test: the load of adapter version 2 skipped" in log and "policy version 1 applied" not in log
-
-
 WORKER_COMMITS_ONLY_ITS_FIRST_VERSION = """
 import sys
 
@@ -710,29 +690,48 @@ if "lit_ppo.rollout.workers" in sys.orig_argv:  # the rollout worker only: its v
 """
 
 
-def test_a_worker_whose_engine_reports_another_version_than_it_applied_stops_the_run_in_one_line(
+MISAPPLIED_PUSHES = {
+    # the worker's vLLM skips every adapter load after the first: after the push of policy version 1 its engine serves
+    # no adapter where it must serve version 2
+    "adapter-not-served": (
+        SKIP_ADAPTER_LOADS,
+        LORA,
+        "WeightSyncError: LoRA sync: vLLM serves adapter versions [] after loading version 2",
+        ["test: the load of adapter version 2 skipped"],
+    ),
+    # the worker's vLLM loads every push but commits only the first one's version: after applying policy version 1 its
+    # engine still reports version 0, so its samples would be recorded with a version that did not generate them
+    "version-not-committed": (
+        WORKER_COMMITS_ONLY_ITS_FIRST_VERSION,
+        {},
+        "RuntimeError: rollout worker 0: its engine reports weight version 0 after applying policy version 1 (vLLM "
+        "did not commit it); fix: install the vLLM version lit-ppo pins",
+        ["test: the commit of weight version 1 skipped", "policy version 0 applied"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISAPPLIED_PUSHES))
+def test_a_worker_whose_engine_misapplies_a_push_stops_the_run_in_one_line_naming_it_and_its_log(
+    case,
     tiny_model_dir,
     long_prompt_files,  # noqa: F811
     tmp_path,
     monkeypatch,
 ):
-    """The worker's vLLM loads every push but commits only the first one's version (patched in the worker's own
-    process, by a sitecustomize on its PYTHONPATH): after applying policy version 1 its engine still reports version
-    0, so its samples would be recorded with a version that did not generate them. The worker stops; the trainer
-    reports it in one line naming the worker, both versions and its log."""
-    patch_child_processes(tmp_path / "patch", monkeypatch, WORKER_COMMITS_ONLY_ITS_FIRST_VERSION)
+    """The worker's vLLM patched in the worker's own process (by a sitecustomize on its PYTHONPATH) to misapply a push
+    (MISAPPLIED_PUSHES): the worker stops; the trainer reports it in one line naming the worker, what its engine did
+    and its log."""
+    patch, settings, cause, logged = MISAPPLIED_PUSHES[case]
+    patch_child_processes(tmp_path / "patch", monkeypatch, patch)
     with pytest.raises(RolloutWorkerError) as info:
-        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **TIS)
+        run(tiny_model_dir, long_prompt_files, tmp_path, disaggregated(1), **settings, **TIS)
     message = str(info.value)
     assert "\n" not in message and "rollout worker 0 (pid" in message and "exited with code 1" in message
-    assert (
-        "RuntimeError: rollout worker 0: its engine reports weight version 0 after applying policy version 1 (vLLM "
-        "did not commit it); fix: install the vLLM version lit-ppo pins" in message
-    )
+    assert cause in message
     assert str(tmp_path / "logs" / "rollout_worker0.log") in message
     log = (tmp_path / "logs" / "rollout_worker0.log").read_text()
-    assert "test: the commit of weight version 1 skipped" in log and "policy version 0 applied" in log
-    assert "policy version 1 applied" not in log
+    assert [line for line in logged if line not in log] == [] and "policy version 1 applied" not in log
 
 
 @pytest.mark.slow
