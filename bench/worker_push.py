@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from common import add_common_args, bench_model_dir, fmt, model_description, print_header, qwen05b_model_dir, stats
@@ -53,6 +54,7 @@ def main() -> None:
     from lit_ppo.contract import AdapterWeights, GenerateRequest, WeightUpdate
     from lit_ppo.distributed import full_tensor_metadata
     from lit_ppo.rollout.workers.client import RolloutWorkers
+    from lit_ppo.rollout.workers.client_settings import ClientSettings
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_config = None
@@ -83,14 +85,16 @@ def main() -> None:
             max_lora_rank=args.lora_rank or None,
             weight_transfer=True,
         ),
-        workers=1,
-        devices_per_worker=1,
-        trainer_devices=1,
-        log_dir=tempfile.mkdtemp(prefix="worker_push-"),
-        start_timeout_s=900,
-        batch_timeout_s=900,
-        push_timeout_s=900,
-        bucket_mib=args.bucket_mib,
+        settings=ClientSettings(
+            workers=1,
+            devices_per_worker=1,
+            trainer_devices=1,
+            log_dir=Path(tempfile.mkdtemp(prefix="worker_push-")),
+            start_timeout_s=900,
+            batch_timeout_s=900,
+            push_timeout_s=900,
+            bucket_mib=args.bucket_mib,
+        ),
     )
     print(f"worker started in {time.perf_counter() - started:.1f} s (log: {workers.launch.log(0)})", flush=True)
     pushed, to_sample, moved = [], [], 0

@@ -5,6 +5,13 @@ while running), so code that catches those still does.
 """
 
 
+def first_line(error: BaseException, default: str = "") -> str:
+    """The first line of `error`'s message, or `default` where it says nothing: what a one-line error quotes of a
+    library's."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else default
+
+
 class UserError(Exception):
     """A mistake or a condition the user can fix; the message is one line naming the place and the fix."""
 

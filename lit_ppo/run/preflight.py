@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit_ppo.config import close_match_hints
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from lit_ppo.plan import LoraTargets
@@ -90,9 +90,9 @@ def find_model_files(model_path: str, *, required: bool, offline: bool) -> Model
     try:
         downloaded = hf_hub_download(model_path, "config.json")
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"model.path={model_path}: its config.json cannot be fetched from the Hugging Face hub ({first}); fix: "
+            f"model.path={model_path}: its config.json cannot be fetched from the Hugging Face hub "
+            f"({first_line(e, type(e).__name__)}); fix: "
             "check the name and the network, or point model.path at a local model directory"
         ) from None
     return ModelFiles(Path(downloaded).parent, json.loads(Path(downloaded).read_text()), downloaded, local=False)
@@ -280,9 +280,9 @@ def meta_model(architecture: Any, where: str) -> Any:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(architecture)
     except Exception as e:  # the run's own load (AutoModelForCausalLM.from_pretrained) would fail alike
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(
-            f"{where}: transformers cannot build a causal LM from its config.json ({type(e).__name__}: {first}), so "
+            f"{where}: transformers cannot build a causal LM from its config.json ({type(e).__name__}: "
+            f"{first_line(e)}), so "
             "model.lora.target_modules cannot be matched to its modules; fix: point model.path at a model that "
             "AutoModelForCausalLM loads"
         ) from None

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from lit_ppo.config import RunConfig, check_teacher_tokenizer
 from lit_ppo.console import show
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, first_line
 
 
 def check_teacher(
@@ -68,9 +68,9 @@ def check_teacher_files(
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(
-            f"model.teacher.path={teacher_path}: its tokenizer cannot be loaded ({type(e).__name__}: {first}); fix: "
+            f"model.teacher.path={teacher_path}: its tokenizer cannot be loaded ({type(e).__name__}: "
+            f"{first_line(e, type(e).__name__)}); fix: "
             "point model.teacher.path at a model directory with its tokenizer (or a hub name)"
         ) from None
     check_teacher_tokenizer(student_tokenizer, teacher_tokenizer, student_name, teacher_path)

@@ -1,6 +1,8 @@
-"""Shared test code (no test module imports another; tests/test_layout.py checks it). Here: the config a test runs
-(composed through Hydra or built in code), its plan, a real run without Hydra (small batches on the tiny model, built by
-the product's `lit_ppo.run.build.build_run_on_files`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
+"""Shared test code (no test module imports another; tests/test_layout.py checks it). Here: the fixture model
+(FIXTURE_SHAPE), the config a test runs (composed through Hydra or built in code; `ppo_at`: a preset at a test's batch
+sizes), its plan, a real run without Hydra (small batches on the tiny model, built by the product's
+`lit_ppo.run.build.build_run_on_files`), `python train.py`'s run in this process (`fixture_run`), a stand-in engine
+(`LastTokenEngine`) and what a run writes. Beside it: `cli_runs` (`python train.py` in its own
 process), `resume` (comparing runs' states), `prompts` (prompts of real lengths), `episodes` (a calculator for
 multi-turn episodes), `packing` (the LM head by hand), `fixed_batch` (a real rollout step on a fixed batch), `asynchronous` (runs with rollout workers)."""
 

@@ -230,26 +230,18 @@ def test_a_taken_store_port_stops_the_workers_client_in_one_line_naming_the_sett
     from lit_ppo.errors import RolloutWorkerError
     from lit_ppo.rollout.weight_transfer.transport import host_store
     from lit_ppo.rollout.workers.client import RolloutWorkers
+    from lit_ppo.rollout.workers.client_settings import ClientSettings
 
     taken = host_store("127.0.0.1", 0, 5.0)
     line = (
         rf"^trainer: cannot host the rollout workers' store on port {taken.port} \(.+\); fix: set rollout.workers.port "
     )
+    timeouts = dict(start_timeout_s=5.0, batch_timeout_s=5.0, push_timeout_s=5.0)
+    settings = ClientSettings(
+        workers=1, devices_per_worker=1, trainer_devices=1, log_dir=tmp_path, bucket_mib=1, host="127.0.0.1", **timeouts
+    )
     with pytest.raises(RolloutWorkerError, match=line + "to a free port on this node$") as info:
-        RolloutWorkers(
-            engine_kwargs={},
-            workers=1,
-            devices_per_worker=1,
-            trainer_devices=1,
-            log_dir=tmp_path,
-            start_timeout_s=5.0,
-            batch_timeout_s=5.0,
-            push_timeout_s=5.0,
-            bucket_mib=1,
-            host="127.0.0.1",
-            launch="external",
-            port=taken.port,
-        )
+        RolloutWorkers(engine_kwargs={}, settings=settings, launch="external", port=taken.port)
     assert "\n" not in str(info.value)
 
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.errors import RolloutWorkerError, first_line
 
 POLL_S = 0.01  # how often a wait looks at the store (and, on the trainer's side, at the workers' liveness)
 
@@ -61,7 +61,7 @@ def host_store(host: str, port: int, timeout_s: float):
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s))
     except RuntimeError as e:
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        reason = first_line(e, type(e).__name__)[:200]
         if "address already in use" in reason.lower():
             where = f"port {port}" if port else "a free port"
             fix = "set rollout.workers.port to a free port on this node" if port else "free a TCP port on this node"

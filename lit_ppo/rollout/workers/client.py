@@ -24,6 +24,7 @@ from lit_ppo.engine_registry import ENGINES
 from lit_ppo.errors import RolloutWorkerError
 from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeSpec
 from lit_ppo.rollout.weight_transfer.transport import POLL_S, PushAnnouncer, host_store
+from lit_ppo.rollout.workers.client_settings import ClientSettings
 from lit_ppo.rollout.workers.launch import ExternalLaunch, Launch, SpawnedLaunch
 from lit_ppo.rollout.workers.messages import ApplyWeights, Generate, InitWeightTransfer, Result, Stop, WorkerSpec
 
@@ -78,34 +79,26 @@ class RolloutWorkers:
         self,
         *,
         engine_kwargs: dict,
-        workers: int,
-        devices_per_worker: int,
-        trainer_devices: int,
-        log_dir: Path,
-        start_timeout_s: float,
-        batch_timeout_s: float,
-        push_timeout_s: float,
-        bucket_mib: int,
-        max_logprob_abs_diff: float | None = None,
-        host: str | None = None,
+        settings: ClientSettings,
         launch: str = "spawn",
         port: int = 0,
         heartbeat_timeout_s: float = 60.0,
         engine_name: str = "vllm",
         episodes: EpisodeSpec | None = None,
     ):
+        workers, start_timeout_s, push_timeout_s = settings.workers, settings.start_timeout_s, settings.push_timeout_s
         self.workers = workers
-        self.batch_timeout_s = batch_timeout_s
+        self.batch_timeout_s = settings.batch_timeout_s
         self.push_timeout_s = push_timeout_s
-        self.bucket_bytes = bucket_mib * 2**20
-        log_dir = Path(log_dir)
+        self.bucket_bytes = settings.bucket_mib * 2**20
+        log_dir = Path(settings.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
+        self.host = settings.host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
         self.store = host_store(self.host, port, start_timeout_s)
         self.address = f"{self.host}:{self.store.port}"
         processes = ENGINES[engine_name].processes_per_worker(engine_kwargs)
         spec = WorkerSpec(
-            engine_kwargs, push_timeout_s, max_logprob_abs_diff, workers, engine_name, episodes, processes
+            engine_kwargs, push_timeout_s, settings.max_logprob_abs_diff, workers, engine_name, episodes, processes
         )
         self.store.set("spec", pickle.dumps(spec))
         self.launch: Launch = (
@@ -118,8 +111,8 @@ class RolloutWorkers:
                 host=self.host,
                 workers=workers,
                 log_dir=log_dir,
-                devices_per_worker=devices_per_worker,
-                trainer_devices=trainer_devices,
+                devices_per_worker=settings.devices_per_worker,
+                trainer_devices=settings.trainer_devices,
             )
         )
         self.commands = [0] * workers  # commands sent to each worker

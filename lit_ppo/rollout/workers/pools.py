@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from lit_ppo.engine_registry import engine_row
+from lit_ppo.rollout.workers.client_settings import ClientSettings
 
 
-def client_settings(datamodule) -> dict:
+def client_settings(datamodule) -> ClientSettings:
     """What every launch's client takes from the run's settings."""
     r, w = datamodule.rollout, datamodule.rollout.workers
-    return dict(
+    return ClientSettings(
         workers=w.count,
         devices_per_worker=w.devices,
         # The spawned workers' GPUs follow those of the trainer's ranks on rank 0's node.
@@ -34,7 +35,9 @@ def start_servers(datamodule, actor=None):
 
     plan, w = datamodule.plan, datamodule.rollout.workers
     engine_kwargs = engine_row(datamodule.rollout.engine, plan).engine.settings_for_workers(datamodule, plan)
-    return ServerWorkers(engine_kwargs=engine_kwargs, server_urls=list(w.server_urls), **client_settings(datamodule))
+    return ServerWorkers(
+        engine_kwargs=engine_kwargs, server_urls=list(w.server_urls), settings=client_settings(datamodule)
+    )
 
 
 def start_workers(datamodule, actor=None):
@@ -51,7 +54,7 @@ def start_workers(datamodule, actor=None):
         launch=w.launch,
         port=w.port if w.launch == "external" else 0,
         heartbeat_timeout_s=w.heartbeat_timeout_s,
-        **client_settings(datamodule),
+        settings=client_settings(datamodule),
     )
     if not datamodule.topology.distributed:
         return start()

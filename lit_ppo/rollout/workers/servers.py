@@ -40,6 +40,7 @@ import torch
 
 from lit_ppo.contract import GenerateRequest, Generation, WeightUpdate
 from lit_ppo.errors import RolloutWorkerError
+from lit_ppo.rollout.workers.client_settings import ClientSettings
 from lit_ppo.rollout.workers.server_http import HTTPFailure, Server, ServerCalls
 from lit_ppo.rollout.workers.server_push import ServerPush
 from lit_ppo.rollout.workers.server_settings import server_mismatch
@@ -83,25 +84,16 @@ class ServerWorkers(ServerCalls):
         *,
         engine_kwargs: dict,
         server_urls: list[str],
-        workers: int,
-        devices_per_worker: int,
-        trainer_devices: int,
-        log_dir: Path,
-        start_timeout_s: float,
-        batch_timeout_s: float,
-        push_timeout_s: float,
-        bucket_mib: int,
-        max_logprob_abs_diff: float | None = None,
-        host: str | None = None,
+        settings: ClientSettings,
         max_requests_in_flight: int = 256,
     ):
         self.start_timeout_s, self.batch_timeout_s, self.push_timeout_s = (
-            start_timeout_s,
-            batch_timeout_s,
-            push_timeout_s,
+            settings.start_timeout_s,
+            settings.batch_timeout_s,
+            settings.push_timeout_s,
         )
-        self.host = host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
-        self.log_dir = Path(log_dir)
+        self.host = settings.host or os.environ.get("LIT_PPO_ROLLOUT_HOST", "127.0.0.1")
+        self.log_dir = Path(settings.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.version: int | None = None  # the last version pushed
         # One pool per server (`server_of`): a server's requests never queue behind another's.
@@ -115,22 +107,21 @@ class ServerWorkers(ServerCalls):
         self.servers: list[Server] = []
         self.exit_codes: list[int | None] = []
         self.failed = False
-        self.push = ServerPush(self, max_logprob_abs_diff)
+        self.push = ServerPush(self, settings.max_logprob_abs_diff)
         self.last_push_wait_s = 0.0  # what the last push waited for the requests sent before it
         started = time.perf_counter()
         try:
             if server_urls:
                 self.servers = [Server(i, url.rstrip("/")) for i, url in enumerate(server_urls)]
             else:
-                for i in range(workers):  # appended one by one: a failed spawn still stops the ones before it
-                    self.servers.append(
-                        spawn_server(i, engine_kwargs, devices_per_worker, trainer_devices, self.host, self.log_dir)
-                    )
+                for i in range(settings.workers):  # appended one by one: a failed spawn still stops the ones before it
+                    devices = settings.devices_per_worker, settings.trainer_devices
+                    self.servers.append(spawn_server(i, engine_kwargs, *devices, self.host, self.log_dir))
             for server in self.servers:
                 self._wait_ready(server)
                 if server.process is None:
                     self._check_settings(server, engine_kwargs)
-            self.push.start(self.host, bucket_mib)
+            self.push.start(self.host, settings.bucket_mib)
         except BaseException:
             self.failed = True
             self.close()

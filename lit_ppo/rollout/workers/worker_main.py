@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 
+from lit_ppo.errors import first_line
 from lit_ppo.rollout.episodes import EpisodeRequest
 from lit_ppo.rollout.weight_transfer.transport import probe_mismatch, seconds_delta, take_key
 from lit_ppo.rollout.workers.launch import HEARTBEAT_S
@@ -106,7 +107,7 @@ def _connect(host: str, port: int, worker: int, connect_timeout_s: float):
     except RuntimeError as e:
         print(
             f"rollout worker {worker}: could not connect to the trainer at {host}:{port} within {connect_timeout_s:g} s "
-            f"({str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}); fix: start the trainer "
+            f"({first_line(e, type(e).__name__)[:200]}); fix: start the trainer "
             "(rollout.workers.launch=external) and check that this node reaches that address, or raise "
             "--connect-timeout-s",
             flush=True,

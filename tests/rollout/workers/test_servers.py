@@ -22,6 +22,7 @@ from lit_ppo.config import DynamicSamplingConfig
 from lit_ppo.contract import GenerateRequest, WeightUpdate
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.plan import compute_plan
+from lit_ppo.rollout.workers.client_settings import ClientSettings
 from lit_ppo.rollout.workers.server_http import HTTPFailure, Server
 from lit_ppo.rollout.workers.server_push import ServerPush
 from lit_ppo.rollout.workers.server_settings import server_arguments
@@ -143,16 +144,12 @@ def given_server_workers(url: str, log_dir: Path, **settings) -> ServerWorkers:
 def one_server_workers(server_urls: list[str], log_dir: Path, **settings) -> ServerWorkers:
     """The trainer's client of one server (spawned by it where `server_urls` is empty), with the tests' timeouts;
     `settings`: ServerWorkers' keywords over them."""
-    return ServerWorkers(
-        engine_kwargs=settings.pop("engine_kwargs", {}),
-        server_urls=server_urls,
-        workers=1,
-        devices_per_worker=1,
-        trainer_devices=1,
-        log_dir=log_dir,
-        bucket_mib=1,
-        **{"start_timeout_s": 60.0, "batch_timeout_s": 300.0, "push_timeout_s": 60.0, **settings},
+    engine_kwargs = settings.pop("engine_kwargs", {})
+    timeouts = {"start_timeout_s": 60.0, "batch_timeout_s": 300.0, "push_timeout_s": 60.0, **settings}
+    client = ClientSettings(
+        workers=1, devices_per_worker=1, trainer_devices=1, log_dir=log_dir, bucket_mib=1, **timeouts
     )
+    return ServerWorkers(engine_kwargs=engine_kwargs, server_urls=server_urls, settings=client)
 
 
 def test_a_server_url_where_nothing_answers_fails_the_start_in_one_line_naming_it(tmp_path):
