@@ -30,6 +30,6 @@ def test_train_py_catches_the_one_base():
 def test_first_line_is_what_a_one_line_error_quotes_of_a_library_s():
     """`first_line`, the one reading of an exception's message that the one-line errors quote (the pre-flight's, the
     teacher's tokenizer, the workers' store): its first line stripped, or the default where it says nothing."""
-    assert errors.first_line(OSError("\n  Repository not found  \nRequest ID: 12\n")) == "Repository not found"
+    assert errors.first_line(OSError("\n  Repository not found\nRequest ID: 12\n")) == "Repository not found"
     assert errors.first_line(OSError("  \n"), "OSError") == "OSError"
     assert errors.first_line(RuntimeError(), "RuntimeError") == "RuntimeError" and errors.first_line(ValueError()) == ""
