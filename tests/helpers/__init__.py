@@ -97,6 +97,13 @@ def ppo_at(prompts: int, n: int, train: int, micro: int, preset: str = "ppo", **
     return dataclasses.replace(compose_run_config(f"ppo={preset}").ppo, **batches, **changes)
 
 
+def distill_ppo(**changes) -> PPOConfig:
+    """On-policy distillation's settings of the teacher tests: 3 prompts x 4 samples, one optimizer step of 12 samples
+    in micro-batches of 6, no KL; `changes` on top."""
+    batches = dict(rollout_batch_size=3, n_samples_per_prompt=4, train_batch_size=12, micro_train_batch_size=6)
+    return PPOConfig(**{"advantage_estimator": "on_policy_distill", "kl_coef": 0.0, **batches, **changes})
+
+
 def plan_of(dataset_prompts: int, **kwargs) -> StepPlan:
     """The product's plan (`compute_plan`) of `run_config(**kwargs)` over `dataset_prompts` prompts."""
     return compute_plan(run_config(**kwargs), dataset_prompts)

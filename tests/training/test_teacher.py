@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from lit_ppo.config import LoraConfig, ModelConfig, PPOConfig, RolloutConfig, TeacherConfig
+from lit_ppo.config import LoraConfig, ModelConfig, RolloutConfig, TeacherConfig
 from lit_ppo.plan import compute_plan
 from lit_ppo.testing import synthetic_rollout_batch
 from lit_ppo.training.module import PPOModule
-from tests.helpers import build_run, run_config
+from tests.helpers import build_run, distill_ppo, run_config
 
 TEMPERATURE = 0.7
 
@@ -48,22 +48,9 @@ def test_teacher_logprobs_equal_a_plain_transformers_forward(tiny_model_dir, tea
     """The experience's teacher log-probs (padded rows, packed rows, the shared-prefix layout: the reference model's
     forward path) are a plain forward's of each sequence, to float32 rounding; the advantage is the student's minus
     them, negated."""
-    ppo = PPOConfig(
-        advantage_estimator="on_policy_distill",
-        kl_coef=0.0,
-        rollout_batch_size=3,
-        n_samples_per_prompt=4,
-        train_batch_size=12,
-        micro_train_batch_size=6,
-        packing=packing,
-        shared_prefix=shared_prefix,
-    )
-    rollout = RolloutConfig(temperature=TEMPERATURE)  # the teacher scores at the sampling temperature
-    config = run_config(ppo=ppo, rollout=rollout, model=ModelConfig(teacher=TeacherConfig(path=teacher_dir)))
-    plan = compute_plan(config, 3)
-    assert plan.layout.packing is packing and plan.layout.shared_prefix is shared_prefix
+    module = distill_module(tiny_model_dir, teacher_dir, packing=packing, shared_prefix=shared_prefix)
+    assert module.plan.layout.packing is packing and module.plan.layout.shared_prefix is shared_prefix
     batch = synthetic_rollout_batch(3, 4, (5, 30), (1, 40), seed=0)
-    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0, temperature=TEMPERATURE)
     exp = module.make_experience(batch)
     for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         expected = plain_logprobs(teacher_dir, prompt, response).float()
@@ -135,16 +122,8 @@ def test_a_lora_student_learns_from_its_teacher(tiny_model_dir, teacher_dir, ari
 def distill_module(model_dir: str, teacher: str, **ppo_changes) -> PPOModule:
     """A module distilling `teacher` into `model_dir` (3 prompts x 4 samples, micro-batches of 6), sampling at
     TEMPERATURE."""
-    ppo = PPOConfig(
-        advantage_estimator="on_policy_distill",
-        kl_coef=0.0,
-        rollout_batch_size=3,
-        n_samples_per_prompt=4,
-        train_batch_size=12,
-        micro_train_batch_size=6,
-        **ppo_changes,
-    )
-    rollout = RolloutConfig(temperature=TEMPERATURE)
+    ppo = distill_ppo(**ppo_changes)
+    rollout = RolloutConfig(temperature=TEMPERATURE)  # the teacher scores at the sampling temperature
     config = run_config(ppo=ppo, rollout=rollout, model=ModelConfig(teacher=TeacherConfig(path=teacher)))
     return PPOModule(
         model_dir=model_dir, ppo=ppo, plan=compute_plan(config, 3), pad_token_id=0, temperature=TEMPERATURE

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ppo.config import ModelConfig, PPOConfig, TeacherConfig
+from lit_ppo.config import ModelConfig, TeacherConfig
 from lit_ppo.errors import ConfigError, TeacherServerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.server_http import Server
@@ -28,7 +28,7 @@ from lit_ppo.rollout.workers.server_spawn import server_environment
 from lit_ppo.testing import synthetic_rollout_batch
 from lit_ppo.training.module import PPOModule
 from lit_ppo.training.teacher_server import TeacherServer, check_teacher_server
-from tests.helpers import free_port, run_config
+from tests.helpers import FIXTURE_SHAPE, distill_ppo, free_port, run_config
 
 SAMPLING_TEMPERATURE = 0.7
 POSITIONS = 256  # the teacher's: prompts of ~100 tokens and responses of up to 60
@@ -40,16 +40,7 @@ def long_teacher_dir(tmp_path_factory) -> str:
     from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_position_embeddings=POSITIONS,
-        seed=2,
-    )
+    model = build_tiny_model(tokenizer, max_position_embeddings=POSITIONS, seed=2, **FIXTURE_SHAPE)
     return str(save_model_dir(model, tokenizer, tmp_path_factory.mktemp("long_teacher") / "model"))
 
 
@@ -144,15 +135,7 @@ def realistic_batch():
 def experience_teacher_logp(model_dir: str, teacher: TeacherConfig, batch) -> torch.Tensor:
     """The experience's teacher log-probs of `batch` (a module on the fixture-shaped student `model_dir`, sampling at
     SAMPLING_TEMPERATURE), padded micro-batches of 4 samples."""
-    ppo = PPOConfig(
-        advantage_estimator="on_policy_distill",
-        kl_coef=0.0,
-        rollout_batch_size=3,
-        n_samples_per_prompt=4,
-        train_batch_size=12,
-        micro_train_batch_size=4,
-        packing=False,
-    )
+    ppo = distill_ppo(micro_train_batch_size=4, packing=False)
     config = run_config(ppo=ppo, model=ModelConfig(teacher=teacher))
     config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, temperature=SAMPLING_TEMPERATURE))
     plan = compute_plan(config, 3)
