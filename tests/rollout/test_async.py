@@ -790,7 +790,7 @@ def steps_to_gain(run, gain: float) -> int | None:
 @pytest.mark.slow
 def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp_path):
     """`rollout.mode=disaggregated rollout.max_staleness=1` reaches a held-out gain of 0.4 in at most 1.25 x the
-    rollout steps the synchronous run needs (evaluated every 5 rollout steps; 38 = 1.25 x 30 steps at most)."""
+    rollout steps the synchronous run needs (evaluated every 5 rollout steps)."""
     import subprocess
     import sys
 
@@ -804,15 +804,18 @@ def test_one_step_off_learns_the_default_task_as_fast_as_the_synchronous_run(tmp
         return out
 
     sync = steps_to_gain(train(tmp_path / "sync"), 0.4)
+    assert sync is not None, "the synchronous run did not gain 0.4 in its 30 rollout steps"
+    # The one-step-off run stops at its last evaluation within 1.25 x sync: a gain found later fails either way, and the
+    # learning-rate schedule is constant, so the steps it runs are those of a longer run.
     async_run = train(
         tmp_path / "k1",
-        "trainer.total_rollout_steps=38",
+        f"trainer.total_rollout_steps={5 * int(1.25 * sync // 5)}",
         "rollout.mode=disaggregated",
         "rollout.max_staleness=1",
         "ppo.rollout_correction.mode=tis",
     )
     one_step_off = steps_to_gain(async_run, 0.4)
-    assert sync is not None and one_step_off is not None and one_step_off <= 1.25 * sync, (sync, one_step_off)
+    assert one_step_off is not None and one_step_off <= 1.25 * sync, (sync, one_step_off)
 
 
 class SignalWhileScoringStep:
