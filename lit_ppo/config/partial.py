@@ -24,8 +24,16 @@ class PartialConfig:
     """Rollout steps a prompt group may be carried after the step that started it; at that age `at_max_age`. The
     oldest token a batch holds is then at most this many rollout steps old (the plan states it, the run checks it)."""
     at_max_age: str = "finish"
-    """finish: its samples that have not ended are cut there and trained as truncated; drop: the group is dropped
-    (counted: rollout/partial_dropped_groups)."""
+    """finish: its samples that have not ended are cut there and trained as truncated, and a batch short of finished
+    groups is filled with the oldest unfinished, cut; drop: the group is dropped (counted:
+    rollout/partial_dropped_groups), and a group never trains cut: a shortfall is filled by continuing the oldest
+    unfinished groups within the step, by its policy, until they end."""
+    groups_in_flight: int | None = None
+    """Prompt groups generated each step at most (the carried, topped up by fresh rounds of rollout_batch_size): a
+    multiple of rollout_batch_size, above it and at most rollout_batch_size x (max_age_steps + 1); null: that most.
+    The backlog (groups_in_flight - rollout_batch_size) makes a batch lag backlog / rollout_batch_size rollout steps
+    behind the step that started it (in steady state, every group of it); a smaller one lags less and cuts (finish)
+    or continues within the step (drop) more."""
 
     @property
     def enabled(self) -> bool:
@@ -40,8 +48,27 @@ def validate_partial(partial: PartialConfig) -> None:
     if partial.step_tokens is not None:
         positive("rollout.partial", step_tokens=partial.step_tokens)
     positive("rollout.partial", max_age_steps=partial.max_age_steps)
+    if partial.groups_in_flight is not None:
+        positive("rollout.partial", groups_in_flight=partial.groups_in_flight)
     if partial.at_max_age not in AT_MAX_AGE:
         raise ConfigError(f"rollout.partial.at_max_age={partial.at_max_age!r}; fix: use one of {', '.join(AT_MAX_AGE)}")
+
+
+def groups_in_flight(partial: PartialConfig, rollout_batch_size: int) -> int:
+    """The prompt groups generated each step at most (`PartialConfig.groups_in_flight`, null resolved)."""
+    most = rollout_batch_size * (partial.max_age_steps + 1)
+    return most if partial.groups_in_flight is None else partial.groups_in_flight
+
+
+def check_groups_in_flight(partial: PartialConfig, rollout_batch_size: int) -> None:
+    """A backlog of whole fresh rounds that the carry bound's earliest-deadline schedule can train in time."""
+    count, most = partial.groups_in_flight, rollout_batch_size * (partial.max_age_steps + 1)
+    if count is not None and (count % rollout_batch_size or not rollout_batch_size < count <= most):
+        raise ConfigError(
+            f"rollout.partial.groups_in_flight={count} with ppo.rollout_batch_size={rollout_batch_size} and "
+            f"max_age_steps={partial.max_age_steps}; fix: a multiple of {rollout_batch_size} from "
+            f"{2 * rollout_batch_size} to {most}, or null ({most})"
+        )
 
 
 def partial_refusals(config) -> list[str]:
@@ -76,6 +103,16 @@ def validate_partial_in_run(config) -> None:
             f"rollout.partial.step_tokens={partial.step_tokens} >= rollout.max_response_tokens="
             f"{rollout.max_response_tokens}: no response is ever cut; fix: a smaller step_tokens, or null (off)"
         )
+    chunks = partial.max_age_steps + 1
+    if partial.step_tokens * chunks < rollout.max_response_tokens:
+        raise ConfigError(
+            f"rollout.partial.step_tokens={partial.step_tokens} x (max_age_steps={partial.max_age_steps} + 1) < "
+            f"rollout.max_response_tokens={rollout.max_response_tokens}: every response would be capped at "
+            f"{partial.step_tokens * chunks} tokens; fix: rollout.partial.step_tokens>="
+            f"{-(-rollout.max_response_tokens // chunks)} or rollout.partial.max_age_steps>="
+            f"{-(-rollout.max_response_tokens // partial.step_tokens) - 1}"
+        )
+    check_groups_in_flight(partial, config.ppo.rollout_batch_size)
     refused = partial_refusals(config)
     if refused:
         raise ConfigError(

@@ -411,7 +411,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.source.collect(self.engine)
         # Dynamic sampling's rounds drawn ahead and given back: kept where there are any (colocated runs have none).
         stream = {k: v for k, v in self.stream.state().items() if v or k == "next_generation_round"}
-        partial = {"partial_groups": self.partial.state()} if self.partial is not None else {}
+        partial = self.partial.state() if self.partial is not None else {}
         return {"next_rollout_step": self.next_rollout_step, **stream, **self.source.state_dict(), **partial}
 
     def load_state_dict(self, state: dict) -> None:
@@ -425,7 +425,7 @@ class RolloutDataModule(L.LightningDataModule):
                 "rollout.partial.step_tokens=null would lose them; fix: resume with the checkpoint's rollout.partial"
             )
         if self.partial is not None:
-            self.partial.set_state(carried)
+            self.partial.set_state(state)
 
     def snapshot(self) -> dict:
         """The state at a rollout step's start, which a preemption that drops the step puts back (lit_ppo.preemption):

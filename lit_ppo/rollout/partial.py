@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass, replace
 
 from lit_ppo.batch import RolloutBatch
+from lit_ppo.config.partial import groups_in_flight
 from lit_ppo.contract import GenerateRequest, Generation
+from lit_ppo.errors import ConfigError
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rollout.groups import PromptGroup, StepDraw, rollout_batch
 from lit_ppo.rollout.prompt_stream import round_purpose
@@ -143,27 +145,34 @@ def aged(groups: list[CarriedGroup], rollout_step: int, max_age_steps: int, at_m
 
 
 def take_batch(
-    groups: list[CarriedGroup], size: int, rollout_step: int, max_age_steps: int
+    groups: list[CarriedGroup], size: int, rollout_step: int, max_age_steps: int, cut_to_fill: bool = True
 ) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
     """(the `size` groups to train, those left in flight, in the pool's order): first what the carry bound needs now,
     earliest deadline first (a group's deadline: started_step + max_age_steps, by when it must have trained; whatever
     the groups due by a step u exceed the later steps' capacity, (u - rollout_step) x size, trains now), then the
     finished groups, the oldest first, then the oldest unfinished, cut. Within what the bound needs, finished groups
     go first too. The pool is kept at most size x (max_age_steps + 1) groups, so what the bound needs fits (the
-    earliest-deadline schedule of fixed-size batches)."""
+    earliest-deadline schedule of fixed-size batches). cut_to_fill False (at_max_age=drop): finished groups only, so
+    fewer than `size` when too few have ended, the places of those the bound needs kept (the caller continues the
+    oldest unfinished, the earliest deadlines, and takes the batch again)."""
     deadlines = [g.started_step + max_age_steps for g in groups]
     chosen: list[int] = []
+    owed = 0  # cut_to_fill False: unfinished groups the bound needs now, their places kept empty (not filled)
 
-    def pick(candidates: list[int], count: int) -> None:
+    def pick(candidates: list[int], count: int) -> int:
         free = [i for i in candidates if i not in chosen]
-        chosen.extend(([i for i in free if groups[i].finished] + [i for i in free if not groups[i].finished])[:count])
+        unfinished = [i for i in free if not groups[i].finished] if cut_to_fill else []
+        taken = ([i for i in free if groups[i].finished] + unfinished)[: max(count, 0)]
+        chosen.extend(taken)
+        return max(count, 0) - len(taken)
 
     for due in sorted(set(deadlines)):
         within = [i for i, d in enumerate(deadlines) if d <= due]
-        need = len(within) - max(0, due - rollout_step) * size - sum(i in chosen for i in within)
+        need = len(within) - max(0, due - rollout_step) * size - sum(i in chosen for i in within) - owed
         if need > 0:
-            pick(within, need)
-    pick(list(range(len(groups))), size - len(chosen))
+            owed += pick(within, need)
+    pick(list(range(len(groups))), size - len(chosen) - owed)
+    assert len(chosen) <= size, f"rollout step {rollout_step + 1}: {len(chosen)} groups due, the batch holds {size}"
     trained = [cut(groups[i]) for i in sorted(chosen)]
     return trained, [g for i, g in enumerate(groups) if i not in set(chosen)]
 
@@ -179,10 +188,10 @@ def token_ages(groups: list[CarriedGroup], rollout_step: int) -> list[int]:
 
 
 def generation_of(sample: CarriedSample, prompt_index: int, tokenizer) -> Generation:
-    """The sample as the rewards and the trainer take it. Its text: vLLM's where one call generated it, else its
-    tokens decoded whole (each call's text is detokenized apart, and a character whose bytes a cut splits would be
-    lost between them)."""
-    text = sample.text if sample.chunks == 1 else tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
+    """The sample as the rewards and the trainer take it. Its text: its tokens decoded whole, one way for every
+    sample whatever its chunks (each call's text is detokenized apart, a character whose bytes a cut splits would be
+    lost between them, and vLLM's incremental detokenization may differ from a whole decode in its spaces)."""
+    text = tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
     return Generation(prompt_index, list(sample.token_ids), sample.truncated, text, list(sample.logprobs))
 
 
@@ -224,7 +233,7 @@ class PartialRollouts:
         """This step's chunk for the groups in flight and the fresh rounds: (the groups, oldest first, the fresh rounds
         drawn, generate seconds); None: a preemption signal dropped it."""
         size, n = dm.plan.counts.rollout_batch_size, dm.plan.counts.n_samples_per_prompt
-        rounds = (size * (self.settings.max_age_steps + 1) - len(self.groups)) // size
+        rounds = (groups_in_flight(self.settings, size) - len(self.groups)) // size
         fresh, fields = self.fresh_request(dm, rollout_step, rounds)
         carried, slots = continuation_request(self.groups, self.settings.step_tokens, self.budget, fresh)
         engine = dm.start_engine()
@@ -245,13 +254,40 @@ class PartialRollouts:
         groups += started(fields, gens[len(slots) :], fresh.seeds, n, version, self.budget)
         return groups, rounds, scheduled.generate_seconds
 
+    def filled(self, dm, groups: list[CarriedGroup], rollout_step: int):
+        """(the groups to train, those left, chunks generated to fill): `take_batch`; at_max_age=drop never trains
+        a group cut: while too few have ended, the oldest unfinished groups the batch lacks are continued by one
+        more chunk of this step's policy (their samples end by the response budget at the latest)."""
+        size, settings = dm.plan.counts.rollout_batch_size, self.settings
+        cut_to_fill, chunks = settings.at_max_age == "finish", 0
+        while True:
+            trained, left = take_batch(groups, size, rollout_step, settings.max_age_steps, cut_to_fill)
+            waiting = [g for g in left if not g.finished][: size - len(trained)]
+            if len(trained) == size or not waiting:
+                break
+            base = dm.sampling_request([], [], dm.plan.counts.n_samples_per_prompt, **self.sampling(dm), purpose=None)
+            request, slots = continuation_request(waiting, settings.step_tokens, self.budget, base)
+            engine = dm.start_engine()
+            scheduled = dm.source.take(rollout_step, engine, lambda: engine.generate(request), dm.rollout_request, 0)
+            stop_point(dm.device)
+            versions = set(scheduled.policy_versions)
+            if versions != {rollout_step}:
+                raise RuntimeError(f"rollout step {rollout_step + 1}: a fill chunk of versions {sorted(versions)}")
+            more = dict(
+                zip(map(id, waiting), continued(waiting, scheduled.generations, slots, rollout_step, self.budget))
+            )
+            groups, chunks = [more.get(id(g), g) for g in groups], chunks + 1
+        if len(trained) < size:
+            raise RuntimeError(f"rollout step {rollout_step + 1}: {len(trained)} finished prompt groups of {size}")
+        return trained, left, chunks
+
     def produce(self, dm, rollout_step: int) -> RolloutBatch:
         """This rank's RolloutBatch of `rollout_step` (dm: the RolloutDataModule, not imported here, which imports
         this module): generate the step's chunk, age the groups, take the batch, score it."""
         plan, settings = dm.plan, self.settings
         groups, rounds, generate_seconds = self.generate(dm, rollout_step)
         groups, dropped = aged(groups, rollout_step, settings.max_age_steps, settings.at_max_age)
-        trained, left = take_batch(groups, plan.counts.rollout_batch_size, rollout_step, settings.max_age_steps)
+        trained, left, fill_chunks = self.filled(dm, groups, rollout_step)
         prompts = [g.prompt for g in trained]
         gens = [generation_of(s, i, dm.tokenizer) for i, g in enumerate(trained) for s in g.samples]
         started_at = time.perf_counter()
@@ -289,6 +325,7 @@ class PartialRollouts:
             "rollout/token_age_max": float(max(ages, default=0)),
             "rollout/partial_cut_groups": float(sum(g.cut for g in trained)),  # at max_age_steps, or to fill
             "rollout/partial_dropped_groups": float(dropped),
+            "rollout/partial_fill_chunks": float(fill_chunks),  # at_max_age=drop: continued within the step
             "rollout/partial_fresh_prompts": float(rounds * dm.plan.counts.prompts_per_generation_round),
         }
         spans = [[list(span) for span in s.spans] for g in trained for s in g.samples]
@@ -296,16 +333,29 @@ class PartialRollouts:
 
     # ------------------------------------------------------------ checkpoint state
 
-    def state(self) -> list[dict]:
-        """The groups in flight as plain values (a checkpoint's)."""
-        return [dataclasses.asdict(g) for g in self.groups]
+    def state(self) -> dict:
+        """The groups in flight as plain values and the settings that made them (a checkpoint's)."""
+        return {"partial_groups": [dataclasses.asdict(g) for g in self.groups], "partial_settings": self.shape()}
 
-    def set_state(self, groups: list[dict]) -> None:
+    def shape(self) -> dict:
+        """The settings carried groups depend on (their chunks, deadlines and the pool they fit in)."""
+        names = ("step_tokens", "max_age_steps", "groups_in_flight")
+        return {name: getattr(self.settings, name) for name in names}
+
+    def set_state(self, state: dict) -> None:
+        saved = state.get("partial_settings")
+        changed = [f"{k}={v} (now {self.shape()[k]})" for k, v in (saved or {}).items() if self.shape()[k] != v]
+        if changed:
+            raise ConfigError(
+                f"the checkpoint's partial rollouts were made with rollout.partial.{', '.join(changed)}: its groups "
+                "in flight would not fit the carry bound; fix: resume with the checkpoint's rollout.partial settings"
+            )
+
         def sample(fields: dict) -> CarriedSample:
             fields = dict(fields, token_ids=tuple(fields["token_ids"]), logprobs=tuple(fields["logprobs"]))
             return CarriedSample(**dict(fields, spans=tuple(tuple(s) for s in fields["spans"])))
 
         self.groups = [
             CarriedGroup(**dict(g, prompt=Prompt(**g["prompt"]), samples=tuple(sample(s) for s in g["samples"])))
-            for g in groups
+            for g in state.get("partial_groups", [])
         ]

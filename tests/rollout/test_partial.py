@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import re
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.errors import ConfigError, StalenessError
 from lit_ppo.plan import check_carried_tokens
 from lit_ppo.rollout.engine import sampling_seeds
-from lit_ppo.rollout.partial import continuation_seed
+from lit_ppo.rollout.partial import CarriedGroup, CarriedSample, aged, continuation_seed, generation_of, take_batch
 from lit_ppo.rollout.prompt_stream import round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet
 from tests.helpers import datamodule_on, plan_of, run_config
@@ -40,10 +41,12 @@ def hashed_responses(prompts, responses, references, extras):
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
 
 
-def partial_rollout(step_tokens=4, max_age_steps=1, at_max_age="finish", **rollout) -> RolloutConfig:
+def partial_rollout(
+    step_tokens=4, max_age_steps=1, at_max_age="finish", groups_in_flight=None, **rollout
+) -> RolloutConfig:
     return RolloutConfig(
-        **{"max_response_tokens": 12, "temperature": 0.7, **rollout},
-        partial=PartialConfig(step_tokens=step_tokens, max_age_steps=max_age_steps, at_max_age=at_max_age),
+        **{"max_response_tokens": 8, "temperature": 0.7, **rollout},
+        partial=PartialConfig(step_tokens, max_age_steps, at_max_age, groups_in_flight),
     )
 
 
@@ -74,7 +77,7 @@ def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(change
 
 def test_partial_settings_are_checked_and_turn_the_rollout_correction_on():
     with pytest.raises(ConfigError, match="step_tokens=12 >= rollout.max_response_tokens=12"):
-        run_config(ppo=PPO, rollout=partial_rollout(step_tokens=12))
+        run_config(ppo=PPO, rollout=partial_rollout(step_tokens=12, max_response_tokens=12))
     with pytest.raises(ConfigError, match="at_max_age='keep'"):
         PartialConfig(step_tokens=4, at_max_age="keep")
     with pytest.raises(ConfigError, match="ppo.rollout_correction.mode=none"):
@@ -87,13 +90,35 @@ def test_partial_settings_are_checked_and_turn_the_rollout_correction_on():
 
 
 def test_the_plan_states_the_cut_the_groups_in_flight_and_the_carry_bound():
-    plan = plan_of(16, ppo=PPO, rollout=partial_rollout(step_tokens=4, max_age_steps=2))
+    plan = plan_of(16, ppo=PPO, rollout=partial_rollout(step_tokens=4, max_age_steps=2, max_response_tokens=12))
     assert (plan.partial.step_tokens, plan.partial.groups_in_flight, plan.partial.oldest_token_age) == (4, 12, 2)
     assert plan.partial.longest_response_tokens == 12  # min(12, 3 chunks of 4)
+    assert plan.partial.lag_steps == 2  # the backlog of 8 groups over batches of 4
     table = plan.table()
     assert "partial: carry bound" in table and "older than version s - 2" in table
+    assert "partial: lag" in table and "partial: weight-sync guard" in table
     assert plan.to_dict()["partial"]["max_age_steps"] == 2
     assert plan_of(16, ppo=PPO).partial is None
+    smaller = partial_rollout(4, 2, max_response_tokens=12, groups_in_flight=8)
+    assert (
+        plan_of(16, ppo=PPO, rollout=smaller).partial.groups_in_flight,
+        plan_of(16, ppo=PPO, rollout=smaller).partial.lag_steps,
+    ) == (8, 1)
+
+
+def test_a_response_budget_the_chunks_cannot_reach_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        run_config(ppo=PPO, rollout=partial_rollout(step_tokens=512, max_age_steps=1, max_response_tokens=4096))
+    message = str(error.value)
+    assert "capped at 1024 tokens" in message and "\n" not in message
+    assert "rollout.partial.step_tokens>=2048" in message and "rollout.partial.max_age_steps>=7" in message
+    run_config(ppo=PPO, rollout=partial_rollout(step_tokens=2048, max_age_steps=1, max_response_tokens=4096))
+
+
+@pytest.mark.parametrize("count", [4, 6, 16])
+def test_groups_in_flight_outside_whole_rounds_within_the_bound_is_refused(count):
+    with pytest.raises(ConfigError, match=f"groups_in_flight={count} with ppo.rollout_batch_size=4.*from 8 to 12"):
+        run_config(ppo=PPO, rollout=partial_rollout(4, 2, max_response_tokens=12, groups_in_flight=count))
 
 
 # ------------------------------------------------------------ a fake engine whose samples end where their seed says
@@ -130,7 +155,7 @@ def countdown_prompts(count: int) -> PromptSet:
 
 
 def countdown_datamodule(tokenizer, model_dir, rollout=None, steps=6):
-    rollout = rollout or partial_rollout(step_tokens=4, max_age_steps=2, max_response_tokens=13)
+    rollout = rollout or partial_rollout(step_tokens=4, max_age_steps=2, max_response_tokens=12)
     return datamodule_on(countdown_prompts(16), rollout, tokenizer, model_dir, CountdownEngine(), ppo=PPO, steps=steps)
 
 
@@ -139,7 +164,18 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_a_group_trains_only_once_all_its_samples_ended(tokenizer, tiny_model_dir):
+def test_a_group_trains_only_once_all_its_samples_ended(tokenizer, tiny_model_dir, monkeypatch):
+    from lit_ppo.rollout import partial
+
+    taken = []  # each step's trained groups, as take_batch hands them over (cut or not)
+    real_take = partial.take_batch
+
+    def watched(*args, **kwargs):
+        trained, left = real_take(*args, **kwargs)
+        taken.append(trained)
+        return trained, left
+
+    monkeypatch.setattr(partial, "take_batch", watched)
     dm = countdown_datamodule(
         tokenizer, tiny_model_dir, rollout=partial_rollout(4, max_age_steps=3, max_response_tokens=13)
     )
@@ -148,15 +184,36 @@ def test_a_group_trains_only_once_all_its_samples_ended(tokenizer, tiny_model_di
     for step, batch in enumerate(batches):
         assert len(batch.response_ids) == PPO.rollout_batch_size * PPO.n_samples_per_prompt  # the plan's shape
         check_carried_tokens(dm.plan, step, batch.version_spans, [len(r) for r in batch.response_ids])
-        cut = batch.partial_stats["rollout/partial_cut_groups"]
-        for g in range(PPO.rollout_batch_size):
-            group = range(g * 2, g * 2 + 2)
-            ended = [batch.response_ids[i][-1] == 0 for i in group]
-            # Every sample of a trained group ended (its countdown reached 0), unless the group was cut (counted).
-            assert all(ended) or (cut > 0 and all(ended[k] or batch.truncated[i] for k, i in enumerate(group)))
+        groups = taken[step]
+        assert batch.partial_stats["rollout/partial_cut_groups"] == sum(g.cut for g in groups)
+        for g, group in enumerate(groups):
+            ended = [batch.response_ids[i][-1] == 0 or len(batch.response_ids[i]) == 13 for i in (2 * g, 2 * g + 1)]
+            # Every sample of a trained group ended (its countdown at 0, or the budget), unless this group was cut.
+            assert all(ended) or group.cut
+            assert not group.cut or not all(ended)
         carried += sum(len(spans) > 1 for spans in batch.version_spans)
         assert batch.partial_stats["rollout/token_age_max"] <= 3
     assert carried > 0  # samples continued in a later step than they started were trained
+
+
+def test_a_group_that_ended_in_its_first_chunk_trains_within_the_backlog_s_lag(tokenizer, tiny_model_dir):
+    """Steady state over 8 steps: a group whose samples all ended in the chunk of the step that started it trains at
+    most lag = backlog / rollout_batch_size steps later: 1 with groups_in_flight=8, 2 with the default 12 (the
+    backlog of max_age_steps batches: every batch is the cohort started max_age_steps steps before)."""
+    lags = {}
+    for count in (8, None):
+        rollout = partial_rollout(4, 2, max_response_tokens=12, groups_in_flight=count)
+        dm = countdown_datamodule(tokenizer, tiny_model_dir, rollout=rollout, steps=8)
+        lags[count] = []
+        for step in range(8):
+            batch = dm.produce_rollout(step)
+            for g in range(PPO.rollout_batch_size):
+                samples = [(batch.response_ids[i], batch.version_spans[i]) for i in (2 * g, 2 * g + 1)]
+                if all(len(r) <= 4 and r[-1] == 0 and len(spans) == 1 for r, spans in samples):  # one chunk each
+                    lags[count].append(step - samples[0][1][0][1])
+        assert dm.plan.partial.lag_steps == (1 if count else 2)
+    assert lags[8] and max(lags[8]) <= 1
+    assert 2 in lags[None]  # the default backlog: a short group waits max_age_steps steps
 
 
 def test_continuations_are_seeded_per_sample_and_limited_by_the_budget(tokenizer, tiny_model_dir):
@@ -178,9 +235,9 @@ def test_continuations_are_seeded_per_sample_and_limited_by_the_budget(tokenizer
 def test_the_carry_bound_check_stops_a_batch_with_an_older_token(tokenizer, tiny_model_dir):
     # Generated with a carry of up to 3 steps, checked against a plan that allows 1: the check fires.
     dm = countdown_datamodule(
-        tokenizer, tiny_model_dir, rollout=partial_rollout(2, max_age_steps=3, max_response_tokens=13)
+        tokenizer, tiny_model_dir, rollout=partial_rollout(2, max_age_steps=3, max_response_tokens=8)
     )
-    tight = plan_of(16, ppo=PPO, rollout=partial_rollout(2, max_age_steps=1, max_response_tokens=13), steps=6)
+    tight = plan_of(16, ppo=PPO, rollout=partial_rollout(2, max_age_steps=1, max_response_tokens=4), steps=6)
     batches = [dm.produce_rollout(step) for step in range(4)]
     lengths = lambda b: [len(r) for r in b.response_ids]  # noqa: E731
     assert max(b.partial_stats["rollout/token_age_max"] for b in batches) >= 2
@@ -192,12 +249,44 @@ def test_the_carry_bound_check_stops_a_batch_with_an_older_token(tokenizer, tiny
         check_carried_tokens(dm.plan, 0, None, [3])
 
 
-def test_groups_at_max_age_are_dropped_and_counted(tokenizer, tiny_model_dir):
-    dm = countdown_datamodule(tokenizer, tiny_model_dir, rollout=partial_rollout(2, 1, "drop", max_response_tokens=13))
-    batches = [dm.produce_rollout(step) for step in range(4)]
-    assert sum(b.partial_stats["rollout/partial_dropped_groups"] for b in batches) > 0
-    for step, batch in enumerate(batches):
-        check_carried_tokens(dm.plan, step, batch.version_spans, [len(r) for r in batch.response_ids])
+def stand_in(started: int, ended: bool = True, index: int = 0) -> CarriedGroup:
+    """A prompt group of 2 samples started at rollout step `started`: ended (its countdown at 0) or not."""
+    tokens = (1, 0) if ended else (2, 1)
+    sample = CarriedSample(index, tokens, (-0.5, -0.5), ((0, started),), "x", 1, ended, False)
+    return CarriedGroup(index, Prompt([40] * 6, f"p{index}", "0", {}), started, 0, (sample, sample))
+
+
+def test_groups_at_max_age_are_dropped_and_counted():
+    groups = [stand_in(0, ended=False, index=0), stand_in(0, index=1), stand_in(1, ended=False, index=2)]
+    kept, dropped = aged(groups, 2, 2, "drop")
+    assert ([g.dataset_index for g in kept], dropped) == ([1, 2], 1)
+    finished, none = aged(groups, 2, 2, "finish")
+    assert none == 0 and [g.cut for g in finished] == [True, False, False] and finished[0].finished
+
+
+def test_at_max_age_drop_never_trains_a_group_cut_and_keeps_the_batch_size(tokenizer, tiny_model_dir):
+    """at_max_age=drop: a batch short of finished groups is filled by continuing the oldest unfinished within the
+    step, not by cutting them (which at_max_age=finish does)."""
+    rollouts = {mode: partial_rollout(4, 2, mode, max_response_tokens=12) for mode in ("finish", "drop")}
+    cuts = {}
+    for mode, rollout in rollouts.items():
+        dm = countdown_datamodule(tokenizer, tiny_model_dir, rollout=rollout)
+        batches = [dm.produce_rollout(step) for step in range(4)]
+        cuts[mode] = sum(b.partial_stats["rollout/partial_cut_groups"] for b in batches)
+        for step, batch in enumerate(batches):
+            assert len(batch.response_ids) == PPO.rollout_batch_size * PPO.n_samples_per_prompt
+            check_carried_tokens(dm.plan, step, batch.version_spans, [len(r) for r in batch.response_ids])
+            if mode == "drop":  # every sample ended: its countdown at 0, or the response budget reached
+                assert all(r[-1] == 0 or len(r) == 12 for r in batch.response_ids)
+        fills = sum(b.partial_stats["rollout/partial_fill_chunks"] for b in batches)
+        assert fills > 0 if mode == "drop" else fills == 0
+    assert cuts["finish"] > 0 and cuts["drop"] == 0
+
+
+def test_a_batch_never_holds_more_groups_than_its_size():
+    groups = [stand_in(0, index=i) for i in range(12)]  # all due now: more than a batch (a resume with a smaller bound)
+    with pytest.raises(AssertionError, match="12 groups due, the batch holds 4"):
+        take_batch(groups, 4, 3, 1)
 
 
 def test_the_carried_groups_are_in_the_checkpoint_state(tokenizer, tiny_model_dir):
@@ -221,6 +310,22 @@ def test_the_carried_groups_are_in_the_checkpoint_state(tokenizer, tiny_model_di
     )
     with pytest.raises(ConfigError, match="partial rollouts in flight, but rollout.partial.step_tokens=null"):
         off.load_state_dict(state)
+    assert state["partial_settings"] == {"step_tokens": 4, "max_age_steps": 2, "groups_in_flight": None}
+    for changed, named in [((4, 3), "max_age_steps=2 (now 3)"), ((6, 2), "step_tokens=4 (now 6)")]:
+        other = countdown_datamodule(
+            tokenizer, tiny_model_dir, rollout=partial_rollout(*changed, max_response_tokens=12)
+        )
+        with pytest.raises(ConfigError, match=re.escape(named) + ".*fix: resume with the checkpoint's rollout.partial"):
+            other.load_state_dict(state)
+
+
+def test_every_sample_s_text_is_its_tokens_decoded_whatever_its_chunks(tokenizer):
+    """vLLM's incremental text of a one-chunk sample and a whole decode may differ in spaces: a reward on text scores
+    carried and uncarried samples alike only if every text is decoded one way."""
+    ids = tuple(tokenizer.encode("Hello , world !"))
+    for chunks in (1, 2):
+        sample = CarriedSample(0, ids, (-0.5,) * len(ids), ((0, 0),), "vLLM's own text", chunks, True, False)
+        assert generation_of(sample, 0, tokenizer).text == tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 # ------------------------------------------------------------ the real engine
@@ -229,7 +334,7 @@ def test_the_carried_groups_are_in_the_checkpoint_state(tokenizer, tiny_model_di
 def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, tokenizer, tiny_model_dir):
     ids = long_prompts(tokenizer, 8, PROMPT_TOKENS - 10, PROMPT_TOKENS - 2, seed=3)
     prompts = PromptSet([Prompt(p, f"p{i}", "0", {}) for i, p in enumerate(ids)], "test")
-    rollout = partial_rollout(step_tokens=4, max_age_steps=1, max_response_tokens=10)
+    rollout = partial_rollout(step_tokens=4, max_age_steps=1, max_response_tokens=8)
     dm = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, engine, ppo=PPO, steps=2)
     dm.produce_rollout(0)
     carried = {g.dataset_index: g for g in dm.partial.groups}
@@ -250,7 +355,7 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
             n=1,
             temperature=0.7,
             top_p=1.0,
-            max_tokens=min(4, 10 - len(first.token_ids)),
+            max_tokens=min(4, 8 - len(first.token_ids)),
             seeds=[continuation_seed(seed, 1)],
         )
         second = engine.generate(second_call)[0]
@@ -282,7 +387,7 @@ def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
     checked = []
     real_check = checks.check_carried_tokens  # the trainer's (`check_batch_versions`), watched
     monkeypatch.setattr(checks, "check_carried_tokens", lambda *a: checked.append(a[1]) or real_check(*a))
-    rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=9)
+    rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=6)
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         engine,
