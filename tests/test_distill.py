@@ -189,7 +189,8 @@ def distill_ppo(**changes) -> PPOConfig:
                 rollout=RolloutConfig(temperature=0.7),
             ),
             "at temperature 0.7 (rollout.temperature), but a vLLM server's prompt log-probs are untempered; fix: "
-            "model.teacher.temperature=1.0",
+            "rollout.temperature=1.0 (the student sampled at the teacher's temperature), or "
+            "model.teacher.temperature=1.0 (the teacher at 1, the student at 0.7)",
         ),
         (
             lambda: run_config(
@@ -331,3 +332,20 @@ def test_a_run_directory_as_the_teacher_names_its_actor(tmp_path):
     (tmp_path / "run" / "actor").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"without config\.json; fix: model\.teacher\.path=.*run/actor \(the run's"):
         check_teacher_files(str(tmp_path / "run"), build_char_tokenizer(), "the tiny model", training=True)
+
+
+def test_a_collective_timeout_shorter_than_the_server_teachers_tries_is_refused_in_one_line():
+    """Ranks wait for each other in a collective while one waits for the teacher's server: their wait must be the
+    longer, so that every rank stops with the teacher's line (a server teacher's tries: 3 x 500 s + 2 + 4 s)."""
+    from lit_ppo.config.distill import server_teacher_wait_s
+
+    teacher = ("ppo=distill", "model.teacher.where=http://host:8000", "model.teacher.temperature=1.0")
+    ddp = ("strategy=ddp", "strategy.devices=2", "strategy.accelerator=cpu")
+    assert server_teacher_wait_s() == 1506
+    with pytest.raises(ConfigError) as error:
+        compose_run_config(*teacher, *ddp, "trainer.collective_timeout_s=1500")
+    message = str(error.value)
+    assert message.startswith("trainer.collective_timeout_s=1500 with 2 trainer ranks and model.teacher.where=")
+    assert "fix: trainer.collective_timeout_s above 1506" in message and "\n" not in message
+    compose_run_config(*teacher, *ddp)  # the default 1800 s
+    compose_run_config(*teacher, "trainer.collective_timeout_s=1500")  # one rank: no collective

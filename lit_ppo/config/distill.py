@@ -149,6 +149,31 @@ def validate_distill(
         )
 
 
+SERVER_TRIES = 3  # a server teacher's request that fails without an answer, or with HTTP 5xx, is sent again
+SERVER_RETRY_WAIT_S = 2.0  # before the second try, twice that before the third
+SERVER_REQUEST_TIMEOUT_S = 500.0  # one request (a large teacher's prefill of 16 long sequences)
+
+
+def server_teacher_wait_s() -> float:
+    """The longest a server teacher's request waits before the run stops in one line: every try and the waits."""
+    return SERVER_TRIES * SERVER_REQUEST_TIMEOUT_S + SERVER_RETRY_WAIT_S * (2 ** (SERVER_TRIES - 1) - 1)
+
+
+def check_teacher_waits_fit_collectives(
+    teacher: TeacherConfig | None, data_parallel_size: int, collective_timeout_s: float
+) -> None:
+    """Data-parallel trainers with a server teacher: while one rank waits for the server (its tries), the others wait
+    for it in a collective; that wait must outlast the tries, so that every rank stops with the teacher's line."""
+    waits = server_teacher_wait_s()
+    if teacher is not None and teacher.on_server and data_parallel_size > 1 and collective_timeout_s <= waits:
+        raise ConfigError(
+            f"trainer.collective_timeout_s={collective_timeout_s:g} with {data_parallel_size} trainer ranks and "
+            f"model.teacher.where={teacher.where}: a rank waits up to {waits:g} s for the teacher's server (its tries), "
+            f"and the others would stop on a collective's timeout without naming it; fix: "
+            f"trainer.collective_timeout_s above {waits:g}"
+        )
+
+
 def check_teacher_sampling(teacher: TeacherConfig, temperature: float, top_p: float) -> None:
     """The teacher's log-probs are of the whole distribution at its scoring temperature: the student's samples must be
     drawn from the whole distribution (no nucleus), and a server's prompt log-probs are untempered (temperature 1)."""
@@ -163,7 +188,9 @@ def check_teacher_sampling(teacher: TeacherConfig, temperature: float, top_p: fl
         source = "model.teacher.temperature" if teacher.temperature is not None else "rollout.temperature"
         raise ConfigError(
             f"model.teacher.where={teacher.where} scores the teacher at temperature {scoring:g} ({source}), but a vLLM "
-            "server's prompt log-probs are untempered; fix: model.teacher.temperature=1.0"
+            "server's prompt log-probs are untempered; fix: rollout.temperature=1.0 (the student sampled at the "
+            "teacher's temperature), or model.teacher.temperature=1.0 (the teacher at 1, the student at "
+            f"{temperature:g})"
         )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping
 
 from lit_ppo.config.data import DataConfig
-from lit_ppo.config.distill import validate_distill
+from lit_ppo.config.distill import check_teacher_waits_fit_collectives, validate_distill
 from lit_ppo.config.episodes import EpisodesConfig
 from lit_ppo.config.hf import HFConfig
 from lit_ppo.config.model import ModelConfig
@@ -70,6 +70,9 @@ class RunConfig:
             n_samples_per_prompt=self.ppo.n_samples_per_prompt,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
+        )
+        check_teacher_waits_fit_collectives(
+            self.model.teacher, self.strategy.data_parallel_size, self.trainer.collective_timeout_s
         )
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors

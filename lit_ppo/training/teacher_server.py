@@ -10,20 +10,22 @@ a server teacher scores at temperature 1 (`config.distill.check_teacher_sampling
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
+# A request's tries, waits and timeout: their total (`server_teacher_wait_s`) is checked against
+# trainer.collective_timeout_s under data parallelism (config/distill.py).
+from lit_ppo.config.distill import SERVER_REQUEST_TIMEOUT_S as REQUEST_TIMEOUT_S
+from lit_ppo.config.distill import SERVER_RETRY_WAIT_S as RETRY_WAIT_S
+from lit_ppo.config.distill import SERVER_TRIES as TRIES
 from lit_ppo.errors import ConfigError, TeacherServerError
 from lit_ppo.http_json import HTTPFailure, call_json
 
 SEQUENCES_PER_REQUEST = 16  # sequences of one /v1/completions request (its `prompt`: a list of token-id lists)
 REQUESTS_IN_FLIGHT = 4  # requests sent at once
-TRIES = 3  # a request that fails without an answer, or with a server error (HTTP 5xx), is sent again
-RETRY_WAIT_S = 2.0  # before the second try, twice that before the third
-REQUEST_TIMEOUT_S = 600.0  # one request (a large teacher's prefill of SEQUENCES_PER_REQUEST long sequences)
 CHECK_TIMEOUT_S = 30.0  # one call of the pre-flight's check
 PROBES = (
     "The quick brown fox jumps over the lazy dog.",
@@ -94,8 +96,7 @@ class TeacherServer:
                     f"{e}); fix: serve the teacher with vLLM's OpenAI-compatible server (vllm serve)"
                 ) from None
 
-        with ThreadPoolExecutor(max_workers=REQUESTS_IN_FLIGHT) as pool:
-            return [row for rows in pool.map(score, chunks) for row in rows]
+        return [row for rows in in_daemon_threads(score, chunks, REQUESTS_IN_FLIGHT) for row in rows]
 
     def batch_logprobs(self, prompts: list[list[int]], responses: list[list[int]], width: int, device) -> Tensor:
         """The experience's teacher log-probs: [N, width] float32, the response tokens' from the left, zero after."""
@@ -103,6 +104,36 @@ class TeacherServer:
         for i, row in enumerate(self.logprobs(prompts, responses)):
             out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
         return out.to(device)
+
+
+def in_daemon_threads(fn, items: list, workers: int) -> list:
+    """fn(item) for each item, `workers` at a time, in daemon threads: their results in order, or the first failure
+    raised. The caller's wait (a join) is cut by a signal inside an interruptible region (lit_ppo.preemption), and a
+    request still in flight then does not hold the process's exit (a ThreadPoolExecutor's threads would)."""
+    results: list = [None] * len(items)
+    failures: list[BaseException] = []
+    pending = iter(enumerate(items))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while not failures:
+            with lock:
+                task = next(pending, None)
+            if task is None:
+                return
+            try:
+                results[task[0]] = fn(task[1])
+            except BaseException as e:  # handed to the caller's thread
+                failures.append(e)
+
+    threads = [threading.Thread(target=work, daemon=True, name="lit-ppo-teacher") for _ in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return results
 
 
 def served_model(answer: dict) -> dict:

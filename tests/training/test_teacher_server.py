@@ -196,6 +196,65 @@ def test_a_failing_server_stops_the_run_in_one_line(stand_in, failures, words):
     assert words in message and "; fix: " in message and "\n" not in message
 
 
+class Hanging(http.server.BaseHTTPRequestHandler):
+    """A server that never answers within a test: each request waits 60 s."""
+
+    def do_POST(self):
+        time.sleep(60)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_signal_cuts_the_wait_for_a_hanging_teacher_server():
+    """The experience pass asks a server teacher inside an interruptible region (lit_ppo.preemption): a SIGTERM cuts
+    the wait at once, not after the tries (up to server_teacher_wait_s), and the requests in flight do not hold the
+    process's exit (daemon threads)."""
+    from lit_ppo.checkpoints import RolloutCheckpoint
+    from lit_ppo.preemption import Preemption
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = TeacherServer(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=120, retry_wait_s=0.0)
+    client._model = "teacher"
+    handler = Preemption(RolloutCheckpoint(Path("unused"), every=0, keep=1))
+    previous = signal.signal(signal.SIGTERM, handler._on_signal)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        outcome = handler.interruptibly(lambda: client.logprobs([[5, 6, 7]] * 40, [[8, 9]] * 40))
+        assert outcome is None and handler.requested == signal.SIGTERM
+        assert time.monotonic() - started < 30  # generous: about 0.5 s
+        assert all(t.daemon for t in threading.enumerate() if t.name.startswith("lit-ppo-teacher"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_experience_pass_asks_a_server_teacher_inside_an_interruptible_region(tiny_model_dir, monkeypatch):
+    from lit_ppo import preemption
+    from lit_ppo.training import module as module_of
+
+    inside, asked = [False], []
+
+    def interruptibly(fn):
+        inside[0] = True
+        try:
+            return fn()
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(preemption, "interruptibly", interruptibly)
+    monkeypatch.setattr(module_of, "server_teacher_logprobs", lambda *args: asked.append(inside[0]))
+    ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2)
+    plan = compute_plan(run_config(ppo=ppo), 8)
+    module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0)
+    module.make_experience(synthetic_rollout_batch(2, 2, (10, 20), (5, 10)))
+    assert asked == [True]
+
+
 def test_nothing_listening_is_tried_three_times_then_said_in_one_line():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TeacherServerError, match=r"GET /v1/models \(tried 3 times\).*ConnectionRefusedError") as e:
