@@ -51,6 +51,9 @@ def sections_of(record: dict) -> dict[str, Any]:
         if key in owner:
             section, name = owner[key]
             nested[section][name] = value
+    counts = nested["counts"]  # rollout_batch_size came after the sections: the flat plan's samples per prompt
+    if "rollout_batch_size" not in counts and counts.get("n_samples_per_prompt"):
+        counts["rollout_batch_size"] = counts["samples_per_rollout_step"] // counts["n_samples_per_prompt"]
     for section, on in FLAT_FEATURE_FLAGS.items():
         if not on(record):
             nested[section] = None
