@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ppo.config import ModelConfig, TeacherConfig
+from lit_ppo.config import ModelConfig, PPOConfig, TeacherConfig
 from lit_ppo.errors import ConfigError, TeacherServerError
 from lit_ppo.plan import compute_plan
 from lit_ppo.rollout.workers.server_http import Server
