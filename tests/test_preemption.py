@@ -257,12 +257,11 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
 
     from transformers import AutoTokenizer
 
-    from lit_ppo import preemption
     from lit_ppo.plan import compute_plan
     from lit_ppo.testing import synthetic_rollout_batch
     from lit_ppo.training import batching
     from lit_ppo.training.module import PPOModule
-    from tests.helpers import ppo_at, run_config
+    from tests.helpers import mark_interruptible_region, ppo_at, run_config
     from tests.helpers.packing import realistic_rollout
 
     ppo = ppo_at(2, 4, 8, 2, micro_train_max_tokens=600)
@@ -270,20 +269,12 @@ def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(
     plan = compute_plan(run_config(ppo=ppo, rollout=rollout, dp=2), 64)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=tokenizer.pad_token_id)
-    inside, collectives = [False], []
-
-    def interruptibly(fn):
-        inside[0] = True
-        try:
-            return fn()
-        finally:
-            inside[0] = False
+    inside, collectives = mark_interruptible_region(monkeypatch), []
 
     def global_max(x):
         collectives.append(inside[0])
         return x
 
-    monkeypatch.setattr(preemption, "interruptibly", interruptibly)
     monkeypatch.setattr(batching, "global_max", global_max)
     module.make_experience(synthetic_rollout_batch(2, 2, (100, 300), (1, 256)))  # this rank's half: 4 samples
     assert collectives == [False]  # the one all-reduce of the split, outside the region

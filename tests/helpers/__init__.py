@@ -240,3 +240,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def mark_interruptible_region(monkeypatch) -> list[bool]:
+    """Replaces `preemption.interruptibly` by a stand-in that runs its function with `inside[0]` True meanwhile, and
+    returns `inside`: what a test reads to see whether a call happened inside an interruptible region."""
+    from lit_ppo import preemption
+
+    inside = [False]
+
+    def interruptibly(fn):
+        inside[0] = True
+        try:
+            return fn()
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(preemption, "interruptibly", interruptibly)
+    return inside

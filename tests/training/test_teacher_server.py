@@ -28,7 +28,7 @@ from lit_ppo.rollout.workers.server_spawn import server_environment
 from lit_ppo.testing import synthetic_rollout_batch
 from lit_ppo.training.module import PPOModule
 from lit_ppo.training.teacher_server import TeacherServer, check_teacher_server
-from tests.helpers import FIXTURE_SHAPE, distill_ppo, free_port, run_config
+from tests.helpers import FIXTURE_SHAPE, distill_ppo, free_port, mark_interruptible_region, run_config
 
 SAMPLING_TEMPERATURE = 0.7
 POSITIONS = 256  # the teacher's: prompts of ~100 tokens and responses of up to 60
@@ -234,19 +234,9 @@ def test_a_signal_cuts_the_wait_for_a_hanging_teacher_server():
 
 
 def test_the_experience_pass_asks_a_server_teacher_inside_an_interruptible_region(tiny_model_dir, monkeypatch):
-    from lit_ppo import preemption
     from lit_ppo.training import module as module_of
 
-    inside, asked = [False], []
-
-    def interruptibly(fn):
-        inside[0] = True
-        try:
-            return fn()
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(preemption, "interruptibly", interruptibly)
+    inside, asked = mark_interruptible_region(monkeypatch), []
     monkeypatch.setattr(module_of, "server_teacher_logprobs", lambda *args: asked.append(inside[0]))
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2)
     plan = compute_plan(run_config(ppo=ppo), 8)
