@@ -7,16 +7,15 @@ an explicit device land on the `meta` device (torch.set_default_device), as they
 from __future__ import annotations
 
 import json
-import multiprocessing
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.helpers import ROOT
+from tests.helpers.ranks import start_ranks
 
 COLLECTIVES = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce"]
 
@@ -93,11 +92,7 @@ def _rank(rank: int, world: int, model_dir: str, eval_path: str, out: str) -> No
 def test_evaluation_reduces_on_the_models_device(tiny_model_dir, tmp_path):
     eval_path = tmp_path / "eval.jsonl"
     eval_path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(6)))
-    # A preloaded forkserver, as tests/rollout/test_worker_ranks.py: the ranks start without importing lit_ppo again.
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(
-        _rank, args=(2, tiny_model_dir, str(eval_path), str(tmp_path)), nprocs=2, start_method="forkserver"
-    )
+    start_ranks(_rank, 2, 2, tiny_model_dir, str(eval_path), str(tmp_path))
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["error"] is None, report["error"]

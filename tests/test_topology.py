@@ -4,7 +4,6 @@ the process group and the plan."""
 from __future__ import annotations
 
 import ast
-import multiprocessing
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from lit_ppo.errors import ConfigError
 from lit_ppo.topology import RankTopology, launched_worker_index, launcher_rank
+from tests.helpers.ranks import start_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,12 +194,7 @@ def on_two_ranks(rank: int, store_path: str, results: dict) -> None:
 
 def test_two_gloo_ranks_check_their_topology_against_the_process_group(tmp_path: Path):
     results = mp.Manager().dict()
-    # A fork server, not a fork of pytest's process (which may hold the session's vLLM engine): see
-    # tests/rollout/test_worker_ranks.py.
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(
-        on_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2, join=True, start_method="forkserver"
-    )
+    start_ranks(on_two_ranks, 2, str(tmp_path / "store"), results)
     for rank in (0, 1):
         outcome = results[rank]
         assert isinstance(outcome, dict), outcome
@@ -243,10 +238,7 @@ def on_four_ranks(rank: int, store_path: str, results: dict) -> None:
 
 def test_four_ranks_form_two_context_parallel_groups_of_two_and_two_data_parallel_groups(tmp_path: Path):
     results = mp.Manager().dict()
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(
-        on_four_ranks, args=(str(tmp_path / "store"), results), nprocs=4, join=True, start_method="forkserver"
-    )
+    start_ranks(on_four_ranks, 4, str(tmp_path / "store"), results)
     for rank in range(4):
         outcome = results[rank]
         assert isinstance(outcome, dict), outcome

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import sys
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.helpers import ROOT
+from tests.helpers.ranks import start_ranks
 
 TEMPERATURE = 0.7
 TOLERANCE = 1e-5
@@ -157,9 +156,7 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
 
 @pytest.mark.parametrize("implementation", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients(implementation, tmp_path):
-    # A preloaded forkserver, as tests/test_collectives.py: the ranks start without importing lit_ppo again.
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(_rank, args=(2, implementation, str(tmp_path)), nprocs=2, start_method="forkserver")
+    start_ranks(_rank, 2, 2, implementation, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, report in enumerate(reports):
         assert report["error"] is None, report["error"]

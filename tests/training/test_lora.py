@@ -3,8 +3,6 @@ disabled, and adapter-only sync into the in-process vLLM engine, checked at ever
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from lit_ppo.config import LoraConfig
 from lit_ppo.errors import ConfigError
 from lit_ppo.testing import NullEngine
 from tests.helpers import compose_run_config, plan_of
+from tests.helpers.ranks import start_ranks
 from tests.helpers.resume import assert_same_adapter
 
 
@@ -736,14 +735,11 @@ def test_fsdp_shards_the_lora_actor_and_syncs_only_the_gathered_adapter(tiny_mod
     as loaded. A checkpoint gathers the trained tensors and no base tensor. The weight sync gathers the adapter's
     tensors and nothing else (the bytes `DTensor.full_tensor` gathers are the adapter's, `perf/weight_sync_bytes`),
     whole and the same on both ranks; the final actor/ is written from them and loads with peft."""
-    import torch.multiprocessing as mp
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    # A preloaded forkserver, as tests/rollout/test_worker_ranks.py: the ranks start without importing lit_ppo again.
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(_sharded_lora_rank, args=(2, tiny_model_dir, str(tmp_path)), nprocs=2, start_method="forkserver")
+    start_ranks(_sharded_lora_rank, 2, 2, tiny_model_dir, str(tmp_path))
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for report in reports:
         assert report["error"] is None, report["error"]

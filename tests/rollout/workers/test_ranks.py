@@ -5,7 +5,6 @@ tests/end_to_end/test_ddp_workers.py (slow)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import traceback
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from lit_ppo.rollout.schedule import AheadOfTimeSource
 from lit_ppo.rollout.workers.ranks import DataParallelWorkers
 from tests.helpers import compose_run_config
 from tests.helpers.asynchronous import QueueingWorkers, not_here, plan, step_request
+from tests.helpers.ranks import start_ranks
 
 
 class PushedWorkers(QueueingWorkers):
@@ -111,13 +111,7 @@ def evaluation(rank: int):
 
 def run_on_two_ranks(tmp_path: Path, scenario: str) -> dict:
     results = mp.Manager().dict()
-    # From a fork server, not forked from pytest's process: that one runs the session's in-process vLLM engine (its
-    # threads and its torch.distributed group; a fork of it crashes with SIGSEGV). The server imports this module
-    # once (preloaded), so each rank's process starts without importing lit_ppo again (about 40 s if spawned).
-    multiprocessing.set_forkserver_preload([__name__])
-    mp.start_processes(
-        on_two_ranks, args=(str(tmp_path / "store"), scenario, results), nprocs=2, join=True, start_method="forkserver"
-    )
+    start_ranks(on_two_ranks, 2, str(tmp_path / "store"), scenario, results)
     return dict(results)
 
 
