@@ -316,7 +316,7 @@ def test_every_trained_sample_was_generated_by_the_planned_version(one_step_off)
 
 
 # The LoRA worker's run (`one_step_off_lora`) is make test-slow's: make test keeps a vLLM-LoRA worker in
-# test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log.
+# test_a_worker_whose_engine_misapplies_a_push_stops_the_run_in_one_line_naming_it_and_its_log[adapter-not-served].
 @pytest.mark.parametrize("run", ["one_step_off", pytest.param("one_step_off_lora", marks=pytest.mark.slow)])
 def test_spawned_workers_stop_cleanly_with_code_0_every_thread_joined(request, run):
     """After the trainer's stop command a rollout worker (full weights or LoRA) joins its threads (weight receiver,
@@ -598,8 +598,8 @@ def one_step_off_lora(tiny_model_dir, long_prompt_files, tmp_path_factory):  # n
     return (*run(tiny_model_dir, long_prompt_files, out, disaggregated(1), **LORA, **TIS, **small), out)
 
 
-# make test: test_a_worker_that_does_not_serve_the_pushed_adapter_stops_the_run_naming_it_and_its_log (a vLLM-LoRA
-# worker applies adapter version 1 for policy version 0), tests/rollout/test_async_workloads.py::
+# make test: test_a_worker_whose_engine_misapplies_a_push_stops_the_run_in_one_line_naming_it_and_its_log
+# [adapter-not-served] (a vLLM-LoRA worker applies adapter version 1 for policy version 0), tests/rollout/test_async_workloads.py::
 # test_hf_workers_at_k1_with_lora_sample_the_planned_versions_and_adapters (the worker-side adapter push and versions)
 # and tests/training/test_lora.py::test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_policy.
 @pytest.mark.slow
