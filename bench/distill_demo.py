@@ -187,6 +187,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
     parser.add_argument("--summary-only", action="store_true", help="read the runs, run nothing")
     parser.add_argument("--teacher", type=Path, help="an existing `make train` run directory to use as the teacher")
+    parser.add_argument(
+        "--common", nargs="*", default=[], help="train.py overrides for every student (RL and distillation alike)"
+    )
     parser.add_argument("--out", default=f"distill_demo_{datetime.date.today()}")
     args = parser.parse_args(argv)
     runs = args.runs.resolve()
@@ -202,7 +205,7 @@ def main(argv=None) -> None:
             for name, extra in STUDENTS.items():
                 teacher = [f"model.teacher.path={teacher_dir / 'actor'}"] if extra else []
                 every = [f"trainer.eval_every={EVAL_EVERY}", f"data.n_eval={N_EVAL}", f"seed={seed}"]
-                train([*extra, *teacher, *every], run_dir(runs, name, seed))
+                train([*extra, *teacher, *every, *args.common], run_dir(runs, name, seed))
     result = summarise(runs, args.seed)
     out = ROOT / "bench" / "results" / args.out
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
