@@ -93,7 +93,7 @@ def record_run(name: str, settings: dict, model_dir: str, engine, files, out: Pa
 
     def recorded_row(batch, exp, *args, **kwargs):
         fields = {f.name: getattr(exp, f.name) for f in dataclasses.fields(exp)}
-        experiences.append({k: None if v is None else v.detach().clone() for k, v in fields.items()})
+        experiences.append({k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in fields.items()})
         return step_row(batch, exp, *args, **kwargs)
 
     module_file.response_logprobs_and_entropy = recorded_logprobs
@@ -148,6 +148,18 @@ def same(a, b) -> bool:
     return a == b
 
 
+def one_sided_keys(a: list[dict], b: list[dict]) -> set[str]:
+    """The keys (with a value) of the dicts of `a` or `b` that the other side lacks, removed from both: a new metric
+    column or experience field (e.g. the numerics metrics of issue 51) is not a change of the step's numbers."""
+    keys_a = {k for row in a for k, v in row.items() if v is not None}
+    keys_b = {k for row in b for k, v in row.items() if v is not None}
+    only = keys_a ^ keys_b
+    for row in a + b:
+        for k in only:
+            row.pop(k, None)
+    return only
+
+
 def compare(before: Path, after: Path) -> int:
     a, b = torch.load(before, weights_only=False), torch.load(after, weights_only=False)
     failures = 0
@@ -158,6 +170,9 @@ def compare(before: Path, after: Path) -> int:
             continue
         for result in (a[name], b[name]):
             result["rows"] = [comparable(row) for row in result["rows"]]
+        for part in ("rows", "experiences"):  # a metric or field one side has not yet: new, named, not a difference
+            if only := one_sided_keys(a[name][part], b[name][part]):
+                print(f"{name}: {part} in one file only (left out): {', '.join(sorted(only))}")
         differ = [
             part for part in ("forwards", "experiences", "rows", "weights") if not same(a[name][part], b[name][part])
         ]

@@ -20,6 +20,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.distributed import all_gather_padded, global_max, global_sum
 from lit_ppo.errors import RolloutMismatchError
 from lit_ppo.topology import RankTopology
+from lit_ppo.training.numerics import sampler_mismatch_metrics
 
 # Debugging aid: a directory where make_experience saves each rank's advantages of every rollout step
 # (with the samples' global positions), e.g. to check that they do not depend on the number of ranks.
@@ -47,6 +48,8 @@ class Experience:
     rollout_logp: Tensor | None = None  # [N, T] the sampler's (vLLM's) log-probs; None when the batch has none
     logprob_abs_diff_mean: Tensor | None = None  # [] global mean |old_logp - rollout_logp| over response tokens
     logprob_abs_diff_max: Tensor | None = None  # [] its global maximum
+    # the same tokens' mismatch by depth and the share outside [0.9, 1.1] (`numerics.sampler_mismatch_metrics`), global
+    sampler_mismatch: dict[str, float] | None = None
     rc_weights: Tensor | None = None  # [N, T] rollout-correction weight of each token's policy loss (the mask when off)
     loss_mask: Tensor | None = None  # [N, T] the tokens the policy loss keeps (the mask unless MIS drops some)
     teacher_logp: Tensor | None = None  # [N, T] on-policy distillation's teacher's log-probs of the sampled tokens
@@ -55,7 +58,7 @@ class Experience:
         """The samples `idx`, their [N, T] fields cut to the micro-batch's `width` response columns."""
 
         def cut(x: Tensor | None) -> Tensor | None:
-            if x is None or x.dim() == 0:
+            if not isinstance(x, Tensor) or x.dim() == 0:
                 return x
             return x[idx] if x.dim() == 1 else x[idx, :width]
 
@@ -68,6 +71,11 @@ def rollout_logp_tensor(rollout_logprobs: list[list[float]], mask: Tensor) -> Te
     for i, logprobs in enumerate(rollout_logprobs):
         rollout_logp[i, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
     return rollout_logp
+
+
+def prompt_lengths(batch: RolloutBatch) -> Tensor:
+    """[N] each sample's prompt tokens: where its response starts in the whole sequence."""
+    return torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.long)
 
 
 def teacher_metrics(exp: Experience) -> dict[str, float]:
@@ -165,8 +173,12 @@ def old_logprobs_from_training(
             changes["kl"] = algo.KL_ESTIMATORS[ppo.kl_estimator](captured - exp.ref_logp) * exp.mask
     if batch.rollout_logprobs is not None:
         rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, exp.mask)
+        mask = exp.mask * captured_rows[:, None]
         changes["logprob_abs_diff_mean"], changes["logprob_abs_diff_max"] = check_rollout_logprobs(
-            batch.rollout_step, captured, rollout_logp, exp.mask * captured_rows[:, None], max_logprob_abs_diff
+            batch.rollout_step, captured, rollout_logp, mask, max_logprob_abs_diff
+        )
+        changes["sampler_mismatch"] = sampler_mismatch_metrics(
+            captured, rollout_logp, mask, prompt_lengths(batch), global_sum
         )
     return dataclasses.replace(exp, **changes)
 
@@ -259,7 +271,7 @@ def experience_from_forwards(
     and are checked against the experience forward's otherwise; then the advantages and the rollout correction's
     weights. Also the correction's statistics, named for the log."""
     source = plan.old_logprobs.source
-    rollout_logp = diff_mean = diff_max = None
+    rollout_logp = diff_mean = diff_max = mismatch = None
     if batch.rollout_logprobs is not None:
         rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, mask)
         if source == "vLLM":
@@ -268,6 +280,7 @@ def experience_from_forwards(
             diff_mean, diff_max = check_rollout_logprobs(
                 batch.rollout_step, old_logp, rollout_logp, mask, max_logprob_abs_diff
             )
+            mismatch = sampler_mismatch_metrics(old_logp, rollout_logp, mask, prompt_lengths(batch), global_sum)
     rewards = batch.rewards.to(mask.device)
     kl, advantages, returns = advantages_and_returns(
         rewards,
@@ -292,6 +305,7 @@ def experience_from_forwards(
         rollout_logp=rollout_logp,
         logprob_abs_diff_mean=diff_mean,
         logprob_abs_diff_max=diff_max,
+        sampler_mismatch=mismatch,
         teacher_logp=teacher_logp,
     )
     rc_weights, loss_mask, stats = rollout_correction(exp, ppo.rollout_correction)
@@ -308,7 +322,7 @@ def global_experience(exp: Experience, picks: list[tuple[int, int]], topology: R
         return exp
 
     def gather(x: Tensor | None) -> Tensor | None:
-        if x is None or x.dim() == 0:
+        if not isinstance(x, Tensor) or x.dim() == 0:
             return x
         parts = all_gather_padded(x)
         offsets = [0]

@@ -213,6 +213,7 @@ def rollout_step_row(
     if exp.logprob_abs_diff_mean is not None:  # already global
         row["rollout/logprob_abs_diff"] = float(exp.logprob_abs_diff_mean)
         row["rollout/logprob_abs_diff_max"] = float(exp.logprob_abs_diff_max)
+        row.update(exp.sampler_mismatch or {})  # by depth, and the share outside [0.9, 1.1]
     if plan.dynamic_sampling:  # global counts already, the same on every rank
         row.update(
             {

@@ -61,12 +61,7 @@ from lit_ppo.training.experience import (
 )
 from lit_ppo.training.layout import MicroBatchLayout
 from lit_ppo.training.loss import LossInputs, actor_loss, critic_loss
-from lit_ppo.training.metrics import (
-    MeanOver,
-    device_peak_memory_gib,
-    rollout_step_row,
-    update_metrics,
-)
+from lit_ppo.training.metrics import MeanOver, device_peak_memory_gib, rollout_step_row, update_metrics
 from lit_ppo.training.models import (
     adapter_disabled,
     critic_values,
@@ -75,6 +70,7 @@ from lit_ppo.training.models import (
     response_logprobs_and_entropy,
     trained_state,
 )
+from lit_ppo.training.numerics import FirstMiniBatchRatio
 from lit_ppo.training.optim import GuardedStep, ModuleOptimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.packing_check import CHECKED_SAMPLES, check_packing
@@ -317,6 +313,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         # Without an experience forward, the log-probs of the forwards before the first optimizer step (all of them
         # when on-policy) are the actor's before the update: kept for the old log-probs, the KL and the vLLM check.
         capture = OldLogprobCapture(full_exp.mask) if self.plan.old_logprobs.source != "experience forward" else None
+        first = FirstMiniBatchRatio(self.plan.old_logprobs.source)  # its ratio exactly 1: old log-probs its own
         for epoch, minibatches in enumerate(minibatch_schedule(self.plan, N, self.shuffle_generator)):
             for minibatch in minibatches:
                 indices = rank_share(full, minibatch, self.plan, self.topology.data_parallel_rank)
@@ -326,9 +323,10 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
                     # The optimizer steps change the models: the step is dropped on preemption only if its start
                     # is on disk; otherwise it finishes and the run stops after it.
                     preemption.stop_point(self.device, module=self)
-                    inputs = LossInputs.of(full_exp, idx, mb, denominators, self.ppo)
+                    inputs = first.inputs(LossInputs.of(full_exp, idx, mb, denominators, self.ppo))
                     with gradient_sync(last, self.trainer.strategy.model, models, self.sharded):
                         shares, logp = self.actor_backward(mb, inputs)
+                        first.add(logp, inputs)
                         per_update.add(shares)
                         if capture is not None:
                             capture.add(idx, logp)
@@ -336,6 +334,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
                             per_update.add({"critic/value_loss": self.critic_backward(mb, inputs)})
                 per_update.add(self.optimizer_steps())
                 per_update.count()
+                first.close()
                 if capture is not None:
                     capture.close()  # the forwards from here on are of the updated actor
         # Over the ranks: each sample's uses (each rank counted its own), checked against the plan by training_step.
@@ -351,6 +350,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         )
         _, schedulers = self.optimizers_and_schedulers()
         metrics.update({f"{name}/lr": s.get_last_lr()[0] for name, s in zip(("actor", "critic"), schedulers)})
+        metrics.update(first.metrics(global_max, self.device))
         return metrics, exp
 
     def actor_backward(self, mb: MicroBatch, inputs: LossInputs) -> tuple[dict[str, float], Tensor]:

@@ -30,12 +30,13 @@ def train_on_fixed_batch(
     *,
     grads_of: str | None = "all",
     prepare: Callable[[PPOModule], None] | None = None,
+    precision: str = "32-true",
     **module_kwargs,
 ) -> tuple[PPOModule, list[dict]]:
     """Train the plan's rollout steps on `batch` (every step trains the same batch); returns the module and the
     gradients (before clipping) at each optimizer step: of every model (`grads_of="all"`), of the actor alone
     ("actor"), or none (None). `plan_for(number of training prompts)` makes the plan; `prepare(module)` runs before
-    the fit (to add hooks)."""
+    the fit (to add hooks); `precision`: the Lightning trainer's."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     plan = plan_for(len(train_prompts))
@@ -59,6 +60,8 @@ def train_on_fixed_batch(
     module.guarded_step = StepRecordingGrads()
     if prepare is not None:
         prepare(module)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, precision=precision, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS
+    )
     trainer.fit(module, datamodule=datamodule)
     return module, grads

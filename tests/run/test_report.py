@@ -88,3 +88,12 @@ def test_metrics_csv_has_the_evaluation_row_before_step_1_and_each_step_row_once
     assert [row["rollout_step"] for row in rows] == ["0", "1", "2"]
     assert rows[0]["eval/reward"] != "" and rows[0]["optimizer_step"] == "0"
     assert int(rows[2]["optimizer_step"]) == module.actor_optimizer_steps
+    # Issue 51's numerics in every step's row: 4 mini-batches (old log-probs from the experience forward); the prompts
+    # are short, so every token is in the first depth bin, whose mean is then the batch's logprob_abs_diff.
+    for row in rows[1:]:
+        assert float(row["actor/ratio_first_minibatch_max_dev"]) == 0.0
+        assert 0 <= float(row["actor/experience_ratio_first_minibatch_max_dev"]) < 1e-5  # float32
+        depth = float(row["rollout/logprob_abs_diff_depth_0-512"])
+        assert depth == pytest.approx(float(row["rollout/logprob_abs_diff"]), rel=1e-9) and depth < 1e-4
+        assert float(row["rollout/ratio_outside_band_fraction"]) == 0.0
+    assert not any("depth_512" in key for key in rows[1])  # bins without tokens are left out
