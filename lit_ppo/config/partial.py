@@ -76,7 +76,11 @@ def partial_refusals(config) -> list[str]:
     `setting (why)`, in the order docs/async.md lists them."""
     rollout, ppo = config.rollout, config.ppo
     refused = [
-        (rollout.mode != "colocated", "rollout.mode=disaggregated (carried samples live in the trainer's data module)"),
+        (
+            rollout.mode == "disaggregated" and rollout.staleness() > 1,
+            f"rollout.max_staleness={rollout.staleness()} (a step's chunk continues the one before: rollout workers "
+            "generate one step ahead at most, k <= 1)",
+        ),
         (rollout.engine != "vllm", f"rollout.engine={rollout.engine} (only the vLLM engine continues a sample)"),
         (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
         (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),

@@ -97,8 +97,8 @@ class RolloutConfig:
 
     def oldest_token_steps(self) -> int:
         """The most rollout steps a trained token can be older than its step: k, or with partial rollouts their
-        max_age_steps (what `ppo.rollout_correction.mode=null` resolves by)."""
-        return max(self.staleness(), self.partial.max_age_steps if self.partial.enabled else 0)
+        max_age_steps + k (what `ppo.rollout_correction.mode=null` resolves by)."""
+        return self.staleness() + (self.partial.max_age_steps if self.partial.enabled else 0)
 
     def response_budget_tokens(self) -> int:
         """The most tokens one sample's response can have: `max_response_tokens` for a single-turn response, which is

@@ -27,6 +27,7 @@ class PartialPlan:
     groups_in_flight: int
     rollout_batch_size: int
     longest_response_tokens: int
+    worker_lag: int = 0  # k of rollout workers (rollout.max_staleness, <= 1): a chunk of step s is of version s - k
 
     @property
     def lag_steps(self) -> float:
@@ -36,8 +37,9 @@ class PartialPlan:
 
     @property
     def oldest_token_age(self) -> int:
-        """Rollout steps between the oldest token a batch may hold and the batch's step."""
-        return self.max_age_steps
+        """Rollout steps between the oldest token a batch may hold and the batch's step: the carry's, plus the
+        workers' lag (each chunk of a version k steps older than the step it was generated for)."""
+        return self.max_age_steps + self.worker_lag
 
     def rows(self) -> list[Row]:
         return [
@@ -57,8 +59,14 @@ class PartialPlan:
             ),
             (
                 "partial: carry bound",
-                self.max_age_steps,
-                f"rollout steps: step s trains no token older than version s - {self.max_age_steps} (checked each step); "
+                self.oldest_token_age,
+                f"rollout steps: step s trains no token older than version s - {self.oldest_token_age} "
+                + (
+                    f"(max_age_steps {self.max_age_steps} + the workers' lag {self.worker_lag}) "
+                    if self.worker_lag
+                    else ""
+                )
+                + "(checked each step); "
                 f"at that age a group is {'cut, trained as truncated' if self.at_max_age == 'finish' else 'dropped'}",
             ),
             (
@@ -88,4 +96,5 @@ def partial_plan(config: RunConfig, counts: Counts) -> PartialPlan | None:
         groups_in_flight=groups_in_flight(partial, counts.rollout_batch_size),
         rollout_batch_size=counts.rollout_batch_size,
         longest_response_tokens=min(rollout.max_response_tokens, partial.step_tokens * (partial.max_age_steps + 1)),
+        worker_lag=rollout.staleness() if rollout.mode == "disaggregated" else 0,
     )

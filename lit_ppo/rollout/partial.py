@@ -229,20 +229,40 @@ class PartialRollouts:
     def sampling(dm) -> dict:
         return {"temperature": dm.rollout.temperature, "top_p": dm.rollout.top_p, "where": "a partial rollout"}
 
-    def generate(self, dm, rollout_step: int) -> tuple[list[CarriedGroup], int, float] | None:
-        """This step's chunk for the groups in flight and the fresh rounds: (the groups, oldest first, the fresh rounds
-        drawn, generate seconds); None: a preemption signal dropped it."""
-        size, n = dm.plan.counts.rollout_batch_size, dm.plan.counts.n_samples_per_prompt
+    def chunk(self, dm, rollout_step: int):
+        """(the request continuing the groups in flight, that of the fresh rounds topping them up, the slots of the
+        carried samples, the fresh groups' fields, the rounds drawn) of `rollout_step`, from the groups in flight."""
+        size = dm.plan.counts.rollout_batch_size
         rounds = (groups_in_flight(self.settings, size) - len(self.groups)) // size
         fresh, fields = self.fresh_request(dm, rollout_step, rounds)
         carried, slots = continuation_request(self.groups, self.settings.step_tokens, self.budget, fresh)
+        return carried, fresh, slots, fields, rounds
+
+    def chunk_request(self, dm, rollout_step: int) -> GenerateRequest:
+        """`rollout_step`'s chunk as one request (rollout workers'): the carried samples, then each fresh prompt's n
+        samples, one prompt each, sample j of a prompt seeded as vLLM seeds it in a request of n (seed + j)."""
+        carried, fresh, _, _, _ = self.chunk(dm, rollout_step)
+        n = fresh.n
+        return replace(
+            carried,
+            prompt_token_ids=carried.prompt_token_ids + [ids for ids in fresh.prompt_token_ids for _ in range(n)],
+            max_tokens=carried.limits + [self.settings.step_tokens] * (fresh.prompt_count * n),
+            seeds=carried.seeds + [seed + j for seed in fresh.seeds for j in range(n)],
+        )
+
+    def generate(self, dm, rollout_step: int) -> tuple[list[CarriedGroup], int, float] | None:
+        """This step's chunk for the groups in flight and the fresh rounds: (the groups, oldest first, the fresh rounds
+        drawn, generate seconds); None: a preemption signal dropped it. With rollout workers the chunk may have been
+        requested ahead (`request_next`), as `chunk_request` of the same groups in flight."""
+        n = dm.plan.counts.n_samples_per_prompt
+        carried, fresh, slots, fields, rounds = self.chunk(dm, rollout_step)
         engine = dm.start_engine()
 
         def generate() -> list[Generation]:
             engine.wake_up()
             return (engine.generate(carried) if slots else []) + (engine.generate(fresh) if fields else [])
 
-        scheduled = dm.source.take(rollout_step, engine, generate, dm.rollout_request, 0)
+        scheduled = dm.source.take(rollout_step, engine, generate, lambda step, _: self.chunk_request(dm, step), 0)
         stop_point(dm.device)
         if scheduled is None:
             return None
@@ -268,7 +288,7 @@ class PartialRollouts:
             base = dm.sampling_request([], [], dm.plan.counts.n_samples_per_prompt, **self.sampling(dm), purpose=None)
             request, slots = continuation_request(waiting, settings.step_tokens, self.budget, base)
             engine = dm.start_engine()
-            scheduled = dm.source.take(rollout_step, engine, lambda: engine.generate(request), dm.rollout_request, 0)
+            scheduled = dm.source.now(rollout_step, engine, request)
             stop_point(dm.device)
             versions = set(scheduled.policy_versions)
             if versions != {rollout_step}:
@@ -317,6 +337,9 @@ class PartialRollouts:
         dm.stream.next_generation_round += rounds
         draw.last_round = max(g.generation_round for g in trained)
         self.groups = left
+        # Rollout workers at k = 1 generate the next step's chunk while the trainer trains this one: it continues the
+        # groups left now, so it is requested now, behind the push of this step's version (nothing at k = 0).
+        dm.source.request_next(rollout_step + 1, dm.start_engine(), lambda step, _: self.chunk_request(dm, step))
         batch = rollout_batch(rollout_step, plan, range(len(trained)), draw, None, dm.episode_fields)
         ages = token_ages(trained, rollout_step)
         stats = {

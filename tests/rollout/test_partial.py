@@ -57,7 +57,7 @@ def partial_rollout(
     "changes, named",
     [
         ({"rollout": {"engine": "hf"}}, "rollout.engine=hf"),
-        ({"rollout": {"mode": "disaggregated"}}, "rollout.mode=disaggregated"),
+        ({"rollout": {"mode": "disaggregated", "max_staleness": 2}}, "rollout.max_staleness=2"),
         ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
         ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
@@ -326,6 +326,127 @@ def test_every_sample_s_text_is_its_tokens_decoded_whatever_its_chunks(tokenizer
     for chunks in (1, 2):
         sample = CarriedSample(0, ids, (-0.5,) * len(ids), ((0, 0),), "vLLM's own text", chunks, True, False)
         assert generation_of(sample, 0, tokenizer).text == tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# ------------------------------------------------------------ rollout workers generating ahead (k = 1)
+
+
+class QueuedCountdownWorkers(CountdownEngine):
+    """Stands in for the rollout workers' client: each request generated (as `CountdownEngine`) by the version pushed
+    last before it was submitted (the workers' ordered queue), handed out when collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.version = 0  # the last version pushed
+        self.submitted: list[int] = []  # the version each request was submitted behind
+
+    def submit(self, request: GenerateRequest):
+        self.submitted.append(self.version)
+        return self.generate(request), self.version
+
+    def collect(self, ticket):
+        generations, version = ticket
+        return generations, [version] * len(generations), 0.5
+
+
+def token_versions(batch) -> list[list[int]]:
+    """Each response token's policy version, from the batch's spans."""
+    out = []
+    for spans, ids in zip(batch.version_spans, batch.response_ids):
+        ends = [start for start, _ in spans[1:]] + [len(ids)]
+        out.append([v for (start, v), end in zip(spans, ends) for _ in range(end - start)])
+    return out
+
+
+def workers_datamodule(tokenizer, model_dir, k: int = 1, steps: int = 6):
+    rollout = partial_rollout(4, 2, max_response_tokens=12, mode="disaggregated", max_staleness=k)
+    dm = datamodule_on(
+        countdown_prompts(16), rollout, tokenizer, model_dir, QueuedCountdownWorkers(), ppo=PPO, steps=steps
+    )
+    assert type(dm.source).__name__ == "AheadOfTimeSource"
+    return dm
+
+
+def run_pushed(dm, steps) -> list:
+    """`produce_rollout` of `steps`, version s pushed before step s (as the trainer pushes it after training s - 1)."""
+    batches = []
+    for step in steps:
+        dm.engine.version = step
+        batches.append(dm.produce_rollout(step))
+    return batches
+
+
+def test_rollout_workers_at_k1_generate_the_next_chunk_ahead_and_train_the_colocated_samples(tokenizer, tiny_model_dir):
+    """With rollout workers at k = 1 the chunk of step s + 1 is requested when step s is taken (behind the push of
+    version s, before step s trains), and every chunk is of version s - 1 instead of s: the groups in flight, the cuts,
+    the tokens, log-probs and seeds are the colocated run's, each token's version the colocated one's minus the lag,
+    and the carry bound the plan states, max_age_steps + 1, holds (and is reached) where the colocated one does not."""
+    same = countdown_datamodule(tokenizer, tiny_model_dir)
+    colocated = [same.produce_rollout(step) for step in range(6)]
+    dm = workers_datamodule(tokenizer, tiny_model_dir, k=1)
+    batches = []
+    for step in range(6):
+        batches += run_pushed(dm, [step])
+        assert len(dm.engine.submitted) == step + 2  # step s + 1 requested ahead, generated while step s trains
+        assert dm.engine.submitted[-1] == step  # behind version s: the schedule's max(0, (s + 1) - 1)
+    assert dm.plan.partial.oldest_token_age == 3 and dm.plan.partial.worker_lag == 1
+    assert dm.plan.max_staleness == 1 and "max_age_steps 2 + the workers' lag 1" in dm.plan.table()
+    tight = countdown_datamodule(tokenizer, tiny_model_dir).plan  # k = 0: a carry bound of 2
+    for step, (a, b) in enumerate(zip(colocated, batches)):
+        assert (b.response_ids, b.rollout_logprobs, b.dataset_indices) == (
+            a.response_ids,
+            a.rollout_logprobs,
+            a.dataset_indices,
+        )
+        assert a.partial_stats["rollout/partial_cut_groups"] == b.partial_stats["rollout/partial_cut_groups"]
+        lagged = [[max(0, v - 1) for v in versions] for versions in token_versions(a)]
+        assert token_versions(b) == lagged
+        check_carried_tokens(dm.plan, step, b.version_spans, [len(r) for r in b.response_ids])
+    assert max(b.partial_stats["rollout/token_age_max"] for b in batches) == 3
+    with pytest.raises(StalenessError, match=r"max_age_steps=2\); the carried"):
+        for step, b in enumerate(batches):
+            check_carried_tokens(tight, step, b.version_spans, [len(r) for r in b.response_ids])
+
+
+def test_rollout_workers_at_k0_request_each_chunk_when_taken(tokenizer, tiny_model_dir):
+    dm = workers_datamodule(tokenizer, tiny_model_dir, k=0, steps=4)
+    colocated = countdown_datamodule(tokenizer, tiny_model_dir, steps=4)
+    for step in range(4):
+        b, a = run_pushed(dm, [step])[0], colocated.produce_rollout(step)
+        assert dm.engine.submitted == list(range(step + 1))  # nothing ahead: each behind its own version
+        assert (b.response_ids, b.version_spans) == (a.response_ids, a.version_spans)
+
+
+def test_a_resume_with_rollout_workers_keeps_the_chunk_generated_ahead_and_the_groups_in_flight(
+    tokenizer, tiny_model_dir
+):
+    """A checkpoint after step 2 at k = 1: the chunk of step 3 (in flight, of version 2) is received and kept with the
+    groups it continues; the resumed run requests step 4 first and trains what the uninterrupted one does."""
+    full = run_pushed(workers_datamodule(tokenizer, tiny_model_dir), range(6))
+    dm = workers_datamodule(tokenizer, tiny_model_dir)
+    run_pushed(dm, range(3))
+    buffer = io.BytesIO()
+    torch.save(dm.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert set(state["prefetched"]) == {3} and state["partial_groups"]
+    resumed = workers_datamodule(tokenizer, tiny_model_dir)
+    resumed.load_state_dict(state)
+    later = run_pushed(resumed, range(3, 6))
+    assert resumed.engine.submitted == [3, 4, 5]  # steps 4, 5, 6 requested ahead; step 3 came from the checkpoint
+    for a, b in zip(full[3:], later):
+        assert (b.response_ids, b.rollout_logprobs, b.version_spans) == (
+            a.response_ids,
+            a.rollout_logprobs,
+            a.version_spans,
+        )
+        assert a.partial_stats == b.partial_stats
+
+
+def test_partial_rollouts_with_workers_at_k2_are_refused_and_k1_plans_the_lag():
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 \(a step's chunk continues the one before"):
+        run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated", max_staleness=2))
+    config = run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated"))  # k = 1, the mode's default
+    assert config.ppo.rollout_correction.mode == "tis" and config.rollout.oldest_token_steps() == 2
 
 
 # ------------------------------------------------------------ the real engine
