@@ -39,6 +39,11 @@ class WarmStartConfig:
     """With an environment: the teacher calls the tool this often and guesses otherwise; null: no tool calls."""
     tool_use_practice: float = field(default=0.0, metadata=at_least(0))
     """With tool_call_rate: further demonstrations of using a call once made."""
+    long_fraction: float = field(default=0.0, metadata=within(0, 1))
+    """Share of demonstrations that think before they answer: `long_pad_tokens` spaces, then the answer (the integer
+    reward strips them), so the policy's response lengths get a heavy tail (+experiment=long_tail); 0: none."""
+    long_pad_tokens: int = field(default=24, metadata=at_least(1))
+    """With long_fraction: the spaces a long demonstration writes before its answer."""
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (vllm/config/lora.py)

@@ -26,15 +26,20 @@ log = logging.getLogger(__name__)
 
 
 def demonstration_sampler(
-    records: list[dict], *, teacher_accuracy: float
+    records: list[dict], *, teacher_accuracy: float, long_fraction: float = 0.0, long_pad_tokens: int = 24
 ) -> Callable[[random.Random], tuple[str, str]]:
     """Draws (prompt, response) from the noisy teacher; the noise is redrawn every time, so the
-    policy learns the teacher's answer distribution rather than memorising one answer per prompt."""
+    policy learns the teacher's answer distribution rather than memorising one answer per prompt.
+    `long_fraction` of the demonstrations (also redrawn) think first: `long_pad_tokens` spaces before the answer,
+    which `integer_match` strips, a stand-in for a long reasoning trace (the heavy-tailed workload)."""
 
     def sample(rng: random.Random) -> tuple[str, str]:
         record = rng.choice(records)
         answer = int(record["answer"])
-        return record["prompt"], str(answer if rng.random() < teacher_accuracy else answer + 1)
+        response = str(answer if rng.random() < teacher_accuracy else answer + 1)
+        if long_fraction and rng.random() < long_fraction:  # no draw when off: the default demonstrations as before
+            response = " " * long_pad_tokens + response
+        return record["prompt"], response
 
     return sample
 

@@ -76,7 +76,10 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     # Keyed on what the warm start reads: the base model, its own settings, the seed and the training records
     # themselves (not the data settings: data.n_eval or data.eval_path leave them as they are), and for tool
     # demonstrations the environment whose format they are written in.
-    key_parts = [base_dir.name, dataclasses.asdict(warm), train_records, config.seed]
+    settings = dataclasses.asdict(warm)
+    if not warm.long_fraction:  # off: the key warm starts had before these settings existed
+        settings = {k: v for k, v in settings.items() if k not in ("long_fraction", "long_pad_tokens")}
+    key_parts = [base_dir.name, settings, train_records, config.seed]
     environment = config.rollout.episodes.environment
     if warm.tool_call_rate is not None:
         key_parts.append(environment)
@@ -98,7 +101,12 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
             environment=make_environment(),
         )
     else:
-        demos = demonstration_sampler(train_records, teacher_accuracy=warm.teacher_accuracy)
+        demos = demonstration_sampler(
+            train_records,
+            teacher_accuracy=warm.teacher_accuracy,
+            long_fraction=warm.long_fraction,
+            long_pad_tokens=warm.long_pad_tokens,
+        )
     out = supervised_warm_start(
         str(base_dir),
         cache / f"warm-{key}",

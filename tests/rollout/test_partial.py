@@ -38,6 +38,7 @@ def hashed_responses(prompts, responses, references, extras):
     return [int.from_bytes(hashlib.sha256(r.encode()).digest()[:4], "little") / 2**32 for r in responses]
 
 
+TIS_KW = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
 
 
@@ -447,6 +448,28 @@ def test_partial_rollouts_with_workers_at_k2_are_refused_and_k1_plans_the_lag():
         run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated", max_staleness=2))
     config = run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated"))  # k = 1, the mode's default
     assert config.ppo.rollout_correction.mode == "tis" and config.rollout.oldest_token_steps() == 2
+
+
+@pytest.mark.slow
+def test_a_run_with_a_rollout_worker_at_k1_trains_chunks_of_the_lagged_versions(
+    tiny_model_dir, long_prompt_files, tmp_path
+):
+    """Three rollout steps with a spawned vLLM rollout worker at k = 1 (its weights pushed each step): the trainer's
+    carry-bound check passes each step, every chunk is of the version the worker held (step u's chunk: max(0, u - 1)),
+    a batch's oldest token is max_age_steps + k = 2 steps old, and the worker stops cleanly."""
+    from tests.helpers.asynchronous import disaggregated, fit_then_close, workers_run
+
+    rollout = dataclasses.replace(disaggregated(1), partial=PartialConfig(step_tokens=3, max_age_steps=1))
+    trainer, module, dm, plan = workers_run(tiny_model_dir, long_prompt_files, tmp_path, rollout, 3, **TIS_KW)
+    fit_then_close(trainer, module, dm)
+    assert plan.partial.oldest_token_age == 2 and dm.engine.exit_codes == [0]
+    batches = type(dm).batches
+    for step, batch in enumerate(batches):
+        started = {spans[0][1] for spans in batch.version_spans}
+        assert all(v in (max(0, u - 1) for u in range(step + 1)) for spans in batch.version_spans for _, v in spans)
+        assert max(started) <= max(0, step - 1)
+    assert [row["rollout/token_age_max"] for row in module.history] == [0, 1, 2]
+    assert module.ppo.rollout_correction.mode == "tis"
 
 
 # ------------------------------------------------------------ the real engine
