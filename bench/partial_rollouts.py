@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import machine
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ["+experiment=long_tail"]
 PARTIAL = ["rollout.partial.step_tokens=8", "rollout.partial.max_age_steps=3", "rollout.partial.groups_in_flight=64"]
@@ -167,7 +169,7 @@ def main() -> None:
             f"`.venv/bin/python bench/partial_rollouts.py --steps {args.steps} --repeats {args.repeats}"
             f"{' --learning' if args.learning else ''}` (workload `+experiment=long_tail`; partial: "
             f"`{' '.join(PARTIAL)}`; k = 1: `{' '.join(WORKERS)}`; seed {args.seed}). Means over each run's rollout "
-            "steps after the first.\n\n"
+            f"steps after the first. Machine: {machine()}.\n\n"
             + table(runs, names)
             + "\n\nPartial over whole responses:\n"
             + ratios(runs, args.repeats)
