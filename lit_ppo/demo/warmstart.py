@@ -79,6 +79,14 @@ def tool_demonstration_sampler(
     return sample
 
 
+def keyed_settings(settings: dict) -> dict:
+    """The warm start's settings (`model.warm_start` as a dict) its cache is keyed on: without the long-tail teacher's
+    while it is off, so the default warm start keeps the key it had before they existed (its cache stays valid)."""
+    if settings.get("long_fraction"):
+        return settings
+    return {k: v for k, v in settings.items() if k not in ("long_fraction", "long_pad_tokens")}
+
+
 def cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -31,7 +31,13 @@ from lit_ppo.checkpoints import RolloutCheckpoint, list_checkpoints
 from lit_ppo.config import DataConfig, LoggerConfig, RunConfig
 from lit_ppo.console import adopt_library_loggers, show
 from lit_ppo.demo.arithmetic import problems_of, write_jsonl
-from lit_ppo.demo.warmstart import cache_key, demonstration_sampler, supervised_warm_start, tool_demonstration_sampler
+from lit_ppo.demo.warmstart import (
+    cache_key,
+    demonstration_sampler,
+    keyed_settings,
+    supervised_warm_start,
+    tool_demonstration_sampler,
+)
 from lit_ppo.errors import ConfigError, RolloutWorkerError
 from lit_ppo.preemption import Preemption
 from lit_ppo.resume import check_run_directory, finished_note, fresh_start_note, resolve_resume
@@ -76,10 +82,7 @@ def prepare_model(config: RunConfig, train_records: list[dict] | None) -> str:
     # Keyed on what the warm start reads: the base model, its own settings, the seed and the training records
     # themselves (not the data settings: data.n_eval or data.eval_path leave them as they are), and for tool
     # demonstrations the environment whose format they are written in.
-    settings = dataclasses.asdict(warm)
-    if not warm.long_fraction:  # off: the key warm starts had before these settings existed
-        settings = {k: v for k, v in settings.items() if k not in ("long_fraction", "long_pad_tokens")}
-    key_parts = [base_dir.name, settings, train_records, config.seed]
+    key_parts = [base_dir.name, keyed_settings(dataclasses.asdict(warm)), train_records, config.seed]
     environment = config.rollout.episodes.environment
     if warm.tool_call_rate is not None:
         key_parts.append(environment)
