@@ -5,7 +5,9 @@ prime-rl's `ParallelDims`.
 `RankTopology.of(trainer)` is built once per run (`lit_ppo.run.build.build_run`), from the Lightning strategy's ranks,
 and handed to the module, the data module and the callbacks; once the process group is up (the data module's setup)
 `check` holds it against the group and against the plan's data-parallel size. Before the trainer exists (the run
-directory's lock, the log file's name, rank 0's first writes), `launcher_rank` reads the launcher's environment.
+directory's lock, the log file's name, rank 0's first writes), `launcher_rank` reads the launcher's environment, and
+the pre-flight holds the ranks torchrun or srun started against strategy.devices x strategy.num_nodes
+(`check_launched_ranks`).
 
 Ranks r*C .. r*C+C-1 form one context-parallel group of C (`context_parallel_size`) that shares data-parallel rank
 r's samples and splits their tokens (issue 51: lit_ppo/training/context_parallel.py); `with_groups` builds their process
@@ -61,6 +63,82 @@ def launched_worker_index(environ: Mapping[str, str] | None = None) -> str | Non
     """A rollout worker's number as srun (SLURM_PROCID) or torchrun (RANK) gave it, unparsed; None without either."""
     environ = os.environ if environ is None else environ
     return next((environ[name] for name in WORKER_INDEX_VARIABLES if environ.get(name)), None)
+
+
+# ------------------------------------------------------------------ the launcher's sizes against the plan's
+
+NODE_VARIABLES = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "LOCAL_RANK", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK")
+"""Variables by which some launcher (Lightning's own, on each node by hand, jsrun, mpirun) places this process among
+several nodes; a run of several nodes with none of them, torchrun's or srun's has none to wait with."""
+
+
+def launched_by(environ: Mapping[str, str]) -> str | None:
+    """Which launcher Lightning will number this process's rank from, in Lightning's order (torchrun first: it may run
+    inside a SLURM allocation): "torchrun", "srun", or None (Lightning's own launcher, or another)."""
+    if environ.get("TORCHELASTIC_RUN_ID") is not None:  # torch.distributed.is_torchelastic_launched
+        return "torchrun"
+    if "SLURM_NTASKS" in environ and environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "srun"  # Lightning's SLURMEnvironment.detect: an interactive job's name opts out
+    return None
+
+
+def check_launched_ranks(devices: int, num_nodes: int, environ: Mapping[str, str] | None = None) -> None:
+    """Before any model loads, for a training run: the ranks the launcher started match strategy.devices x
+    strategy.num_nodes, which the plan divides the work by; one line otherwise. Lightning itself would stop with a
+    traceback at the trainer's construction (torchrun's WORLD_SIZE, srun's task and node counts), an IndexError
+    (torchrun's ranks per node above strategy.devices), or wait for ranks that never come (several nodes and no
+    launcher)."""
+    environ = os.environ if environ is None else environ
+    planned = f"strategy.devices={devices} x strategy.num_nodes={num_nodes}"
+    launcher = launched_by(environ)
+    if launcher == "torchrun":
+        world, local = int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_WORLD_SIZE", devices))
+        if world != devices * num_nodes or local != devices:
+            raise ConfigError(
+                f"torchrun started {world} ranks, {local} on this node (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}: "
+                f"--nnodes x --nproc-per-node), but {planned} plans {devices * num_nodes}, {devices} per node; fix: "
+                f"strategy.devices={local} strategy.num_nodes={max(1, world // local)}, or torchrun "
+                f"--nnodes={num_nodes} --nproc-per-node={devices}"
+            )
+    elif launcher == "srun":
+        check_srun_tasks(devices, num_nodes, environ, planned)
+    elif num_nodes > 1 and not any(name in environ for name in NODE_VARIABLES):
+        raise ConfigError(
+            f"strategy.num_nodes={num_nodes}, but no launcher started this process (no torchrun or srun variables, no "
+            "NODE_RANK and MASTER_ADDR): its ranks would wait for the other nodes' ranks without end; fix: start it on "
+            f'every node with torchrun --nnodes={num_nodes} --nproc-per-node={devices} or srun (README, "Across '
+            'nodes"), or strategy.num_nodes=1'
+        )
+
+
+def check_srun_tasks(devices: int, num_nodes: int, environ: Mapping[str, str], planned: str) -> None:
+    """srun's tasks (SLURM_NTASKS), tasks per node (SLURM_NTASKS_PER_NODE, which Lightning requires with more than one
+    task) and nodes (SLURM_NNODES) against the plan's ranks, devices per node and nodes."""
+    tasks = int(environ["SLURM_NTASKS"])
+    per_node = environ.get("SLURM_NTASKS_PER_NODE")
+    nodes = int(environ.get("SLURM_NNODES", num_nodes))
+    if tasks > 1 and per_node is None:
+        raise ConfigError(
+            f"srun started {tasks} tasks (SLURM_NTASKS) without --ntasks-per-node, by which Lightning numbers them "
+            f"per node; fix: srun (or #SBATCH) --nodes={num_nodes} --ntasks-per-node={devices}, one task per device"
+        )
+    if per_node is not None and not per_node.isdigit():  # SLURM's "8(x2)" or "8,4": nodes with different counts
+        raise ConfigError(
+            f"srun gives the nodes different task counts (SLURM_NTASKS_PER_NODE={per_node}) but {planned} plans "
+            f"{devices} per node; fix: srun --nodes={num_nodes} --ntasks-per-node={devices}"
+        )
+    per_node = int(per_node or tasks)
+    if (tasks, per_node, nodes) != (devices * num_nodes, devices, num_nodes):
+        fix = (
+            f"strategy.devices={per_node} strategy.num_nodes={nodes} (in a batch script: $SLURM_NTASKS_PER_NODE and "
+            "$SLURM_NNODES)"
+            if tasks == per_node * nodes
+            else f"srun --nodes={num_nodes} --ntasks-per-node={devices}, one task per device"
+        )
+        raise ConfigError(
+            f"srun started {tasks} tasks on {nodes} nodes, {per_node} per node (SLURM_NTASKS, SLURM_NNODES, "
+            f"SLURM_NTASKS_PER_NODE), but {planned} plans {devices * num_nodes} ranks, {devices} per node; fix: {fix}"
+        )
 
 
 @dataclass(frozen=True)

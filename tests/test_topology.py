@@ -4,6 +4,7 @@ the process group and the plan."""
 from __future__ import annotations
 
 import ast
+import re
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_ppo.errors import ConfigError
-from lit_ppo.topology import RankTopology, launched_worker_index, launcher_rank
+from lit_ppo.topology import RankTopology, check_launched_ranks, launched_worker_index, launcher_rank
 from tests.helpers.ranks import start_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,6 +147,84 @@ def test_a_lightning_trainer_numbers_its_ranks_from_the_launchers_environment(mo
 )
 def test_the_launchers_rank_before_the_trainer_exists(environ, rank):
     assert launcher_rank(environ) == rank
+
+
+# ------------------------------------------------------------------ the launcher's ranks against the plan's
+
+TORCHRUN_NODE_1 = {"TORCHELASTIC_RUN_ID": "none", "RANK": "1", "LOCAL_RANK": "0", "GROUP_RANK": "1",
+                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}  # fmt: skip
+"""torchrun --nnodes=2 --nproc-per-node=1 --node-rank=1: what its one rank on node 1 reads."""
+SRUN_NODE_1 = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_PROCID": "1",
+               "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "ppo",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29512"}  # fmt: skip
+"""srun --nodes=2 --ntasks-per-node=1: its task on node 1 (tests/end_to_end/test_nodes.py starts these two)."""
+
+
+@pytest.mark.parametrize("environ", [TORCHRUN_NODE_1, SRUN_NODE_1], ids=["torchrun", "srun"])
+def test_a_launchers_node_1_of_2_is_rank_1_to_lightning_and_passes_the_check(monkeypatch, environ):
+    import lightning as L
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    check_launched_ranks(devices=1, num_nodes=2, environ=environ)
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", logger=False)
+    top = RankTopology.of(trainer)
+    assert (top.rank, top.world_size, top.local_rank, top.node_rank) == (1, 2, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "devices, num_nodes, changed, message",
+    [
+        (1, 2, {"WORLD_SIZE": "4"}, re.escape(
+            "torchrun started 4 ranks, 1 on this node (WORLD_SIZE=4, LOCAL_WORLD_SIZE=1: --nnodes x --nproc-per-node), "
+            "but strategy.devices=1 x strategy.num_nodes=2 plans 2, 1 per node; fix: strategy.devices=1 "
+            "strategy.num_nodes=4, or torchrun --nnodes=2 --nproc-per-node=1")),
+        # --nnodes=1 --nproc-per-node=2: the world matches (Lightning checks no more), the ranks per node do not
+        (1, 2, {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}, r"torchrun started 2 ranks, 2 on this node .* plans 2, 1 "
+         r"per node; fix: strategy.devices=2 strategy.num_nodes=1, or torchrun --nnodes=2 --nproc-per-node=1"),
+        (2, 1, {}, r"torchrun started 2 ranks, 1 on this node .*; fix: strategy.devices=1 strategy.num_nodes=2"),
+    ],
+)  # fmt: skip
+def test_torchruns_ranks_other_than_the_plans_are_refused_in_one_line(devices, num_nodes, changed, message):
+    with pytest.raises(ConfigError, match=message):
+        check_launched_ranks(devices, num_nodes, {**TORCHRUN_NODE_1, **changed})
+
+
+@pytest.mark.parametrize(
+    "devices, num_nodes, changed, message",
+    [
+        (1, 2, {"SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0"},
+         "srun started 2 tasks on 1 nodes, 2 per node (SLURM_NTASKS, SLURM_NNODES, SLURM_NTASKS_PER_NODE), but "
+         "strategy.devices=1 x strategy.num_nodes=2 plans 2 ranks, 1 per node; fix: strategy.devices=2 "
+         "strategy.num_nodes=1 (in a batch script: $SLURM_NTASKS_PER_NODE and $SLURM_NNODES)"),
+        (2, 2, {"SLURM_NTASKS": "3", "SLURM_NTASKS_PER_NODE": "2"}, "srun started 3 tasks on 2 nodes, 2 per node "
+         "(SLURM_NTASKS, SLURM_NNODES, SLURM_NTASKS_PER_NODE), but strategy.devices=2 x strategy.num_nodes=2 plans 4 "
+         "ranks, 2 per node; fix: srun --nodes=2 --ntasks-per-node=2, one task per device"),
+        (1, 2, {"SLURM_NTASKS_PER_NODE": None}, "srun started 2 tasks (SLURM_NTASKS) without --ntasks-per-node, "
+         "by which Lightning numbers them per node; fix: srun (or #SBATCH) --nodes=2 --ntasks-per-node=1"),
+        (1, 2, {"SLURM_NTASKS_PER_NODE": "1(x2)"}, "srun gives the nodes different task counts"),
+    ],
+)  # fmt: skip
+def test_sruns_tasks_other_than_the_plans_are_refused_in_one_line(devices, num_nodes, changed, message):
+    environ = {k: v for k, v in {**SRUN_NODE_1, **changed}.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_launched_ranks(devices, num_nodes, environ)
+
+
+def test_several_nodes_without_a_launcher_are_refused_where_lightning_would_wait_for_them():
+    with pytest.raises(ConfigError, match=re.escape(
+        "strategy.num_nodes=2, but no launcher started this process (no torchrun or srun variables, no NODE_RANK and "
+        "MASTER_ADDR): its ranks would wait for the other nodes' ranks without end; fix: start it on every node with "
+        "torchrun --nnodes=2 --nproc-per-node=4 or srun"
+    )):  # fmt: skip
+        check_launched_ranks(4, 2, {"PATH": "/usr/bin"})
+    check_launched_ranks(4, 2, {"NODE_RANK": "1", "MASTER_ADDR": "node0"})  # Lightning's own, started on each node
+    check_launched_ranks(4, 1, {})  # one node: Lightning starts the ranks itself
+    check_launched_ranks(2, 1, {"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "interactive"})  # Lightning's opt-out of SLURM
+    # torchrun inside a SLURM allocation: torchrun's ranks, as Lightning reads them first
+    check_launched_ranks(1, 2, {**SRUN_NODE_1, "SLURM_NTASKS": "1", **TORCHRUN_NODE_1})
 
 
 def test_a_rollout_workers_number_from_srun_or_torchrun():

@@ -26,6 +26,7 @@ from lit_ppo.rollout.prompts import PromptSet, check_utf8
 from lit_ppo.run import preflight as checks
 from lit_ppo.run import user_code
 from lit_ppo.run.teacher_preflight import check_teacher, teacher_layout
+from lit_ppo.topology import check_launched_ranks
 
 log = logging.getLogger("lit_ppo")
 
@@ -115,8 +116,9 @@ def preflight(config: RunConfig, output_dir: Path | None = None) -> Checked:
     rollout, data = config.rollout, config.data
     checks.check_strategy(config.strategy.name, config.strategy.devices, config.strategy.num_nodes)
     checks.check_launcher(config.strategy.lightning, class_default=training)
-    if training:
+    if training:  # (mode=plan plans a cluster's run on any machine)
         checks.check_accelerator(config.strategy.accelerator, config.strategy.devices, config.strategy.name)
+        check_launched_ranks(config.strategy.devices, config.strategy.num_nodes)
     environment = rollout.episodes.environment
     check_reward_and_environment(config)
     files = []

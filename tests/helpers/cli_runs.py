@@ -47,13 +47,15 @@ def train_py(cwd: Path, *overrides: str, env: dict | None = None, timeout: float
     )
 
 
-def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:
-    """`python train.py` in its own process group (so a hung rank can be killed with its parent)."""
-    out.mkdir(parents=True, exist_ok=True)
+def run_environment(out: Path, pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment `train_cli`'s runs start in: this checkout importable, every rank's experience dumped."""
     paths = [str(ROOT), *pythonpath, os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
-    cmd = [
-        sys.executable,
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), **{DUMP_ADVANTAGES_ENV: str(out / "dump")})
+
+
+def train_arguments(out: Path, cache: Path, *overrides: str) -> list[str]:
+    """train.py's arguments of `train_cli`'s runs: SETTINGS, writing into `out`, the model caches in `cache`."""
+    return [
         "train.py",
         *SETTINGS,
         f"output_dir={out}",
@@ -61,6 +63,13 @@ def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pyth
         f"hydra.run.dir={out / 'hydra'}",
         *overrides,
     ]
+
+
+def train_cli(out: Path, cache: Path, *overrides: str, returncode: int = 0, pythonpath: tuple[str, ...] = ()) -> Path:
+    """`python train.py` in its own process group (so a hung rank can be killed with its parent)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = run_environment(out, pythonpath)
+    cmd = [sys.executable, *train_arguments(out, cache, *overrides)]
     started = time.monotonic()
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
