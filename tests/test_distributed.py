@@ -13,6 +13,9 @@ RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set (as torchrun would), each rank
 with torch.save, and the tests compare them with a single-process computation done here.
 Negative controls check that the comparison can fail: per-rank statistics or per-micro-batch
 token counts do give different numbers.
+
+`distributed.gradient_sync` is tested on two gloo ranks started in process (tests/helpers/ranks.py): one gradient
+synchronisation per optimizer step under DDP and FSDP2, with the gradients of a sync per micro-batch.
 """
 
 from __future__ import annotations
@@ -399,6 +402,151 @@ def test_control_per_micro_batch_token_mean_differs(ranks):
     """Dividing each micro-batch by its own tokens mis-weights the gradient (verl #5625)."""
     expected = single_process_grad("token-mean")
     assert (ranks[0]["grads"]["token-mean", "per-micro-batch"] - expected).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ gradient_sync: one synchronisation per optimizer step
+
+SYNC_STEPS, SYNC_MICRO_BATCHES, SYNC_MICRO_SIZE = 2, 4, 3  # optimizer steps; micro-batches of each; samples per rank
+SYNC_UNITS = {"ddp": 1, "fsdp": 3}  # synchronisations counted per synced backward: DDP's pass, FSDP2's units
+
+
+class SyncedModel(torch.nn.Module):
+    """Two linear layers (FSDP2 units of their own under `shard_models`, as a decoder's layers are) and a scale on the
+    root (the root unit's own parameter): three reduce-scatters per FSDP2 synchronisation."""
+
+    _no_split_modules = ["Linear"]
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 8, dtype=F64), torch.nn.Tanh(), torch.nn.Linear(8, 8, dtype=F64)
+        )
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.layers(x) * self.scale).sum(-1)  # [B]
+
+
+def sync_data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [steps, micro-batches, ranks, samples, FEATURES] and targets [steps, micro-batches, ranks, samples]."""
+    g = torch.Generator().manual_seed(3)
+    shape = (SYNC_STEPS, SYNC_MICRO_BATCHES, world, SYNC_MICRO_SIZE)
+    return torch.randn(*shape, FEATURES, generator=g, dtype=F64), torch.randn(*shape, generator=g, dtype=F64)
+
+
+def sync_training(model, x: torch.Tensor, y: torch.Tensor, backward) -> list[torch.Tensor]:
+    """SYNC_STEPS SGD steps of `model` on the mean squared error, `backward(step, loss_of)` running each step's
+    backward passes (`loss_of(x, y)`: a share of the step's loss); each step's gradients, whole (gathered)."""
+    from lit_ppo.distributed import gathered
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(SYNC_STEPS):
+        samples = x[step].shape[:-1].numel()  # the step's, over every micro-batch and rank
+        backward(step, lambda xs, ys: ((model(xs) - ys) ** 2).sum() / samples)
+        grads.append(torch.cat([gathered(p.grad).reshape(-1) for p in model.parameters()]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+@contextlib.contextmanager
+def counted_syncs(wrapper, strategy: str):
+    """A list that grows by one entry per gradient synchronisation: a DDP backward pass that all-reduced (a comm hook
+    that counts the last bucket), or an FSDP2 reduce-scatter of a unit's gradients (torch.distributed's
+    reduce_scatter_single, which FSDP2's default reduce-scatter calls, wrapped while the context lasts)."""
+    import torch.distributed as dist
+
+    syncs: list[int] = []
+    original = dist.reduce_scatter_single
+    if strategy == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(state, bucket):
+            if bucket.is_last():
+                syncs.append(1)
+            return allreduce_hook(state, bucket)
+
+        wrapper.register_comm_hook(None, hook)
+    else:
+
+        def counting(*args, **kwargs):
+            syncs.append(1)
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting
+    try:
+        yield syncs
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def _sync_rank(rank: int, world: int, strategy: str, out: str) -> None:
+    """SYNC_STEPS optimizer steps of SYNC_MICRO_BATCHES micro-batches each through `gradient_sync(last, ...)`, as
+    `PPOModule.train_on_experience` runs them ("last"), and with a sync on every micro-batch ("every"): each way's
+    synchronisations counted and each step's gradients saved."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    # A file rendezvous: no port to race other tests for.
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lit_ppo.distributed import gradient_sync, shard_models
+
+    x, y = sync_data(world)
+    result = {}
+    for way in ("last", "every"):
+        torch.manual_seed(0)  # the same initial weights on every rank and in the one-process reference
+        model = SyncedModel()
+        if strategy == "ddp":
+            wrapper = DDP(model)
+        else:
+            shard_models((model,), init_device_mesh("cpu", (world,)))
+            wrapper = model
+
+        def backward(step, loss_of):
+            for micro in range(SYNC_MICRO_BATCHES):
+                last = micro == SYNC_MICRO_BATCHES - 1
+                with gradient_sync(last or way == "every", wrapper, [model], strategy == "fsdp"):
+                    # DDP and FSDP2 average the ranks' gradients: x world makes them the sum, the step's gradient
+                    (loss_of(x[step, micro, rank], y[step, micro, rank]) * world).backward()
+
+        with counted_syncs(wrapper, strategy) as syncs:
+            grads = sync_training(wrapper, x, y, backward)
+        result[way] = dict(syncs=len(syncs), grads=grads)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_gradient_sync_syncs_once_per_optimizer_step_with_the_gradients_of_a_sync_per_micro_batch(strategy, tmp_path):
+    """`distributed.gradient_sync` on 2 gloo ranks, 4 micro-batches per optimizer step: one all-reduce (DDP) or one
+    reduce-scatter per FSDP2 unit per optimizer step, not per micro-batch, and the gradients of a sync per micro-batch
+    and of one process on the whole step. (tests/training/test_grad_sync.py counts the same in two train.py runs.)"""
+    from tests.helpers.ranks import start_ranks
+
+    start_ranks(_sync_rank, WORLD, WORLD, strategy, str(tmp_path))
+    x, y = sync_data(WORLD)
+    torch.manual_seed(0)
+    model = SyncedModel()
+
+    def backward(step, loss_of):  # one process: the whole step at once
+        loss_of(x[step].reshape(-1, FEATURES), y[step].reshape(-1)).backward()
+
+    expected = sync_training(model, x, y, backward)
+    units = SYNC_UNITS[strategy]
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        # The counter sees every sync: one per micro-batch when each syncs.
+        assert result["every"]["syncs"] == units * SYNC_STEPS * SYNC_MICRO_BATCHES, (rank, result["every"]["syncs"])
+        assert result["last"]["syncs"] == units * SYNC_STEPS, (rank, result["last"]["syncs"])
+        for step in range(SYNC_STEPS):
+            assert expected[step].abs().max() > 1e-3
+            for way in ("last", "every"):
+                close(result[way]["grads"][step], expected[step], f"rank {rank}, {way}, step {step}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,12 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.slow  # two 2-process runs with a vLLM engine per rank: minutes on 2 cores (make test-slow)
+# Two 2-process runs with a vLLM engine per rank: minutes on 2 cores (make test-slow). make test covers it in pieces:
+# tests/test_distributed.py::test_gradient_sync_syncs_once_per_optimizer_step_with_the_gradients_of_a_sync_per_micro_batch
+# (gradient_sync on 2 gloo ranks, DDP and FSDP2: one sync per optimizer step, the gradients of a sync per micro-batch)
+# and tests/training/test_layout.py::test_each_mini_batch_marks_exactly_its_last_micro_batch_last (the `last` flag
+# train_on_experience passes to it); this test shows the two joined in train.py, with Lightning's strategies.
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_one_gradient_sync_per_optimizer_step(strategy, tmp_path):
     counts = tmp_path / "counts"
