@@ -121,19 +121,31 @@ def test_warm_start_cache_is_keyed_on_what_the_warm_start_reads(tmp_path):
     assert len(list((tmp_path / "cache").glob("warm-*"))) == 4
 
 
-@pytest.mark.parametrize("preset", ["rloo", "reinforce_pp", "reinforce_pp_baseline"])
-def test_a_preset_trains_a_rollout_step_through_the_module(preset, tiny_model_dir, engine, arithmetic_files, tmp_path):
-    """The presets with no other test that trains them through PPOModule (their estimators are tests/test_algorithms'):
-    the preset's settings (what conf/ppo/<preset>.yaml changes from ppo's) on the small run's batch sizes, one rollout
-    step on the shared engine: the planned optimizer steps, no critic, a reference model for their KL, a finite loss
-    and a gradient."""
+@pytest.mark.parametrize("preset", ["rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"])
+def test_a_preset_trains_a_rollout_step_through_the_module(
+    preset, tiny_model_dir, engine, arithmetic_files, tmp_path, monkeypatch
+):
+    """The presets with no other test that trains them through PPOModule (their estimators and loss aggregations are
+    tests/test_algorithms'): the preset's settings (what conf/ppo/<preset>.yaml changes from ppo's) on the small run's
+    batch sizes, one rollout step on the shared engine: the planned optimizer steps, no critic, a reference model where
+    the preset has a KL, the policy loss aggregated by the preset's loss_agg_mode over the plan's response budget
+    (dr_grpo's seq-mean-token-sum-norm divides by it), a finite loss and a gradient."""
     import dataclasses
 
+    from lit_ppo import algorithms
     from tests.helpers import compose_run_config
 
     ppo, chosen = (dataclasses.asdict(compose_run_config(f"ppo={p}").ppo) for p in ("ppo", preset))
     settings = {k: v for k, v in chosen.items() if v != ppo[k]}
-    assert settings["advantage_estimator"] == preset and chosen["kl_coef"] > 0
+    assert settings["advantage_estimator"] == preset
+    aggregated = []  # (mode, max_len) of each aggregation of a per-token loss or statistic
+    aggregate_loss = algorithms.aggregate_loss
+
+    def recording(loss, mask, mode, **denominators):
+        aggregated.append((mode, denominators.get("max_len")))
+        return aggregate_loss(loss, mask, mode, **denominators)
+
+    monkeypatch.setattr(algorithms, "aggregate_loss", recording)
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
         engine,
@@ -143,8 +155,13 @@ def test_a_preset_trains_a_rollout_step_through_the_module(preset, tiny_model_di
         **settings,
     )
     trainer.fit(module, datamodule=datamodule)
-    assert module.rollout_step == 1 and module.critic is None and module.reference is not None
+    assert module.rollout_step == 1 and module.critic is None
+    assert (module.reference is not None) == (chosen["kl_coef"] > 0)
     assert module.actor_optimizer_steps == plan.counts.total_optimizer_steps == 4  # 32 samples / 8 per update
     assert module.critic_optimizer_steps == 0
+    # 4 updates of 2 micro-batches: each micro-batch's policy loss (and its actor/policy_loss share) aggregated by the
+    # preset's mode, every aggregation over the plan's 6-token budget
+    assert [mode for mode, _ in aggregated].count(chosen["loss_agg_mode"]) >= 8 * 2, aggregated
+    assert {max_len for _, max_len in aggregated} == {plan.counts.max_response_tokens} == {6}
     row = module.history[-1]
     assert torch.isfinite(torch.tensor(row["actor/policy_loss"])) and row["actor/grad_norm"] > 0
