@@ -144,9 +144,9 @@ def test_the_preset_list_is_complete():
 
 # grpo, gspo and cispo train a rollout step through PPOModule in
 # tests/training/test_packing.py::test_packed_and_padded_updates_are_the_same_update[<preset>] (packed = padded
-# update), rloo, reinforce_pp and reinforce_pp_baseline in
-# tests/training/test_module.py::test_a_preset_trains_a_rollout_step_through_the_module[<preset>], dr_grpo in
-# tests/training/test_sampling.py; their estimators and losses in tests/test_algorithms.py: their
+# update), rloo, reinforce_pp, reinforce_pp_baseline and dr_grpo (its seq-mean-token-sum-norm loss over the response
+# budget) in tests/training/test_module.py::test_a_preset_trains_a_rollout_step_through_the_module[<preset>];
+# their estimators and losses in tests/test_algorithms.py: their
 # two-step runs are slow. make test keeps ppo's (the critic) and dapo's (dynamic sampling) through entry.run.
 COVERED_PRESETS = {"grpo", "gspo", "cispo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
 
