@@ -134,22 +134,47 @@ def dump_experience(directory: Path, batch: RolloutBatch, exp: Experience, rank:
     )
 
 
-def check_rollout_logprobs(
-    rollout_step: int, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, max_logprob_abs_diff: float | None
-):
+def current_version_tokens(batch, mask: Tensor) -> Tensor:
+    """[N, T] `mask` where the batch's own policy version (its rollout step) generated the token: partial rollouts'
+    version spans (`RolloutBatch.version_spans`); the mask itself without them. The sampler's log-probs of those tokens
+    are of the weights the trainer starts the step from, so they bound a failed weight sync; a carried token's differ by
+    the updates since."""
+    if batch.version_spans is None:
+        return mask
+    current = torch.zeros_like(mask)
+    for i, spans in enumerate(batch.version_spans):
+        ends = [start for start, _ in spans[1:]] + [mask.shape[1]]
+        for (start, version), end in zip(spans, ends):
+            if version == batch.rollout_step:
+                current[i, start:end] = 1.0
+    return current * mask
+
+
+def check_rollout_logprobs(batch, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, max_logprob_abs_diff):
     """Mean and max |trainer old log-prob - vLLM log-prob| over the global batch's response tokens (0-dim
-    tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) the run stops: the engine is not sampling from the actor being
-    trained (a weight sync that silently failed) or the two compute different distributions."""
+    tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) on the tokens of the batch's own policy
+    version (`current_version_tokens`: all of them without partial rollouts) the run stops: the engine is not sampling
+    from the actor being trained (a weight sync that silently failed) or the two compute different distributions."""
     diff = (old_logp - rollout_logp).abs() * mask  # [N, T]
     total = global_sum(torch.stack([diff.sum(), mask.sum()]).double())
     mean = total[0] / total[1].clamp(min=1)
     largest = global_max(
         diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device)
     )
-    if max_logprob_abs_diff is not None and float(mean) > max_logprob_abs_diff:
+    if max_logprob_abs_diff is None:
+        return mean, largest
+    guarded, where = mean, ""
+    if batch.version_spans is not None:  # partial rollouts: the carried tokens' differ by the updates since
+        current = current_version_tokens(batch, mask)  # [N, T]
+        counted = global_sum(torch.stack([(diff * current).sum(), current.sum()]).double())
+        guarded, where = (
+            counted[0] / counted[1].clamp(min=1),
+            f" on its {int(counted[1])} tokens of version {batch.rollout_step}",
+        )
+    if float(guarded) > max_logprob_abs_diff:
         raise RolloutMismatchError(
-            f"rollout step {rollout_step + 1}: the trainer's log-probs of the sampled tokens differ from vLLM's by "
-            f"{float(mean):.3f} nats per token on average (max {float(largest):.2f}), more than "
+            f"rollout step {batch.rollout_step + 1}: the trainer's log-probs of the sampled tokens differ from vLLM's by "
+            f"{float(guarded):.3f} nats per token on average{where} (max {float(largest):.2f}), more than "
             f"rollout.max_logprob_abs_diff={max_logprob_abs_diff}: vLLM is not sampling from the actor being "
             "trained (a weight sync that failed) or samples another distribution (rollout.top_p < 1, rollout.dtype); "
             "the checkpoint of the step's start was saved; fix: raise rollout.max_logprob_abs_diff (null disables), "
@@ -175,7 +200,7 @@ def old_logprobs_from_training(
         rollout_logp = rollout_logp_tensor(batch.rollout_logprobs, exp.mask)
         mask = exp.mask * captured_rows[:, None]
         changes["logprob_abs_diff_mean"], changes["logprob_abs_diff_max"] = check_rollout_logprobs(
-            batch.rollout_step, captured, rollout_logp, mask, max_logprob_abs_diff
+            batch, captured, rollout_logp, mask, max_logprob_abs_diff
         )
         changes["sampler_mismatch"] = sampler_mismatch_metrics(
             captured, rollout_logp, mask, prompt_lengths(batch), global_sum
@@ -277,9 +302,7 @@ def experience_from_forwards(
         if source == "vLLM":
             old_logp = rollout_logp.clone()
         if source == "experience forward":  # otherwise checked against the training forwards (train_on_experience)
-            diff_mean, diff_max = check_rollout_logprobs(
-                batch.rollout_step, old_logp, rollout_logp, mask, max_logprob_abs_diff
-            )
+            diff_mean, diff_max = check_rollout_logprobs(batch, old_logp, rollout_logp, mask, max_logprob_abs_diff)
             mismatch = sampler_mismatch_metrics(old_logp, rollout_logp, mask, prompt_lengths(batch), global_sum)
     rewards = batch.rewards.to(mask.device)
     kl, advantages, returns = advantages_and_returns(

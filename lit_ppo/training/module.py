@@ -291,8 +291,10 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         """rollout.max_logprob_abs_diff for this batch: the trainer's old log-probs against vLLM's catch a failed
         weight sync only when both are of the same policy version. A stale batch (rollout.max_staleness > 0) differs
         by what k updates changed, which is logged (rollout/logprob_abs_diff) and corrected, not a failure; its
-        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo/rollout/workers/worker_main.py)."""
+        version's weights were checked where they arrived (the rollout workers' probe, lit_ppo/rollout/workers/worker_main.py).
+        Partial rollouts: bounded on the tokens of the step's own version (`experience.current_version_tokens`)."""
         stale = batch.policy_versions is not None and any(v != batch.rollout_step for v in batch.policy_versions)
+        stale = stale and batch.version_spans is None
         return None if stale else self.max_logprob_abs_diff
 
     # ------------------------------------------------------------ PPO updates

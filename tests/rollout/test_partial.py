@@ -618,3 +618,69 @@ def test_a_run_resumed_with_groups_in_flight_matches_the_uninterrupted_run(
     assert_same_weights(resumed.actor.state_dict(), full.actor.state_dict())
     keys = ("rollout/reward_mean", "rollout/carried_samples", "rollout/token_age_mean", "rollout/response_length_mean")
     assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in full.history]
+
+
+# ------------------------------------------------------------ the weight-sync guard on carried batches
+
+
+def test_the_weight_sync_guard_bounds_the_tokens_of_the_batch_s_own_version():
+    """A carried sample's tokens of an older version differ from the trainer's log-probs by the updates since: the
+    guard (rollout.max_logprob_abs_diff) reads only the tokens of the step's own version, so 2 nats off on the carried
+    tokens pass and 2 nats off on the step's own stop the step; the logged difference is over every token."""
+    from types import SimpleNamespace
+
+    from lit_ppo.errors import RolloutMismatchError
+    from lit_ppo.training.experience import check_rollout_logprobs, current_version_tokens
+
+    mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2])  # [2, 6]
+    batch = SimpleNamespace(rollout_step=3, version_spans=[[[0, 2], [3, 3]], [[0, 3]]])
+    current = current_version_tokens(batch, mask)
+    assert current.tolist() == [[0.0] * 3 + [1.0] * 3, [1.0] * 4 + [0.0] * 2]
+    old = torch.zeros(2, 6)
+    carried_off = torch.tensor([[2.0] * 3 + [0.0] * 3, [0.0] * 6])  # the version-2 tokens 2 nats off
+    mean, _ = check_rollout_logprobs(batch, old, carried_off, mask, 0.5)
+    assert float(mean) == pytest.approx(6 / 10)  # logged over all 10 tokens
+    own_off = torch.tensor([[0.0] * 3 + [2.0] * 3, [0.0] * 6])  # the step's own tokens off: a failed sync
+    with pytest.raises(RolloutMismatchError, match=r"^rollout step 4: .* 0.857 nats .* on its 7 tokens of version 3"):
+        check_rollout_logprobs(batch, old, own_off, mask, 0.5)
+    whole = SimpleNamespace(rollout_step=3, version_spans=None)  # without partial rollouts: every token
+    assert current_version_tokens(whole, mask) is mask
+    with pytest.raises(RolloutMismatchError, match=r"0.600 nats per token on average \(max"):
+        check_rollout_logprobs(whole, old, carried_off, mask, 0.5)
+
+
+def test_a_carried_batch_from_an_engine_left_with_stale_weights_stops_the_run(
+    engine, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path
+):
+    """Partial rollouts, a high learning rate, and the engine NOT given the weights after step 1: step 2 trains the
+    groups carried from step 1, continued by the stale engine under version 1. The guard on the tokens of version 1
+    stops the run there (it was off for every batch holding a carried token)."""
+    from lit_ppo.errors import RolloutMismatchError
+    from tests.helpers import build_run
+
+    rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=6)
+    trainer, module, datamodule, _ = build_run(
+        tiny_model_dir,
+        engine,
+        long_prompt_files,
+        tmp_path,
+        total_rollout_steps=2,
+        rollout=rollout,
+        actor_lr=5e-2,
+        rollout_batch_size=4,
+        n_samples_per_prompt=2,
+        reward_fn=hashed_responses,
+    )
+    real_sync, synced = type(module).sync_weights, []
+
+    def sync_only_at_the_start(self, engine_, *args, **kwargs):
+        if not synced:
+            real_sync(self, engine_, *args, **kwargs)
+        synced.append(self.rollout_step)
+
+    monkeypatch.setattr(type(module), "sync_weights", sync_only_at_the_start)
+    with pytest.raises(
+        RolloutMismatchError, match=r"^rollout step 2: .* tokens of version 1 .*max_logprob_abs_diff=0.5"
+    ):
+        trainer.fit(module, datamodule=datamodule)
+    assert module.history[0]["rollout/logprob_abs_diff"] < 1e-3  # step 1 sampled from the synced weights
