@@ -81,7 +81,10 @@ def partial_refusals(config) -> list[str]:
             f"rollout.max_staleness={rollout.staleness()} (a step's chunk continues the one before: rollout workers "
             "generate one step ahead at most, k <= 1)",
         ),
-        (rollout.engine != "vllm", f"rollout.engine={rollout.engine} (only the vLLM engine continues a sample)"),
+        (
+            rollout.mode == "disaggregated" and rollout.engine != "vllm",
+            f"rollout.engine={rollout.engine} with rollout workers (not run; colocated, it continues a sample)",
+        ),
         (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
         (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),

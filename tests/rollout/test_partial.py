@@ -57,7 +57,7 @@ def partial_rollout(
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"rollout": {"engine": "hf"}}, "rollout.engine=hf"),
+        ({"rollout": {"engine": "hf", "mode": "disaggregated"}}, "rollout.engine=hf with rollout workers"),
         ({"rollout": {"mode": "disaggregated", "max_staleness": 2}}, "rollout.max_staleness=2"),
         ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
@@ -490,11 +490,14 @@ def test_a_run_with_a_rollout_worker_at_k1_trains_chunks_of_the_lagged_versions(
 # ------------------------------------------------------------ the real engine
 
 
-def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, tokenizer, tiny_model_dir):
+def carried_samples_equal_two_calls_by_hand(sampler, tokenizer, model_dir, **rollout) -> None:
+    """Two rollout steps of prompts of ~100 tokens on `sampler` (an engine) at temperature 0.7: two samples carried
+    from step 0 to step 1 have the tokens, log-probs (atol 1e-5), version spans and text of a first call and a
+    continuation made by hand, seeded as the data module seeds them."""
     ids = long_prompts(tokenizer, 8, PROMPT_TOKENS - 10, PROMPT_TOKENS - 2, seed=3)
     prompts = PromptSet([Prompt(p, f"p{i}", "0", {}) for i, p in enumerate(ids)], "test")
-    rollout = partial_rollout(step_tokens=4, max_age_steps=1, max_response_tokens=8)
-    dm = datamodule_on(prompts, rollout, tokenizer, tiny_model_dir, engine, ppo=PPO, steps=2)
+    settings = partial_rollout(step_tokens=4, max_age_steps=1, max_response_tokens=8, **rollout)
+    dm = datamodule_on(prompts, settings, tokenizer, model_dir, sampler, ppo=PPO, steps=2)
     dm.produce_rollout(0)
     carried = {g.dataset_index: g for g in dm.partial.groups}
     batch = dm.produce_rollout(1)
@@ -508,7 +511,7 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
         seed = group.samples[j].seed
         prompt = prompts.prompts[index].prompt_ids
         first_call = GenerateRequest([prompt], n=2, temperature=0.7, top_p=1.0, max_tokens=4, seeds=[seed - j])
-        first = engine.generate(first_call)[j]
+        first = sampler.generate(first_call)[j]
         second_call = GenerateRequest(
             [prompt + first.token_ids],
             n=1,
@@ -517,7 +520,7 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
             max_tokens=min(4, 8 - len(first.token_ids)),
             seeds=[continuation_seed(seed, 1)],
         )
-        second = engine.generate(second_call)[0]
+        second = sampler.generate(second_call)[0]
         assert batch.response_ids[i] == first.token_ids + second.token_ids
         torch.testing.assert_close(
             torch.tensor(batch.rollout_logprobs[i]), torch.tensor(first.logprobs + second.logprobs), atol=1e-5, rtol=0
@@ -534,26 +537,55 @@ def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, toke
     assert checked == 2
 
 
+def test_a_carried_sample_equals_generating_it_in_two_calls_by_hand(engine, tokenizer, tiny_model_dir):
+    carried_samples_equal_two_calls_by_hand(engine, tokenizer, tiny_model_dir)
+
+
+def test_a_carried_sample_of_the_hf_engine_equals_generating_it_in_two_calls_by_hand(tokenizer, tiny_model_dir):
+    """rollout.engine=hf: the continuation from the carried tokens, on the same seed stream (the engine's per-sample
+    generators), with the sampler's log-probs, whatever the other samples in the call."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_ppo.rollout.hf_engine import HFEngine
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    carried_samples_equal_two_calls_by_hand(HFEngine(actor, tokenizer), tokenizer, tiny_model_dir, engine="hf")
+
+
 def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
     engine, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path
 ):
     """Two rollout steps of a run (the real engine, weights synced each step): every batch passes the trainer's
     carry-bound check, carried samples are trained with the sampler's log-probs as the behaviour policy (TIS), and the
     step's partial metrics are logged."""
+    run_with_carried_samples(engine, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path)
+
+
+@pytest.mark.slow  # 43 s on 2 loaded cores; the HF engine's continuation: the by-hand test above (default suite)
+def test_a_run_on_the_hf_engine_trains_carried_samples(tiny_model_dir, long_prompt_files, monkeypatch, tmp_path):
+    """rollout.engine=hf (the actor generates): the same run; the weight-sync guard on the step's own tokens holds
+    (the engine is the actor: they agree)."""
+    module = run_with_carried_samples(None, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path, engine="hf")
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in module.history[:1])  # step 1: every token its own
+
+
+def run_with_carried_samples(sampler, tiny_model_dir, long_prompt_files, monkeypatch, tmp_path, **rollout):
+    """`test_a_run_trains_carried_samples_within_the_bound_and_logs_them`'s run on `sampler` (an engine; None: the
+    run's own); its module."""
     from lit_ppo.plan import checks
     from tests.helpers import build_run
 
     checked = []
     real_check = checks.check_carried_tokens  # the trainer's (`check_batch_versions`), watched
     monkeypatch.setattr(checks, "check_carried_tokens", lambda *a: checked.append(a[1]) or real_check(*a))
-    rollout = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=6)
+    settings = partial_rollout(step_tokens=3, max_age_steps=1, max_response_tokens=6, **rollout)
     trainer, module, datamodule, plan = build_run(
         tiny_model_dir,
-        engine,
+        sampler,
         long_prompt_files,
         tmp_path,
         total_rollout_steps=2,
-        rollout=rollout,
+        rollout=settings,
         advantage_estimator="grpo",
         kl_coef=0.0,
         kl_mode="loss",
@@ -567,6 +599,7 @@ def test_a_run_trains_carried_samples_within_the_bound_and_logs_them(
     assert all(k in rows[-1] for k in ("rollout/carried_samples", "rollout/token_age_mean", "rollout/token_age_max"))
     assert max(r["rollout/token_age_max"] for r in rows) == 1  # carried tokens of the step before were trained
     assert module.ppo.rollout_correction.mode == "tis"
+    return module
 
 
 def test_a_dropped_step_restores_the_groups_in_flight(tokenizer, tiny_model_dir):
