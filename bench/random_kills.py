@@ -97,8 +97,17 @@ CASES = {
     # ends with it) and resumed with a new server.
     "server_k1": Case((*DISAGGREGATED, "rollout.max_staleness=1", "rollout.workers.launch=server")),
     # Partial rollouts (issue 53): responses of 8 tokens cut every 4, groups in flight in every checkpoint from step 1
-    # on; 4 steps draw 5 rounds, across a data epoch's end.
-    "partial": Case(("rollout.partial.step_tokens=4", "trainer.total_rollout_steps=4"), steps=4),
+    # on; 8 prompts a step, shortened for a slow test.
+    "partial": Case(
+        (
+            "rollout.partial.step_tokens=4",
+            "trainer.total_rollout_steps=4",
+            "ppo.rollout_batch_size=8",
+            "ppo.train_batch_size=16",
+            "ppo.micro_train_batch_size=16",
+        ),
+        steps=4,
+    ),
 }
 
 

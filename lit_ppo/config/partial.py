@@ -88,7 +88,6 @@ def partial_refusals(config) -> list[str]:
         (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
         (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
-        (config.model.lora.enabled, "model.lora (each carried token's adapter version)"),
         (
             config.strategy.devices * config.strategy.num_nodes > 1,
             "more than one trainer rank (strategy.devices x strategy.num_nodes: each rank's carried groups)",

@@ -15,8 +15,6 @@ from transformers import AutoTokenizer
 
 from lit_ppo.config import (
     DynamicSamplingConfig,
-    LoraConfig,
-    ModelConfig,
     PPOConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
@@ -62,16 +60,14 @@ def partial_rollout(
         ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
         ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
-        ({"model": {"lora": LoraConfig(rank=8)}}, "model.lora"),
         ({"dp": 2}, "more than one trainer rank"),
     ],
 )
 def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(changes, named):
     rollout = partial_rollout(**changes.get("rollout", {}))
     ppo = dataclasses.replace(PPO, **changes.get("ppo", {}))
-    sections = {"model": ModelConfig(**changes["model"])} if "model" in changes else {}
     with pytest.raises(ConfigError) as error:
-        run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1), **sections)
+        run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1))
     message = str(error.value)
     assert named in message and "rollout.partial.step_tokens=4" in message and "\n" not in message.strip("\n")
 
@@ -717,3 +713,34 @@ def test_a_carried_batch_from_an_engine_left_with_stale_weights_stops_the_run(
     ):
         trainer.fit(module, datamodule=datamodule)
     assert module.history[0]["rollout/logprob_abs_diff"] < 1e-3  # step 1 sampled from the synced weights
+
+
+# ------------------------------------------------------------ LoRA: each chunk's adapter
+
+
+def test_each_chunk_records_its_adapter_and_a_stale_one_stops_the_run():
+    """model.lora: a carried sample keeps the LoRA adapter version of each chunk (span); a chunk whose adapter did not
+    advance with its policy version (a sync that did not reach the engine) stops the run in one line; the sample's
+    adapter as the trainer checks it is its last chunk's."""
+    from lit_ppo.errors import WeightSyncError
+    from lit_ppo.rollout.partial import extended
+
+    first = extended(CarriedSample(7, (), (), (), "", 0, False, False), chunk(3, adapter=1), 0, 8)
+    second = extended(first, chunk(3, adapter=2), 1, 8)
+    assert (second.spans, second.adapters) == (((0, 0), (3, 1)), (1, 2))
+    assert generation_of(second, 0, FakeTokenizer()).adapter_version == 2
+    with pytest.raises(
+        WeightSyncError, match=r"^rollout step 2: a carried sample's tokens from 3 of policy version 1 "
+    ):
+        extended(first, chunk(3, adapter=1), 1, 8)  # the adapter of version 0 still served at version 1
+    shared = extended(CarriedSample(7, (), (), (), "", 0, False, False), chunk(3, adapter=0), 0, 8)
+    assert extended(shared, chunk(3, adapter=0), 1, 8).adapters == (0, 0)  # the HF engine shares the actor's
+
+
+def chunk(length: int, adapter: int) -> Generation:
+    return Generation(0, list(range(10, 10 + length)), True, "x" * length, [-0.5] * length, adapter)
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)

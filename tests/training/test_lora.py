@@ -222,8 +222,9 @@ def digits_share(prompts, responses, references, extras, **_):
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
-def lora_run(model_dir, engine, files, tmp_path, *, steps=3, max_logprob_abs_diff=0.5, **overrides):
+def lora_run(model_dir, engine, files, tmp_path, *, steps=3, max_logprob_abs_diff=0.5, partial=None, **overrides):
     from lit_ppo.config import RolloutConfig
+    from lit_ppo.config.partial import PartialConfig
     from lit_ppo.rollout.datamodule import RolloutDataModule
     from tests.helpers import build_run
 
@@ -244,6 +245,7 @@ def lora_run(model_dir, engine, files, tmp_path, *, steps=3, max_logprob_abs_dif
         max_model_len=128,
         eval_samples_per_prompt=2,
         max_logprob_abs_diff=max_logprob_abs_diff,
+        partial=partial or PartialConfig(),
     )
     trainer, module, datamodule, plan = build_run(
         model_dir,
@@ -303,6 +305,51 @@ def test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_polic
         assert torch.equal(base[key], tensor), name
     score = [v for k, v in module.critic.named_parameters() if "score" in k and v.requires_grad]
     assert score and any(float(v.detach().abs().max()) > 0 for v in score)
+
+
+def test_partial_rollouts_continue_carried_samples_with_each_step_s_adapter(
+    tiny_model_dir, lora_engine, long_prompt_files, tmp_path, monkeypatch
+):
+    """rollout.partial with model.lora (responses of 8 tokens cut every 4): the samples carried from rollout step 1 are
+    continued in step 2 by adapter version 2, the step's, their spans [[0, 0], [4, 1]] and the adapter of the last
+    chunk checked by the trainer; vLLM's log-probs of the step's own tokens equal the trainer's (the weight-sync guard
+    bounds those). A sync skipped after step 1: the carried samples' second chunks come from adapter 1 and the run
+    stops in one line at step 2."""
+    from lit_ppo.config.partial import PartialConfig
+    from lit_ppo.errors import WeightSyncError
+
+    partial = PartialConfig(step_tokens=4, max_age_steps=1)
+    spans = []
+    trainer, module, datamodule, versions = lora_run(
+        tiny_model_dir,
+        lora_engine,
+        long_prompt_files,
+        tmp_path / "synced",
+        steps=2,
+        partial=partial,
+        max_logprob_abs_diff=1e-3,
+    )
+    real_produce = type(datamodule).produce_rollout
+    monkeypatch.setattr(
+        type(datamodule), "produce_rollout", lambda self, s: spans.append((b := real_produce(self, s))) or b
+    )
+    trainer.fit(module, datamodule=datamodule)
+    assert set(versions[0]) == {1}  # step 2's: finished in step 1 (adapter 1) or continued in step 2 (2)
+    for batch, adapters in zip(spans, versions):  # each sample: the adapter of its last chunk's version
+        assert adapters == [s[-1][1] + 1 for s in batch.version_spans]
+    carried = [(v, sp) for v, sp in zip(versions[1], spans[1].version_spans) if len(sp) == 2]
+    assert carried and all(sp == [[0, 0], [4, 1]] and v == 2 for v, sp in carried)
+    assert max(r["rollout/token_age_max"] for r in module.history) == 1
+
+    trainer, module, datamodule, versions = lora_run(
+        tiny_model_dir, lora_engine, long_prompt_files, tmp_path / "skipped", steps=2, partial=partial
+    )
+    real_sync, calls = lora_engine.sync_adapter, []
+    monkeypatch.setattr(
+        lora_engine, "sync_adapter", lambda t, c, v: calls.append(v) or (real_sync(t, c, v) if len(calls) == 1 else 0)
+    )
+    with pytest.raises(WeightSyncError, match=r"^rollout step 2: a carried sample's tokens from 4 of policy version 1"):
+        trainer.fit(module, datamodule=datamodule)
 
 
 def test_a_skipped_adapter_sync_stops_the_run_within_one_rollout_step(
