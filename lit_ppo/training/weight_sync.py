@@ -75,9 +75,7 @@ def check_adapter_versions(batch: RolloutBatch, plan: StepPlan) -> None:
     rounds = batch.rounds_in_step or [0] * len(batch.adapter_versions)
     # dynamic sampling's refill rounds: version s
     planned = [plan.generating_version(batch.rollout_step, r, batch.rounds_ahead) for r in rounds]
-    if (
-        batch.version_spans is not None
-    ):  # partial rollouts: each sample's last chunk's (its others': the rollout's check)
+    if batch.version_spans is not None:  # partial rollouts: each sample's last chunk's (the others': the rollout's)
         planned = [spans[-1][1] if spans else batch.rollout_step for spans in batch.version_spans]
     wrong = [(v, p) for v, p in zip(batch.adapter_versions, planned) if v != adapter_version(p)]
     if wrong:

@@ -307,6 +307,7 @@ def test_lora_run_syncs_only_the_adapter_and_vllm_samples_from_the_trained_polic
     assert score and any(float(v.detach().abs().max()) > 0 for v in score)
 
 
+@pytest.mark.slow  # two LoRA runs: 1430 s at a load of 30+ on 2 cores; the unit test: test_partial.py
 def test_partial_rollouts_continue_carried_samples_with_each_step_s_adapter(
     tiny_model_dir, lora_engine, long_prompt_files, tmp_path, monkeypatch
 ):
