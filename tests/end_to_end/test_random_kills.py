@@ -74,7 +74,7 @@ def test_a_partial_rollouts_run_killed_with_groups_in_flight_and_resumed_ends_as
     assert left and all(in_flight(path) for path in left)  # each kill resumed carried groups
 
     # The uninterrupted run taken back to its checkpoint of step 3 (kept: trainer.keep_checkpoints=2), its groups in
-    # flight dropped there, and resumed: step 4 trains other prompts and the weights differ.
+    # flight dropped there, and resumed: step 4 trains other prompts.
     case, reference, dropped = random_kills.CASES["partial"], tmp_path / "uninterrupted", tmp_path / "dropped"
     shutil.copytree(reference, dropped)
     (dropped / "checkpoints" / "rollout_step_000004.ckpt").unlink()
@@ -86,8 +86,8 @@ def test_a_partial_rollouts_run_killed_with_groups_in_flight_and_resumed_ends_as
     torch.save(state, checkpoint)
     code = random_kills.complete(case, dropped, tmp_path / "cache", tmp_path / "runs.log", 1500.0, "resume=auto")
     findings = random_kills.compare(reference, dropped, case)
-    assert code == 0 and any("tensors differ bitwise" in f for f in findings), findings
-    assert any(f.startswith("rollout step 4 trained other prompts than uninterrupted") for f in findings), findings
+    # Found by the prompts each step trained (the tiny model's rewards are all 0 here, so its weights do not move).
+    assert code == 0 and any(f.startswith("rollout step 4 trained other prompts than uninterrupted") for f in findings)
 
 
 def in_flight(checkpoint) -> bool:
