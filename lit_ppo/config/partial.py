@@ -85,6 +85,10 @@ def partial_refusals(config) -> list[str]:
             rollout.mode == "disaggregated" and rollout.engine != "vllm",
             f"rollout.engine={rollout.engine} with rollout workers (not run; colocated, it continues a sample)",
         ),
+        (
+            rollout.mode == "disaggregated" and config.model.lora.enabled,
+            "model.lora with rollout workers (not run; colocated, each chunk's adapter is checked)",
+        ),
         (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
         (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),

@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 
 from lit_ppo.config import (
     DynamicSamplingConfig,
+    LoraConfig,
+    ModelConfig,
     PPOConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
@@ -56,6 +58,10 @@ def partial_rollout(
     "changes, named",
     [
         ({"rollout": {"engine": "hf", "mode": "disaggregated"}}, "rollout.engine=hf with rollout workers"),
+        (
+            {"rollout": {"mode": "disaggregated"}, "model": {"lora": LoraConfig(rank=8)}},
+            "model.lora with rollout workers",
+        ),
         ({"rollout": {"mode": "disaggregated", "max_staleness": 2}}, "rollout.max_staleness=2"),
         ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
@@ -67,7 +73,8 @@ def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(change
     rollout = partial_rollout(**changes.get("rollout", {}))
     ppo = dataclasses.replace(PPO, **changes.get("ppo", {}))
     with pytest.raises(ConfigError) as error:
-        run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1))
+        sections = {"model": ModelConfig(**changes["model"])} if "model" in changes else {}
+        run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1), **sections)
     message = str(error.value)
     assert named in message and "rollout.partial.step_tokens=4" in message and "\n" not in message.strip("\n")
 
