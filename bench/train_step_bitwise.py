@@ -84,10 +84,10 @@ def record_run(name: str, settings: dict, model_dir: str, engine, files, out: Pa
     rollout = RolloutConfig(max_response_tokens=8, eval_samples_per_prompt=1, engine=engine_kind)
     forwards: list[tuple[Tensor, Tensor]] = []
     experiences: list[dict] = []
-    logprobs, step_row = module_file.response_logprobs_and_entropy, module_file.rollout_step_row
+    logprobs, step_row = module_file.logprobs_and_entropy, module_file.rollout_step_row
 
-    def recorded_logprobs(model, mb, temperature):
-        logp, entropy = logprobs(model, mb, temperature)
+    def recorded_logprobs(model, mb, temperature, cp=None):
+        logp, entropy = logprobs(model, mb, temperature, cp)
         forwards.append((logp.detach().clone(), None if entropy is None else entropy.detach().clone()))
         return logp, entropy
 
@@ -96,7 +96,7 @@ def record_run(name: str, settings: dict, model_dir: str, engine, files, out: Pa
         experiences.append({k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in fields.items()})
         return step_row(batch, exp, *args, **kwargs)
 
-    module_file.response_logprobs_and_entropy = recorded_logprobs
+    module_file.logprobs_and_entropy = recorded_logprobs
     module_file.rollout_step_row = recorded_row
     try:
         torch.manual_seed(0)
@@ -113,7 +113,7 @@ def record_run(name: str, settings: dict, model_dir: str, engine, files, out: Pa
         )
         trainer.fit(module, datamodule=datamodule)
     finally:
-        module_file.response_logprobs_and_entropy = logprobs
+        module_file.logprobs_and_entropy = logprobs
         module_file.rollout_step_row = step_row
     rows = [comparable(row) for row in module.history]
     weights = {f"actor.{k}": v.detach().clone() for k, v in module.actor.state_dict().items()}

@@ -1,6 +1,12 @@
 """Data and context parallelism: reductions over ranks or a group of them (on one process they return their input),
 the all-to-all exchange of a context-parallel group, FSDP2 sharding and gathering a sharded model's full tensors (or
-only some of them: a LoRA adapter)."""
+only some of them: a LoRA adapter).
+
+The reductions of samples (sums, maxima and gathers of what ranks hold) run over the data-parallel group unless told
+otherwise: with context parallelism (C > 1) the C ranks of a context-parallel group hold the same samples, and a sum
+over every rank would count each C times. `use_data_parallel_group` sets that group once the topology's groups are
+built (`RankTopology.with_groups`); with C = 1 it is torch's default group, every rank. What must reach every rank
+(a preemption signal, the checkpoint's per-rank states) passes `group=EVERY_RANK`."""
 
 from __future__ import annotations
 
@@ -13,25 +19,44 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+EVERY_RANK = "every rank"
+"""The `group` of a collective that must reach every rank, whatever the data-parallel group."""
+
+_data_parallel_group = None  # None: torch's default group (C = 1); set by `use_data_parallel_group`
+
+
+def use_data_parallel_group(group) -> None:
+    """The group the reductions of samples run over from now on (`RankTopology.with_groups`'s data-parallel group)."""
+    global _data_parallel_group
+    _data_parallel_group = group
+
+
+def _group(group):
+    """A collective's process group: None is the data-parallel group, EVERY_RANK torch's default group."""
+    if group is None:
+        return _data_parallel_group
+    return None if group == EVERY_RANK else group
+
 
 def world_size(group=None) -> int:
-    """The ranks of `group` (None: torch's default group, every rank); 1 without a process group."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    """The ranks of `group` (None: the data-parallel group, every rank with C = 1; EVERY_RANK: every rank); 1 without
+    a process group."""
+    return dist.get_world_size(_group(group)) if dist.is_available() and dist.is_initialized() else 1
 
 
 def global_sum(x: Tensor, group=None) -> Tensor:
     """Sum over data-parallel ranks, or over `group`'s (`RankTopology`'s groups); identity on one process."""
     if world_size(group) > 1:
         x = x.clone()
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=_group(group))
     return x
 
 
-def global_max(x: Tensor) -> Tensor:
-    """Element-wise maximum over data-parallel ranks (identity on one process)."""
-    if world_size() > 1:
+def global_max(x: Tensor, group=None) -> Tensor:
+    """Element-wise maximum over data-parallel ranks, or over `group`'s (identity on one process)."""
+    if world_size(group) > 1:
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_group(group))
     return x
 
 
@@ -45,12 +70,13 @@ def all_to_all(x: Tensor, group, split_dim: int, gather_dim: int) -> Tensor:
     return torch.cat(received, dim=gather_dim)
 
 
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (picklable), in rank order (a collective: every rank calls it); [obj] on one process."""
-    if world_size() == 1:
+def all_gather_objects(obj, group=None) -> list:
+    """Every data-parallel rank's `obj` (picklable), or every rank's of `group`, in rank order (a collective: every
+    rank calls it); [obj] on one process."""
+    if world_size(group) == 1:
         return [obj]
-    gathered: list = [None] * world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=_group(group))
     return gathered
 
 
@@ -65,7 +91,7 @@ def all_gather_padded(x: Tensor) -> list[Tensor]:
     padded = x.new_zeros(largest)
     padded[tuple(slice(0, n) for n in x.shape)] = x
     parts = [torch.empty_like(padded) for _ in shapes]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=_group(None))
     return [part[: shape[0]] for part, shape in zip(parts, shapes)]
 
 
@@ -154,9 +180,9 @@ def gradient_sync(enabled: bool, wrapper, models, sharded: bool):
 
 
 def broadcast_object(obj, device: torch.device, src: int = 0):
-    """Rank `src`'s `obj` (picklable) on every rank (a collective: every rank calls it; the others' `obj` is ignored);
+    """Global rank `src`'s `obj` (picklable) on every rank (a collective: every rank calls it; the others' `obj` is ignored);
     `obj` itself on one process. `device`: where the process group's tensors live (NCCL: the rank's GPU)."""
-    if world_size() == 1:
+    if world_size(EVERY_RANK) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=device)

@@ -104,6 +104,7 @@ class MemoryInputs:
     teacher_parameters: int = 0  # on-policy distillation's teacher (model.teacher), frozen; 0: none
     teacher_dtype: str = "float32"  # model.teacher.dtype
     teacher_shape_from: str = ""  # where its parameter count was read
+    context_parallel_size: int = 1  # C: each rank of a group runs 1/C of every row's positions (Ulysses)
 
     def adapter_parameters(self, shape: ModelShape, rank: int | None = None) -> int:
         """One model's LoRA adapter parameters at `rank` (default: lora_rank); they grow with the rank."""
@@ -161,10 +162,13 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def activation_bytes(shape: ModelShape, batch: int, sequence: int, compute_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: ModelShape, batch: int, sequence: int, compute_bytes: int, checkpointing: bool, context_parallel: int = 1
+) -> int:
     """What the backward pass of `batch` sequences of `sequence` tokens keeps from the decoder layers, plus the
-    working set of the layer whose backward runs."""
-    tokens = batch * sequence
+    working set of the layer whose backward runs; under context parallelism (`context_parallel` C ranks) a rank's
+    1/C of every row's positions (the whole rows' mask stays on every rank)."""
+    tokens = batch * -(-sequence // context_parallel)
     layer = (
         tokens
         * compute_bytes
@@ -266,7 +270,7 @@ def strategy_bytes(
     """What the strategy adds while training (DDP's gradient buckets, FSDP's gathered units and unsharded gradients,
     autocast's weight copies), its rows added to `rows`."""
     extra = 0
-    if run.strategy == "ddp" and run.data_parallel_size > 1:
+    if run.strategy == "ddp" and run.data_parallel_size * run.context_parallel_size > 1:
         # one model's backward at a time; buckets are per wrapped model (with LoRA: its trained parameters only)
         extra = (trained // (2 if lora and run.critic else 1) if lora else params) * size["grad"]
         rows.append(("DDP gradient buckets", extra, "a copy of the gradients of the model in backward"))
@@ -307,13 +311,15 @@ def activation_and_logit_bytes(shape: ModelShape, run: MemoryInputs, c: int, row
     """A micro-batch's activations (with or without gradient checkpointing, both rows shown) and its logits, their
     rows added to `rows`."""
     sequence = run.prompt_tokens + run.response_tokens
-    without = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=False)
-    with_ = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=True)
+    C = run.context_parallel_size
+    without = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=False, context_parallel=C)
+    with_ = activation_bytes(shape, run.micro_batch_size, sequence, c, checkpointing=True, context_parallel=C)
     rows.append(
         (
             "activations, no checkpointing",
             without,
             f"{run.micro_batch_size} x {run.prompt_tokens + run.response_tokens} tokens x {shape.num_layers} layers"
+            + (f", 1/{C} of the tokens per rank (context parallelism)" if C > 1 else "")
             + ("" if not run.gradient_checkpointing else " (not used)"),
         )
     )
@@ -325,7 +331,7 @@ def activation_and_logit_bytes(shape: ModelShape, run: MemoryInputs, c: int, row
         )
     )
     activations = with_ if run.gradient_checkpointing else without
-    response = run.micro_batch_size * run.response_tokens
+    response = run.micro_batch_size * -(-run.response_tokens // C)  # the LM head at this rank's positions only
     chunk = min(run.response_tokens, LOGPROB_CHUNK_TOKENS)
     logits = response * shape.vocab_size * c + LOGPROB_CHUNKS_ALIVE * chunk * shape.vocab_size * 4
     rows.append(

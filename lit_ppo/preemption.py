@@ -49,7 +49,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_ppo import signals
 from lit_ppo.checkpoints import RolloutCheckpoint, checkpoint_path, restore_rng_state, rng_state
 from lit_ppo.console import show
-from lit_ppo.distributed import global_max
+from lit_ppo.distributed import EVERY_RANK, global_max
 from lit_ppo.signals import PREEMPTION_SIGNALS, exit_status
 from lit_ppo.topology import RankTopology
 
@@ -144,7 +144,7 @@ class Preemption(L.Callback):
         if not self._topology.distributed:
             return self.requested  # no tensor: no device synchronisation for a flag this process holds
         flag = torch.tensor([self.requested or 0], dtype=torch.int64, device=device)
-        signum = int(global_max(flag).item())
+        signum = int(global_max(flag, group=EVERY_RANK).item())  # context-parallel peers too
         return signum or None
 
     def stop_point(self, device=None) -> None:

@@ -186,11 +186,14 @@ class RankTopology:
         """This topology with its process groups, once the default group is up: the context-parallel groups (ranks
         r*C .. r*C+C-1) and the data-parallel groups (the ranks of one context-parallel rank, c, c+C, ...). A
         collective: `torch.distributed.new_group` is called by every rank for every group, in the same order. With
-        C = 1 there is nothing to build (the data-parallel group is torch's default one)."""
+        C = 1 there is nothing to build (the data-parallel group is torch's default one). Makes the data-parallel group
+        the one `lit_ppo.distributed`'s reductions of samples run over."""
         C = self.context_parallel_size
         if C == 1:
             return self
         import torch.distributed as dist
+
+        from lit_ppo.distributed import use_data_parallel_group
 
         context = data = None
         for first in range(0, self.world_size, C):
@@ -199,6 +202,7 @@ class RankTopology:
         for offset in range(C):
             group = dist.new_group(list(range(offset, self.world_size, C)))
             data = group if offset == self.context_parallel_rank else data
+        use_data_parallel_group(data)  # the reductions of samples, from now on (lit_ppo.distributed)
         return replace(self, data_parallel_group=data, context_parallel_group=context)
 
     # ------------------------------------------------------------ ranks

@@ -471,9 +471,8 @@ def _context_parallel_run(section: str | None = None, **settings):
         ),
         ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
         ("ppo", dict(shared_prefix=True), r"^strategy.context_parallel_size=2 with ppo.shared_prefix=true is not"),
-        (None, {}, r"^strategy.context_parallel_size=2: context parallelism does not train yet"),
     ],
-    ids=["ranks", "fsdp", "lora", "gradient-checkpointing", "disaggregated", "shared-prefix", "not-built"],
+    ids=["ranks", "fsdp", "lora", "gradient-checkpointing", "disaggregated", "shared-prefix"],
 )
 def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
     from lit_ppo.errors import ConfigError
@@ -481,6 +480,11 @@ def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, s
     with pytest.raises(ConfigError, match=message) as refused:
         _context_parallel_run(section, **settings)
     assert "\n" not in str(refused.value)
+
+
+def test_context_parallel_size_trains_under_ddp_with_full_fine_tuning():
+    config = _context_parallel_run()
+    assert (config.strategy.context_parallel_size, config.strategy.data_parallel_size) == (2, 1)
 
 
 def test_context_parallel_size_divides_the_data_parallel_size():

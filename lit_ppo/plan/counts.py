@@ -41,10 +41,19 @@ class Counts:
     # the prompt order advances by rounds, generation_rounds_per_data_epoch of them per data epoch.
     prompts_per_generation_round: int
     generation_rounds_per_data_epoch: int
+    # strategy.context_parallel_size (C): ranks sharing one data-parallel rank's samples, each 1/C of every row's
+    # tokens (lit_ppo/training/context_parallel.py); data_parallel_size x C ranks in all
+    context_parallel_size: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Every trainer rank: data-parallel x context-parallel (what DDP averages gradients over)."""
+        return self.data_parallel_size * self.context_parallel_size
 
     def rollout_rows(self) -> list[Row]:
         return [
             ("data-parallel size", self.data_parallel_size, "ranks"),
+            *self.context_parallel_rows(),
             ("dataset", self.dataset_prompts, "prompts"),
             ("rollout batch", self.rollout_batch_size, "prompts / rollout step"),
             ("samples per prompt", self.n_samples_per_prompt, "responses"),
@@ -56,6 +65,18 @@ class Counts:
                 "prompts (last partial rollout batch; reshuffled each data epoch)",
             ),
             ("total rollout steps", self.total_rollout_steps, "rollout steps"),
+        ]
+
+    def context_parallel_rows(self) -> list[Row]:
+        if self.context_parallel_size == 1:
+            return []
+        return [
+            (
+                "context-parallel size",
+                self.context_parallel_size,
+                f"ranks per group sharing a data-parallel rank's samples, each 1/{self.context_parallel_size} of every "
+                f"row's tokens (Ulysses; {self.ranks} ranks in all)",
+            )
         ]
 
     def update_rows(self, critic: bool) -> list[Row]:
@@ -180,4 +201,5 @@ def counts_plan(config: RunConfig, dataset_prompts: int) -> Counts:
         lr_total_steps=total_optimizer_steps,
         prompts_per_generation_round=per_round,
         generation_rounds_per_data_epoch=rounds_per_data_epoch,
+        context_parallel_size=config.strategy.context_parallel_size,
     )

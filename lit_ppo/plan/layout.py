@@ -62,6 +62,10 @@ class LayoutPlan:
     expected_padded_layout_tokens_per_micro_batch: float | None = None  # positions padded, at most
     # flex attention's fixed rows: positions of a row expected to hold no token (`expected_row_padding`)
     expected_row_padding_tokens_per_micro_batch: float | None = None
+    # Context parallelism (counts.context_parallel_size C > 1): rows padded to a multiple of C (the sequence-length
+    # divisor), each rank of a group running the model on 1/C of every row's positions: this many at most
+    sequence_length_divisor: int = 1
+    tokens_per_rank_per_micro_batch: int = 0
 
     def rows(self, counts: Counts) -> list[Row]:
         if self.micro_train_max_tokens is None:
@@ -118,6 +122,7 @@ class LayoutPlan:
             ),
             *self.expected_tokens_rows(counts.max_response_tokens, counts.n_samples_per_prompt),
         ]
+        rows += self.context_parallel_rows()
         if counts.data_parallel_size > 1:
             rows.append(
                 (
@@ -137,6 +142,20 @@ class LayoutPlan:
                 )
             )
         return rows
+
+    def context_parallel_rows(self) -> list[Row]:
+        C = self.sequence_length_divisor
+        if C == 1:
+            return []
+        return [
+            (
+                "tokens per rank",
+                self.tokens_per_rank_per_micro_batch,
+                f"/ micro-batch at most: the micro-batch tokens over the {C} context-parallel ranks (activations "
+                f"1/{C}; attention over whole rows with 1/{C} of the heads, exchanged all-to-all)",
+            ),
+            ("sequence-length divisor", C, "rows padded on the right to a multiple of it (context parallelism)"),
+        ]
 
     def expected_tokens_rows(self, max_response_tokens: int, n_samples_per_prompt: int = 1) -> list[Row]:
         """The rows of expected tokens per training micro-batch (`expected_micro_batch_tokens`), or the row saying
@@ -202,7 +221,8 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
     hold given the data's prompt lengths."""
     ppo, data_parallel_size = config.ppo, counts.data_parallel_size
     packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
-    shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation)
+    C = counts.context_parallel_size
+    shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation) and C == 1  # not built
     max_tokens = ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len
     expected = (None, None, None)
     if prompt_stats is not None:
@@ -231,6 +251,12 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
         expected_packed_tokens_per_micro_batch=expected[1],
         expected_padded_layout_tokens_per_micro_batch=expected[2],
         expected_row_padding_tokens_per_micro_batch=expected_row_padding(row_tokens, expected[1], saved),
+        sequence_length_divisor=C,
+        tokens_per_rank_per_micro_batch=(
+            ppo.micro_train_batch_size * -(-config.rollout.max_model_len // C)  # each row padded to a multiple of C
+            if ppo.micro_train_max_tokens is None
+            else -(-max_tokens // C)
+        ),
     )
 
 

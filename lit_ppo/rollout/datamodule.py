@@ -130,8 +130,13 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------ engine
 
     def setup(self, stage: str) -> None:
-        """Check this rank's topology against the process group (up by now) and the plan, then start the engine."""
+        """Check this rank's topology against the process group (up by now) and the plan, build its groups, then start
+        the engine."""
         self.topology.check(self.plan.counts.data_parallel_size)
+        # C > 1: the context- and data-parallel groups (a collective), read by the module's forwards and reductions
+        self.topology = self.topology.with_groups()
+        if self.trainer is not None and self.trainer.lightning_module is not None:
+            self.trainer.lightning_module.topology = self.topology
         if self.topology.distributed:
             self.topology.export_launcher_environment()  # vLLM's external_launcher joins the trainer's process group
         self.start_engine()

@@ -153,7 +153,7 @@ def build_run(
         refuse_child_launcher(method)
     # Once per run, from the strategy's ranks (numbered as the trainer was built): the module, the data module and the
     # callbacks (through the module) read who this process is from it; the data module's setup checks it.
-    module.topology = datamodule.topology = RankTopology.of(trainer)
+    module.topology = datamodule.topology = RankTopology.of(trainer, plan.counts.context_parallel_size)
     return trainer, module, datamodule
 
 

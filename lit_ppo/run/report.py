@@ -180,6 +180,7 @@ def memory_estimate(config: RunConfig, plan: StepPlan) -> MemoryEstimate | None:
             precision=plan.models.precision,
             strategy=strategy.name,
             data_parallel_size=plan.counts.data_parallel_size,
+            context_parallel_size=plan.counts.context_parallel_size,
             micro_batch_size=plan.layout.micro_train_batch_size,
             prompt_tokens=config.data.max_prompt_length,
             response_tokens=plan.counts.max_response_tokens,

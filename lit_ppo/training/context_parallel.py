@@ -24,6 +24,8 @@ checkpointing (its recomputing backward runs after `ulysses` has exited), and th
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import create_causal_mask
 
 from lit_ppo.distributed import all_to_all
-from lit_ppo.errors import ConfigError
+from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.models import critic_values, response_logprobs_and_entropy, scatter_responses
 
@@ -270,3 +272,55 @@ def context_parallel_values(critic: torch.nn.Module, mb: MicroBatch, cp: Context
     with ulysses(critic, cp, causal=local.attention_mask is None):
         values = critic_values(critic, local)  # [1, n_r]
     return gathered_responses(values, mb, cp, _width(mb, cp))
+
+
+# ---------------------------------------------------------------- the training step's forwards
+
+
+def logprobs_and_entropy(
+    model: torch.nn.Module, mb: MicroBatch, temperature: float, cp: ContextGroup | None = None
+) -> tuple[Tensor, Tensor]:
+    """[B, T] log-probs and entropies of `mb`: `models.response_logprobs_and_entropy`, or under context parallelism
+    (`cp` given) the group's `context_parallel_logprobs` (a collective over the group)."""
+    if cp is None:
+        return response_logprobs_and_entropy(model, mb, temperature)
+    return context_parallel_logprobs(model, mb, cp, temperature)
+
+
+def values_of(critic: torch.nn.Module, mb: MicroBatch, cp: ContextGroup | None = None) -> Tensor:
+    """[B, T] values of `mb`: `models.critic_values`, or the group's `context_parallel_values`."""
+    return critic_values(critic, mb) if cp is None else context_parallel_values(critic, mb, cp)
+
+
+class ContextGroupSamplesDiffer(UserError):
+    """The ranks of a context-parallel group hold different rollout samples."""
+
+
+def samples_digest(batch) -> str:
+    """A digest of what a rollout batch trains on: its prompts' positions, the prompt and response tokens, the
+    rewards (bitwise) and the sampler's log-probs."""
+    content = (
+        batch.rollout_step,
+        batch.prompt_positions,
+        batch.prompt_ids,
+        batch.response_ids,
+        batch.rewards.cpu().numpy().tobytes(),
+        batch.rollout_logprobs,
+    )
+    return hashlib.sha256(pickle.dumps(content)).hexdigest()
+
+
+def check_same_samples(batch, cp: ContextGroup | None) -> None:
+    """The C ranks of a context-parallel group generate the same samples (the same prompts, the sampling seeds of
+    their global positions) and must train on them; a group whose ranks disagree stops the run, every rank of it
+    together, in one line. Nothing to check without context parallelism."""
+    if cp is None:
+        return
+    digests: list = [None] * cp.size
+    dist.all_gather_object(digests, samples_digest(batch), group=cp.group)
+    if len(set(digests)) > 1:
+        raise ContextGroupSamplesDiffer(
+            f"rollout step {batch.rollout_step + 1}: the {cp.size} ranks of a context-parallel group generated "
+            "different samples (their engines sampled differently from the same prompts and seeds); fix: "
+            "rollout.engine settings that sample deterministically, or strategy.context_parallel_size=1"
+        )

@@ -47,6 +47,7 @@ from lit_ppo.plan import (
 )
 from lit_ppo.topology import RankTopology
 from lit_ppo.training.batching import MicroBatch, check_rollout_ids, packed_micro_batches
+from lit_ppo.training.context_parallel import ContextGroup, check_same_samples, logprobs_and_entropy, values_of
 from lit_ppo.training.evaluation import Evaluations
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
@@ -62,14 +63,7 @@ from lit_ppo.training.experience import (
 from lit_ppo.training.layout import MicroBatchLayout
 from lit_ppo.training.loss import LossInputs, actor_loss, critic_loss
 from lit_ppo.training.metrics import MeanOver, device_peak_memory_gib, rollout_step_row, update_metrics
-from lit_ppo.training.models import (
-    adapter_disabled,
-    critic_values,
-    is_lora,
-    load_models,
-    response_logprobs_and_entropy,
-    trained_state,
-)
+from lit_ppo.training.models import adapter_disabled, is_lora, load_models, trained_state
 from lit_ppo.training.numerics import FirstMiniBatchRatio
 from lit_ppo.training.optim import GuardedStep, ModuleOptimizers, apply_learning_rates
 from lit_ppo.training.packing import fixed_row, one_row, packing_unsupported, shared_prefix_unsupported
@@ -178,16 +172,21 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
 
     # ------------------------------------------------------------ forwards
 
+    @property
+    def context(self) -> ContextGroup | None:
+        """The context-parallel group running each forward with this rank (training/context_parallel.py), or None."""
+        return ContextGroup.of(self.topology) if self.topology.context_parallel_group is not None else None
+
     def response_logprobs(self, model, mb: MicroBatch) -> Tensor:
         """In float32 chunks (lit_ppo.training.logits): never a float32 copy of the whole [B, T, V]."""
-        return response_logprobs_and_entropy(model, mb, self.temperature)[0]
+        return logprobs_and_entropy(model, mb, self.temperature, self.context)[0]
 
     def reference_logprobs(self, mb: MicroBatch) -> Tensor:
         """The reference model's log-probs: with LoRA the actor with its adapter disabled (the frozen base), no copy."""
         if self.lora:
             with adapter_disabled(self.actor):
-                return response_logprobs_and_entropy(self.actor, mb, self.temperature)[0]
-        return response_logprobs_and_entropy(self.reference, mb, self.temperature)[0]
+                return self.response_logprobs(self.actor, mb)
+        return self.response_logprobs(self.reference, mb)
 
     def micro_batch_layout(self, batch: RolloutBatch) -> MicroBatchLayout:
         """How this rank lays out `batch`'s samples in micro-batches, for one pass over it."""
@@ -245,18 +244,18 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         layout = self.micro_batch_layout(batch)
         groups = layout.split(list(range(N)))
 
-        def forwards() -> None:
+        def forwards(cp=self.context) -> None:
             for idx, mb in layout.lay_out(groups):
                 t = mb.response_ids.shape[1]
                 mask[idx, :t] = mb.response_mask
                 if old_logp is not None:
-                    old_logp[idx, :t] = response_logprobs_and_entropy(self.actor, mb, self.temperature)[0]
+                    old_logp[idx, :t] = self.response_logprobs(self.actor, mb)
                 if ref_logp is not None:
                     ref_logp[idx, :t] = self.reference_logprobs(mb)
                 if values is not None:  # zero off the response mask (padding, observations)
-                    values[idx, :t] = critic_values(self.critic, mb) * mb.response_mask
+                    values[idx, :t] = values_of(self.critic, mb, cp) * mb.response_mask
                 if in_process_teacher:
-                    teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.plan.teacher.temperature)
+                    teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.plan.teacher.temperature, cp)
 
         # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
         # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.
@@ -277,12 +276,12 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
             max_logprob_abs_diff=self.mismatch_bound(batch),
             teacher_logp=teacher_logp,
         )
-        if os.environ.get(DUMP_ADVANTAGES_ENV):
+        if os.environ.get(DUMP_ADVANTAGES_ENV) and self.topology.context_parallel_rank == 0:  # one file per group
             dump_experience(
                 Path(os.environ[DUMP_ADVANTAGES_ENV]),
                 batch,
                 exp,
-                self.topology.rank,
+                self.topology.data_parallel_rank,
                 self.plan.counts.data_parallel_size,
             )
         return exp
@@ -361,17 +360,19 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         # Float32 chunks; entropy's gradient only when the loss uses it. The logits ([n, V] packed, [B, T + 1, V]
         # padded) are not kept here: autograd frees them (their gradient written over them) once the LM head's
         # backward has read them.
-        logp, entropy = response_logprobs_and_entropy(self.actor, mb, self.temperature)
+        logp, entropy = logprobs_and_entropy(self.actor, mb, self.temperature, self.context)
         loss, shares = actor_loss(
             logp, entropy, inputs, self.ppo, kl_coef=self.kl_coef, max_len=self.plan.counts.max_response_tokens
         )
-        self.manual_backward(loss * self.plan.counts.data_parallel_size)  # DDP averages gradients over ranks
+        # DDP averages gradients over every rank; the C ranks of a context-parallel group hold parts of the same
+        # samples' tokens, and their parts of the gradient add up (lit_ppo/training/context_parallel.py)
+        self.manual_backward(loss * self.plan.counts.ranks)
         return shares, logp.detach()
 
     def critic_backward(self, mb: MicroBatch, inputs: LossInputs) -> float:
         """One micro-batch's share of the value loss, backpropagated (times ppo.value_loss_coef); returns the share."""
-        world = self.plan.counts.data_parallel_size  # DDP averages gradients over ranks
-        loss = critic_loss(critic_values(self.critic, mb), inputs, self.ppo) * world
+        world = self.plan.counts.ranks  # DDP averages gradients over ranks (`actor_backward`)
+        loss = critic_loss(values_of(self.critic, mb, self.context), inputs, self.ppo) * world
         self.manual_backward(self.ppo.value_loss_coef * loss)
         return float(loss.detach()) / world
 
@@ -400,6 +401,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
         waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
         batch, _, _ = next(dataloader_iter)
+        check_same_samples(batch, self.context)  # a context-parallel group's ranks generated the same samples
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample (partial rollouts: token) of the version the plan states.
         check_batch_versions(self.plan, batch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lit_ppo.checkpoints import restore_rng_state, rng_state
 from lit_ppo.console import show
-from lit_ppo.distributed import all_gather_objects
+from lit_ppo.distributed import EVERY_RANK, all_gather_objects
 from lit_ppo.errors import ConfigError, StepAccountingError
 from lit_ppo.plan import sections_of
 
@@ -83,7 +83,7 @@ def rank_states(module) -> list[dict]:
     """Every rank's own random streams (the global ones and the mini-batch shuffle's), in rank order. A collective
     (every rank saves the checkpoint together); rank 0 writes them all into the one file."""
     own = {"rng": rng_state(), "shuffle_generator": module.shuffle_generator.get_state()}
-    return all_gather_objects(own)
+    return all_gather_objects(own, group=EVERY_RANK)
 
 
 def module_state(module) -> dict:

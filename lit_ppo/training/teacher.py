@@ -11,7 +11,7 @@ from torch import Tensor
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
-from lit_ppo.training.models import response_logprobs_and_entropy
+from lit_ppo.training.context_parallel import logprobs_and_entropy
 from lit_ppo.training.packing import packing_unsupported, shared_prefix_unsupported
 from lit_ppo.training.teacher_server import TeacherServer
 
@@ -42,11 +42,11 @@ def load_teacher(plan: StepPlan, attn_implementation: str | None = None) -> torc
 
 
 @torch.no_grad()
-def teacher_logprobs(teacher: torch.nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
+def teacher_logprobs(teacher: torch.nn.Module, mb: MicroBatch, temperature: float, cp=None) -> Tensor:
     """The teacher's log-probs of the micro-batch's response tokens, [B, T] in float32 (zero off the response mask when
     packed), at the teacher's scoring temperature (`TeacherPlan.temperature`: by default the sampling one, as every
-    log-prob of the run)."""
-    return response_logprobs_and_entropy(teacher, mb, temperature)[0]
+    log-prob of the run); under context parallelism (`cp`, a `context_parallel.ContextGroup`) the group's forward."""
+    return logprobs_and_entropy(teacher, mb, temperature, cp)[0]
 
 
 def server_teacher_logprobs(teacher, batch, width: int, device) -> Tensor | None:

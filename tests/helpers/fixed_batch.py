@@ -15,6 +15,7 @@ from lit_ppo.plan import StepPlan
 from lit_ppo.rollout.prompts import load_prompts
 from lit_ppo.run.build import TRAINER_FLAGS
 from lit_ppo.testing import FixedBatchDataModule, NullEngine
+from lit_ppo.topology import RankTopology
 from lit_ppo.training.module import PPOModule
 from tests.helpers import datamodule_on
 
@@ -31,12 +32,15 @@ def train_on_fixed_batch(
     grads_of: str | None = "all",
     prepare: Callable[[PPOModule], None] | None = None,
     precision: str = "32-true",
+    devices: int = 1,
+    strategy="auto",
     **module_kwargs,
 ) -> tuple[PPOModule, list[dict]]:
     """Train the plan's rollout steps on `batch` (every step trains the same batch); returns the module and the
     gradients (before clipping) at each optimizer step: of every model (`grads_of="all"`), of the actor alone
     ("actor"), or none (None). `plan_for(number of training prompts)` makes the plan; `prepare(module)` runs before
-    the fit (to add hooks); `precision`: the Lightning trainer's."""
+    the fit (to add hooks); `precision`, `devices` and `strategy`: the Lightning trainer's (2 devices and a
+    DDPStrategy in processes that a test started as ranks, tests/training/test_context_parallel.py)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train_prompts = load_prompts(prompt_file, tokenizer)
     plan = plan_for(len(train_prompts))
@@ -61,7 +65,15 @@ def train_on_fixed_batch(
     if prepare is not None:
         prepare(module)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, precision=precision, logger=False, default_root_dir=str(tmp_path), **TRAINER_FLAGS
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        **TRAINER_FLAGS,
     )
+    # as build_run: who this process is, from the trainer's strategy
+    module.topology = datamodule.topology = RankTopology.of(trainer, plan.counts.context_parallel_size)
     trainer.fit(module, datamodule=datamodule)
     return module, grads

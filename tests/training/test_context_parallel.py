@@ -201,3 +201,127 @@ def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
     mb = MicroBatch(ids, mask, ids, ids[:, :2], torch.ones(1, 2), 0, torch.tensor([5, 6]))
     with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size > 1 with the shared-prefix layout is not"):
         local_micro_batch(None, mb, ContextGroup(group=None, size=2, rank=0))
+
+
+# ---------------------------------------------------------------- one rollout step of the training step, C = 2
+
+STEP_VARIANTS = {  # (preset, packed rows)
+    "ppo-critic-padded": ("ppo", False),
+    "grpo-packed": ("grpo", True),
+    "ppo-critic-packed": ("ppo", True),
+    "grpo-padded": ("grpo", False),
+}
+STEP_METRICS = ("actor/policy_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
+STEP_COUNTS = ("perf/trained_tokens", "rollout/advantage_mean", "rollout/reward_mean", "rollout/response_length_mean")
+
+
+def _step_inputs(root, variant: str, ranks: int):
+    """The rollout step the one-rank and the C = 2 runs both train: a tiny Qwen2 of 4 heads and 2 KV heads (both divide
+    by C), 2 prompts of 100-140 tokens x 4 responses of 1-60 tokens, mini-batches of 4 samples in micro-batches of 2
+    (2 optimizer steps), at temperature 0.7, on `ranks` ranks (2: strategy=ddp with context_parallel_size=2)."""
+    import dataclasses
+    from pathlib import Path
+
+    from lit_ppo.config import StrategyConfig
+    from lit_ppo.demo.arithmetic import make_problems, write_jsonl
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from lit_ppo.plan import compute_plan
+    from lit_ppo.testing import synthetic_rollout_batch
+    from tests.helpers import ppo_at, run_config
+    from tests.helpers.packing import realistic_rollout
+
+    root = Path(root)
+    preset, packed = STEP_VARIANTS[variant]
+    if not (root / "model").exists():  # the same weights in every process (seeded)
+        tokenizer = build_char_tokenizer()
+        shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+        save_model_dir(
+            build_tiny_model(tokenizer, **shape, max_position_embeddings=512, seed=0), tokenizer, root / "model"
+        )
+        write_jsonl(make_problems(seed=0, max_operand=20, n_train=16, n_eval=1)[0], root / "train.jsonl")
+    ppo = ppo_at(2, 4, 4, 2, preset, actor_lr=1e-3, critic_lr=1e-3, packing=packed, shared_prefix=False)
+    rollout = realistic_rollout()
+    rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
+    batch = synthetic_rollout_batch(2, 4, (100, 140), (1, 60), seed=0, rewards=rewards)
+    strategy = StrategyConfig(name="ddp" if ranks > 1 else "single", accelerator="cpu", devices=ranks)
+    strategy = dataclasses.replace(strategy, precision="32-true", context_parallel_size=ranks)
+    config = dataclasses.replace(run_config(ppo=ppo, rollout=rollout, steps=1), strategy=strategy)
+    return str(root / "model"), root / "train.jsonl", batch, ppo, rollout, lambda n: compute_plan(config, n)
+
+
+def _train_step(root, variant: str, ranks: int, **trainer):
+    """One rollout step (`train_on_fixed_batch`: the Lightning trainer and PPOModule's training step) on `ranks`
+    ranks: the gradients at each optimizer step, the metrics row, the experience and the final weights."""
+    from tests.helpers.fixed_batch import train_on_fixed_batch
+
+    model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks)
+    experiences = []
+
+    def record(module):
+        make = module.make_experience
+        module.make_experience = lambda b: experiences.append(make(b)) or experiences[-1]
+
+    module, grads = train_on_fixed_batch(
+        model_dir, prompts, root, batch, ppo, rollout, plan_for, temperature=TEMPERATURE, prepare=record, **trainer
+    )
+    exp = {k: getattr(experiences[0], k) for k in ("old_logp", "ref_logp", "values", "advantages", "returns")}
+    weights = {f"actor.{k}": v for k, v in module.actor.state_dict().items()}
+    if module.critic is not None:
+        weights.update({f"critic.{k}": v for k, v in module.critic.state_dict().items()})
+    return dict(grads=grads, row=module.history[-1], experience=exp, weights=weights, plan=module.plan.to_dict())
+
+
+def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None:
+    """A rank as a launcher starts it (its rank variables set): Lightning's DDP strategy joins the process group."""
+    import os
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    sys.path.insert(0, str(ROOT))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank))
+    report = {"error": None}
+    try:
+        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
+        report.update(_train_step(f"{out}/rank{rank}", variant, world, devices=world, strategy=strategy))
+    except Exception:
+        report["error"] = traceback.format_exc()
+    torch.save(report, f"{out}/step{rank}.pt")
+
+
+def _max_relative(a: dict, b: dict) -> float:
+    """The largest |a - b| / |b| (Euclidean norms) over the tensors of `b` that are not all zero."""
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if b[k] is not None and b[k].norm() > 0)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["ppo-critic-padded", "grpo-packed", *(pytest.param(v, marks=pytest.mark.slow) for v in list(STEP_VARIANTS)[2:])],
+)
+def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(variant, tmp_path):
+    """strategy=ddp, devices=2, context_parallel_size=2 (one group of 2 ranks sharing the samples): the experience
+    (old and reference log-probs, values, advantages), the gradients of every optimizer step (summed over the group's
+    token shares by DDP's average, scaled by the 2 ranks), the metrics row and the final weights are the one-rank
+    step's, float32, < 1e-5 relative. Fails with the loss scaled by the data-parallel size alone (gradients half)."""
+    from tests.helpers import free_port
+
+    start_ranks(_step_rank, 2, 2, variant, free_port(), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"step{r}.pt", weights_only=False) for r in range(2)]
+    for report in ranks:
+        assert report["error"] is None, report["error"]
+    one = _train_step(tmp_path / "one", variant, 1)
+    cp = ranks[0]
+    counts = cp["plan"]["counts"]
+    assert (counts["data_parallel_size"], counts["context_parallel_size"]) == (1, 2)
+    assert cp["plan"]["layout"]["sequence_length_divisor"] == 2 and not cp["plan"]["layout"]["shared_prefix"]
+    errors = {"experience": _max_relative(cp["experience"], one["experience"])}
+    assert len(cp["grads"]) == len(one["grads"]) >= 2  # 2 optimizer steps (and the critic's)
+    errors["gradients"] = max(_max_relative(a, b) for a, b in zip(cp["grads"], one["grads"], strict=True))
+    errors["weights"] = _max_relative(cp["weights"], one["weights"])
+    errors["weights, rank 1"] = _max_relative(ranks[1]["weights"], one["weights"])
+    print(variant, errors)  # the figures, with pytest -s
+    assert max(errors.values()) < TOLERANCE, errors
+    for key in STEP_METRICS + STEP_COUNTS:
+        if key in one["row"]:
+            assert cp["row"][key] == pytest.approx(one["row"][key], rel=1e-5, abs=1e-7), key
