@@ -190,7 +190,7 @@ def estimate_memory(shape: ModelShape, run: MemoryInputs) -> MemoryEstimate:
     size = PRECISION_BYTES[run.precision]
     params = shape.parameters()
     lora = run.lora_rank > 0
-    shard = run.data_parallel_size if run.strategy == "fsdp" else 1
+    shard = run.data_parallel_size * run.context_parallel_size if run.strategy == "fsdp" else 1  # every rank
     rows: list[tuple[str, int, str]] = []
     size, (weights, grads, optimizer, trained) = model_state_bytes(shape, run, size, params, lora, shard, rows)
     extra = strategy_bytes(shape, run, size, params, trained, lora, shard, rows)

@@ -462,7 +462,7 @@ def _context_parallel_run(section: str | None = None, **settings):
     "section, settings, message",
     [
         (None, dict(devices=3), r"^strategy.context_parallel_size=2 does not divide the 3 ranks"),
-        (None, dict(name="fsdp"), r"^strategy.context_parallel_size=2 with strategy=fsdp is not built yet; fix"),
+        (None, dict(name="single"), r"^strategy.context_parallel_size=2 with strategy=single is not built; fix"),
         ("model", dict(lora=dict(rank=8)), r"^strategy.context_parallel_size=2 with model.lora is not built yet; fix"),
         (
             "model",
@@ -472,7 +472,7 @@ def _context_parallel_run(section: str | None = None, **settings):
         ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
         ("ppo", dict(shared_prefix=True), r"^strategy.context_parallel_size=2 with ppo.shared_prefix=true is not"),
     ],
-    ids=["ranks", "fsdp", "lora", "gradient-checkpointing", "disaggregated", "shared-prefix"],
+    ids=["ranks", "single", "lora", "gradient-checkpointing", "disaggregated", "shared-prefix"],
 )
 def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
     from lit_ppo.errors import ConfigError
@@ -482,8 +482,9 @@ def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, s
     assert "\n" not in str(refused.value)
 
 
-def test_context_parallel_size_trains_under_ddp_with_full_fine_tuning():
-    config = _context_parallel_run()
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_context_parallel_size_trains_under_ddp_and_fsdp_with_full_fine_tuning(name):
+    config = _context_parallel_run(name=name)
     assert (config.strategy.context_parallel_size, config.strategy.data_parallel_size) == (2, 1)
 
 

@@ -25,8 +25,8 @@ class StrategyConfig:
     """The Lightning strategy (`_target_` and its arguments), built by Hydra; null: Lightning's choice."""
     context_parallel_size: int = field(default=1, metadata=at_least(1))
     """C: ranks that share their samples and split each row's tokens (Ulysses: lit_ppo/training/context_parallel.py);
-    the data-parallel size is then devices x num_nodes / C. C > 1 trains under strategy=ddp, full fine-tuning; the
-    combinations not built yet are refused (`validate_context_parallel`)."""
+    the data-parallel size is then devices x num_nodes / C. C > 1 trains under strategy=ddp and strategy=fsdp, full
+    fine-tuning; the combinations not built yet are refused (`validate_context_parallel`)."""
 
     def __post_init__(self) -> None:
         ranks = self.devices * self.num_nodes
@@ -44,15 +44,17 @@ class StrategyConfig:
 def validate_context_parallel(
     strategy: StrategyConfig, *, lora: bool, disaggregated: bool, shared_prefix, gradient_checkpointing: bool
 ) -> None:
-    """strategy.context_parallel_size > 1, one line for each combination not built yet (strategy=ddp with full
-    fine-tuning, colocated rollouts, padded or flat packed rows trains: lit_ppo/training/context_parallel.py)."""
+    """strategy.context_parallel_size > 1, one line for each combination not built yet (strategy=ddp or fsdp, whose
+    shards span every rank, with full fine-tuning, colocated rollouts, padded or flat packed rows trains:
+    lit_ppo/training/context_parallel.py)."""
     C = strategy.context_parallel_size
     if C == 1:
         return
     setting = f"strategy.context_parallel_size={C}"
-    if strategy.name != "ddp":
+    if strategy.name not in ("ddp", "fsdp"):
         raise ConfigError(
-            f"{setting} with strategy={strategy.name} is not built yet; fix: strategy=ddp, or context_parallel_size=1"
+            f"{setting} with strategy={strategy.name} is not built; fix: strategy=ddp or strategy=fsdp, or "
+            "context_parallel_size=1"
         )
     if lora:
         raise ConfigError(

@@ -205,11 +205,12 @@ def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
 
 # ---------------------------------------------------------------- one rollout step of the training step, C = 2
 
-STEP_VARIANTS = {  # (preset, packed rows)
-    "ppo-critic-padded": ("ppo", False),
-    "grpo-packed": ("grpo", True),
-    "ppo-critic-packed": ("ppo", True),
-    "grpo-padded": ("grpo", False),
+STEP_VARIANTS = {  # (preset, packed rows, strategy)
+    "ppo-critic-padded": ("ppo", False, "ddp"),
+    "grpo-packed": ("grpo", True, "ddp"),
+    "fsdp-ppo-critic-packed": ("ppo", True, "fsdp"),
+    "ppo-critic-packed": ("ppo", True, "ddp"),
+    "grpo-padded": ("grpo", False, "ddp"),
 }
 STEP_METRICS = ("actor/policy_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 STEP_COUNTS = ("perf/trained_tokens", "rollout/advantage_mean", "rollout/reward_mean", "rollout/response_length_mean")
@@ -231,7 +232,7 @@ def _step_inputs(root, variant: str, ranks: int):
     from tests.helpers.packing import realistic_rollout
 
     root = Path(root)
-    preset, packed = STEP_VARIANTS[variant]
+    preset, packed, name = STEP_VARIANTS[variant]
     if not (root / "model").exists():  # the same weights in every process (seeded)
         tokenizer = build_char_tokenizer()
         shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -243,7 +244,7 @@ def _step_inputs(root, variant: str, ranks: int):
     rollout = realistic_rollout()
     rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
     batch = synthetic_rollout_batch(2, 4, (100, 140), (1, 60), seed=0, rewards=rewards)
-    strategy = StrategyConfig(name="ddp" if ranks > 1 else "single", accelerator="cpu", devices=ranks)
+    strategy = StrategyConfig(name=name if ranks > 1 else "single", accelerator="cpu", devices=ranks)
     strategy = dataclasses.replace(strategy, precision="32-true", context_parallel_size=ranks)
     config = dataclasses.replace(run_config(ppo=ppo, rollout=rollout, steps=1), strategy=strategy)
     return str(root / "model"), root / "train.jsonl", batch, ppo, rollout, lambda n: compute_plan(config, n)
@@ -252,6 +253,7 @@ def _step_inputs(root, variant: str, ranks: int):
 def _train_step(root, variant: str, ranks: int, **trainer):
     """One rollout step (`train_on_fixed_batch`: the Lightning trainer and PPOModule's training step) on `ranks`
     ranks: the gradients at each optimizer step, the metrics row, the experience and the final weights."""
+    from lit_ppo.distributed import full_tensors, gathered
     from tests.helpers.fixed_batch import train_on_fixed_batch
 
     model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks)
@@ -265,9 +267,10 @@ def _train_step(root, variant: str, ranks: int, **trainer):
         model_dir, prompts, root, batch, ppo, rollout, plan_for, temperature=TEMPERATURE, prepare=record, **trainer
     )
     exp = {k: getattr(experiences[0], k) for k in ("old_logp", "ref_logp", "values", "advantages", "returns")}
-    weights = {f"actor.{k}": v for k, v in module.actor.state_dict().items()}
+    weights = {f"actor.{k}": v for k, v in full_tensors(module.actor)}  # FSDP: gathered (a collective)
     if module.critic is not None:
-        weights.update({f"critic.{k}": v for k, v in module.critic.state_dict().items()})
+        weights.update({f"critic.{k}": v for k, v in full_tensors(module.critic)})
+    grads = [{name: gathered(g) for name, g in step.items()} for step in grads]
     return dict(grads=grads, row=module.history[-1], experience=exp, weights=weights, plan=module.plan.to_dict())
 
 
@@ -275,14 +278,17 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
     """A rank as a launcher starts it (its rank variables set): Lightning's DDP strategy joins the process group."""
     import os
 
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank))
     report = {"error": None}
     try:
-        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
+        if STEP_VARIANTS[variant][2] == "fsdp":  # FSDP2 over every rank, the context-parallel groups orthogonal
+            strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        else:
+            strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
         report.update(_train_step(f"{out}/rank{rank}", variant, world, devices=world, strategy=strategy))
     except Exception:
         report["error"] = traceback.format_exc()
@@ -300,7 +306,7 @@ def _max_relative(a: dict, b: dict) -> float:
     ["ppo-critic-padded", "grpo-packed", *(pytest.param(v, marks=pytest.mark.slow) for v in list(STEP_VARIANTS)[2:])],
 )
 def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(variant, tmp_path):
-    """strategy=ddp, devices=2, context_parallel_size=2 (one group of 2 ranks sharing the samples): the experience
+    """strategy=ddp (and fsdp), devices=2, context_parallel_size=2 (one group of 2 ranks sharing the samples): the experience
     (old and reference log-probs, values, advantages), the gradients of every optimizer step (summed over the group's
     token shares by DDP's average, scaled by the 2 ranks), the metrics row and the final weights are the one-rank
     step's, float32, < 1e-5 relative. Fails with the loss scaled by the data-parallel size alone (gradients half)."""

@@ -1,0 +1,55 @@
+"""Context parallelism from the command line (issue 51): `python train.py strategy=ddp strategy.devices=2
+strategy.context_parallel_size=2` on CPU (gloo) trains two rollout steps as one group of 2 ranks sharing every sample
+and splitting each row's tokens, and ends with the one-rank run's weights (float32); the plan table shows C and the
+tokens per rank. Two train.py runs of 2 rollout steps (minutes): `make test-slow`. The fast module-level test of the
+same step is tests/training/test_context_parallel.py::test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.cli_runs import DDP, assert_same_weights, experience, final_actor, metrics, train_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, cache) -> Path:
+    return train_cli(tmp_path_factory.mktemp("single"), cache)
+
+
+@pytest.fixture(scope="module")
+def context_parallel_run(tmp_path_factory, cache, single_run) -> Path:
+    return train_cli(tmp_path_factory.mktemp("cp2"), cache, *DDP, "strategy.context_parallel_size=2")
+
+
+def test_two_context_parallel_ranks_end_with_the_one_rank_weights(single_run, context_parallel_run):
+    run = context_parallel_run
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["counts"]["data_parallel_size"], plan["counts"]["context_parallel_size"]) == (1, 2)
+    assert plan["layout"]["sequence_length_divisor"] == 2
+    assert plan["layout"]["tokens_per_rank_per_micro_batch"] * 2 >= plan["layout"]["max_micro_batch_tokens"]
+    console = (run / "train.log").read_text()
+    assert "context-parallel size                      2" in console and "tokens per rank" in console
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rollout_steps"] == 2
+    for step in range(2):  # one group: every sample once (its first rank's dump), the one-rank run's samples
+        one, cp = experience(single_run, step, world=1), experience(run, step, world=1)
+        assert cp["response_ids"] == one["response_ids"] and torch.equal(cp["rewards"], one["rewards"])
+        width = one["mask"].shape[1]
+        for key in ("advantages", "returns", "values"):
+            torch.testing.assert_close(cp[key][:, :width], one[key], atol=1e-5, rtol=0, msg=lambda m: f"{key}: {m}")
+    for one, cp in zip(metrics(single_run), metrics(run), strict=True):
+        for key in ("actor/policy_loss", "critic/value_loss", "actor/grad_norm", "perf/trained_tokens"):
+            assert float(cp[key]) == pytest.approx(float(one[key]), rel=1e-4, abs=1e-8), key
+    difference = assert_same_weights(final_actor(run), final_actor(single_run), rel=1e-5)
+    print(f"final actor: largest difference {difference:.1e} of the largest weight")  # pytest -s
