@@ -301,6 +301,13 @@ def _max_relative(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if b[k] is not None and b[k].norm() > 0)
 
 
+def _weights_apart(a: dict, b: dict) -> float:
+    """The largest entry difference over the largest weight (tests/helpers/cli_runs.py:assert_same_weights' measure:
+    the critic's value head starts at zero, where a tensor's own norm would read Adam's rounding as large)."""
+    assert a.keys() == b.keys() and a
+    return max(float((a[k] - b[k]).abs().max()) for k in b) / max(float(w.abs().max()) for w in b.values())
+
+
 @pytest.mark.parametrize(
     "variant",
     ["ppo-critic-padded", "grpo-packed", *(pytest.param(v, marks=pytest.mark.slow) for v in list(STEP_VARIANTS)[2:])],
@@ -324,8 +331,8 @@ def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(v
     errors = {"experience": _max_relative(cp["experience"], one["experience"])}
     assert len(cp["grads"]) == len(one["grads"]) >= 2  # 2 optimizer steps (and the critic's)
     errors["gradients"] = max(_max_relative(a, b) for a, b in zip(cp["grads"], one["grads"], strict=True))
-    errors["weights"] = _max_relative(cp["weights"], one["weights"])
-    errors["weights, rank 1"] = _max_relative(ranks[1]["weights"], one["weights"])
+    errors["weights"] = _weights_apart(cp["weights"], one["weights"])
+    errors["weights, rank 1"] = _weights_apart(ranks[1]["weights"], one["weights"])
     print(variant, errors)  # the figures, with pytest -s
     assert max(errors.values()) < TOLERANCE, errors
     for key in STEP_METRICS + STEP_COUNTS:
