@@ -17,9 +17,15 @@ this rank's part of the (same on every rank) gradient. A rank's parameter gradie
 their sum over the group is the one-rank gradient (so a data-parallel average over world_size ranks must be scaled by
 world_size, not by the data-parallel size: C ranks hold parts of the same samples).
 
+The training step (`PPOModule`) runs every forward through `logprobs_and_entropy` / `values_of`, which take this
+path when the rank has a group; its reductions of samples run over the data-parallel group
+(`distributed.use_data_parallel_group`), and its loss is scaled by every rank (`Counts.ranks`) before DDP or FSDP2
+average the gradients over them. The ranks of a group generate the same samples, checked once per step
+(`check_same_samples`).
+
 Not built yet (refused in one line, `check_model` and `config.strategy.validate_context_parallel`): ring attention
 (heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, the shared-prefix layout, gradient
-checkpointing (its recomputing backward runs after `ulysses` has exited), and the run's step over the groups.
+checkpointing (its recomputing backward runs after `ulysses` has exited), LoRA, rollout workers.
 """
 
 from __future__ import annotations
