@@ -245,3 +245,15 @@ def test_the_teacher_weights_are_in_both_phases_of_the_memory_estimate():
     assert with_teacher.rollout_bytes - without.rollout_bytes == 2000
     sharded = dataclasses.replace(RUN, strategy="fsdp", data_parallel_size=2, teacher_parameters=1000)
     assert rows(estimate_memory(SHAPE, sharded))["teacher weights"] == 1000 * 4 // 2
+
+
+def test_context_parallelism_divides_a_ranks_tokens_by_c_by_hand():
+    """C = 2: a rank's layers keep 1/2 of each row's 8 positions (4 of 8 tokens x 2 rows: 8 x 4 B x (10 x 8 + 4 x 16)
+    = 4608 a layer), the whole rows' [2, 1, 8, 8] mask stays (512 a layer); the LM head at 3 of 5 response positions per
+    row; FSDP shards over every rank (D x C) and DDP keeps its buckets at D = 1."""
+    cp = dataclasses.replace(RUN, context_parallel_size=2)
+    assert rows(estimate_memory(SHAPE, cp))["activations, no checkpointing"] == 2 * (4608 + 512) + 4608
+    assert rows(estimate_memory(SHAPE, cp))["logits"] == 2 * 3 * 100 * 4 + 4 * 5 * 100 * 4
+    fsdp = rows(estimate_memory(SHAPE, dataclasses.replace(cp, strategy="fsdp")))
+    assert fsdp["weights"] == 24288 // 2
+    assert rows(estimate_memory(SHAPE, dataclasses.replace(cp, strategy="ddp")))["DDP gradient buckets"] == 2024 * 4

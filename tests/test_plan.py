@@ -697,3 +697,27 @@ def test_the_table_of_each_experiment_is_its_golden_file(case):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(table + "\n")
     assert table + "\n" == path.read_text(), f"the plan table of {case} changed; see {path}"
+
+
+def test_the_plan_states_context_parallelism():
+    """strategy=ddp on 2 ranks with context_parallel_size=2: one data-parallel rank, C = 2 in the table, each rank's
+    tokens per micro-batch (8 rows of 128 positions, 64 of each per rank), the sequence-length divisor, every rank in
+    the gradient scale (Counts.ranks), and the shared prefix (null: on where it can be) off, as not built with C > 1."""
+    import dataclasses
+
+    from lit_ppo.config import PPOConfig, StrategyConfig
+    from lit_ppo.plan import compute_plan
+    from tests.helpers import run_config
+
+    ppo = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=4, train_batch_size=16, micro_train_batch_size=8)
+    strategy = StrategyConfig(name="ddp", accelerator="cpu", devices=2, precision="32-true", context_parallel_size=2)
+    plan = compute_plan(dataclasses.replace(run_config(ppo=ppo), strategy=strategy), 64)
+    assert (plan.counts.data_parallel_size, plan.counts.context_parallel_size, plan.counts.ranks) == (1, 2, 2)
+    assert plan.layout.tokens_per_rank_per_micro_batch == 8 * 64 and plan.layout.sequence_length_divisor == 2
+    assert not plan.layout.shared_prefix and plan.layout.packing
+    table = plan.table()
+    for row in ("context-parallel size                      2", "tokens per rank                          512"):
+        assert row in table, table
+    assert "sequence-length divisor" in table
+    one = compute_plan(run_config(ppo=ppo), 64)
+    assert "context-parallel" not in one.table() and one.layout.shared_prefix and one.counts.ranks == 1
