@@ -144,6 +144,7 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
             "causal": pack(prompts[2:3], responses[2:3], pad, "cpu"),
         }
         report["causal_without_mask"] = local_micro_batch(actor, layouts["causal"], cp).attention_mask is None
+        report["samples_differ"] = _samples_check(cp, rank)
         for layout, mb in layouts.items():
             many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
             if rank == 0:  # the one-rank run, on one of them
@@ -154,6 +155,20 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
         f.write(json.dumps(report))
 
 
+def _samples_check(cp, rank: int) -> str | None:
+    """`check_same_samples` passes the same rollout batch on both ranks, and stops both on batches that differ (each
+    rank's own seed): the message, or None where it did not stop."""
+    from lit_ppo.testing import synthetic_rollout_batch
+    from lit_ppo.training.context_parallel import ContextGroupSamplesDiffer, check_same_samples
+
+    check_same_samples(synthetic_rollout_batch(2, 2, (100, 120), (5, 9), seed=0), cp)
+    try:
+        check_same_samples(synthetic_rollout_batch(2, 2, (100, 120), (5, 9), seed=rank), cp)
+    except ContextGroupSamplesDiffer as stopped:
+        return str(stopped)
+    return None
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients(implementation, tmp_path):
     start_ranks(_rank, 2, 2, implementation, str(tmp_path))
@@ -162,6 +177,9 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
         assert report["error"] is None, report["error"]
         assert report["groups"] == [[0, 1], [rank]]
         assert report["causal_without_mask"] == (implementation == "sdpa")  # eager always has its additive mask
+        assert report["samples_differ"].startswith(
+            "rollout step 1: the 2 ranks of a context-parallel group generated different samples"
+        ), report["samples_differ"]
     for layout in ("padded", "packed", "causal"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
