@@ -223,21 +223,23 @@ def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
 
 # ---------------------------------------------------------------- one rollout step of the training step, C = 2
 
-STEP_VARIANTS = {  # (preset, packed rows, strategy)
-    "ppo-critic-padded": ("ppo", False, "ddp"),
-    "grpo-packed": ("grpo", True, "ddp"),
-    "fsdp-ppo-critic-packed": ("ppo", True, "fsdp"),
-    "ppo-critic-packed": ("ppo", True, "ddp"),
-    "grpo-padded": ("grpo", False, "ddp"),
+STEP_VARIANTS = {  # (preset, packed rows, strategy, ranks: groups of C = 2)
+    "ppo-critic-padded": ("ppo", False, "ddp", 2),
+    "grpo-packed": ("grpo", True, "ddp", 2),
+    "fsdp-ppo-critic-packed": ("ppo", True, "fsdp", 2),
+    "ppo-critic-packed": ("ppo", True, "ddp", 2),
+    "grpo-padded": ("grpo", False, "ddp", 2),
+    "ppo-critic-packed-4-ranks": ("ppo", True, "ddp", 4),  # 2 data-parallel groups x C = 2
 }
 STEP_METRICS = ("actor/policy_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 STEP_COUNTS = ("perf/trained_tokens", "rollout/advantage_mean", "rollout/reward_mean", "rollout/response_length_mean")
 
 
-def _step_inputs(root, variant: str, ranks: int):
+def _step_inputs(root, variant: str, ranks: int, data_parallel_rank: int = 0):
     """The rollout step the one-rank and the C = 2 runs both train: a tiny Qwen2 of 4 heads and 2 KV heads (both divide
     by C), 2 prompts of 100-140 tokens x 4 responses of 1-60 tokens, mini-batches of 4 samples in micro-batches of 2
-    (2 optimizer steps), at temperature 0.7, on `ranks` ranks (2: strategy=ddp with context_parallel_size=2)."""
+    (2 optimizer steps), at temperature 0.7, on `ranks` ranks (more than 1: context_parallel_size=2, each data-parallel
+    rank given its contiguous share of the samples, as generation gives it)."""
     import dataclasses
     from pathlib import Path
 
@@ -250,7 +252,7 @@ def _step_inputs(root, variant: str, ranks: int):
     from tests.helpers.packing import realistic_rollout
 
     root = Path(root)
-    preset, packed, name = STEP_VARIANTS[variant]
+    preset, packed, name, _ = STEP_VARIANTS[variant]
     if not (root / "model").exists():  # the same weights in every process (seeded)
         tokenizer = build_char_tokenizer()
         shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -262,19 +264,24 @@ def _step_inputs(root, variant: str, ranks: int):
     rollout = realistic_rollout()
     rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
     batch = synthetic_rollout_batch(2, 4, (100, 140), (1, 60), seed=0, rewards=rewards)
+    C = min(ranks, 2)
+    share = len(batch.response_ids) * C // ranks
+    batch = batch.with_samples(
+        [batch], [(0, i) for i in range(data_parallel_rank * share, (data_parallel_rank + 1) * share)]
+    )
     strategy = StrategyConfig(name=name if ranks > 1 else "single", accelerator="cpu", devices=ranks)
-    strategy = dataclasses.replace(strategy, precision="32-true", context_parallel_size=ranks)
+    strategy = dataclasses.replace(strategy, precision="32-true", context_parallel_size=C)
     config = dataclasses.replace(run_config(ppo=ppo, rollout=rollout, steps=1), strategy=strategy)
     return str(root / "model"), root / "train.jsonl", batch, ppo, rollout, lambda n: compute_plan(config, n)
 
 
-def _train_step(root, variant: str, ranks: int, **trainer):
+def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **trainer):
     """One rollout step (`train_on_fixed_batch`: the Lightning trainer and PPOModule's training step) on `ranks`
     ranks: the gradients at each optimizer step, the metrics row, the experience and the final weights."""
     from lit_ppo.distributed import full_tensors, gathered
     from tests.helpers.fixed_batch import train_on_fixed_batch
 
-    model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks)
+    model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks, data_parallel_rank)
     experiences = []
 
     def record(module):
@@ -307,7 +314,7 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
             strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
         else:
             strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
-        report.update(_train_step(f"{out}/rank{rank}", variant, world, devices=world, strategy=strategy))
+        report.update(_train_step(f"{out}/rank{rank}", variant, world, rank // 2, devices=world, strategy=strategy))
     except Exception:
         report["error"] = traceback.format_exc()
     torch.save(report, f"{out}/step{rank}.pt")
@@ -338,20 +345,24 @@ def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(v
     step's, float32, < 1e-5 relative. Fails with the loss scaled by the data-parallel size alone (gradients half)."""
     from tests.helpers import free_port
 
-    start_ranks(_step_rank, 2, 2, variant, free_port(), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"step{r}.pt", weights_only=False) for r in range(2)]
+    world = STEP_VARIANTS[variant][3]
+    start_ranks(_step_rank, world, world, variant, free_port(), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"step{r}.pt", weights_only=False) for r in range(world)]
     for report in ranks:
         assert report["error"] is None, report["error"]
     one = _train_step(tmp_path / "one", variant, 1)
     cp = ranks[0]
     counts = cp["plan"]["counts"]
-    assert (counts["data_parallel_size"], counts["context_parallel_size"]) == (1, 2)
+    assert (counts["data_parallel_size"], counts["context_parallel_size"]) == (world // 2, 2)
     assert cp["plan"]["layout"]["sequence_length_divisor"] == 2 and not cp["plan"]["layout"]["shared_prefix"]
-    errors = {"experience": _max_relative(cp["experience"], one["experience"])}
+    errors = {}
+    if world == 2:  # one data-parallel rank: its experience is the whole batch's
+        errors["experience"] = _max_relative(cp["experience"], one["experience"])
     assert len(cp["grads"]) == len(one["grads"]) >= 2  # 2 optimizer steps (and the critic's)
     errors["gradients"] = max(_max_relative(a, b) for a, b in zip(cp["grads"], one["grads"], strict=True))
     errors["weights"] = _weights_apart(cp["weights"], one["weights"])
-    errors["weights, rank 1"] = _weights_apart(ranks[1]["weights"], one["weights"])
+    for rank in range(1, world):
+        errors[f"weights, rank {rank}"] = _weights_apart(ranks[rank]["weights"], one["weights"])
     print(variant, errors)  # the figures, with pytest -s
     assert max(errors.values()) < TOLERANCE, errors
     for key in STEP_METRICS + STEP_COUNTS:
