@@ -38,13 +38,7 @@ from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import LoraConfig, PPOConfig
 from lit_ppo.distributed import full_tensors, global_max, global_sum, gradient_sync, shard_models
 from lit_ppo.errors import ConfigError
-from lit_ppo.plan import (
-    StepPlan,
-    check_batch_versions,
-    check_sample_use,
-    check_step_accounting,
-    minibatch_schedule,
-)
+from lit_ppo.plan import StepPlan, check_batch_versions, check_sample_use, check_step_accounting, minibatch_schedule
 from lit_ppo.topology import RankTopology
 from lit_ppo.training.batching import MicroBatch, check_rollout_ids, packed_micro_batches
 from lit_ppo.training.context_parallel import ContextGroup, check_same_samples, logprobs_and_entropy, values_of
