@@ -54,6 +54,8 @@ def sections_of(record: dict) -> dict[str, Any]:
     counts = nested["counts"]  # rollout_batch_size came after the sections: the flat plan's samples per prompt
     if "rollout_batch_size" not in counts and counts.get("n_samples_per_prompt"):
         counts["rollout_batch_size"] = counts["samples_per_rollout_step"] // counts["n_samples_per_prompt"]
+    if "data_parallel_size" in counts:  # context parallelism came later too: a flat plan's ranks were all data-parallel
+        counts.setdefault("context_parallel_size", 1)
     for section, on in FLAT_FEATURE_FLAGS.items():
         if not on(record):
             nested[section] = None
