@@ -188,12 +188,13 @@ class RankTopology:
         collective: `torch.distributed.new_group` is called by every rank for every group, in the same order. With
         C = 1 there is nothing to build (the data-parallel group is torch's default one). Makes the data-parallel group
         the one `lit_ppo.distributed`'s reductions of samples run over."""
+        from lit_ppo.distributed import use_data_parallel_group
+
         C = self.context_parallel_size
         if C == 1:
+            use_data_parallel_group(None)  # not an earlier run's group in this process (tests, notebooks, sweeps)
             return self
         import torch.distributed as dist
-
-        from lit_ppo.distributed import use_data_parallel_group
 
         context = data = None
         for first in range(0, self.world_size, C):

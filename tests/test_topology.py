@@ -332,3 +332,16 @@ def test_four_ranks_form_two_context_parallel_groups_of_two_and_two_data_paralle
 def test_one_context_parallel_rank_needs_no_groups():
     topology = RankTopology(rank=1, world_size=2)
     assert topology.with_groups() is topology  # torch's default group: no new_group call, no process group needed
+
+
+def test_one_context_parallel_rank_puts_back_the_default_group_an_earlier_run_left():
+    """A C > 1 run makes its data-parallel group the one the reductions of samples run over; a later C = 1 run in the
+    same process (a test session, a notebook, an in-process sweep) must reduce over torch's default group again."""
+    from lit_ppo import distributed
+
+    distributed.use_data_parallel_group(object())  # an earlier context-parallel run's group
+    try:
+        RankTopology(rank=0, world_size=1).with_groups()
+        assert distributed._group(None) is None
+    finally:
+        distributed.use_data_parallel_group(None)

@@ -15,6 +15,7 @@ from lit_ppo.config import PPOConfig
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.experience import Experience
 from lit_ppo.training.metrics import actor_loss_shares
+from lit_ppo.training.numerics import old_logprobs_used
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,7 @@ def actor_loss(
     share of the global mini-batch's loss (`algo.actor_token_loss`, aggregated with the mini-batch's denominators, so
     that the shares add up to the mini-batch's over micro-batches and ranks) and its shares of the actor's statistics
     (`actor_loss_shares`)."""
-    # Exactly on-policy without an experience forward: these weights generated the batch, so the old log-probs are
-    # these log-probs (ratio 1, the same gradient as with a forward that computed them before).
-    old_logp = inputs.old_logp if inputs.old_logp is not None else logp.detach()
+    old_logp = old_logprobs_used(logp, inputs)
     loss_tok, pg_tok, clipped = algo.actor_token_loss(
         logp,
         old_logp,

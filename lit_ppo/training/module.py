@@ -252,8 +252,8 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
                     teacher_logp[idx, :t] = teacher_logprobs(self.teacher, mb, self.plan.teacher.temperature, cp)
 
         # Nothing kept yet: a preemption signal drops these forwards and the step (lit_ppo.preemption). Not under
-        # FSDP, whose forwards gather shards with the other ranks: interrupted on one rank, they would wait forever.
-        if self.sharded:
+        # FSDP or context parallelism, whose forwards are collectives: interrupted on one rank, the others would wait.
+        if self.sharded or self.context is not None:
             forwards()
         else:
             preemption.interruptibly(forwards)

@@ -74,6 +74,14 @@ def sampler_mismatch_metrics(
     return row
 
 
+def old_logprobs_used(logp: Tensor, inputs) -> Tensor:
+    """The old log-probs the actor's loss (`loss.actor_loss`) divides by ([B, T]): the `LossInputs`', or, where they
+    have none, the forward's own, detached. Exactly on-policy without an experience forward (these weights generated
+    the batch), and on the first mini-batch of a step (`FirstMiniBatchRatio`), the old log-probs are these log-probs:
+    ratio 1, the same gradient as with a forward that computed them before."""
+    return inputs.old_logp if inputs.old_logp is not None else logp.detach()
+
+
 class FirstMiniBatchRatio:
     """The PPO ratio on the first mini-batch of the first PPO epoch, before any optimizer step: exactly 1 in every
     layout and precision. Its old log-probs are the training forward's own, detached (`inputs`), as SkyRL's are of a
@@ -104,8 +112,8 @@ class FirstMiniBatchRatio:
         if not self.open or not inputs.response_mask.any():
             return
         keep = inputs.response_mask > 0
-        if inputs.old_logp is not None:
-            self.max_dev = max(self.max_dev, max_ratio_dev(logp, inputs.old_logp, keep))
+        # the ratio the loss computed, from the old log-probs it used (`old_logprobs_used`)
+        self.max_dev = max(self.max_dev, max_ratio_dev(logp, old_logprobs_used(logp, inputs), keep))
         if self.experience_logp is not None:
             self.experience_dev = max(self.experience_dev, max_ratio_dev(logp, self.experience_logp, keep))
 

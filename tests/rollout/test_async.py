@@ -260,18 +260,34 @@ def test_a_sample_of_another_adapter_than_its_planned_version_stops_the_run_in_o
 
     plan = compute_plan(compose_run_config("rollout.mode=disaggregated", "model.lora.rank=8"), 2000)
     check_adapter_versions(
-        SimpleNamespace(rollout_step=0, rounds_in_step=None, rounds_ahead=None, adapter_versions=[1, 1]), plan
+        SimpleNamespace(
+            rollout_step=0, rounds_in_step=None, rounds_ahead=None, version_spans=None, adapter_versions=[1, 1]
+        ),
+        plan,
     )
     check_adapter_versions(
-        SimpleNamespace(rollout_step=1, rounds_in_step=None, rounds_ahead=None, adapter_versions=[1, 1]), plan
+        SimpleNamespace(
+            rollout_step=1, rounds_in_step=None, rounds_ahead=None, version_spans=None, adapter_versions=[1, 1]
+        ),
+        plan,
     )  # v0: its adapter is 1
     check_adapter_versions(
-        SimpleNamespace(rollout_step=2, rounds_in_step=None, rounds_ahead=None, adapter_versions=[2, 2]), plan
+        SimpleNamespace(
+            rollout_step=2, rounds_in_step=None, rounds_ahead=None, version_spans=None, adapter_versions=[2, 2]
+        ),
+        plan,
     )
     for versions, stale in (([2, 3], 3), ([1, 2], 1)):
         with pytest.raises(WeightSyncError) as info:
             check_adapter_versions(
-                SimpleNamespace(rollout_step=2, rounds_in_step=None, rounds_ahead=None, adapter_versions=versions), plan
+                SimpleNamespace(
+                    rollout_step=2,
+                    rounds_in_step=None,
+                    rounds_ahead=None,
+                    version_spans=None,
+                    adapter_versions=versions,
+                ),
+                plan,
             )
         message = str(info.value)
         assert message.startswith(

@@ -210,3 +210,28 @@ def test_the_ratio_check_fails_with_the_experience_forward_s_old_logprobs(
     row, _ = one_step(tiny_model_dir, arithmetic_files, tmp_path, "packed", "bf16-mixed")
     assert row["actor/ratio_first_minibatch_max_dev"] > 1e-5
     assert row["actor/ratio_first_minibatch_max_dev"] == row["actor/experience_ratio_first_minibatch_max_dev"]
+
+
+def test_the_first_minibatch_ratio_is_measured_from_the_old_logprobs_the_loss_used(monkeypatch):
+    """`actor/ratio_first_minibatch_max_dev` is max |exp(logp - old) - 1| over the response tokens with the old
+    log-probs the loss divides by (`old_logprobs_used`): the forward's own where the inputs have none (0.0 exactly),
+    the inputs' where they have them (the deviation measured, not assumed)."""
+    from types import SimpleNamespace
+
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    ratio = numerics.FirstMiniBatchRatio("training forward")
+    ratio.add(logp, SimpleNamespace(old_logp=None, response_mask=mask))
+    assert ratio.max_dev == 0.0
+    ratio.add(logp, SimpleNamespace(old_logp=torch.tensor([[-1.0, -2.1, -9.0]]), response_mask=mask))
+    assert ratio.max_dev == pytest.approx(
+        math.exp(0.1) - 1, rel=1e-5
+    )  # float32 inputs; the masked third token's 6 nats left out
+    # the metric reads the loss's own definition (loss.actor_loss calls it too): old log-probs that moved are seen
+    from lit_ppo.training import loss
+
+    assert loss.old_logprobs_used is numerics.old_logprobs_used
+    monkeypatch.setattr(numerics, "old_logprobs_used", lambda logp, inputs: logp.detach() - 0.2)
+    moved = numerics.FirstMiniBatchRatio("training forward")
+    moved.add(logp, SimpleNamespace(old_logp=None, response_mask=mask))
+    assert moved.max_dev == pytest.approx(math.exp(0.2) - 1, rel=1e-5)
