@@ -53,6 +53,24 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def tail(pad_tokens: int) -> None:
+    """The workload with a tail of `pad_tokens` thinking spaces: a response budget of the next power of two above it,
+    cut every eighth of that (max_age_steps 7: a long answer is continued over up to 8 steps), two batches in flight."""
+    budget = 1 << pad_tokens.bit_length()
+    WORKLOAD[:] = [
+        "+experiment=long_tail",
+        f"model.warm_start.long_pad_tokens={pad_tokens}",
+        f"rollout.max_response_tokens={budget}",
+    ]
+    PARTIAL[:] = [
+        f"rollout.partial.step_tokens={budget // 8}",
+        "rollout.partial.max_age_steps=7",
+        "rollout.partial.groups_in_flight=64",
+    ]
+    for name, extra in VARIANTS.items():  # the lists they hold are these, renewed
+        VARIANTS[name] = (WORKERS if name.startswith("k1") else []) + (PARTIAL if name.endswith("partial") else [])
+
+
 def train(arguments: list[str], output: Path, log) -> dict:
     """Run train.py into `output` unless done before; (wall seconds, uptime before and after)."""
     done = output / "bench.json"
@@ -138,9 +156,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of A B A B")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning", action="store_true", help="also 30-step colocated runs with and without")
+    parser.add_argument(
+        "--tail-tokens",
+        type=int,
+        default=None,
+        help="a longer tail: the long answers think this many spaces (model.warm_start.long_pad_tokens), the response "
+        "budget and the cut scaled with it (default: the experiment's 24 spaces, cut every 8 tokens)",
+    )
     parser.add_argument("--summary-only", action="store_true")
     parser.add_argument("--out", default=f"partial_rollouts_{datetime.date.today()}")
     args = parser.parse_args()
+    if args.tail_tokens:
+        tail(args.tail_tokens)
     runs = (ROOT / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     results = ROOT / "bench" / "results"
@@ -167,7 +194,8 @@ def main() -> None:
         text = (
             f"# Partial rollouts on the heavy-tailed workload ({datetime.date.today()})\n\n"
             f"`.venv/bin/python bench/partial_rollouts.py --steps {args.steps} --repeats {args.repeats}"
-            f"{' --learning' if args.learning else ''}` (workload `+experiment=long_tail`; partial: "
+            f"{' --learning' if args.learning else ''}{f' --tail-tokens {args.tail_tokens}' if args.tail_tokens else ''}` "
+            f"(workload `{' '.join(WORKLOAD)}`; partial: "
             f"`{' '.join(PARTIAL)}`; k = 1: `{' '.join(WORKERS)}`; seed {args.seed}). Means over each run's rollout "
             f"steps after the first. Machine: {machine()}.\n\n"
             + table(runs, names)

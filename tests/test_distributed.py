@@ -553,7 +553,6 @@ def test_gradient_sync_syncs_once_per_optimizer_step_with_the_gradients_of_a_syn
                 close(result[way]["grads"][step], expected[step], f"rank {rank}, {way}, step {step}")
 
 
-
 def _hanging_rank(rank: int, out: str) -> None:
     """Rank 1 waits forever (a collective that never completes, as a stand-in)."""
     Path(out, f"started{rank}").touch()
@@ -573,6 +572,7 @@ def test_a_rank_that_hangs_fails_the_test_with_its_stack(tmp_path, capfd):
     assert "process 1 terminated with exit code 1" in str(failure.value)
     assert (tmp_path / "started0").exists() and (tmp_path / "started1").exists()
     assert "in _hanging_rank" in capfd.readouterr().err  # the stuck rank's stack, where it waits
+
 
 if __name__ == "__main__":
     worker_main()
