@@ -61,6 +61,8 @@ def tail(pad_tokens: int) -> None:
         "+experiment=long_tail",
         f"model.warm_start.long_pad_tokens={pad_tokens}",
         f"rollout.max_response_tokens={budget}",
+        f"model.tiny.max_position_embeddings={2 * budget}",  # the tiny model's 128 positions hold no long answer
+        f"rollout.max_model_len={2 * budget}",
     ]
     PARTIAL[:] = [
         f"rollout.partial.step_tokens={budget // 8}",
