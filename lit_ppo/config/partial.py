@@ -71,6 +71,14 @@ def check_groups_in_flight(partial: PartialConfig, rollout_batch_size: int) -> N
         )
 
 
+def response_budget(rollout) -> tuple[int, str]:
+    """(a response's tokens at most, the setting that says so) of `rollout` (a RolloutConfig): with tool episodes
+    the episode's (turns and observations; the cut counts the policy's tokens only, so the chunks reach it too)."""
+    if rollout.episodes.environment is not None:
+        return rollout.episode_tokens(), "rollout.episodes.max_tokens"
+    return rollout.max_response_tokens, "rollout.max_response_tokens"
+
+
 def partial_refusals(config) -> list[str]:
     """What `config` (a RunConfig, not imported here) sets that partial rollouts do not compose with yet: each
     `setting (why)`, in the order docs/async.md lists them."""
@@ -89,8 +97,11 @@ def partial_refusals(config) -> list[str]:
             rollout.mode == "disaggregated" and config.model.lora.enabled,
             "model.lora with rollout workers (not run; colocated, each chunk's adapter is checked)",
         ),
-        (rollout.episodes.environment is not None, "rollout.episodes.environment (a cut inside a tool episode)"),
-        (bool(rollout.stop), "rollout.stop (a stop string across a cut would not be seen)"),
+        (
+            rollout.mode == "disaggregated" and rollout.episodes.environment is not None,
+            "rollout.episodes.environment with rollout workers (a carried episode's environment lives in the trainer; "
+            "colocated, it is carried)",
+        ),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
         (
             config.strategy.devices * config.strategy.num_nodes > 1,
@@ -108,19 +119,19 @@ def validate_partial_in_run(config) -> None:
     partial, rollout = config.rollout.partial, config.rollout
     if not partial.enabled:
         return
-    if partial.step_tokens >= rollout.max_response_tokens:
+    budget, name = response_budget(rollout)
+    if partial.step_tokens >= budget:
         raise ConfigError(
-            f"rollout.partial.step_tokens={partial.step_tokens} >= rollout.max_response_tokens="
-            f"{rollout.max_response_tokens}: no response is ever cut; fix: a smaller step_tokens, or null (off)"
+            f"rollout.partial.step_tokens={partial.step_tokens} >= {name}={budget}: no response is ever cut; fix: a "
+            "smaller step_tokens, or null (off)"
         )
     chunks = partial.max_age_steps + 1
-    if partial.step_tokens * chunks < rollout.max_response_tokens:
+    if partial.step_tokens * chunks < budget:
         raise ConfigError(
             f"rollout.partial.step_tokens={partial.step_tokens} x (max_age_steps={partial.max_age_steps} + 1) < "
-            f"rollout.max_response_tokens={rollout.max_response_tokens}: every response would be capped at "
-            f"{partial.step_tokens * chunks} tokens; fix: rollout.partial.step_tokens>="
-            f"{-(-rollout.max_response_tokens // chunks)} or rollout.partial.max_age_steps>="
-            f"{-(-rollout.max_response_tokens // partial.step_tokens) - 1}"
+            f"{name}={budget}: every response would be capped at {partial.step_tokens * chunks} tokens; fix: "
+            f"rollout.partial.step_tokens>={-(-budget // chunks)} or rollout.partial.max_age_steps>="
+            f"{-(-budget // partial.step_tokens) - 1}"
         )
     check_groups_in_flight(partial, config.ppo.rollout_batch_size)
     refused = partial_refusals(config)

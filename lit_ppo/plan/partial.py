@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit_ppo.config import RunConfig
-from lit_ppo.config.partial import groups_in_flight
+from lit_ppo.config.partial import groups_in_flight, response_budget
 from lit_ppo.plan.counts import Counts
 from lit_ppo.plan.table import Row
 
@@ -29,6 +29,9 @@ class PartialPlan:
     longest_response_tokens: int
     worker_lag: int = 0  # k of rollout workers (rollout.max_staleness, <= 1): a chunk of step s is of version s - k
     weight_sync_guard: float | None = None  # rollout.max_logprob_abs_diff, on the tokens of the batch's own version
+    budget_setting: str = (
+        "rollout.max_response_tokens"  # the response budget's (tool episodes: rollout.episodes.max_tokens)
+    )
 
     @property
     def lag_steps(self) -> float:
@@ -73,7 +76,7 @@ class PartialPlan:
             (
                 "partial: longest response",
                 self.longest_response_tokens,
-                "tokens: rollout.max_response_tokens ((max_age_steps + 1) chunks of step_tokens reach it)",
+                f"tokens: {self.budget_setting} ((max_age_steps + 1) chunks of step_tokens reach it)",
             ),
             (
                 "partial: weight-sync guard",
@@ -96,13 +99,15 @@ def partial_plan(config: RunConfig, counts: Counts) -> PartialPlan | None:
     partial, rollout = config.rollout.partial, config.rollout
     if not partial.enabled:
         return None
+    budget, setting = response_budget(rollout)
     return PartialPlan(
         step_tokens=partial.step_tokens,
         max_age_steps=partial.max_age_steps,
         at_max_age=partial.at_max_age,
         groups_in_flight=groups_in_flight(partial, counts.rollout_batch_size),
         rollout_batch_size=counts.rollout_batch_size,
-        longest_response_tokens=min(rollout.max_response_tokens, partial.step_tokens * (partial.max_age_steps + 1)),
+        longest_response_tokens=min(budget, partial.step_tokens * (partial.max_age_steps + 1)),
         worker_lag=rollout.staleness() if rollout.mode == "disaggregated" else 0,
         weight_sync_guard=rollout.max_logprob_abs_diff,
+        budget_setting=setting,
     )

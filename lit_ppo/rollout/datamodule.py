@@ -51,6 +51,7 @@ from lit_ppo.rollout.groups import (
 )
 from lit_ppo.rollout.observations import ObservationEncoder
 from lit_ppo.rollout.partial import PartialRollouts
+from lit_ppo.rollout.partial_episodes import PartialEpisodes
 from lit_ppo.rollout.prompt_stream import PromptStream, round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet, resolve_stop_token_ids
 from lit_ppo.rollout.schedule import RolloutSource, source_for
@@ -110,6 +111,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.partial = (
             PartialRollouts(rollout.partial, rollout.max_response_tokens) if rollout.partial.enabled else None
         )
+        if self.partial is not None:  # stop strings matched across each cut
+            self.partial.stop, self.partial.tokenizer = tuple(rollout.stop), tokenizer
         # Multi-turn episodes: one environment per episode from this factory (None: single-turn responses).
         self.make_environment = build_environment_factory(rollout.episodes.environment)
         if self.make_environment is not None:
@@ -126,6 +129,15 @@ class RolloutDataModule(L.LightningDataModule):
                 stop=list(rollout.stop),
             )
             self.observation_encoder = ObservationEncoder(tokenizer, chat_template, rollout.episodes.observation_role)
+            if self.partial is not None:  # tool episodes carried across steps: their environments kept
+                self.partial.episodes = PartialEpisodes(
+                    self.make_environment,
+                    tokenizer,
+                    self.episode_settings,
+                    self.observation_encoder,
+                    seed,
+                    rollout.partial.step_tokens,
+                )
 
     # ------------------------------------------------------------ engine
 

@@ -28,6 +28,7 @@ from lit_ppo.config.partial import groups_in_flight
 from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.preemption import interruptibly, stop_point
+from lit_ppo.rollout.cut_stops import stopped_across_cut, text_before_stop
 from lit_ppo.rollout.groups import PromptGroup, StepDraw, rollout_batch
 from lit_ppo.rollout.prompt_stream import round_purpose
 from lit_ppo.rollout.prompts import Prompt
@@ -46,6 +47,9 @@ class CarriedSample:
     finished: bool  # ended (end of sequence, a stop token, the response budget) or cut
     truncated: bool  # ended by the length limit or cut (trained as truncated)
     adapters: tuple[int, ...] = ()  # per span: the LoRA adapter version that sampled it (0: no adapter of its own)
+    episode: object | None = (
+        None  # a tool episode's own fields (rollout/partial_episodes.py:EpisodeState); None: not one
+    )
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,10 @@ def cut(group: CarriedGroup) -> CarriedGroup:
     """`group` finished now: its samples that have not ended are trained as truncated."""
     if group.finished:
         return group
-    samples = tuple(s if s.finished else replace(s, finished=True, truncated=True) for s in group.samples)
+    samples = tuple(
+        s if s.finished else s.episode.cut(s) if s.episode else replace(s, finished=True, truncated=True)
+        for s in group.samples
+    )
     return replace(group, samples=samples, cut=True)
 
 
@@ -131,10 +138,14 @@ def continuation_request(groups, step_tokens: int, budget: int, fresh: GenerateR
     return request, slots
 
 
-def continued(groups, generations: list[Generation], slots: list, version: int, budget: int) -> list[CarriedGroup]:
-    """`groups` with each slot's sample extended by its generation (`continuation_request`'s order)."""
+def continued(
+    groups, generations: list[Generation], slots: list, version: int, budget: int, stops=None
+) -> list[CarriedGroup]:
+    """`groups` with each slot's sample extended by its generation (`continuation_request`'s order); `stops(tokens
+    before the cut, generation)`: the generation ended at a stop string across the cut (`PartialRollouts.stops`)."""
     samples = [list(group.samples) for group in groups]
     for (g, j), generation in zip(slots, generations):
+        generation = stops(samples[g][j].token_ids, generation) if stops else generation
         samples[g][j] = extended(samples[g][j], generation, version, budget)
     return [replace(group, samples=tuple(s)) for group, s in zip(groups, samples)]
 
@@ -206,12 +217,17 @@ def token_ages(groups: list[CarriedGroup], rollout_step: int) -> list[int]:
     return ages
 
 
-def generation_of(sample: CarriedSample, prompt_index: int, tokenizer) -> Generation:
+def generation_of(sample: CarriedSample, prompt_index: int, tokenizer, stop=()) -> Generation:
     """The sample as the rewards and the trainer take it. Its text: its tokens decoded whole, one way for every
     sample whatever its chunks (each call's text is detokenized apart, a character whose bytes a cut splits would be
-    lost between them, and vLLM's incremental detokenization may differ from a whole decode in its spaces)."""
+    lost between them, and vLLM's incremental detokenization may differ from a whole decode in its spaces), cut
+    before a `stop` string (rollout.stop) that ended it, as the engine cuts a response's."""
     text = tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
+    if stop and sample.finished and not sample.truncated and sample.episode is None:
+        text = text_before_stop(text, stop)
     adapter = sample.adapters[-1] if sample.adapters else 0  # its last chunk's (check_adapter_advances: the others')
+    if sample.episode is not None:  # a tool episode (rollout/partial_episodes.py)
+        return sample.episode.generation(sample, prompt_index, text, adapter)
     return Generation(prompt_index, list(sample.token_ids), sample.truncated, text, list(sample.logprobs), adapter)
 
 
@@ -222,6 +238,9 @@ class PartialRollouts:
         self.settings = settings  # rollout.partial (PartialConfig)
         self.budget = budget  # tokens per response at most
         self.groups: list[CarriedGroup] = []  # in flight, the oldest first
+        self.episodes = None  # tool episodes: their environments and chunks (rollout/partial_episodes.py)
+        self.stop: tuple[str, ...] = ()  # rollout.stop: matched across each cut (rollout/cut_stops.py)
+        self.tokenizer = None  # with stop strings: decodes the tokens around a cut
 
     def fresh_request(self, dm, rollout_step: int, rounds: int) -> tuple[GenerateRequest, list[tuple]]:
         """One request for `rounds` fresh generation rounds of the stream (chunk limit step_tokens), round r seeded as
@@ -274,6 +293,8 @@ class PartialRollouts:
         """This step's chunk for the groups in flight and the fresh rounds: (the groups, oldest first, the fresh rounds
         drawn, generate seconds); None: a preemption signal dropped it. With rollout workers the chunk may have been
         requested ahead (`request_next`), as `chunk_request` of the same groups in flight."""
+        if self.episodes is not None:
+            return self.episodes.generate(self, dm, rollout_step)
         n = dm.plan.counts.n_samples_per_prompt
         carried, fresh, slots, fields, rounds = self.chunk(dm, rollout_step)
         engine = dm.start_engine()
@@ -290,7 +311,7 @@ class PartialRollouts:
         if len(set(versions)) > 1:
             raise RuntimeError(f"rollout step {rollout_step + 1}: one chunk of versions {sorted(set(versions))}")
         version = versions[0] if versions else rollout_step
-        groups = continued(self.groups, gens[: len(slots)], slots, version, self.budget)
+        groups = continued(self.groups, gens[: len(slots)], slots, version, self.budget, self.stops)
         groups += started(fields, gens[len(slots) :], fresh.seeds, n, version, self.budget)
         return groups, rounds, scheduled.generate_seconds
 
@@ -305,21 +326,29 @@ class PartialRollouts:
             waiting = [g for g in left if not g.finished][: size - len(trained)]
             if len(trained) == size or not waiting:
                 break
-            base = dm.sampling_request([], [], dm.plan.counts.n_samples_per_prompt, **self.sampling(dm), purpose=None)
-            request, slots = continuation_request(waiting, settings.step_tokens, self.budget, base)
-            engine = dm.start_engine()
-            scheduled = dm.source.now(rollout_step, engine, request)
-            stop_point(dm.device)
-            versions = set(scheduled.policy_versions)
-            if versions != {rollout_step}:
-                raise RuntimeError(f"rollout step {rollout_step + 1}: a fill chunk of versions {sorted(versions)}")
-            more = dict(
-                zip(map(id, waiting), continued(waiting, scheduled.generations, slots, rollout_step, self.budget))
-            )
+            more = dict(zip(map(id, waiting), self.fill_chunk(dm, waiting, rollout_step)))
             groups, chunks = [more.get(id(g), g) for g in groups], chunks + 1
         if len(trained) < size:
             raise RuntimeError(f"rollout step {rollout_step + 1}: {len(trained)} finished prompt groups of {size}")
         return trained, left, chunks
+
+    def stops(self, previous, generation: Generation) -> Generation:
+        """`generation`, continuing a carried sample's tokens `previous`, ended at a rollout.stop string across the
+        cut (`cut_stops.stopped_across_cut`)."""
+        return stopped_across_cut(previous, generation, self.stop, self.tokenizer)
+
+    def fill_chunk(self, dm, waiting: list[CarriedGroup], rollout_step: int) -> list[CarriedGroup]:
+        """`waiting` continued by one more chunk of this step's policy (`filled`)."""
+        if self.episodes is not None:
+            return self.episodes.scheduled(dm, rollout_step, waiting).generations
+        base = dm.sampling_request([], [], dm.plan.counts.n_samples_per_prompt, **self.sampling(dm), purpose=None)
+        request, slots = continuation_request(waiting, self.settings.step_tokens, self.budget, base)
+        scheduled = dm.source.now(rollout_step, dm.start_engine(), request)
+        stop_point(dm.device)
+        versions = set(scheduled.policy_versions)
+        if versions != {rollout_step}:
+            raise RuntimeError(f"rollout step {rollout_step + 1}: a fill chunk of versions {sorted(versions)}")
+        return continued(waiting, scheduled.generations, slots, rollout_step, self.budget, self.stops)
 
     def produce(self, dm, rollout_step: int) -> RolloutBatch:
         """This rank's RolloutBatch of `rollout_step` (dm: the RolloutDataModule, not imported here, which imports
@@ -329,7 +358,7 @@ class PartialRollouts:
         groups, dropped = aged(groups, rollout_step, settings.max_age_steps, settings.at_max_age)
         trained, left, fill_chunks = self.filled(dm, groups, rollout_step)
         prompts = [g.prompt for g in trained]
-        gens = [generation_of(s, i, dm.tokenizer) for i, g in enumerate(trained) for s in g.samples]
+        gens = [generation_of(s, i, dm.tokenizer, self.stop) for i, g in enumerate(trained) for s in g.samples]
         started_at = time.perf_counter()
         scored = interruptibly(lambda: dm.rewards_of(prompts, gens))
         stop_point(dm.device)
@@ -397,6 +426,13 @@ class PartialRollouts:
         def sample(fields: dict) -> CarriedSample:
             fields = dict(fields, token_ids=tuple(fields["token_ids"]), logprobs=tuple(fields["logprobs"]))
             fields["adapters"] = tuple(fields.get("adapters", ()))
+            if fields.get("episode") is not None:
+                if self.episodes is None:
+                    raise ConfigError(
+                        "the checkpoint's partial rollouts in flight are tool episodes, but rollout.episodes.environment "
+                        "is null; fix: resume with the checkpoint's rollout.episodes.environment"
+                    )
+                fields["episode"] = self.episodes.state_of(fields["episode"])
             return CarriedSample(**dict(fields, spans=tuple(tuple(s) for s in fields["spans"])))
 
         self.groups = [

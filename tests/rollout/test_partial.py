@@ -63,7 +63,6 @@ def partial_rollout(
             "model.lora with rollout workers",
         ),
         ({"rollout": {"mode": "disaggregated", "max_staleness": 2}}, "rollout.max_staleness=2"),
-        ({"rollout": {"stop": ["\n"]}}, "rollout.stop"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
         ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
         ({"dp": 2}, "more than one trainer rank"),
