@@ -86,8 +86,8 @@ def partial_refusals(config) -> list[str]:
     refused = [
         (
             rollout.mode == "disaggregated" and rollout.staleness() > 1,
-            f"rollout.max_staleness={rollout.staleness()} (a step's chunk continues the one before: rollout workers "
-            "generate one step ahead at most, k <= 1)",
+            f"rollout.max_staleness={rollout.staleness()} (chunk s continues the groups step s - 1 left, known once "
+            "chunk s - 1 is back: at k >= 2 the trainer would wait for it, no more overlap than k = 1; use k <= 1)",
         ),
         (
             rollout.mode == "disaggregated" and rollout.engine != "vllm",

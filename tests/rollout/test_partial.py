@@ -461,7 +461,9 @@ def test_a_dropped_step_with_rollout_workers_is_taken_again_without_a_second_req
 
 
 def test_partial_rollouts_with_workers_at_k2_are_refused_and_k1_plans_the_lag():
-    with pytest.raises(ConfigError, match=r"rollout.max_staleness=2 \(a step's chunk continues the one before"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.max_staleness=2 \(chunk s continues the groups step s - 1 left.*use k <= 1"
+    ):
         run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated", max_staleness=2))
     config = run_config(ppo=PPO, rollout=partial_rollout(mode="disaggregated"))  # k = 1, the mode's default
     assert config.ppo.rollout_correction.mode == "tis" and config.rollout.oldest_token_steps() == 2
