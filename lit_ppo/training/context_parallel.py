@@ -186,14 +186,10 @@ def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) 
     if extra:  # packed: a sequence of its own; padded: masked out as keys
         tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
         position_ids = torch.cat([position_ids, tail], dim=1)
-    embeds = torch.empty((rows, width, 1), dtype=model.dtype, device=input_ids.device)  # shape and dtype only
-    mask = create_causal_mask(
-        config=model.config,
-        inputs_embeds=embeds,
-        attention_mask=attention,
-        past_key_values=None,
-        position_ids=position_ids,
-    )  # a 4-D mask, which transformers passes on as it is; or None, as for the one-rank forward: causality alone
+    mask = _whole_rows_mask(model, mb.attention_mask, mb.position_ids)  # the one-rank forward's
+    if mask is not None and extra:  # the columns added too: their own sequence (packed), masked out (padded)
+        del mask
+        mask = _whole_rows_mask(model, attention, position_ids)
     S = width // cp.size
     columns = slice(cp.rank * S, (cp.rank + 1) * S)
     flat, targets = _head_positions(mb, width)
@@ -208,6 +204,24 @@ def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) 
         response_mask=torch.ones((1, int(here.sum())), dtype=torch.float32, device=input_ids.device),
         prompt_width=0,
         head_index=local,
+    )
+
+
+def _whole_rows_mask(model: torch.nn.Module, attention: Tensor | None, position_ids: Tensor) -> Tensor | None:
+    """transformers' own mask of whole rows (`create_causal_mask`: padding, causality, packed rows' block-diagonal
+    rule): a 4-D mask, which transformers passes on as it is; or None where it is causality alone. Decided on the
+    rows as the one-rank forward sees them: the columns `local_micro_batch` adds to make the width a multiple of C
+    come after every real token, where causality alone keeps every real position from attending to them, so a row
+    of causality alone stays without an [L, L] mask at any length (transformers, seeing the added columns' padding
+    or restarted positions, would build one: 256 MiB of bool at 16k tokens, and sdpa a float copy per layer)."""
+    rows, length = position_ids.shape
+    embeds = torch.empty((rows, length, 1), dtype=model.dtype, device=position_ids.device)  # shape and dtype only
+    return create_causal_mask(
+        config=model.config,
+        inputs_embeds=embeds,
+        attention_mask=attention,
+        past_key_values=None,
+        position_ids=position_ids,
     )
 
 

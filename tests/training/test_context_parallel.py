@@ -1,8 +1,8 @@
 """Context parallelism (lit_ppo/training/context_parallel.py) is exact: two gloo CPU ranks in one context-parallel group
 of C = 2, each running the models on half of every row's positions, compute the one-rank forward's log-probs,
 entropies and values, the one-rank PPO loss (actor and critic), and, summed over the group, the one-rank gradients
-(float32, < 1e-5 relative), in the padded and the packed layouts and a row of causality alone, under sdpa and eager
-attention."""
+(float32, < 1e-5 relative), in the padded and the packed layouts and rows of causality alone (of a length C divides and
+not), under sdpa and eager attention."""
 
 from __future__ import annotations
 
@@ -142,8 +142,14 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
             "packed": pack_samples(prompts, responses, pad, "cpu"),
             # one row of 144 tokens, no padding: the whole row's mask is causality alone (sdpa's is_causal, no mask)
             "causal": pack(prompts[2:3], responses[2:3], pad, "cpu"),
+            # 139 tokens, padded to 140 for C = 2: still causality alone (no mask under sdpa), packed or padded
+            "causal-odd": pack(prompts[1:2], responses[1:2], pad, "cpu"),
+            "causal-odd-packed": pack_samples(prompts[1:2], responses[1:2], pad, "cpu"),
         }
-        report["causal_without_mask"] = local_micro_batch(actor, layouts["causal"], cp).attention_mask is None
+        report["causal_without_mask"] = [
+            local_micro_batch(actor, layouts[name], cp).attention_mask is None
+            for name in ("causal", "causal-odd", "causal-odd-packed")
+        ]
         report["samples_differ"] = _samples_check(cp, rank)
         for layout, mb in layouts.items():
             many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
@@ -176,11 +182,11 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
     for rank, report in enumerate(reports):
         assert report["error"] is None, report["error"]
         assert report["groups"] == [[0, 1], [rank]]
-        assert report["causal_without_mask"] == (implementation == "sdpa")  # eager always has its additive mask
+        assert report["causal_without_mask"] == [implementation == "sdpa"] * 3  # eager always has its additive mask
         assert report["samples_differ"].startswith(
             "rollout step 1: the 2 ranks of a context-parallel group generated different samples"
         ), report["samples_differ"]
-    for layout in ("padded", "packed", "causal"):
+    for layout in ("padded", "packed", "causal", "causal-odd", "causal-odd-packed"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
         assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
@@ -219,6 +225,33 @@ def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
     mb = MicroBatch(ids, mask, ids, ids[:, :2], torch.ones(1, 2), 0, torch.tensor([5, 6]))
     with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size > 1 with the shared-prefix layout is not"):
         local_micro_batch(None, mb, ContextGroup(group=None, size=2, rank=0))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_row_of_causality_alone_gets_no_whole_row_mask_at_a_length_not_divisible_by_c(layout):
+    """One sample's row (no padding, one sequence) of 139 tokens at C = 2 and 4: the rank's micro-batch has no [L, L]
+    mask (sdpa's is_causal, as the one-rank forward), though `local_micro_batch` adds columns up to a multiple of C
+    (transformers, given their padding or restarted positions, builds the whole rows' mask: 256 MiB of bool at 16k
+    tokens, and sdpa a float copy of it per layer); two samples still get the whole rows' 4-D mask, of the added
+    width. Exactness of the odd row: `test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients`."""
+    from lit_ppo.training.batching import pack, pack_samples
+    from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
+
+    actor, _, pad = _models()
+    prompts, responses = _samples(actor.config.vocab_size)
+    lay_out = pack if layout == "padded" else pack_samples
+    one = lay_out(prompts[1:2], responses[1:2], pad, "cpu")  # 130 + 9 tokens
+    two = lay_out(prompts[:2], responses[:2], pad, "cpu")
+    assert one.input_ids.shape[1] % 2 == 1
+    for size in (2, 4):
+        for rank in range(size):
+            cp = ContextGroup(group=None, size=size, rank=rank)
+            local = local_micro_batch(actor, one, cp)
+            assert local.attention_mask is None, (size, rank)
+            assert local.input_ids.shape[1] == -(-139 // size)
+            mask = local_micro_batch(actor, two, cp).attention_mask
+            width = -(-two.input_ids.shape[1] // size) * size
+            assert mask is not None and mask.shape[-2:] == (width, width), (size, rank)
 
 
 # ---------------------------------------------------------------- one rollout step of the training step, C = 2
