@@ -21,6 +21,7 @@ machine's, not the method's). The per-token losses of every C are printed beside
 compute the one rank's loss).
 
     .venv/bin/python bench/context_parallel_memory.py                         # C = 1, 2, 4 on one 16,384-token row
+    MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/python bench/context_parallel_memory.py   # the tensors' peak, not the heap's
     .venv/bin/python bench/context_parallel_memory.py --tokens 16383 --sizes 1,2   # a row not divisible by C
     .venv/bin/python bench/context_parallel_memory.py --layout packed --samples 2  # two 8k samples in one row
 """
@@ -209,13 +210,17 @@ def main() -> None:
     parser.add_argument("--layout", choices=("padded", "packed"), default="padded")
     parser.add_argument("--sizes", default="1,2,4", help="the context-parallel sizes C to measure")
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     print(f"command : {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"date    : {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
     print(f"uptime  : {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     print(f"torch   : {torch.__version__}; one torch thread per rank; {os.cpu_count()} CPUs")
     print(f"rows    : layout {args.layout}, samples (prompt, response) {_lengths(args)}")
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    print(
+        f"malloc  : {malloc or 'glibc defaults (a dynamic mmap threshold: freed blocks of up to 32 MiB stay in the heap)'}"
+    )
     with tempfile.TemporaryDirectory(prefix="cpbench_files_") as directory:
         model_dir, prompt_file = _files(args, Path(directory))
         print(
