@@ -104,8 +104,17 @@ def partial_refusals(config) -> list[str]:
         ),
         (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
         (
-            config.strategy.devices * config.strategy.num_nodes > 1,
-            "more than one trainer rank (strategy.devices x strategy.num_nodes: each rank's carried groups)",
+            config.strategy.context_parallel_size > 1,
+            f"strategy.context_parallel_size={config.strategy.context_parallel_size} (not run)",
+        ),
+        (
+            rollout.mode == "disaggregated" and config.strategy.devices * config.strategy.num_nodes > 1,
+            "rollout workers with more than one trainer rank (not run; colocated, each rank generates its share)",
+        ),
+        (
+            rollout.episodes.environment is not None and config.strategy.devices * config.strategy.num_nodes > 1,
+            "rollout.episodes.environment with more than one trainer rank (not run; single-turn responses: each rank "
+            "generates its share)",
         ),
         (ppo.old_logprobs == "rollout", "ppo.old_logprobs=rollout (carried tokens are of older policies)"),
         (ppo.rollout_correction.mode == "none", "ppo.rollout_correction.mode=none (carried tokens need tis or mis)"),

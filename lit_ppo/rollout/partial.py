@@ -14,7 +14,12 @@ unfinished group at its deadline is finished there (`at_max_age=finish`: its unf
 truncated) or dropped (`drop`, counted). The step trains `rollout_batch_size` groups (`take_batch`): those the
 deadlines need now (earliest deadline first), then the finished ones, the oldest first, then the oldest unfinished,
 cut. So no token a batch holds is older than max_age_steps rollout steps (`plan.checks.check_carried_tokens` proves
-it at run time)."""
+it at run time).
+
+Under data parallelism (colocated) each rank generates a contiguous share of every chunk (`PartialRollouts.share`) and
+every rank receives all of it (`gathered`): every rank holds every group in flight, takes the same batch and the same
+fill chunks, and trains its contiguous share of the batch's groups, as without partial rollouts. The samples do not
+depend on the number of ranks (each is seeded by itself), and a checkpoint (rank 0's state) holds every rank's groups."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from dataclasses import dataclass, replace
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config.partial import groups_in_flight
 from lit_ppo.contract import GenerateRequest, Generation
+from lit_ppo.distributed import all_gather_objects
 from lit_ppo.errors import ConfigError, WeightSyncError
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rollout.cut_stops import stopped_across_cut, text_before_stop
@@ -289,19 +295,44 @@ class PartialRollouts:
             seeds=carried.seeds + [seed + j for seed in fresh.seeds for j in range(n)],
         )
 
+    @staticmethod
+    def share(dm, request: GenerateRequest) -> GenerateRequest:
+        """This rank's contiguous share of `request`'s prompts: colocated under data parallelism each rank generates a
+        share of every chunk (`gathered` joins them); rollout workers send every rank the whole chunk
+        (workers/ranks.py), as on one rank."""
+        if dm.plan.workers:
+            return request
+        part = dm.rank_positions(request.prompt_count)
+        return request.share(part.start, part.stop)
+
+    @staticmethod
+    def gathered(dm, *parts: list) -> list[list]:
+        """Each of `parts` (this rank's generations of one `share`d request) joined with every rank's, in the
+        request's order: every rank then holds every group in flight, so each takes the same batch and the same fill
+        chunks, and its checkpoint state is every rank's (a collective, colocated; nothing with rollout workers)."""
+        if dm.plan.workers:
+            return list(parts)
+        ranks = all_gather_objects(parts)
+        return [[g for rank in ranks for g in rank[i]] for i in range(len(parts))]
+
     def generate(self, dm, rollout_step: int) -> tuple[list[CarriedGroup], int, float] | None:
         """This step's chunk for the groups in flight and the fresh rounds: (the groups, oldest first, the fresh rounds
         drawn, generate seconds); None: a preemption signal dropped it. With rollout workers the chunk may have been
-        requested ahead (`request_next`), as `chunk_request` of the same groups in flight."""
+        requested ahead (`request_next`), as `chunk_request` of the same groups in flight. Under data parallelism
+        each rank generates its share of the carried samples and of the fresh prompts (`share`), every rank gets all
+        (`gathered`)."""
         if self.episodes is not None:
             return self.episodes.generate(self, dm, rollout_step)
         n = dm.plan.counts.n_samples_per_prompt
         carried, fresh, slots, fields, rounds = self.chunk(dm, rollout_step)
+        my_carried, my_fresh = self.share(dm, carried), self.share(dm, fresh)
         engine = dm.start_engine()
 
         def generate() -> list[Generation]:
             engine.wake_up()
-            return (engine.generate(carried) if slots else []) + (engine.generate(fresh) if fields else [])
+            return (engine.generate(my_carried) if my_carried.prompt_count else []) + (
+                engine.generate(my_fresh) if my_fresh.prompt_count else []
+            )
 
         scheduled = dm.source.take(rollout_step, engine, generate, lambda step, _: self.chunk_request(dm, step), 0)
         stop_point(dm.device)
@@ -311,14 +342,17 @@ class PartialRollouts:
         if len(set(versions)) > 1:
             raise RuntimeError(f"rollout step {rollout_step + 1}: one chunk of versions {sorted(set(versions))}")
         version = versions[0] if versions else rollout_step
-        groups = continued(self.groups, gens[: len(slots)], slots, version, self.budget, self.stops)
-        groups += started(fields, gens[len(slots) :], fresh.seeds, n, version, self.budget)
+        own = my_carried.prompt_count  # this rank's carried samples come first (all of them with rollout workers)
+        gens_carried, gens_fresh = self.gathered(dm, gens[:own], gens[own:])
+        groups = continued(self.groups, gens_carried, slots, version, self.budget, self.stops)
+        groups += started(fields, gens_fresh, fresh.seeds, n, version, self.budget)
         return groups, rounds, scheduled.generate_seconds
 
     def filled(self, dm, groups: list[CarriedGroup], rollout_step: int):
         """(the groups to train, those left, chunks generated to fill): `take_batch`; at_max_age=drop never trains
         a group cut: while too few have ended, the oldest unfinished groups the batch lacks are continued by one
-        more chunk of this step's policy (their samples end by the response budget at the latest)."""
+        more chunk of this step's policy (their samples end by the response budget at the latest). Every rank holds
+        every group (`gathered`), so the ranks take the same batch and generate as many fill chunks."""
         size, settings = dm.plan.counts.rollout_batch_size, self.settings
         cut_to_fill, chunks = settings.at_max_age == "finish", 0
         while True:
@@ -343,22 +377,29 @@ class PartialRollouts:
             return self.episodes.scheduled(dm, rollout_step, waiting).generations
         base = dm.sampling_request([], [], dm.plan.counts.n_samples_per_prompt, **self.sampling(dm), purpose=None)
         request, slots = continuation_request(waiting, self.settings.step_tokens, self.budget, base)
-        scheduled = dm.source.now(rollout_step, dm.start_engine(), request)
+        mine = self.share(dm, request)
+        # A rank whose share is empty generates nothing (colocated: no collective inside an engine's generate).
+        scheduled = dm.source.now(rollout_step, dm.start_engine(), mine) if mine.prompt_count else None
         stop_point(dm.device)
-        versions = set(scheduled.policy_versions)
-        if versions != {rollout_step}:
+        versions = set(scheduled.policy_versions) if scheduled else set()
+        if not versions <= {rollout_step}:
             raise RuntimeError(f"rollout step {rollout_step + 1}: a fill chunk of versions {sorted(versions)}")
-        return continued(waiting, scheduled.generations, slots, rollout_step, self.budget, self.stops)
+        (generations,) = self.gathered(dm, scheduled.generations if scheduled else [])
+        return continued(waiting, generations, slots, rollout_step, self.budget, self.stops)
 
     def produce(self, dm, rollout_step: int) -> RolloutBatch:
         """This rank's RolloutBatch of `rollout_step` (dm: the RolloutDataModule, not imported here, which imports
-        this module): generate the step's chunk, age the groups, take the batch, score it."""
+        this module): generate the step's chunk, age the groups, take the batch, score this rank's contiguous share of
+        it (the groups at its positions, as without partial rollouts). The statistics are the whole batch's, the same
+        on every rank."""
         plan, settings = dm.plan, self.settings
         groups, rounds, generate_seconds = self.generate(dm, rollout_step)
         groups, dropped = aged(groups, rollout_step, settings.max_age_steps, settings.at_max_age)
         trained, left, fill_chunks = self.filled(dm, groups, rollout_step)
-        prompts = [g.prompt for g in trained]
-        gens = [generation_of(s, i, dm.tokenizer, self.stop) for i, g in enumerate(trained) for s in g.samples]
+        positions = dm.rank_positions(len(trained))
+        mine = trained[positions.start : positions.stop]
+        prompts = [g.prompt for g in mine]
+        gens = [generation_of(s, i, dm.tokenizer, self.stop) for i, g in enumerate(mine) for s in g.samples]
         started_at = time.perf_counter()
         scored = interruptibly(lambda: dm.rewards_of(prompts, gens))
         stop_point(dm.device)
@@ -374,7 +415,7 @@ class PartialRollouts:
                     sample_metrics={k: v[i * n : (i + 1) * n] for k, v in metrics.items()},
                     policy_versions=[s.spans[0][1] if s.spans else rollout_step for s in g.samples],
                 )
-                for i, g in enumerate(trained)
+                for i, g in enumerate(mine)
             ],
             counts,
             generate_seconds,
@@ -389,7 +430,7 @@ class PartialRollouts:
         # Rollout workers at k = 1 generate the next step's chunk while the trainer trains this one: it continues the
         # groups left now, so it is requested now, behind the push of this step's version (nothing at k = 0).
         dm.source.request_next(rollout_step + 1, dm.start_engine(), lambda step, _: self.chunk_request(dm, step))
-        batch = rollout_batch(rollout_step, plan, range(len(trained)), draw, None, dm.episode_fields)
+        batch = rollout_batch(rollout_step, plan, positions, draw, None, dm.episode_fields)
         ages = token_ages(trained, rollout_step)
         stats = {
             "rollout/carried_samples": float(sum(len(g.samples) for g in left)),
@@ -400,7 +441,7 @@ class PartialRollouts:
             "rollout/partial_fill_chunks": float(fill_chunks),  # at_max_age=drop: continued within the step
             "rollout/partial_fresh_prompts": float(rounds * dm.plan.counts.prompts_per_generation_round),
         }
-        spans = [[list(span) for span in s.spans] for g in trained for s in g.samples]
+        spans = [[list(span) for span in s.spans] for g in mine for s in g.samples]
         return replace(batch, version_spans=spans, partial_stats=stats)
 
     # ------------------------------------------------------------ checkpoint state

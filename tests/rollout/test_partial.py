@@ -20,6 +20,8 @@ from lit_ppo.config import (
     PPOConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
+    RunConfig,
+    StrategyConfig,
 )
 from lit_ppo.config.partial import PartialConfig
 from lit_ppo.contract import GenerateRequest, Generation
@@ -65,7 +67,8 @@ def partial_rollout(
         ({"rollout": {"mode": "disaggregated", "max_staleness": 2}}, "rollout.max_staleness=2"),
         ({"ppo": {"dynamic_sampling": DynamicSamplingConfig(enabled=True)}}, "ppo.dynamic_sampling"),
         ({"ppo": {"old_logprobs": "rollout"}}, "ppo.old_logprobs=rollout"),
-        ({"dp": 2}, "more than one trainer rank"),
+        ({"rollout": {"mode": "disaggregated"}, "dp": 2}, "rollout workers with more than one trainer rank"),
+        ({"strategy": {"devices": 2, "context_parallel_size": 2}}, "strategy.context_parallel_size=2"),
     ],
 )
 def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(changes, named):
@@ -73,6 +76,10 @@ def test_what_partial_rollouts_do_not_compose_with_is_refused_in_one_line(change
     ppo = dataclasses.replace(PPO, **changes.get("ppo", {}))
     with pytest.raises(ConfigError) as error:
         sections = {"model": ModelConfig(**changes["model"])} if "model" in changes else {}
+        if "strategy" in changes:
+            RunConfig(
+                ppo=ppo, rollout=rollout, strategy=StrategyConfig(accelerator="cpu", name="ddp", **changes["strategy"])
+            )
         run_config(ppo=ppo, rollout=rollout, dp=changes.get("dp", 1), **sections)
     message = str(error.value)
     assert named in message and "rollout.partial.step_tokens=4" in message and "\n" not in message.strip("\n")
