@@ -136,11 +136,15 @@ def dump_experience(directory: Path, batch: RolloutBatch, exp: Experience, rank:
 
 def current_version_tokens(batch, mask: Tensor) -> Tensor:
     """[N, T] `mask` where the batch's own policy version (its rollout step) generated the token: partial rollouts'
-    version spans (`RolloutBatch.version_spans`); the mask itself without them. The sampler's log-probs of those tokens
-    are of the weights the trainer starts the step from, so they bound a failed weight sync; a carried token's differ by
-    the updates since."""
+    version spans (`RolloutBatch.version_spans`); without them the samples of that version (`policy_versions`: a stale
+    batch of rollout workers at k > 0 has none but a refill round's), or the mask itself where a batch has no versions.
+    The sampler's log-probs of those tokens are of the weights the trainer starts the step from, so they bound a failed
+    weight sync; a carried or stale token's differ by the updates since."""
     if batch.version_spans is None:
-        return mask
+        if batch.policy_versions is None:
+            return mask
+        own = torch.tensor([v == batch.rollout_step for v in batch.policy_versions], dtype=mask.dtype)
+        return mask * own.to(mask.device)[:, None]
     current = torch.zeros_like(mask)
     for i, spans in enumerate(batch.version_spans):
         ends = [start for start, _ in spans[1:]] + [mask.shape[1]]
@@ -148,6 +152,15 @@ def current_version_tokens(batch, mask: Tensor) -> Tensor:
             if version == batch.rollout_step:
                 current[i, start:end] = 1.0
     return current * mask
+
+
+def sampler_numerics(batch, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """The sampler-mismatch numerics (`numerics.sampler_mismatch_metrics`: by depth, and the share outside the band)
+    on the tokens of the batch's own policy version only (`current_version_tokens`): a carried token of partial
+    rollouts (early in its response) or a stale batch's differs by the updates since its version, which is staleness,
+    not numerics. A batch with no such token (rollout workers at k > 0) logs none (a collective: every rank calls it)."""
+    own = current_version_tokens(batch, mask)  # [N, T]
+    return sampler_mismatch_metrics(old_logp, rollout_logp, own, prompt_lengths(batch), global_sum)
 
 
 def check_rollout_logprobs(batch, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, max_logprob_abs_diff):
@@ -202,9 +215,7 @@ def old_logprobs_from_training(
         changes["logprob_abs_diff_mean"], changes["logprob_abs_diff_max"] = check_rollout_logprobs(
             batch, captured, rollout_logp, mask, max_logprob_abs_diff
         )
-        changes["sampler_mismatch"] = sampler_mismatch_metrics(
-            captured, rollout_logp, mask, prompt_lengths(batch), global_sum
-        )
+        changes["sampler_mismatch"] = sampler_numerics(batch, captured, rollout_logp, mask)
     return dataclasses.replace(exp, **changes)
 
 
@@ -303,7 +314,7 @@ def experience_from_forwards(
             old_logp = rollout_logp.clone()
         if source == "experience forward":  # otherwise checked against the training forwards (train_on_experience)
             diff_mean, diff_max = check_rollout_logprobs(batch, old_logp, rollout_logp, mask, max_logprob_abs_diff)
-            mismatch = sampler_mismatch_metrics(old_logp, rollout_logp, mask, prompt_lengths(batch), global_sum)
+            mismatch = sampler_numerics(batch, old_logp, rollout_logp, mask)
     rewards = batch.rewards.to(mask.device)
     kl, advantages, returns = advantages_and_returns(
         rewards,

@@ -60,8 +60,8 @@ def sampler_mismatch_metrics(
     trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, prompt_lengths: Tensor, global_sum: Reduce
 ) -> dict[str, float]:
     """The global batch's mean |trainer - sampler log-prob| per depth bin (bins without tokens left out) and the
-    share of its tokens whose ratio exp(trainer - sampler) leaves [0.9, 1.1] (`rollout/ratio_outside_band_fraction`),
-    from this rank's [N, T] tensors (one all-reduce)."""
+    share of its tokens whose ratio exp(trainer - sampler) leaves [0.9, 1.1] (`rollout/ratio_outside_band_fraction`;
+    left out too where `mask` holds no token), from this rank's [N, T] tensors (one all-reduce)."""
     log_ratio = trainer_logp - sampler_logp  # [N, T]
     depth = token_depths(prompt_lengths.to(mask.device), mask.shape[1])
     sums, counts = depth_binned_sums(log_ratio.abs(), mask, depth)
@@ -70,7 +70,8 @@ def sampler_mismatch_metrics(
     K = len(DEPTH_EDGES)
     sums, counts, outside = total[:K], total[K : 2 * K], float(total[-1])
     row = {name: float(s / c) for name, s, c in zip(depth_bin_names(), sums, counts) if c > 0}
-    row["rollout/ratio_outside_band_fraction"] = outside / max(float(counts.sum()), 1.0)
+    if counts.sum() > 0:  # none where no token is masked in (a stale batch: `experience.sampler_numerics`)
+        row["rollout/ratio_outside_band_fraction"] = outside / float(counts.sum())
     return row
 
 

@@ -687,7 +687,7 @@ def test_the_weight_sync_guard_bounds_the_tokens_of_the_batch_s_own_version():
     own_off = torch.tensor([[0.0] * 3 + [2.0] * 3, [0.0] * 6])  # the step's own tokens off: a failed sync
     with pytest.raises(RolloutMismatchError, match=r"^rollout step 4: .* 0.857 nats .* on its 7 tokens of version 3"):
         check_rollout_logprobs(batch, old, own_off, mask, 0.5)
-    whole = SimpleNamespace(rollout_step=3, version_spans=None)  # without partial rollouts: every token
+    whole = SimpleNamespace(rollout_step=3, version_spans=None, policy_versions=None)  # without partial rollouts: all
     assert current_version_tokens(whole, mask) is mask
     with pytest.raises(RolloutMismatchError, match=r"0.600 nats per token on average \(max"):
         check_rollout_logprobs(whole, old, carried_off, mask, 0.5)

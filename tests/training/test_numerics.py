@@ -90,6 +90,42 @@ def test_mismatch_metrics_leave_out_empty_bins_and_count_the_band_hand_case():
     assert row["rollout/ratio_outside_band_fraction"] == pytest.approx(2 / 7)
 
 
+def test_the_numerics_count_only_the_tokens_of_the_batch_s_own_version():
+    """review58 #5: a carried token of partial rollouts (an older version, early in its response) and a stale batch's
+    (rollout workers at k > 0) differ from the trainer by the updates since their version: staleness, which would show
+    as depth drift. Rollout step 3; prompts of 100 and 600 tokens, 4 response tokens each:
+      sample 0 spans (0, v2), (2, v3): |diff| 0.5 0.5 (carried, depths 100 101) | 0.01 0.01 (depths 102 103)
+      sample 1 spans (0, v3):          |diff| 0.02 x 4 (depths 600..603)"""
+    from types import SimpleNamespace
+
+    from lit_ppo.training.experience import sampler_numerics
+
+    trainer = torch.zeros(2, 4)
+    sampler = torch.tensor([[0.5, -0.5, 0.01, -0.01], [0.02, -0.02, 0.02, -0.02]])
+    mask = torch.ones(2, 4)
+    prompts = [[1] * 100, [1] * 600]
+    carried = SimpleNamespace(
+        rollout_step=3, prompt_ids=prompts, version_spans=[[[0, 2], [2, 3]], [[0, 3]]], policy_versions=[2, 3]
+    )
+    row = sampler_numerics(carried, trainer, sampler, mask)
+    assert row == pytest.approx(
+        {
+            "rollout/logprob_abs_diff_depth_0-512": 0.01,  # not (0.5 x 2 + 0.01 x 2) / 4: the carried tokens left out
+            "rollout/logprob_abs_diff_depth_512-2k": 0.02,
+            "rollout/ratio_outside_band_fraction": 0.0,  # exp(+-0.5) would leave the band
+        }
+    )
+    # Without spans: the samples of the step's own version (a refill round's); a stale batch has none, and logs none.
+    refill = SimpleNamespace(rollout_step=3, prompt_ids=prompts, version_spans=None, policy_versions=[2, 3])
+    assert sampler_numerics(refill, trainer, sampler, mask) == pytest.approx(
+        {"rollout/logprob_abs_diff_depth_512-2k": 0.02, "rollout/ratio_outside_band_fraction": 0.0}
+    )
+    stale = SimpleNamespace(rollout_step=3, prompt_ids=prompts, version_spans=None, policy_versions=[2, 2])
+    assert sampler_numerics(stale, trainer, sampler, mask) == {}
+    colocated = SimpleNamespace(rollout_step=3, prompt_ids=prompts, version_spans=None, policy_versions=[3, 3])
+    assert sampler_numerics(colocated, trainer, sampler, mask)["rollout/ratio_outside_band_fraction"] == 0.25
+
+
 # ---------------------------------------------------------------- in a rollout step
 
 LAYOUTS = {
