@@ -102,7 +102,11 @@ def partial_refusals(config) -> list[str]:
             "rollout.episodes.environment with rollout workers (a carried episode's environment lives in the trainer; "
             "colocated, it is carried)",
         ),
-        (ppo.dynamic_sampling.enabled, "ppo.dynamic_sampling (its rounds and the carried groups)"),
+        (
+            ppo.dynamic_sampling.enabled,
+            "ppo.dynamic_sampling (a group's rewards exist once its last sample ends: its filter, refill rounds and "
+            "round counts across carried groups are not built)",
+        ),
         (
             config.strategy.context_parallel_size > 1,
             f"strategy.context_parallel_size={config.strategy.context_parallel_size} (not run)",

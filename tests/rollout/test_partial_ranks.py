@@ -130,6 +130,7 @@ def test_a_two_rank_run_resumed_with_groups_in_flight_ends_as_the_uninterrupted_
 
     cache = tmp_path / "cache"
     partial = ["rollout.partial.step_tokens=3", "rollout.partial.max_age_steps=2", "trainer.total_rollout_steps=3"]
+    partial += ["trainer.keep_checkpoints=3"]
     run = train_cli(tmp_path / "full", cache, *DDP, *partial)
     saved = run / "checkpoints" / "rollout_step_000001.ckpt"
     state = next(v for k, v in torch.load(saved, weights_only=False).items() if "RolloutDataModule" in k)
