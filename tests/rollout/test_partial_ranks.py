@@ -147,3 +147,15 @@ def test_a_two_rank_run_resumed_with_groups_in_flight_ends_as_the_uninterrupted_
     final, final_resumed = final_actor(run), final_actor(resumed)
     assert final.keys() == final_resumed.keys()
     assert all(torch.equal(final_resumed[name], final[name]) for name in final)
+
+
+def test_tool_episodes_with_more_than_one_trainer_rank_are_refused_in_one_line():
+    from lit_ppo.errors import ConfigError
+    from tests.helpers import run_config
+    from tests.rollout.test_partial_episodes import episode_rollout
+
+    run_config(ppo=PPO, rollout=episode_rollout())  # one rank: composes
+    with pytest.raises(ConfigError) as error:
+        run_config(ppo=PPO, rollout=episode_rollout(), dp=2)
+    message = str(error.value)
+    assert "rollout.episodes.environment with more than one trainer rank" in message and "\n" not in message.strip()
