@@ -158,7 +158,8 @@ def test_plan_mode_prints_and_saves_the_memory_of_a_real_experiment(tmp_path, ca
     }
 
 
-@pytest.mark.parametrize("experiment", ["qwen7b", "qwen1.5b", "qwen0.5b", "gsm8k_tools"])
+# qwen7b_long: 16k-token responses, C = 4, fitting with gradient checkpointing (~97 GiB without)
+@pytest.mark.parametrize("experiment", ["qwen7b", "qwen1.5b", "qwen0.5b", "gsm8k_tools", "qwen7b_long"])
 def test_an_experiment_is_estimated_for_the_gpus_it_is_for_and_fits_them(experiment, tmp_path, capsys):
     """`+experiment=qwen7b mode=plan` on this CPU machine estimates the 80 GB GPUs the experiment declares (vLLM
     reserving its share of one), not this machine, and each experiment's own estimate fits them (else a warning)."""
@@ -249,10 +250,13 @@ def test_the_teacher_weights_are_in_both_phases_of_the_memory_estimate():
 
 def test_context_parallelism_divides_a_ranks_tokens_by_c_by_hand():
     """C = 2: a rank's layers keep 1/2 of each row's 8 positions (4 of 8 tokens x 2 rows: 8 x 4 B x (10 x 8 + 4 x 16)
-    = 4608 a layer), the whole rows' [2, 1, 8, 8] mask stays (512 a layer); the LM head at 3 of 5 response positions per
+    = 4608 a layer), the whole rows' [2, 1, 8, 8] mask stays (512 a layer; with gradient checkpointing each layer's
+    input at the rank's positions, one layer and the mask once); the LM head at 3 of 5 response positions per
     row; FSDP shards over every rank (D x C) and DDP keeps its buckets at D = 1."""
     cp = dataclasses.replace(RUN, context_parallel_size=2)
     assert rows(estimate_memory(SHAPE, cp))["activations, no checkpointing"] == 2 * (4608 + 512) + 4608
+    # checkpointing: each layer's input at this rank's 8 positions (8 x 4 B x 8 a layer), one layer and the mask
+    assert rows(estimate_memory(SHAPE, cp))["activations, checkpointing"] == 2 * 8 * 4 * 8 + 4608 + 512
     assert rows(estimate_memory(SHAPE, cp))["logits"] == 2 * 3 * 100 * 4 + 4 * 5 * 100 * 4
     fsdp = rows(estimate_memory(SHAPE, dataclasses.replace(cp, strategy="fsdp")))
     assert fsdp["weights"] == 24288 // 2

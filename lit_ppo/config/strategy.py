@@ -65,11 +65,6 @@ def validate_context_parallel(
             f"{setting} with rollout.mode=disaggregated is not built yet; fix: rollout.mode=colocated, or "
             "context_parallel_size=1"
         )
-    if gradient_checkpointing:  # the recomputing backward would run outside the forward's exchange (`ulysses`)
-        raise ConfigError(
-            f"{setting} with model.gradient_checkpointing=true is not built yet; fix: "
-            "model.gradient_checkpointing=false, or context_parallel_size=1"
-        )
     if shared_prefix:
         raise ConfigError(
             f"{setting} with ppo.shared_prefix=true is not built yet; fix: ppo.shared_prefix=false, or "

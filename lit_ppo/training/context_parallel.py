@@ -30,10 +30,11 @@ checkpointing (its recomputing backward runs after `ulysses` has exited), LoRA, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -54,7 +55,7 @@ ULYSSES = "lit_ppo_ulysses"
 INNER_IMPLEMENTATIONS = ("sdpa", "eager")
 """The kernels the exchange wraps: they take the whole row's 4-D mask as given."""
 
-_ACTIVE: list[tuple[Any, str, bool]] = []  # (process group, wrapped implementation, whole rows causal) running now
+_ACTIVE: list[tuple[Any, str, bool, Any]] = []  # (group, wrapped implementation, whole rows causal, config) running now
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def ulysses_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
     positions; returns [B, S, H, D]. Exchanged to [B, H/C, C*S, D] (the whole rows, H/C heads: query head group j
     meets key head group j, as grouped-query attention pairs them), attended by the wrapped kernel under the whole
     row's mask, exchanged back."""
-    group, inner, causal = _ACTIVE[-1]
+    group, inner, causal, _ = _ACTIVE[-1]
     if kwargs.get("sliding_window") is not None or getattr(module, "sinks", None) is not None:
         raise ConfigError(
             "strategy.context_parallel_size > 1: this model's attention has a sliding window or sinks, which the "
@@ -143,17 +144,46 @@ def check_model(config, size: int) -> None:
 @contextmanager
 def ulysses(model: torch.nn.Module, cp: ContextGroup, causal: bool = False) -> Iterator[None]:
     """`model`'s forwards inside run the exchange around its attention kernel (the one it was loaded with); `causal`:
-    the whole rows' mask is causality alone, left to the kernel (`local_micro_batch` gave no mask)."""
+    the whole rows' mask is causality alone, left to the kernel (`local_micro_batch` gave no mask). Layers under
+    gradient checkpointing recompute inside it too (`_recompute_inside`)."""
     config = model.config
     check_model(config, cp.size)
-    inner = config._attn_implementation
-    _ACTIVE.append((cp.group, inner, causal))
+    _recompute_inside(model)
+    with _exchanging(config, (cp.group, config._attn_implementation, causal, config)):
+        yield
+
+
+@contextmanager
+def _exchanging(config, active: tuple) -> Iterator[None]:
+    """`config`'s attention is the exchange around `active`'s kernel while inside."""
+    before = config._attn_implementation
+    _ACTIVE.append(active)
     config._attn_implementation = ULYSSES
     try:
         yield
     finally:
-        config._attn_implementation = inner
+        config._attn_implementation = before
         _ACTIVE.pop()
+
+
+def _recompute_contexts():
+    """torch.utils.checkpoint's `context_fn`, called where a checkpointed layer runs forward: the backward's recompute
+    of a layer that ran inside `ulysses` runs inside it again (the same group, kernel and mask rule; the backward runs
+    after `ulysses` has exited, and the layer's attention reads the config's implementation when it runs)."""
+    if not _ACTIVE:
+        return nullcontext(), nullcontext()
+    active = _ACTIVE[-1]
+    return nullcontext(), _exchanging(active[3], active)
+
+
+def _recompute_inside(model: torch.nn.Module) -> None:
+    """Give the checkpointing function of `model`'s checkpointed layers (transformers' `GradientCheckpointingLayer`,
+    non-reentrant as `models.prepare_for_training` enables it) `_recompute_contexts`, once."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and function is not None:
+            if getattr(function, "keywords", {}).get("context_fn") is not _recompute_contexts:
+                module._gradient_checkpointing_func = functools.partial(function, context_fn=_recompute_contexts)
 
 
 # ---------------------------------------------------------------- the split of a micro-batch

@@ -22,9 +22,9 @@ TEMPERATURE = 0.7
 TOLERANCE = 1e-5
 
 
-def _models():
+def _models(checkpointing: bool = False):
     """A tiny Qwen2 actor (4 heads, 2 KV heads: both divide by C = 2) and a critic of its shape with a random value
-    head, the same on every rank (seeded)."""
+    head, the same on every rank (seeded); with `checkpointing`, their layers under gradient checkpointing."""
     from transformers import AutoModelForTokenClassification
 
     from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model
@@ -37,7 +37,8 @@ def _models():
     config.num_labels = 1
     torch.manual_seed(1)
     critic = AutoModelForTokenClassification.from_config(config).float()
-    return prepare_for_training(actor, False), prepare_for_training(critic, False), tokenizer.pad_token_id
+    actor, critic = (prepare_for_training(m, checkpointing) for m in (actor, critic))
+    return actor, critic, tokenizer.pad_token_id
 
 
 def _samples(vocab: int):
@@ -121,7 +122,7 @@ def _errors(one, many) -> dict[str, float]:
     return errors
 
 
-def _rank(rank: int, world: int, implementation: str, out: str) -> None:
+def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     report = {"error": None}
     try:
@@ -134,7 +135,7 @@ def _rank(rank: int, world: int, implementation: str, out: str) -> None:
         report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
         report["groups"].append(dist.get_process_group_ranks(topology.data_parallel_group))
         cp = ContextGroup.of(topology)
-        actor, critic, pad = _models()
+        actor, critic, pad = _models(checkpointing)
         actor.config._attn_implementation = critic.config._attn_implementation = implementation
         prompts, responses = _samples(actor.config.vocab_size)
         layouts = {
@@ -175,9 +176,19 @@ def _samples_check(cp, rank: int) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
-def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients(implementation, tmp_path):
-    start_ranks(_rank, 2, 2, implementation, str(tmp_path))
+@pytest.mark.parametrize(
+    "implementation, checkpointing",
+    [
+        ("sdpa", False),
+        pytest.param("eager", False, marks=pytest.mark.slow),
+        # the backward recomputes each layer after the forward's exchange has exited: it must exchange again
+        pytest.param("sdpa", True, id="sdpa-gradient-checkpointing"),
+    ],
+)
+def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients(
+    implementation, checkpointing, tmp_path
+):
+    start_ranks(_rank, 2, 2, implementation, checkpointing, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, report in enumerate(reports):
         assert report["error"] is None, report["error"]
@@ -256,13 +267,15 @@ def test_a_row_of_causality_alone_gets_no_whole_row_mask_at_a_length_not_divisib
 
 # ---------------------------------------------------------------- one rollout step of the training step, C = 2
 
-STEP_VARIANTS = {  # (preset, packed rows, strategy, ranks: groups of C = 2)
-    "ppo-critic-padded": ("ppo", False, "ddp", 2),
-    "grpo-packed": ("grpo", True, "ddp", 2),
-    "fsdp-ppo-critic-packed": ("ppo", True, "fsdp", 2),
-    "ppo-critic-packed": ("ppo", True, "ddp", 2),
-    "grpo-padded": ("grpo", False, "ddp", 2),
-    "ppo-critic-packed-4-ranks": ("ppo", True, "ddp", 4),  # 2 data-parallel groups x C = 2
+STEP_VARIANTS = {  # (preset, packed rows, strategy, ranks: groups of C = 2, options)
+    "ppo-critic-padded": ("ppo", False, "ddp", 2, ()),
+    "ppo-critic-padded-gradient-checkpointing": ("ppo", False, "ddp", 2, ("gradient_checkpointing",)),
+    "grpo-packed": ("grpo", True, "ddp", 2, ()),
+    "fsdp-ppo-critic-packed": ("ppo", True, "fsdp", 2, ()),
+    "ppo-critic-packed": ("ppo", True, "ddp", 2, ()),
+    "grpo-padded": ("grpo", False, "ddp", 2, ()),
+    "ppo-critic-packed-4-ranks": ("ppo", True, "ddp", 4, ()),  # 2 data-parallel groups x C = 2
+    "fsdp-ppo-critic-packed-gradient-checkpointing": ("ppo", True, "fsdp", 2, ("gradient_checkpointing",)),
 }
 STEP_METRICS = ("actor/policy_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 STEP_COUNTS = ("perf/trained_tokens", "rollout/advantage_mean", "rollout/reward_mean", "rollout/response_length_mean")
@@ -285,7 +298,7 @@ def _step_inputs(root, variant: str, ranks: int, data_parallel_rank: int = 0):
     from tests.helpers.packing import realistic_rollout
 
     root = Path(root)
-    preset, packed, name, _ = STEP_VARIANTS[variant]
+    preset, packed, name, _, _ = STEP_VARIANTS[variant]
     if not (root / "model").exists():  # the same weights in every process (seeded)
         tokenizer = build_char_tokenizer()
         shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -315,6 +328,7 @@ def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **t
     from tests.helpers.fixed_batch import train_on_fixed_batch
 
     model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks, data_parallel_rank)
+    options = {option: True for option in STEP_VARIANTS[variant][4]}
     experiences = []
 
     def record(module):
@@ -322,7 +336,17 @@ def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **t
         module.make_experience = lambda b: experiences.append(make(b)) or experiences[-1]
 
     module, grads = train_on_fixed_batch(
-        model_dir, prompts, root, batch, ppo, rollout, plan_for, temperature=TEMPERATURE, prepare=record, **trainer
+        model_dir,
+        prompts,
+        root,
+        batch,
+        ppo,
+        rollout,
+        plan_for,
+        temperature=TEMPERATURE,
+        prepare=record,
+        **options,
+        **trainer,
     )
     exp = {k: getattr(experiences[0], k) for k in ("old_logp", "ref_logp", "values", "advantages", "returns")}
     weights = {f"actor.{k}": v for k, v in full_tensors(module.actor)}  # FSDP: gathered (a collective)
