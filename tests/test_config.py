@@ -463,11 +463,9 @@ def _context_parallel_run(section: str | None = None, **settings):
     [
         (None, dict(devices=3), r"^strategy.context_parallel_size=2 does not divide the 3 ranks"),
         (None, dict(name="single"), r"^strategy.context_parallel_size=2 with strategy=single is not built; fix"),
-        ("model", dict(lora=dict(rank=8)), r"^strategy.context_parallel_size=2 with model.lora is not built yet; fix"),
         ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
-        ("ppo", dict(shared_prefix=True), r"^strategy.context_parallel_size=2 with ppo.shared_prefix=true is not"),
     ],
-    ids=["ranks", "single", "lora", "disaggregated", "shared-prefix"],
+    ids=["ranks", "single", "disaggregated"],
 )
 def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
     from lit_ppo.errors import ConfigError
@@ -483,7 +481,15 @@ def test_context_parallel_size_trains_under_ddp_and_fsdp_with_full_fine_tuning(n
     assert (config.strategy.context_parallel_size, config.strategy.data_parallel_size) == (2, 1)
 
 
-@pytest.mark.parametrize("section, settings", [("model", dict(gradient_checkpointing=True))], ids=["checkpointing"])
+@pytest.mark.parametrize(
+    "section, settings",
+    [
+        ("model", dict(gradient_checkpointing=True)),
+        ("model", dict(lora=dict(rank=8))),
+        ("ppo", dict(shared_prefix=True)),
+    ],
+    ids=["checkpointing", "lora", "shared-prefix"],
+)
 def test_context_parallel_size_composes_with(section, settings):
     """Built with C > 1 (tests/training/test_context_parallel.py), so not refused."""
     assert _context_parallel_run(section, **settings).strategy.context_parallel_size == 2

@@ -704,7 +704,7 @@ def test_the_table_of_each_experiment_is_its_golden_file(case):
 def test_the_plan_states_context_parallelism():
     """strategy=ddp on 2 ranks with context_parallel_size=2: one data-parallel rank, C = 2 in the table, each rank's
     tokens per micro-batch (8 rows of 128 positions, 64 of each per rank), the sequence-length divisor, every rank in
-    the gradient scale (Counts.ranks), and the shared prefix (null: on where it can be) off, as not built with C > 1."""
+    the gradient scale (Counts.ranks), and the shared prefix (null: on where it can be) on, as with one rank."""
     import dataclasses
 
     from lit_ppo.config import PPOConfig, StrategyConfig
@@ -716,7 +716,7 @@ def test_the_plan_states_context_parallelism():
     plan = compute_plan(dataclasses.replace(run_config(ppo=ppo), strategy=strategy), 64)
     assert (plan.counts.data_parallel_size, plan.counts.context_parallel_size, plan.counts.ranks) == (1, 2, 2)
     assert plan.layout.tokens_per_rank_per_micro_batch == 8 * 64 and plan.layout.sequence_length_divisor == 2
-    assert not plan.layout.shared_prefix and plan.layout.packing
+    assert plan.layout.shared_prefix and plan.layout.packing
     table = plan.table()
     for row in ("context-parallel size                      2", "tokens per rank                          512"):
         assert row in table, table

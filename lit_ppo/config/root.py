@@ -56,13 +56,7 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train, mode=plan or mode=eval")
         validate_rollout_engine(self.rollout, self.strategy)
-        validate_context_parallel(
-            self.strategy,
-            lora=self.model.lora.enabled,
-            disaggregated=self.rollout.mode == "disaggregated",
-            shared_prefix=self.ppo.shared_prefix,
-            gradient_checkpointing=self.model.gradient_checkpointing,
-        )
+        validate_context_parallel(self.strategy, disaggregated=self.rollout.mode == "disaggregated")
         validate_distill(
             self.ppo.distill,
             estimator=self.ppo.advantage_estimator,

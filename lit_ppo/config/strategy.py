@@ -26,7 +26,8 @@ class StrategyConfig:
     context_parallel_size: int = field(default=1, metadata=at_least(1))
     """C: ranks that share their samples and split each row's tokens (Ulysses: lit_ppo/training/context_parallel.py);
     the data-parallel size is then devices x num_nodes / C. C > 1 trains under strategy=ddp and strategy=fsdp, full
-    fine-tuning; the combinations not built yet are refused (`validate_context_parallel`)."""
+    fine-tuning or LoRA, with gradient checkpointing, in every layout; the combinations not built yet are refused
+    (`validate_context_parallel`)."""
 
     def __post_init__(self) -> None:
         ranks = self.devices * self.num_nodes
@@ -41,12 +42,10 @@ class StrategyConfig:
         return self.devices * self.num_nodes // self.context_parallel_size
 
 
-def validate_context_parallel(
-    strategy: StrategyConfig, *, lora: bool, disaggregated: bool, shared_prefix, gradient_checkpointing: bool
-) -> None:
+def validate_context_parallel(strategy: StrategyConfig, *, disaggregated: bool) -> None:
     """strategy.context_parallel_size > 1, one line for each combination not built yet (strategy=ddp or fsdp, whose
-    shards span every rank, with full fine-tuning, colocated rollouts, padded or flat packed rows trains:
-    lit_ppo/training/context_parallel.py)."""
+    shards span every rank, with colocated rollouts trains: full fine-tuning or LoRA, gradient checkpointing or not,
+    padded, packed or shared-prefix rows; lit_ppo/training/context_parallel.py)."""
     C = strategy.context_parallel_size
     if C == 1:
         return
@@ -56,17 +55,8 @@ def validate_context_parallel(
             f"{setting} with strategy={strategy.name} is not built; fix: strategy=ddp or strategy=fsdp, or "
             "context_parallel_size=1"
         )
-    if lora:
-        raise ConfigError(
-            f"{setting} with model.lora is not built yet; fix: model.lora.rank=0, or context_parallel_size=1"
-        )
     if disaggregated:
         raise ConfigError(
             f"{setting} with rollout.mode=disaggregated is not built yet; fix: rollout.mode=colocated, or "
-            "context_parallel_size=1"
-        )
-    if shared_prefix:
-        raise ConfigError(
-            f"{setting} with ppo.shared_prefix=true is not built yet; fix: ppo.shared_prefix=false, or "
             "context_parallel_size=1"
         )

@@ -222,7 +222,7 @@ def layout_plan(config: RunConfig, counts: Counts, prompt_stats: PromptStats | N
     ppo, data_parallel_size = config.ppo, counts.data_parallel_size
     packing = ppo.packing is not False  # null: on; the pre-flight resolved it where it knew the model's type
     C = counts.context_parallel_size
-    shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation) and C == 1  # not built
+    shared_prefix = resolve_shared_prefix(ppo, packing, config.model.attn_implementation)
     max_tokens = ppo.micro_train_max_tokens or ppo.micro_train_batch_size * config.rollout.max_model_len
     expected = (None, None, None)
     if prompt_stats is not None:

@@ -4,10 +4,15 @@ split of the heads (each rank then attends over whole rows with H/C heads), and 
 per position, so the rest of the forward is the one-rank forward on fewer positions.
 
 Exact by construction: the whole row's attention mask is built before the split by transformers' own
-`create_causal_mask` (padding, causality, packed rows' block-diagonal rule: the mask the one-rank forward uses) and
-handed to the model as a 4-D mask, which transformers passes to the attention function as it is (or, where it is
-causality alone, no mask: sdpa's is_causal, as in the one-rank forward); the wrapped attention function (sdpa or
-eager, `ulysses`) sees the whole rows after the exchange. Each rank computes the LM head
+`create_causal_mask` (padding, causality, packed rows' block-diagonal rule: the mask the one-rank forward uses), or
+for the shared-prefix layout by its own rule (`shared_prefix.segment_mask`: a response attends to its prompt and to
+itself), and handed to the model as a 4-D mask, which transformers passes to the attention function as it is (or,
+where it is causality alone, no mask: sdpa's is_causal, as in the one-rank forward); the wrapped attention function
+(sdpa or eager, `ulysses`) sees the whole rows after the exchange. Under gradient checkpointing the backward
+recomputes each layer after `ulysses` has exited: the checkpoint's `context_fn` (`_recompute_contexts`) captures the
+forward's group, kernel and mask rule and runs the recompute inside them again, so it exchanges as the forward did.
+With LoRA the adapters are more linear layers at each position, and the reference forward (the adapter disabled)
+goes through the same exchange. Each rank computes the LM head
 and the value head only at its own positions' response tokens (`context_parallel_logprobs`, `context_parallel_values`);
 the per-token results are gathered over the group (a few floats per token), so every rank of the group holds the
 micro-batch's whole [B, T] outputs, and computes the same loss from them.
@@ -24,8 +29,7 @@ average the gradients over them. The ranks of a group generate the same samples,
 (`check_same_samples`).
 
 Not built yet (refused in one line, `check_model` and `config.strategy.validate_context_parallel`): ring attention
-(heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, the shared-prefix layout, gradient
-checkpointing (its recomputing backward runs after `ulysses` has exited), LoRA, rollout workers.
+(heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, rollout workers.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import hashlib
 import pickle
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -48,6 +52,7 @@ from lit_ppo.distributed import all_to_all
 from lit_ppo.errors import ConfigError, UserError
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.models import critic_values, response_logprobs_and_entropy, scatter_responses
+from lit_ppo.training.shared_prefix import attention_mask_for, segment_mask
 
 ULYSSES = "lit_ppo_ulysses"
 """The attention implementation's name in transformers' AttentionInterface while a context-parallel forward runs."""
@@ -198,28 +203,26 @@ def _padded_columns(x: Tensor | None, columns: int, value: int) -> Tensor | None
 def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) -> MicroBatch:
     """This rank's part of `mb` as a packed-style micro-batch: its S = L'/C positions of every row (rows padded on the
         right to L', a multiple of C: positions nothing real attends to), the whole rows' 4-D mask (None where it is
-    causality alone: the kernel's is_causal, as in the one-rank forward, whose sdpa then needs no [L, L] mask), and
+    causality alone: the kernel's is_causal, as in the one-rank forward, whose sdpa then needs no [L, L] mask; the
+    shared-prefix layout's by `_shared_prefix_mask`), and
     `head_index` /
         `response_ids` [1, n_r] / `response_mask` of the response tokens whose predicting position is here, in the order
         of `mb`'s response tokens (`_head_positions`)."""
-    if mb.segments is not None or (mb.attention_mask is not None and mb.attention_mask.dim() == 4):
-        raise ConfigError(
-            "strategy.context_parallel_size > 1 with the shared-prefix layout is not built yet; "
-            "fix: ppo.shared_prefix=false"
-        )
     rows, length = mb.input_ids.shape
     width = -(-length // cp.size) * cp.size  # L'
     extra = width - length
     input_ids = _padded_columns(mb.input_ids, extra, 0)
-    attention = _padded_columns(mb.attention_mask, extra, 0)
     position_ids = mb.position_ids
     if extra:  # packed: a sequence of its own; padded: masked out as keys
         tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
         position_ids = torch.cat([position_ids, tail], dim=1)
-    mask = _whole_rows_mask(model, mb.attention_mask, mb.position_ids)  # the one-rank forward's
-    if mask is not None and extra:  # the columns added too: their own sequence (packed), masked out (padded)
-        del mask
-        mask = _whole_rows_mask(model, attention, position_ids)
+    if mb.segments is not None:  # the shared-prefix layout: its own rule, not one transformers builds
+        mask = _shared_prefix_mask(model, mb, width, cp)
+    else:
+        mask = _whole_rows_mask(model, mb.attention_mask, mb.position_ids)  # the one-rank forward's
+        if mask is not None and extra:  # the columns added too: their own sequence (packed), masked out (padded)
+            del mask
+            mask = _whole_rows_mask(model, _padded_columns(mb.attention_mask, extra, 0), position_ids)
     S = width // cp.size
     columns = slice(cp.rank * S, (cp.rank + 1) * S)
     flat, targets = _head_positions(mb, width)
@@ -253,6 +256,20 @@ def _whole_rows_mask(model: torch.nn.Module, attention: Tensor | None, position_
         past_key_values=None,
         position_ids=position_ids,
     )
+
+
+def _shared_prefix_mask(model: torch.nn.Module, mb: MicroBatch, width: int, cp: ContextGroup):
+    """The shared-prefix layout's whole-row mask (`shared_prefix.segment_mask`, the one-rank forward's) over rows
+    padded to `width`, the added positions a segment of their own (nothing real attends to them), in the form the
+    kernel the model was loaded with takes (`shared_prefix.attention_mask_for`: boolean for sdpa, additive for
+    eager)."""
+    check_model(model.config, cp.size)  # before a kernel's own mask (flex attention's) is built
+    segments = mb.segments  # [2, R, L]
+    extra = width - segments.shape[2]
+    if extra:
+        tail = segments.new_full((2, segments.shape[1], extra), int(segments[0].max()) + 1)
+        segments = torch.cat([segments, tail], dim=2)
+    return attention_mask_for(model, replace(mb, attention_mask=segment_mask(segments), segments=segments))
 
 
 def _head_positions(mb: MicroBatch, width: int) -> tuple[Tensor, Tensor]:

@@ -156,10 +156,7 @@ def pack_shared_prefix(
         next_segment += 1
     attention = None  # flex attention: its block mask is built from the segments
     if row_tokens is None:
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
-        same = segment[:, :, None] == segment[:, None, :]  # [R, L, L] query, key
-        prefix = owner[:, :, None] == segment[:, None, :]
-        attention = ((same | prefix) & causal)[:, None].to(device)  # [R, 1, L, L], True: attend
+        attention = segment_mask(torch.stack([segment, owner])).to(device)
     responses, response_mask = policy_mask_rows(response_ids, policy_masks, pad_id, T)
     head_index = predictor[response_mask > 0]  # row-major over [B, T], as the flat layout's
     return MicroBatch(
@@ -190,6 +187,17 @@ def group_rows(
         if max(sum(lengths[g] for g in row) for row in balanced) < max(sum(lengths[g] for g in row) for row in rows):
             rows = balanced
     return rows
+
+
+def segment_mask(segments: Tensor) -> Tensor:
+    """The shared-prefix rule over [R, L] rows (`segments`: [2, R, L], each position's segment and the one it may also
+    attend to) as a dense [R, 1, L, L] boolean mask, True: attend (causal, within the segment or into its owner's)."""
+    segment, owner = segments[0], segments[1]
+    L = segment.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=segment.device).tril()
+    same = segment[:, :, None] == segment[:, None, :]  # [R, L, L] query, key
+    prefix = owner[:, :, None] == segment[:, None, :]
+    return ((same | prefix) & causal)[:, None]
 
 
 def attention_mask_for(model: torch.nn.Module, mb: MicroBatch):

@@ -130,6 +130,7 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
         from lit_ppo.topology import RankTopology
         from lit_ppo.training.batching import pack, pack_samples
         from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
+        from lit_ppo.training.shared_prefix import pack_shared_prefix
 
         topology = RankTopology(rank=rank, world_size=world, context_parallel_size=world).with_groups()
         report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
@@ -146,6 +147,8 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
             # 139 tokens, padded to 140 for C = 2: still causality alone (no mask under sdpa), packed or padded
             "causal-odd": pack(prompts[1:2], responses[1:2], pad, "cpu"),
             "causal-odd-packed": pack_samples(prompts[1:2], responses[1:2], pad, "cpu"),
+            # two prompts of two samples each: each laid out once, its responses attending to it (a 4-D mask)
+            "shared-prefix": pack_shared_prefix(prompts[:2] * 2, responses, pad, "cpu"),
         }
         report["causal_without_mask"] = [
             local_micro_batch(actor, layouts[name], cp).attention_mask is None
@@ -197,7 +200,7 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
         assert report["samples_differ"].startswith(
             "rollout step 1: the 2 ranks of a context-parallel group generated different samples"
         ), report["samples_differ"]
-    for layout in ("padded", "packed", "causal", "causal-odd", "causal-odd-packed"):
+    for layout in ("padded", "packed", "causal", "causal-odd", "causal-odd-packed", "shared-prefix"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
         assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
@@ -224,18 +227,6 @@ def test_heads_not_divisible_by_c_are_refused_in_one_line():
     flash._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="model.attn_implementation=flash_attention_2 is not built"):
         check_model(flash, 2)
-
-
-def test_a_shared_prefix_micro_batch_is_refused_in_one_line():
-    from lit_ppo.errors import ConfigError
-    from lit_ppo.training.batching import MicroBatch
-    from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
-
-    ids = torch.zeros((1, 8), dtype=torch.long)
-    mask = torch.ones((1, 1, 8, 8), dtype=torch.bool)  # the shared-prefix layout's own 4-D mask
-    mb = MicroBatch(ids, mask, ids, ids[:, :2], torch.ones(1, 2), 0, torch.tensor([5, 6]))
-    with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size > 1 with the shared-prefix layout is not"):
-        local_micro_batch(None, mb, ContextGroup(group=None, size=2, rank=0))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -276,6 +267,10 @@ STEP_VARIANTS = {  # (preset, packed rows, strategy, ranks: groups of C = 2, opt
     "grpo-padded": ("grpo", False, "ddp", 2, ()),
     "ppo-critic-packed-4-ranks": ("ppo", True, "ddp", 4, ()),  # 2 data-parallel groups x C = 2
     "fsdp-ppo-critic-packed-gradient-checkpointing": ("ppo", True, "fsdp", 2, ("gradient_checkpointing",)),
+    "lora-ppo-critic-packed": ("ppo", True, "ddp", 2, ("lora",)),
+    "fsdp-lora-grpo-padded-gradient-checkpointing": ("grpo", False, "fsdp", 2, ("lora", "gradient_checkpointing")),
+    "lora-ppo-critic-shared-prefix": ("ppo", True, "ddp", 2, ("lora", "shared_prefix")),
+    "grpo-shared-prefix-gradient-checkpointing": ("grpo", True, "ddp", 2, ("shared_prefix", "gradient_checkpointing")),
 }
 STEP_METRICS = ("actor/policy_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 STEP_COUNTS = ("perf/trained_tokens", "rollout/advantage_mean", "rollout/reward_mean", "rollout/response_length_mean")
@@ -289,7 +284,7 @@ def _step_inputs(root, variant: str, ranks: int, data_parallel_rank: int = 0):
     import dataclasses
     from pathlib import Path
 
-    from lit_ppo.config import StrategyConfig
+    from lit_ppo.config import LoraConfig, ModelConfig, StrategyConfig
     from lit_ppo.demo.arithmetic import make_problems, write_jsonl
     from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
     from lit_ppo.plan import compute_plan
@@ -306,7 +301,9 @@ def _step_inputs(root, variant: str, ranks: int, data_parallel_rank: int = 0):
             build_tiny_model(tokenizer, **shape, max_position_embeddings=512, seed=0), tokenizer, root / "model"
         )
         write_jsonl(make_problems(seed=0, max_operand=20, n_train=16, n_eval=1)[0], root / "train.jsonl")
-    ppo = ppo_at(2, 4, 4, 2, preset, actor_lr=1e-3, critic_lr=1e-3, packing=packed, shared_prefix=False)
+    options = STEP_VARIANTS[variant][4]
+    shared = "shared_prefix" in options
+    ppo = ppo_at(2, 4, 4, 2, preset, actor_lr=1e-3, critic_lr=1e-3, packing=packed, shared_prefix=shared)
     rollout = realistic_rollout()
     rewards = torch.tensor([0.0, 1.0, 0.5, 1.0, 0.0, 0.0, 1.0, 0.25])
     batch = synthetic_rollout_batch(2, 4, (100, 140), (1, 60), seed=0, rewards=rewards)
@@ -317,8 +314,17 @@ def _step_inputs(root, variant: str, ranks: int, data_parallel_rank: int = 0):
     )
     strategy = StrategyConfig(name=name if ranks > 1 else "single", accelerator="cpu", devices=ranks)
     strategy = dataclasses.replace(strategy, precision="32-true", context_parallel_size=C)
-    config = dataclasses.replace(run_config(ppo=ppo, rollout=rollout, steps=1), strategy=strategy)
+    model = ModelConfig(lora=_module_options(variant).get("lora", LoraConfig()))
+    config = dataclasses.replace(run_config(ppo=ppo, rollout=rollout, steps=1, model=model), strategy=strategy)
     return str(root / "model"), root / "train.jsonl", batch, ppo, rollout, lambda n: compute_plan(config, n)
+
+
+def _module_options(variant: str) -> dict:
+    """PPOModule's settings of a variant's options: gradient checkpointing, a LoRA of rank 8 (on actor and critic)."""
+    from lit_ppo.config import LoraConfig
+
+    settings = {"gradient_checkpointing": dict(gradient_checkpointing=True), "lora": dict(lora=LoraConfig(rank=8))}
+    return {k: v for option in STEP_VARIANTS[variant][4] for k, v in settings.get(option, {}).items()}
 
 
 def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **trainer):
@@ -328,12 +334,18 @@ def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **t
     from tests.helpers.fixed_batch import train_on_fixed_batch
 
     model_dir, prompts, batch, ppo, rollout, plan_for = _step_inputs(root, variant, ranks, data_parallel_rank)
-    options = {option: True for option in STEP_VARIANTS[variant][4]}
+    options = _module_options(variant)
     experiences = []
 
     def record(module):
         make = module.make_experience
         module.make_experience = lambda b: experiences.append(make(b)) or experiences[-1]
+        if "lora" in options:  # adapters that change the policy from the start: the reference (adapter off) differs
+            g = torch.Generator().manual_seed(4)
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.05 * torch.randn(p.shape, generator=g))
 
     module, grads = train_on_fixed_batch(
         model_dir,
@@ -352,6 +364,8 @@ def _train_step(root, variant: str, ranks: int, data_parallel_rank: int = 0, **t
     weights = {f"actor.{k}": v for k, v in full_tensors(module.actor)}  # FSDP: gathered (a collective)
     if module.critic is not None:
         weights.update({f"critic.{k}": v for k, v in full_tensors(module.critic)})
+    if "lora" in options:  # the trained weights alone (the frozen base would set the scale of _weights_apart)
+        weights = {k: v for k, v in weights.items() if "lora_" in k or "modules_to_save" in k}
     grads = [{name: gathered(g) for name, g in step.items()} for step in grads]
     return dict(grads=grads, row=module.history[-1], experience=exp, weights=weights, plan=module.plan.to_dict())
 
@@ -392,8 +406,12 @@ def _weights_apart(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize(
     "variant",
-    # the default suite: PPO with a critic on padded rows (packed rows: the forward's test above); the rest slow
-    ["ppo-critic-padded", *(pytest.param(v, marks=pytest.mark.slow) for v in list(STEP_VARIANTS)[1:])],
+    # the default suite: PPO with a critic on padded rows (packed rows: the forward's test above), and with LoRA in the
+    # shared-prefix layout (gradient checkpointing: the forward's test above); the rest slow
+    [
+        pytest.param(v, marks=() if v in ("ppo-critic-padded", "lora-ppo-critic-shared-prefix") else pytest.mark.slow)
+        for v in STEP_VARIANTS
+    ],
 )
 def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(variant, tmp_path):
     """strategy=ddp (and fsdp), devices=2, context_parallel_size=2 (one group of 2 ranks sharing the samples): the experience
