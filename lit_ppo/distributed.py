@@ -179,11 +179,15 @@ def gradient_sync(enabled: bool, wrapper, models, sharded: bool):
         yield
 
 
-def broadcast_object(obj, device: torch.device, src: int = 0):
-    """Global rank `src`'s `obj` (picklable) on every rank (a collective: every rank calls it; the others' `obj` is ignored);
-    `obj` itself on one process. `device`: where the process group's tensors live (NCCL: the rank's GPU)."""
-    if world_size(EVERY_RANK) == 1:
+def broadcast_object(obj, device: torch.device, src: int = 0, group=EVERY_RANK):
+    """Rank `src`'s `obj` (picklable) on every rank of `group` (EVERY_RANK: every rank, `src` the global rank; else a
+    process group, `src` the rank within it); a collective: every rank of `group` calls it, the others' `obj` is
+    ignored. `obj` itself on one process. `device`: where the process group's tensors live (NCCL: the rank's GPU)."""
+    if world_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=device)
+    if group == EVERY_RANK:
+        dist.broadcast_object_list(box, src=src, device=device)
+    else:
+        dist.broadcast_object_list(box, group=_group(group), group_src=src, device=device)
     return box[0]

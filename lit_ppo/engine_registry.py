@@ -67,6 +67,10 @@ class EngineRow:
     """Generates with the trainer's own tensors: no copy, nothing pushed, its samples record adapter version 0."""
     description: str
     """The engine in the evaluation's plan, formatted with the plan's `models` and `workers` sections."""
+    starts_on_every_rank: bool = False
+    """Its start is a collective over the trainer's ranks (vLLM's external_launcher builds its process groups with
+    torch.distributed.new_group over the whole world): a rank that never generates with it (a context-parallel
+    group's other ranks, lit_ppo/rollout/context_group.py) still starts it, and keeps it asleep."""
 
     def describe(self, plan) -> str:
         return self.description.format(models=plan.models, workers=plan.workers)
@@ -97,7 +101,7 @@ WORKERS = "{workers.count} rollout worker(s) ({models.rollout_engine}, launch={w
 
 def _rows() -> dict[tuple[str, str], EngineRow]:
     rows = [
-        EngineRow(VLLM, COLOCATED, "lit_ppo.rollout.engine:start_colocated", False, "vLLM in this process ({models.rollout_dtype})"),
+        EngineRow(VLLM, COLOCATED, "lit_ppo.rollout.engine:start_colocated", False, "vLLM in this process ({models.rollout_dtype})", starts_on_every_rank=True),
         EngineRow(HF, COLOCATED, "lit_ppo.rollout.hf_engine:start_on_actor", True, "Hugging Face generate on the loaded model ({models.precision})"),
         EngineRow(VLLM, "server", "lit_ppo.rollout.workers.pools:start_servers", False, "{workers.count} vLLM server(s) the run spawns, the model's weights pushed to them first"),
     ]  # fmt: skip

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from contextlib import contextmanager
 
 import lightning as L
 import torch
@@ -54,6 +55,8 @@ from lit_ppo.signals import PREEMPTION_SIGNALS, exit_status
 from lit_ppo.topology import RankTopology
 
 log = logging.getLogger("lit_ppo")
+
+_AGREEING: list = []  # the groups stop points agree over, innermost last (`agreeing_among`); none: every rank
 
 
 class Preempted(SIGTERMException):
@@ -144,7 +147,8 @@ class Preemption(L.Callback):
         if not self._topology.distributed:
             return self.requested  # no tensor: no device synchronisation for a flag this process holds
         flag = torch.tensor([self.requested or 0], dtype=torch.int64, device=device)
-        signum = int(global_max(flag, group=EVERY_RANK).item())  # context-parallel peers too
+        group = _AGREEING[-1] if _AGREEING else EVERY_RANK  # context-parallel peers too, unless they wait elsewhere
+        signum = int(global_max(flag, group=group).item())
         return signum or None
 
     def stop_point(self, device=None) -> None:
@@ -220,6 +224,19 @@ class Preemption(L.Callback):
 def active() -> Preemption | None:
     """The Preemption handling signals in this process's `fit`, if any."""
     return Preemption._active
+
+
+@contextmanager
+def agreeing_among(group):
+    """Stop points inside agree over `group` only (None: the data-parallel group; a `lit_ppo.distributed` group), the
+    ranks that run the region's stop points, while the other ranks wait for the region's outcome in a collective of
+    their own and stop when it says so: a context-parallel group's rank 0 generates and scores the group's samples
+    (lit_ppo/rollout/context_group.py). Outside, they agree over every rank."""
+    _AGREEING.append(group)
+    try:
+        yield
+    finally:
+        _AGREEING.pop()
 
 
 def interruptibly(fn):

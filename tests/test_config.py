@@ -464,8 +464,14 @@ def _context_parallel_run(section: str | None = None, **settings):
         (None, dict(devices=3), r"^strategy.context_parallel_size=2 does not divide the 3 ranks"),
         (None, dict(name="single"), r"^strategy.context_parallel_size=2 with strategy=single is not built; fix"),
         ("rollout", dict(mode="disaggregated"), r"^strategy.context_parallel_size=2 with rollout.mode=disaggregated"),
+        (
+            "rollout",
+            dict(tensor_parallel_size=2),
+            r"^strategy.context_parallel_size=2 with rollout.tensor_parallel_size=2 is not built: a context-parallel "
+            r"group's rank 0 generates alone",
+        ),
     ],
-    ids=["ranks", "single", "disaggregated"],
+    ids=["ranks", "single", "disaggregated", "tensor-parallel"],
 )
 def test_context_parallel_size_is_refused_in_one_line_where_not_built(section, settings, message):
     from lit_ppo.errors import ConfigError

@@ -56,7 +56,11 @@ class RunConfig:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; fix: use mode=train, mode=plan or mode=eval")
         validate_rollout_engine(self.rollout, self.strategy)
-        validate_context_parallel(self.strategy, disaggregated=self.rollout.mode == "disaggregated")
+        validate_context_parallel(
+            self.strategy,
+            disaggregated=self.rollout.mode == "disaggregated",
+            tensor_parallel_size=self.rollout.tensor_parallel_size,
+        )
         validate_distill(
             self.ppo.distill,
             estimator=self.ppo.advantage_estimator,

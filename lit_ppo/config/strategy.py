@@ -42,7 +42,7 @@ class StrategyConfig:
         return self.devices * self.num_nodes // self.context_parallel_size
 
 
-def validate_context_parallel(strategy: StrategyConfig, *, disaggregated: bool) -> None:
+def validate_context_parallel(strategy: StrategyConfig, *, disaggregated: bool, tensor_parallel_size: int = 1) -> None:
     """strategy.context_parallel_size > 1, one line for each combination not built yet (strategy=ddp or fsdp, whose
     shards span every rank, with colocated rollouts trains: full fine-tuning or LoRA, gradient checkpointing or not,
     padded, packed or shared-prefix rows; lit_ppo/training/context_parallel.py)."""
@@ -59,4 +59,10 @@ def validate_context_parallel(strategy: StrategyConfig, *, disaggregated: bool) 
         raise ConfigError(
             f"{setting} with rollout.mode=disaggregated is not built yet; fix: rollout.mode=colocated, or "
             "context_parallel_size=1"
+        )
+    if tensor_parallel_size > 1:  # a tensor-parallel engine's generate is a collective of its ranks
+        raise ConfigError(
+            f"{setting} with rollout.tensor_parallel_size={tensor_parallel_size} is not built: a context-parallel "
+            "group's rank 0 generates alone, and a tensor-parallel engine's generate needs all of its ranks; fix: "
+            "rollout.tensor_parallel_size=1, or context_parallel_size=1"
         )

@@ -10,7 +10,9 @@ Under data parallelism every rank holds its own vLLM engine (colocated, vLLM's `
 backend) and generates for a contiguous share of each rollout batch, whole prompt groups only.
 The engine starts in `setup()`, once the trainer has set up the process group and knows this
 rank; each prompt's sampling seed depends on its position in the global rollout batch, so the
-samples do not depend on the number of ranks.
+samples do not depend on the number of ranks. With context parallelism (C > 1) a group's rank 0
+generates and scores the group's samples and broadcasts them to the others, which generate nothing
+(lit_ppo/rollout/context_group.py).
 
 Which policy version generates each rollout step, and when, is the source's (lit_ppo/rollout/schedule.py): generated
 now in this process (colocated), or requested ahead from rollout worker processes with engines of their own
@@ -35,6 +37,7 @@ from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer
+from lit_ppo.rollout.context_group import FollowerEngine, follower_engine, generates, shared_by_group
 from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeRunner, EpisodeSettings, EpisodeSpec, episode_stats
 from lit_ppo.rollout.evaluation import evaluate
@@ -65,7 +68,7 @@ class _RolloutStream(IterableDataset):
     def __iter__(self) -> Iterator[RolloutBatch]:
         dm = self.datamodule
         while dm.next_rollout_step < dm.plan.counts.total_rollout_steps:
-            yield dm.produce_rollout(dm.next_rollout_step)
+            yield dm.next_batch(dm.next_rollout_step)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -155,11 +158,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     def start_engine(self) -> RolloutEngine:
         """The engine (the source's: in process, or the rollout workers' client; chosen by the engine registry,
-        lit_ppo/engine_registry.py), started once."""
+        lit_ppo/engine_registry.py), started once; with C > 1 on a rank other than its group's rank 0 a
+        `FollowerEngine`, which generates nothing."""
         if self.engine is None:
             started = time.perf_counter()
-            self.engine = self.source.start_engine(self)
+            self.engine = self.source.start_engine(self) if generates(self.topology) else follower_engine(self)
             self.engine_start_seconds = time.perf_counter() - started
+        elif not generates(self.topology) and not isinstance(self.engine, FollowerEngine):
+            self.engine = FollowerEngine(self.engine)  # one given (tests share one): never generates here
         return self.engine
 
     def train_dataloader(self) -> DataLoader:
@@ -239,6 +245,13 @@ class RolloutDataModule(L.LightningDataModule):
             for i in range(len(prompts))
         ]
         return groups, counts, scheduled.generate_seconds, reward_seconds, scheduled.wait_seconds
+
+    def next_batch(self, rollout_step: int) -> RolloutBatch:
+        """This rank's samples of `rollout_step`: produced here, or with C > 1 by the context-parallel group's rank 0
+        and received from it (`context_group.shared_by_group`)."""
+        batch = shared_by_group(self.topology, self.device, lambda: self.produce_rollout(rollout_step))
+        self.next_rollout_step = rollout_step + 1
+        return batch
 
     def produce_rollout(self, rollout_step: int) -> RolloutBatch:
         """This rank's samples of `rollout_step`. With dynamic sampling, rounds of prompts are generated until
@@ -418,8 +431,9 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
 
     def evaluate(self, k: int | None = None) -> dict:
-        """Greedy accuracy and pass@k on the held-out prompts, the same on every rank (lit_ppo/rollout/evaluation.py)."""
-        return evaluate(self, k)
+        """Greedy accuracy and pass@k on the held-out prompts, the same on every rank (lit_ppo/rollout/evaluation.py;
+        with C > 1 evaluated by each context-parallel group's rank 0)."""
+        return shared_by_group(self.topology, self.device, lambda: evaluate(self, k))
 
     # ------------------------------------------------------------ checkpoint state
 

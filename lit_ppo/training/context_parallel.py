@@ -25,8 +25,8 @@ world_size, not by the data-parallel size: C ranks hold parts of the same sample
 The training step (`PPOModule`) runs every forward through `logprobs_and_entropy` / `values_of`, which take this
 path when the rank has a group; its reductions of samples run over the data-parallel group
 (`distributed.use_data_parallel_group`), and its loss is scaled by every rank (`Counts.ranks`) before DDP or FSDP2
-average the gradients over them. The ranks of a group generate the same samples, checked once per step
-(`check_same_samples`).
+average the gradients over them. The group's rank 0 generates the group's samples and broadcasts them to the others
+(lit_ppo/rollout/context_group.py), so every rank of a group trains the identical batch.
 
 Not built yet (refused in one line, `check_model` and `config.strategy.validate_context_parallel`): ring attention
 (heads not divisible by C), sliding windows, attention sinks, flash/flex kernels, rollout workers.
@@ -35,8 +35,6 @@ Not built yet (refused in one line, `check_model` and `config.strategy.validate_
 from __future__ import annotations
 
 import functools
-import hashlib
-import pickle
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -49,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import create_causal_mask
 
 from lit_ppo.distributed import all_to_all
-from lit_ppo.errors import ConfigError, UserError
+from lit_ppo.errors import ConfigError
 from lit_ppo.training.batching import MicroBatch
 from lit_ppo.training.models import critic_values, response_logprobs_and_entropy, scatter_responses
 from lit_ppo.training.shared_prefix import attention_mask_for, segment_mask
@@ -357,37 +355,3 @@ def logprobs_and_entropy(
 def values_of(critic: torch.nn.Module, mb: MicroBatch, cp: ContextGroup | None = None) -> Tensor:
     """[B, T] values of `mb`: `models.critic_values`, or the group's `context_parallel_values`."""
     return critic_values(critic, mb) if cp is None else context_parallel_values(critic, mb, cp)
-
-
-class ContextGroupSamplesDiffer(UserError):
-    """The ranks of a context-parallel group hold different rollout samples."""
-
-
-def samples_digest(batch) -> str:
-    """A digest of what a rollout batch trains on: its prompts' positions, the prompt and response tokens, the
-    rewards (bitwise) and the sampler's log-probs."""
-    content = (
-        batch.rollout_step,
-        batch.prompt_positions,
-        batch.prompt_ids,
-        batch.response_ids,
-        batch.rewards.cpu().numpy().tobytes(),
-        batch.rollout_logprobs,
-    )
-    return hashlib.sha256(pickle.dumps(content)).hexdigest()
-
-
-def check_same_samples(batch, cp: ContextGroup | None) -> None:
-    """The C ranks of a context-parallel group generate the same samples (the same prompts, the sampling seeds of
-    their global positions) and must train on them; a group whose ranks disagree stops the run, every rank of it
-    together, in one line. Nothing to check without context parallelism."""
-    if cp is None:
-        return
-    digests: list = [None] * cp.size
-    dist.all_gather_object(digests, samples_digest(batch), group=cp.group)
-    if len(set(digests)) > 1:
-        raise ContextGroupSamplesDiffer(
-            f"rollout step {batch.rollout_step + 1}: the {cp.size} ranks of a context-parallel group generated "
-            "different samples (their engines sampled differently from the same prompts and seeds); fix: "
-            "rollout.engine settings that sample deterministically, or strategy.context_parallel_size=1"
-        )

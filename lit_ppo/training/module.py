@@ -41,7 +41,7 @@ from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan, check_batch_versions, check_sample_use, check_step_accounting, minibatch_schedule
 from lit_ppo.topology import RankTopology
 from lit_ppo.training.batching import MicroBatch, check_rollout_ids, packed_micro_batches
-from lit_ppo.training.context_parallel import ContextGroup, check_same_samples, logprobs_and_entropy, values_of
+from lit_ppo.training.context_parallel import ContextGroup, logprobs_and_entropy, values_of
 from lit_ppo.training.evaluation import Evaluations
 from lit_ppo.training.experience import (
     DUMP_ADVANTAGES_ENV,
@@ -394,8 +394,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
     def training_step(self, dataloader_iter):
         # 1. The rollout batch: the data module generates it with the current weights and scores it.
         waits.entering(f"rollout step {self.rollout_step + 1}'s generation and rewards")
-        batch, _, _ = next(dataloader_iter)
-        check_same_samples(batch, self.context)  # a context-parallel group's ranks generated the same samples
+        batch, _, _ = next(dataloader_iter)  # C > 1: the context-parallel group's rank 0's, broadcast
         waits.entering(f"rollout step {batch.rollout_step + 1}'s experience and updates")
         # The proof of the generation schedule: every sample (partial rollouts: token) of the version the plan states.
         check_batch_versions(self.plan, batch)
