@@ -192,7 +192,7 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
     def check_packed_layout(self, batch: RolloutBatch) -> None:
         """The start-up check of ppo.packing (`packing_check.check_packing`): the first micro-batch's first samples,
         packed as the run lays them out, against each one's padded forward alone; every rank checks as many samples
-        (under FSDP each forward is a collective)."""
+        (under FSDP each forward is a collective); C > 1: through the context-parallel forwards."""
         layout = self.micro_batch_layout(batch)
         [(idx, packed)] = layout.lay_out(layout.split(list(range(len(batch.response_ids))))[:1])
         count = min(CHECKED_SAMPLES, len(idx))
@@ -200,7 +200,9 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         alone = [
             mb for _, mb in packed_micro_batches(batch, [[i] for i in idx[:count]], self.pad_token_id, self.device)
         ]
-        check_packing(self.actor, self.critic, packed, alone, self.temperature, self.plan.models.precision)
+        check_packing(
+            self.actor, self.critic, packed, alone, self.temperature, self.plan.models.precision, self.context
+        )
         self.packing_checked = True
 
     # ------------------------------------------------------------ experience

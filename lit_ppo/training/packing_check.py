@@ -9,6 +9,11 @@ MiniCPM3 models were 0.17, 0.20 and 1.6 nats per token off (docs/algorithms.md).
 and the critic's values and the hidden states its value head reads, in the packed micro-batch beside their neighbours,
 are compared with each sample's own padded forward. The run stops in one line when they differ by more than the
 precision's rounding.
+
+With context parallelism (C > 1) both layouts run through the context-parallel forwards the run trains with
+(`context_parallel.logprobs_and_entropy`, `values_of`): each rank holds 1/C of a row, as in training, never a whole
+packed row (the memory C is there to divide), and the check proves the path that trains. The critic's hidden states
+are then not compared (a rank's decoder sees only its own positions), its values are.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from torch import Tensor
 from lit_ppo.distributed import global_max
 from lit_ppo.errors import PackingError
 from lit_ppo.training.batching import MicroBatch
-from lit_ppo.training.models import critic_values, response_logprobs_and_entropy
+from lit_ppo.training.context_parallel import ContextGroup, logprobs_and_entropy, values_of
+from lit_ppo.training.models import critic_values
 
 # Bounds by the run's precision (lit_ppo/precision.py). The layouts differ only in the order of floating-point sums
 # (attention over other row lengths, products of other shapes): in float32 at most 6e-6 nats per token and 1e-6
@@ -74,8 +80,12 @@ def response_hidden_states(hidden: Tensor, mb: MicroBatch) -> Tensor:
     return out
 
 
-def critic_outputs(critic: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor]:
-    """The critic's values [B, T] and the hidden states its value head reads there [B, T, H], zero off the mask."""
+def critic_outputs(critic: torch.nn.Module, mb: MicroBatch, cp: ContextGroup | None = None) -> tuple[Tensor, Tensor]:
+    """The critic's values [B, T] and the hidden states its value head reads there [B, T, H], zero off the mask; with
+    `cp` the context-parallel values and no hidden states ([B, T, 0]: a rank's decoder sees its own positions only)."""
+    if cp is not None:
+        values = values_of(critic, mb, cp) * mb.response_mask
+        return values, values.new_zeros(*values.shape, 0)
     with decoder_outputs(critic) as captured:
         values = critic_values(critic, mb) * mb.response_mask
     return values, response_hidden_states(captured[-1], mb)
@@ -88,22 +98,24 @@ def layout_difference(
     packed: MicroBatch,
     alone: list[MicroBatch],
     temperature: float,
+    cp: ContextGroup | None = None,
 ) -> LayoutDifference:
     """Packed (`packed`, whose first len(alone) samples are checked) against padded (`alone`: each of those samples by
-    itself); maxima over ranks (a collective: every rank calls it, with as many samples)."""
-    logp = response_logprobs_and_entropy(actor, packed, temperature)[0]  # [B, T]
+    itself); maxima over ranks (a collective: every rank calls it, with as many samples). `cp`: through the
+    context-parallel forwards (the critic's values only, not its hidden states)."""
+    logp = logprobs_and_entropy(actor, packed, temperature, cp)[0]  # [B, T]
     if critic is not None:
-        values, hidden = critic_outputs(critic, packed)
+        values, hidden = critic_outputs(critic, packed, cp)
     # sums over the checked response tokens: |d logp|, tokens, |d hidden|^2, |hidden|^2, |d value|^2, |value|^2
     sums = torch.zeros(6, dtype=torch.float64, device=logp.device)
     largest = torch.zeros((), dtype=torch.float64, device=logp.device)
     for b, mb in enumerate(alone):
         t, mask = mb.response_ids.shape[1], mb.response_mask[0]
-        diff = (response_logprobs_and_entropy(actor, mb, temperature)[0][0] - logp[b, :t]).abs() * mask
+        diff = (logprobs_and_entropy(actor, mb, temperature, cp)[0][0] - logp[b, :t]).abs() * mask
         sums[:2] += torch.stack([diff.sum(), mask.sum()]).double()
         largest = torch.maximum(largest, diff.max().double())
         if critic is not None:
-            padded_values, padded_hidden = critic_outputs(critic, mb)
+            padded_values, padded_hidden = critic_outputs(critic, mb, cp)
             sums[2:] += torch.stack(
                 [
                     (padded_hidden[0] - hidden[b, :t]).square().sum(),
@@ -124,7 +136,7 @@ def layout_difference(
     mean, largest, hidden_relative, value_relative = global_max(local).tolist()  # each figure's largest over ranks
     if critic is None:
         return LayoutDifference(mean, largest)
-    return LayoutDifference(mean, largest, hidden_relative, value_relative)
+    return LayoutDifference(mean, largest, None if cp is not None else hidden_relative, value_relative)
 
 
 def check_packing(
@@ -134,10 +146,12 @@ def check_packing(
     alone: list[MicroBatch],
     temperature: float,
     precision: str,
+    cp: ContextGroup | None = None,
 ) -> LayoutDifference:
     """Stop the run (PackingError, one line naming the model type and the fix) when the packed layout's outputs are
-    not the padded layout's on the checked samples (`layout_difference`) within the precision's bounds; else log them."""
-    found = layout_difference(actor, critic, packed, alone, temperature)
+    not the padded layout's on the checked samples (`layout_difference`) within the precision's bounds; else log them.
+    `cp`: the context-parallel group, whose forwards both layouts then run through."""
+    found = layout_difference(actor, critic, packed, alone, temperature, cp)
     model_type = actor.config.model_type
     logprob_bound = LOGPROB_TOLERANCE.get(precision, max(LOGPROB_TOLERANCE.values()))
     relative_bound = RELATIVE_TOLERANCE.get(precision, max(RELATIVE_TOLERANCE.values()))
@@ -159,11 +173,11 @@ def check_packing(
                 f"{error:.3g} apart relative in the packed and padded layouts, more than {precision}'s "
                 f"{relative_bound:g}; {fix}"
             )
-    critic_line = (
-        ""
-        if critic is None
-        else f", the critic's hidden states {found.hidden_relative:.2e} and values {found.value_relative:.2e} relative"
-    )
+    critic_line = "" if critic is None else f", the critic's values {found.value_relative:.2e} relative"
+    if found.hidden_relative is not None:
+        critic_line = (
+            f", the critic's hidden states {found.hidden_relative:.2e} and values {found.value_relative:.2e} relative"
+        )
     logging.getLogger("lit_ppo").info(  # run.log only: the console stays the plan, the progress and the evaluations
         "packing check (%s, %s, %s): log-probs %.2e nats per token apart on average (max %.2e)%s; within %g",
         model_type,

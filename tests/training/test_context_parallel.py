@@ -154,6 +154,7 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
             local_micro_batch(actor, layouts[name], cp).attention_mask is None
             for name in ("causal", "causal-odd", "causal-odd-packed")
         ]
+        report["packing_check"] = _packing_check(actor, critic, layouts["packed"], prompts, responses, pad, cp)
         for layout, mb in layouts.items():
             many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
             if rank == 0:  # the one-rank run, on one of them
@@ -162,6 +163,24 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
         report["error"] = traceback.format_exc()
     with open(f"{out}/rank{rank}.json", "w") as f:
         f.write(json.dumps(report))
+
+
+def _packing_check(actor, critic, packed, prompts, responses, pad, cp) -> dict:
+    """The start-up check of ppo.packing (`packing_check.check_packing`) with the group: what it found, and the widest
+    row either decoder ran on (through the exchange: half the packed row's positions, never the whole row)."""
+    from lit_ppo.training.batching import pack
+    from lit_ppo.training.packing_check import check_packing
+
+    widths = []
+    hooks = [  # [rows, positions, H] of each forward's embeddings
+        model.get_input_embeddings().register_forward_hook(lambda _m, _args, out: widths.append(out.shape[1]))
+        for model in (actor, critic)
+    ]
+    alone = [pack([p], [r], pad, "cpu") for p, r in zip(prompts, responses)]
+    found = check_packing(actor, critic, packed, alone, TEMPERATURE, "32-true", cp)
+    for hook in hooks:
+        hook.remove()
+    return dict(found.__dict__, widest=max(widths), row=packed.input_ids.shape[1])
 
 
 @pytest.mark.parametrize(
@@ -182,6 +201,9 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
         assert report["error"] is None, report["error"]
         assert report["groups"] == [[0, 1], [rank]]
         assert report["causal_without_mask"] == [implementation == "sdpa"] * 3  # eager always has its additive mask
+        found = report["packing_check"]  # through the exchange: each rank half a packed row, as in training
+        assert found["widest"] == -(-found["row"] // 2) and found["hidden_relative"] is None, found
+        assert found["logprob_mean"] < 1e-6 and found["value_relative"] < 1e-6, found
     for layout in ("padded", "packed", "causal", "causal-odd", "causal-odd-packed", "shared-prefix"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
