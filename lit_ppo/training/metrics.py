@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lit_ppo import algorithms as algo
+from lit_ppo import distributed
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import PPOConfig
 from lit_ppo.plan import StepPlan
@@ -226,11 +227,20 @@ def rollout_step_row(
         row.update(refill_and_returned_rounds(batch, plan))
     row.update(extra)
     row.update(train_metrics)
-    timings = {**timings, "timing/rollout_step_s": sum(timings.values())}
-    slowest = global_max(torch.tensor(list(timings.values()), dtype=torch.float64, device=exp.mask.device))
-    row.update(zip(timings, slowest.tolist()))
+    largest = {**timings, "timing/rollout_step_s": sum(timings.values())}
+    largest.update({k: row[k] for k in ("perf/device_peak_memory_gib",) if k in row})
+    row.update(largest_over_every_rank(largest, exp.mask.device))
     row["perf/generated_tokens_per_s"] = row["rollout/generated_tokens"] / max(row["timing/generate_s"], 1e-9)
     return row
+
+
+def largest_over_every_rank(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value's largest over every rank (a collective): the slowest rank's seconds (what the run waits for) and the
+    largest device peak. Every rank, not the data-parallel group: with C > 1 a context-parallel group's ranks differ in
+    their time and memory (their shares of every forward; rank 0 alone generates)."""
+    stacked = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    largest = distributed.global_max(stacked, group=distributed.EVERY_RANK)
+    return dict(zip(values, largest.tolist()))
 
 
 # The statistics each rank adds as its micro-batches' shares of their mini-batch's value (`actor_loss_shares`, the value

@@ -388,6 +388,7 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lit_ppo.testing import FixedBatchDataModule
+    from lit_ppo.training import module
 
     produced, fixed = [], FixedBatchDataModule.produce_rollout
 
@@ -397,6 +398,7 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
         return dataclasses.replace(batch, rewards=batch.rewards + rank % 2 * (1.0 + time.time() % 1))
 
     FixedBatchDataModule.produce_rollout = rank_and_time_rewards  # in this rank's process only
+    module.device_peak_memory_gib = lambda device: 1.0 + rank  # a CUDA peak of this rank's (None on a CPU)
 
     sys.path.insert(0, str(ROOT))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
@@ -448,6 +450,10 @@ def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(v
     ranks = [torch.load(tmp_path / f"step{r}.pt", weights_only=False) for r in range(world)]
     for rank, report in enumerate(ranks):
         assert report["error"] is None, report["error"]
+        # the slowest rank's seconds and the largest peak, over every rank (not only context-parallel rank 0's)
+        assert report["row"]["perf/device_peak_memory_gib"] == float(world), rank
+        timings = {k: v for k, v in report["row"].items() if k.startswith("timing/")}
+        assert len(timings) >= 6 and timings == {k: ranks[0]["row"][k] for k in timings}, rank
         assert report["produced"] == ([0] if rank % 2 == 0 else []), rank  # a group's rank 0 alone generates
         assert report["engine"] == ("NullEngine" if rank % 2 == 0 else "FollowerEngine"), rank
     one = _train_step(tmp_path / "one", variant, 1)
