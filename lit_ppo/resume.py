@@ -196,9 +196,11 @@ RESHARD_KEYS = (
     "strategy.devices",
     "strategy.num_nodes",
     "strategy.lightning.data_parallel_size",
+    "strategy.context_parallel_size",
 )
-"""The number of ranks, which a resumed run may change too (a run moved from 8 GPUs to 4, a requeued job on another
-node count): the checkpoint's states are full ones, resharded on load."""
+"""The number of ranks and their groups, which a resumed run may change too (a run moved from 8 GPUs to 4, a requeued
+job on another node count, another context-parallel size C): the checkpoint's states are full ones, resharded on load;
+the data position and the sampling seeds are global."""
 
 REMEDY_KEYS = (
     "ppo.actor_lr",

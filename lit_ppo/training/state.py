@@ -101,24 +101,29 @@ def module_state(module) -> dict:
 
 
 def restore_module_state(module, state: dict) -> None:
-    """The inverse of `module_state`, on a module built for the resumed run, on any number of ranks: on the number
-    that wrote the checkpoint each rank takes back its own random streams; on another, every rank takes rank 0's
-    (a rank's streams then cannot be the ones an uninterrupted run would have had: its share of the data differs)."""
+    """The inverse of `module_state`, on a module built for the resumed run, on any number of ranks and any
+    context-parallel size C: on the ranks and C that wrote the checkpoint each rank takes back its own random streams;
+    on others, every rank takes rank 0's (a rank's streams then cannot be the ones an uninterrupted run would have had:
+    its share of the data differs)."""
     for k in MODULE_STATE:
         setattr(module, k, state[k])
     module.guarded_step.skipped = state["skipped_updates"]
     saved = state.get("rank_states") or []  # absent in checkpoints written before they were kept
     rank, world = module.topology.rank, module.topology.world_size
-    own = saved[rank] if len(saved) == world else {"rng": state["rng"], "shuffle_generator": state["shuffle_generator"]}
+    counts, C = sections_of(state["plan"])["counts"], module.plan.counts.context_parallel_size
+    saved_C = counts.get("context_parallel_size", 1)  # absent in plans written before issue 51
+    saved_ranks = counts["data_parallel_size"] * saved_C
+    same_ranks = (saved_ranks, saved_C) == (world, C)
+    own = saved[rank] if same_ranks and len(saved) == world else {k: state[k] for k in ("rng", "shuffle_generator")}
     module.shuffle_generator.set_state(own["shuffle_generator"])
     restore_rng_state(own["rng"])
     check_same_rollout_step_shape(state["plan"], module.plan)
-    saved_world = sections_of(state["plan"])["counts"]["data_parallel_size"]
-    if saved_world != module.plan.counts.data_parallel_size and module.topology.is_rank_zero:
+    if not same_ranks and module.topology.is_rank_zero:
+        groups = (f" (C = {saved_C})", f" (C = {C})") if max(saved_C, C) > 1 else ("", "")
         show(
-            f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_world} "
-            f"rank(s) and continues on {module.plan.counts.data_parallel_size}; weights and optimizer states are whole, "
-            "the data position and the sampling seeds global; each rank takes rank 0's random streams"
+            f"resharded: the checkpoint of rollout step {state['rollout_step']} was written by {saved_ranks} "
+            f"rank(s){groups[0]} and continues on {world}{groups[1]}; weights and optimizer states are whole, the data "
+            "position and the sampling seeds global; each rank takes rank 0's random streams"
         )
 
 

@@ -7,6 +7,7 @@ same step is tests/training/test_context_parallel.py::test_a_rollout_step_on_two
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,42 @@ def test_two_context_parallel_ranks_end_with_the_one_rank_weights(single_run, co
             assert float(cp[key]) == pytest.approx(float(one[key]), rel=1e-4, abs=1e-8), key
     difference = assert_same_weights(final_actor(run), final_actor(single_run), rel=1e-5)
     print(f"final actor: largest difference {difference:.1e} of the largest weight")  # pytest -s
+
+
+def resumed_from(run: Path, out: Path, cache: Path, *overrides: str) -> Path:
+    """`run`'s directory as a requeued job finds it after rollout step 1 (its config.yaml and that checkpoint),
+    continued with `resume=auto` under `overrides` (another C, another number of ranks)."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "config.yaml", out / "config.yaml")
+    shutil.copy(run / "checkpoints" / "rollout_step_000001.ckpt", out / "checkpoints")
+    return train_cli(out, cache, *overrides, "resume=auto")
+
+
+@pytest.mark.parametrize("ranks, C", [(1, 1), (2, 1)], ids=["at-c1-on-1-rank", "at-c1-on-2-ranks"])
+def test_a_c2_checkpoint_resumes_at_c1_as_the_run_at_c1_would_continue(
+    tmp_path, cache, single_run, context_parallel_run, ranks, C
+):
+    """The C = 2 run's checkpoint after rollout step 1, resumed at C = 1 on 1 or 2 ranks: its second rollout step has
+    the one-rank run's samples and data position (exactly: the seeds and the prompt stream are global), advantages,
+    and the final actor within the C = 2 vs one-rank tolerance (the checkpoint's weights and optimizer states are the
+    C = 2 run's, whole: equal to the one-rank run's to float32 summation order)."""
+    run = resumed_from(
+        context_parallel_run,
+        tmp_path / "resumed",
+        cache,
+        "strategy=ddp",
+        "strategy.accelerator=cpu",
+        f"strategy.devices={ranks}",
+        f"strategy.context_parallel_size={C}",
+    )
+    log = (run / "train.log").read_text()
+    assert (
+        f"resharded: the checkpoint of rollout step 1 was written by 2 rank(s) (C = 2) and continues on {ranks} (C = 1)"
+        in log
+    )
+    assert [r["rollout_step"] for r in metrics(run)] == ["1", "2"]  # history carried, step 1 not trained again
+    one, resumed = experience(single_run, 1, world=1), experience(run, 1, world=ranks)
+    assert resumed["dataset_indices"] == one["dataset_indices"] and resumed["response_ids"] == one["response_ids"]
+    torch.testing.assert_close(resumed["advantages"], one["advantages"], atol=1e-5, rtol=0)
+    difference = assert_same_weights(final_actor(run), final_actor(single_run), rel=1e-5)
+    print(f"resumed {ranks} rank(s) at C = {C}: largest difference {difference:.1e} of the largest weight")

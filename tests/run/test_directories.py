@@ -91,6 +91,19 @@ def test_only_the_run_length_and_what_is_recorded_may_change_on_resume(tmp_path)
     assert any(line.startswith("ppo.advantage_estimator: gae -> grpo") for line in changed), changed
 
 
+def test_the_number_of_ranks_and_the_context_parallel_size_may_change_on_resume():
+    """Issue 51: a checkpoint of C = 2 on 2 ranks resumes at C = 1 on 1 or 2 ranks, and one of C = 1 at C = 2 (the
+    states are whole, the data position global: tests/end_to_end/test_context_parallel_cli.py trains it)."""
+
+    def settings(*overrides: str) -> dict:
+        return compose_run_config("strategy=ddp", "strategy.accelerator=cpu", *overrides).to_dict()
+
+    saved = settings("strategy.devices=2", "strategy.context_parallel_size=2")
+    assert config_differences(saved, settings("strategy.devices=1")) == []
+    assert config_differences(saved, settings("strategy.devices=2")) == []
+    assert config_differences(settings("strategy.devices=2"), saved) == []
+
+
 def test_the_fixes_the_errors_name_may_change_on_resume_with_one_line_each(tmp_path, capsys):
     """Issue 36 item 5: a run stopped by NonFiniteUpdatesError, DynamicSamplingShortfallError or RolloutMismatchError
     is resumed with the fix its error names; each changed setting is one line with its old and new values."""
