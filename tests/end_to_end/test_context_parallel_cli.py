@@ -93,3 +93,24 @@ def test_a_c2_checkpoint_resumes_at_c1_as_the_run_at_c1_would_continue(
     torch.testing.assert_close(resumed["advantages"], one["advantages"], atol=1e-5, rtol=0)
     difference = assert_same_weights(final_actor(run), final_actor(single_run), rel=1e-5)
     print(f"resumed {ranks} rank(s) at C = {C}: largest difference {difference:.1e} of the largest weight")
+
+
+def test_a_c1_checkpoint_of_two_ranks_resumes_at_c2_as_the_run_at_c2_would_continue(tmp_path, cache, single_run):
+    """The reverse: a 2-rank run at C = 1 stopped after rollout step 1, resumed at C = 2 on the same 2 ranks (its
+    rank 0 generating for the group, its rank 1 receiving): the second rollout step's samples and data position
+    exactly the one-rank run's, the final actor within the C = 2 vs one-rank tolerance."""
+    first = train_cli(tmp_path / "c1", cache, *DDP, "trainer.total_rollout_steps=1")
+    run = resumed_from(
+        first, tmp_path / "resumed", cache, *DDP, "strategy.context_parallel_size=2", "trainer.total_rollout_steps=2"
+    )
+    log = (run / "train.log").read_text()
+    assert (
+        "resharded: the checkpoint of rollout step 1 was written by 2 rank(s) (C = 1) and continues on 2 (C = 2)" in log
+    )
+    assert [r["rollout_step"] for r in metrics(run)] == ["1", "2"]
+    one, resumed = experience(single_run, 1, world=1), experience(run, 1, world=1)  # one group: rank 0's dump
+    assert resumed["dataset_indices"] == one["dataset_indices"] and resumed["response_ids"] == one["response_ids"]
+    width = one["mask"].shape[1]
+    torch.testing.assert_close(resumed["advantages"][:, :width], one["advantages"], atol=1e-5, rtol=0)
+    difference = assert_same_weights(final_actor(run), final_actor(single_run), rel=1e-5)
+    print(f"resumed at C = 2: largest difference {difference:.1e} of the largest weight")
