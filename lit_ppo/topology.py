@@ -196,12 +196,15 @@ class RankTopology:
             return self
         import torch.distributed as dist
 
+        from lit_ppo.waits import collective_timeout
+
+        timeout = collective_timeout()  # trainer.collective_timeout_s, as the default group's
         context = data = None
         for first in range(0, self.world_size, C):
-            group = dist.new_group(list(range(first, first + C)))
+            group = dist.new_group(list(range(first, first + C)), timeout=timeout)
             context = group if first == self.data_parallel_rank * C else context
         for offset in range(C):
-            group = dist.new_group(list(range(offset, self.world_size, C)))
+            group = dist.new_group(list(range(offset, self.world_size, C)), timeout=timeout)
             data = group if offset == self.context_parallel_rank else data
         use_data_parallel_group(data)  # the reductions of samples, from now on (lit_ppo.distributed)
         return replace(self, data_parallel_group=data, context_parallel_group=context)

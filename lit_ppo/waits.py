@@ -56,6 +56,12 @@ def strategy_timeout(strategy_class: type, collective_timeout_s: float) -> dict:
     return {"timeout": timedelta(seconds=collective_timeout_s)}
 
 
+def collective_timeout() -> timedelta | None:
+    """`trainer.collective_timeout_s` for the process groups built after the strategy's (torch's `new_group` would
+    take its backend's default otherwise: 10 minutes under NCCL); None where the strategy has no timeout."""
+    return None if _collective_timeout_s is None else timedelta(seconds=_collective_timeout_s)
+
+
 def named_timeout(error: BaseException, rank: int) -> WaitTimeoutError | None:
     """The one-line error for a collective's timeout (None for any other error): what this rank waited for, where
     to look for the rank that did not come, and the setting to raise."""

@@ -329,6 +329,27 @@ def test_four_ranks_form_two_context_parallel_groups_of_two_and_two_data_paralle
         assert outcome["ranks"] == (rank // 2, rank % 2)
 
 
+def test_the_context_and_data_parallel_groups_take_the_runs_collective_timeout(monkeypatch):
+    """The groups built for C > 1 wait as long as the default group (`trainer.collective_timeout_s`), not torch's
+    backend default (10 minutes under NCCL): a group's other ranks wait in them for its rank 0's whole generation."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lit_ppo import distributed, waits
+
+    built = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: built.append((ranks, kw)) or len(built))
+    monkeypatch.setattr(waits, "_collective_timeout_s", None)
+    waits.strategy_timeout(DDPStrategy, 3600.0)
+    try:
+        RankTopology(rank=1, world_size=4, context_parallel_size=2).with_groups()
+    finally:
+        distributed.use_data_parallel_group(None)
+    assert [ranks for ranks, _ in built] == [[0, 1], [2, 3], [0, 2], [1, 3]]
+    assert all(kw["timeout"] == timedelta(seconds=3600.0) for _, kw in built), built
+
+
 def test_one_context_parallel_rank_needs_no_groups():
     topology = RankTopology(rank=1, world_size=2)
     assert topology.with_groups() is topology  # torch's default group: no new_group call, no process group needed

@@ -92,7 +92,11 @@ def shared_by_group(topology, device, produce: Callable[[], T]) -> T:
     except BaseException as error:
         broadcast_object((True, _portable(error)), device, group=group)
         raise
-    broadcast_object((False, result), device, group=group)
+    try:
+        broadcast_object((False, result), device, group=group)
+    except Exception as error:  # the batch did not pickle (before anything was sent): the group's other ranks raise too
+        broadcast_object((True, _portable(error)), device, group=group)
+        raise
     return result
 
 

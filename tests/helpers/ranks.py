@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import tempfile
 import time
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -13,13 +15,15 @@ RANKS_TIMEOUT_S = 900.0
 test fails (a hang in a collective or in a rank's start becomes a failure that says where, not a stalled suite)."""
 
 
-def _rank(rank: int, fn, timeout_s: float, *args) -> None:
-    """One rank: `fn(rank, *args)`, its stacks printed to stderr and the process ended if it runs past `timeout_s`."""
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
-    try:
-        fn(rank, *args)
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+def _rank(rank: int, fn, timeout_s: float, stacks: str, *args) -> None:
+    """One rank: `fn(rank, *args)`; past `timeout_s` its stacks go to `stacks/rank<r>.txt` and the process ends (a
+    file, not stderr: a rank's stderr is the fork server's, an earlier test's captured stream)."""
+    with open(Path(stacks, f"rank{rank}.txt"), "w") as out:
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=out)
+        try:
+            fn(rank, *args)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def start_ranks(fn, nprocs: int, *args, timeout_s: float = RANKS_TIMEOUT_S) -> None:
@@ -29,9 +33,24 @@ def start_ranks(fn, nprocs: int, *args, timeout_s: float = RANKS_TIMEOUT_S) -> N
     each rank starts without importing lit_ppo again (about 40 s a rank if spawned). A rank running past `timeout_s`
     prints its stacks and ends; a rank that never starts is ended here: either way the test fails with the ranks named."""
     multiprocessing.set_forkserver_preload([__name__, fn.__module__])
-    context = mp.start_processes(
-        _rank, args=(fn, timeout_s, *args), nprocs=nprocs, join=False, start_method="forkserver"
-    )
+    with tempfile.TemporaryDirectory(prefix="ranks-") as stacks:
+        context = mp.start_processes(
+            _rank, args=(fn, timeout_s, stacks, *args), nprocs=nprocs, join=False, start_method="forkserver"
+        )
+        try:
+            _wait(context, nprocs, fn, timeout_s)
+        except mp.ProcessExitedException as exited:
+            dumped = {f.name: f.read_text() for f in sorted(Path(stacks).glob("rank*.txt")) if f.stat().st_size}
+            if not dumped:
+                raise
+            raise AssertionError(
+                f"{fn.__name__}: ranks ran past {timeout_s:.0f} s, their stacks:\n"
+                + "\n".join(f"{name}:\n{text}" for name, text in dumped.items())
+            ) from exited
+
+
+def _wait(context, nprocs: int, fn, timeout_s: float) -> None:
+    """Joins the ranks; ends those still running (never started?) 30 s after their own timeouts."""
     deadline = time.monotonic() + timeout_s + 30.0  # the ranks' own timeouts first, with their stacks
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
