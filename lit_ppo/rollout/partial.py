@@ -474,6 +474,11 @@ class PartialRollouts:
                         "is null; fix: resume with the checkpoint's rollout.episodes.environment"
                     )
                 fields["episode"] = self.episodes.state_of(fields["episode"])
+            elif self.episodes is not None:
+                raise ConfigError(
+                    "the checkpoint's partial rollouts in flight are single-turn samples, but rollout.episodes."
+                    "environment is set; fix: resume with the checkpoint's rollout.episodes.environment (null)"
+                )
             return CarriedSample(**dict(fields, spans=tuple(tuple(s) for s in fields["spans"])))
 
         self.groups = [

@@ -274,3 +274,22 @@ def test_carried_episodes_resume_from_a_checkpoint_their_environments_replayed(t
     resumed.load_state_dict(state)
     with pytest.raises(EnvironmentFailure, match="answered otherwise than it did.*fix: make the environment"):
         resumed.produce_rollout(1)
+
+
+def test_a_checkpoint_of_single_turn_samples_in_flight_does_not_resume_as_tool_episodes(tokenizer, tiny_model_dir):
+    """Carried single-turn samples resumed with rollout.episodes.environment set are refused in one line (they hold
+    no episode state to continue), as carried episodes resumed without it are."""
+    from lit_ppo.errors import ConfigError
+
+    prompts = prompt_set(tokenizer)
+    dm = datamodule(prompts, episode_rollout(), tokenizer, tiny_model_dir, TurnEngine(tokenizer))
+    dm.produce_rollout(0)
+    state = dm.state_dict()
+    groups = state["partial_groups"]
+    assert any(not s["finished"] for g in groups for s in g["samples"])
+    for group in groups:  # the same groups as a single-turn run carries them: no episode state
+        for sample in group["samples"]:
+            sample["episode"] = None
+    resumed = datamodule(prompts, episode_rollout(), tokenizer, tiny_model_dir, TurnEngine(tokenizer))
+    with pytest.raises(ConfigError, match="single-turn samples, but rollout.episodes.environment is set; fix"):
+        resumed.load_state_dict(state)
