@@ -506,3 +506,23 @@ def test_context_parallel_size_divides_the_data_parallel_size():
 
     assert StrategyConfig(devices=4, num_nodes=2, context_parallel_size=4).data_parallel_size == 2
     assert StrategyConfig(devices=4, num_nodes=2).data_parallel_size == 8
+
+
+def test_a_model_context_parallelism_cannot_split_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """The pre-flight reads the model's heads (the tiny model's config here, a checkpoint's config.json otherwise):
+    heads not divisible by C are refused in one line before vLLM or the model start, not at the first training
+    forward."""
+    import transformers
+
+    from lit_ppo.errors import ConfigError
+    from lit_ppo.run.prepare import preflight
+    from tests.helpers import compose_run_config
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the heads were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    cp = ("strategy=ddp", "strategy.devices=2", "strategy.context_parallel_size=2", "model.warm_start.enabled=false")
+    with pytest.raises(ConfigError, match=r"^strategy.context_parallel_size=2: the model's 4 attention heads and 1 KV"):
+        preflight(compose_run_config(*cp, "model.tiny.num_kv_heads=1"), tmp_path / "run")
+    preflight(compose_run_config(*cp), tmp_path / "run")  # 4 heads and 2 KV heads divide by 2

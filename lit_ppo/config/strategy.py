@@ -66,3 +66,33 @@ def validate_context_parallel(strategy: StrategyConfig, *, disaggregated: bool, 
             "group's rank 0 generates alone, and a tensor-parallel engine's generate needs all of its ranks; fix: "
             "rollout.tensor_parallel_size=1, or context_parallel_size=1"
         )
+
+
+INNER_IMPLEMENTATIONS = ("sdpa", "eager")
+"""The attention kernels context parallelism wraps (lit_ppo/training/context_parallel.py): they take the whole row's
+4-D mask as given."""
+
+
+def check_context_parallel_model(model_config, size: int, implementation: str | None) -> None:
+    """What the exchange needs of a model (its config: transformers' or config.json's keys), one line otherwise: heads
+    and KV heads divisible by C (ring attention, which would not need it, is not built), no sliding window, sdpa or
+    eager kernels (`implementation`; null: transformers' default, sdpa). The pre-flight's check, before any model
+    loads, and the training forward's."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: the model's {heads} attention heads and {kv_heads} KV heads must "
+            f"both divide by it (Ulysses; ring attention is not built); fix: a context_parallel_size dividing both"
+        )
+    windows = "sliding_attention" in (getattr(model_config, "layer_types", None) or ())
+    if windows or (getattr(model_config, "sliding_window", None) and getattr(model_config, "use_sliding_window", True)):
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: the {model_config.model_type} model has sliding-window attention, "
+            "which context parallelism does not handle yet; fix: strategy.context_parallel_size=1"
+        )
+    if (implementation or "sdpa") not in INNER_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"strategy.context_parallel_size={size}: model.attn_implementation={implementation} is not built for "
+            "context parallelism; fix: model.attn_implementation=sdpa (or eager)"
+        )

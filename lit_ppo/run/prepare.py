@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lit_ppo.config import DataConfig, RunConfig, planned_dataset_size
+from lit_ppo.config.strategy import check_context_parallel_model
 from lit_ppo.console import show
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import LoraTargets, PromptStats, StepPlan, compute_plan
@@ -259,6 +260,13 @@ def resolve_layout(config: RunConfig, training: bool, model_type, architecture) 
         if not hasattr(architecture, "model_type"):
             model_config = SimpleNamespace(**json.loads((Path(architecture) / "config.json").read_text()))
         shared_prefix = checks.resolve_shared_prefix(shared_prefix, model_config, config.model.attn_implementation)
+    if training and config.strategy.context_parallel_size > 1 and architecture is not None:  # before any model loads
+        model_config = architecture
+        if not hasattr(architecture, "num_attention_heads"):
+            model_config = SimpleNamespace(**json.loads((Path(architecture) / "config.json").read_text()))
+        check_context_parallel_model(
+            model_config, config.strategy.context_parallel_size, config.model.attn_implementation
+        )
     return packing, shared_prefix
 
 

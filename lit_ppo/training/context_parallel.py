@@ -46,6 +46,7 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.masking_utils import create_causal_mask
 
+from lit_ppo.config.strategy import check_context_parallel_model
 from lit_ppo.distributed import all_to_all
 from lit_ppo.errors import ConfigError
 from lit_ppo.training.batching import MicroBatch
@@ -54,9 +55,6 @@ from lit_ppo.training.shared_prefix import attention_mask_for, segment_mask
 
 ULYSSES = "lit_ppo_ulysses"
 """The attention implementation's name in transformers' AttentionInterface while a context-parallel forward runs."""
-
-INNER_IMPLEMENTATIONS = ("sdpa", "eager")
-"""The kernels the exchange wraps: they take the whole row's 4-D mask as given."""
 
 _ACTIVE: list[tuple[Any, str, bool, Any]] = []  # (group, wrapped implementation, whole rows causal, config) running now
 
@@ -121,27 +119,8 @@ AttentionInterface.register(ULYSSES, ulysses_attention)
 
 
 def check_model(config, size: int) -> None:
-    """What the exchange needs of a model, one line otherwise: heads and KV heads divisible by C (ring attention,
-    which would not need it, is not built), no sliding window, sdpa or eager kernels."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % size or kv_heads % size:
-        raise ConfigError(
-            f"strategy.context_parallel_size={size}: the model's {heads} attention heads and {kv_heads} KV heads must "
-            f"both divide by it (Ulysses; ring attention is not built); fix: a context_parallel_size dividing both"
-        )
-    windows = "sliding_attention" in (getattr(config, "layer_types", None) or ())
-    if windows or (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
-        raise ConfigError(
-            f"strategy.context_parallel_size={size}: the {config.model_type} model has sliding-window attention, "
-            "which context parallelism does not handle yet; fix: strategy.context_parallel_size=1"
-        )
-    implementation = config._attn_implementation
-    if implementation not in INNER_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"strategy.context_parallel_size={size}: model.attn_implementation={implementation} is not built for "
-            "context parallelism; fix: model.attn_implementation=sdpa (or eager)"
-        )
+    """What the exchange needs of a model (`check_context_parallel_model`), on its loaded config."""
+    check_context_parallel_model(config, size, config._attn_implementation)
 
 
 @contextmanager
