@@ -19,6 +19,7 @@ from lit_ppo.contract import (
     WeightUpdate,
     WorkerWeightTransfer,
 )
+from lit_ppo.rollout.context_group import FollowerEngine
 from lit_ppo.rollout.engine import VLLMEngine
 from lit_ppo.rollout.episodes import EpisodeRequest
 from lit_ppo.rollout.hf_engine import HFEngine
@@ -29,7 +30,15 @@ from lit_ppo.testing import NullEngine
 from tests.helpers import ROOT
 
 IMPLEMENTATIONS = {
-    RolloutEngine: [VLLMEngine, HFEngine, RolloutWorkers, DataParallelWorkers, ServerWorkers, NullEngine],
+    RolloutEngine: [
+        VLLMEngine,
+        HFEngine,
+        RolloutWorkers,
+        DataParallelWorkers,
+        ServerWorkers,
+        NullEngine,
+        FollowerEngine,
+    ],
     AheadOfTimePool: [RolloutWorkers, DataParallelWorkers, ServerWorkers],
     WorkerWeightTransfer: [VLLMEngine, HFEngine],
 }

@@ -17,7 +17,6 @@ from lit_ppo.config import (
     DynamicSamplingConfig,
     LoraConfig,
     ModelConfig,
-    PPOConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
     RunConfig,
@@ -32,6 +31,7 @@ from lit_ppo.rollout.partial import CarriedGroup, CarriedSample, aged, continuat
 from lit_ppo.rollout.prompt_stream import round_purpose
 from lit_ppo.rollout.prompts import Prompt, PromptSet
 from tests.helpers import datamodule_on, plan_of, run_config
+from tests.helpers.partial import PPO, CountdownEngine, countdown_prompts, partial_rollout
 from tests.helpers.prompts import PROMPT_TOKENS, long_prompts
 
 
@@ -41,16 +41,6 @@ def hashed_responses(prompts, responses, references, extras):
 
 
 TIS_KW = {"rollout_correction": RolloutCorrectionConfig(mode="tis")}
-PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
-
-
-def partial_rollout(
-    step_tokens=4, max_age_steps=1, at_max_age="finish", groups_in_flight=None, **rollout
-) -> RolloutConfig:
-    return RolloutConfig(
-        **{"max_response_tokens": 8, "temperature": 0.7, **rollout},
-        partial=PartialConfig(step_tokens, max_age_steps, at_max_age, groups_in_flight),
-    )
 
 
 # ------------------------------------------------------------ settings and plan
@@ -132,36 +122,6 @@ def test_groups_in_flight_outside_whole_rounds_within_the_bound_is_refused(count
 
 
 # ------------------------------------------------------------ a fake engine whose samples end where their seed says
-
-
-class CountdownEngine:
-    """Samples whose tokens count down to 0, their end: a fresh sample seeded s is (s % 5) * 3 + 1 tokens long, a
-    continuation goes on from its prompt's last token. Each call is recorded."""
-
-    adapter_version = 0
-
-    def __init__(self):
-        self.requests: list[GenerateRequest] = []
-
-    def generate(self, request: GenerateRequest) -> list[Generation]:
-        self.requests.append(request)
-        out = []
-        for i, (ids, limit) in enumerate(zip(request.prompt_token_ids, request.limits)):
-            for j in range(request.n):
-                continued = ids[-1] < 40  # the sample's last token: where its countdown stands
-                start = ids[-1] if continued else (request.seeds[i] + j) % 5 * 3 + 1
-                tokens = list(range(start - 1, -1, -1))[:limit]
-                ended = tokens[-1] == 0
-                out.append(Generation(i, tokens, not ended, "x" * len(tokens), [-0.5] * len(tokens)))
-        return out
-
-    def wake_up(self):
-        pass
-
-
-def countdown_prompts(count: int) -> PromptSet:
-    # Prompt tokens >= 40: a continuation's last prompt token (< 40) tells the fake engine where its sample stands.
-    return PromptSet([Prompt([40 + i % 20] * 6, f"p{i}", "0", {}) for i in range(count)], "test")
 
 
 def countdown_datamodule(tokenizer, model_dir, rollout=None, steps=6):

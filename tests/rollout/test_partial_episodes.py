@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lit_ppo.config import EpisodesConfig, PPOConfig, RolloutConfig
 from lit_ppo.config.partial import PartialConfig
 from lit_ppo.contract import GenerateRequest, Generation
 from lit_ppo.errors import ConfigError, EnvironmentFailure
@@ -23,10 +22,9 @@ from lit_ppo.rollout.datamodule import RolloutDataModule
 from lit_ppo.rollout.partial import continuation_seed
 from lit_ppo.rollout.prompts import Prompt, PromptSet
 from tests.helpers import integer_match, plan_of, run_config
-from tests.helpers.episodes import ENVIRONMENT, DigitCallCalculator
+from tests.helpers.episodes import DigitCallCalculator
+from tests.helpers.partial import PPO, episode_rollout
 from tests.helpers.prompts import long_prompts
-
-PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8, micro_train_batch_size=4)
 
 
 class SecondStepFails(DigitCallCalculator):
@@ -51,18 +49,6 @@ class CountedCalculator(DigitCallCalculator):
 
 def environment(name: str) -> dict:
     return {"_target_": f"tests.rollout.test_partial_episodes.{name}", "call_end": ";"}
-
-
-def episode_rollout(
-    environment=ENVIRONMENT, step_tokens=4, max_age_steps=5, at_max_age="finish", **episodes
-) -> RolloutConfig:
-    """Turns of up to 6 tokens, episodes of up to 3 turns and 24 tokens, cut every 4 policy tokens."""
-    return RolloutConfig(
-        max_response_tokens=6,
-        temperature=0.7,
-        episodes=EpisodesConfig(**{"environment": environment, "max_turns": 3, "max_tokens": 24, **episodes}),
-        partial=PartialConfig(step_tokens, max_age_steps, at_max_age, groups_in_flight=8),
-    )
 
 
 def datamodule(prompts, rollout, tokenizer, model_dir, engine, on_error="raise", steps=6) -> RolloutDataModule:

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 from lit_ppo.plan import check_carried_tokens
 from lit_ppo.topology import RankTopology
 from tests.helpers import ROOT, datamodule_on, plan_of
+from tests.helpers.partial import PPO, CountdownEngine, countdown_prompts, episode_rollout, partial_rollout
 from tests.helpers.ranks import start_ranks
-from tests.rollout.test_partial import PPO, CountdownEngine, countdown_prompts, partial_rollout
 
 # Imported here, not in the ranks: the fork server imports this module once and each rank starts from it.
 
@@ -152,7 +152,6 @@ def test_a_two_rank_run_resumed_with_groups_in_flight_ends_as_the_uninterrupted_
 def test_tool_episodes_with_more_than_one_trainer_rank_are_refused_in_one_line():
     from lit_ppo.errors import ConfigError
     from tests.helpers import run_config
-    from tests.rollout.test_partial_episodes import episode_rollout
 
     run_config(ppo=PPO, rollout=episode_rollout())  # one rank: composes
     with pytest.raises(ConfigError) as error:
