@@ -518,12 +518,18 @@ def _sync_rank(rank: int, world: int, strategy: str, out: str) -> None:
             grads = sync_training(wrapper, x, y, backward)
         result[way] = dict(syncs=len(syncs), grads=grads)
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    # Both ranks past every collective, then out without teardown: freeing the DDP model whose counting comm hook's
+    # futures hold Python callbacks deadlocked at exit (the Reducer's process group joins a gloo thread that waits for
+    # the GIL this thread holds; py-spy, make test-slow of 2026-11-29).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # Slow (make test-slow): tests/training/test_grad_sync.py shows the same in two train.py runs. Its [ddp] case used to hang
 # at a rank's exit (the counting comm hook's futures freed with the DDP model: a gloo thread waiting for the GIL);
-# start_ranks now ends each rank without teardown.
+# _sync_rank now ends without teardown.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_gradient_sync_syncs_once_per_optimizer_step_with_the_gradients_of_a_sync_per_micro_batch(strategy, tmp_path):

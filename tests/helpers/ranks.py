@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +24,6 @@ def _rank(rank: int, fn, timeout_s: float, stacks: str, *args) -> None:
             fn(rank, *args)
         finally:
             faulthandler.cancel_dump_traceback_later()
-    # Done: end without tearing down. Freeing a DDP model whose comm hook's futures hold Python callbacks can deadlock
-    # (the Reducer's process group joins a gloo thread that waits for the GIL this thread holds), so a rank that had
-    # finished would hang at exit (seen in make test-slow: test_gradient_sync_...[ddp]). Its results are saved by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def start_ranks(fn, nprocs: int, *args, timeout_s: float = RANKS_TIMEOUT_S) -> None:
