@@ -218,27 +218,35 @@ class EpisodeLoop:
                     r.append(ids, policy=False)
                     r.episode.observation_tokens += len(ids)
 
-    def generate(self, turn: int, active: list[_Running]) -> list[Generation]:
-        """Turn `turn` of the active episodes, one batched generate: each continues `prompt ids + response so far`
-        within its turn's and its episode's token budget; the policy's tokens appended to each episode."""
-        settings = self.settings
-        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in active]
-        budgets = [
-            min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active
-        ]
-        turn_seeds = None if self.seeds is None else [self.seeds(turn)[r.position] for r in active]
+    def continue_episodes(
+        self, running: list[_Running], max_tokens: list[int], seeds: list[int] | None
+    ) -> tuple[list[list[int]], list[Generation]]:
+        """One batched generate that continues each of `running` from `prompt ids + response so far` (its context)
+        within `max_tokens`, with the episodes' sampling and stops: (the contexts, the generations)."""
+        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in running]
         outputs = self.engine.generate(
             GenerateRequest(
                 contexts,
                 n=1,
                 temperature=self.temperature,
                 top_p=self.top_p,
-                max_tokens=budgets,
-                seeds=turn_seeds,
-                stop_token_ids=settings.stop_token_ids,
-                stop=settings.stop,
+                max_tokens=max_tokens,
+                seeds=seeds,
+                stop_token_ids=self.settings.stop_token_ids,
+                stop=self.settings.stop,
             )
         )
+        return contexts, outputs
+
+    def generate(self, turn: int, active: list[_Running]) -> list[Generation]:
+        """Turn `turn` of the active episodes, one batched generate: each continues `prompt ids + response so far`
+        within its turn's and its episode's token budget; the policy's tokens appended to each episode."""
+        settings = self.settings
+        budgets = [
+            min(settings.max_turn_tokens, settings.max_episode_tokens - len(r.episode.token_ids)) for r in active
+        ]
+        turn_seeds = None if self.seeds is None else [self.seeds(turn)[r.position] for r in active]
+        contexts, outputs = self.continue_episodes(active, budgets, turn_seeds)
         for r, context, out in zip(active, contexts, outputs):
             ep = r.episode
             r.append(list(out.token_ids), policy=True, logprobs=list(out.logprobs))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lit_ppo.config.partial import groups_in_flight
-from lit_ppo.contract import GenerateRequest, Generation
+from lit_ppo.contract import Generation
 from lit_ppo.environments import TokenIds, check_observation, check_step_result
 from lit_ppo.errors import EnvironmentFailure
 from lit_ppo.preemption import stop_point
@@ -163,19 +163,7 @@ class ChunkLoop(EpisodeLoop):
             limits.append(min(room, o.left))
             cut_binds.append(o.left < room)
             seeds.append(o.sample.seed if o.calls == 0 else continuation_seed(o.sample.seed, o.calls))
-        contexts = [list(r.prompt.prompt_ids) + r.episode.token_ids for r in ready]
-        outputs = self.engine.generate(
-            GenerateRequest(
-                contexts,
-                n=1,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                max_tokens=limits,
-                seeds=seeds,
-                stop_token_ids=settings.stop_token_ids,
-                stop=settings.stop,
-            )
-        )
+        contexts, outputs = self.continue_episodes(ready, limits, seeds)
         ended = []
         for r, context, out, binds in zip(ready, contexts, outputs, cut_binds):
             o, ep = self.open[r.position], r.episode
