@@ -527,10 +527,9 @@ def _sync_rank(rank: int, world: int, strategy: str, out: str) -> None:
     os._exit(0)
 
 
-# Slow (make test-slow): tests/training/test_grad_sync.py shows the same in two train.py runs. Its [ddp] case used to hang
-# at a rank's exit (the counting comm hook's futures freed with the DDP model: a gloo thread waiting for the GIL);
-# _sync_rank now ends without teardown.
-@pytest.mark.slow
+# In make test again (2026-11-29): its [ddp] case used to hang at a rank's exit (the counting comm hook's futures freed
+# with the DDP model: a gloo thread waiting for the GIL), which had moved it to make test-slow; _sync_rank now ends
+# without teardown. tests/training/test_grad_sync.py (slow) counts the same in two train.py runs.
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_gradient_sync_syncs_once_per_optimizer_step_with_the_gradients_of_a_sync_per_micro_batch(strategy, tmp_path):
     """`distributed.gradient_sync` on 2 gloo ranks, 4 micro-batches per optimizer step: one all-reduce (DDP) or one
