@@ -21,8 +21,9 @@ def stopped_across_cut(previous: Sequence[int], generation: Generation, stop: Se
     if not stop or not previous or not generation.token_ids:
         return generation
     longest = max(len(s) for s in stop)
-    tail = list(previous[-(longest + 4) :])  # enough characters for a stop string begun before the cut
-    before = len(tokenizer.decode(tail, skip_special_tokens=True))
+    tail = stop_tail(previous, longest, tokenizer)
+    # Characters wholly before the cut: a cut inside a character's bytes decodes it as U+FFFD, whole once continued.
+    before = len(tokenizer.decode(tail, skip_special_tokens=True).rstrip("\ufffd"))
     for k in range(1, len(generation.token_ids) + 1):
         text = tokenizer.decode(tail + list(generation.token_ids[:k]), skip_special_tokens=True)
         if any(text.find(s, max(0, before - len(s) + 1)) != -1 for s in stop):
@@ -33,6 +34,19 @@ def stopped_across_cut(previous: Sequence[int], generation: Generation, stop: Se
         if len(text) - before >= longest:  # any stop string begun before the cut would have completed by now
             break
     return generation
+
+
+def stop_tail(previous: Sequence[int], longest: int, tokenizer) -> list[int]:
+    """The last tokens of `previous` whose text holds a stop string of `longest` characters begun before the cut: grown
+    (doubled) until it decodes to `longest` + 4 characters, so that a character of several byte tokens (byte fallback,
+    a CJK character or an emoji of 2-4 tokens) and the U+FFFD of the bytes a cut splits, at either end, still leave
+    the whole stop string in it; all of `previous` at most."""
+    size = longest + 4
+    while True:
+        tail = list(previous[-size:])
+        if size >= len(previous) or len(tokenizer.decode(tail, skip_special_tokens=True)) >= longest + 4:
+            return tail
+        size *= 2
 
 
 def text_before_stop(text: str, stop: Sequence[str]) -> str:

@@ -92,3 +92,36 @@ def test_stopped_across_cut_keeps_the_token_that_completes_the_stop_string(token
     assert stopped_across_cut([], chunk, ["world"], tokenizer) == chunk  # a first chunk: the engine's own matching
     same = dataclasses.replace(chunk, token_ids=tokenizer("ld").input_ids, logprobs=[-1.0] * 2, truncated=False)
     assert stopped_across_cut(ids, same, ["world"], tokenizer) == same  # the engine ended it there itself
+
+
+def byte_tokenizer():
+    """One token per byte (a byte-level BPE without merges): a CJK character is 3 tokens, an emoji 4."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+@pytest.mark.parametrize(
+    "text, stop, cut",
+    [
+        ("ab🙂🙃😀cd", "🙂🙃😀", 10),  # the cut between two emoji: 8 of the stop string's 12 byte tokens before it
+        ("ab🙂🙃😀cd", "🙂🙃😀", 12),  # the cut inside the third emoji's 4 bytes
+        ("日本語のテキストです", "語のテキスト", 21),  # 7 characters before the cut, 21 tokens; the stop string's 6th
+    ],
+)
+def test_a_stop_string_of_many_byte_characters_begun_before_the_cut_is_found(text, stop, cut):
+    """A stop string of 3-byte or 4-byte characters that a cut (after `cut` tokens) splits, each byte one token (byte
+    fallback): found wherever in its bytes the cut falls (a look-back of characters, not of tokens)."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer(text).input_ids
+    end = len(text[: text.index(stop) + len(stop)].encode())  # the token that completes the stop string: kept
+    chunk = Generation(0, ids[cut:], True, "", [-0.25 * (k + 1) for k in range(len(ids) - cut)])
+    ended = stopped_across_cut(ids[:cut], chunk, [stop], tokenizer)
+    assert ended.token_ids == ids[cut:end] and not ended.truncated
+    assert ended.logprobs == chunk.logprobs[: end - cut]
+    assert stopped_across_cut(ids[:cut], chunk, ["🙂😀", "のです"], tokenizer) == chunk  # not in the text: as generated
