@@ -214,12 +214,15 @@ def take_batch(
 
 
 def token_ages(groups: list[CarriedGroup], rollout_step: int) -> list[int]:
-    """Each token's age in rollout steps (the step minus the version that generated it), over `groups`."""
+    """Each policy token's age in rollout steps (the step minus the version that generated it), over `groups`; a tool
+    episode's observations left out (no policy sampled them, no loss reads them; their span is the chunk's that
+    appended them)."""
     ages = []
     for sample in (s for g in groups for s in g.samples):
         ends = [start for start, _ in sample.spans[1:]] + [len(sample.token_ids)]
+        policy = sample.episode.policy_mask if sample.episode is not None else (1,) * len(sample.token_ids)
         for (start, version), end in zip(sample.spans, ends):
-            ages += [rollout_step - version] * (end - start)
+            ages += [rollout_step - version] * sum(policy[start:end])
     return ages
 
 

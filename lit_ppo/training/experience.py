@@ -165,9 +165,10 @@ def sampler_numerics(batch, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor
 
 def check_rollout_logprobs(batch, old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, max_logprob_abs_diff):
     """Mean and max |trainer old log-prob - vLLM log-prob| over the global batch's response tokens (0-dim
-    tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) on the tokens of the batch's own policy
-    version (`current_version_tokens`: all of them without partial rollouts) the run stops: the engine is not sampling
-    from the actor being trained (a weight sync that silently failed) or the two compute different distributions."""
+    tensors); over `max_logprob_abs_diff` (rollout.max_logprob_abs_diff) on the guarded tokens the run stops: the
+    engine is not sampling from the actor being trained (a weight sync that silently failed) or the two compute
+    different distributions. Guarded: with partial rollouts the tokens of the batch's own policy version (its version
+    spans, `current_version_tokens`: a carried token's differ by the updates since), otherwise every response token."""
     diff = (old_logp - rollout_logp).abs() * mask  # [N, T]
     total = global_sum(torch.stack([diff.sum(), mask.sum()]).double())
     mean = total[0] / total[1].clamp(min=1)

@@ -179,6 +179,14 @@ def refill_and_returned_rounds(batch: RolloutBatch, plan: StepPlan) -> dict[str,
     }
 
 
+def policy_version_lag(batch: RolloutBatch, *, global_sum: Reduce = _identity, device=None) -> float:
+    """Rollout steps between the policy that generated each sample (its first token's, `policy_versions`) and the one
+    the step starts from, the mean over the whole batch (every rank's share)."""
+    lags = [batch.rollout_step - v for v in batch.policy_versions]
+    total = global_sum(torch.tensor([float(sum(lags)), float(len(lags))], dtype=torch.float64, device=device))
+    return float(total[0] / total[1].clamp(min=1))
+
+
 def rollout_step_row(
     batch: RolloutBatch,
     exp: Experience,
@@ -226,6 +234,8 @@ def rollout_step_row(
         )
         row.update(refill_and_returned_rounds(batch, plan))
     row.update(extra)
+    if batch.policy_versions is not None:  # every rank has them, or none: the collective is called on all ranks
+        row["rollout/policy_version_lag"] = policy_version_lag(batch, global_sum=global_sum, device=exp.mask.device)
     row.update(train_metrics)
     largest = {**timings, "timing/rollout_step_s": sum(timings.values())}
     largest.update({k: row[k] for k in ("perf/device_peak_memory_gib",) if k in row})

@@ -473,12 +473,8 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
             **teacher_metrics(exp),
             **({"rollout/kl_coef": self.kl_coef} if self.plan.models.reference_enabled else {}),
             "perf/weight_sync_bytes": float(self.last_sync_bytes),
-            **batch.partial_stats,  # partial rollouts (one rank: the step's own)
+            **batch.partial_stats,  # partial rollouts: the whole batch's, the same on every rank
         }
-        if batch.policy_versions:  # rollout steps between the generating policy and the one this step starts from
-            extra["rollout/policy_version_lag"] = batch.rollout_step - sum(batch.policy_versions) / len(
-                batch.policy_versions
-            )
         if batch.wait_seconds is not None:  # the workers' own generation time (overlapped with training)
             extra["rollout/worker_generate_s"] = batch.generate_seconds
         row = rollout_step_row(

@@ -279,3 +279,17 @@ def test_a_checkpoint_of_single_turn_samples_in_flight_does_not_resume_as_tool_e
     resumed = datamodule(prompts, episode_rollout(), tokenizer, tiny_model_dir, TurnEngine(tokenizer))
     with pytest.raises(ConfigError, match="single-turn samples, but rollout.episodes.environment is set; fix"):
         resumed.load_state_dict(state)
+
+
+def test_token_ages_count_an_episode_s_policy_tokens_only():
+    """rollout/token_age_*: an episode's observation tokens (policy mask 0) carry the span of the chunk that appended
+    them but no policy sampled them and no loss reads them: left out. At rollout step 3, a turn of versions 1 (2
+    tokens) and 2 (1 token), an observation of 2 tokens appended by chunk 2, a turn of 1 token of version 2."""
+    from lit_ppo.rollout.partial import CarriedGroup, CarriedSample, token_ages
+    from lit_ppo.rollout.partial_episodes import EpisodeState
+
+    state = EpisodeState((1, 1, 1, 0, 0, 1), ((0, 3), (5, 6)), None)
+    episode = CarriedSample(0, (5,) * 6, (-0.5,) * 6, ((0, 1), (2, 2)), "", 2, True, False, episode=state)
+    single = CarriedSample(0, (5,) * 3, (-0.5,) * 3, ((0, 1), (1, 3)), "", 2, True, False)  # a single-turn sample
+    groups = [CarriedGroup(0, Prompt([40], "p", "0", {}), 1, 0, (episode, single))]
+    assert token_ages(groups, 3) == [2, 2, 1, 1] + [2, 0, 0]  # not [2, 2, 1, 1, 1, 1]: the observation left out

@@ -205,3 +205,17 @@ def test_refill_rounds_are_counted_against_the_rounds_the_batch_was_requested_wi
         "rollout/refill_rounds": refill,
         "rollout/returned_rounds": returned,
     }
+
+
+def test_the_policy_version_lag_is_the_whole_batch_s_over_every_rank():
+    """rollout/policy_version_lag: the mean over every rank's samples, not this rank's share. Rank 0 holds samples of
+    versions 5, 5 at rollout step 5 (lag 0); rank 1 (the fake all-reduce adds its sums) two of version 3 (lag 2)."""
+    from types import SimpleNamespace
+
+    from lit_ppo.training.metrics import policy_version_lag
+
+    rank0 = SimpleNamespace(rollout_step=5, policy_versions=[5, 5])
+    rank1 = torch.tensor([4.0, 2.0], dtype=torch.float64)  # lags summed, samples
+    assert policy_version_lag(rank0, global_sum=lambda x: x + rank1) == 1.0  # (0 + 0 + 2 + 2) / 4
+    assert policy_version_lag(rank0) == 0.0  # one rank
+    assert policy_version_lag(SimpleNamespace(rollout_step=4, policy_versions=[4, 3, 1])) == pytest.approx(4 / 3)
