@@ -23,7 +23,9 @@ def partial_rollout(
 
 class CountdownEngine:
     """Samples whose tokens count down to 0, their end: a fresh sample seeded s is (s % 5) * 3 + 1 tokens long, a
-    continuation goes on from its prompt's last token. Each call is recorded."""
+    continuation goes on from its prompt's last token. Token t of a call seeded s has log-prob -((s + t) % 97 + 1) /
+    100, so a continuation given another sample's seed, or a log-prob put at another token, shows in the log-probs.
+    Each call is recorded."""
 
     adapter_version = 0
 
@@ -39,7 +41,9 @@ class CountdownEngine:
                 start = ids[-1] if continued else (request.seeds[i] + j) % 5 * 3 + 1
                 tokens = list(range(start - 1, -1, -1))[:limit]
                 ended = tokens[-1] == 0
-                out.append(Generation(i, tokens, not ended, "x" * len(tokens), [-0.5] * len(tokens)))
+                seed = request.seeds[i] + j
+                logprobs = [-((seed + t) % 97 + 1) / 100 for t in tokens]
+                out.append(Generation(i, tokens, not ended, "x" * len(tokens), logprobs))
         return out
 
     def wake_up(self):
