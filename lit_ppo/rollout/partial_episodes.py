@@ -13,7 +13,8 @@ without partial rollouts.
 The environments of carried episodes stay alive between steps (`PartialEpisodes.environments`). After a resume or a
 dropped step an episode's environment is rebuilt by replaying it (`replayed`: reset, then its ended turns in order),
 and one that answers otherwise than it did stops the run in one line: carried episodes need environments whose
-answers depend only on the record and the turns."""
+answers depend only on the record and the turns. A replayed call that fails or times out (each under
+rollout.episodes.environment_timeout_s) is the episode's failure, as a live call's (reward.on_error)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from lit_ppo.config.partial import groups_in_flight
 from lit_ppo.contract import Generation
-from lit_ppo.environments import TokenIds, check_observation, check_step_result
+from lit_ppo.environments import TokenIds, call_all_with_timeout, check_observation, check_step_result
 from lit_ppo.errors import EnvironmentFailure
 from lit_ppo.preemption import stop_point
 from lit_ppo.rollout.cut_stops import stopped_across_cut
@@ -124,8 +125,10 @@ class ChunkLoop(EpisodeLoop):
         )
         self.open: list[_Open] = []
 
-    def add(self, prompt, key: tuple, sample: CarriedSample, environment) -> None:
-        """A carried episode, continued with `environment` (in its state after the episode's ended turns)."""
+    def add(self, prompt, key: tuple, sample: CarriedSample, environment, failure: tuple | None = None) -> None:
+        """A carried episode, continued with `environment` (in its state after the episode's ended turns); `failure`:
+        (the call, its exception) where its replay failed or timed out (`PartialEpisodes.replayed`), handled as a
+        live call's failure (reward.on_error: the run stops in one line, or the episode ends scored 0)."""
         state = sample.episode
         episode = Episode(0, list(sample.token_ids), False, "", list(sample.logprobs), self.engine.adapter_version)
         episode.policy_mask, episode.episode_ids = list(state.policy_mask), list(state.episode_ids)
@@ -133,6 +136,9 @@ class ChunkLoop(EpisodeLoop):
         episode.tool_calls, episode.observation_tokens = state.tool_calls, state.observation_tokens
         self.running.append(_Running(len(self.running), prompt, environment, episode))
         self.open.append(_Open(key, sample, list(state.turns), state.open_turn, calls=sample.chunks))
+        if failure is not None:
+            self.positions = list(range(len(self.running)))
+            self.failed(self.running[-1], *failure)
 
     def run_chunk(self, step_tokens: int) -> None:
         """Up to `step_tokens` policy tokens per episode; each ended turn stepped and its observation appended."""
@@ -251,9 +257,10 @@ class PartialEpisodes:
             group, sample = groups[g], groups[g].samples[j]
             key = (group.generation_round, group.dataset_index, j)
             environment, read = self.environments.pop(key, (None, -1))  # held by the chunk until it ends
+            failure = None
             if read != len(sample.episode.turns):
-                environment = self.replayed(group.prompt, sample, loop.where)
-            loop.add(group.prompt, key, sample, environment)
+                environment, failure = self.replayed(group.prompt, sample, loop.where)
+            loop.add(group.prompt, key, sample, environment, failure)
         loop.run_chunk(self.step_tokens)
         advanced = loop.samples(version)
         for r, o, sample in zip(loop.running, loop.open, advanced):
@@ -267,35 +274,42 @@ class PartialEpisodes:
         new = [CarriedGroup(*f, samples=tuple(advanced[i * n : (i + 1) * n])) for i, f in enumerate(fresh)]
         return carried + new
 
-    def replayed(self, prompt, sample: CarriedSample, where: str):
+    def replayed(self, prompt, sample: CarriedSample, where: str) -> tuple[object, tuple | None]:
         """A carried episode's environment rebuilt (after a resume or a dropped step): reset, then each ended turn
-        stepped in order; every observation checked against the one the episode holds."""
+        stepped in order, every observation checked against the one the episode holds; (the environment, None), or
+        (it, (the call, its exception)) where a call failed or ran past rollout.episodes.environment_timeout_s (each
+        call under it, `call_all_with_timeout`, as the live calls): the caller handles that as a live failure."""
         environment, tokens, state = self.make_environment(), list(sample.token_ids), sample.episode
         takes_ids, vocab = bool(getattr(environment, "takes_token_ids", False)), len(self.tokenizer)
         record = {"prompt": prompt.text, "reference": prompt.reference, **prompt.extras}
         last = len(tokens) if state.open_turn is None else state.open_turn
         starts = [start for start, _ in state.turns] + [last]
         held = [tokens[: starts[0]]] + [tokens[end:after] for (_, end), after in zip(state.turns, starts[1:])]
-        answers, error = [], ""
-        try:
-            first = check_observation(environment.reset(record), "reset", vocab)
-            answers.append(self.first_ids(first) if first else [])
-            for start, end in state.turns:
-                turn = tokens[start:end]
-                action = turn if takes_ids else self.tokenizer.decode(turn, skip_special_tokens=True)
-                observation, _, done, _ = check_step_result(environment.step(action), vocab)
-                answers.append(None if done else (self.encoder(observation, turn) if observation else []))
-        except Exception as e:
-            error = f" ({type(e).__name__}: {e})"
-        if error or answers != held:
+        ((ok, first),) = call_all_with_timeout(
+            [(lambda: check_observation(environment.reset(record), "reset", vocab), ())], self.settings.timeout_s
+        )
+        if not ok:
+            return environment, ("reset (replayed after a resume or a dropped step)", first)
+        answers = [self.first_ids(first) if first else []]
+        for t, (start, end) in enumerate(state.turns):
+            turn = tokens[start:end]
+            action = turn if takes_ids else self.tokenizer.decode(turn, skip_special_tokens=True)
+            ((ok, result),) = call_all_with_timeout(
+                [(lambda a: check_step_result(environment.step(a), vocab), (action,))], self.settings.timeout_s
+            )
+            if not ok:
+                return environment, (f"step (turn {t + 1} replayed after a resume or a dropped step)", result)
+            observation, _, done, _ = result
+            answers.append(None if done else (self.encoder(observation, turn) if observation else []))
+        if answers != held:
             raise EnvironmentFailure(
                 f"{where}: a carried episode's environment ({type(environment).__name__}), rebuilt after a resume or a "
-                f"dropped step by replaying its {len(state.turns)} ended turns, answered otherwise than it did{error} "
+                f"dropped step by replaying its {len(state.turns)} ended turns, answered otherwise than it did "
                 f"(prompt {prompt.text[:80]!r}): partial rollouts carry tool episodes across steps only with "
                 "environments whose answers depend on the record and the turns alone; fix: make the environment "
                 "deterministic, or rollout.partial.step_tokens=null"
             )
-        return environment
+        return environment, None
 
     def first_ids(self, observation) -> list[int]:
         """The reset's observation's ids, as `EpisodeLoop.reset` appends them."""

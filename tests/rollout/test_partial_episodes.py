@@ -47,6 +47,23 @@ class CountedCalculator(DigitCallCalculator):
         return (f"={CountedCalculator.steps};" if observation else observation), reward, done, info
 
 
+class FailsOnReplay(DigitCallCalculator):
+    """DigitCallCalculator whose next `left` steps (of any instance) hang for 5 s (`failing = "hang"`) or raise
+    (`"raise"`): a tool down while a resumed run replays its carried episodes (each replay's first step fails)."""
+
+    failing, left = None, 0
+
+    def step(self, action):
+        if FailsOnReplay.left > 0:
+            FailsOnReplay.left -= 1
+            if FailsOnReplay.failing == "raise":
+                raise ConnectionError("the sandbox is down")
+            import time
+
+            time.sleep(5.0)
+        return super().step(action)
+
+
 def environment(name: str) -> dict:
     return {"_target_": f"tests.rollout.test_partial_episodes.{name}", "call_end": ";"}
 
@@ -293,3 +310,36 @@ def test_token_ages_count_an_episode_s_policy_tokens_only():
     single = CarriedSample(0, (5,) * 3, (-0.5,) * 3, ((0, 1), (1, 3)), "", 2, True, False)  # a single-turn sample
     groups = [CarriedGroup(0, Prompt([40], "p", "0", {}), 1, 0, (episode, single))]
     assert token_ages(groups, 3) == [2, 2, 1, 1] + [2, 0, 0]  # not [2, 2, 1, 1, 1, 1]: the observation left out
+
+
+@pytest.mark.parametrize("failing, on_error", [("hang", "raise"), ("hang", "zero"), ("raise", "zero")])
+def test_a_replay_whose_tool_hangs_or_fails_behaves_as_a_live_call(
+    tokenizer, tiny_model_dir, monkeypatch, failing, on_error
+):
+    """A resumed run replays its carried episodes' environments: each call under rollout.episodes.environment_timeout_s
+    (0.5 s here), as a live call. A tool that hangs stops the run in one line naming the environment and the setting
+    (reward.on_error=raise), or ends the episode scored 0 and counted (zero), as a tool that raises does."""
+    prompts = prompt_set(tokenizer)
+    rollout = episode_rollout(environment("FailsOnReplay"), environment_timeout_s=0.5)
+    dm = datamodule(prompts, rollout, tokenizer, tiny_model_dir, TurnEngine(tokenizer), on_error=on_error)
+    dm.produce_rollout(0)
+    carried = sum(not s.finished and bool(s.episode.turns) for g in dm.partial.groups for s in g.samples)
+    assert carried  # episodes carried with a turn their environment has read: the resume replays it
+    monkeypatch.setattr(FailsOnReplay, "failing", failing)
+    monkeypatch.setattr(FailsOnReplay, "left", carried)  # each replay's first step; the live calls after them answer
+    resumed = datamodule(prompts, rollout, tokenizer, tiny_model_dir, TurnEngine(tokenizer), on_error=on_error)
+    resumed.load_state_dict(dm.state_dict())
+    if on_error == "raise":
+        with pytest.raises(EnvironmentFailure) as error:
+            resumed.produce_rollout(1)
+        message = str(error.value)
+        assert "FailsOnReplay.step (turn 1 replayed after a resume or a dropped step) timed out" in message
+        assert "rollout.episodes.environment_timeout_s=0.5s" in message and "\n" not in message
+        return
+    kind = "environment_timeouts" if failing == "hang" else "environment_errors"
+    failed = 0
+    for step in (1, 2, 3):
+        batch = resumed.produce_rollout(step)
+        failed += batch.episode_stats[kind]
+        assert batch.episode_stats["environment_errors" if failing == "hang" else "environment_timeouts"] == 0
+    assert FailsOnReplay.left == 0 and 0 < failed <= carried  # the replays that failed, scored 0 when trained
