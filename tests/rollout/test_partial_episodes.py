@@ -343,3 +343,52 @@ def test_a_replay_whose_tool_hangs_or_fails_behaves_as_a_live_call(
         failed += batch.episode_stats[kind]
         assert batch.episode_stats["environment_errors" if failing == "hang" else "environment_timeouts"] == 0
     assert FailsOnReplay.left == 0 and 0 < failed <= carried  # the replays that failed, scored 0 when trained
+
+
+class ScriptTurnEngine:
+    """Every response follows the script `ab;;` (one token per character, from its context's length), as vLLM ends a
+    call: at its token limit (truncated) or at a rollout.stop string in the call's own text (the token that completes
+    it kept), never across the prompt, so not across a cut."""
+
+    adapter_version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.script = tokenizer, tokenizer.convert_tokens_to_ids(list("ab;;"))
+
+    def generate(self, request: GenerateRequest) -> list[Generation]:
+        out = []
+        for i, (ids, limit, seed) in enumerate(zip(request.prompt_token_ids, request.limits, request.seeds)):
+            tokens = [self.script[(len(ids) + k) % 4] for k in range(limit)]
+            ends = [k for k in range(1, limit + 1) if any(s in self.tokenizer.decode(tokens[:k]) for s in request.stop)]
+            tokens = tokens[: ends[0]] if ends else tokens
+            logprobs = [-((seed + k) % 97 + 1) / 100 for k in range(len(tokens))]
+            out.append(Generation(i, tokens, not ends, "", logprobs))
+        return out
+
+    def wake_up(self):
+        pass
+
+
+def test_a_stop_string_that_a_cut_splits_inside_a_turn_ends_the_turn_there(tokenizer, tiny_model_dir):
+    """rollout.stop=[";;"] with tool episodes cut every 4 policy tokens (turns end at `#` tokens, the calculator's
+    call end, never generated; observations `=<n>;`): every turn ends at its first ";;", also when the cut falls
+    between its two ";" (matched across the cut), and a turn that starts with ";" after an observation ending in ";"
+    does not end there (matched within the turn only, not across the observation)."""
+    prompts = prompt_set(tokenizer)
+    calculator = {"_target_": "tests.helpers.episodes.DigitCallCalculator", "call_end": "#"}
+    rollout = dataclasses.replace(episode_rollout(calculator, at_max_age="drop"), stop=[";;"])
+    dm = datamodule(prompts, rollout, tokenizer, tiny_model_dir, ScriptTurnEngine(tokenizer))
+    split, after_observation, turns, semicolon = 0, 0, 0, tokenizer.convert_tokens_to_ids(";")
+    for step in range(4):
+        batch = dm.produce_rollout(step)
+        for response, mask, spans in zip(batch.response_ids, batch.policy_masks, batch.version_spans):
+            runs = list(re.finditer("1+", "".join(map(str, mask))))
+            for n, run in enumerate(runs):
+                text = tokenizer.decode(response[run.start() : run.end()])
+                if n + 1 < len(runs) or text.endswith(";;"):  # a turn the episode's budget ended is the last
+                    assert text.find(";;") == len(text) - 2, (text, tokenizer.decode(response))
+                    turns += 1
+                after_observation += run.start() > 0 and text.startswith(";")
+            for start, _ in spans[1:]:  # a cut inside a turn, between the two ";" of its stop string
+                split += mask[start - 1] == mask[start] == 1 and response[start - 1] == response[start] == semicolon
+    assert turns > 20 and split > 0 and after_observation > 0, (turns, split, after_observation)
