@@ -348,4 +348,7 @@ def test_a_collective_timeout_shorter_than_the_server_teachers_tries_is_refused_
     assert message.startswith("trainer.collective_timeout_s=1500 with 2 trainer ranks and model.teacher.where=")
     assert "fix: trainer.collective_timeout_s above 1506" in message and "\n" not in message
     compose_run_config(*teacher, *ddp)  # the default 1800 s
+    # one context-parallel group (one data-parallel rank): its other rank waits for rank 0's answer in a broadcast
+    with pytest.raises(ConfigError, match=r"^trainer.collective_timeout_s=1500 with 2 trainer ranks and model.teacher"):
+        compose_run_config(*teacher, *ddp, "strategy.context_parallel_size=2", "trainer.collective_timeout_s=1500")
     compose_run_config(*teacher, "trainer.collective_timeout_s=1500")  # one rank: no collective

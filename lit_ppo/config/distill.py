@@ -160,14 +160,15 @@ def server_teacher_wait_s() -> float:
 
 
 def check_teacher_waits_fit_collectives(
-    teacher: TeacherConfig | None, data_parallel_size: int, collective_timeout_s: float
+    teacher: TeacherConfig | None, trainer_ranks: int, collective_timeout_s: float
 ) -> None:
-    """Data-parallel trainers with a server teacher: while one rank waits for the server (its tries), the others wait
-    for it in a collective; that wait must outlast the tries, so that every rank stops with the teacher's line."""
+    """Several trainer ranks with a server teacher: while one rank waits for the server (its tries), the others wait
+    for it in a collective (a context-parallel group's other ranks in the broadcast of its rank 0's answer); that wait
+    must outlast the tries, so that every rank stops with the teacher's line."""
     waits = server_teacher_wait_s()
-    if teacher is not None and teacher.on_server and data_parallel_size > 1 and collective_timeout_s <= waits:
+    if teacher is not None and teacher.on_server and trainer_ranks > 1 and collective_timeout_s <= waits:
         raise ConfigError(
-            f"trainer.collective_timeout_s={collective_timeout_s:g} with {data_parallel_size} trainer ranks and "
+            f"trainer.collective_timeout_s={collective_timeout_s:g} with {trainer_ranks} trainer ranks and "
             f"model.teacher.where={teacher.where}: a rank waits up to {waits:g} s for the teacher's server (its tries), "
             f"and the others would stop on a collective's timeout without naming it; fix: "
             f"trainer.collective_timeout_s above {waits:g}"

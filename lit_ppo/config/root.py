@@ -70,7 +70,7 @@ class RunConfig:
             top_p=self.rollout.top_p,
         )
         check_teacher_waits_fit_collectives(
-            self.model.teacher, self.strategy.data_parallel_size, self.trainer.collective_timeout_s
+            self.model.teacher, self.strategy.devices * self.strategy.num_nodes, self.trainer.collective_timeout_s
         )
         check_overlong_buffer(self.reward.overlong_buffer_tokens, self.rollout.response_budget_tokens())
         validate_rollout_mode(self.rollout, self.ppo, self.strategy)  # before mode=null is resolved: its errors

@@ -31,13 +31,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ppo.batch import RolloutBatch
 from lit_ppo.config import RolloutConfig
+from lit_ppo.context_share import generates, shared_by_group
 from lit_ppo.contract import GenerateRequest, RolloutEngine
 from lit_ppo.environments import build_environment_factory, stop_token_ids_of
 from lit_ppo.errors import ConfigError, DynamicSamplingShortfallError
 from lit_ppo.plan import StepPlan
 from lit_ppo.preemption import interruptibly, stop_point
 from lit_ppo.rewards.scorer import RewardScorer
-from lit_ppo.rollout.context_group import FollowerEngine, follower_engine, generates, shared_by_group
+from lit_ppo.rollout.context_group import FollowerEngine, follower_engine
 from lit_ppo.rollout.engine import sampling_seeds
 from lit_ppo.rollout.episodes import EpisodeRequest, EpisodeRunner, EpisodeSettings, EpisodeSpec, episode_stats
 from lit_ppo.rollout.evaluation import evaluate
@@ -248,7 +249,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def next_batch(self, rollout_step: int) -> RolloutBatch:
         """This rank's samples of `rollout_step`: produced here, or with C > 1 by the context-parallel group's rank 0
-        and received from it (`context_group.shared_by_group`)."""
+        and received from it (`context_share.shared_by_group`)."""
         batch = shared_by_group(self.topology, self.device, lambda: self.produce_rollout(rollout_step))
         self.next_rollout_step = rollout_step + 1
         return batch

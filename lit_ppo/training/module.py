@@ -229,8 +229,8 @@ class PPOModule(ModuleOptimizers, WeightSync, Evaluations, CheckpointedModule, L
         old_logp = zeros() if source == "experience forward" else None
         ref_logp = zeros() if self.plan.models.reference_enabled else None
         values = zeros() if self.critic is not None else None
-        # A server teacher asked once (None in process), where a signal cuts the wait for its server at once.
-        teacher_logp = preemption.interruptibly(lambda: server_teacher_logprobs(self.teacher, batch, T, self.device))
+        # A server teacher asked once, by a context-parallel group's rank 0 (None in process or after a signal).
+        teacher_logp = server_teacher_logprobs(self.teacher, batch, T, self.device, self.topology)
         preemption.stop_point(self.device)
         in_process_teacher = self.teacher is not None and teacher_logp is None
         teacher_logp = zeros() if in_process_teacher else teacher_logp

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lit_ppo import preemption
+from lit_ppo.context_share import shared_by_group
 from lit_ppo.errors import ConfigError
 from lit_ppo.plan import StepPlan
 from lit_ppo.training.batching import MicroBatch
@@ -49,9 +51,20 @@ def teacher_logprobs(teacher: torch.nn.Module, mb: MicroBatch, temperature: floa
     return logprobs_and_entropy(teacher, mb, temperature, cp)[0]
 
 
-def server_teacher_logprobs(teacher, batch, width: int, device) -> Tensor | None:
+def server_teacher_logprobs(teacher, batch, width: int, device, topology) -> Tensor | None:
     """A server teacher's log-probs of the whole rollout batch's response tokens, [N, width] float32, asked before the
-    experience forwards; None for an in-process teacher (its forward runs per micro-batch) or none."""
+    experience forwards in an interruptible region (a signal cuts the wait for the server: None then; the caller's stop
+    point stops the run); None for an in-process teacher (its forward runs per micro-batch) or none. With C > 1 the
+    context-parallel group's rank 0 alone asks, and its answer is the group's (`context_share.shared_by_group`): the
+    server's last bits may differ between answers (vLLM is not batch-invariant), and the ranks of a group must compute
+    the same loss for their gradients to add up to the one-rank gradient."""
     if not isinstance(teacher, TeacherServer):
         return None
-    return teacher.batch_logprobs(batch.prompt_ids, batch.response_ids, width, device)
+
+    def ask() -> Tensor | None:  # on the CPU: a pickled CUDA tensor would arrive on rank 0's GPU
+        return preemption.interruptibly(
+            lambda: teacher.batch_logprobs(batch.prompt_ids, batch.response_ids, width, "cpu")
+        )
+
+    logp = shared_by_group(topology, device, ask)
+    return None if logp is None else logp.to(device)

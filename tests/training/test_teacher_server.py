@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import http.server
+import itertools
 import json
 import os
 import signal
@@ -70,7 +71,8 @@ class StandIn(http.server.BaseHTTPRequestHandler):
     """vLLM's routes as the teacher's client and check call them: /v1/models, /tokenize, /detokenize and
     /v1/completions with token-id prompts and prompt_logprobs=0 (choices answered in reverse order, each with its
     index). `server.model_dir`: the served model; `server.failures`: statuses to answer /v1/completions with first;
-    `server.max_model_len`; `server.tokenize`: the tokenizer of /tokenize."""
+    `server.max_model_len`; `server.tokenize`: the tokenizer of /tokenize; `server.drift`: added to each log-prob once
+    per /v1/completions answered before (a server whose answers differ between calls, as vLLM's last bits may)."""
 
     def do_GET(self):
         if self.path == "/v1/models":
@@ -96,9 +98,10 @@ class StandIn(http.server.BaseHTTPRequestHandler):
                 return self.answer(200, {"choices": [{"index": 0, "prompt_logprobs": prompt}]})
             return self.answer(failure, {"error": {"message": "stand-in failure"}})
         assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1 and body["model"] == "teacher"
+        answered = next(self.server.answered)  # how many before this one (atomic: requests come in threads)
         choices = []
         for index, ids in enumerate(body["prompt"]):
-            scores = prompt_logprobs(self.server.model_dir, ids)
+            scores = [lp + self.server.drift * answered for lp in prompt_logprobs(self.server.model_dir, ids)]
             per_position = [None] + [{str(t): {"logprob": lp, "rank": 1}} for t, lp in zip(ids[1:], scores)]
             choices.append({"index": index, "text": "x", "prompt_logprobs": per_position})
         self.answer(200, {"choices": choices[::-1]})
@@ -120,6 +123,7 @@ def stand_in(long_teacher_dir):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     server.model_dir, server.failures, server.max_model_len, server.bodies = long_teacher_dir, [], POSITIONS, []
     server.tokenize, server.vocabulary = tokenizer_of(long_teacher_dir), len(tokenizer_of(long_teacher_dir))
+    server.drift, server.answered = 0.0, itertools.count()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -234,15 +238,79 @@ def test_a_signal_cuts_the_wait_for_a_hanging_teacher_server():
 
 
 def test_the_experience_pass_asks_a_server_teacher_inside_an_interruptible_region(tiny_model_dir, monkeypatch):
-    from lit_ppo.training import module as module_of
-
     inside, asked = mark_interruptible_region(monkeypatch), []
-    monkeypatch.setattr(module_of, "server_teacher_logprobs", lambda *args: asked.append(inside[0]))
+
+    def batch_logprobs(self, prompts, responses, width, device):
+        asked.append(inside[0])
+        return torch.zeros(len(responses), width)
+
+    monkeypatch.setattr(TeacherServer, "batch_logprobs", batch_logprobs)
     ppo = PPOConfig(rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4, micro_train_batch_size=2)
     plan = compute_plan(run_config(ppo=ppo), 8)
     module = PPOModule(model_dir=tiny_model_dir, ppo=ppo, plan=plan, pad_token_id=0)
+    module.teacher = TeacherServer("http://127.0.0.1:1")  # never called: its batch_logprobs above answers
     module.make_experience(synthetic_rollout_batch(2, 2, (10, 20), (5, 10)))
     assert asked == [True]
+
+
+def _context_parallel_teacher_rank(rank: int, url: str, student_dir: str, store: str, results: dict) -> None:
+    """One rank of a context-parallel group (C = 2, gloo): the experience of a distillation step with the teacher on
+    `url`, the actor's old log-probs through the exchange."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lit_ppo.topology import RankTopology
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        ppo = distill_ppo(micro_train_batch_size=4, packing=False)
+        config = run_config(ppo=ppo, model=ModelConfig(teacher=TeacherConfig(where=url, temperature=1.0)))
+        module = PPOModule(
+            model_dir=student_dir, ppo=ppo, plan=compute_plan(config, 3), pad_token_id=0, temperature=0.7
+        )
+        module.topology = RankTopology(rank=rank, world_size=2, context_parallel_size=2).with_groups()
+        exp = module.make_experience(realistic_batch())
+        results[rank] = (exp.teacher_logp * exp.mask).tolist()
+    except Exception:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        results[rank] = traceback.format_exc()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_context_parallel_group_asks_a_server_teacher_once_and_its_ranks_share_the_answer(
+    stand_in, long_teacher_dir, tmp_path
+):
+    """C = 2 on two gloo ranks, against a server whose answers differ between calls (each log-prob shifted by 0.5 per
+    earlier answer): the group's rank 0 alone asks (one request of the 12 sequences), and both ranks take its answer,
+    the first one (asked by each rank, the ranks' teacher log-probs, and so their losses, would differ by 0.5)."""
+    import torch.multiprocessing as mp
+
+    from lit_ppo.demo.tiny import build_char_tokenizer, build_tiny_model, save_model_dir
+    from tests.helpers.ranks import start_ranks
+
+    server, url = stand_in
+    server.drift = 0.5
+    tokenizer = build_char_tokenizer()  # a student whose 4 heads and 2 KV heads divide by C = 2
+    shape = dict(FIXTURE_SHAPE, num_heads=4, num_kv_heads=2)
+    student = build_tiny_model(tokenizer, **shape, max_position_embeddings=POSITIONS, seed=0)
+    student_dir = str(save_model_dir(student, tokenizer, tmp_path / "student"))
+    results = mp.Manager().dict()
+    start_ranks(_context_parallel_teacher_rank, 2, url, student_dir, str(tmp_path / "store"), results)
+    teacher_logp = [results[rank] for rank in range(2)]
+    assert all(isinstance(t, list) for t in teacher_logp), teacher_logp
+    assert teacher_logp[0] == teacher_logp[1]  # bitwise the same on the group's two ranks
+    assert [len(body["prompt"]) for path, body in server.bodies if path == "/v1/completions"] == [12]
+    batch = realistic_batch()
+    for i, (prompt, response) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        expected = torch.tensor(prompt_logprobs(long_teacher_dir, prompt + response)[len(prompt) - 1 :])
+        torch.testing.assert_close(
+            torch.tensor(teacher_logp[1][i][: len(response)]), expected.float(), rtol=0, atol=2e-5
+        )
 
 
 def test_nothing_listening_is_tried_three_times_then_said_in_one_line():
