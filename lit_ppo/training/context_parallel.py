@@ -181,7 +181,7 @@ def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) 
     """This rank's part of `mb` as a packed-style micro-batch: its S = L'/C positions of every row (rows padded on the
         right to L', a multiple of C: positions nothing real attends to), the whole rows' 4-D mask (None where it is
     causality alone: the kernel's is_causal, as in the one-rank forward, whose sdpa then needs no [L, L] mask; the
-    shared-prefix layout's by `_shared_prefix_mask`), and
+    shared-prefix layout's by `_shared_prefix_mask`, but for one sample, whose rule is causality alone), and
     `head_index` /
         `response_ids` [1, n_r] / `response_mask` of the response tokens whose predicting position is here, in the order
         of `mb`'s response tokens (`_head_positions`)."""
@@ -193,13 +193,14 @@ def local_micro_batch(model: torch.nn.Module, mb: MicroBatch, cp: ContextGroup) 
     if extra:  # packed: a sequence of its own; padded: masked out as keys
         tail = torch.arange(extra, device=position_ids.device).expand(rows, extra)
         position_ids = torch.cat([position_ids, tail], dim=1)
-    if mb.segments is not None:  # the shared-prefix layout: its own rule, not one transformers builds
+    if mb.segments is not None and mb.response_ids.shape[0] > 1:  # the shared-prefix layout: its own rule
         mask = _shared_prefix_mask(model, mb, width, cp)
-    else:
-        mask = _whole_rows_mask(model, mb.attention_mask, mb.position_ids)  # the one-rank forward's
+    else:  # transformers' rule; also one sample laid out shared-prefix: its prompt, its response, causality alone
+        attention = mb.attention_mask if mb.segments is None else None
+        mask = _whole_rows_mask(model, attention, mb.position_ids)  # the one-rank forward's
         if mask is not None and extra:  # the columns added too: their own sequence (packed), masked out (padded)
             del mask
-            mask = _whole_rows_mask(model, _padded_columns(mb.attention_mask, extra, 0), position_ids)
+            mask = _whole_rows_mask(model, _padded_columns(attention, extra, 0), position_ids)
     S = width // cp.size
     columns = slice(cp.rank * S, (cp.rank + 1) * S)
     flat, targets = _head_positions(mb, width)

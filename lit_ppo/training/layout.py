@@ -4,6 +4,7 @@ micro-batches laid out, counted, and each mini-batch's micro-batches checked aga
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -50,6 +51,8 @@ class MicroBatchLayout:
     def lay_out(self, groups: list[list[int]]) -> Iterator[tuple[list[int], MicroBatch]]:
         """(indices, MicroBatch) of each group of samples, laid out as the run lays them out."""
         layout = self.plan.layout
+        # C > 1: each rank builds the whole rows' mask itself (context_parallel.local_micro_batch), not this [L, L] one
+        dense = self.plan.counts.context_parallel_size == 1
         return packed_micro_batches(
             self.batch,
             groups,
@@ -57,7 +60,7 @@ class MicroBatchLayout:
             self.device,
             layout.packing,
             self.one_row,
-            pack_shared_prefix if layout.shared_prefix else None,
+            functools.partial(pack_shared_prefix, dense_mask=dense) if layout.shared_prefix else None,
             self.row_tokens,
         )
 

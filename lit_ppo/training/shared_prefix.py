@@ -104,6 +104,7 @@ def pack_shared_prefix(
     device,
     policy_masks: list[list[int]] | None = None,
     row_tokens: int | None = None,
+    dense_mask: bool = True,
 ) -> MicroBatch:
     """The samples in the shared-prefix layout: per prompt group its prompt, then each of its responses; the groups
     laid end to end in rows of at most the longest group or twice the longest sample, as the flat layout's rows
@@ -112,7 +113,8 @@ def pack_shared_prefix(
     row's unused end is a segment of its own that attends to itself. The outputs keep `pack`'s per-sample [B, T]
     layout; `layout_tokens` counts the real tokens laid out (each prompt once). `row_tokens` (flex attention): every
     group in one row padded to that budget (`batching.fixed_row_length`), and no dense mask (`attention_mask_for`
-    builds a block mask from `segments`)."""
+    builds a block mask from `segments`); nor with `dense_mask` False (context parallelism: each rank builds the whole
+    rows' mask over rows padded to a multiple of C itself, or none for one sample, `context_parallel.local_micro_batch`)."""
     B = len(prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     groups = prompt_groups(prompt_ids)
@@ -155,7 +157,7 @@ def pack_shared_prefix(
         segment[r, offset:] = owner[r, offset:] = next_segment
         next_segment += 1
     attention = None  # flex attention: its block mask is built from the segments
-    if row_tokens is None:
+    if row_tokens is None and dense_mask:
         attention = segment_mask(torch.stack([segment, owner])).to(device)
     responses, response_mask = policy_mask_rows(response_ids, policy_masks, pad_id, T)
     head_index = predictor[response_mask > 0]  # row-major over [B, T], as the flat layout's

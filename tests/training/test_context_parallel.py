@@ -76,6 +76,34 @@ def _loss(logp, entropy, values, mb):
     return policy + critic_loss(values, inputs, ppo)
 
 
+def _count_recomputes() -> list[int]:
+    """[n]: how often, in this process from now on, a checkpointed layer's backward recompute entered the exchange
+    again (`context_parallel._recompute_contexts`' recompute context, of a forward that ran inside `ulysses`): none
+    where gradient checkpointing is silently inactive (eval mode, a change of transformers' checkpointed layers), which
+    the outputs alone would not show. Call it before the models' first context-parallel forward."""
+    from contextlib import contextmanager
+
+    from lit_ppo.training import context_parallel
+
+    count, original = [0], context_parallel._recompute_contexts
+
+    def counted():
+        forward, recompute = original()
+        if not context_parallel._ACTIVE:  # a forward outside the exchange (the one-rank run): nothing to count
+            return forward, recompute
+
+        @contextmanager
+        def entered():
+            count[0] += 1
+            with recompute:
+                yield
+
+        return forward, entered()
+
+    context_parallel._recompute_contexts = counted  # what `_recompute_inside` gives the checkpointed layers
+    return count
+
+
 def _run(actor, critic, mb, cp):
     """Outputs, loss and gradients of one forward and backward; under `cp` the gradients summed over its group."""
     from lit_ppo.distributed import global_sum
@@ -136,6 +164,7 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
         report["groups"] = [dist.get_process_group_ranks(topology.context_parallel_group)]
         report["groups"].append(dist.get_process_group_ranks(topology.data_parallel_group))
         cp = ContextGroup.of(topology)
+        recomputes = _count_recomputes()
         actor, critic, pad = _models(checkpointing)
         actor.config._attn_implementation = critic.config._attn_implementation = implementation
         prompts, responses = _samples(actor.config.vocab_size)
@@ -149,16 +178,19 @@ def _rank(rank: int, world: int, implementation: str, checkpointing: bool, out: 
             "causal-odd-packed": pack_samples(prompts[1:2], responses[1:2], pad, "cpu"),
             # two prompts of two samples each: each laid out once, its responses attending to it (a 4-D mask)
             "shared-prefix": pack_shared_prefix(prompts[:2] * 2, responses, pad, "cpu"),
+            # one sample (139 tokens): its prompt, then its response, causality alone (no mask under sdpa)
+            "shared-prefix-one-sample": pack_shared_prefix(prompts[1:2], responses[1:2], pad, "cpu"),
         }
         report["causal_without_mask"] = [
             local_micro_batch(actor, layouts[name], cp).attention_mask is None
-            for name in ("causal", "causal-odd", "causal-odd-packed")
+            for name in ("causal", "causal-odd", "causal-odd-packed", "shared-prefix-one-sample")
         ]
         report["packing_check"] = _packing_check(actor, critic, layouts["packed"], prompts, responses, pad, cp)
         for layout, mb in layouts.items():
             many = _run(actor, critic, mb, cp)  # the group's outputs, loss and summed gradients, on every rank
             if rank == 0:  # the one-rank run, on one of them
                 report[layout] = _errors(_run(actor, critic, mb, None), many)
+        report["recomputes"] = recomputes[0]
     except Exception:
         report["error"] = traceback.format_exc()
     with open(f"{out}/rank{rank}.json", "w") as f:
@@ -200,11 +232,13 @@ def test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradie
     for rank, report in enumerate(reports):
         assert report["error"] is None, report["error"]
         assert report["groups"] == [[0, 1], [rank]]
-        assert report["causal_without_mask"] == [implementation == "sdpa"] * 3  # eager always has its additive mask
+        assert (report["recomputes"] > 0) == checkpointing, report["recomputes"]  # the recomputes ran, exchanging
+        assert report["causal_without_mask"] == [implementation == "sdpa"] * 4  # eager always has its additive mask
         found = report["packing_check"]  # through the exchange: each rank half a packed row, as in training
         assert found["widest"] == -(-found["row"] // 2) and found["hidden_relative"] is None, found
         assert found["logprob_mean"] < 1e-6 and found["value_relative"] < 1e-6, found
-    for layout in ("padded", "packed", "causal", "causal-odd", "causal-odd-packed", "shared-prefix"):
+    layouts = ("padded", "packed", "causal", "causal-odd", "causal-odd-packed", "shared-prefix")
+    for layout in (*layouts, "shared-prefix-one-sample"):
         errors = reports[0][layout]
         print(implementation, layout, errors)  # the figures, with pytest -s
         assert errors.pop("gradient_norm") > 1e-3, layout  # gradients that are there to compare
@@ -233,31 +267,41 @@ def test_heads_not_divisible_by_c_are_refused_in_one_line():
         check_model(flash, 2)
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_a_row_of_causality_alone_gets_no_whole_row_mask_at_a_length_not_divisible_by_c(layout):
-    """One sample's row (no padding, one sequence) of 139 tokens at C = 2 and 4: the rank's micro-batch has no [L, L]
-    mask (sdpa's is_causal, as the one-rank forward), though `local_micro_batch` adds columns up to a multiple of C
-    (transformers, given their padding or restarted positions, builds the whole rows' mask: 256 MiB of bool at 16k
-    tokens, and sdpa a float copy of it per layer); two samples still get the whole rows' 4-D mask, of the added
-    width. Exactness of the odd row: `test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients`."""
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared-prefix"])
+def test_a_row_of_causality_alone_gets_no_whole_row_mask_at_a_length_not_divisible_by_c(layout, monkeypatch):
+    """One sample's row (no padding, one sequence; in the shared-prefix layout its prompt, then its response) of 139
+    tokens at C = 2 and 4: the rank's micro-batch has no [L, L] mask (sdpa's is_causal, as the one-rank forward), and
+    none is built, though `local_micro_batch` adds columns up to a multiple of C (transformers, given their padding or
+    restarted positions, builds the whole rows' mask: 256 MiB of bool at 16k tokens, and sdpa a float copy of it per
+    layer; the shared-prefix layout's own rule, `segment_mask`, as much); two samples still get the whole rows' 4-D
+    mask, of the added width. Exactness of the odd row:
+    `test_two_context_parallel_ranks_compute_the_one_rank_outputs_loss_and_gradients`."""
+    from lit_ppo.training import context_parallel
     from lit_ppo.training.batching import pack, pack_samples
     from lit_ppo.training.context_parallel import ContextGroup, local_micro_batch
+    from lit_ppo.training.shared_prefix import pack_shared_prefix, segment_mask
 
     actor, _, pad = _models()
     prompts, responses = _samples(actor.config.vocab_size)
-    lay_out = pack if layout == "padded" else pack_samples
+    lay_out = {"padded": pack, "packed": pack_samples, "shared-prefix": pack_shared_prefix}[layout]
     one = lay_out(prompts[1:2], responses[1:2], pad, "cpu")  # 130 + 9 tokens
     two = lay_out(prompts[:2], responses[:2], pad, "cpu")
     assert one.input_ids.shape[1] % 2 == 1
+    built = []  # the shared-prefix rule's dense masks built by `local_micro_batch`
+    monkeypatch.setattr(context_parallel, "segment_mask", lambda s: built.append(s.shape) or segment_mask(s))
     for size in (2, 4):
         for rank in range(size):
             cp = ContextGroup(group=None, size=size, rank=rank)
+            before = len(built)
             local = local_micro_batch(actor, one, cp)
-            assert local.attention_mask is None, (size, rank)
+            assert local.attention_mask is None and len(built) == before, (size, rank)
             assert local.input_ids.shape[1] == -(-139 // size)
+            if layout == "shared-prefix" and size == 4:
+                continue  # its own rule's mask is built after the model's check: 2 KV heads do not divide by 4
             mask = local_micro_batch(actor, two, cp).attention_mask
             width = -(-two.input_ids.shape[1] // size) * size
             assert mask is not None and mask.shape[-2:] == (width, width), (size, rank)
+    assert len(built) == (2 if layout == "shared-prefix" else 0)  # the two samples' masks at C = 2: the count sees them
 
 
 # ---------------------------------------------------------------- one rollout step of the training step, C = 2
@@ -398,6 +442,7 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
         return dataclasses.replace(batch, rewards=batch.rewards + rank % 2 * (1.0 + time.time() % 1))
 
     FixedBatchDataModule.produce_rollout = rank_and_time_rewards  # in this rank's process only
+    recomputes = _count_recomputes()
     module.device_peak_memory_gib = lambda device: 1.0 + rank  # a CUDA peak of this rank's (None on a CPU)
 
     sys.path.insert(0, str(ROOT))
@@ -410,7 +455,7 @@ def _step_rank(rank: int, world: int, variant: str, port: int, out: str) -> None
         else:
             strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)
         report.update(_train_step(f"{out}/rank{rank}", variant, world, rank // 2, devices=world, strategy=strategy))
-        report["produced"] = produced
+        report["produced"], report["recomputes"] = produced, recomputes[0]
     except Exception:
         report["error"] = traceback.format_exc()
     torch.save(report, f"{out}/step{rank}.pt")
@@ -456,6 +501,8 @@ def test_a_rollout_step_on_two_context_parallel_ranks_trains_the_one_rank_step(v
         assert len(timings) >= 6 and timings == {k: ranks[0]["row"][k] for k in timings}, rank
         assert report["produced"] == ([0] if rank % 2 == 0 else []), rank  # a group's rank 0 alone generates
         assert report["engine"] == ("NullEngine" if rank % 2 == 0 else "FollowerEngine"), rank
+        checkpointing = "gradient_checkpointing" in STEP_VARIANTS[variant][4]
+        assert (report["recomputes"] > 0) == checkpointing, (rank, report["recomputes"])
     one = _train_step(tmp_path / "one", variant, 1)
     cp = ranks[0]
     counts = cp["plan"]["counts"]

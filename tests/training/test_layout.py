@@ -48,3 +48,30 @@ def test_each_mini_batch_marks_exactly_its_last_micro_batch_last(packing, shared
     if budget is None:
         assert {len(marks) for marks in marks_per_mini_batch} == {plan.layout.grad_accumulation_steps}
     assert layout.micro_batches == sum(len(marks) for marks in marks_per_mini_batch)
+
+
+@pytest.mark.parametrize("context_parallel_size", [1, 2])
+def test_the_shared_prefix_layout_builds_no_dense_mask_under_context_parallelism(context_parallel_size, monkeypatch):
+    """With C > 1 each rank builds the whole rows' mask itself over rows padded to a multiple of C (or none for one
+    sample: `context_parallel.local_micro_batch`), so the micro-batches carry no [R, 1, L, L] mask of their own
+    (256 MiB of bool at 16k tokens); with C = 1 the one-rank forward takes theirs."""
+    import dataclasses
+
+    from lit_ppo.plan import compute_plan
+    from lit_ppo.training import shared_prefix
+    from tests.helpers import run_config
+
+    built = []
+    monkeypatch.setattr(shared_prefix, "segment_mask", lambda s: built.append(s.shape) or torch.ones(1))
+    batch = synthetic_rollout_batch(4, 4, (100, 160), (5, 80), seed=1)
+    ppo = ppo_at(4, 4, 16, 4, packing=True, shared_prefix=True)
+    config = run_config(ppo=ppo, dp=2)
+    strategy = dataclasses.replace(config.strategy, name="ddp", context_parallel_size=context_parallel_size)
+    plan = compute_plan(dataclasses.replace(config, strategy=strategy), 4)
+    assert plan.layout.shared_prefix and plan.counts.context_parallel_size == context_parallel_size
+    layout = MicroBatchLayout(batch, ppo, plan, pad_token_id=0, device=torch.device("cpu"))
+    micro_batches = [mb for _, mb in layout.lay_out(layout.split(list(range(16))))]
+    assert len(micro_batches) == 4 and all(mb.segments is not None for mb in micro_batches)
+    dense = context_parallel_size == 1
+    assert [mb.attention_mask is not None for mb in micro_batches] == [dense] * 4
+    assert len(built) == (4 if dense else 0)
