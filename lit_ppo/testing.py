@@ -23,6 +23,8 @@ class NullEngine:
         raise RuntimeError("NullEngine generates nothing: a run with it trains on FixedBatchDataModule's fixed batch")
 
     def update_weights(self, update: WeightUpdate) -> int:
+        for _ in update.tensors or ():  # read as an engine reads them: under FSDP each is gathered from every rank
+            pass
         return 0
 
     def sleep(self) -> None:
