@@ -72,6 +72,18 @@ class _Interrupt(BaseException):
     Exception (a reward's or an environment's error handling) does not take it for their failure."""
 
 
+def _raised_while_interrupted(error: BaseException) -> bool:
+    """Whether `error` was raised while an `_Interrupt` was being handled (it is in its chain of contexts)."""
+    seen: set[int] = set()
+    context = error.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, _Interrupt):
+            return True
+        seen.add(id(context))
+        context = context.__context__
+    return False
+
+
 class Preemption(L.Callback):
     """Handles SIGTERM/SIGUSR1 during `fit` (see the module's docstring). Put it after `checkpoints` in the
     trainer's callbacks: at the end of a step the regular checkpoint is then written first."""
@@ -140,6 +152,14 @@ class Preemption(L.Callback):
             finally:
                 self._depth = 0
         except _Interrupt:  # also one raised while leaving the region
+            return None
+        except Exception as error:
+            if not _raised_while_interrupted(error):
+                raise
+            # A library's cleanup failed while the interrupt unwound it (vLLM's tokenizer pool's `finally` read a
+            # variable the interrupt had kept from being set: an UnboundLocalError, the interrupt as its context):
+            # the region's work is dropped all the same, and the stop point after it stops the run.
+            log.info("preemption: %s raised while the signal interrupted it: dropped", type(error).__name__)
             return None
 
     def agreed(self, device: torch.device | None = None) -> int | None:

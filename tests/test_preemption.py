@@ -250,6 +250,37 @@ def test_a_signal_cuts_the_wait_for_a_hanging_tool():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_library_cleanup_that_fails_while_the_signal_interrupts_it_still_drops_the_region():
+    """The signal's interrupt can land anywhere in library code: in vLLM's tokenizer pool (`_borrow_from_pool`) it
+    landed between `try:` and `tok = ...`, so the `finally` raised an UnboundLocalError over it, and a two-rank DDP run
+    SIGTERMed during generation exited 1 instead of checkpointing and exiting 143 (make test-slow, 2026-11-29). An error
+    raised while the interrupt unwinds is the interrupt: the region is dropped; an error of the region's own, raised
+    without a signal, still propagates."""
+    handler = Preemption(RolloutCheckpoint(Path("unused"), every=0, keep=1))
+
+    def borrow_like_vllm():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises the interrupt here, before `tok` is set
+            tok = "a tokenizer"
+        finally:
+            print(tok)  # noqa: F821 - UnboundLocalError when interrupted, as vLLM's pool's `put(tok)`
+
+    previous = signal.signal(signal.SIGTERM, handler._on_signal)
+    try:
+        started = time.monotonic()
+        assert handler.interruptibly(borrow_like_vllm) is None
+        assert handler.requested == signal.SIGTERM and time.monotonic() - started < 20
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    def own_error():
+        raise UnboundLocalError("the region's own error")
+
+    with pytest.raises(UnboundLocalError, match="the region's own error"):
+        Preemption(RolloutCheckpoint(Path("unused"), every=0, keep=1)).interruptibly(own_error)
+
+
 def test_the_experience_pass_runs_no_collective_inside_its_interruptible_region(tiny_model_dir, monkeypatch):
     """Under data parallelism with ppo.micro_train_max_tokens the experience pass's micro-batch split all-reduces the
     ranks' micro-batch counts (`batching.global_max`). A signal interrupts an interruptible region on one rank only, so
